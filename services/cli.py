@@ -1,0 +1,223 @@
+"""The `mariana` command line.
+
+    mariana gen criteo --rows N --seed S --out FILE
+    mariana train --data FILE[,FILE...] [--test-data FILE] --model {lr,dnn} --out MODEL_DIR [--json]
+    mariana evaluate --model MODEL_DIR --data FILE [--json]
+    mariana predict --model MODEL_DIR --data FILE
+
+User errors (a bad path, an unknown format, a file of the wrong format, a bad
+config key) print one line `mariana: error: ...` and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from sparse.errors import MarianaError
+
+log = logging.getLogger("mariana")
+EXIT_USAGE = 2
+FORMATS = ("criteo", "avazu", "csv")
+
+
+# ---- commands -------------------------------------------------------------------
+
+def cmd_gen(args: argparse.Namespace) -> int:
+    from sparse.synth import generate_criteo
+
+    if args.rows < 0:
+        raise MarianaError("--rows must be >= 0")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise MarianaError(f"{args.out}: directory {out_dir} does not exist")
+    t0 = [time.perf_counter()]
+
+    def progress(done: int, seconds: float) -> None:
+        if time.perf_counter() - t0[0] >= 2.0 or done == args.rows:
+            t0[0] = time.perf_counter()
+            log.info("gen: %s rows, %s rows/s", f"{done:,}", f"{done / max(seconds, 1e-9):,.0f}")
+
+    result = generate_criteo(args.out, args.rows, seed=args.seed, model_seed=args.model_seed, progress=progress)
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from trainer.job import run_local_job
+
+    config = _job_config(args)
+    record = run_local_job(config, _paths(args.data), _paths(args.test_data), args.out,
+                           on_progress=_progress_logger())
+    _print_record(record, args.json)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from trainer.bundle import ModelBundle
+    from trainer.job import check_inputs
+    from trainer.strategies.local import evaluate
+
+    paths = _paths(args.data)
+    check_inputs(paths)
+    bundle = _load_model(args.model, args.format)
+    t0 = time.perf_counter()
+    metrics, parse = evaluate(bundle, paths)
+    if parse["rows_bad"]:
+        log.warning("skipped %d malformed rows (%s)", parse["rows_bad"], _first_bad(parse))
+    record = {"auc": metrics["auc"], "logloss": metrics["logloss"], "calibration": metrics["calibration"],
+              "ne": metrics["ne"], "rows": metrics["count"], "bad_rows": parse["rows_bad"],
+              "seconds": round(time.perf_counter() - t0, 3), "model_dir": os.path.abspath(args.model),
+              "model_version": bundle.manifest.get("version")}
+    _print_record(record, args.json)
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from trainer.data import BatchStream
+    from trainer.job import check_inputs
+
+    paths = _paths(args.data)
+    check_inputs(paths)
+    bundle = _load_model(args.model, args.format)
+    stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None)
+    out = sys.stdout
+    for block in stream:
+        probs = bundle.predict(block)
+        out.write("\n".join(f"{p:.9g}" for p in probs.tolist()))
+        out.write("\n")
+    out.flush()
+    if stream.stats.rows_bad:
+        print(f"mariana: skipped {stream.stats.rows_bad} malformed rows ({_first_bad(stream.stats.to_dict())})",
+              file=sys.stderr)
+    return 0
+
+
+# ---- helpers ----------------------------------------------------------------------
+
+def _paths(spec: str | None) -> list[str]:
+    return [p for p in (spec or "").split(",") if p]
+
+
+def _job_config(args: argparse.Namespace):
+    from trainer.config import load_config, parse_set_option
+
+    overrides = dict(parse_set_option(item) for item in args.set or [])
+    for flag, key in (("model", "model.kind"), ("epochs", "train.epochs"), ("format", "data.format"),
+                      ("batch_size", "train.batch_size"), ("bits", "hashing.bits")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[key] = value
+    return load_config(args.config, overrides=overrides)
+
+
+def _load_model(model_dir: str, fmt: str | None):
+    from trainer.bundle import ModelBundle
+
+    bundle = ModelBundle.load(model_dir)
+    if fmt and fmt != bundle.config.data.format:
+        raise MarianaError(f"{model_dir}: the model reads {bundle.config.data.format} rows; "
+                           f"--format {fmt} does not match")
+    return bundle
+
+
+def _progress_logger():
+    def report(p) -> None:
+        what = "done" if p.done else "progress"
+        log.info("epoch %d/%d %s: %s rows, %s rows/s, loss %.5f", p.epoch, p.epochs, what,
+                 f"{p.rows:,}", f"{p.rows_per_s:,.0f}", p.loss)
+    return report
+
+
+def _first_bad(parse: dict) -> str:
+    return "; ".join(f"line {b['line']}: {b['reason']}" for b in parse["first_bad"][:5])
+
+
+def _print_record(record: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(record))
+        return
+    for key, value in record.items():
+        if isinstance(value, float):
+            value = f"{value:.6g}"
+        print(f"{key:>14}: {value}")
+
+
+# ---- parser --------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from services import __version__
+
+    p = argparse.ArgumentParser(prog="mariana", description="CTR training and serving platform")
+    p.add_argument("--version", action="version", version=f"mariana {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("gen", help="generate synthetic data with a planted click model")
+    gsub = g.add_subparsers(dest="kind", required=True, metavar="KIND")
+    gc = gsub.add_parser("criteo", help="Criteo-format TSV (docs/synthetic-data.md)")
+    gc.add_argument("--rows", type=int, required=True)
+    gc.add_argument("--seed", type=int, default=0, help="seed of the rows")
+    gc.add_argument("--model-seed", type=int, default=20140621, help="seed of the planted click model")
+    gc.add_argument("--out", required=True, help="output file (.gz to compress)")
+    gc.set_defaults(func=cmd_gen)
+
+    t = sub.add_parser("train", help="train a click model locally and publish a version")
+    t.add_argument("--data", required=True, help="training file(s), comma-separated")
+    t.add_argument("--test-data", help="file(s) to evaluate on after training")
+    t.add_argument("--model", choices=("lr", "dnn"), help="model kind (default: lr, or the config's)")
+    t.add_argument("--epochs", type=int)
+    t.add_argument("--batch-size", type=int)
+    t.add_argument("--bits", type=int, help="hash bits: the tables have 2^bits rows")
+    t.add_argument("--format", choices=FORMATS)
+    t.add_argument("--config", help="TOML job config ([data], [hashing], [model], [optim], [train])")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.epochs=2")
+    t.add_argument("--out", required=True, help="model directory (a new version is added)")
+    t.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("evaluate", help="metrics of a model on labeled data")
+    e.add_argument("--model", required=True, help="model directory (its CURRENT version)")
+    e.add_argument("--data", required=True)
+    e.add_argument("--format", choices=FORMATS)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_evaluate)
+
+    pr = sub.add_parser("predict", help="print one pCTR per input row")
+    pr.add_argument("--model", required=True)
+    pr.add_argument("--data", required=True, help="labeled or unlabeled rows")
+    pr.add_argument("--format", choices=FORMATS)
+    pr.set_defaults(func=cmd_predict)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.runtime.logs import setup_logging
+
+    args = build_parser().parse_args(argv)
+    setup_logging(-1 if args.quiet else args.verbose)
+    try:
+        return args.func(args)
+    except MarianaError as e:
+        return _fail(str(e))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        return _fail(f"{e.filename}: {e.strerror.lower() if e.strerror else e}")
+    except KeyboardInterrupt:
+        print("mariana: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `mariana predict ... | head`
+        sys.stderr.close()
+        return 0
+
+
+def _fail(message: str) -> int:
+    print(f"mariana: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

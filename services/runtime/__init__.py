@@ -1,0 +1,1 @@
+"""What every service and command shares: logging, config, lifecycle."""

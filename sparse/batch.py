@@ -1,0 +1,189 @@
+"""`SparseBatch`: the one batch type at every boundary.
+
+Hashed ids (+ optional values) in CSR form with the field of each entry, a
+dense block and labels. Encoders make them, models read them, the wire sends
+them, the cache stores them.
+
+>>> b = SparseBatch.from_fixed(np.array([[3, 7], [3, 9]]), labels=np.array([1, 0], np.float32), num_ids=16)
+>>> b.num_rows, b.num_fields, b.to_scipy().toarray()[1].nonzero()[0].tolist()
+(2, 2, [3, 9])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import scipy.sparse as sp
+
+from sparse.errors import DataFormatError
+
+
+@dataclass
+class SparseBatch:
+    """Rows of hashed features.
+
+    ids      (nnz,)   int64   hashed ids in [0, num_ids)
+    indptr   (B+1,)   int64   CSR row offsets into ids
+    fields   (nnz,)   int32   field index of each entry, in [0, num_fields)
+    values   (nnz,)   float32 or None (None: every value is 1.0)
+    dense    (B, Dd)  float32 dense block (Dd may be 0)
+    labels   (B,)     float32 0/1, or None for unlabeled rows
+    """
+
+    ids: np.ndarray
+    indptr: np.ndarray
+    fields: np.ndarray
+    num_fields: int
+    num_ids: int
+    values: np.ndarray | None = None
+    dense: np.ndarray | None = None
+    labels: np.ndarray | None = None
+    batch_id: str = ""
+    _fixed: bool | None = field(default=None, repr=False, compare=False)
+    _unique: tuple | None = field(default=None, repr=False, compare=False)
+    _parent_unique: tuple | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.dense is None:
+            self.dense = np.zeros((self.num_rows, 0), np.float32)
+
+    @classmethod
+    def from_fixed(cls, ids: np.ndarray, *, num_ids: int, labels: np.ndarray | None = None,
+                   dense: np.ndarray | None = None, values: np.ndarray | None = None,
+                   batch_id: str = "") -> "SparseBatch":
+        """From a (B, F) id matrix with one entry per field per row."""
+        b, f = ids.shape
+        return cls(
+            ids=np.ascontiguousarray(ids, dtype=np.int64).reshape(-1),
+            indptr=np.arange(0, b * f + 1, f, dtype=np.int64) if f else np.zeros(b + 1, np.int64),
+            fields=np.tile(np.arange(f, dtype=np.int32), b),
+            num_fields=f, num_ids=num_ids,
+            values=None if values is None else np.ascontiguousarray(values, np.float32).reshape(-1),
+            dense=None if dense is None else np.ascontiguousarray(dense, np.float32),
+            labels=labels, batch_id=batch_id, _fixed=f > 0)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.indptr) - 1
+
+    @property
+    def nnz(self) -> int:
+        return len(self.ids)
+
+    @property
+    def fixed_width(self) -> bool:
+        """True when every row holds exactly one entry per field, in field order."""
+        if self._fixed is None:
+            f = self.num_fields
+            self._fixed = (f > 0 and self.nnz == self.num_rows * f
+                           and bool(np.array_equal(self.indptr, np.arange(0, self.nnz + 1, f)))
+                           and bool((self.fields.reshape(-1, f) == np.arange(f, dtype=self.fields.dtype)).all()))
+        return self._fixed
+
+    def unique(self) -> tuple[np.ndarray, np.ndarray]:
+        """(U,) distinct ids and (nnz,) int64 position of each entry's id among
+        them: the rows a step pulls, and how entries find them. Cached."""
+        if self._unique is None:
+            if self._parent_unique is not None:
+                self._unique = _dedupe_local(*self._parent_unique)
+            else:
+                import torch  # hash-based unique, several times faster than np.unique's sort
+
+                uniq, inverse = torch.unique(torch.from_numpy(self.ids), sorted=False, return_inverse=True)
+                self._unique = (uniq.numpy(), inverse.numpy())
+        return self._unique
+
+    def set_unique(self, uniq: np.ndarray, inverse: np.ndarray) -> None:
+        """Record a known (unique ids, inverse) pair; uniq[inverse] must equal ids."""
+        self._unique = (uniq, inverse)
+
+    def row_index(self) -> np.ndarray:
+        """(nnz,) row of each entry."""
+        return np.repeat(np.arange(self.num_rows, dtype=np.int64), np.diff(self.indptr))
+
+    def slice(self, start: int, stop: int, batch_id: str = "") -> "SparseBatch":
+        """Rows [start, stop) as a new batch (views where possible)."""
+        stop = min(stop, self.num_rows)
+        lo, hi = int(self.indptr[start]), int(self.indptr[stop])
+        return SparseBatch(
+            ids=self.ids[lo:hi], indptr=self.indptr[start:stop + 1] - lo, fields=self.fields[lo:hi],
+            num_fields=self.num_fields, num_ids=self.num_ids,
+            values=None if self.values is None else self.values[lo:hi],
+            dense=self.dense[start:stop],
+            labels=None if self.labels is None else self.labels[start:stop], batch_id=batch_id,
+            _fixed=self._fixed,
+            _parent_unique=None if self._unique is None else (self._unique[0], self._unique[1][lo:hi]))
+
+    def split(self, rows: int) -> list["SparseBatch"]:
+        """Consecutive batches of at most `rows` rows."""
+        return [self.slice(i, i + rows, batch_id=f"{self.batch_id}:{i}" if self.batch_id else "")
+                for i in range(0, self.num_rows, rows)]
+
+    def to_scipy(self) -> sp.csr_matrix:
+        """(B, num_ids) CSR matrix; duplicate ids in a row are summed."""
+        vals = np.ones(self.nnz, np.float32) if self.values is None else self.values
+        m = sp.csr_matrix((vals, self.ids, self.indptr), shape=(self.num_rows, self.num_ids))
+        m.sum_duplicates()
+        return m
+
+    def to_torch(self) -> dict:
+        """The arrays as torch tensors sharing memory where dtypes allow."""
+        import torch  # the core stays importable without torch for tooling
+
+        out = {"ids": torch.from_numpy(self.ids), "indptr": torch.from_numpy(self.indptr),
+               "fields": torch.from_numpy(self.fields), "dense": torch.from_numpy(self.dense)}
+        out["values"] = None if self.values is None else torch.from_numpy(self.values)
+        out["labels"] = None if self.labels is None else torch.from_numpy(self.labels)
+        return out
+
+    def validate(self) -> "SparseBatch":
+        """Check shapes, dtypes and bounds; for batches that come from outside."""
+        def need(cond: bool, what: str) -> None:
+            if not cond:
+                raise DataFormatError(f"bad SparseBatch {self.batch_id!r}: {what}")
+
+        need(self.ids.dtype == np.int64 and self.ids.ndim == 1, "ids must be 1-d int64")
+        need(self.indptr.dtype == np.int64 and self.indptr.ndim == 1 and len(self.indptr) >= 1,
+             "indptr must be 1-d int64")
+        need(int(self.indptr[0]) == 0 and int(self.indptr[-1]) == self.nnz, "indptr must span ids")
+        need(bool((np.diff(self.indptr) >= 0).all()), "indptr must not decrease")
+        need(self.fields.shape == self.ids.shape and self.fields.dtype == np.int32,
+             "fields must be int32 like ids")
+        need(self.nnz == 0 or (int(self.ids.min()) >= 0 and int(self.ids.max()) < self.num_ids),
+             f"ids must lie in [0, {self.num_ids})")
+        need(self.nnz == 0 or (int(self.fields.min()) >= 0 and int(self.fields.max()) < self.num_fields),
+             f"fields must lie in [0, {self.num_fields})")
+        need(self.values is None or (self.values.shape == self.ids.shape and self.values.dtype == np.float32),
+             "values must be float32 like ids")
+        need(self.dense.dtype == np.float32 and self.dense.ndim == 2 and self.dense.shape[0] == self.num_rows,
+             "dense must be (rows, d) float32")
+        need(self.labels is None or (self.labels.shape == (self.num_rows,) and self.labels.dtype == np.float32),
+             "labels must be (rows,) float32")
+        return self
+
+
+def _dedupe_local(uniq: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique ids of a slice, from the parent's unique ids and the slice's
+    positions among them: O(entries + parent uniques), no sort."""
+    mark = np.zeros(len(uniq), dtype=bool)
+    mark[local] = True
+    keep = np.flatnonzero(mark)
+    pos = np.empty(len(uniq), dtype=np.int64)
+    pos[keep] = np.arange(len(keep))
+    return uniq[keep], pos[local]
+
+
+def concat(batches: list[SparseBatch]) -> SparseBatch:
+    """Rows of several batches with the same field layout, in order."""
+    first = batches[0]
+    sizes = np.cumsum([0] + [b.nnz for b in batches[:-1]])
+    indptr = np.concatenate([[0]] + [b.indptr[1:] + off for b, off in zip(batches, sizes)])
+    has_vals = any(b.values is not None for b in batches)
+    return SparseBatch(
+        ids=np.concatenate([b.ids for b in batches]), indptr=indptr.astype(np.int64),
+        fields=np.concatenate([b.fields for b in batches]),
+        num_fields=first.num_fields, num_ids=first.num_ids,
+        values=np.concatenate([np.ones(b.nnz, np.float32) if b.values is None else b.values
+                               for b in batches]) if has_vals else None,
+        dense=np.concatenate([b.dense for b in batches]),
+        labels=None if first.labels is None else np.concatenate([b.labels for b in batches]))

@@ -1,0 +1,275 @@
+"""Stable, vectorized feature hashing.
+
+A feature is a (field, token) pair. Its id is
+
+    id = fmix64(token_hash ^ field_key(field)) & (2**bits - 1)
+
+where, all in unsigned 64-bit arithmetic that wraps:
+
+- `field_key(name) = fmix64(fnv1a64(name.encode()) ^ FIELD_SALT)` puts every
+  field in its own namespace;
+- a string token (a categorical value, as raw bytes) hashes to
+  `fnv1a64(value)`; an empty value is the field's missing token;
+- an integer token (a numeric bucket, an hour of day) hashes to
+  `fmix64(int64_as_uint64 ^ INT_SALT)`;
+- the missing token hashes to `MISSING_SALT`.
+
+FNV-1a (64-bit) and MurmurHash3's `fmix64` finalizer are fixed public
+algorithms, so ids are the same in every process, machine and Python version
+(Python's salted `hash()` is never used). Everything is numpy over whole
+columns; `token_id` is the plain-Python reference the tests hold them to.
+
+>>> int(token_id("C1", b"68fd1e64", bits=20))
+652390
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparse.errors import ConfigError
+
+U64 = np.uint64
+FNV_OFFSET = U64(0xCBF29CE484222325)
+FNV_PRIME = U64(0x100000001B3)
+FIELD_SALT = U64(0x9E3779B97F4A7C15)
+INT_SALT = U64(0xD6E8FEB86659FD93)
+MISSING_SALT = U64(0xA0761D6478BD642F)
+_M1 = U64(0xFF51AFD7ED558CCD)
+_M2 = U64(0xC4CEB9FE1A85EC53)
+_S33 = U64(33)
+_MASK64 = (1 << 64) - 1
+
+NUMERIC_MODES = ("bucket", "dense", "both")
+
+
+@dataclass(frozen=True)
+class HashSpec:
+    """How rows become ids: table size and the numeric transform.
+
+    `numeric`: 'bucket' turns a number into an id of its log bucket
+    (`sign(x) * floor(log1p(|x|) * bucket_scale)`); 'dense' puts
+    `sign(x) * log1p(|x|)` in the dense block (0 when missing); 'both' does both.
+    """
+
+    bits: int = 22
+    numeric: str = "bucket"
+    bucket_scale: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.bits <= 40:
+            raise ConfigError(f"hashing.bits must be in 1..40, got {self.bits}")
+        if self.numeric not in NUMERIC_MODES:
+            raise ConfigError(f"hashing.numeric must be one of {NUMERIC_MODES}, got {self.numeric!r}")
+        if not (self.bucket_scale > 0 and math.isfinite(self.bucket_scale)):
+            raise ConfigError(f"hashing.bucket_scale must be a positive number, got {self.bucket_scale}")
+
+    @property
+    def num_ids(self) -> int:
+        return 1 << self.bits
+
+    @property
+    def mask(self) -> np.uint64:
+        return U64(self.num_ids - 1)
+
+
+# ---- the two primitives, over numpy arrays --------------------------------
+
+def fmix64(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finalizer (a bijection with full avalanche).
+
+    >>> int(fmix64(np.array([1], dtype=np.uint64))[0])
+    12994781566227106604
+    """
+    h = np.array(h, dtype=U64, copy=True)
+    h ^= h >> _S33
+    h *= _M1
+    h ^= h >> _S33
+    h *= _M2
+    h ^= h >> _S33
+    return h
+
+
+def fnv1a64(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
+    """FNV-1a over n byte strings packed as `data[offsets[i]:offsets[i+1]]`.
+
+    One vectorized pass per byte position over the strings still that long, so
+    the work is the total byte count.
+
+    >>> int(fnv1a64(np.array([0, 1]), np.frombuffer(b"a", np.uint8))[0])
+    12638187200555641996
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    n = len(offsets) - 1
+    h = np.full(n, FNV_OFFSET, dtype=U64)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    live = np.flatnonzero(lengths > 0)
+    j = 0
+    while live.size:
+        h[live] = (h[live] ^ data[starts[live] + j].astype(U64)) * FNV_PRIME
+        j += 1
+        live = live[lengths[live] > j]
+    return h
+
+
+def field_key(name: str) -> np.uint64:
+    raw = np.frombuffer(name.encode(), dtype=np.uint8)
+    return fmix64(fnv1a64(np.array([0, raw.size]), raw) ^ FIELD_SALT)[0]
+
+
+# ---- token hashes ---------------------------------------------------------
+
+def _binary_buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets (n+1,), data bytes) of a binary/string array, array offset applied."""
+    if pa.types.is_large_binary(arr.type) or pa.types.is_large_string(arr.type):
+        off_type = np.int64
+    elif pa.types.is_binary(arr.type) or pa.types.is_string(arr.type):
+        off_type = np.int32
+    else:
+        raise TypeError(f"expected a binary or string array, got {arr.type}")
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=off_type)[arr.offset: arr.offset + len(arr) + 1]
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    return offsets.astype(np.int64), data
+
+
+def _hash_plain(arr: pa.Array) -> np.ndarray:
+    """Token hashes of a binary/string array without nulls; '' -> missing."""
+    offsets, data = _binary_buffers(arr)
+    h = fnv1a64(offsets, data)
+    h[np.diff(offsets) == 0] = MISSING_SALT
+    return h
+
+
+def to_ids(token_hashes: np.ndarray, key: np.uint64, spec: HashSpec) -> np.ndarray:
+    """Field-namespaced ids in [0, 2**bits) as int64."""
+    return (fmix64(token_hashes ^ key) & spec.mask).view(np.int64)
+
+
+# ---- columns -> codes ---------------------------------------------------------
+#
+# A column's ids come as `codes`: (table, index) with ids = table[index]. The
+# table holds each distinct token's id once (a categorical column's
+# dictionary, a numeric column's bucket range), so hashing work scales with
+# distinct values, and the encoder can dedupe a whole block cheaply.
+
+def binary_codes(col: pa.Array | pa.ChunkedArray, key: np.uint64,
+                 spec: HashSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Codes of a categorical column (binary/string, or dictionary-encoded).
+
+    Plain arrays are dictionary-encoded first. Empty and null values get the
+    field's missing id.
+    """
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    tables, indices, offset = [], [], 0
+    for ch in chunks:
+        table, index = _dictionary_codes(ch if pa.types.is_dictionary(ch.type) else ch.dictionary_encode(),
+                                         key, spec)
+        tables.append(table)
+        indices.append(index + offset)
+        offset += len(table)
+    if len(tables) == 1:
+        return tables[0], indices[0]
+    if not tables:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(tables), np.concatenate(indices)
+
+
+def _dictionary_codes(arr: pa.DictionaryArray, key: np.uint64, spec: HashSpec) -> tuple[np.ndarray, np.ndarray]:
+    table = to_ids(_hash_plain(arr.dictionary), key, spec)
+    indices = arr.indices
+    if arr.null_count:  # null -> one extra slot holding the missing id
+        table = np.append(table, to_ids(np.array([MISSING_SALT]), key, spec))
+        indices = pc.fill_null(indices, len(arr.dictionary))
+    return table, indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def int_codes(values: np.ndarray, key: np.uint64, spec: HashSpec,
+              missing: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Codes of integer tokens (int64); `missing` marks missing values.
+
+    Tokens usually span a small range (buckets, hours): the table is that
+    range plus one slot for missing. Wide ranges get one table entry per row.
+    """
+    values = np.asarray(values, dtype=np.int64)
+    miss_id = to_ids(np.array([MISSING_SALT]), key, spec)
+    if values.size and int(values.max()) - int(values.min()) < max(values.size, 1 << 12):
+        lo, hi = int(values.min()), int(values.max())
+        table = np.append(to_ids(_int_tokens(np.arange(lo, hi + 1, dtype=np.int64)), key, spec), miss_id)
+        index = values - lo
+    else:
+        table = np.append(to_ids(_int_tokens(values), key, spec), miss_id)
+        index = np.arange(values.size, dtype=np.int64)
+    if missing is not None and missing.any():
+        index = np.where(missing, len(table) - 1, index)
+    return table, index
+
+
+def _int_tokens(values: np.ndarray) -> np.ndarray:
+    return fmix64(values.view(U64) ^ INT_SALT)
+
+
+def bucket_codes(x: np.ndarray, key: np.uint64, spec: HashSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Codes of the log buckets of a numeric column (NaN = missing)."""
+    return int_codes(log_bucket(x, spec.bucket_scale), key, spec, missing=np.isnan(x))
+
+
+def binary_ids(col, key: np.uint64, spec: HashSpec) -> np.ndarray:
+    """Ids of a categorical column, one per row."""
+    table, index = binary_codes(col, key, spec)
+    return table[index]
+
+
+def int_ids(values: np.ndarray, key: np.uint64, spec: HashSpec, missing: np.ndarray | None = None) -> np.ndarray:
+    """Ids of integer tokens, one per row."""
+    table, index = int_codes(values, key, spec, missing)
+    return table[index]
+
+
+# ---- numeric transforms -----------------------------------------------------
+
+def log_bucket(x: np.ndarray, scale: float) -> np.ndarray:
+    """sign(x) * floor(log1p(|x|) * scale) as int64 (NaN -> 0; mask it separately)."""
+    x = np.nan_to_num(np.asarray(x, dtype=np.float64), nan=0.0, posinf=1e300, neginf=-1e300)
+    return (np.sign(x) * np.floor(np.log1p(np.abs(x)) * scale)).astype(np.int64)
+
+
+def log_dense(x: np.ndarray) -> np.ndarray:
+    """sign(x) * log1p(|x|) as float32, missing (NaN) -> 0."""
+    x = np.asarray(x, dtype=np.float64)
+    out = np.sign(x) * np.log1p(np.abs(x))
+    return np.nan_to_num(out, nan=0.0, posinf=700.0, neginf=-700.0).astype(np.float32)
+
+
+# ---- plain-Python reference (tests hold the vectorized code to it) ---------
+
+def _py_fmix64(h: int) -> int:
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & _MASK64
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & _MASK64
+    return h ^ (h >> 33)
+
+
+def _py_fnv1a64(data: bytes) -> int:
+    h = int(FNV_OFFSET)
+    for b in data:
+        h = ((h ^ b) * int(FNV_PRIME)) & _MASK64
+    return h
+
+
+def token_id(field: str, value: bytes | int | None, bits: int) -> int:
+    """Reference id of one token: bytes (categorical; b'' = missing), int
+    (numeric bucket), or None (missing)."""
+    key = _py_fmix64(_py_fnv1a64(field.encode()) ^ int(FIELD_SALT))
+    if value is None or value == b"":
+        tok = int(MISSING_SALT)
+    elif isinstance(value, bytes):
+        tok = _py_fnv1a64(value)
+    else:
+        tok = _py_fmix64((value & _MASK64) ^ int(INT_SALT))
+    return _py_fmix64(tok ^ key) & ((1 << bits) - 1)

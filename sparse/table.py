@@ -1,0 +1,87 @@
+"""Hashed parameter tables: one row of `dim` weights per hashed id.
+
+Rows start from a deterministic function of (seed, id), so any process (a
+local trainer, a parameter-server shard owning some ids, a server) sees the
+same initial row for an id without storing it. Storage is allocated zeroed
+and a row is materialized on first touch, so memory grows with the ids seen,
+not with 2**bits (the OS maps untouched zero pages lazily).
+
+>>> t = HashedTable("emb", num_rows=8, dim=2, init_scale=0.1, seed=1)
+>>> bool(np.allclose(t.lookup(np.array([3])), t.gather(np.array([3]))))
+True
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from sparse.hashing import fmix64
+
+_INIT_SALT = np.uint64(0x2545F4914F6CDD1D)
+
+
+def init_rows(ids: np.ndarray, dim: int, scale: float, seed: int) -> np.ndarray:
+    """(len(ids), dim) float32 uniform in [-scale, scale), a pure function of (seed, id, column)."""
+    if scale == 0.0:
+        return np.zeros((len(ids), dim), np.float32)
+    cells = (np.asarray(ids, np.int64)[:, None] * dim + np.arange(dim)).astype(np.uint64)
+    bits = fmix64(cells ^ fmix64(np.array([seed], np.uint64) ^ _INIT_SALT))
+    unit = (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))  # [0, 1)
+    return ((unit * 2.0 - 1.0) * scale).astype(np.float32)
+
+
+class HashedTable:
+    """Weights (num_rows, dim) float32 plus optimizer state arrays of the same shape.
+
+    `row_ids` maps local rows to global ids (identity for a whole table; a
+    parameter-server shard holds every S-th id) so that initial values are
+    the same wherever a row lives.
+    """
+
+    def __init__(self, name: str, num_rows: int, dim: int, init_scale: float = 0.0, seed: int = 0,
+                 id_offset: int = 0, id_stride: int = 1):
+        self.name, self.num_rows, self.dim = name, num_rows, dim
+        self.init_scale, self.seed = init_scale, seed
+        self.id_offset, self.id_stride = id_offset, id_stride
+        self.weights = np.zeros((num_rows, dim), np.float32)
+        self.touched = np.zeros(num_rows, bool)
+        self.state: dict[str, np.ndarray] = {}
+
+    def global_ids(self, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(rows, np.int64) * self.id_stride + self.id_offset
+
+    def lookup(self, rows: np.ndarray) -> np.ndarray:
+        """Rows' weights (a copy), without materializing untouched rows."""
+        out = self.weights[rows]
+        fresh = ~self.touched[rows]
+        if fresh.any() and self.init_scale:
+            out[fresh] = init_rows(self.global_ids(rows[fresh]), self.dim, self.init_scale, self.seed)
+        return out
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """Rows' weights (a copy) for training; materializes untouched rows.
+
+        `rows` must be unique (duplicates would be initialized twice, harmlessly).
+        """
+        fresh = rows[~self.touched[rows]]
+        if fresh.size:
+            if self.init_scale:
+                self.weights[fresh] = init_rows(self.global_ids(fresh), self.dim, self.init_scale, self.seed)
+            self.touched[fresh] = True
+        return np.take(self.weights, rows, axis=0)  # several times faster than weights[rows]
+
+    def state_array(self, key: str) -> np.ndarray:
+        """Optimizer state of the same shape as the weights, zero-initialized."""
+        arr = self.state.get(key)
+        if arr is None:
+            arr = self.state[key] = np.zeros((self.num_rows, self.dim), np.float32)
+        return arr
+
+    def touched_rows(self) -> np.ndarray:
+        return np.flatnonzero(self.touched)
+
+    def load_rows(self, rows: np.ndarray, weights: np.ndarray, state: dict[str, np.ndarray]) -> None:
+        """Restore saved rows (checkpoint load)."""
+        self.weights[rows] = weights
+        self.touched[rows] = True
+        for key, values in state.items():
+            self.state_array(key)[rows] = values

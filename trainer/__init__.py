@@ -1,0 +1,1 @@
+"""Models, training strategies, checkpoints and evaluation (torch; no sockets)."""

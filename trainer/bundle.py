@@ -1,0 +1,117 @@
+"""`ModelBundle`: everything one model is — its job config, schema, encoder,
+torch model, hashed tables and optimizer state — with save, load and predict.
+
+Training, evaluation, `mariana predict` and serving all hold a bundle, so a
+row takes the same path from bytes to pCTR everywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+
+from sparse.batch import SparseBatch
+from sparse.encode import Encoder
+from sparse.errors import ModelDirError
+from sparse.optim import AdaGrad, FTRL, SparseOptimizer
+from sparse.schema import Schema
+from sparse.table import HashedTable
+from trainer import checkpoint
+from trainer.config import JobConfig, from_dict
+from trainer.models.base import build_model, make_input, unique_ids
+from trainer.strategies.ps_step import DenseOptimizer
+
+
+class ModelBundle:
+    def __init__(self, config: JobConfig, schema: Schema):
+        self.config, self.schema = config, schema
+        self.encoder = Encoder(schema, config.hashing)
+        self.model = build_model(config.model, self.encoder.num_fields, self.encoder.dense_dim)
+        self.tables = {
+            t.name: HashedTable(t.name, config.hashing.num_ids, t.dim, t.init_scale, seed=config.model.seed)
+            for t in self.model.tables}
+        self.optimizers = {t.name: table_optimizer(config, t.role) for t in self.model.tables}
+        self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr, initial_accumulator=0.1),
+                                        [p.data.numpy() for p in self.model.parameters()])
+        self.rows_trained = 0
+        self.steps = 0
+        self.manifest: dict = {}  # of the version this bundle was loaded from
+
+    # ---- inference ------------------------------------------------------------
+
+    def predict(self, batch: SparseBatch) -> np.ndarray:
+        """(B,) click probabilities; reads tables without changing them."""
+        uniq, inverse = unique_ids(batch)
+        rows = {name: torch.from_numpy(t.lookup(uniq)) for name, t in self.tables.items()}
+        with torch.no_grad():
+            logits = self.model(make_input(batch, inverse, rows))
+        return torch.sigmoid(logits).numpy()
+
+    # ---- persistence ------------------------------------------------------------
+
+    def save(self, model_dir: str, extra: dict | None = None, make_current: bool = True) -> str:
+        weights, optim = {}, {}
+        for name, t in self.tables.items():
+            rows = t.touched_rows()
+            weights[f"table.{name}.rows"] = rows
+            weights[f"table.{name}.weights"] = t.weights[rows]
+            for key, arr in t.state.items():
+                optim[f"table.{name}.{key}"] = arr[rows]
+        for (pname, p), state in zip(self.model.named_parameters(), self.dense_opt.state):
+            weights[f"dense.{pname}"] = p.detach().numpy()
+            for key, arr in state.items():
+                optim[f"dense.{pname}.{key}"] = arr
+        manifest = {
+            "config": self.config.to_dict(),
+            "schema": self.schema.to_dict(),
+            "fields": list(self.encoder.sparse_fields),
+            "dense_fields": list(self.encoder.dense_fields),
+            "model": {"kind": self.config.model.kind,
+                      "tables": [dataclasses.asdict(t) for t in self.model.tables],
+                      "dense_parameters": sum(p.numel() for p in self.model.parameters()),
+                      "table_rows": {n: int(len(weights[f"table.{n}.rows"])) for n in self.tables}},
+            "rows_trained": self.rows_trained,
+            "steps": self.steps,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "torch": torch.__version__,
+            **(extra or {}),
+        }
+        return checkpoint.save_version(model_dir, manifest, weights, optim, make_current=make_current)
+
+    @classmethod
+    def load(cls, model_dir: str, version: str | None = None, with_optimizer: bool = False) -> "ModelBundle":
+        manifest, weights, optim = checkpoint.load_version(model_dir, version, with_optimizer)
+        try:
+            config = from_dict(JobConfig, manifest["config"])
+            schema = Schema.from_dict(manifest["schema"])
+        except KeyError as e:
+            raise ModelDirError(f"{model_dir}: manifest lacks {e}") from None
+        bundle = cls(config, schema)
+        bundle.manifest = manifest
+        bundle.rows_trained = manifest.get("rows_trained", 0)
+        bundle.steps = manifest.get("steps", 0)
+        params = dict(bundle.model.named_parameters())
+        for pname, p in params.items():
+            try:
+                p.data.copy_(torch.from_numpy(weights[f"dense.{pname}"]))
+            except KeyError:
+                raise ModelDirError(f"{model_dir}: weights lack dense.{pname}") from None
+        for name, t in bundle.tables.items():
+            state = {k.rsplit(".", 1)[1]: v for k, v in optim.items() if k.startswith(f"table.{name}.")}
+            t.load_rows(weights[f"table.{name}.rows"], weights[f"table.{name}.weights"], state)
+        for (pname, _), st in zip(bundle.model.named_parameters(), bundle.dense_opt.state):
+            for key in st:
+                if f"dense.{pname}.{key}" in optim:
+                    st[key][...] = optim[f"dense.{pname}.{key}"]
+        return bundle
+
+
+def table_optimizer(config: JobConfig, role: str) -> SparseOptimizer:
+    o = config.optim
+    if role == "embedding":
+        return AdaGrad(lr=o.embed_lr, initial_accumulator=o.initial_accumulator)
+    if o.linear == "ftrl":
+        return FTRL(alpha=o.ftrl_alpha, beta=o.ftrl_beta, l1=o.ftrl_l1, l2=o.ftrl_l2)
+    return AdaGrad(lr=o.lr, initial_accumulator=o.initial_accumulator)

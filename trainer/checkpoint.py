@@ -1,0 +1,135 @@
+"""Versioned model directories without pickle.
+
+    MODEL_DIR/
+      CURRENT                  name of the version in service ("v000002")
+      v000001/
+        manifest.json          format, model + hashing + schema config, metrics, ...
+        weights.safetensors    dense parameters and the touched rows of each table
+        optimizer.safetensors  optimizer state (to resume training)
+      v000002/ ...
+
+A version is written into a hidden temp dir, fsynced, renamed into place
+atomically, and only then does `CURRENT` move (by an atomic rename too), so a
+reader never sees a half-written version.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from sparse.errors import ModelDirError
+
+FORMAT = "mariana-model/1"
+VERSION_RE = re.compile(r"^v(\d{6,})$")
+WEIGHTS = "weights.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+MANIFEST = "manifest.json"
+
+
+def list_versions(model_dir: str | os.PathLike) -> list[str]:
+    """Version names in ascending order."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        return []
+    return sorted((p.name for p in d.iterdir() if VERSION_RE.match(p.name) and p.is_dir()),
+                  key=lambda n: int(VERSION_RE.match(n).group(1)))
+
+
+def current_version(model_dir: str | os.PathLike) -> str:
+    d = Path(model_dir)
+    if not d.exists():
+        raise ModelDirError(f"{model_dir}: no such model directory")
+    if not d.is_dir():
+        raise ModelDirError(f"{model_dir}: not a directory")
+    try:
+        name = (d / "CURRENT").read_text().strip()
+    except FileNotFoundError:
+        raise ModelDirError(f"{model_dir}: holds no model (no CURRENT file); train one with 'mariana train'") from None
+    if not VERSION_RE.match(name) or not (d / name).is_dir():
+        raise ModelDirError(f"{model_dir}: CURRENT names {name!r}, which is not a version here")
+    return name
+
+
+def set_current(model_dir: str | os.PathLike, version: str) -> None:
+    d = Path(model_dir)
+    if not (d / version).is_dir():
+        raise ModelDirError(f"{model_dir}: no version {version!r}")
+    tmp = d / f".CURRENT.{os.getpid()}"
+    tmp.write_text(version + "\n")
+    _fsync_file(tmp)
+    os.replace(tmp, d / "CURRENT")
+    _fsync_dir(d)
+
+
+def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str, np.ndarray],
+                 optimizer: dict[str, np.ndarray] | None = None, make_current: bool = True) -> str:
+    """Write a new version; returns its name (one more than the highest)."""
+    d = Path(model_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d))
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp / WEIGHTS))
+        if optimizer:
+            save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIMIZER))
+        while True:
+            existing = list_versions(d)
+            version = f"v{(int(existing[-1][1:]) + 1) if existing else 1:06d}"
+            body = dict(manifest, format=FORMAT, version=version)
+            (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
+            for f in tmp.iterdir():
+                _fsync_file(f)
+            try:
+                os.rename(tmp, d / version)  # fails if another writer took the name
+                break
+            except OSError:
+                if not (d / version).exists():
+                    raise
+        _fsync_dir(d)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if make_current:
+        set_current(d, version)
+    return version
+
+
+def load_version(model_dir: str | os.PathLike, version: str | None = None,
+                 with_optimizer: bool = False) -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(manifest, weights, optimizer state or {}) of `version` (default: CURRENT)."""
+    version = version or current_version(model_dir)
+    vdir = Path(model_dir) / version
+    try:
+        manifest = json.loads((vdir / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ModelDirError(f"{vdir}: no {MANIFEST}") from None
+    except json.JSONDecodeError as e:
+        raise ModelDirError(f"{vdir}/{MANIFEST}: not valid JSON: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise ModelDirError(f"{vdir}: unknown model format {manifest.get('format')!r} (expected {FORMAT})")
+    try:
+        weights = load_file(str(vdir / WEIGHTS))
+        opt = load_file(str(vdir / OPTIMIZER)) if with_optimizer and (vdir / OPTIMIZER).exists() else {}
+    except (OSError, SafetensorError) as e:
+        raise ModelDirError(f"{vdir}: cannot read tensors: {e}") from None
+    return manifest, weights, opt
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

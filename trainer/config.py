@@ -1,0 +1,238 @@
+"""Job configuration: one dataclass per concern, loaded from defaults, then a
+TOML file, then `MARIANA_<SECTION>__<KEY>` environment variables, then
+command-line overrides. Unknown keys and wrong types are errors that name
+the key.
+
+>>> cfg = load_config(overrides={"model.kind": "dnn", "train.epochs": 2}, env={})
+>>> cfg.model.kind, cfg.train.epochs, cfg.hashing.bits
+('dnn', 2, 22)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from sparse.errors import ConfigError
+from sparse.hashing import HashSpec
+from sparse.schema import Schema, builtin
+
+ENV_PREFIX = "MARIANA_"
+FORMATS = ("criteo", "avazu", "csv")
+
+
+@dataclass
+class DataConfig:
+    format: str = "criteo"
+    schema: dict | None = None  # the column layout, for format = "csv"
+    block_bytes: int = 8 << 20  # bytes parsed at a time; bounds memory with the table size
+    parse_workers: int = 2      # threads that parse + hash blocks while the trainer trains
+    parse_threads: bool = False  # also let pyarrow split each block over its own threads
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ConfigError(f"data.format: unknown format {self.format!r} (use one of {list(FORMATS)})")
+        if self.format == "csv" and not self.schema:
+            raise ConfigError("data.format = 'csv' needs a [data.schema] table (columns, label, numeric, categorical)")
+        if self.block_bytes < 1024:
+            raise ConfigError(f"data.block_bytes must be >= 1024, got {self.block_bytes}")
+        if self.parse_workers < 1:
+            raise ConfigError(f"data.parse_workers must be >= 1, got {self.parse_workers}")
+
+    def resolve_schema(self) -> Schema:
+        if self.format == "csv":
+            return Schema.from_dict({"name": "csv", **(self.schema or {})})
+        return builtin(self.format)
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "lr"                   # lr | dnn
+    interaction: str = "proj"          # dnn: "proj" (dots of K field mixtures), "dot" (DLRM), "fm" (DeepFM)
+    slots: int = 16                    # dnn, interaction "proj": K
+    embed_dim: int = 16                # dnn: embedding width per field
+    hidden: list[int] = field(default_factory=lambda: [64, 32])  # dnn: MLP widths
+    init_scale: float = 0.05           # dnn: embeddings start uniform in [-s, s)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("lr", "dnn"):
+            raise ConfigError(f"model.kind: unknown model {self.kind!r} (use 'lr' or 'dnn')")
+        if self.interaction not in ("fm", "dot", "proj"):
+            raise ConfigError(f"model.interaction: unknown {self.interaction!r} (use 'fm', 'dot' or 'proj')")
+        if self.embed_dim < 1 or any(h < 1 for h in self.hidden):
+            raise ConfigError("model.embed_dim and model.hidden must be positive")
+
+
+@dataclass
+class OptimConfig:
+    linear: str = "adagrad"            # adagrad | ftrl, for the per-id linear weights
+    lr: float = 0.1                    # adagrad on linear weights
+    initial_accumulator: float = 0.1
+    ftrl_alpha: float = 0.05
+    ftrl_beta: float = 1.0
+    ftrl_l1: float = 0.5
+    ftrl_l2: float = 1.0
+    embed_lr: float = 0.1              # adagrad on embedding rows
+    dense_lr: float = 0.02             # adagrad on dense (MLP) parameters
+
+    def __post_init__(self) -> None:
+        if self.linear not in ("adagrad", "ftrl"):
+            raise ConfigError(f"optim.linear: unknown optimizer {self.linear!r} (use 'adagrad' or 'ftrl')")
+        for name in ("lr", "embed_lr", "dense_lr", "ftrl_alpha"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"optim.{name} must be > 0")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    batch_size: int = 4096
+    prefetch: int = 2                  # encoded blocks queued ahead of the trainer
+    threads: int = 0                   # torch intra-op threads; 0 = auto (lr: 1, dnn: every core)
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.prefetch < 1 or self.threads < 0:
+            raise ConfigError("train.epochs, train.batch_size and train.prefetch must be >= 1, train.threads >= 0")
+
+
+@dataclass
+class JobConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    hashing: HashSpec = field(default_factory=HashSpec)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- strict loading -----------------------------------------------------------
+
+def from_dict(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown key {_dotted(where, unknown[0])!r} "
+                          f"(known: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(hints[k], v, _dotted(where, k)) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{where or 'config'}: {e}") from None
+
+
+def _dotted(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, key)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _parse_scalar(raw: str) -> Any:
+    """A TOML value if it parses as one (3, 0.5, true, [1, 2], "x"), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a table")
+    node[parts[-1]] = value
+
+
+def _merge(base: dict, top: Mapping) -> dict:
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(base.get(k), dict) and k != "schema":
+            _merge(base[k], v)
+        else:
+            base[k] = v
+    return base
+
+
+def read_toml(path: str | os.PathLike) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def env_overrides(env: Mapping[str, str]) -> dict:
+    """`MARIANA_TRAIN__EPOCHS=3` -> {"train": {"epochs": 3}} (double underscore nests)."""
+    tree: dict = {}
+    for name, raw in env.items():
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+            _set_dotted(tree, dotted, _parse_scalar(raw))
+    return tree
+
+
+def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None, cls: type = JobConfig) -> Any:
+    """Defaults <- TOML file <- environment <- overrides ({"train.epochs": 2, ...})."""
+    tree: dict = {}
+    if path:
+        _merge(tree, read_toml(path))
+    _merge(tree, env_overrides(os.environ if env is None else env))
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(tree, dotted, value)
+    return from_dict(cls, tree)
+
+
+def parse_set_option(item: str) -> tuple[str, Any]:
+    """'train.epochs=3' -> ('train.epochs', 3), for --set flags."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {item!r}")
+    key, raw = item.split("=", 1)
+    return key.strip(), _parse_scalar(raw.strip())

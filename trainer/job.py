@@ -1,0 +1,71 @@
+"""A whole local job: build (or continue) a model, train, evaluate, save a
+version. The CLI and later the coordinator call this; it prints nothing."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from typing import Callable
+
+from trainer.bundle import ModelBundle
+from trainer.config import JobConfig
+from trainer.strategies.local import Progress, evaluate, peak_rss_mb, train_local
+
+log = logging.getLogger(__name__)
+
+
+def check_inputs(paths: list[str]) -> None:
+    """Fail before any work when a data path is missing or not a file."""
+    for p in paths:
+        if not os.path.exists(p):
+            raise FileNotFoundError(errno.ENOENT, "no such file", p)
+        if os.path.isdir(p):
+            raise IsADirectoryError(errno.EISDIR, "is a directory, not a data file", p)
+
+
+def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,
+                  on_progress: Callable[[Progress], None] | None = None) -> dict:
+    """Train on `train_paths`, evaluate on `test_paths`, publish a version in `out_dir`.
+
+    Returns the result record (metrics, throughput, the version written).
+    """
+    check_inputs(train_paths + test_paths)
+    bundle = ModelBundle(config, config.data.resolve_schema())
+    log.info("training %s on %s (%d fields, %d dense, 2^%d ids)", config.model.kind,
+             ",".join(train_paths), bundle.encoder.num_fields, bundle.encoder.dense_dim, config.hashing.bits)
+    trained = train_local(bundle, train_paths, on_progress)
+    if trained.parse["rows_bad"]:
+        log.warning("skipped %d malformed training rows (first: %s)", trained.parse["rows_bad"],
+                    "; ".join(f"line {b['line']}: {b['reason']}" for b in trained.parse["first_bad"][:3]))
+    metrics, test_parse = ({}, None)
+    if test_paths:
+        metrics, test_parse = evaluate(bundle, test_paths)
+    record = {
+        "auc": metrics.get("auc"),
+        "logloss": metrics.get("logloss"),
+        "calibration": metrics.get("calibration"),
+        "ne": metrics.get("ne"),
+        "test_rows": metrics.get("count", 0),
+        "train_rows": trained.train_rows,
+        "rows_per_epoch": trained.rows_per_epoch,
+        "epochs": config.train.epochs,
+        "epoch_seconds": trained.epoch_seconds,
+        "train_seconds": round(trained.train_seconds, 3),
+        "rows_per_s": round(trained.rows_per_s, 1),
+        "train_loss": trained.train_loss,
+        "bad_rows": trained.parse["rows_bad"] + (test_parse["rows_bad"] if test_parse else 0),
+        "model": config.model.kind,
+    }
+    version = bundle.save(out_dir, extra={
+        "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows")},
+        "train": {"data": train_paths, "test_data": test_paths, "rows": trained.train_rows,
+                  "seconds": record["train_seconds"], "parse": trained.parse, "test_parse": test_parse},
+    })
+    record.update(model_dir=os.path.abspath(out_dir), model_version=version,
+                  peak_rss_mb=round(peak_rss_mb(), 1))
+    log.info("saved %s/%s (auc=%s, logloss=%s)", out_dir, version, _fmt(record["auc"]), _fmt(record["logloss"]))
+    return record
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.5f}"

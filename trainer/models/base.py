@@ -1,0 +1,102 @@
+"""What every CTR model shares: its hashed tables, the model input, pooling.
+
+A model does not own its hashed tables (they may be far larger than memory
+of one process, and live on parameter-server shards). The trainer pulls the
+rows a batch touches; `ModelInput` carries them with the batch, re-indexed to
+those rows, and autograd yields one gradient row per pulled row, summed over
+duplicates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from sparse.batch import SparseBatch
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A hashed table the model reads: name, row width, init, optimizer role."""
+
+    name: str
+    dim: int
+    init_scale: float
+    role: str  # "linear" (per-id weights) or "embedding"
+
+
+@dataclass
+class ModelInput:
+    """A batch as the model sees it.
+
+    local_ids (nnz,)  int64  row of each entry in `rows[...]` (pulled, unique ids)
+    values    (nnz,)  float32 or None (all ones)
+    fields    (nnz,)  int64  field of each entry, or None when `fixed`
+    row_index (nnz,)  int64  row of each entry, or None when `fixed` (row-major B x F)
+    dense     (B, Dd) float32
+    rows      table name -> (U, dim) pulled rows (leaf tensors when training)
+    """
+
+    local_ids: torch.Tensor
+    values: torch.Tensor | None
+    fields: torch.Tensor | None
+    row_index: torch.Tensor | None
+    dense: torch.Tensor
+    num_rows: int
+    num_fields: int
+    rows: dict[str, torch.Tensor]
+
+    @property
+    def fixed(self) -> bool:
+        return self.row_index is None
+
+
+def unique_ids(batch: SparseBatch) -> tuple[np.ndarray, torch.Tensor]:
+    """(unique ids (U,), inverse (nnz,)): the rows to pull and each entry's index into them."""
+    uniq, inverse = batch.unique()
+    return uniq, torch.from_numpy(inverse)
+
+
+def make_input(batch: SparseBatch, inverse: torch.Tensor, rows: dict[str, torch.Tensor]) -> ModelInput:
+    fixed = batch.fixed_width
+    return ModelInput(
+        local_ids=inverse,
+        values=None if batch.values is None else torch.from_numpy(batch.values),
+        fields=None if fixed else torch.from_numpy(batch.fields).long(),
+        row_index=None if fixed else torch.from_numpy(batch.row_index()),
+        dense=torch.from_numpy(batch.dense),
+        num_rows=batch.num_rows, num_fields=batch.num_fields, rows=rows)
+
+
+def pool_fields(x: ModelInput, table: str) -> torch.Tensor:
+    """(B, F, dim): per row and field, the sum of value * row over that field's entries."""
+    emb = torch.index_select(x.rows[table], 0, x.local_ids)  # (nnz, dim); backward is index_add
+    if x.values is not None:
+        emb = emb * x.values[:, None]
+    if x.fixed:
+        return emb.view(x.num_rows, x.num_fields, -1)
+    slots = x.row_index * x.num_fields + x.fields
+    out = emb.new_zeros(x.num_rows * x.num_fields, emb.shape[1])
+    return out.index_add(0, slots, emb).view(x.num_rows, x.num_fields, -1)
+
+
+class CTRModel(nn.Module):
+    """Base of click models: `tables` to pull, `forward(x) -> logits (B,)`."""
+
+    tables: tuple[TableSpec, ...] = ()
+
+    def forward(self, x: ModelInput) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def build_model(cfg, num_fields: int, dense_dim: int) -> CTRModel:
+    """The model of `cfg.kind` ('lr' or 'dnn') for a schema's field layout."""
+    from trainer.models.lr import LogisticRegression
+    from trainer.models.sparse_dnn import SparseDNN
+
+    torch.manual_seed(cfg.seed)
+    if cfg.kind == "lr":
+        return LogisticRegression(dense_dim)
+    return SparseDNN(num_fields, dense_dim, cfg.embed_dim, list(cfg.hidden), cfg.init_scale, cfg.interaction, cfg.slots)

@@ -1,0 +1,26 @@
+"""Logistic regression on hashed features (+ a dense block)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields
+
+
+class LogisticRegression(CTRModel):
+    """logit = sum of the rows' weights (x value) + dense @ w + bias."""
+
+    tables = (TableSpec("linear", 1, 0.0, "linear"),)
+
+    def __init__(self, dense_dim: int):
+        super().__init__()
+        self.dense = nn.Linear(dense_dim, 1, bias=False) if dense_dim else None
+        if self.dense is not None:
+            nn.init.zeros_(self.dense.weight)
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: ModelInput) -> torch.Tensor:
+        logit = pool_fields(x, "linear").sum(dim=(1, 2)) + self.bias  # (B,)
+        if self.dense is not None:
+            logit = logit + self.dense(x.dense).squeeze(1)
+        return logit

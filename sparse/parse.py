@@ -16,6 +16,7 @@ this format: `DataFormatError`.
 """
 from __future__ import annotations
 
+import csv
 import gzip
 import os
 from dataclasses import dataclass, field
@@ -92,7 +93,8 @@ def open_binary(path: str | os.PathLike) -> BinaryIO:
         raise DataFormatError(f"{path}: is a directory, not a data file")
     f = open(path, "rb")  # FileNotFoundError / PermissionError carry the path
     if f.peek(2)[:2] == GZIP_MAGIC:
-        return gzip.GzipFile(fileobj=f, mode="rb")
+        f.close()
+        return gzip.open(path, "rb")
     return f
 
 
@@ -129,9 +131,11 @@ class BlockParser:
 
     Each block first takes a fast path: pyarrow parses numbers and
     dictionary-encodes categories in C++ (`threads` may use several cores).
-    Any malformed row makes that path give up, and the block is parsed again
-    with every column as raw bytes and checked row by row, which names the
-    line and the reason of each bad row. Both paths yield the same rows.
+    Any malformed row (or an empty line) makes that path give up, and the
+    block takes the checked path: lines are split and their fields counted
+    here, the well-formed ones parsed as raw bytes and checked column-wise, so
+    every bad row is named by line and reason. Both paths yield the same rows.
+    Quoted fields must not span lines.
     """
 
     def __init__(self, schema: Schema, labeled: bool = True, threads: bool = False):
@@ -159,10 +163,12 @@ class BlockParser:
             return chunk
         return self._parse_checked(block, first_line, stats, skip_rows)
 
-    def _read(self, block: bytes, convert, threads: bool, skip_rows: int, on_invalid) -> pa.Table:
+    def _read(self, block: bytes, convert, threads: bool, skip_rows: int) -> pa.Table:
+        # No invalid-row handler: with one, pyarrow parses about 3x slower, and
+        # it fails on rows that are not UTF-8. Malformed rows raise instead.
         parse_opts = pa_csv.ParseOptions(
             delimiter=self.schema.delimiter, quote_char='"' if self.schema.quoted else False,
-            ignore_empty_lines=False, invalid_row_handler=on_invalid)
+            ignore_empty_lines=False)
         read_opts = pa_csv.ReadOptions(
             column_names=list(self.schema.columns), use_threads=threads, skip_rows=skip_rows,
             block_size=(max(len(block) // 2, 1 << 16) if threads else max(len(block), 1 << 16) + 1))
@@ -170,9 +176,10 @@ class BlockParser:
                                parse_options=parse_opts, convert_options=convert)
 
     def _parse_fast(self, block: bytes, first_line: int, skip_rows: int) -> Chunk | None:
+        if block.startswith(b"\n") or b"\n\n" in block or b"\n\r\n" in block:
+            return None  # empty lines: pyarrow would read them as rows of empty fields
         try:
-            # No invalid-row handler here: with one, pyarrow parses about 3x slower.
-            table = self._read(block, self._fast_convert, self.threads, skip_rows, None)
+            table = self._read(block, self._fast_convert, self.threads, skip_rows)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             return None
         s = self.schema
@@ -200,38 +207,75 @@ class BlockParser:
         return Chunk(columns=cols, labels=labels, num_rows=table.num_rows, first_line=first_line)
 
     def _parse_checked(self, block: bytes, first_line: int, stats: ParseStats, skip_rows: int) -> Chunk:
+        bad: list[tuple[int, str]] = []
+        good, lines = self._split_lines(block, first_line, skip_rows, bad)
+        table = self._read_lines(good, lines, bad)
+        chunk = self._validate(table, np.asarray(lines, np.int64), bad, first_line)
+        for line, why in sorted(bad):
+            stats.add_bad(line, why)
+        stats.rows_ok += chunk.num_rows
+        return chunk
+
+    def _split_lines(self, block: bytes, first_line: int, skip_rows: int,
+                     bad: list[tuple[int, str]]) -> tuple[list[bytes], list[int]]:
+        """Well-formed lines and their numbers; the others go to `bad`."""
         ncols = len(self.schema.columns)
-        skipped: list[int] = []  # 1-based lines within the block
+        pieces = block.split(b"\n")
+        if pieces and pieces[-1] == b"":
+            pieces.pop()
+        good, numbers = [], []
+        for i in range(skip_rows, len(pieces)):
+            text = pieces[i][:-1] if pieces[i].endswith(b"\r") else pieces[i]
+            n = self._count_fields(text)
+            if not text:
+                bad.append((first_line + i, "empty line"))
+            elif n != ncols:
+                bad.append((first_line + i, f"expected {ncols} fields, got {n}"))
+            else:
+                good.append(text)
+                numbers.append(first_line + i)
+        return good, numbers
 
-        def on_invalid(row) -> str:
-            skipped.append(row.number)
-            stats.add_bad(first_line + row.number - 1,
-                          f"expected {ncols} fields, got {row.actual_columns}")
-            return "skip"
+    def _count_fields(self, text: bytes) -> int:
+        if not self.schema.quoted:
+            return text.count(self.schema.delimiter.encode()) + 1
+        return len(next(csv.reader([text.decode("latin-1")], delimiter=self.schema.delimiter), []))
 
+    def _read_lines(self, good: list[bytes], lines: list[int], bad: list[tuple[int, str]]) -> pa.Table:
+        """Parse well-formed lines as raw bytes; a line pyarrow still rejects
+        (a stray quote) is found by parsing the lines one by one."""
+        empty = pa.table({c: pa.array([], pa.binary()) for c in self.needed})
+        if not good:
+            return empty
         try:
-            table = self._read(block, self._checked_convert, False, skip_rows, on_invalid)
-        except pa.ArrowInvalid as e:
-            raise DataFormatError(f"line {first_line}: cannot parse as {self.schema.name}: {e}") from None
-        return self._validate(table, first_line, stats, skipped, skip_rows)
+            return self._read(b"\n".join(good) + b"\n", self._checked_convert, False, 0)
+        except pa.ArrowInvalid:
+            pass
+        tables, keep = [], []
+        for text, line in zip(good, lines):
+            try:
+                tables.append(self._read(text + b"\n", self._checked_convert, False, 0))
+                keep.append(line)
+            except pa.ArrowInvalid as e:
+                bad.append((line, f"cannot parse: {str(e).splitlines()[0][:80]}"))
+        lines[:] = keep
+        return pa.concat_tables(tables) if tables else empty
 
-    def _validate(self, table: pa.Table, first_line: int, stats: ParseStats,
-                  skipped: list[int], skip_rows: int) -> Chunk:
+    def _validate(self, table: pa.Table, lines: np.ndarray, bad: list[tuple[int, str]],
+                  first_line: int) -> Chunk:
+        """Column-wise value checks; `lines[i]` is the line number of table row i."""
         s = self.schema
         cols = {c: table.column(c).combine_chunks() for c in self.needed}
         checks = self._checks(cols)
-        bad = np.zeros(table.num_rows, dtype=bool)
+        rejected = np.zeros(table.num_rows, dtype=bool)
         for not_ok, _ in checks:
-            bad |= not_ok
-        if bad.any():
-            rows = np.flatnonzero(bad)
-            lines = _row_lines(rows, skipped, skip_rows) + first_line - 1
-            for r, line in zip(rows, lines):
-                stats.add_bad(int(line), next(why for not_ok, why in checks if not_ok[r]))
-            keep = pa.array(~bad)
+            rejected |= not_ok
+        if rejected.any():
+            for r in np.flatnonzero(rejected):
+                bad.append((int(lines[r]), next(why for not_ok, why in checks if not_ok[r])))
+            keep = pa.array(~rejected)
             cols = {c: pc.filter(a, keep) for c, a in cols.items()}
-        n = table.num_rows - int(bad.sum())
-        stats.rows_ok += n
+        n = table.num_rows - int(rejected.sum())
         out: dict[str, object] = {c: cols[c] for c in s.categorical}
         out.update({c: _to_float(cols[c]) for c in s.numeric})
         if s.hour:
@@ -264,14 +308,6 @@ class BlockParser:
             safe = pc.if_else(digits, cols[s.hour], pa.scalar(b"70010100", pa.binary()))
             check(pc.is_valid(_parse_hour(safe)), f"{s.hour} is not a valid date and hour")
         return checks
-
-
-def _row_lines(rows: np.ndarray, skipped: list[int], skip_rows: int) -> np.ndarray:
-    """1-based block lines of table rows, given the lines the reader skipped."""
-    lines = rows + 1 + skip_rows
-    for s in sorted(skipped):  # each skipped line before a row shifts it by one
-        lines = lines + (lines >= s)
-    return lines
 
 
 def _to_float(col: pa.Array) -> np.ndarray:

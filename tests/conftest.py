@@ -1,0 +1,44 @@
+"""Shared fixtures: real data locations, small generated files, the CLI."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def data_dir() -> Path:
+    """../shared/data beside the checkout, or $MARIANA_DATA."""
+    return Path(os.environ.get("MARIANA_DATA") or ROOT.parent / "shared" / "data")
+
+
+@pytest.fixture(scope="session")
+def criteo_sample() -> Path:
+    path = data_dir() / "criteo" / "criteo_1tb_sample1000.tsv.gz"
+    if not path.exists():
+        pytest.skip(f"real Criteo sample not found at {path} (set MARIANA_DATA to the shared data dir)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gen_files(tmp_path_factory) -> dict[str, Path]:
+    """A small planted-model train/test pair, generated once per session."""
+    from sparse.synth import generate_criteo
+
+    d = tmp_path_factory.mktemp("gen")
+    generate_criteo(d / "train.tsv", 30_000, seed=1)
+    generate_criteo(d / "test.tsv", 8_000, seed=2)
+    return {"train": d / "train.tsv", "test": d / "test.tsv"}
+
+
+def run_cli(*args: str, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`mariana ARGS` in a real subprocess."""
+    proc = subprocess.run([sys.executable, "-m", "services.cli", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"mariana {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc

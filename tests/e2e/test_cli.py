@@ -1,0 +1,117 @@
+"""`mariana` end to end, as real subprocesses, on small generated files."""
+import json
+import re
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+SMALL = ("--bits", "16", "--set", "model.embed_dim=4", "--set", "model.hidden=[8]")
+
+
+def last_json(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def one_line_error(proc, *needles):
+    """Exit 2, no traceback, and the last stderr line is the error, naming what was wrong."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.match(r"^mariana( \w+)*: error: ", last), proc.stderr  # ours, or argparse's
+    for n in needles:
+        assert n in last, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def models(gen_files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("models") / "m"
+    lr = last_json(run_cli("train", "--data", gen_files["train"], "--test-data", gen_files["test"],
+                           "--model", "lr", "--out", out, "--json", *SMALL))
+    dnn = last_json(run_cli("train", "--data", gen_files["train"], "--test-data", gen_files["test"],
+                            "--model", "dnn", "--out", out, "--json", *SMALL))
+    return {"dir": out, "lr": lr, "dnn": dnn}
+
+
+def test_train_reports_and_versions(models, gen_files):
+    lr, dnn = models["lr"], models["dnn"]
+    for rec in (lr, dnn):
+        for key in ("auc", "logloss", "train_rows", "train_seconds", "rows_per_s", "peak_rss_mb",
+                    "model_dir", "epoch_seconds", "calibration"):
+            assert rec[key] is not None, key
+        assert rec["train_rows"] == 30_000 and rec["test_rows"] == 8_000 and rec["bad_rows"] == 0
+        assert 0.6 < rec["auc"] < 0.95 and rec["logloss"] < 0.55  # learned the planted model
+    assert (lr["model_version"], dnn["model_version"]) == ("v000001", "v000002")
+    assert (models["dir"] / "CURRENT").read_text().strip() == "v000002"
+
+
+def test_evaluate_agrees_with_train(models, gen_files):
+    rec = last_json(run_cli("evaluate", "--model", models["dir"], "--data", gen_files["test"], "--json"))
+    assert rec["model_version"] == "v000002" and rec["rows"] == 8_000
+    assert rec["auc"] == pytest.approx(models["dnn"]["auc"], abs=1e-12)
+    assert rec["logloss"] == pytest.approx(models["dnn"]["logloss"], rel=1e-9)
+
+
+def test_predict_prints_one_pctr_per_row_in_order(models, gen_files, tmp_path):
+    from trainer.bundle import ModelBundle
+    from trainer.data import BatchStream
+
+    lines = gen_files["test"].read_text().splitlines()[:50]
+    lines[10] = "1\tnot enough fields"
+    lines[20] = lines[20].replace("\t", "\tx", 1)  # I1 = 'x...' is not a number
+    data = tmp_path / "p.tsv"
+    data.write_text("\n".join(lines) + "\n")
+    proc = run_cli("predict", "--model", models["dir"], "--data", data)
+    assert proc.returncode == 0, proc.stderr
+    got = np.array([float(x) for x in proc.stdout.split()])
+    assert len(got) == 48 and ((got > 0) & (got < 1)).all()
+    assert "skipped 2 malformed rows" in proc.stderr and "line 11" in proc.stderr and "line 21" in proc.stderr
+    bundle = ModelBundle.load(str(models["dir"]))
+    want = np.concatenate([bundle.predict(b) for b in BatchStream([str(data)], bundle.encoder)])
+    np.testing.assert_allclose(got, want, atol=1e-7)
+    # unlabeled rows (the label column dropped) give the same answers
+    unlabeled = tmp_path / "u.tsv"
+    unlabeled.write_text("\n".join(ln.split("\t", 1)[1] for i, ln in enumerate(lines) if i not in (10, 20)) + "\n")
+    proc = run_cli("predict", "--model", models["dir"], "--data", unlabeled)
+    np.testing.assert_allclose([float(x) for x in proc.stdout.split()], got, atol=1e-9)
+
+
+def test_epochs_config_and_env(gen_files, tmp_path):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text((ROOT / "deploy/config/train.example.toml").read_text().replace("bits = 22", "bits = 16"))
+    rec = last_json(run_cli("train", "--data", gen_files["test"], "--config", cfg, "--out", tmp_path / "m",
+                            "--json", env={"MARIANA_TRAIN__EPOCHS": "2"}))
+    assert rec["epochs"] == 2 and len(rec["epoch_seconds"]) == 2 and rec["rows_per_epoch"] == [8000, 8000]
+    assert rec["train_rows"] == 16_000 and rec["model"] == "lr"
+
+
+def test_real_criteo_rows(criteo_sample, tmp_path):
+    rec = last_json(run_cli("train", "--data", criteo_sample, "--test-data", criteo_sample, "--out",
+                            tmp_path / "m", "--json", "--bits", "16"))
+    assert rec["train_rows"] == 1000 and rec["test_rows"] == 1000 and rec["bad_rows"] == 0
+
+
+def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
+    garbage = tmp_path / "image.png"
+    garbage.write_bytes(bytes(range(256)) * 40)
+    csv = tmp_path / "x.csv"
+    csv.write_text("a,b,c\n1,2,3\n")
+    cases = [
+        (("train", "--data", tmp_path / "missing.tsv", "--out", tmp_path / "o"), ["missing.tsv", "no such file"]),
+        (("train", "--data", gen_files["test"], "--format", "parquet", "--out", tmp_path / "o"), ["parquet"]),
+        (("train", "--data", csv, "--out", tmp_path / "o"), ["not in criteo format"]),
+        (("train", "--data", garbage, "--out", tmp_path / "o"), ["image.png"]),
+        (("train", "--data", csv, "--format", "avazu", "--out", tmp_path / "o"), ["header does not match"]),
+        (("train", "--data", gen_files["test"], "--set", "model.kidn=dnn", "--out", tmp_path / "o"),
+         ["unknown key 'model.kidn'"]),
+        (("train", "--data", gen_files["test"], "--format", "csv", "--out", tmp_path / "o"), ["data.schema"]),
+        (("evaluate", "--model", tmp_path / "nomodel", "--data", gen_files["test"]), ["no such model directory"]),
+        (("predict", "--model", models["dir"], "--data", tmp_path), ["is a directory"]),
+        (("predict", "--model", models["dir"], "--data", gen_files["test"], "--format", "avazu"), ["does not match"]),
+        (("gen", "criteo", "--rows", "10", "--out", tmp_path / "no" / "dir" / "f.tsv"), ["does not exist"]),
+    ]
+    for args, needles in cases:
+        one_line_error(run_cli(*args), *needles)
+    assert not (tmp_path / "o").exists()  # nothing half-written

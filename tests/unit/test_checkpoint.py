@@ -1,0 +1,80 @@
+import json
+
+import numpy as np
+import pytest
+
+from sparse.errors import ModelDirError
+from trainer import checkpoint
+from trainer.bundle import ModelBundle
+from trainer.config import load_config
+from trainer.data import BatchStream
+from trainer.strategies.local import train_local
+
+
+def trained(kind, train_file, **over):
+    cfg = load_config(env={}, overrides={"model.kind": kind, "hashing.bits": 16, "train.batch_size": 512,
+                                         "model.embed_dim": 4, "model.hidden": [8], **over})
+    bundle = ModelBundle(cfg, cfg.data.resolve_schema())
+    train_local(bundle, [str(train_file)])
+    return bundle
+
+
+def predictions(bundle, path):
+    return np.concatenate([bundle.predict(b) for b in BatchStream([str(path)], bundle.encoder)])
+
+
+@pytest.mark.parametrize("kind,linear", [("lr", "adagrad"), ("lr", "ftrl"), ("dnn", "adagrad")])
+def test_round_trip_gives_equal_predictions(tmp_path, gen_files, kind, linear):
+    bundle = trained(kind, gen_files["train"], **{"optim.linear": linear})
+    version = bundle.save(str(tmp_path / "m"))
+    loaded = ModelBundle.load(str(tmp_path / "m"), with_optimizer=True)
+    assert version == "v000001" and loaded.manifest["version"] == version
+    np.testing.assert_array_equal(predictions(bundle, gen_files["test"]), predictions(loaded, gen_files["test"]))
+    for name, table in bundle.tables.items():
+        rows = table.touched_rows()
+        np.testing.assert_array_equal(loaded.tables[name].touched_rows(), rows)
+        for key, state in table.state.items():
+            np.testing.assert_array_equal(loaded.tables[name].state[key][rows], state[rows])
+    assert loaded.rows_trained == bundle.rows_trained == 30_000
+
+
+def test_versions_and_current(tmp_path, gen_files):
+    bundle = trained("lr", gen_files["train"])
+    d = str(tmp_path / "m")
+    assert [bundle.save(d) for _ in range(3)] == ["v000001", "v000002", "v000003"]
+    assert checkpoint.current_version(d) == "v000003"
+    assert checkpoint.list_versions(d) == ["v000001", "v000002", "v000003"]
+    bundle.save(d, make_current=False)
+    assert checkpoint.current_version(d) == "v000003"
+    checkpoint.set_current(d, "v000001")
+    assert ModelBundle.load(d).manifest["version"] == "v000001"
+    assert not [p for p in (tmp_path / "m").iterdir() if p.name.startswith(".")]  # no temp leftovers
+
+
+def test_no_pickle_in_a_version(tmp_path, gen_files):
+    bundle = trained("lr", gen_files["train"])
+    vdir = tmp_path / "m" / bundle.save(str(tmp_path / "m"))
+    assert sorted(p.name for p in vdir.iterdir()) == ["manifest.json", "optimizer.safetensors",
+                                                      "weights.safetensors"]
+    manifest = json.loads((vdir / "manifest.json").read_text())
+    assert manifest["config"]["hashing"]["bits"] == 16 and manifest["schema"]["name"] == "criteo"
+    for f in vdir.iterdir():
+        assert b"\x80\x04\x95" not in f.read_bytes()[:64]  # no pickle protocol header
+
+
+def test_bad_model_dirs_raise_clear_errors(tmp_path):
+    with pytest.raises(ModelDirError, match="no such model directory"):
+        ModelBundle.load(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelDirError, match="holds no model"):
+        ModelBundle.load(str(tmp_path / "empty"))
+    bad = tmp_path / "bad"
+    (bad / "v000001").mkdir(parents=True)
+    (bad / "CURRENT").write_text("v000001\n")
+    (bad / "v000001" / "manifest.json").write_text("{not json")
+    with pytest.raises(ModelDirError, match="not valid JSON"):
+        ModelBundle.load(str(bad))
+    (bad / "v000001" / "manifest.json").write_text(json.dumps({"format": "mariana-model/1"}))
+    (bad / "v000001" / "weights.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ModelDirError, match="cannot read tensors"):
+        ModelBundle.load(str(bad))

@@ -1,0 +1,59 @@
+import pytest
+
+from sparse.errors import ConfigError
+from trainer.config import JobConfig, load_config, parse_set_option
+
+
+def test_layers_of_config(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nkind = "dnn"\nhidden = [16, 8]\n[train]\nepochs = 2\nbatch_size = 100\n')
+    env = {"MARIANA_TRAIN__EPOCHS": "3", "MARIANA_DATA": "/ignored/not/config"}
+    cfg = load_config(path, env=env, overrides={"train.batch_size": 7})
+    assert (cfg.model.kind, cfg.model.hidden, cfg.train.epochs, cfg.train.batch_size) == ("dnn", [16, 8], 3, 7)
+    assert cfg.hashing.bits == 22
+
+
+@pytest.mark.parametrize("tree,message", [
+    ({"model.kidn": "lr"}, "unknown key 'model.kidn'"),
+    ({"train.epochs": "two"}, "train.epochs: expected an integer"),
+    ({"train.epochs": 0}, "train.epochs"),
+    ({"hashing.bits": 99}, "hashing.bits must be in 1..40"),
+    ({"model.kind": "gbdt"}, "unknown model 'gbdt'"),
+    ({"data.format": "parquet"}, "unknown format 'parquet'"),
+    ({"data.format": "csv"}, "needs a \\[data.schema\\]"),
+    ({"model.hidden": [16, "x"]}, r"model.hidden\[1\]: expected an integer"),
+    ({"optim.lr": True}, "optim.lr: expected a number"),
+])
+def test_bad_config_names_the_key(tree, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(env={}, overrides=tree)
+
+
+def test_env_unknown_key_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'train.epoch'"):
+        load_config(env={"MARIANA_TRAIN__EPOCH": "3"})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad, env={})
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.toml", env={})
+
+
+def test_set_option_parsing():
+    assert parse_set_option("train.epochs=3") == ("train.epochs", 3)
+    assert parse_set_option("model.hidden=[4, 2]") == ("model.hidden", [4, 2])
+    assert parse_set_option("model.kind=dnn") == ("model.kind", "dnn")
+    with pytest.raises(ConfigError):
+        parse_set_option("no-equals")
+
+
+def test_csv_schema_from_config():
+    cfg = load_config(env={}, overrides={"data.format": "csv", "data.schema": {
+        "columns": ["y", "a", "b"], "label": "y", "numeric": ["a"], "categorical": ["b"]}})
+    assert cfg.data.resolve_schema().fields == ("a", "b")
+    cfg = load_config(env={}, overrides={"data.format": "csv", "data.schema": {
+        "columns": ["y", "a", "b"], "label": "y", "numeric": ["a"]}})
+    with pytest.raises(ConfigError, match="columns without a role"):
+        cfg.data.resolve_schema()
+    assert JobConfig().to_dict()["train"]["epochs"] == 1

@@ -1,0 +1,92 @@
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sparse.errors import ConfigError
+from sparse.hashing import (HashSpec, binary_ids, bucket_codes, field_key, fmix64, fnv1a64, int_ids,
+                            log_bucket, token_id)
+
+SPEC20 = HashSpec(bits=20)
+
+
+def test_primitives_match_published_vectors():
+    # FNV-1a 64 of "a" and of "foobar" (the reference test vectors).
+    data = np.frombuffer(b"afoobar", np.uint8)
+    h = fnv1a64(np.array([0, 1, 7]), data)
+    assert [int(x) for x in h] == [0xAF63DC4C8601EC8C, 0x85944171F73967E8]
+    assert int(fmix64(np.array([1], np.uint64))[0]) == 12994781566227106604
+
+
+def test_ids_are_pinned():
+    """These ids are part of every saved model: changing them breaks old models."""
+    assert token_id("C1", b"68fd1e64", bits=20) == 652390
+    assert token_id("C1", b"", bits=20) == token_id("C1", None, bits=20) == 697551
+    col = pa.array([b"68fd1e64", b"05db9164", b""], pa.binary())
+    assert binary_ids(col, field_key("C1"), SPEC20).tolist() == [652390, 164340, 697551]
+    assert int_ids(np.array([0, 3, -2]), field_key("I1"), SPEC20).tolist() == [5001, 40445, 421262]
+
+
+def test_fields_are_namespaces():
+    a = token_id("C1", b"abc", bits=30)
+    b = token_id("C2", b"abc", bits=30)
+    assert a != b
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(max_size=20), min_size=1, max_size=200), st.integers(1, 30))
+def test_vectorized_strings_equal_reference(values, bits):
+    spec = HashSpec(bits=bits)
+    ids = binary_ids(pa.array(values, pa.binary()), field_key("f"), spec)
+    assert ids.tolist() == [token_id("f", v, bits) for v in values]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-(2 ** 62), 2 ** 62), min_size=1, max_size=100))
+def test_vectorized_ints_equal_reference(values):
+    ids = int_ids(np.array(values, np.int64), field_key("I3"), SPEC20)
+    assert ids.tolist() == [token_id("I3", v, 20) for v in values]
+
+
+def test_nulls_dictionaries_and_chunks_hash_like_plain_values():
+    plain = pa.array([b"x", b"", b"y", b"x"] * 30, pa.binary())
+    with_null = pa.array([b"x", None, b"y", b"x"] * 30, pa.binary())
+    chunked = pa.chunked_array([plain.slice(0, 50), plain.slice(50)])
+    key = field_key("C9")
+    expect = binary_ids(plain, key, SPEC20)
+    assert (binary_ids(with_null, key, SPEC20) == expect).all()
+    assert (binary_ids(plain.dictionary_encode(), key, SPEC20) == expect).all()
+    assert (binary_ids(chunked, key, SPEC20) == expect).all()
+    assert (binary_ids(pa.array(["x", "", "y", "x"] * 30), key, SPEC20) == expect).all()
+
+
+def test_numeric_buckets_and_missing():
+    x = np.array([0, 1, 2, 3, 10, 1e6, -1, -3, np.nan])
+    assert log_bucket(x, 4.0).tolist() == [0, 2, 4, 5, 9, 55, -2, -5, 0]
+    table, index = bucket_codes(x, field_key("I1"), SPEC20)
+    ids = table[index]
+    assert ids[-1] == token_id("I1", None, 20)          # NaN -> missing token
+    assert ids[0] == token_id("I1", 0, 20) != ids[-1]   # zero is not missing
+
+
+def test_ids_are_stable_across_processes():
+    """Hashing must not depend on Python's salted hash() or the process."""
+    code = ("from sparse.hashing import token_id; "
+            "print(token_id('C7', b'3b08e48b', 24), token_id('I2', 5, 24))")
+    outs = set()
+    for seed in ("0", "12345"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        outs.add(out)
+    assert outs == {f"{token_id('C7', b'3b08e48b', 24)} {token_id('I2', 5, 24)}\n"}
+
+
+def test_hash_spec_rejects_bad_values():
+    with pytest.raises(ConfigError, match="bits"):
+        HashSpec(bits=0)
+    with pytest.raises(ConfigError, match="numeric"):
+        HashSpec(numeric="log")

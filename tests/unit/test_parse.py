@@ -1,0 +1,171 @@
+import gzip
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from sparse.errors import DataFormatError
+from sparse.parse import BlockParser, ParseStats, Reader
+from sparse.schema import Schema, avazu, criteo
+
+GOOD = "1\t5\t\t3\t" + "\t".join(["7"] * 10) + "\t" + "\t".join(f"{i:08x}" for i in range(26))
+GOOD0 = "0" + GOOD[1:]
+
+
+def write(tmp_path, name, text: str | bytes) -> str:
+    p = tmp_path / name
+    p.write_bytes(text.encode() if isinstance(text, str) else text)
+    return str(p)
+
+
+def values(col) -> list[bytes]:
+    """Python values of a categorical column, plain or dictionary-encoded, chunked or not."""
+    if isinstance(col, pa.ChunkedArray):
+        return [v for ch in col.chunks for v in values(ch)]
+    if pa.types.is_dictionary(col.type):
+        return col.dictionary.take(col.indices).to_pylist()
+    return col.to_pylist()
+
+
+def read_all(path, schema=None, **kw):
+    r = Reader([path], schema or criteo(), **kw)
+    chunks = list(r)
+    return chunks, r.stats
+
+
+def test_real_criteo_sample_parses_completely(criteo_sample):
+    chunks, stats = read_all(str(criteo_sample))
+    assert stats.rows_ok == 1000 and stats.rows_bad == 0
+    labels = np.concatenate([c.labels for c in chunks])
+    assert labels.sum() == 21  # the sample's README: 21 positives
+    first = chunks[0]
+    assert set(first.columns) == set(criteo().numeric + criteo().categorical)
+    with gzip.open(criteo_sample, "rt") as f:
+        line = f.readline().rstrip("\n").split("\t")
+    i1 = first.columns["I1"][0]
+    assert (np.isnan(i1) and line[1] == "") or i1 == float(line[1])
+    assert values(first.columns["C1"])[0] == line[14].encode()
+
+
+def test_malformed_rows_are_counted_with_line_numbers(tmp_path):
+    lines = [
+        GOOD,                                   # 1 ok
+        "\t".join(GOOD.split("\t")[:24]),       # 2 too few fields
+        GOOD.replace("\t3\t", "\tabc\t", 1),    # 3 I3 not a number
+        "2" + GOOD[1:],                         # 4 label not 0/1
+        "",                                     # 5 empty line
+        GOOD + "\textra",                       # 6 too many fields
+        GOOD0,                                  # 7 ok
+        GOOD.replace("\t3\t", "\tnan\t", 1),    # 8 'nan' is not a number here
+        GOOD0.replace("\t3\t", "\t-4.5e2\t", 1),  # 9 ok: signed float
+    ] + [GOOD] * 10                             # (a mostly-bad first block would mean a wrong format)
+    chunks, stats = read_all(write(tmp_path, "bad.tsv", "\n".join(lines) + "\n"))
+    assert stats.rows_ok == 13 and stats.rows_bad == 6
+    assert stats.first_bad == [
+        (2, "expected 40 fields, got 24"),
+        (3, "I3 is not a number"),
+        (4, "label is not 0 or 1"),
+        (5, "empty line"),
+        (6, "expected 40 fields, got 41"),
+        (8, "I3 is not a number"),
+    ]
+    assert np.concatenate([c.labels for c in chunks]).tolist()[:3] == [1.0, 0.0, 0.0]
+    assert chunks[0].columns["I3"].tolist()[:3] == [3.0, 3.0, -450.0]
+    assert "6 malformed rows skipped" in stats.summary()
+
+
+def test_non_utf8_bytes_are_fine_in_categories_and_bad_in_numbers(tmp_path):
+    good = GOOD.replace("00000000", "\xff\xfe0000", 1).encode("latin-1")
+    bad = GOOD.replace("\t5\t", "\t\xff\t", 1).encode("latin-1")
+    chunks, stats = read_all(write(tmp_path, "bytes.tsv", b"\n".join([good, bad, good]) + b"\n"))
+    assert stats.rows_ok == 2 and stats.first_bad == [(2, "I1 is not a number")]
+    assert values(chunks[0].columns["C1"])[0] == b"\xff\xfe0000"
+
+
+def test_fast_and_checked_paths_agree(criteo_sample):
+    block = gzip.open(criteo_sample).read()
+    parser = BlockParser(criteo())
+    fast = parser._parse_fast(block, 1, 0)
+    checked = parser._parse_checked(block, 1, ParseStats(), 0)
+    assert fast is not None and fast.num_rows == checked.num_rows == 1000
+    assert (fast.labels == checked.labels).all()
+    for name in criteo().numeric:
+        np.testing.assert_array_equal(fast.columns[name], checked.columns[name])
+    for name in criteo().categorical:
+        assert values(fast.columns[name]) == values(checked.columns[name])
+
+
+def test_small_blocks_give_the_same_rows_and_lines(tmp_path):
+    lines = [GOOD if i % 7 else GOOD0 for i in range(300)]
+    lines[101] = "oops \xff\x80"
+    lines[250] = "x" + GOOD
+    path = write(tmp_path, "blocks.tsv", "\n".join(lines).encode("latin-1"))  # no final newline
+    big, big_stats = read_all(path)
+    small, small_stats = read_all(path, block_bytes=1024)
+    assert len(small) > 10
+    assert small_stats.rows_ok == big_stats.rows_ok == 298
+    assert small_stats.first_bad == big_stats.first_bad == [
+        (102, "expected 40 fields, got 1"), (251, "label is not 0 or 1")]
+    assert np.concatenate([c.labels for c in small]).tolist() == np.concatenate([c.labels for c in big]).tolist()
+
+
+def test_crlf_and_gzip_without_extension(tmp_path):
+    raw = ("\r\n".join([GOOD, GOOD0]) + "\r\n").encode()
+    path = write(tmp_path, "data.bin", gzip.compress(raw))
+    chunks, stats = read_all(path)
+    assert stats.rows_ok == 2 and stats.rows_bad == 0
+    assert values(chunks[0].columns["C26"]) == [b"00000019"] * 2  # no stray \r
+
+
+def test_wrong_format_is_an_error(tmp_path):
+    csv = "a,b,c\n1,2,3\n4,5,6\n"
+    with pytest.raises(DataFormatError, match="not in criteo format: 3 of the first 3 rows"):
+        read_all(write(tmp_path, "x.csv", csv))
+    with pytest.raises(DataFormatError, match="header does not match the avazu schema"):
+        read_all(write(tmp_path, "y.csv", csv), avazu())
+    with pytest.raises(DataFormatError):
+        read_all(write(tmp_path, "z.bin", bytes(range(256)) * 50))
+
+
+def test_overlong_line_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("sparse.parse.MAX_LINE_BYTES", 4096)
+    with pytest.raises(DataFormatError, match="longer than"):
+        read_all(write(tmp_path, "long.tsv", "1" * 10000), block_bytes=1024)
+
+
+AVAZU_HEADER = ",".join(avazu().columns)
+
+
+def avazu_row(i, click="1", hour="14102100"):
+    return ",".join([str(i), click, hour] + [f"v{j}" for j in range(21)])
+
+
+def test_avazu_hour_becomes_hour_of_day_and_weekday(tmp_path):
+    text = "\n".join([AVAZU_HEADER, avazu_row(1), avazu_row(2, "0", "14102523"),
+                      avazu_row(3, hour="14133100"), avazu_row(4, hour="1410")]) + "\n"
+    chunks, stats = read_all(write(tmp_path, "avazu.csv", text), avazu())
+    assert stats.rows_ok == 2
+    assert stats.first_bad == [(4, "hour is not a valid date and hour"), (5, "hour is not YYMMDDHH")]
+    c = chunks[0]
+    assert c.columns["hour_of_day"].tolist() == [0, 23]
+    assert c.columns["weekday"].tolist() == [1, 5]  # 2014-10-21 Tuesday, 2014-10-25 Saturday
+    assert c.labels.tolist() == [1.0, 0.0]
+
+
+def test_generic_csv_schema_with_quotes(tmp_path):
+    schema = Schema.from_dict({"name": "ads", "columns": ["y", "age", "city", "note"], "label": "y",
+                               "numeric": ["age"], "categorical": ["city"], "ignore": ["note"],
+                               "delimiter": ",", "header": True, "quoted": True})
+    text = 'y,age,city,note\n1,31,"New York, NY",x\n0,,Paris,"a ""q"""\n1,abc,Rome,z\n'
+    chunks, stats = read_all(write(tmp_path, "ads.csv", text), schema)
+    assert stats.rows_ok == 2 and stats.first_bad == [(4, "age is not a number")]
+    assert values(chunks[0].columns["city"]) == [b"New York, NY", b"Paris"]
+    assert np.isnan(chunks[0].columns["age"][1])
+
+
+def test_unlabeled_files_are_detected_for_prediction(tmp_path):
+    unlabeled = "\n".join(line.split("\t", 1)[1] for line in [GOOD, GOOD0]) + "\n"
+    chunks, stats = read_all(write(tmp_path, "u.tsv", unlabeled), labeled=None)
+    assert stats.rows_ok == 2 and chunks[0].labels is None
+    chunks, stats = read_all(write(tmp_path, "l.tsv", GOOD + "\n"), labeled=None)
+    assert chunks[0].labels.tolist() == [1.0]

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 
+from services.runtime.tuning import freeze_imports, tune_process
 from sparse.errors import MarianaError
 
 log = logging.getLogger("mariana")
@@ -49,6 +50,7 @@ def cmd_gen(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from trainer.job import run_local_job
 
+    freeze_imports()
     config = _job_config(args)
     record = run_local_job(config, _paths(args.data), _paths(args.test_data), args.out,
                            on_progress=_progress_logger())
@@ -64,6 +66,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     paths = _paths(args.data)
     check_inputs(paths)
     bundle = _load_model(args.model, args.format)
+    freeze_imports()
     t0 = time.perf_counter()
     metrics, parse = evaluate(bundle, paths)
     if parse["rows_bad"]:
@@ -83,6 +86,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     paths = _paths(args.data)
     check_inputs(paths)
     bundle = _load_model(args.model, args.format)
+    freeze_imports()
     stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None)
     out = sys.stdout
     for block in stream:
@@ -198,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from services.runtime.logs import setup_logging
 
+    tune_process()
     args = build_parser().parse_args(argv)
     setup_logging(-1 if args.quiet else args.verbose)
     try:

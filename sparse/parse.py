@@ -98,8 +98,8 @@ def open_binary(path: str | os.PathLike) -> BinaryIO:
     return f
 
 
-def iter_blocks(stream: BinaryIO, block_bytes: int, name: str = "") -> Iterator[tuple[int, bytes]]:
-    """Yield (first line number, bytes of whole lines) blocks of ~block_bytes."""
+def iter_blocks(stream: BinaryIO, block_bytes: int, name: str = "") -> Iterator[tuple[int, bytes, int]]:
+    """Yield (first line number, bytes of whole lines, number of lines) blocks of ~block_bytes."""
     line_no, carry = 1, b""
     while True:
         try:
@@ -118,10 +118,11 @@ def iter_blocks(stream: BinaryIO, block_bytes: int, name: str = "") -> Iterator[
             carry = data
             continue
         block, carry = data[:cut], data[cut:]
-        yield line_no, block
-        line_no += block.count(b"\n")
+        lines = block.count(b"\n")
+        yield line_no, block, lines
+        line_no += lines
     if carry:
-        yield line_no, carry + b"\n"
+        yield line_no, carry + b"\n", 1
 
 
 # ---- one block -> validated columns ------------------------------------------
@@ -156,8 +157,12 @@ class BlockParser:
             column_types=fast, include_columns=self.needed, null_values=[""],
             strings_can_be_null=False, quoted_strings_can_be_null=False)
 
-    def parse(self, block: bytes, first_line: int, stats: ParseStats, skip_rows: int = 0) -> Chunk:
-        chunk = self._parse_fast(block, first_line, skip_rows)
+    def parse(self, block: bytes, first_line: int, stats: ParseStats, skip_rows: int = 0,
+              num_lines: int | None = None) -> Chunk:
+        """Rows of `block` (whole lines; `num_lines` of them if the caller counted)."""
+        if num_lines is None:
+            num_lines = block.count(b"\n")
+        chunk = self._parse_fast(block, first_line, skip_rows, num_lines)
         if chunk is not None:
             stats.rows_ok += chunk.num_rows
             return chunk
@@ -166,22 +171,23 @@ class BlockParser:
     def _read(self, block: bytes, convert, threads: bool, skip_rows: int) -> pa.Table:
         # No invalid-row handler: with one, pyarrow parses about 3x slower, and
         # it fails on rows that are not UTF-8. Malformed rows raise instead.
+        # Empty lines are skipped here and noticed by the callers' line counts.
         parse_opts = pa_csv.ParseOptions(
             delimiter=self.schema.delimiter, quote_char='"' if self.schema.quoted else False,
-            ignore_empty_lines=False)
+            ignore_empty_lines=True)
         read_opts = pa_csv.ReadOptions(
             column_names=list(self.schema.columns), use_threads=threads, skip_rows=skip_rows,
             block_size=(max(len(block) // 2, 1 << 16) if threads else max(len(block), 1 << 16) + 1))
         return pa_csv.read_csv(pa.BufferReader(block), read_options=read_opts,
                                parse_options=parse_opts, convert_options=convert)
 
-    def _parse_fast(self, block: bytes, first_line: int, skip_rows: int) -> Chunk | None:
-        if block.startswith(b"\n") or b"\n\n" in block or b"\n\r\n" in block:
-            return None  # empty lines: pyarrow would read them as rows of empty fields
+    def _parse_fast(self, block: bytes, first_line: int, skip_rows: int, num_lines: int) -> Chunk | None:
         try:
             table = self._read(block, self._fast_convert, self.threads, skip_rows)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             return None
+        if table.num_rows != num_lines - skip_rows:
+            return None  # empty lines (skipped by pyarrow), or a quoted field across lines
         s = self.schema
         labels = None
         if s.label:
@@ -337,12 +343,13 @@ class BlockTask:
     path: str
     first_line: int
     block: bytes
+    num_lines: int
     skip_rows: int = 0
     first_of_file: bool = False
 
     def run(self) -> tuple[Chunk, ParseStats]:
         stats = ParseStats()
-        chunk = self.parser.parse(self.block, self.first_line, stats, skip_rows=self.skip_rows)
+        chunk = self.parser.parse(self.block, self.first_line, stats, self.skip_rows, self.num_lines)
         if self.first_of_file:
             _check_first_block(self.path, self.parser.schema, stats)
         return chunk, stats
@@ -376,16 +383,16 @@ class Reader:
         for path in self.paths:
             with open_binary(path) as f:
                 parser: BlockParser | None = None
-                for first_line, block in iter_blocks(f, self.block_bytes, name=path):
+                for first_line, block, lines in iter_blocks(f, self.block_bytes, name=path):
                     if parser is None:
                         parser = self._pick_parser(block)
                         skip = 0
                         if self.schema.header:
                             self._check_header(path, block)
                             skip = 1
-                        yield BlockTask(parser, path, first_line, block, skip, first_of_file=True)
+                        yield BlockTask(parser, path, first_line, block, lines, skip, first_of_file=True)
                     else:
-                        yield BlockTask(parser, path, first_line, block)
+                        yield BlockTask(parser, path, first_line, block, lines)
 
     def _pick_parser(self, block: bytes) -> BlockParser:
         if self.labeled is not None:

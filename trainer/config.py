@@ -28,7 +28,7 @@ FORMATS = ("criteo", "avazu", "csv")
 class DataConfig:
     format: str = "criteo"
     schema: dict | None = None  # the column layout, for format = "csv"
-    block_bytes: int = 8 << 20  # bytes parsed at a time; bounds memory with the table size
+    block_bytes: int = 4 << 20  # bytes parsed at a time; bounds memory with the table size
     parse_workers: int = 2      # threads that parse + hash blocks while the trainer trains
     parse_threads: bool = False  # also let pyarrow split each block over its own threads
 

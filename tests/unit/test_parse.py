@@ -85,7 +85,7 @@ def test_non_utf8_bytes_are_fine_in_categories_and_bad_in_numbers(tmp_path):
 def test_fast_and_checked_paths_agree(criteo_sample):
     block = gzip.open(criteo_sample).read()
     parser = BlockParser(criteo())
-    fast = parser._parse_fast(block, 1, 0)
+    fast = parser._parse_fast(block, 1, 0, block.count(b"\n"))
     checked = parser._parse_checked(block, 1, ParseStats(), 0)
     assert fast is not None and fast.num_rows == checked.num_rows == 1000
     assert (fast.labels == checked.labels).all()

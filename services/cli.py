@@ -59,7 +59,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from trainer.bundle import ModelBundle
     from trainer.job import check_inputs
     from trainer.strategies.local import evaluate
 

@@ -53,7 +53,7 @@ class ModelConfig:
     kind: str = "lr"                   # lr | dnn
     interaction: str = "proj"          # dnn: "proj" (dots of K field mixtures), "dot" (DLRM), "fm" (DeepFM)
     slots: int = 16                    # dnn, interaction "proj": K
-    embed_dim: int = 16                # dnn: embedding width per field
+    embed_dim: int = 8                 # dnn: embedding width per field
     hidden: list[int] = field(default_factory=lambda: [64, 32])  # dnn: MLP widths
     init_scale: float = 0.05           # dnn: embeddings start uniform in [-s, s)
     seed: int = 0

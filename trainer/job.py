@@ -1,5 +1,5 @@
-"""A whole local job: build (or continue) a model, train, evaluate, save a
-version. The CLI and later the coordinator call this; it prints nothing."""
+"""A whole local job: build a model, train, evaluate, save a version. The CLI
+and later the coordinator call this; it prints nothing."""
 from __future__ import annotations
 
 import errno

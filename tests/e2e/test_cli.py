@@ -115,3 +115,29 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
     for args, needles in cases:
         one_line_error(run_cli(*args), *needles)
     assert not (tmp_path / "o").exists()  # nothing half-written
+
+
+def test_avazu_and_csv_formats_train(tmp_path):
+    rng = np.random.default_rng(0)
+    header = ",".join(["id", "click", "hour", "C1", "banner_pos", "site_id", "site_domain", "site_category",
+                       "app_id", "app_domain", "app_category", "device_id", "device_ip", "device_model",
+                       "device_type", "device_conn_type", "C14", "C15", "C16", "C17", "C18", "C19", "C20", "C21"])
+    rows = []
+    for i in range(3000):
+        site = rng.integers(0, 20)
+        click = int(rng.random() < (0.6 if site < 5 else 0.1))
+        rows.append(",".join([str(i), str(click), f"141021{rng.integers(0, 24):02d}"]
+                             + [f"s{site}"] + [f"v{rng.integers(0, 50)}" for _ in range(20)]))
+    data = tmp_path / "avazu.csv"
+    data.write_text(header + "\n" + "\n".join(rows) + "\n")
+    rec = last_json(run_cli("train", "--data", f"{data},{data}", "--test-data", data, "--format", "avazu",
+                            "--out", tmp_path / "m", "--json", "--bits", "16"))
+    assert rec["train_rows"] == 6000 and rec["auc"] > 0.7  # two files; learns the planted site effect
+    cfg = tmp_path / "csv.toml"
+    cfg.write_text('[data]\nformat = "csv"\n[data.schema]\ncolumns = ["y", "n", "c"]\nlabel = "y"\n'
+                   'numeric = ["n"]\ncategorical = ["c"]\ndelimiter = ","\nheader = true\n')
+    csv = tmp_path / "d.csv"
+    csv.write_text("y,n,c\n" + "".join(f"{i % 2},{i},{'ab'[i % 2]}\n" for i in range(500)))
+    rec = last_json(run_cli("train", "--data", csv, "--test-data", csv, "--config", cfg,
+                            "--out", tmp_path / "c", "--json", "--bits", "12", "--set", "hashing.numeric=both"))
+    assert rec["train_rows"] == 500 and rec["auc"] > 0.99

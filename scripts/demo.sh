@@ -2,12 +2,12 @@
 # The main job on a fresh machine: venv + install, generate click logs with a
 # planted model, train logistic regression and a sparse DNN locally, evaluate
 # both, and show predictions. Everything lands in ./demo-out (git-ignored).
-#   ROWS=1000000 scripts/demo.sh   for a bigger run (default 300,000 rows)
+#   ROWS=200000 scripts/demo.sh   for a quicker run (default 1,000,000 rows)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
 mariana=.venv/bin/mariana
-rows="${ROWS:-300000}"
+rows="${ROWS:-1000000}"
 out=demo-out
 mkdir -p "$out"
 rm -rf "$out/model-lr" "$out/model-dnn"

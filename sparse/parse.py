@@ -31,7 +31,8 @@ from sparse.errors import DataFormatError
 from sparse.schema import Schema
 
 GZIP_MAGIC = b"\x1f\x8b"
-NUMBER_RE = r"^[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?$"
+# What pyarrow's float parser accepts, less nan/inf: the fast and checked paths agree.
+NUMBER_RE = r"^[ \t]*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[ \t]*$"
 HOUR_RE = r"^[0-9]{8}$"
 MAX_LINE_BYTES = 16 << 20
 FIRST_BAD_KEPT = 10
@@ -151,8 +152,6 @@ class BlockParser:
         fast = dict(types)
         fast.update({c: pa.float64() for c in s.numeric})
         fast.update({c: pa.dictionary(pa.int32(), pa.binary()) for c in s.categorical})
-        if s.label:
-            fast[s.label] = pa.int8()
         self._fast_convert = pa_csv.ConvertOptions(
             column_types=fast, include_columns=self.needed, null_values=[""],
             strings_can_be_null=False, quoted_strings_can_be_null=False)
@@ -191,12 +190,10 @@ class BlockParser:
         s = self.schema
         labels = None
         if s.label:
-            lab = table.column(s.label)
-            if lab.null_count:
+            lab = table.column(s.label).combine_chunks()
+            if not pc.all(_label_ok(lab)).as_py():
                 return None
-            labels = lab.to_numpy().astype(np.float32)
-            if ((labels != 0) & (labels != 1)).any():
-                return None
+            labels = _labels(lab)
         cols: dict[str, object] = {c: table.column(c) for c in s.categorical}
         for c in s.numeric:
             col = table.column(c)
@@ -286,9 +283,7 @@ class BlockParser:
         out.update({c: _to_float(cols[c]) for c in s.numeric})
         if s.hour:
             out["hour_of_day"], out["weekday"] = _split_hour(cols[s.hour])
-        labels = None
-        if s.label:
-            labels = pc.equal(cols[s.label], b"1").to_numpy(zero_copy_only=False).astype(np.float32)
+        labels = _labels(cols[s.label]) if s.label else None
         return Chunk(columns=out, labels=labels, num_rows=n, first_line=first_line)
 
     def _checks(self, cols: dict) -> list[tuple[np.ndarray, str]]:
@@ -302,8 +297,7 @@ class BlockParser:
                 checks.append((not_ok, why))
 
         if s.label:
-            lab = cols[s.label]
-            check(pc.or_(pc.equal(lab, b"0"), pc.equal(lab, b"1")), f"{s.label} is not 0 or 1")
+            check(_label_ok(cols[s.label]), f"{s.label} is not 0 or 1")
         for c in s.numeric:
             col = cols[c]
             check(pc.or_(pc.equal(pc.binary_length(col), 0), pc.match_substring_regex(col, NUMBER_RE)),
@@ -316,10 +310,20 @@ class BlockParser:
         return checks
 
 
+def _label_ok(col: pa.Array) -> pa.Array:
+    return pc.or_(pc.equal(col, b"0"), pc.equal(col, b"1"))
+
+
+def _labels(col: pa.Array) -> np.ndarray:
+    return pc.equal(col, b"1").to_numpy(zero_copy_only=False).astype(np.float32)
+
+
 def _to_float(col: pa.Array) -> np.ndarray:
-    empty = pc.equal(pc.binary_length(col), 0)
-    as_str = pc.if_else(empty, pa.scalar(None, pa.binary()), col).cast(pa.string())
-    return pc.cast(as_str, pa.float64()).to_numpy(zero_copy_only=False)
+    """Checked numbers (NUMBER_RE) -> float64, empty -> NaN."""
+    text = pc.utf8_trim(col.cast(pa.string()), characters=" \t")
+    empty = pc.equal(pc.utf8_length(text), 0)
+    return pc.cast(pc.if_else(empty, pa.scalar(None, pa.string()), text), pa.float64()).to_numpy(
+        zero_copy_only=False)
 
 
 def _parse_hour(col: pa.Array) -> pa.Array:

@@ -169,3 +169,29 @@ def test_unlabeled_files_are_detected_for_prediction(tmp_path):
     assert stats.rows_ok == 2 and chunks[0].labels is None
     chunks, stats = read_all(write(tmp_path, "l.tsv", GOOD + "\n"), labeled=None)
     assert chunks[0].labels.tolist() == [1.0]
+
+
+TRICKY = [" 5", "5 ", "+5", "-5", ".5", "5.", "1e5", "1E+5", "0x10", "1_0", "inf", "nan", "NaN",
+          "Infinity", "-", ".", "e5", "5e", "00012", "1.5.2", "\uff11", "  ", "12"]
+
+
+@pytest.mark.parametrize("value", TRICKY)
+def test_both_paths_agree_on_number_like_text(value):
+    row = GOOD.replace("\t3\t", f"\t{value}\t", 1)
+    block = (row + "\n" + GOOD + "\n").encode()
+    parser = BlockParser(criteo())
+    checked = parser._parse_checked(block, 1, ParseStats(), 0)
+    fast = parser._parse_fast(block, 1, 0, 2)
+    if fast is not None:  # the fast path may give up, but must not disagree
+        assert fast.num_rows == checked.num_rows == 2
+        np.testing.assert_array_equal(fast.columns["I3"], checked.columns["I3"])
+    if checked.num_rows == 2:
+        x = checked.columns["I3"][0]
+        assert np.isnan(x) if value.strip() == "" else float(value) == x
+
+
+@pytest.mark.parametrize("label", ["01", "+1", "1.0", " 1", "true"])
+def test_labels_must_be_exactly_0_or_1(tmp_path, label):
+    path = write(tmp_path, "l.tsv", "\n".join([label + GOOD[1:]] + [GOOD] * 3) + "\n")
+    _, stats = read_all(path)
+    assert stats.rows_ok == 3 and stats.first_bad == [(1, "label is not 0 or 1")]

@@ -59,13 +59,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from trainer.job import check_inputs
     from trainer.strategies.local import evaluate
 
-    paths = _paths(args.data)
-    check_inputs(paths)
-    bundle = _load_model(args.model, args.format)
-    freeze_imports()
+    bundle, paths = _model_and_data(args)
     t0 = time.perf_counter()
     metrics, parse = evaluate(bundle, paths)
     if parse["rows_bad"]:
@@ -80,12 +76,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from trainer.data import BatchStream
-    from trainer.job import check_inputs
 
-    paths = _paths(args.data)
-    check_inputs(paths)
-    bundle = _load_model(args.model, args.format)
-    freeze_imports()
+    bundle, paths = _model_and_data(args)
     stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None)
     out = sys.stdout
     for block in stream:
@@ -117,14 +109,19 @@ def _job_config(args: argparse.Namespace):
     return load_config(args.config, overrides=overrides)
 
 
-def _load_model(model_dir: str, fmt: str | None):
+def _model_and_data(args: argparse.Namespace):
+    """(the CURRENT version of --model, the --data paths), checked before any work."""
     from trainer.bundle import ModelBundle
+    from trainer.job import check_inputs
 
-    bundle = ModelBundle.load(model_dir)
-    if fmt and fmt != bundle.config.data.format:
-        raise MarianaError(f"{model_dir}: the model reads {bundle.config.data.format} rows; "
-                           f"--format {fmt} does not match")
-    return bundle
+    paths = _paths(args.data)
+    check_inputs(paths)
+    bundle = ModelBundle.load(args.model)
+    if args.format and args.format != bundle.config.data.format:
+        raise MarianaError(f"{args.model}: the model reads {bundle.config.data.format} rows; "
+                           f"--format {args.format} does not match")
+    freeze_imports()
+    return bundle, paths
 
 
 def _progress_logger():

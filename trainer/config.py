@@ -152,23 +152,17 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}: expected a table, got {value!r}")
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
+    if tp in _SCALARS:
+        accepted, what = _SCALARS[tp]
+        # bool is an int subclass in Python, but `epochs = true` is a mistake
+        if not isinstance(value, accepted) or (tp is not bool and isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected {what}, got {value!r}")
+        return tp(value)
     return value
+
+
+_SCALARS = {bool: (bool, "true or false"), int: (int, "an integer"),
+            float: ((int, float), "a number"), str: (str, "a string")}
 
 
 def _parse_scalar(raw: str) -> Any:

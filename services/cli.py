@@ -19,10 +19,10 @@ import time
 
 from services.runtime.tuning import freeze_imports, tune_process
 from sparse.errors import MarianaError
+from sparse.schema import FORMATS  # light: no numpy before tune_process() sets its thread count
 
 log = logging.getLogger("mariana")
 EXIT_USAGE = 2
-FORMATS = ("criteo", "avazu", "csv")
 
 
 # ---- commands -------------------------------------------------------------------
@@ -35,6 +35,8 @@ def cmd_gen(args: argparse.Namespace) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise MarianaError(f"{args.out}: directory {out_dir} does not exist")
+    if os.path.isdir(args.out):
+        raise MarianaError(f"{args.out}: is a directory; --out names the file to write")
     t0 = [time.perf_counter()]
 
     def progress(done: int, seconds: float) -> None:
@@ -59,13 +61,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from sparse.parse import describe_bad
     from trainer.strategies.local import evaluate
 
     bundle, paths = _model_and_data(args)
     t0 = time.perf_counter()
     metrics, parse = evaluate(bundle, paths)
     if parse["rows_bad"]:
-        log.warning("skipped %d malformed rows (%s)", parse["rows_bad"], _first_bad(parse))
+        log.warning("skipped %d malformed rows (%s)", parse["rows_bad"], describe_bad(parse["first_bad"]))
     record = {"auc": metrics["auc"], "logloss": metrics["logloss"], "calibration": metrics["calibration"],
               "ne": metrics["ne"], "rows": metrics["count"], "bad_rows": parse["rows_bad"],
               "seconds": round(time.perf_counter() - t0, 3), "model_dir": os.path.abspath(args.model),
@@ -75,6 +78,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    from sparse.parse import describe_bad
     from trainer.data import BatchStream
 
     bundle, paths = _model_and_data(args)
@@ -86,8 +90,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         out.write("\n")
     out.flush()
     if stream.stats.rows_bad:
-        print(f"mariana: skipped {stream.stats.rows_bad} malformed rows ({_first_bad(stream.stats.to_dict())})",
-              file=sys.stderr)
+        print(f"mariana: skipped {stream.stats.rows_bad} malformed rows "
+              f"({describe_bad(stream.stats.to_dict()['first_bad'])})", file=sys.stderr)
     return 0
 
 
@@ -115,11 +119,14 @@ def _model_and_data(args: argparse.Namespace):
     from trainer.job import check_inputs
 
     paths = _paths(args.data)
+    if not paths:
+        raise MarianaError("--data names no files")
     check_inputs(paths)
     bundle = ModelBundle.load(args.model)
     if args.format and args.format != bundle.config.data.format:
         raise MarianaError(f"{args.model}: the model reads {bundle.config.data.format} rows; "
                            f"--format {args.format} does not match")
+    check_inputs(paths, bundle.schema, labeled=None if args.command == "predict" else True)
     freeze_imports()
     return bundle, paths
 
@@ -132,13 +139,10 @@ def _progress_logger():
     return report
 
 
-def _first_bad(parse: dict) -> str:
-    return "; ".join(f"line {b['line']}: {b['reason']}" for b in parse["first_bad"][:5])
-
-
 def _print_record(record: dict, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(record))
+    if as_json:  # NaN is not JSON: report it as null
+        print(json.dumps({k: None if isinstance(v, float) and v != v else v for k, v in record.items()},
+                         allow_nan=False))
         return
     for key, value in record.items():
         if isinstance(value, float):
@@ -205,8 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except MarianaError as e:
         return _fail(str(e))
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
-        return _fail(f"{e.filename}: {e.strerror.lower() if e.strerror else e}")
+    except MemoryError:
+        return _fail("out of memory: lower hashing.bits (tables have 2^bits rows) or data.block_bytes")
+    except OSError as e:  # a path that is missing, a directory, unwritable, ...
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(f"{where}{(e.strerror or str(e)).lower()}")
     except KeyboardInterrupt:
         print("mariana: interrupted", file=sys.stderr)
         return 130

@@ -61,8 +61,8 @@ class HashSpec:
     bucket_scale: float = 4.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.bits <= 40:
-            raise ConfigError(f"hashing.bits must be in 1..40, got {self.bits}")
+        if not 1 <= self.bits <= 32:
+            raise ConfigError(f"hashing.bits must be in 1..32 (tables have 2^bits rows), got {self.bits}")
         if self.numeric not in NUMERIC_MODES:
             raise ConfigError(f"hashing.numeric must be one of {NUMERIC_MODES}, got {self.numeric!r}")
         if not (self.bucket_scale > 0 and math.isfinite(self.bucket_scale)):

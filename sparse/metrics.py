@@ -28,6 +28,7 @@ class BinaryMetrics:
         self._pos: list[np.ndarray] = []
         self._neg: list[np.ndarray] = []
         self._pending = 0
+        self._compacted = 0  # distinct scores after the last compaction
 
     def update(self, labels: np.ndarray, probs: np.ndarray) -> None:
         """Add rows: labels 0/1 and predicted click probabilities."""
@@ -44,7 +45,7 @@ class BinaryMetrics:
         self._pos.append(pos)
         self._neg.append(neg)
         self._pending += scores.size
-        if self._pending > (1 << 22):
+        if self._pending > max(1 << 22, 2 * self._compacted):  # amortized: each row sorted O(1) times
             self._compact()
 
     def _compact(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,6 +57,7 @@ class BinaryMetrics:
         pos = np.bincount(inv, weights=np.concatenate(self._pos), minlength=uniq.size)
         neg = np.bincount(inv, weights=np.concatenate(self._neg), minlength=uniq.size)
         self._scores, self._pos, self._neg, self._pending = [uniq], [pos], [neg], uniq.size
+        self._compacted = uniq.size
         return uniq, pos, neg
 
     def merge(self, other: "BinaryMetrics") -> "BinaryMetrics":

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from sparse.errors import ConfigError
 from sparse.table import HashedTable
 
 
@@ -101,10 +100,3 @@ class FTRL(SparseOptimizer):
         shrunk = z - np.sign(z) * self.l1
         w[...] = np.where(np.abs(z) <= self.l1, 0.0,
                           -shrunk / ((self.beta + np.sqrt(n)) / self.alpha + self.l2))
-
-
-def make_optimizer(name: str, **params) -> SparseOptimizer:
-    kinds = {"adagrad": AdaGrad, "ftrl": FTRL}
-    if name not in kinds:
-        raise ConfigError(f"unknown optimizer {name!r}: use one of {sorted(kinds)}")
-    return kinds[name](**params)

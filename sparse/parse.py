@@ -19,8 +19,9 @@ from __future__ import annotations
 import csv
 import gzip
 import os
+import zlib
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -38,18 +39,28 @@ MAX_LINE_BYTES = 16 << 20
 FIRST_BAD_KEPT = 10
 
 
+class BadRow(NamedTuple):
+    line: int
+    reason: str
+    file: str = ""
+
+
 @dataclass
 class ParseStats:
-    """Row counts of a parse, mergeable; keeps the first few malformed lines."""
+    """Row counts of a parse, mergeable; keeps the first few malformed lines.
+
+    `file` names the file that `add_bad` reports lines of.
+    """
 
     rows_ok: int = 0
     rows_bad: int = 0
-    first_bad: list[tuple[int, str]] = field(default_factory=list)
+    first_bad: list[BadRow] = field(default_factory=list)
+    file: str = ""
 
     def add_bad(self, line: int, reason: str) -> None:
         self.rows_bad += 1
         if len(self.first_bad) < FIRST_BAD_KEPT:
-            self.first_bad.append((line, reason))
+            self.first_bad.append(BadRow(line, reason, self.file))
 
     def merge(self, other: "ParseStats") -> "ParseStats":
         self.rows_ok += other.rows_ok
@@ -60,14 +71,17 @@ class ParseStats:
 
     def summary(self) -> str:
         head = f"{self.rows_ok} rows parsed, {self.rows_bad} malformed rows skipped"
-        if not self.first_bad:
-            return head
-        shown = "; ".join(f"line {n}: {why}" for n, why in self.first_bad[:5])
-        return f"{head} (first: {shown})"
+        return f"{head} (first: {describe_bad(self.to_dict()['first_bad'])})" if self.first_bad else head
 
     def to_dict(self) -> dict:
         return {"rows_ok": self.rows_ok, "rows_bad": self.rows_bad,
-                "first_bad": [{"line": n, "reason": why} for n, why in self.first_bad]}
+                "first_bad": [b._asdict() for b in self.first_bad]}
+
+
+def describe_bad(first_bad: list[dict], most: int = 5) -> str:
+    """'a.tsv:12: label is not 0 or 1; ...' from `ParseStats.to_dict()['first_bad']`."""
+    return "; ".join(f"{os.path.basename(b['file']) + ':' if b['file'] else 'line '}{b['line']}: {b['reason']}"
+                     for b in first_bad[:most])
 
 
 @dataclass
@@ -105,7 +119,7 @@ def iter_blocks(stream: BinaryIO, block_bytes: int, name: str = "") -> Iterator[
     while True:
         try:
             data = stream.read(block_bytes)
-        except (OSError, EOFError, gzip.BadGzipFile) as e:
+        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
             raise DataFormatError(f"{name}: cannot read past line {line_no}: {e}") from None
         if not data:
             break
@@ -127,6 +141,13 @@ def iter_blocks(stream: BinaryIO, block_bytes: int, name: str = "") -> Iterator[
 
 
 # ---- one block -> validated columns ------------------------------------------
+
+def count_fields(line: bytes, schema: Schema) -> int:
+    """Fields on one line (without its line end), honoring quotes when the schema has them."""
+    if not schema.quoted:
+        return line.count(schema.delimiter.encode()) + 1
+    return len(next(csv.reader([line.decode("latin-1")], delimiter=schema.delimiter), []))
+
 
 class BlockParser:
     """Parses blocks of one schema; `labeled=False` reads files without a label.
@@ -229,7 +250,7 @@ class BlockParser:
         good, numbers = [], []
         for i in range(skip_rows, len(pieces)):
             text = pieces[i][:-1] if pieces[i].endswith(b"\r") else pieces[i]
-            n = self._count_fields(text)
+            n = count_fields(text, self.schema)
             if not text:
                 bad.append((first_line + i, "empty line"))
             elif n != ncols:
@@ -239,10 +260,6 @@ class BlockParser:
                 numbers.append(first_line + i)
         return good, numbers
 
-    def _count_fields(self, text: bytes) -> int:
-        if not self.schema.quoted:
-            return text.count(self.schema.delimiter.encode()) + 1
-        return len(next(csv.reader([text.decode("latin-1")], delimiter=self.schema.delimiter), []))
 
     def _read_lines(self, good: list[bytes], lines: list[int], bad: list[tuple[int, str]]) -> pa.Table:
         """Parse well-formed lines as raw bytes; a line pyarrow still rejects
@@ -300,8 +317,9 @@ class BlockParser:
             check(_label_ok(cols[s.label]), f"{s.label} is not 0 or 1")
         for c in s.numeric:
             col = cols[c]
-            check(pc.or_(pc.equal(pc.binary_length(col), 0), pc.match_substring_regex(col, NUMBER_RE)),
-                  f"{c} is not a number")
+            number = pc.match_substring_regex(col, NUMBER_RE)
+            finite = pc.is_finite(pc.cast(_trimmed(pc.if_else(number, col, pa.scalar(b"0"))), pa.float64()))
+            check(pc.or_(pc.equal(pc.binary_length(col), 0), pc.and_(number, finite)), f"{c} is not a number")
         if s.hour:
             digits = pc.match_substring_regex(cols[s.hour], HOUR_RE)
             check(digits, f"{s.hour} is not YYMMDDHH")
@@ -318,9 +336,14 @@ def _labels(col: pa.Array) -> np.ndarray:
     return pc.equal(col, b"1").to_numpy(zero_copy_only=False).astype(np.float32)
 
 
+def _trimmed(col: pa.Array) -> pa.Array:
+    """ASCII text (numbers that passed NUMBER_RE) as strings without surrounding blanks."""
+    return pc.utf8_trim(col.cast(pa.string()), characters=" \t")
+
+
 def _to_float(col: pa.Array) -> np.ndarray:
     """Checked numbers (NUMBER_RE) -> float64, empty -> NaN."""
-    text = pc.utf8_trim(col.cast(pa.string()), characters=" \t")
+    text = _trimmed(col)
     empty = pc.equal(pc.utf8_length(text), 0)
     return pc.cast(pc.if_else(empty, pa.scalar(None, pa.string()), text), pa.float64()).to_numpy(
         zero_copy_only=False)
@@ -352,7 +375,7 @@ class BlockTask:
     first_of_file: bool = False
 
     def run(self) -> tuple[Chunk, ParseStats]:
-        stats = ParseStats()
+        stats = ParseStats(file=self.path)
         chunk = self.parser.parse(self.block, self.first_line, stats, self.skip_rows, self.num_lines)
         if self.first_of_file:
             _check_first_block(self.path, self.parser.schema, stats)
@@ -383,6 +406,14 @@ class Reader:
             if chunk.num_rows:
                 yield chunk
 
+    def probe(self) -> None:
+        """Parse the first block of every file: a missing file, a wrong format
+        or a bad header fails here, before any long work starts."""
+        for path in self.paths:
+            first = next(Reader([path], self.schema, self.block_bytes, self.labeled).tasks(), None)
+            if first is not None:
+                first.run()
+
     def tasks(self) -> Iterator[BlockTask]:
         for path in self.paths:
             with open_binary(path) as f:
@@ -392,7 +423,7 @@ class Reader:
                         parser = self._pick_parser(block)
                         skip = 0
                         if self.schema.header:
-                            self._check_header(path, block)
+                            _check_header(path, parser.schema, block)
                             skip = 1
                         yield BlockTask(parser, path, first_line, block, lines, skip, first_of_file=True)
                     else:
@@ -402,19 +433,19 @@ class Reader:
         if self.labeled is not None:
             return BlockParser(self.schema, labeled=self.labeled, threads=self.threads)
         sample = block[:1 << 16].split(b"\n")[self.schema.header:][:50]
-        sample = [ln for ln in sample if ln]
-        counts = [ln.count(self.schema.delimiter.encode()) + 1 for ln in sample]
+        counts = [count_fields(ln.rstrip(b"\r"), self.schema) for ln in sample if ln]
         unlabeled = len(self.schema.columns) - 1
         labeled = not (counts and sum(c == unlabeled for c in counts) > len(counts) // 2)
         return BlockParser(self.schema, labeled=labeled, threads=self.threads)
 
-    def _check_header(self, path: str, block: bytes) -> None:
-        line = block.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8", "replace")
-        got = [c.strip('"') for c in line.split(self.schema.delimiter)]
-        if got != list(self.schema.columns):
-            raise DataFormatError(
-                f"{path}: header does not match the {self.schema.name} schema: "
-                f"expected {','.join(self.schema.columns)[:120]}, got {line[:120]!r}")
+
+def _check_header(path: str, schema: Schema, block: bytes) -> None:
+    line = block.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8", "replace")
+    got = [c.strip('"') for c in line.split(schema.delimiter)]
+    if got != list(schema.columns):
+        kind = f"the {schema.name} schema" + ("" if schema.label else " without a label")
+        raise DataFormatError(f"{path}: header does not match {kind}: expected "
+                              f"{','.join(schema.columns)[:120]}, got {line[:120]!r}")
 
 
 def _check_first_block(path: str, schema: Schema, st: ParseStats) -> None:

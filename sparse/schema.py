@@ -10,10 +10,11 @@ CSV/TSV is described by a `Schema` built from config (`Schema.from_dict`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sparse.errors import ConfigError
 
+FORMATS = ("criteo", "avazu", "csv")  # csv: any CSV/TSV described by a Schema in the config
 CRITEO_NUMERIC = tuple(f"I{i}" for i in range(1, 14))
 CRITEO_CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
 
@@ -48,7 +49,6 @@ class Schema:
     delimiter: str = "\t"
     header: bool = False
     quoted: bool = False
-    _index: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # An empty label means an unlabeled layout (files to predict on).
@@ -72,15 +72,11 @@ class Schema:
             raise ConfigError(f"schema {self.name!r}: delimiter must be one character, got {self.delimiter!r}")
         if not self.numeric and not self.categorical and not self.hour:
             raise ConfigError(f"schema {self.name!r}: no feature columns")
-        self._index.update({c: i for i, c in enumerate(self.columns)})
 
     @property
     def fields(self) -> tuple[str, ...]:
         """Feature fields in model order (one hashed id per field per row)."""
         return self.numeric + self.categorical + (HOUR_FIELDS if self.hour else ())
-
-    def column_index(self, name: str) -> int:
-        return self._index[name]
 
     def without_label(self) -> "Schema":
         """The same layout for unlabeled files (the label column absent)."""

@@ -1,4 +1,4 @@
-"""Versioned model directories without pickle.
+"""Versioned model directories of plain records: safetensors arrays + a JSON manifest.
 
     MODEL_DIR/
       CURRENT                  name of the version in service ("v000002")
@@ -86,6 +86,7 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
             (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
             for f in tmp.iterdir():
                 _fsync_file(f)
+            _publishable(tmp)
             try:
                 os.rename(tmp, d / version)  # fails if another writer took the name
                 break
@@ -120,6 +121,16 @@ def load_version(model_dir: str | os.PathLike, version: str | None = None,
     except (OSError, SafetensorError) as e:
         raise ModelDirError(f"{vdir}: cannot read tensors: {e}") from None
     return manifest, weights, opt
+
+
+def _publishable(vdir: Path) -> None:
+    """mkdtemp makes 0700 dirs: give the version the modes of the process umask
+    (default 755/644), so a server running as another user can read it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(vdir, 0o777 & ~umask)
+    for f in vdir.iterdir():
+        os.chmod(f, 0o666 & ~umask)
 
 
 def _fsync_file(path: Path) -> None:

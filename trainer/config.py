@@ -18,10 +18,9 @@ from typing import Any, Mapping
 
 from sparse.errors import ConfigError
 from sparse.hashing import HashSpec
-from sparse.schema import Schema, builtin
+from sparse.schema import FORMATS, Schema, builtin
 
 ENV_PREFIX = "MARIANA_"
-FORMATS = ("criteo", "avazu", "csv")
 
 
 @dataclass
@@ -65,6 +64,10 @@ class ModelConfig:
             raise ConfigError(f"model.interaction: unknown {self.interaction!r} (use 'fm', 'dot' or 'proj')")
         if self.embed_dim < 1 or any(h < 1 for h in self.hidden):
             raise ConfigError("model.embed_dim and model.hidden must be positive")
+        if self.slots < 2:
+            raise ConfigError(f"model.slots must be >= 2 (pairs of slots are dotted), got {self.slots}")
+        if self.init_scale < 0:
+            raise ConfigError(f"model.init_scale must be >= 0, got {self.init_scale}")
 
 
 @dataclass
@@ -82,9 +85,12 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.linear not in ("adagrad", "ftrl"):
             raise ConfigError(f"optim.linear: unknown optimizer {self.linear!r} (use 'adagrad' or 'ftrl')")
-        for name in ("lr", "embed_lr", "dense_lr", "ftrl_alpha"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"optim.{name} must be > 0")
+        for name in ("lr", "embed_lr", "dense_lr", "ftrl_alpha", "initial_accumulator"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"optim.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("ftrl_beta", "ftrl_l1", "ftrl_l2"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -198,7 +204,9 @@ def read_toml(path: str | os.PathLike) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
 
 

@@ -5,7 +5,8 @@ memory stays at a few blocks whatever the file size.
 """
 from __future__ import annotations
 
-from collections import deque
+import queue
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
@@ -18,8 +19,8 @@ class BatchStream:
     """Iterate encoded blocks of `paths` (or, with `batch_rows`, batches of that
     many rows with their unique ids found); `stats` holds the parse counts.
 
-    `workers` threads parse, hash and dedupe blocks while the caller trains;
-    blocks come out in file order. Iterating again re-reads the files (one
+    A reader thread reads (and gunzips) blocks, `workers` threads parse, hash
+    and dedupe them while the caller trains; blocks come out in file order. Iterating again re-reads the files (one
     epoch per iteration). An error on a worker (a wrong format) is raised in
     the caller where the failing block would have been.
     """
@@ -35,18 +36,33 @@ class BatchStream:
     def __iter__(self) -> Iterator[SparseBatch]:
         reader = Reader(self.paths, self.encoder.schema, self.block_bytes, self.labeled, self.threads)
         self.stats = ParseStats()
-        pending: deque[Future] = deque()
+        # Futures in file order; the bound keeps memory at a few blocks.
+        futures: queue.Queue = queue.Queue(maxsize=self.prefetch + self.workers)
+        stop = threading.Event()
         with ThreadPoolExecutor(self.workers, thread_name_prefix="mariana-parse") as pool:
+            def feed() -> None:  # reading and gunzip happen here, off the training thread
+                try:
+                    for i, task in enumerate(reader.tasks()):
+                        if not _put(futures, pool.submit(self._process, task, f"b{i}"), stop):
+                            return
+                    _put(futures, None, stop)
+                except BaseException as e:  # raised in the consumer, in order
+                    _put(futures, e, stop)
+
+            feeder = threading.Thread(target=feed, name="mariana-read", daemon=True)
+            feeder.start()
             try:
-                for i, task in enumerate(reader.tasks()):
-                    pending.append(pool.submit(self._process, task, f"b{i}"))
-                    while len(pending) > self.prefetch + self.workers - 1:
-                        yield from self._collect(pending.popleft())
-                while pending:
-                    yield from self._collect(pending.popleft())
+                while (item := futures.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield from self._collect(item)
             finally:
-                for fut in pending:
-                    fut.cancel()
+                stop.set()
+                while not futures.empty():
+                    item = futures.get_nowait()
+                    if isinstance(item, Future):
+                        item.cancel()
+                feeder.join()
 
     def _collect(self, fut: Future) -> list[SparseBatch]:
         batches, stats = fut.result()
@@ -64,3 +80,14 @@ class BatchStream:
         for b in batches:
             b.unique()
         return batches, stats
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put unless the consumer has stopped; False when it has."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False

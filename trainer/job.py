@@ -7,6 +7,9 @@ import logging
 import os
 from typing import Callable
 
+from sparse.errors import MarianaError
+from sparse.parse import Reader, describe_bad
+from sparse.schema import Schema
 from trainer.bundle import ModelBundle
 from trainer.config import JobConfig
 from trainer.strategies.local import Progress, evaluate, peak_rss_mb, train_local
@@ -14,13 +17,30 @@ from trainer.strategies.local import Progress, evaluate, peak_rss_mb, train_loca
 log = logging.getLogger(__name__)
 
 
-def check_inputs(paths: list[str]) -> None:
-    """Fail before any work when a data path is missing or not a file."""
+def check_inputs(paths: list[str], schema: Schema | None = None, labeled: bool | None = True) -> None:
+    """Fail before any work when a data path is missing, not a file, or (given
+    a schema) not in that format."""
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(errno.ENOENT, "no such file", p)
         if os.path.isdir(p):
             raise IsADirectoryError(errno.EISDIR, "is a directory, not a data file", p)
+    if schema is not None:
+        Reader(paths, schema, labeled=labeled).probe()
+
+
+def check_out_dir(path: str) -> None:
+    """The model directory must be a writable directory, or creatable."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", path)
+        probe = path
+    else:
+        probe = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "not writable", probe)
 
 
 def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,
@@ -29,14 +49,20 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
 
     Returns the result record (metrics, throughput, the version written).
     """
-    check_inputs(train_paths + test_paths)
-    bundle = ModelBundle(config, config.data.resolve_schema())
+    if not train_paths:
+        raise MarianaError("no training files given")
+    schema = config.data.resolve_schema()
+    check_inputs(train_paths + test_paths, schema)
+    check_out_dir(out_dir)
+    bundle = ModelBundle(config, schema)
     log.info("training %s on %s (%d fields, %d dense, 2^%d ids)", config.model.kind,
              ",".join(train_paths), bundle.encoder.num_fields, bundle.encoder.dense_dim, config.hashing.bits)
     trained = train_local(bundle, train_paths, on_progress)
     if trained.parse["rows_bad"]:
-        log.warning("skipped %d malformed training rows (first: %s)", trained.parse["rows_bad"],
-                    "; ".join(f"line {b['line']}: {b['reason']}" for b in trained.parse["first_bad"][:3]))
+        log.warning("skipped %d malformed training rows per pass (first: %s)", trained.parse["rows_bad"],
+                    describe_bad(trained.parse["first_bad"], 3))
+    if trained.train_rows == 0:
+        raise MarianaError(f"no valid training rows in {', '.join(train_paths)}: nothing to publish")
     metrics, test_parse = ({}, None)
     if test_paths:
         metrics, test_parse = evaluate(bundle, test_paths)

@@ -67,7 +67,8 @@ def test_predict_prints_one_pctr_per_row_in_order(models, gen_files, tmp_path):
     assert proc.returncode == 0, proc.stderr
     got = np.array([float(x) for x in proc.stdout.split()])
     assert len(got) == 48 and ((got > 0) & (got < 1)).all()
-    assert "skipped 2 malformed rows" in proc.stderr and "line 11" in proc.stderr and "line 21" in proc.stderr
+    assert "skipped 2 malformed rows" in proc.stderr
+    assert "p.tsv:11: expected 40 fields, got 2" in proc.stderr and "p.tsv:21: I1 is not a number" in proc.stderr
     bundle = ModelBundle.load(str(models["dir"]))
     want = np.concatenate([bundle.predict(b) for b in BatchStream([str(data)], bundle.encoder)])
     np.testing.assert_allclose(got, want, atol=1e-7)
@@ -98,6 +99,10 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
     garbage.write_bytes(bytes(range(256)) * 40)
     csv = tmp_path / "x.csv"
     csv.write_text("a,b,c\n1,2,3\n")
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    unlabeled = tmp_path / "u.tsv"
+    unlabeled.write_text("".join(ln.split("\t", 1)[1] + "\n" for ln in gen_files["test"].read_text().splitlines()[:20]))
     cases = [
         (("train", "--data", tmp_path / "missing.tsv", "--out", tmp_path / "o"), ["missing.tsv", "no such file"]),
         (("train", "--data", gen_files["test"], "--format", "parquet", "--out", tmp_path / "o"), ["parquet"]),
@@ -111,6 +116,16 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
         (("predict", "--model", models["dir"], "--data", tmp_path), ["is a directory"]),
         (("predict", "--model", models["dir"], "--data", gen_files["test"], "--format", "avazu"), ["does not match"]),
         (("gen", "criteo", "--rows", "10", "--out", tmp_path / "no" / "dir" / "f.tsv"), ["does not exist"]),
+        (("gen", "criteo", "--rows", "10", "--out", tmp_path), ["is a directory"]),
+        (("train", "--data", empty, "--out", tmp_path / "o"), ["no valid training rows"]),
+        (("train", "--data", ",", "--out", tmp_path / "o"), ["no training files"]),
+        # checked before training starts: a bad test file, a second bad data file, an --out that is a file
+        (("train", "--data", gen_files["test"], "--test-data", unlabeled, "--out", tmp_path / "o"),
+         ["u.tsv: not in criteo format"]),
+        (("train", "--data", f"{gen_files['test']},{csv}", "--out", tmp_path / "o"), ["x.csv: not in criteo format"]),
+        (("train", "--data", gen_files["test"], "--out", csv), ["x.csv: exists and is not a directory"]),
+        (("train", "--data", gen_files["test"], "--set", "model.slots=1", "--out", tmp_path / "o"), ["model.slots"]),
+        (("evaluate", "--model", models["dir"], "--data", unlabeled), ["not in criteo format"]),
     ]
     for args, needles in cases:
         one_line_error(run_cli(*args), *needles)

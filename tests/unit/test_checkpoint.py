@@ -78,3 +78,17 @@ def test_bad_model_dirs_raise_clear_errors(tmp_path):
     (bad / "v000001" / "weights.safetensors").write_bytes(b"garbage")
     with pytest.raises(ModelDirError, match="cannot read tensors"):
         ModelBundle.load(str(bad))
+
+
+def test_versions_are_readable_by_other_users(tmp_path, gen_files):
+    import os
+    import stat
+
+    bundle = trained("lr", gen_files["train"])
+    old = os.umask(0o022)
+    try:
+        vdir = tmp_path / "m" / bundle.save(str(tmp_path / "m"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(vdir.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in vdir.iterdir()} == {0o644}

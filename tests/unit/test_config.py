@@ -17,7 +17,7 @@ def test_layers_of_config(tmp_path):
     ({"model.kidn": "lr"}, "unknown key 'model.kidn'"),
     ({"train.epochs": "two"}, "train.epochs: expected an integer"),
     ({"train.epochs": 0}, "train.epochs"),
-    ({"hashing.bits": 99}, "hashing.bits must be in 1..40"),
+    ({"hashing.bits": 99}, "hashing.bits must be in 1..32"),
     ({"model.kind": "gbdt"}, "unknown model 'gbdt'"),
     ({"data.format": "parquet"}, "unknown format 'parquet'"),
     ({"data.format": "csv"}, "needs a \\[data.schema\\]"),

@@ -27,6 +27,10 @@ def values(col) -> list[bytes]:
     return col.to_pylist()
 
 
+def bad_rows(stats) -> list[tuple[int, str]]:
+    return [(b.line, b.reason) for b in stats.first_bad]
+
+
 def read_all(path, schema=None, **kw):
     r = Reader([path], schema or criteo(), **kw)
     chunks = list(r)
@@ -61,7 +65,7 @@ def test_malformed_rows_are_counted_with_line_numbers(tmp_path):
     ] + [GOOD] * 10                             # (a mostly-bad first block would mean a wrong format)
     chunks, stats = read_all(write(tmp_path, "bad.tsv", "\n".join(lines) + "\n"))
     assert stats.rows_ok == 13 and stats.rows_bad == 6
-    assert stats.first_bad == [
+    assert bad_rows(stats) == [
         (2, "expected 40 fields, got 24"),
         (3, "I3 is not a number"),
         (4, "label is not 0 or 1"),
@@ -78,7 +82,7 @@ def test_non_utf8_bytes_are_fine_in_categories_and_bad_in_numbers(tmp_path):
     good = GOOD.replace("00000000", "\xff\xfe0000", 1).encode("latin-1")
     bad = GOOD.replace("\t5\t", "\t\xff\t", 1).encode("latin-1")
     chunks, stats = read_all(write(tmp_path, "bytes.tsv", b"\n".join([good, bad, good]) + b"\n"))
-    assert stats.rows_ok == 2 and stats.first_bad == [(2, "I1 is not a number")]
+    assert stats.rows_ok == 2 and bad_rows(stats) == [(2, "I1 is not a number")]
     assert values(chunks[0].columns["C1"])[0] == b"\xff\xfe0000"
 
 
@@ -104,7 +108,7 @@ def test_small_blocks_give_the_same_rows_and_lines(tmp_path):
     small, small_stats = read_all(path, block_bytes=1024)
     assert len(small) > 10
     assert small_stats.rows_ok == big_stats.rows_ok == 298
-    assert small_stats.first_bad == big_stats.first_bad == [
+    assert bad_rows(small_stats) == bad_rows(big_stats) == [
         (102, "expected 40 fields, got 1"), (251, "label is not 0 or 1")]
     assert np.concatenate([c.labels for c in small]).tolist() == np.concatenate([c.labels for c in big]).tolist()
 
@@ -145,7 +149,7 @@ def test_avazu_hour_becomes_hour_of_day_and_weekday(tmp_path):
                       avazu_row(3, hour="14133100"), avazu_row(4, hour="1410")]) + "\n"
     chunks, stats = read_all(write(tmp_path, "avazu.csv", text), avazu())
     assert stats.rows_ok == 2
-    assert stats.first_bad == [(4, "hour is not a valid date and hour"), (5, "hour is not YYMMDDHH")]
+    assert bad_rows(stats) == [(4, "hour is not a valid date and hour"), (5, "hour is not YYMMDDHH")]
     c = chunks[0]
     assert c.columns["hour_of_day"].tolist() == [0, 23]
     assert c.columns["weekday"].tolist() == [1, 5]  # 2014-10-21 Tuesday, 2014-10-25 Saturday
@@ -158,7 +162,7 @@ def test_generic_csv_schema_with_quotes(tmp_path):
                                "delimiter": ",", "header": True, "quoted": True})
     text = 'y,age,city,note\n1,31,"New York, NY",x\n0,,Paris,"a ""q"""\n1,abc,Rome,z\n'
     chunks, stats = read_all(write(tmp_path, "ads.csv", text), schema)
-    assert stats.rows_ok == 2 and stats.first_bad == [(4, "age is not a number")]
+    assert stats.rows_ok == 2 and bad_rows(stats) == [(4, "age is not a number")]
     assert values(chunks[0].columns["city"]) == [b"New York, NY", b"Paris"]
     assert np.isnan(chunks[0].columns["age"][1])
 
@@ -194,4 +198,28 @@ def test_both_paths_agree_on_number_like_text(value):
 def test_labels_must_be_exactly_0_or_1(tmp_path, label):
     path = write(tmp_path, "l.tsv", "\n".join([label + GOOD[1:]] + [GOOD] * 3) + "\n")
     _, stats = read_all(path)
-    assert stats.rows_ok == 3 and stats.first_bad == [(1, "label is not 0 or 1")]
+    assert stats.rows_ok == 3 and bad_rows(stats) == [(1, "label is not 0 or 1")]
+
+
+def test_bad_rows_name_their_file_and_large_exponents_are_not_numbers(tmp_path):
+    a = write(tmp_path, "a.tsv", "\n".join([GOOD] * 4) + "\n")
+    b = write(tmp_path, "b.tsv", "\n".join([GOOD] * 3 + [GOOD.replace("\t3\t", "\t1e400\t", 1)]) + "\n")
+    r = Reader([a, b], criteo())
+    list(r)
+    assert r.stats.first_bad == [(4, "I3 is not a number", b)]
+    assert r.stats.to_dict()["first_bad"] == [{"line": 4, "reason": "I3 is not a number", "file": b}]
+    assert "b.tsv:4: I3 is not a number" in r.stats.summary()
+
+
+def test_corrupt_gzip_is_a_data_error(tmp_path):
+    raw = bytearray(gzip.compress(("\n".join([GOOD] * 2000) + "\n").encode(), compresslevel=1))
+    raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(64)
+    with pytest.raises(DataFormatError, match="cannot read past line"):
+        read_all(write(tmp_path, "c.tsv.gz", bytes(raw)))
+
+
+def test_unlabeled_file_with_header(tmp_path):
+    header = ",".join(c for c in avazu().columns if c != "click")
+    row = ",".join(["1", "14102100"] + [f"v{j}" for j in range(21)])
+    chunks, stats = read_all(write(tmp_path, "t.csv", f"{header}\n{row}\n"), avazu(), labeled=None)
+    assert stats.rows_ok == 1 and chunks[0].labels is None

@@ -75,11 +75,12 @@ def pool_fields(x: ModelInput, table: str) -> torch.Tensor:
     emb = torch.index_select(x.rows[table], 0, x.local_ids)  # (nnz, dim); backward is index_add
     if x.values is not None:
         emb = emb * x.values[:, None]
+    dim = x.rows[table].shape[1]  # explicit: a schema may have no sparse fields at all
     if x.fixed:
-        return emb.view(x.num_rows, x.num_fields, -1)
+        return emb.view(x.num_rows, x.num_fields, dim)
     slots = x.row_index * x.num_fields + x.fields
-    out = emb.new_zeros(x.num_rows * x.num_fields, emb.shape[1])
-    return out.index_add(0, slots, emb).view(x.num_rows, x.num_fields, -1)
+    out = emb.new_zeros(x.num_rows * x.num_fields, dim)
+    return out.index_add(0, slots, emb).view(x.num_rows, x.num_fields, dim)
 
 
 class CTRModel(nn.Module):

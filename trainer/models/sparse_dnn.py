@@ -1,17 +1,22 @@
 """Sparse DNN click model: an embedding per field, a pairwise interaction
-layer, an MLP, and a wide linear part — DeepFM (default) or DLRM style.
+layer, an MLP, and a wide linear part.
 
-    SparseArch       ids -> per-field embeddings                  (B, F, D)
-    DenseArch        dense block -> one more "field"               (B, 1, D)
+    embeddings         ids -> per-field embeddings                 (B, F, D)
+    dense_arch         dense block -> one more "field"              (B, 1, D)
+    interaction "proj" (default) dot products among K learned mixtures of
+                       the fields                                   (B, K(K-1)/2)
+                       -> over_arch MLP                             (B,)
+    interaction "dot"  (DLRM) the dot product of every field pair   (B, F(F-1)/2)
+                       -> over_arch MLP                             (B,)
     interaction "fm"   (DeepFM) sum over all field pairs of <e_i, e_j>, in
                        O(F D) by the square-of-sum trick            (B,)
-                       + DeepArch MLP over the concatenated fields  (B,)
-    interaction "dot"  (DLRM) the dot product of every field pair   (B, F(F-1)/2)
-                       -> OverArch MLP                              (B,)
-    wide             per-id linear weights, summed                 (B,)
+                       + deep_arch MLP over the concatenated fields (B,)
+    wide               per-id linear weights, summed                (B,)
 
-"fm" costs O(F D + F D H) per row; "dot" costs O(F^2 D + F^2 H), about 5x
-more on Criteo's 39 fields, for a little more accuracy on pair effects.
+Per row, "proj" costs O(F D K + K^2 D + K^2 H), "dot" O(F^2 D + F^2 H) and
+"fm" O(F D H). On 1M planted-model rows (docs/benchmarks.md) "dot" is the most
+accurate and about 4x slower than "proj"; "fm" is fast but barely beats LR
+there, because one shared embedding per value must serve every pair.
 """
 from __future__ import annotations
 

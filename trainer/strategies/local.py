@@ -2,10 +2,9 @@
 updating in-process tables, then evaluates. Read top to bottom:
 
     for epoch:
-        for block in stream(files):          # parsed + hashed in a background thread
-            for batch in block.split(B):
-                local_step(bundle, batch)     # pull rows -> ps_step.compute_grads -> apply
-            report progress (rows/s, loss)
+        for batch in stream(files):          # read, parsed, hashed, deduped on other threads
+            local_step(bundle, batch)         # pull rows -> ps_step.compute_grads -> apply
+            report progress (rows/s, loss) about once a second
     evaluate(bundle, test files)
 """
 from __future__ import annotations

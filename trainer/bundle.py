@@ -33,7 +33,8 @@ class ModelBundle:
             t.name: HashedTable(t.name, config.hashing.num_ids, t.dim, t.init_scale, seed=config.model.seed)
             for t in self.model.tables}
         self.optimizers = {t.name: table_optimizer(config, t.role) for t in self.model.tables}
-        self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr, initial_accumulator=0.1),
+        self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,
+                                                initial_accumulator=config.optim.initial_accumulator),
                                         [p.data.numpy() for p in self.model.parameters()])
         self.rows_trained = 0
         self.steps = 0
@@ -100,7 +101,10 @@ class ModelBundle:
                 raise ModelDirError(f"{model_dir}: weights lack dense.{pname}") from None
         for name, t in bundle.tables.items():
             state = {k.rsplit(".", 1)[1]: v for k, v in optim.items() if k.startswith(f"table.{name}.")}
-            t.load_rows(weights[f"table.{name}.rows"], weights[f"table.{name}.weights"], state)
+            try:
+                t.load_rows(weights[f"table.{name}.rows"], weights[f"table.{name}.weights"], state)
+            except KeyError as e:
+                raise ModelDirError(f"{model_dir}: weights lack {e}") from None
         for (pname, _), st in zip(bundle.model.named_parameters(), bundle.dense_opt.state):
             for key in st:
                 if f"dense.{pname}.{key}" in optim:

@@ -115,6 +115,7 @@ def _job_config(args: argparse.Namespace):
 
 def _model_and_data(args: argparse.Namespace):
     """(the CURRENT version of --model, the --data paths), checked before any work."""
+    from sparse.parse import Reader
     from trainer.bundle import ModelBundle
     from trainer.job import check_inputs
 
@@ -126,7 +127,7 @@ def _model_and_data(args: argparse.Namespace):
     if args.format and args.format != bundle.config.data.format:
         raise MarianaError(f"{args.model}: the model reads {bundle.config.data.format} rows; "
                            f"--format {args.format} does not match")
-    check_inputs(paths, bundle.schema, labeled=None if args.command == "predict" else True)
+    Reader(paths, bundle.schema, labeled=None if args.command == "predict" else True).probe()
     freeze_imports()
     return bundle, paths
 

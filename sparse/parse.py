@@ -233,7 +233,7 @@ class BlockParser:
     def _parse_checked(self, block: bytes, first_line: int, stats: ParseStats, skip_rows: int) -> Chunk:
         bad: list[tuple[int, str]] = []
         good, lines = self._split_lines(block, first_line, skip_rows, bad)
-        table = self._read_lines(good, lines, bad)
+        table, lines = self._read_lines(good, lines, bad)
         chunk = self._validate(table, np.asarray(lines, np.int64), bad, first_line)
         for line, why in sorted(bad):
             stats.add_bad(line, why)
@@ -260,15 +260,15 @@ class BlockParser:
                 numbers.append(first_line + i)
         return good, numbers
 
-
-    def _read_lines(self, good: list[bytes], lines: list[int], bad: list[tuple[int, str]]) -> pa.Table:
-        """Parse well-formed lines as raw bytes; a line pyarrow still rejects
-        (a stray quote) is found by parsing the lines one by one."""
+    def _read_lines(self, good: list[bytes], lines: list[int],
+                    bad: list[tuple[int, str]]) -> tuple[pa.Table, list[int]]:
+        """(table of well-formed lines as raw bytes, their line numbers); a line
+        pyarrow still rejects (a stray quote) is found by parsing lines one by one."""
         empty = pa.table({c: pa.array([], pa.binary()) for c in self.needed})
         if not good:
-            return empty
+            return empty, []
         try:
-            return self._read(b"\n".join(good) + b"\n", self._checked_convert, False, 0)
+            return self._read(b"\n".join(good) + b"\n", self._checked_convert, False, 0), lines
         except pa.ArrowInvalid:
             pass
         tables, keep = [], []
@@ -278,8 +278,7 @@ class BlockParser:
                 keep.append(line)
             except pa.ArrowInvalid as e:
                 bad.append((line, f"cannot parse: {str(e).splitlines()[0][:80]}"))
-        lines[:] = keep
-        return pa.concat_tables(tables) if tables else empty
+        return (pa.concat_tables(tables) if tables else empty), keep
 
     def _validate(self, table: pa.Table, lines: np.ndarray, bad: list[tuple[int, str]],
                   first_line: int) -> Chunk:

@@ -20,9 +20,10 @@ class BatchStream:
     many rows with their unique ids found); `stats` holds the parse counts.
 
     A reader thread reads (and gunzips) blocks, `workers` threads parse, hash
-    and dedupe them while the caller trains; blocks come out in file order. Iterating again re-reads the files (one
-    epoch per iteration). An error on a worker (a wrong format) is raised in
-    the caller where the failing block would have been.
+    and dedupe them while the caller trains; blocks come out in file order.
+    Iterating again re-reads the files (one epoch per iteration). An error on
+    a worker (a wrong format) is raised in the caller where the failing block
+    would have been.
     """
 
     def __init__(self, paths: list[str], encoder: Encoder, block_bytes: int = 8 << 20,

@@ -9,7 +9,6 @@ from typing import Callable
 
 from sparse.errors import MarianaError
 from sparse.parse import Reader, describe_bad
-from sparse.schema import Schema
 from trainer.bundle import ModelBundle
 from trainer.config import JobConfig
 from trainer.strategies.local import Progress, evaluate, peak_rss_mb, train_local
@@ -17,16 +16,13 @@ from trainer.strategies.local import Progress, evaluate, peak_rss_mb, train_loca
 log = logging.getLogger(__name__)
 
 
-def check_inputs(paths: list[str], schema: Schema | None = None, labeled: bool | None = True) -> None:
-    """Fail before any work when a data path is missing, not a file, or (given
-    a schema) not in that format."""
+def check_inputs(paths: list[str]) -> None:
+    """Fail before any work when a data path is missing or not a file."""
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(errno.ENOENT, "no such file", p)
         if os.path.isdir(p):
             raise IsADirectoryError(errno.EISDIR, "is a directory, not a data file", p)
-    if schema is not None:
-        Reader(paths, schema, labeled=labeled).probe()
 
 
 def check_out_dir(path: str) -> None:
@@ -52,7 +48,8 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
     if not train_paths:
         raise MarianaError("no training files given")
     schema = config.data.resolve_schema()
-    check_inputs(train_paths + test_paths, schema)
+    check_inputs(train_paths + test_paths)
+    Reader(train_paths + test_paths, schema).probe()  # a wrong format fails now, not after training
     check_out_dir(out_dir)
     bundle = ModelBundle(config, schema)
     log.info("training %s on %s (%d fields, %d dense, 2^%d ids)", config.model.kind,

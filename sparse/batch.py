@@ -136,6 +136,65 @@ class SparseBatch:
         out["labels"] = None if self.labels is None else torch.from_numpy(self.labels)
         return out
 
+    def to_arrays(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(meta, named arrays) for the wire and the sample cache: the unique
+        ids and each entry's int32 index into them (smaller than the ids, and
+        the step needs them anyway); the CSR layout only when not fixed-width.
+        `from_arrays` is the inverse."""
+        uniq, inverse = self.unique()
+        if len(uniq) > np.iinfo(np.int32).max:
+            raise DataFormatError(f"batch {self.batch_id!r}: too many distinct ids for the wire")
+        arrays = {"uniq": np.ascontiguousarray(uniq, np.int64),
+                  "inverse": np.ascontiguousarray(inverse, np.int32),
+                  "dense": np.ascontiguousarray(self.dense, np.float32)}
+        if self.labels is not None:
+            arrays["labels"] = np.ascontiguousarray(self.labels, np.float32)
+        if self.values is not None:
+            arrays["values"] = np.ascontiguousarray(self.values, np.float32)
+        fixed = self.fixed_width
+        if not fixed:
+            arrays["indptr"] = np.ascontiguousarray(self.indptr, np.int64)
+            arrays["fields"] = np.ascontiguousarray(self.fields, np.int32)
+        meta = {"rows": self.num_rows, "num_fields": self.num_fields, "num_ids": self.num_ids,
+                "fixed": fixed, "batch_id": self.batch_id}
+        return meta, arrays
+
+    @classmethod
+    def from_arrays(cls, meta: dict, arrays: dict[str, np.ndarray]) -> "SparseBatch":
+        """Rebuild and validate a batch from `to_arrays` output (e.g. off the wire).
+
+        >>> b = SparseBatch.from_fixed(np.array([[3, 7], [3, 9]]), num_ids=16, labels=np.ones(2, np.float32))
+        >>> c = SparseBatch.from_arrays(*b.to_arrays())
+        >>> c.ids.tolist(), c.unique()[0].size
+        ([3, 7, 3, 9], 3)
+        """
+        try:
+            rows, f, n = int(meta["rows"]), int(meta["num_fields"]), int(meta["num_ids"])
+            fixed, batch_id = bool(meta["fixed"]), str(meta.get("batch_id", ""))
+            uniq, inverse = arrays["uniq"], arrays["inverse"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataFormatError(f"bad SparseBatch arrays: missing or wrong {e}") from None
+        if uniq.ndim != 1 or inverse.ndim != 1 or (inverse.size and uniq.size == 0):
+            raise DataFormatError("bad SparseBatch arrays: uniq and inverse must be 1-d")
+        if inverse.size and (int(inverse.min()) < 0 or int(inverse.max()) >= uniq.size):
+            raise DataFormatError(f"bad SparseBatch arrays: inverse must lie in [0, {uniq.size})")
+        inverse = inverse.astype(np.int64)
+        if fixed:
+            if inverse.size != rows * f:
+                raise DataFormatError(f"bad SparseBatch arrays: {inverse.size} entries for {rows} rows x {f} fields")
+            indptr = np.arange(0, rows * f + 1, f, dtype=np.int64) if f else np.zeros(rows + 1, np.int64)
+            fields = np.tile(np.arange(f, dtype=np.int32), rows)
+        elif "indptr" in arrays and "fields" in arrays:
+            indptr, fields = arrays["indptr"], arrays["fields"]
+        else:
+            raise DataFormatError("bad SparseBatch arrays: a batch that is not fixed-width needs indptr and fields")
+        batch = cls(ids=uniq[inverse], indptr=indptr, fields=fields, num_fields=f, num_ids=n,
+                    values=arrays.get("values"), dense=arrays.get("dense"), labels=arrays.get("labels"),
+                    batch_id=batch_id, _fixed=fixed or None)
+        batch.validate()
+        batch.set_unique(uniq, inverse)
+        return batch
+
     def validate(self) -> "SparseBatch":
         """Check shapes, dtypes and bounds; for batches that come from outside."""
         def need(cond: bool, what: str) -> None:

@@ -115,7 +115,22 @@ def open_binary(path: str | os.PathLike) -> BinaryIO:
 
 def iter_blocks(stream: BinaryIO, block_bytes: int, name: str = "") -> Iterator[tuple[int, bytes, int]]:
     """Yield (first line number, bytes of whole lines, number of lines) blocks of ~block_bytes."""
-    line_no, carry = 1, b""
+    for _, first_line, block, lines in iter_spans(stream, block_bytes, name):
+        yield first_line, block, lines
+
+
+def iter_spans(stream: BinaryIO, block_bytes: int, name: str = "", offset: int = 0,
+               line_no: int = 1) -> Iterator[tuple[int, int, bytes, int]]:
+    """Yield (byte offset, first line number, bytes of whole lines, number of
+    lines) from `stream` positioned at `offset` (of the decompressed bytes),
+    whose first line is number `line_no`: a reader that recorded where it got
+    to resumes there. The last line gains a newline if the file lacks one.
+
+    >>> import io
+    >>> [(o, n, b) for o, n, b, _ in iter_spans(io.BytesIO(b"a\\nbb\\nc"), 3)]
+    [(0, 1, b'a\\n'), (2, 2, b'bb\\n'), (5, 3, b'c\\n')]
+    """
+    carry = b""
     while True:
         try:
             data = stream.read(block_bytes)
@@ -134,10 +149,24 @@ def iter_blocks(stream: BinaryIO, block_bytes: int, name: str = "") -> Iterator[
             continue
         block, carry = data[:cut], data[cut:]
         lines = block.count(b"\n")
-        yield line_no, block, lines
+        yield offset, line_no, block, lines
+        offset += cut
         line_no += lines
     if carry:
-        yield line_no, carry + b"\n", 1
+        yield offset, line_no, carry + b"\n", 1
+
+
+def read_span(path: str, offset: int, length: int) -> bytes:
+    """The `length` bytes of (decompressed) `path` at `offset`, as `iter_spans`
+    yielded them: a chunk read again, e.g. to refill a cache."""
+    with open_binary(path) as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) == length - 1 and not data.endswith(b"\n"):
+        data += b"\n"  # the file's last line, without its newline
+    if len(data) != length or not data.endswith(b"\n"):
+        raise DataFormatError(f"{path}: has changed: the {length} bytes at offset {offset} are not whole lines")
+    return data
 
 
 # ---- one block -> validated columns ------------------------------------------

@@ -210,13 +210,18 @@ def read_toml(path: str | os.PathLike) -> dict:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
 
 
-def env_overrides(env: Mapping[str, str]) -> dict:
-    """`MARIANA_TRAIN__EPOCHS=3` -> {"train": {"epochs": 3}} (double underscore nests)."""
+def env_overrides(env: Mapping[str, str], sections: set[str] | None = None) -> dict:
+    """`MARIANA_TRAIN__EPOCHS=3` -> {"train": {"epochs": 3}} (double underscore nests).
+
+    With `sections`, only variables of those top-level sections count: the
+    job config and the cluster config share the prefix, not their sections.
+    """
     tree: dict = {}
     for name, raw in env.items():
         if name.startswith(ENV_PREFIX) and "__" in name:
             dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
-            _set_dotted(tree, dotted, _parse_scalar(raw))
+            if sections is None or dotted.split(".", 1)[0] in sections:
+                _set_dotted(tree, dotted, _parse_scalar(raw))
     return tree
 
 
@@ -226,7 +231,8 @@ def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | 
     tree: dict = {}
     if path:
         _merge(tree, read_toml(path))
-    _merge(tree, env_overrides(os.environ if env is None else env))
+    sections = {f.name for f in dataclasses.fields(cls)}
+    _merge(tree, env_overrides(os.environ if env is None else env, sections))
     for dotted, value in (overrides or {}).items():
         _set_dotted(tree, dotted, value)
     return from_dict(cls, tree)

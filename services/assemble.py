@@ -1,0 +1,122 @@
+"""Glue between a cluster job and the trainer, without sockets: checking a
+submitted job, and turning the shards' exports into one model version in the
+same format as local mode (so evaluate, predict and serving need not know
+how a model was trained).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from sparse.errors import ConfigError
+from sparse.parse import Reader
+from trainer.bundle import ModelBundle
+from trainer.config import JobConfig, from_dict
+from trainer.job import check_inputs, check_out_dir
+from trainer.strategies.local import evaluate, peak_rss_mb
+
+MODES = ("async", "ssp", "bsp")
+
+
+def check_request(body: dict) -> tuple[dict, dict]:
+    """A submitted job -> (request, spec), or ConfigError/OSError naming what is wrong.
+
+    body: {"data": [paths], "test_data": [paths], "out": dir, "config": {job config},
+           "mode": "async" | "ssp" | "bsp", "staleness": k}
+    """
+    if not isinstance(body, dict):
+        raise ConfigError("the job must be a JSON object")
+    unknown = set(body) - {"data", "test_data", "out", "config", "mode", "staleness"}
+    if unknown:
+        raise ConfigError(f"unknown job key {sorted(unknown)[0]!r} "
+                          "(known: config, data, mode, out, staleness, test_data)")
+    config = from_dict(JobConfig, body.get("config") or {}, "config")
+    data, tests = _paths(body, "data"), _paths(body, "test_data")
+    if not data:
+        raise ConfigError("data: name at least one training file")
+    out = body.get("out")
+    if not isinstance(out, str) or not out:
+        raise ConfigError("out: the model directory to publish into is required")
+    mode = body.get("mode", "async")
+    if mode not in MODES:
+        raise ConfigError(f"mode: unknown {mode!r} (use {', '.join(MODES)})")
+    staleness = body.get("staleness", 2 if mode == "ssp" else 0)
+    if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+        raise ConfigError(f"staleness must be an integer >= 0, got {staleness!r}")
+    schema = config.data.resolve_schema()
+    check_inputs(data + tests)
+    Reader(data + tests, schema).probe()
+    check_out_dir(out)
+    request = {"data": data, "test_data": tests, "out": os.path.abspath(out), "mode": mode,
+               "staleness": staleness, "model": config.model.kind}
+    return request, {"config": config.to_dict(), "schema": schema.to_dict()}
+
+
+def _paths(body: dict, key: str) -> list[str]:
+    value = body.get(key) or []
+    if isinstance(value, str):
+        value = [p for p in value.split(",") if p]
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise ConfigError(f"{key}: expected a list of file paths")
+    return [os.path.abspath(p) for p in value]
+
+
+def assemble(spec: dict, exports: list[dict[str, np.ndarray]]) -> ModelBundle:
+    """One bundle from every shard's export (tables by global id; dense from shard 0)."""
+    from sparse.schema import Schema
+
+    bundle = ModelBundle(from_dict(JobConfig, spec["config"]), Schema.from_dict(spec["schema"]))
+    for arrays in exports:
+        for name, table in bundle.tables.items():
+            state = {k.rsplit(".", 1)[1]: v for k, v in arrays.items()
+                     if k.startswith(f"table.{name}.") and k.rsplit(".", 1)[1] not in ("rows", "weights")}
+            table.load_rows(arrays[f"table.{name}.rows"], arrays[f"table.{name}.weights"], state)
+    dense = exports[0]["dense"]
+    params = list(bundle.model.parameters())
+    if params:
+        torch.nn.utils.vector_to_parameters(torch.from_numpy(np.array(dense)), params)
+        offset = 0
+        for p, state in zip(params, bundle.dense_opt.state):
+            n = p.numel()
+            for key, arr in state.items():
+                if f"dense.{key}" in exports[0]:
+                    arr[...] = exports[0][f"dense.{key}"][offset:offset + n].reshape(arr.shape)
+            offset += n
+    return bundle
+
+
+def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_shards: int,
+                         train_seconds: float) -> dict:
+    """Assemble, evaluate on the test files, save a version; the job's result record."""
+    bundle = assemble(spec, exports)
+    rows_per_epoch = [int(ledger.rows_done[e]) for e in range(1, ledger.epochs + 1)]
+    bundle.rows_trained = sum(rows_per_epoch)
+    bundle.steps = len(ledger.done)
+    metrics, test_parse = ({}, None)
+    if request["test_data"]:
+        metrics, test_parse = evaluate(bundle, request["test_data"])
+    last = ledger.epochs
+    train_loss = ledger.loss_sum[last] / rows_per_epoch[-1] if rows_per_epoch and rows_per_epoch[-1] else None
+    record = {
+        "auc": metrics.get("auc"), "logloss": metrics.get("logloss"),
+        "calibration": metrics.get("calibration"), "ne": metrics.get("ne"),
+        "test_rows": metrics.get("count", 0),
+        "train_rows": sum(rows_per_epoch), "rows_per_epoch": rows_per_epoch, "epochs": ledger.epochs,
+        "epoch_seconds": ledger.epoch_seconds, "train_seconds": round(train_seconds, 3),
+        "rows_per_s": round(sum(rows_per_epoch) / max(sum(ledger.epoch_seconds), 1e-9), 1),
+        "train_loss": train_loss,
+        "bad_rows": ledger.counters["bad_rows"] + (test_parse["rows_bad"] if test_parse else 0),
+        "model": request["model"],
+    }
+    version = bundle.save(request["out"], extra={
+        "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows")},
+        "train": {"data": request["data"], "test_data": request["test_data"], "rows": record["train_rows"],
+                  "seconds": record["train_seconds"], "mode": "cluster/" + request["mode"],
+                  "shards": num_shards, "job": ledger.job, "test_parse": test_parse,
+                  "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+    })
+    record.update(model_dir=request["out"], model_version=version, peak_rss_mb=round(peak_rss_mb(), 1))
+    return record

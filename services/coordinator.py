@@ -1,0 +1,600 @@
+"""Coordinator: jobs, the batch ledger, counters, and the HTTP API.
+
+A job, read top to bottom (`run_job`):
+
+    StartJob -> every shard                  (tables + optimizer state for the job)
+    ReadSource -> loader                     (epoch 1 streams through preprocess into the cache)
+    for epoch in 1..E:
+        lease steps to workers until every step is done
+                                             (lapsed leases re-issued; cache misses refilled from the source)
+        reconcile: ShardStats from every shard; replay steps a shard lacks
+        epoch += 1                           (epochs >= 2 replay batches from the cache)
+    Export <- every shard -> one ModelBundle -> evaluate -> a model version (as in local mode)
+    EndJob -> every shard; drop the job's cache keys
+
+HTTP (loopback by default): GET /healthz, /v1/status, /v1/jobs, /v1/jobs/{id}, /metrics;
+POST /v1/jobs and /v1/jobs/{id}/cancel need `Authorization: Bearer <coordinator.token>`.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from services import protocol
+from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step
+from services.protocol import BadMessage, Message
+from services.runtime.config import ClusterConfig
+from services.runtime.lifecycle import Service, run_service
+from services.sample_cache import SampleCache, batch_key
+from services.transport import Client, PeerTimeout, RemoteError, Server
+from sparse.errors import ConfigError, MarianaError
+
+log = logging.getLogger(__name__)
+TICK_SECONDS = 0.25
+MAX_RESENDS = 5
+MAX_RECONCILE_ROUNDS = 10
+
+
+@dataclass
+class ServiceInfo:
+    role: str
+    index: int
+    pid: int = 0
+    boot: float = 0.0
+    peer: bytes = b""
+    last_seen: float = 0.0
+    status: dict = field(default_factory=dict)
+
+    def alive(self, within: float) -> bool:
+        return time.time() - self.last_seen <= within
+
+
+@dataclass
+class JobRun:
+    id: str
+    request: dict                  # what was submitted (files, out, epochs, mode, ...)
+    spec: dict                     # what services need: {"config": ..., "schema": ...}
+    ledger: JobLedger
+    state: str = "queued"          # queued -> running -> done | failed | cancelled
+    error: str = ""
+    submitted: float = field(default_factory=time.time)
+    started: float = 0.0
+    ended: float = 0.0
+    record: dict = field(default_factory=dict)
+    baseline: dict = field(default_factory=dict)  # services' bad_messages when the job started
+    task: asyncio.Task | None = None
+
+    def summary(self) -> dict:
+        out = {"id": self.id, "state": self.state, "error": self.error, "submitted": self.submitted,
+               "started": self.started, "ended": self.ended, "model": self.request.get("model"),
+               "mode": self.request.get("mode"), "data": self.request.get("data"),
+               "progress": self.ledger.progress()}
+        if self.record:
+            out["record"] = self.record
+        return out
+
+
+class Coordinator(Service):
+    role = "coordinator"
+
+    def __init__(self, cfg: ClusterConfig, index: int = 0):
+        super().__init__(cfg, index)
+        self.services: dict[str, ServiceInfo] = {}
+        self.jobs: dict[str, JobRun] = {}
+        self.queue: asyncio.Queue | None = None
+        self.shards: list[Client] = []
+        self.server: Server | None = None
+        self.cache: SampleCache | None = None
+        self.runner: web.AppRunner | None = None
+        self.wake = asyncio.Event()
+
+    # ---- life -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.queue = asyncio.Queue()
+        self.server = Server(self.ctx, self.cfg.coordinator.endpoint, self.handle, self.counters, name=self.name)
+        self.shards = [Client(self.ctx, ep, self.counters, timeout=30.0) for ep in self.cfg.ps.endpoints]
+        self.cache = SampleCache(self.cfg, self.counters)
+        self.runner = web.AppRunner(self.http_app(), access_log=None, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.cfg.coordinator.http_host, self.cfg.coordinator.http_port)
+        await site.start()
+        self.services[self.name] = ServiceInfo(self.role, 0, os.getpid(), self.boot, last_seen=time.time())
+        log.info("%s: ZeroMQ at %s, HTTP at http://%s:%d", self.name, self.cfg.coordinator.endpoint,
+                 self.cfg.coordinator.http_host, self.cfg.coordinator.http_port)
+
+    async def main(self) -> None:
+        ticker = asyncio.create_task(self.tick())
+        try:
+            while True:
+                run = self.jobs[await self.queue.get()]
+                if run.state != "queued":
+                    continue
+                run.task = asyncio.create_task(self.run_job(run))
+                await asyncio.gather(run.task, return_exceptions=True)
+        finally:
+            ticker.cancel()
+
+    async def drain(self) -> None:
+        await self.server.drain(timeout=2.0)
+
+    async def close(self) -> None:
+        for run in self.jobs.values():
+            if run.task and not run.task.done():
+                run.task.cancel()
+        await self.runner.cleanup()
+        for c in self.shards:
+            c.close()
+        await self.cache.close()
+        self.server.close()
+
+    def pulse(self) -> None:
+        """Wake every held lease: steps became ready or a worker finished one."""
+        self.wake.set()
+        self.wake = asyncio.Event()
+
+    # ---- ZeroMQ requests ------------------------------------------------------------------
+
+    async def handle(self, peer: bytes, msg: Message) -> list | None:
+        handler = getattr(self, f"on_{msg.type}", None)
+        if handler is None:
+            raise BadMessage("unexpected", f"the coordinator does not take {msg.type}")
+        return await handler(peer, msg)
+
+    async def on_Hello(self, peer: bytes, msg: Message) -> list:
+        name = f"{msg['role']}-{msg['index']}"
+        info = self.services.get(name)
+        restarted = info is not None and info.boot != msg.get("boot")
+        if info is None or restarted:
+            info = self.services[name] = ServiceInfo(msg["role"], msg["index"])
+            log.info("%s: %s %s (pid %s)", self.name, name, "restarted" if restarted else "registered",
+                     msg.get("pid"))
+        info.pid, info.boot, info.peer, info.last_seen = msg.get("pid", 0), msg.get("boot", 0.0), peer, time.time()
+        info.status = msg.get("status") if isinstance(msg.get("status"), dict) else {}
+        if restarted:
+            asyncio.create_task(self.rejoin(info))
+        return protocol.encode("Welcome", msg.msg_id)
+
+    async def on_Lease(self, peer: bytes, msg: Message) -> list:
+        worker = msg["worker"]
+        self.touch(worker)
+        deadline = time.monotonic() + 1.0  # held up to a second: no busy polling
+        while True:
+            run = self.active()
+            if run is None:
+                return protocol.encode("Idle", msg.msg_id)
+            led = run.ledger
+            if led.may_lease(worker, self.active_workers()):
+                step = led.lease(worker, self.cfg.coordinator.lease_seconds)
+                if step is not None:
+                    batch = parse_step(step)[1]
+                    chunk, k = batch.rsplit(":", 1)
+                    return protocol.encode("Work", msg.msg_id, job=run.id, epoch=parse_step(step)[0], step=step,
+                                           key=batch_key(run.id, chunk, int(k)), rows=led.batch_rows.get(batch, 0))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return protocol.encode("Wait", msg.msg_id)
+            try:
+                await asyncio.wait_for(self.wake.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    async def on_BatchDone(self, peer: bytes, msg: Message) -> list:
+        run = self.job_of(msg)
+        stats = msg["stats"]
+        worker = str(stats.get("worker", ""))
+        self.touch(worker)
+        try:
+            first = run.ledger.step_done(msg["step"], worker, msg["rows"], float(msg["loss_sum"]),
+                                         stats.get("times", {}) if isinstance(stats.get("times"), dict) else {})
+        except ValueError as e:
+            raise BadMessage("step", str(e)) from None
+        if first:
+            self.pulse()
+        return protocol.encode("Ok", msg.msg_id)
+
+    async def on_Miss(self, peer: bytes, msg: Message) -> list:
+        run = self.job_of(msg)
+        try:
+            chunk = run.ledger.missed(msg["step"])
+        except ValueError as e:
+            raise BadMessage("step", str(e)) from None
+        log.info("%s: job %s: %s not in the cache; reading chunk %s again", self.name, run.id, msg["step"],
+                 chunk or "(already asked)")
+        if chunk:
+            await self.resend(run, run.ledger.chunks[chunk])
+        self.pulse()
+        return protocol.encode("Ok", msg.msg_id)
+
+    async def on_GetJob(self, peer: bytes, msg: Message) -> list:
+        run = self.job_of(msg)
+        return protocol.encode("JobSpec", msg.msg_id, job=run.id, spec=run.spec)
+
+    async def on_ChunkSent(self, peer: bytes, msg: Message) -> list:
+        run = self.job_of(msg)
+        run.ledger.chunk_sent(ChunkInfo(msg["chunk"], msg["file"], msg["offset"], msg["length"],
+                                        msg["first_line"], msg["lines"]), float(msg["seconds"]))
+        return protocol.encode("Ok", msg.msg_id)
+
+    async def on_SourceDone(self, peer: bytes, msg: Message) -> list:
+        run = self.job_of(msg)
+        if msg["error"] and msg.get("chunk"):  # one chunk could not be read again
+            run.ledger.chunk_lost(msg["chunk"])
+            log.warning("%s: job %s: chunk %s lost: %s", self.name, run.id, msg["chunk"], msg["error"])
+        elif msg["error"]:
+            self.fail(run, f"reading the source: {msg['error']}")
+        else:
+            run.ledger.source_done = True
+            log.info("%s: job %s: source read (%d chunks)", self.name, run.id, msg["chunks"])
+        self.pulse()
+        return protocol.encode("Ok", msg.msg_id)
+
+    async def on_Cached(self, peer: bytes, msg: Message) -> list:
+        run = self.job_of(msg)
+        if msg.get("error"):
+            self.fail(run, msg["error"])
+            return protocol.encode("Ok", msg.msg_id)
+        try:
+            batches = [(int(k), int(r)) for k, r in msg["batches"]]
+        except (TypeError, ValueError):
+            raise BadMessage("batches", "Cached.batches must be [[k, rows], ...]") from None
+        if run.ledger.chunk_cached(msg["chunk"], batches, msg["stats"]):
+            self.pulse()
+        # Back-pressure: hold the reply (and so that preprocess) while workers lag behind.
+        while len(run.ledger.ready) >= self.cfg.coordinator.max_ready and run.state == "running":
+            await asyncio.sleep(0.01)
+        return protocol.encode("Ok", msg.msg_id)
+
+    # ---- helpers for requests ------------------------------------------------------------
+
+    def job_of(self, msg: Message) -> JobRun:
+        run = self.jobs.get(msg["job"])
+        if run is None:
+            raise MarianaError(f"no job {msg['job']!r}")
+        return run
+
+    def active(self) -> JobRun | None:
+        for run in self.jobs.values():
+            if run.state == "running" and run.ledger.epoch <= run.ledger.epochs:
+                return run
+        return None
+
+    def touch(self, worker: str) -> None:
+        info = self.services.get(worker)
+        if info is not None:
+            info.last_seen = time.time()
+
+    def active_workers(self) -> set[str]:
+        within = self.cfg.coordinator.heartbeat_seconds
+        return {n for n, s in self.services.items() if s.role == "worker" and s.alive(within)}
+
+    def peer_of(self, role: str, index: int = 0) -> bytes | None:
+        info = self.services.get(f"{role}-{index}")
+        return info.peer if info else None
+
+    async def command(self, role: str, type_: str, **fields) -> bool:
+        """A command to a service that connected to us (the loader)."""
+        peer = self.peer_of(role)
+        if peer is None:
+            return False
+        await self.server.reply(peer, protocol.encode(type_, 0, **fields))
+        return True
+
+    async def rejoin(self, info: ServiceInfo) -> None:
+        """A service (re)started while a job runs: give it the job again."""
+        run = self.active()
+        if run is None:
+            return
+        if info.role == "ps":
+            await self.start_shard(run, info.index)
+        elif info.role == "loader" and not run.ledger.source_done and run.ledger.epoch == 1:
+            await self.read_source(run)
+
+    async def resend(self, run: JobRun, c: ChunkInfo) -> None:
+        run.ledger.chunk_resent(c)
+        await self.command("loader", "Resend", job=run.id, chunk=c.id, file=c.file, offset=c.offset,
+                           length=c.length, first_line=c.first_line, lines=c.lines, files=run.request["data"])
+
+    # ---- periodic work ------------------------------------------------------------------------
+
+    async def tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            run = self.active()
+            if run is None:
+                continue
+            for step, worker in run.ledger.expire_leases():
+                log.warning("%s: job %s: lease of %s by %s lapsed; issuing it again", self.name, run.id,
+                            step, worker)
+                self.pulse()
+            for c in run.ledger.chunks_overdue(self.cfg.coordinator.chunk_seconds):
+                if c.resends >= MAX_RESENDS:
+                    run.ledger.chunk_lost(c.id)
+                    log.error("%s: job %s: chunk %s never cached after %d tries; lost", self.name, run.id,
+                              c.id, c.resends)
+                    continue
+                log.warning("%s: job %s: chunk %s not cached after %.0fs; reading it again", self.name,
+                            run.id, c.id, self.cfg.coordinator.chunk_seconds)
+                await self.resend(run, c)
+
+    # ---- a job, top to bottom -------------------------------------------------------------
+
+    async def run_job(self, run: JobRun) -> None:
+        led = run.ledger
+        run.state, run.started = "running", time.time()
+        run.baseline = self.bad_message_counts()
+        log.info("%s: job %s started: %s, %d epochs, mode %s, data %s", self.name, run.id,
+                 run.request["model"], led.epochs, run.request["mode"], ",".join(run.request["data"]))
+        try:
+            for i in range(len(self.shards)):
+                await self.start_shard(run, i)
+            await self.read_source(run)
+            led.epoch_started = time.monotonic()
+            while led.epoch <= led.epochs:
+                await self.until(run, led.epoch_complete)
+                await self.reconcile(run)
+                log.info("%s: job %s: epoch %d done: %d rows, %.2fs", self.name, run.id, led.epoch,
+                         led.rows_done[led.epoch], time.monotonic() - led.epoch_started)
+                led.next_epoch()
+                self.pulse()
+            await self.finish(run)
+        except JobStopped:
+            pass
+        except (MarianaError, OSError) as e:
+            self.fail(run, str(e))
+        except asyncio.CancelledError:
+            self.fail(run, "the coordinator stopped")
+            raise
+        finally:
+            if run.state != "done" and run.state != "running":
+                await self.cleanup(run)
+
+    async def until(self, run: JobRun, cond) -> None:
+        while not cond():
+            if run.state != "running":
+                raise JobStopped()
+            try:
+                await asyncio.wait_for(self.wake.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    async def start_shard(self, run: JobRun, i: int) -> None:
+        delay = 0.2
+        while run.state == "running":
+            try:
+                await self.shards[i].call("StartJob", job=run.id, spec=run.spec, timeout=10.0)
+                return
+            except (PeerTimeout, RemoteError) as e:
+                log.warning("%s: job %s: shard %d not ready: %s", self.name, run.id, i, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def read_source(self, run: JobRun) -> None:
+        while not await self.command("loader", "ReadSource", job=run.id, files=run.request["data"],
+                                     block_bytes=run.spec["config"]["data"]["block_bytes"]):
+            if run.state != "running":
+                raise JobStopped()
+            await asyncio.sleep(0.2)  # the loader has not registered yet
+
+    async def reconcile(self, run: JobRun) -> None:
+        """Every shard must have applied every step so far; replay what one lacks."""
+        led = run.ledger
+        for _ in range(MAX_RECONCILE_ROUNDS):
+            expected = led.expected_steps() - led.lost
+            missing: set[str] = set()
+            for i in range(len(self.shards)):
+                stats = await self.shard_call(run, i, "ShardStats")
+                missing |= expected - set(stats["applied"])
+            if not missing:
+                return
+            n = led.replay(missing)
+            log.warning("%s: job %s: shards lack %d steps (restored from a checkpoint); replaying",
+                        self.name, run.id, n)
+            self.pulse()
+            await self.until(run, led.epoch_complete)
+        raise MarianaError(f"job {run.id}: shards still lack steps after {MAX_RECONCILE_ROUNDS} replays")
+
+    async def shard_call(self, run: JobRun, i: int, type_: str, **fields) -> Message:
+        """A request to shard i for this job, retried while the shard restarts."""
+        delay = 0.2
+        while True:
+            if run.state != "running":
+                raise JobStopped()
+            try:
+                return await self.shards[i].call(type_, job=run.id, **fields, timeout=60.0)
+            except (PeerTimeout, RemoteError) as e:
+                log.warning("%s: job %s: shard %d: %s: %s", self.name, run.id, i, type_, e)
+                if isinstance(e, RemoteError) and e.code == "UnknownJob":
+                    await self.start_shard(run, i)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def finish(self, run: JobRun) -> None:
+        from services.assemble import assemble_and_publish
+
+        led = run.ledger
+        applied = [(await self.shard_call(run, i, "ShardStats"))["rows"] for i in range(len(self.shards))]
+        exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.shards))]
+        train_seconds = time.time() - run.started
+        record = await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, led,
+                                         len(self.shards), train_seconds)
+        rows_applied = [min(int(a.get(str(e), 0)) for a in applied) for e in range(1, led.epochs + 1)]
+        record.update({
+            "rows_applied": sum(rows_applied),
+            "rows_applied_per_epoch": rows_applied,
+            "rows_in_data": led.counters["rows_in_data"],
+            "rows_lost": sum(led.batch_rows.get(parse_step(s)[1], 0) for s in led.lost),
+            "lines_lost": led.counters["lines_lost"],
+            "batches_reissued": led.counters["batches_reissued"],
+            "batches_replayed": led.counters["batches_replayed"],
+            "cache_hits": led.counters["cache_hits"],
+            "cache_misses": led.counters["cache_misses"],
+            "bad_messages": self.bad_messages_since(run.baseline),
+            "stage_seconds": {s: round(led.stage_seconds[s], 3) for s in STAGES},
+            "mode": run.request["mode"], "staleness": led.staleness,
+            "workers": self.cfg.worker.count, "ps": self.cfg.ps.count,
+            "preprocess": self.cfg.preprocess.count, "job": run.id,
+        })
+        run.record, run.state, run.ended = record, "done", time.time()
+        log.info("%s: job %s done: %s/%s, %d rows applied of %d x %d epochs, auc %s", self.name, run.id,
+                 record["model_dir"], record["model_version"], record["rows_applied"],
+                 record["rows_in_data"], led.epochs, record.get("auc"))
+        await self.cleanup(run)
+
+    async def cleanup(self, run: JobRun) -> None:
+        for i, shard in enumerate(self.shards):
+            try:
+                await shard.call("EndJob", job=run.id, timeout=10.0)
+            except (PeerTimeout, RemoteError) as e:
+                log.warning("%s: job %s: EndJob on shard %d: %s", self.name, run.id, i, e)
+        try:
+            await self.cache.drop_job(run.id)
+        except MarianaError as e:
+            log.warning("%s: job %s: could not drop cached batches: %s", self.name, run.id, e)
+        self.pulse()
+
+    def fail(self, run: JobRun, error: str) -> None:
+        if run.state in ("done", "failed", "cancelled"):
+            return
+        run.state, run.error, run.ended = "failed", error, time.time()
+        log.error("%s: job %s failed: %s", self.name, run.id, error)
+        self.pulse()
+
+    def bad_message_counts(self) -> dict:
+        counts = {n: int(s.status.get("bad_messages", 0)) for n, s in self.services.items() if n != self.name}
+        counts[self.name] = self.counters["bad_messages"]
+        return counts
+
+    def bad_messages_since(self, baseline: dict) -> int:
+        now = self.bad_message_counts()
+        # a restarted service counts from zero again: never subtract more than it has
+        return sum(max(0, n - baseline.get(name, 0)) if n >= baseline.get(name, 0) else n
+                   for name, n in now.items())
+
+    # ---- HTTP -------------------------------------------------------------------------------
+
+    def http_app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_get("/healthz", lambda r: web.json_response({"ok": True}))
+        app.router.add_get("/v1/status", self.http_status)
+        app.router.add_get("/v1/jobs", self.http_jobs)
+        app.router.add_get("/v1/jobs/{id}", self.http_job)
+        app.router.add_post("/v1/jobs", self.http_submit)
+        app.router.add_post("/v1/jobs/{id}/cancel", self.http_cancel)
+        app.router.add_get("/metrics", self.http_metrics)
+        return app
+
+    def status_dict(self) -> dict:
+        self.services[self.name].last_seen = time.time()
+        self.services[self.name].status = dict(self.counters)
+        within = self.cfg.coordinator.heartbeat_seconds
+        return {"services": {n: {"role": s.role, "index": s.index, "pid": s.pid, "alive": s.alive(within),
+                                 "last_seen": s.last_seen, "status": s.status}
+                             for n, s in sorted(self.services.items())},
+                "jobs": [r.summary() for r in self.jobs.values()],
+                "counters": dict(self.counters)}
+
+    async def http_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status_dict())
+
+    async def http_jobs(self, request: web.Request) -> web.Response:
+        return web.json_response({"jobs": [r.summary() for r in self.jobs.values()]})
+
+    async def http_job(self, request: web.Request) -> web.Response:
+        run = self.jobs.get(request.match_info["id"])
+        if run is None:
+            raise web.HTTPNotFound(text=json.dumps({"error": f"no job {request.match_info['id']!r}"}),
+                                   content_type="application/json")
+        return web.json_response(run.summary())
+
+    def authorize(self, request: web.Request) -> None:
+        token = self.cfg.coordinator.token
+        if not token:
+            return
+        got = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            raise web.HTTPUnauthorized(text=json.dumps({"error": "a valid bearer token is required"}),
+                                       content_type="application/json")
+
+    async def http_submit(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _bad_request("the body must be a JSON object")
+        try:
+            run = self.new_job(body)
+        except (ConfigError, MarianaError, OSError) as e:
+            return _bad_request(str(e) if not isinstance(e, OSError) else f"{e.filename}: {e.strerror}")
+        self.jobs[run.id] = run
+        self.queue.put_nowait(run.id)
+        log.info("%s: job %s submitted (%s, %d epochs)", self.name, run.id, run.request["model"], run.ledger.epochs)
+        return web.json_response({"job": run.id, "state": run.state}, status=201)
+
+    async def http_cancel(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        run = self.jobs.get(request.match_info["id"])
+        if run is None:
+            raise web.HTTPNotFound(text=json.dumps({"error": "no such job"}), content_type="application/json")
+        if run.state in ("queued", "running"):
+            run.state, run.ended, run.error = "cancelled", time.time(), "cancelled by request"
+            log.info("%s: job %s cancelled", self.name, run.id)
+            self.pulse()
+        return web.json_response(run.summary())
+
+    async def http_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.prometheus(), content_type="text/plain")
+
+    def prometheus(self) -> str:
+        lines = []
+        for name, value in sorted(self.counters.items()):
+            lines += [f"# TYPE mariana_coordinator_{name}_total counter", f"mariana_coordinator_{name}_total {value}"]
+        within = self.cfg.coordinator.heartbeat_seconds
+        lines.append("# TYPE mariana_service_up gauge")
+        for n, s in sorted(self.services.items()):
+            lines.append(f'mariana_service_up{{service="{n}",role="{s.role}"}} {int(s.alive(within))}')
+        lines.append("# TYPE mariana_jobs gauge")
+        states = Counter(r.state for r in self.jobs.values())
+        for state in ("queued", "running", "done", "failed", "cancelled"):
+            lines.append(f'mariana_jobs{{state="{state}"}} {states[state]}')
+        run = self.active()
+        if run is not None:
+            p = run.ledger.progress()
+            lines += ["# TYPE mariana_job_rows_per_second gauge",
+                      f'mariana_job_rows_per_second{{job="{run.id}"}} {p["rows_per_s"]}',
+                      "# TYPE mariana_job_epoch gauge", f'mariana_job_epoch{{job="{run.id}"}} {p["epoch"]}']
+            for key in ("batches_reissued", "cache_hits", "cache_misses", "batches_replayed"):
+                lines += [f"# TYPE mariana_job_{key}_total counter",
+                          f'mariana_job_{key}_total{{job="{run.id}"}} {run.ledger.counters[key]}']
+        return "\n".join(lines) + "\n"
+
+    def new_job(self, body: dict) -> JobRun:
+        from services.assemble import check_request
+
+        request, spec = check_request(body)
+        job = time.strftime("j%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
+        staleness = {"async": None, "bsp": 0, "ssp": request["staleness"]}[request["mode"]]
+        ledger = JobLedger(job, epochs=spec["config"]["train"]["epochs"], staleness=staleness)
+        return JobRun(job, request, spec, ledger)
+
+
+class JobStopped(Exception):
+    """The job was cancelled or failed while the coordinator waited for it."""
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)
+
+
+def main(cfg: ClusterConfig, index: int) -> int:
+    return run_service(Coordinator(cfg, index))
+

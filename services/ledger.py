@@ -1,0 +1,243 @@
+"""The coordinator's batch ledger of one job, without sockets.
+
+Units: a *chunk* (`f<file>o<offset>`) is a span of source lines the loader
+sent; preprocess turns it into batches `<chunk>:<k>` in the sample cache.
+A *step* is one batch in one epoch, `e<epoch>/<chunk>:<k>`; shards apply a
+step at most once, so issuing a step again is always safe.
+
+    ready   steps waiting for a worker (re-issued and replayed ones go first)
+    leased  step -> (worker, deadline); lapsed leases return to ready
+    done    steps a worker reported done
+    refill  chunk -> steps waiting for it to be cached again (a cache miss)
+
+An epoch is complete when the source is fully cached (epoch 1) and every
+step of it is done; then the coordinator asks every shard which steps it has
+applied and replays the missing ones (a shard restored from an older
+checkpoint) before the next epoch starts.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+STAGES = ("read", "parse", "hash", "cache", "fetch", "pull", "compute", "push")
+
+
+def step_id(epoch: int, batch: str) -> str:
+    return f"e{epoch}/{batch}"
+
+
+def parse_step(step: str) -> tuple[int, str]:
+    """'e2/f0o0:3' -> (2, 'f0o0:3')."""
+    head, _, batch = step.partition("/")
+    if not head.startswith("e") or not head[1:].isdigit() or not batch:
+        raise ValueError(f"not a step id: {step!r}")
+    return int(head[1:]), batch
+
+
+@dataclass
+class ChunkInfo:
+    id: str
+    file: int
+    offset: int
+    length: int
+    first_line: int
+    lines: int
+    state: str = "sent"          # sent -> cached; refill (a miss) -> cached; lost
+    sent_at: float = 0.0
+    batches: list[tuple[int, int]] = field(default_factory=list)  # (k, rows)
+    resends: int = 0
+
+
+@dataclass
+class Lease:
+    worker: str
+    deadline: float
+
+
+@dataclass
+class JobLedger:
+    job: str
+    epochs: int
+    staleness: int | None = None    # None: asynchronous; 0: BSP; k: bounded staleness
+    epoch: int = 1
+    chunks: dict[str, ChunkInfo] = field(default_factory=dict)
+    batches: list[str] = field(default_factory=list)      # batch names in source order
+    batch_rows: dict[str, int] = field(default_factory=dict)
+    source_done: bool = False
+    ready: deque = field(default_factory=deque)
+    leased: dict[str, Lease] = field(default_factory=dict)
+    done: set = field(default_factory=set)
+    refill: dict[str, list[str]] = field(default_factory=dict)
+    lost: set = field(default_factory=set)                # steps that could not be produced
+    missed_steps: set = field(default_factory=set)        # steps whose batch had to be read again
+    rows_done: Counter = field(default_factory=Counter)   # epoch -> rows reported done
+    loss_sum: Counter = field(default_factory=Counter)    # epoch -> summed logloss
+    worker_done: Counter = field(default_factory=Counter)  # worker -> steps done first by it
+    counters: Counter = field(default_factory=Counter)
+    stage_seconds: Counter = field(default_factory=Counter)
+    epoch_started: float = field(default_factory=time.monotonic)
+    epoch_seconds: list[float] = field(default_factory=list)
+
+    # ---- chunks (epoch 1, and refills) -------------------------------------------------
+
+    def chunk_sent(self, c: ChunkInfo, seconds: float = 0.0) -> None:
+        if c.id not in self.chunks:
+            c.sent_at = time.monotonic()
+            self.chunks[c.id] = c
+            self.stage_seconds["read"] += seconds
+
+    def chunk_cached(self, chunk: str, batches: list[tuple[int, int]], stats: dict) -> bool:
+        """Record a cached chunk; False for a chunk cached before (a duplicate)."""
+        c = self.chunks.get(chunk)
+        if c is None:  # cached before its ChunkSent arrived (a restarted coordinator): accept it
+            c = self.chunks[chunk] = ChunkInfo(chunk, -1, -1, 0, 0, 0)
+        if c.state == "cached":
+            self.counters["duplicate_chunks"] += 1
+            return False
+        first_time = c.state in ("sent", "lost") and not c.batches
+        c.batches = [(int(k), int(rows)) for k, rows in batches]
+        for stage in ("parse", "hash", "cache"):
+            self.stage_seconds[stage] += float(stats.get(f"{stage}_s", 0.0))
+        if first_time:
+            self.counters["rows_in_data"] += int(stats.get("rows_ok", 0))
+            self.counters["bad_rows"] += int(stats.get("rows_bad", 0))
+            for k, rows in c.batches:
+                name = f"{chunk}:{k}"
+                self.batches.append(name)
+                self.batch_rows[name] = rows
+                self.ready.append(step_id(1, name))
+        c.state = "cached"
+        for step in self.refill.pop(chunk, []):
+            self.ready.appendleft(step)
+        return True
+
+    def chunks_overdue(self, older_than: float) -> list[ChunkInfo]:
+        now = time.monotonic()
+        return [c for c in self.chunks.values()
+                if c.state in ("sent", "refill") and now - c.sent_at > older_than and c.file >= 0]
+
+    def chunk_resent(self, c: ChunkInfo) -> None:
+        c.sent_at = time.monotonic()
+        c.resends += 1
+
+    def chunk_lost(self, chunk: str) -> None:
+        """A chunk that cannot be read again: its steps waiting for it are lost."""
+        c = self.chunks.get(chunk)
+        if c is None:
+            return
+        c.state = "lost"
+        for step in self.refill.pop(chunk, []):
+            self.lost.add(step)
+        if not c.batches:
+            self.counters["lines_lost"] += c.lines
+
+    # ---- leases ------------------------------------------------------------------------------
+
+    def may_lease(self, worker: str, active: set[str]) -> bool:
+        """Bounded staleness: a worker may not run more than `staleness` steps
+        ahead of the slowest active worker (0: a barrier per step, BSP)."""
+        if self.staleness is None:
+            return True
+        held = sum(1 for lease in self.leased.values() if lease.worker == worker)
+        floor = min((self.worker_done[w] for w in active | {worker}), default=0)
+        return self.worker_done[worker] + held - floor <= self.staleness
+
+    def lease(self, worker: str, seconds: float) -> str | None:
+        while self.ready:
+            step = self.ready.popleft()
+            if step in self.done or step in self.leased:
+                continue  # done late by a worker whose lease had lapsed, or already out again
+            self.leased[step] = Lease(worker, time.monotonic() + seconds)
+            return step
+        return None
+
+    def expire_leases(self) -> list[tuple[str, str]]:
+        """(step, worker) of lapsed leases, now back at the head of the queue."""
+        now = time.monotonic()
+        lapsed = [(s, lease.worker) for s, lease in self.leased.items() if lease.deadline < now]
+        for step, _ in lapsed:
+            del self.leased[step]
+            self.ready.appendleft(step)
+            self.counters["batches_reissued"] += 1
+        return lapsed
+
+    def missed(self, step: str) -> str:
+        """A worker found the step's batch missing from the cache: wait for its
+        chunk to be read again. Returns the chunk (to re-send when new)."""
+        self.leased.pop(step, None)
+        self.counters["cache_misses"] += 1
+        self.missed_steps.add(step)
+        chunk = parse_step(step)[1].rsplit(":", 1)[0]
+        self.refill.setdefault(chunk, []).append(step)
+        c = self.chunks.get(chunk)
+        if c is not None and c.state == "cached":
+            c.state = "refill"
+            return chunk
+        return ""
+
+    def step_done(self, step: str, worker: str, rows: int, loss_sum: float, times: dict) -> bool:
+        """Record a step done; False for a duplicate (already done)."""
+        if step in self.done:
+            self.counters["duplicate_done"] += 1
+            return False
+        epoch, _ = parse_step(step)
+        self.leased.pop(step, None)
+        self.done.add(step)
+        self.lost.discard(step)
+        self.rows_done[epoch] += rows
+        self.loss_sum[epoch] += loss_sum
+        self.worker_done[worker] += 1
+        for stage, s in times.items():
+            if stage in STAGES:
+                self.stage_seconds[stage] += float(s)
+        if epoch >= 2 and step not in self.missed_steps:
+            self.counters["cache_hits"] += 1
+        return True
+
+    # ---- epochs ------------------------------------------------------------------------------
+
+    def epoch_steps(self, epoch: int) -> list[str]:
+        return [step_id(epoch, b) for b in self.batches]
+
+    def epoch_complete(self) -> bool:
+        if self.epoch == 1 and not (self.source_done and all(
+                c.state in ("cached", "lost") for c in self.chunks.values())):
+            return False
+        while self.ready and self.ready[0] in self.done:  # done late, after its lease lapsed
+            self.ready.popleft()
+        if self.leased or self.refill or any(s not in self.done for s in self.ready):
+            return False
+        return all(s in self.done or s in self.lost for s in self.epoch_steps(self.epoch))
+
+    def replay(self, missing: set[str]) -> int:
+        """Steps a shard lacks (restored from an older checkpoint) go out again."""
+        steps = sorted(missing & self.done)
+        for step in steps:
+            self.done.discard(step)
+            epoch, _ = parse_step(step)
+            self.rows_done[epoch] -= self.batch_rows.get(parse_step(step)[1], 0)
+            self.ready.appendleft(step)
+        self.counters["batches_replayed"] += len(steps)
+        return len(steps)
+
+    def next_epoch(self) -> None:
+        self.epoch_seconds.append(round(time.monotonic() - self.epoch_started, 3))
+        self.epoch += 1
+        self.epoch_started = time.monotonic()
+        if self.epoch <= self.epochs:
+            self.ready.extend(self.epoch_steps(self.epoch))
+
+    def expected_steps(self) -> set[str]:
+        """Every step of the epochs so far."""
+        return {step_id(e, b) for e in range(1, min(self.epoch, self.epochs) + 1) for b in self.batches}
+
+    def progress(self) -> dict:
+        e = min(self.epoch, self.epochs)
+        seconds = time.monotonic() - self.epoch_started
+        rows = self.rows_done[e]
+        return {"epoch": e, "epochs": self.epochs, "rows": rows, "rows_per_s": round(rows / max(seconds, 1e-9), 1),
+                "loss": self.loss_sum[e] / rows if rows else None, "ready": len(self.ready),
+                "leased": len(self.leased), "chunks": len(self.chunks), "batches": len(self.batches),
+                "source_done": self.source_done}

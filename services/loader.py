@@ -1,0 +1,151 @@
+"""Loader: streams raw chunks (whole lines, ~data.block_bytes) of a job's
+sources to the preprocess instances, and records how far it got so a
+restarted loader resumes there.
+
+    ReadSource{job, files, block_bytes}   <- coordinator (a command)
+        for each chunk:  ChunkSent{...} -> coordinator, then Chunk + data -> preprocess (PUSH)
+        SourceDone{job, chunks, error} -> coordinator
+    Resend{job, chunk, file, offset, length, ...}  <- coordinator (a chunk lost or evicted)
+
+A chunk's id is `f<file>o<offset>`, so a chunk read twice is recognized.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import zmq
+
+from services import protocol
+from services.protocol import BadMessage, Message
+from services.runtime.config import ClusterConfig
+from services.runtime.lifecycle import Service, run_service
+from services.sample_cache import SampleCache
+from services.transport import PeerTimeout, RemoteError, make_socket
+from sparse.errors import DataFormatError
+from sparse.parse import iter_spans, open_binary, read_span
+
+log = logging.getLogger(__name__)
+
+
+class Loader(Service):
+    role = "loader"
+
+    def __init__(self, cfg: ClusterConfig, index: int = 0):
+        super().__init__(cfg, index)
+        self.push = None
+        self.cache: SampleCache | None = None
+        self.reading: dict[str, asyncio.Task] = {}
+        self.files: dict[str, list[str]] = {}
+
+    async def start(self) -> None:
+        self.push = make_socket(self.ctx, zmq.PUSH, hwm=self.cfg.loader.hwm)
+        self.push.setsockopt(zmq.IMMEDIATE, 1)  # only queue chunks to preprocess instances that are up
+        for ep in self.cfg.preprocess.endpoints:
+            self.push.connect(ep)
+        self.cache = SampleCache(self.cfg, self.counters)
+        self.connect_coordinator(on_command=self.on_command)
+        await self.register()
+
+    async def drain(self) -> None:
+        for task in self.reading.values():  # the offset is recorded per chunk: a restart resumes
+            task.cancel()
+
+    async def close(self) -> None:
+        self.push.close(linger=0)
+        await self.cache.close()
+
+    def status(self) -> dict:
+        return {**self.counters, "reading": sorted(self.reading)}
+
+    # ---- commands ---------------------------------------------------------------------
+
+    async def on_command(self, msg: Message) -> None:
+        if msg.type == "ReadSource":
+            job = msg["job"]
+            if job in self.reading and not self.reading[job].done():
+                return  # already streaming it (a repeated command)
+            self.files[job] = [str(f) for f in msg["files"]]
+            self.reading[job] = asyncio.create_task(self.read(job, self.files[job], msg["block_bytes"]))
+        elif msg.type == "Resend":
+            asyncio.create_task(self.resend(msg))
+        else:
+            raise BadMessage("unexpected", f"a loader does not take {msg.type}")
+
+    async def read(self, job: str, files: list[str], block_bytes: int) -> None:
+        at = await self.cache.get_offset(job)
+        if at:
+            log.info("%s: job %s: resuming at file %d offset %d (%d chunks sent)", self.name, job,
+                     at["file"], at["offset"], at["chunks"])
+        file0, offset0, line0, chunks = at.get("file", 0), at.get("offset", 0), at.get("line", 1), at.get("chunks", 0)
+        error = ""
+        try:
+            for fi in range(file0, len(files)):
+                start = (offset0, line0) if fi == file0 else (0, 1)
+                chunks = await self.read_file(job, fi, files[fi], block_bytes, start, chunks)
+        except (DataFormatError, OSError) as e:
+            error = f"{getattr(e, 'filename', None) or ''}{': ' if getattr(e, 'filename', None) else ''}{e}"
+            log.error("%s: job %s: reading stopped: %s", self.name, job, error)
+        await self.tell("SourceDone", job=job, chunks=chunks, error=error)
+        log.info("%s: job %s: source read: %d chunks%s", self.name, job, chunks, f" ({error})" if error else "")
+
+    async def read_file(self, job: str, fi: int, path: str, block_bytes: int, start: tuple[int, int],
+                        chunks: int) -> int:
+        with open_binary(path) as f:
+            if start[0]:
+                f.seek(start[0])
+            spans = iter_spans(f, block_bytes, name=path, offset=start[0], line_no=start[1])
+            while True:
+                t0 = time.perf_counter()
+                span = await asyncio.to_thread(next, spans, None)  # reading and gunzip off the loop
+                if span is None:
+                    return chunks
+                offset, first_line, block, lines = span
+                await self.send_chunk(job, fi, path, offset, first_line, block, lines, time.perf_counter() - t0)
+                chunks += 1
+                await self.cache.set_offset(job, {"file": fi, "offset": offset + len(block),
+                                                  "line": first_line + lines, "chunks": chunks})
+
+    async def send_chunk(self, job: str, fi: int, path: str, offset: int, first_line: int, block: bytes,
+                         lines: int, seconds: float = 0.0, announce: bool = True) -> None:
+        chunk = f"f{fi}o{offset}"
+        if announce:  # the coordinator learns of a chunk before preprocess can report it cached
+            await self.tell("ChunkSent", job=job, chunk=chunk, file=fi, offset=offset, length=len(block),
+                            first_line=first_line, lines=lines, seconds=seconds)
+        await self.push.send_multipart(
+            protocol.encode("Chunk", 0, {"data": np.frombuffer(block, np.uint8)}, job=job, chunk=chunk,
+                            path=path, first_line=first_line, lines=lines,
+                            first_of_file=offset == 0), copy=False)
+        self.counters["chunks_sent"] += 1
+        self.counters["bytes_sent"] += len(block)
+
+    async def resend(self, msg: Message) -> None:
+        job, fi = msg["job"], msg["file"]
+        files = self.files.get(job) or [str(f) for f in msg.get("files", [])]
+        try:
+            path = files[fi]
+            block = await asyncio.to_thread(read_span, path, msg["offset"], msg["length"])
+        except (IndexError, DataFormatError, OSError) as e:
+            log.warning("%s: cannot re-read chunk %s of job %s: %s", self.name, msg["chunk"], job, e)
+            await self.tell("SourceDone", job=job, chunks=-1, error=f"chunk {msg['chunk']}: {e}", chunk=msg["chunk"])
+            return
+        self.counters["chunks_resent"] += 1
+        await self.send_chunk(job, fi, path, msg["offset"], msg["first_line"], block, msg["lines"], announce=False)
+
+    async def tell(self, type_: str, **fields) -> None:
+        """A report the coordinator must get: retried until it answers."""
+        while True:
+            try:
+                await self.coordinator.call(type_, **fields)
+                return
+            except PeerTimeout as e:
+                log.warning("%s: %s not acknowledged (%s); again", self.name, type_, e)
+            except RemoteError as e:
+                log.warning("%s: coordinator refused %s: %s", self.name, type_, e)
+                return
+
+
+def main(cfg: ClusterConfig, index: int) -> int:
+    return run_service(Loader(cfg, index))

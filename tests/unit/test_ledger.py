@@ -1,0 +1,333 @@
+"""The coordinator's batch ledger: chunks become steps, steps are leased,
+done, re-issued, refilled after a cache miss and replayed; epochs turn over."""
+from __future__ import annotations
+
+import pytest
+
+from services.ledger import ChunkInfo, JobLedger, parse_step, step_id
+
+
+def chunk(cid: str = "f0o0", file: int = 0, offset: int = 0, lines: int = 10) -> ChunkInfo:
+    return ChunkInfo(cid, file, offset, length=100, first_line=0, lines=lines)
+
+
+def ledger_with(batches: dict[str, list[tuple[int, int]]], epochs: int = 2, staleness=None,
+                source_done: bool = True) -> JobLedger:
+    """A ledger whose chunks were sent and cached: chunk -> [(k, rows)]."""
+    led = JobLedger("j1", epochs=epochs, staleness=staleness)
+    for i, (cid, bs) in enumerate(batches.items()):
+        led.chunk_sent(chunk(cid, file=0, offset=i * 100))
+        assert led.chunk_cached(cid, bs, {})
+    led.source_done = source_done
+    return led
+
+
+def finish_all(led: JobLedger, worker: str = "w0") -> list[str]:
+    """Lease and report every ready step; returns them in lease order."""
+    steps = []
+    while (step := led.lease(worker, 60)) is not None:
+        assert led.step_done(step, worker, led.batch_rows[parse_step(step)[1]], 0.5, {})
+        steps.append(step)
+    return steps
+
+
+# ---- step ids ----------------------------------------------------------------------
+
+
+def test_step_ids():
+    assert step_id(2, "f0o0:3") == "e2/f0o0:3"
+    assert parse_step("e2/f0o0:3") == (2, "f0o0:3")
+    assert parse_step("e12/f1o4096:0") == (12, "f1o4096:0")
+    assert parse_step("e1/a/b") == (1, "a/b")
+
+
+@pytest.mark.parametrize("bad", ["", "f0o0:3", "e/f0o0:3", "x2/f0o0:3", "e2", "e2/", "e-1/a", "e1.5/a",
+                                 "E2/a", "/e2/a", "e 2/a"])
+def test_parse_step_rejects(bad):
+    with pytest.raises(ValueError, match="not a step id"):
+        parse_step(bad)
+
+
+# ---- chunks ------------------------------------------------------------------------
+
+
+def test_cached_chunks_make_ready_steps_in_order():
+    led = JobLedger("j1", epochs=1)
+    led.chunk_sent(chunk("f0o0"), seconds=0.5)
+    led.chunk_sent(chunk("f0o100", offset=100))
+    assert list(led.ready) == [] and led.chunks["f0o0"].state == "sent"
+    assert led.chunk_cached("f0o0", [(0, 4), (1, 2)], {"rows_ok": 6, "rows_bad": 1, "parse_s": 0.25})
+    assert led.chunk_cached("f0o100", [(0, 3)], {"rows_ok": 3})
+    assert list(led.ready) == ["e1/f0o0:0", "e1/f0o0:1", "e1/f0o100:0"]
+    assert led.batches == ["f0o0:0", "f0o0:1", "f0o100:0"]
+    assert led.batch_rows == {"f0o0:0": 4, "f0o0:1": 2, "f0o100:0": 3}
+    assert led.chunks["f0o0"].state == "cached" and led.chunks["f0o0"].batches == [(0, 4), (1, 2)]
+    assert led.counters["rows_in_data"] == 9 and led.counters["bad_rows"] == 1
+    assert led.stage_seconds["read"] == 0.5 and led.stage_seconds["parse"] == 0.25
+
+
+def test_chunk_sent_twice_keeps_the_first():
+    led = JobLedger("j1", epochs=1)
+    led.chunk_sent(chunk("f0o0", lines=10), seconds=1.0)
+    led.chunk_sent(chunk("f0o0", lines=99), seconds=1.0)
+    assert led.chunks["f0o0"].lines == 10 and led.stage_seconds["read"] == 1.0
+
+
+def test_duplicate_cached_adds_nothing():
+    led = ledger_with({"f0o0": [(0, 4)]})
+    assert not led.chunk_cached("f0o0", [(0, 4), (1, 4)], {"rows_ok": 8})
+    assert list(led.ready) == ["e1/f0o0:0"] and led.batches == ["f0o0:0"]
+    assert led.counters["duplicate_chunks"] == 1 and led.counters["rows_in_data"] == 0
+    assert led.chunks["f0o0"].batches == [(0, 4)]
+
+
+def test_cached_before_sent_is_accepted():
+    led = JobLedger("j1", epochs=1)
+    assert led.chunk_cached("f3o0", [(0, 5)], {})
+    assert list(led.ready) == ["e1/f3o0:0"] and led.chunks["f3o0"].file == -1
+    assert led.chunks_overdue(-1.0) == []  # no file to read it again from
+
+
+def test_chunks_overdue_lists_sent_chunks():
+    led = JobLedger("j1", epochs=1)
+    led.chunk_sent(chunk("f0o0"))
+    led.chunk_sent(chunk("f0o100", offset=100))
+    led.chunk_cached("f0o100", [(0, 1)], {})
+    assert [c.id for c in led.chunks_overdue(-1.0)] == ["f0o0"]
+    assert led.chunks_overdue(3600.0) == []
+    led.chunk_resent(led.chunks["f0o0"])
+    assert led.chunks["f0o0"].resends == 1
+
+
+# ---- leases ------------------------------------------------------------------------
+
+
+def test_lease_and_done():
+    led = ledger_with({"f0o0": [(0, 4), (1, 2)]})
+    assert led.lease("w0", 60) == "e1/f0o0:0"
+    assert led.lease("w1", 60) == "e1/f0o0:1"
+    assert led.lease("w2", 60) is None
+    assert set(led.leased) == {"e1/f0o0:0", "e1/f0o0:1"} and led.leased["e1/f0o0:1"].worker == "w1"
+    assert led.step_done("e1/f0o0:0", "w0", 4, 2.0, {"pull": 0.5, "bogus": 9.0})
+    assert "e1/f0o0:0" in led.done and "e1/f0o0:0" not in led.leased
+    assert led.rows_done[1] == 4 and led.loss_sum[1] == 2.0 and led.worker_done["w0"] == 1
+    assert led.stage_seconds["pull"] == 0.5 and "bogus" not in led.stage_seconds
+    assert led.counters["cache_hits"] == 0  # epoch 1 reads the source
+
+
+def test_duplicate_done_counts_once():
+    led = ledger_with({"f0o0": [(0, 4)]})
+    step = led.lease("w0", 60)
+    assert led.step_done(step, "w0", 4, 2.0, {})
+    assert not led.step_done(step, "w1", 4, 3.0, {})
+    assert led.rows_done[1] == 4 and led.loss_sum[1] == 2.0
+    assert led.worker_done == {"w0": 1} and led.counters["duplicate_done"] == 1
+
+
+def test_step_done_rejects_a_bad_step_id():
+    led = ledger_with({"f0o0": [(0, 4)]})
+    with pytest.raises(ValueError):
+        led.step_done("f0o0:0", "w0", 4, 1.0, {})
+    assert led.done == set()
+
+
+def test_lapsed_leases_go_back_to_the_head():
+    led = ledger_with({"f0o0": [(0, 4), (1, 4), (2, 4)]})
+    assert led.lease("w0", -1.0) == "e1/f0o0:0"   # already lapsed
+    assert led.lease("w1", 3600.0) == "e1/f0o0:1"
+    assert led.expire_leases() == [("e1/f0o0:0", "w0")]
+    assert list(led.ready) == ["e1/f0o0:0", "e1/f0o0:2"]
+    assert set(led.leased) == {"e1/f0o0:1"}
+    assert led.counters["batches_reissued"] == 1
+    assert led.expire_leases() == [] and led.counters["batches_reissued"] == 1
+    assert led.lease("w2", 60) == "e1/f0o0:0"
+
+
+def test_late_done_of_a_reissued_step_is_skipped_by_lease():
+    led = ledger_with({"f0o0": [(0, 4), (1, 4)]})
+    led.lease("w0", -1.0)
+    led.expire_leases()
+    assert led.step_done("e1/f0o0:0", "w0", 4, 1.0, {})  # the slow worker finished after all
+    assert led.lease("w1", 60) == "e1/f0o0:1"            # not the done one again
+    assert led.lease("w1", 60) is None
+
+
+# ---- epochs ------------------------------------------------------------------------
+
+
+def test_epoch_complete_needs_source_done_and_every_step():
+    led = ledger_with({"f0o0": [(0, 4), (1, 2)]}, source_done=False)
+    finish_all(led)
+    assert not led.epoch_complete()          # the loader may still send chunks
+    led.source_done = True
+    assert led.epoch_complete()
+
+
+def test_epoch_not_complete_while_a_chunk_is_uncached_or_a_step_out():
+    led = ledger_with({"f0o0": [(0, 4), (1, 2)]})
+    led.chunk_sent(chunk("f0o100", offset=100))
+    step = led.lease("w0", 60)
+    assert not led.epoch_complete()
+    led.step_done(step, "w0", 4, 0.0, {})
+    finish_all(led)
+    assert not led.epoch_complete()          # f0o100 is still being parsed
+    led.chunk_cached("f0o100", [(0, 3)], {})
+    assert not led.epoch_complete()          # its step is ready
+    step = led.lease("w0", 60)
+    assert not led.epoch_complete()          # ... then leased
+    led.step_done(step, "w0", 3, 0.0, {})
+    assert led.epoch_complete()
+
+
+def test_next_epoch_queues_every_batch_again():
+    led = ledger_with({"f0o0": [(0, 4), (1, 2)], "f0o100": [(0, 3)]}, epochs=2)
+    finish_all(led)
+    assert led.epoch_complete()
+    led.next_epoch()
+    assert led.epoch == 2 and len(led.epoch_seconds) == 1
+    assert list(led.ready) == ["e2/f0o0:0", "e2/f0o0:1", "e2/f0o100:0"]
+    assert not led.epoch_complete()
+    assert led.expected_steps() == {"e1/f0o0:0", "e1/f0o0:1", "e1/f0o100:0",
+                                    "e2/f0o0:0", "e2/f0o0:1", "e2/f0o100:0"}
+    finish_all(led)
+    assert led.epoch_complete() and led.rows_done == {1: 9, 2: 9}
+    assert led.counters["cache_hits"] == 3
+    led.next_epoch()                          # past the last epoch: nothing more
+    assert led.epoch == 3 and list(led.ready) == []
+
+
+def test_cache_miss_refills_the_step():
+    led = ledger_with({"f0o0": [(0, 4), (1, 2)]}, epochs=2)
+    finish_all(led)
+    led.next_epoch()
+    assert led.lease("w0", 60) == "e2/f0o0:0"
+    assert led.missed("e2/f0o0:0") == "f0o0"   # ask the loader for f0o0 again
+    assert "e2/f0o0:0" not in led.leased and led.chunks["f0o0"].state == "refill"
+    assert led.refill == {"f0o0": ["e2/f0o0:0"]} and led.counters["cache_misses"] == 1
+    assert not led.epoch_complete()
+    assert [c.id for c in led.chunks_overdue(-1.0)] == ["f0o0"]
+
+    # the other step is served from the cache meanwhile
+    assert led.lease("w1", 60) == "e2/f0o0:1"
+    assert led.step_done("e2/f0o0:1", "w1", 2, 0.0, {})
+    assert led.counters["cache_hits"] == 1
+    assert led.lease("w1", 60) is None
+
+    # preprocess caches the chunk again: the waiting step is back, nothing new is added
+    assert led.chunk_cached("f0o0", [(0, 4), (1, 2)], {"rows_ok": 6})
+    assert list(led.ready) == ["e2/f0o0:0"] and led.refill == {}
+    assert led.batches == ["f0o0:0", "f0o0:1"] and led.counters["rows_in_data"] == 0
+    assert led.lease("w0", 60) == "e2/f0o0:0"
+    assert led.step_done("e2/f0o0:0", "w0", 4, 0.0, {})
+    assert led.counters["cache_hits"] == 1     # the refilled step read the source
+    assert led.epoch_complete() and led.rows_done[2] == 6
+
+
+def test_second_miss_of_a_refilling_chunk_does_not_resend():
+    led = ledger_with({"f0o0": [(0, 4), (1, 2)]}, epochs=2)
+    finish_all(led)
+    led.next_epoch()
+    a, b = led.lease("w0", 60), led.lease("w1", 60)
+    assert led.missed(a) == "f0o0"
+    assert led.missed(b) == ""
+    assert led.refill == {"f0o0": [a, b]} and led.counters["cache_misses"] == 2
+    led.chunk_cached("f0o0", [(0, 4), (1, 2)], {})
+    assert set(led.ready) == {a, b}
+
+
+def test_lost_chunk_marks_waiting_steps_lost():
+    led = ledger_with({"f0o0": [(0, 4), (1, 2)]}, epochs=2)
+    finish_all(led)
+    led.next_epoch()
+    step = led.lease("w0", 60)
+    led.missed(step)
+    finish_all(led)
+    assert not led.epoch_complete()
+    led.chunk_lost("f0o0")
+    assert led.lost == {step} and led.refill == {} and led.chunks["f0o0"].state == "lost"
+    assert led.counters["lines_lost"] == 0       # its rows were cached once
+    assert led.epoch_complete()                  # a lost step does not hold the epoch up
+
+
+def test_lost_chunk_never_cached_counts_its_lines():
+    led = JobLedger("j1", epochs=1)
+    led.chunk_sent(chunk("f0o0", lines=7))
+    led.source_done = True
+    assert not led.epoch_complete()
+    led.chunk_lost("f0o0")
+    led.chunk_lost("nope")                       # unknown: ignored
+    assert led.counters["lines_lost"] == 7 and led.lost == set()
+    assert led.epoch_complete()
+
+
+def test_replay_moves_done_steps_back():
+    led = ledger_with({"f0o0": [(0, 4), (1, 2)], "f0o100": [(0, 3)]}, epochs=2)
+    finish_all(led)
+    assert led.rows_done[1] == 9
+    n = led.replay({"e1/f0o0:1", "e1/f0o100:0", "e1/never:0"})
+    assert n == 2
+    assert led.done == {"e1/f0o0:0"}
+    assert set(led.ready) == {"e1/f0o0:1", "e1/f0o100:0"} and len(led.ready) == 2
+    assert led.counters["batches_replayed"] == 2 and led.rows_done[1] == 4
+    assert not led.epoch_complete()
+    again = finish_all(led, "w1")
+    assert sorted(again) == ["e1/f0o0:1", "e1/f0o100:0"]
+    assert led.epoch_complete() and led.rows_done[1] == 9
+
+
+def test_replay_goes_before_queued_steps():
+    led = ledger_with({"f0o0": [(0, 4), (1, 2)]}, epochs=2)
+    finish_all(led)
+    led.next_epoch()
+    led.replay({"e1/f0o0:0"})
+    assert list(led.ready) == ["e1/f0o0:0", "e2/f0o0:0", "e2/f0o0:1"]
+
+
+# ---- staleness ---------------------------------------------------------------------
+
+
+def test_bsp_blocks_a_worker_one_step_ahead():
+    led = ledger_with({"f0o0": [(0, 1), (1, 1), (2, 1), (3, 1)]}, staleness=0)
+    active = {"w0", "w1"}
+    assert led.may_lease("w0", active) and led.may_lease("w1", active)
+    a = led.lease("w0", 60)
+    assert not led.may_lease("w0", active)       # holds a step the others have not matched
+    led.step_done(a, "w0", 1, 0.0, {})
+    assert not led.may_lease("w0", active)       # one step ahead of w1
+    assert led.may_lease("w1", active)
+    b = led.lease("w1", 60)
+    assert not led.may_lease("w0", active)       # w1 has not finished yet
+    led.step_done(b, "w1", 1, 0.0, {})
+    assert led.may_lease("w0", active) and led.may_lease("w1", active)
+
+
+def test_bsp_ignores_workers_that_are_not_active():
+    led = ledger_with({"f0o0": [(0, 1), (1, 1)]}, staleness=0)
+    led.step_done(led.lease("w0", 60), "w0", 1, 0.0, {})
+    assert not led.may_lease("w0", {"w0", "w1"})
+    assert led.may_lease("w0", {"w0"})
+
+
+def test_bounded_staleness_of_one():
+    led = ledger_with({"f0o0": [(k, 1) for k in range(4)]}, staleness=1)
+    active = {"w0", "w1"}
+    led.step_done(led.lease("w0", 60), "w0", 1, 0.0, {})
+    assert led.may_lease("w0", active)           # one ahead is allowed
+    led.step_done(led.lease("w0", 60), "w0", 1, 0.0, {})
+    assert not led.may_lease("w0", active)       # two ahead is not
+
+
+def test_asynchronous_always_allows():
+    led = ledger_with({"f0o0": [(k, 1) for k in range(4)]}, staleness=None)
+    for _ in range(3):
+        led.step_done(led.lease("w0", 60), "w0", 1, 0.0, {})
+    led.lease("w0", 60)
+    assert led.may_lease("w0", {"w0", "w1"})
+
+
+def test_progress():
+    led = ledger_with({"f0o0": [(0, 4), (1, 2)]}, epochs=2)
+    led.step_done(led.lease("w0", 60), "w0", 4, 2.0, {})
+    p = led.progress()
+    assert (p["epoch"], p["epochs"], p["rows"], p["loss"]) == (1, 2, 4, 0.5)
+    assert (p["ready"], p["leased"], p["chunks"], p["batches"], p["source_done"]) == (1, 0, 1, 2, True)

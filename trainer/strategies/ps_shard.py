@@ -1,0 +1,146 @@
+"""One parameter-server shard's state and math, without sockets.
+
+Shard s of S owns the ids with `id % S == s` of every hashed table (local row
+`id // S`, so `HashedTable` initializes a row exactly as a whole table would)
+and their optimizer state; shard 0 also owns the dense parameters. A push is
+applied at most once per step id: a retried or replayed step is a no-op.
+
+    shard = ParamShard(config, schema, shard=0, num_shards=1)
+    rows, dense = shard.pull(ids)                    # table -> (n, dim), flat dense params
+    shard.push("e1/c0:0", 4096, ids, grads, dense_grad)  # True: applied; False: seen before
+    weights, manifest = shard.snapshot()               # a consistent checkpoint
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+from sparse.encode import Encoder
+from sparse.errors import DataFormatError
+from sparse.optim import AdaGrad
+from sparse.schema import Schema
+from sparse.table import HashedTable
+from trainer.bundle import table_optimizer
+from trainer.config import JobConfig
+from trainer.models.base import build_model
+from trainer.strategies.ps_step import DenseOptimizer
+
+
+STEP_RE = re.compile(r"^e(\d+)/.+")
+
+
+def dense_vector(model: torch.nn.Module) -> np.ndarray:
+    """The model's dense parameters as one flat float32 vector, in `parameters()` order."""
+    params = [p.detach().reshape(-1) for p in model.parameters()]
+    return torch.cat(params).numpy().copy() if params else np.zeros(0, np.float32)
+
+
+class ParamShard:
+    def __init__(self, config: JobConfig, schema: Schema, shard: int, num_shards: int):
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} of {num_shards}")
+        self.config, self.schema, self.shard, self.num_shards = config, schema, shard, num_shards
+        encoder = Encoder(schema, config.hashing)
+        model = build_model(config.model, encoder.num_fields, encoder.dense_dim)
+        self.specs = {t.name: t for t in model.tables}
+        num_ids = config.hashing.num_ids
+        local_rows = (num_ids - shard + num_shards - 1) // num_shards
+        self.tables = {t.name: HashedTable(t.name, local_rows, t.dim, t.init_scale, seed=config.model.seed,
+                                           id_offset=shard, id_stride=num_shards) for t in model.tables}
+        self.optimizers = {t.name: table_optimizer(config, t.role) for t in model.tables}
+        # Dense parameters live on shard 0, as one flat vector (AdaGrad is per element).
+        self.dense = dense_vector(model) if shard == 0 else np.zeros(0, np.float32)
+        self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,
+                                                initial_accumulator=config.optim.initial_accumulator),
+                                        [self.dense])
+        self.applied: dict[str, int] = {}  # step id -> rows, for every step applied here
+
+    # ---- requests ---------------------------------------------------------------
+
+    def local_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Global ids -> rows of this shard; ids of another shard are an error."""
+        ids = np.asarray(ids, np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.config.hashing.num_ids):
+            raise DataFormatError(f"ids must lie in [0, {self.config.hashing.num_ids})")
+        if self.num_shards == 1:
+            return ids
+        if ids.size and bool((ids % self.num_shards != self.shard).any()):
+            raise DataFormatError(f"ids of another shard sent to shard {self.shard} of {self.num_shards}")
+        return ids // self.num_shards
+
+    def pull(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """table -> (len(ids), dim) rows for unique global `ids` (materialized on first pull)."""
+        rows = self.local_rows(ids)
+        return {name: t.gather(rows) for name, t in self.tables.items()}
+
+    def push(self, step: str, num_rows: int, ids: np.ndarray, grads: dict[str, np.ndarray],
+             dense_grad: np.ndarray | None) -> bool:
+        """Apply one step's gradients for unique `ids`; False (and no change) if
+        `step` was applied before."""
+        if step in self.applied:
+            return False
+        if not STEP_RE.match(step):
+            raise DataFormatError(f"step id {step!r} is not e<epoch>/<batch>")
+        rows = self.local_rows(ids)
+        for name, g in grads.items():
+            table = self.tables.get(name)
+            if table is None:
+                raise DataFormatError(f"no table {name!r} (tables: {', '.join(self.tables)})")
+            if g.shape != (len(rows), table.dim):
+                raise DataFormatError(f"grads of {name!r} have shape {g.shape}, expected {(len(rows), table.dim)}")
+        if dense_grad is not None and dense_grad.shape != self.dense.shape:
+            raise DataFormatError(f"dense grads have shape {dense_grad.shape}, expected {self.dense.shape}")
+        for name, g in grads.items():
+            table = self.tables[name]
+            table.gather(rows)  # materialize rows first touched by this push (e.g. after a restore)
+            self.optimizers[name].apply(table, rows, g, unique=True)
+        if dense_grad is not None and self.dense.size:
+            self.dense_opt.apply([dense_grad])
+        self.applied[step] = int(num_rows)
+        return True
+
+    def rows_by_epoch(self) -> dict[int, int]:
+        """Rows applied per epoch; step ids start with 'e<epoch>/'."""
+        out: dict[int, int] = {}
+        for step, rows in self.applied.items():
+            epoch = int(STEP_RE.match(step).group(1))
+            out[epoch] = out.get(epoch, 0) + rows
+        return out
+
+    # ---- checkpoints and export ----------------------------------------------------
+
+    def snapshot(self) -> tuple[dict[str, np.ndarray], dict]:
+        """(arrays, manifest) of everything this shard owns, copied: write them
+        on another thread while pushes go on."""
+        arrays: dict[str, np.ndarray] = {}
+        for name, t in self.tables.items():
+            rows = t.touched_rows()
+            arrays[f"table.{name}.rows"] = t.global_ids(rows)
+            arrays[f"table.{name}.weights"] = t.weights[rows]
+            for key, st in t.state.items():
+                arrays[f"table.{name}.{key}"] = st[rows]
+        arrays["dense"] = self.dense.copy()
+        for key, st in self.dense_opt.state[0].items():
+            arrays[f"dense.{key}"] = st.copy()
+        manifest = {"shard": self.shard, "num_shards": self.num_shards,
+                    "applied": dict(self.applied), "config": self.config.to_dict(),
+                    "schema": self.schema.to_dict()}
+        return arrays, manifest
+
+    def restore(self, arrays: dict[str, np.ndarray], manifest: dict) -> None:
+        if (manifest.get("shard"), manifest.get("num_shards")) != (self.shard, self.num_shards):
+            raise DataFormatError(f"checkpoint of shard {manifest.get('shard')}/{manifest.get('num_shards')} "
+                                  f"loaded into shard {self.shard}/{self.num_shards}")
+        for name, t in self.tables.items():
+            ids = arrays[f"table.{name}.rows"]
+            state = {k.rsplit(".", 1)[1]: v for k, v in arrays.items()
+                     if k.startswith(f"table.{name}.") and k.rsplit(".", 1)[1] not in ("rows", "weights")}
+            t.load_rows(self.local_rows(ids), arrays[f"table.{name}.weights"], state)
+        if self.dense.size:
+            self.dense[...] = arrays["dense"]
+            for key, st in self.dense_opt.state[0].items():
+                if f"dense.{key}" in arrays:
+                    st[...] = arrays[f"dense.{key}"]
+        self.applied = {str(k): int(v) for k, v in manifest.get("applied", {}).items()}

@@ -2,11 +2,17 @@
 
     mariana gen criteo --rows N --seed S --out FILE
     mariana train --data FILE[,FILE...] [--test-data FILE] --model {lr,dnn} --out MODEL_DIR [--json]
+                  [--mode cluster [--workers W] [--ps S] [--preprocess P] [--sync async|ssp|bsp]]
     mariana evaluate --model MODEL_DIR --data FILE [--json]
     mariana predict --model MODEL_DIR --data FILE
+    mariana up [--config FILE] [--dir DIR] [--workers W] [--ps S] [--preprocess P]
+    mariana down [--dir DIR] [--timeout SECONDS]
+    mariana status [--dir DIR] [--json]
+    mariana run {coordinator,loader,preprocess,worker,ps} --config FILE [--index N]
 
 User errors (a bad path, an unknown format, a file of the wrong format, a bad
 config key) print one line `mariana: error: ...` and exit with code 2.
+`mariana status` exits 1 when no cluster is up or its coordinator does not answer.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ from sparse.schema import FORMATS  # light: no numpy before tune_process() sets 
 
 log = logging.getLogger("mariana")
 EXIT_USAGE = 2
+# services.runtime.config.ROLES, written out: importing it loads numpy, and `mariana --help` need not.
+ROLES = ("coordinator", "loader", "preprocess", "worker", "ps")
 
 
 # ---- commands -------------------------------------------------------------------
@@ -50,14 +58,41 @@ def cmd_gen(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trainer.job import run_local_job
-
     freeze_imports()
     config = _job_config(args)
-    record = run_local_job(config, _paths(args.data), _paths(args.test_data), args.out,
-                           on_progress=_progress_logger())
+    if args.mode == "cluster":
+        record = _train_cluster(args, config)
+    else:
+        from trainer.job import run_local_job
+
+        for flag in ("workers", "ps", "preprocess", "sync", "staleness", "cluster_config"):
+            if getattr(args, flag) is not None:
+                raise MarianaError(f"--{flag.replace('_', '-')} needs --mode cluster")
+        record = run_local_job(config, _paths(args.data), _paths(args.test_data), args.out,
+                               on_progress=_progress_logger())
     _print_record(record, args.json)
     return 0
+
+
+def _train_cluster(args: argparse.Namespace, config) -> dict:
+    from services.cluster_job import run_cluster_job
+    from services.runtime.config import load_cluster_config
+
+    overrides = {key: getattr(args, flag) for flag, key in
+                 (("workers", "worker.count"), ("ps", "ps.count"), ("preprocess", "preprocess.count"))
+                 if getattr(args, flag) is not None}
+    cluster = load_cluster_config(args.cluster_config, overrides=overrides)
+    sync = args.sync or ("ssp" if args.staleness is not None else "async")
+    if args.staleness is not None and sync != "ssp":
+        raise MarianaError(f"--staleness goes with --sync ssp, not --sync {sync}")
+
+    def report(p: dict) -> None:
+        loss = "n/a" if p.get("loss") is None else f"{p['loss']:.5f}"
+        log.info("epoch %d/%d: %s rows, %s rows/s, loss %s (%d batches ready, %d leased)", p["epoch"],
+                 p["epochs"], f"{p['rows']:,}", f"{p['rows_per_s']:,.0f}", loss, p["ready"], p["leased"])
+
+    return run_cluster_job(config, _paths(args.data), _paths(args.test_data), args.out, cluster,
+                           mode=sync, staleness=args.staleness, on_progress=report)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -93,6 +128,54 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"mariana: skipped {stream.stats.rows_bad} malformed rows "
               f"({describe_bad(stream.stats.to_dict()['first_bad'])})", file=sys.stderr)
     return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import importlib
+
+    from services.runtime.config import load_cluster_config
+
+    cfg = load_cluster_config(args.config)
+    count = cfg.count(args.role)
+    if not 0 <= args.index < count:
+        raise MarianaError(f"--index {args.index}: {args.config} has {count} {args.role} instance(s), "
+                           f"so --index must be in 0..{count - 1}")
+    cfg.require_endpoints()
+    return importlib.import_module(f"services.{args.role}").main(cfg, args.index)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.launcher import up
+    from services.runtime.config import load_cluster_config
+
+    flags = (("dir", "cluster.dir"), ("workers", "worker.count"), ("ps", "ps.count"),
+             ("preprocess", "preprocess.count"))
+    overrides = {key: getattr(args, flag) for flag, key in flags if getattr(args, flag) is not None}
+    info = up(load_cluster_config(args.config, overrides=overrides))
+    print(json.dumps({"dir": info["dir"], "http": info["http"], "pids": info["pids"]}))
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from services.launcher import down
+
+    print(json.dumps(down(_cluster_dir(args), timeout=args.timeout)))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from services.launcher import ClusterNotUp, status
+
+    try:
+        st = status(_cluster_dir(args))
+    except ClusterNotUp as e:
+        print(f"mariana: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(st))
+    else:
+        _print_status(st)
+    return 0 if st["error"] is None else 1
 
 
 # ---- helpers ----------------------------------------------------------------------
@@ -151,6 +234,66 @@ def _print_record(record: dict, as_json: bool) -> None:
         print(f"{key:>14}: {value}")
 
 
+def _cluster_dir(args: argparse.Namespace) -> str:
+    from services.runtime.config import load_cluster_config
+
+    return args.dir or load_cluster_config(args.config).cluster.path
+
+
+def _print_status(st: dict) -> None:
+    coord = st["coordinator"] or {}
+    print(f"cluster {st['dir']}  {st['http']}  up {_ago(st['started_at'])}")
+    if st["error"]:
+        print(f"  {st['error']}")
+    print()
+    _print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "LAST SEEN"), _service_rows(st, coord))
+    jobs = coord.get("jobs") or []
+    if jobs:
+        print()
+        progress = [j.get("progress") or {} for j in jobs]
+        _print_table(("JOB", "STATE", "MODEL", "EPOCH", "ROWS", "ROWS/S", "ERROR"),
+                     [(j.get("id"), j.get("state"), j.get("model"), f"{p.get('epoch')}/{p.get('epochs')}",
+                       _count(p.get("rows")), _count(p.get("rows_per_s")), (j.get("error") or "")[:60] or None)
+                      for j, p in zip(jobs, progress)])
+
+
+def _service_rows(st: dict, coord: dict) -> list[tuple]:
+    """One row per process started by `up` or registered with the coordinator (a service
+    started elsewhere has no pid here)."""
+    procs, services = st["processes"], coord.get("services") or {}
+    rows = []
+    for name in list(procs) + [n for n in services if n not in procs]:
+        p, s = procs.get(name, {}), services.get(name, {})
+        alive = "-" if not s else ("yes" if s.get("alive") else "no")
+        pid = "-" if not p else f"{p['pid']}{'' if p['running'] else ' (exited)'}"
+        seen = _ago(s["last_seen"]) + " ago" if s.get("last_seen") else "-"
+        rows.append((name, p.get("role") or s.get("role"), p.get("index", s.get("index")), alive, pid, seen))
+    return rows
+
+
+def _print_table(header: tuple, rows: list[tuple]) -> None:
+    cells = [tuple("-" if c is None else str(c) for c in row) for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def _ago(unix_time: float) -> str:
+    s = max(0.0, time.time() - unix_time)
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{s / 3600:.1f}h"
+
+
+def _count(n) -> str | None:
+    """12345.6 -> '12,346'; None stays None (shown as '-')."""
+    if isinstance(n, (int, float)) and not isinstance(n, bool):
+        return f"{n:,.0f}"
+    return None if n is None else str(n)
+
+
 # ---- parser --------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,6 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.epochs=2")
     t.add_argument("--out", required=True, help="model directory (a new version is added)")
     t.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    t.add_argument("--mode", choices=("local", "cluster"), default="local",
+                   help="local: one process; cluster: the ZeroMQ pipeline (the cluster that is up, "
+                        "or one started for this job)")
+    t.add_argument("--workers", type=int, help="cluster: worker processes")
+    t.add_argument("--ps", type=int, help="cluster: parameter-server shards")
+    t.add_argument("--preprocess", type=int, help="cluster: preprocess processes")
+    t.add_argument("--sync", choices=("async", "ssp", "bsp"),
+                   help="cluster: asynchronous SGD (default), bounded staleness, or a barrier per step")
+    t.add_argument("--staleness", type=int, help="cluster, --sync ssp: steps a worker may run ahead (default 2)")
+    t.add_argument("--cluster-config", help="cluster: TOML cluster config (its cluster.dir says where one is up)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("evaluate", help="metrics of a model on labeled data")
@@ -197,7 +350,36 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--data", required=True, help="labeled or unlabeled rows")
     pr.add_argument("--format", choices=FORMATS)
     pr.set_defaults(func=cmd_predict)
+    _add_cluster_commands(sub)
     return p
+
+
+def _add_cluster_commands(sub) -> None:
+    u = sub.add_parser("up", help="start a local cluster: redis and every service as its own process")
+    u.add_argument("--config", help="TOML cluster config (default: built-in defaults, free ports)")
+    u.add_argument("--dir", help="cluster directory: config, pids, logs (default: the config's cluster.dir)")
+    u.add_argument("--workers", type=int, help="worker.count")
+    u.add_argument("--ps", type=int, help="ps.count: parameter-server shards")
+    u.add_argument("--preprocess", type=int, help="preprocess.count")
+    u.set_defaults(func=cmd_up)
+
+    d = sub.add_parser("down", help="stop the local cluster (SIGTERM, then SIGKILL after --timeout)")
+    d.add_argument("--dir", help="cluster directory (default: the config's cluster.dir)")
+    d.add_argument("--config", help="cluster config whose cluster.dir to use")
+    d.add_argument("--timeout", type=float, default=60.0, help="seconds each stage may take to exit")
+    d.set_defaults(func=cmd_down)
+
+    s = sub.add_parser("status", help="services and jobs of the local cluster")
+    s.add_argument("--dir", help="cluster directory (default: the config's cluster.dir)")
+    s.add_argument("--config", help="cluster config whose cluster.dir to use")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=cmd_status)
+
+    r = sub.add_parser("run", help="run one service in the foreground (what systemd and `up` start)")
+    r.add_argument("role", choices=ROLES)
+    r.add_argument("--config", required=True, help="TOML cluster config")
+    r.add_argument("--index", type=int, default=0, help="which instance of the role (default 0)")
+    r.set_defaults(func=cmd_run)
 
 
 def main(argv: list[str] | None = None) -> int:

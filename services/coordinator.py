@@ -101,7 +101,8 @@ class Coordinator(Service):
 
     async def start(self) -> None:
         self.queue = asyncio.Queue()
-        self.server = Server(self.ctx, self.cfg.coordinator.endpoint, self.handle, self.counters, name=self.name)
+        self.server = Server(self.ctx, self.cfg.coordinator.endpoint, self.handle, self.counters,
+                             max_bytes=self.cfg.cluster.max_message_bytes, name=self.name)
         self.shards = [Client(self.ctx, ep, self.counters, timeout=30.0) for ep in self.cfg.ps.endpoints]
         self.cache = SampleCache(self.cfg, self.counters)
         self.runner = web.AppRunner(self.http_app(), access_log=None, handle_signals=False)
@@ -131,11 +132,14 @@ class Coordinator(Service):
         for run in self.jobs.values():
             if run.task and not run.task.done():
                 run.task.cancel()
-        await self.runner.cleanup()
+        if self.runner:
+            await self.runner.cleanup()
         for c in self.shards:
             c.close()
-        await self.cache.close()
-        self.server.close()
+        if self.cache:
+            await self.cache.close()
+        if self.server:
+            self.server.close()
 
     def pulse(self) -> None:
         """Wake every held lease: steps became ready or a worker finished one."""
@@ -208,10 +212,9 @@ class Coordinator(Service):
             chunk = run.ledger.missed(msg["step"])
         except ValueError as e:
             raise BadMessage("step", str(e)) from None
-        log.info("%s: job %s: %s not in the cache; reading chunk %s again", self.name, run.id, msg["step"],
+        log.info("%s: job %s: %s not in the cache; chunk %s to be read again", self.name, run.id, msg["step"],
                  chunk or "(already asked)")
-        if chunk:
-            await self.resend(run, run.ledger.chunks[chunk])
+        await self.pump_refills(run)
         self.pulse()
         return protocol.encode("Ok", msg.msg_id)
 
@@ -248,6 +251,7 @@ class Coordinator(Service):
         except (TypeError, ValueError):
             raise BadMessage("batches", "Cached.batches must be [[k, rows], ...]") from None
         if run.ledger.chunk_cached(msg["chunk"], batches, msg["stats"]):
+            await self.pump_refills(run)
             self.pulse()
         # Back-pressure: hold the reply (and so that preprocess) while workers lag behind.
         while len(run.ledger.ready) >= self.cfg.coordinator.max_ready and run.state == "running":
@@ -299,8 +303,16 @@ class Coordinator(Service):
         elif info.role == "loader" and not run.ledger.source_done and run.ledger.epoch == 1:
             await self.read_source(run)
 
+    async def pump_refills(self, run: JobRun) -> None:
+        """Read missed chunks again, a few at a time (two per preprocess instance)."""
+        for c in run.ledger.next_refills(2 * self.cfg.preprocess.count):
+            await self.send_resend(run, c)
+
     async def resend(self, run: JobRun, c: ChunkInfo) -> None:
         run.ledger.chunk_resent(c)
+        await self.send_resend(run, c)
+
+    async def send_resend(self, run: JobRun, c: ChunkInfo) -> None:
         await self.command("loader", "Resend", job=run.id, chunk=c.id, file=c.file, offset=c.offset,
                            length=c.length, first_line=c.first_line, lines=c.lines, files=run.request["data"])
 

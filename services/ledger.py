@@ -8,7 +8,9 @@ step at most once, so issuing a step again is always safe.
     ready   steps waiting for a worker (re-issued and replayed ones go first)
     leased  step -> (worker, deadline); lapsed leases return to ready
     done    steps a worker reported done
-    refill  chunk -> steps waiting for it to be cached again (a cache miss)
+    refill  chunk -> steps waiting for it to be cached again (a cache miss);
+            such chunks are read again a few at a time (`next_refills`), so a
+            miss storm (a restarted Redis) does not swamp preprocess
 
 An epoch is complete when the source is fully cached (epoch 1) and every
 step of it is done; then the coordinator asks every shard which steps it has
@@ -44,7 +46,7 @@ class ChunkInfo:
     length: int
     first_line: int
     lines: int
-    state: str = "sent"          # sent -> cached; refill (a miss) -> cached; lost
+    state: str = "sent"          # sent -> cached; cached -> refill (a miss) -> resent -> cached; lost
     sent_at: float = 0.0
     batches: list[tuple[int, int]] = field(default_factory=list)  # (k, rows)
     resends: int = 0
@@ -70,6 +72,7 @@ class JobLedger:
     leased: dict[str, Lease] = field(default_factory=dict)
     done: set = field(default_factory=set)
     refill: dict[str, list[str]] = field(default_factory=dict)
+    refill_queue: deque = field(default_factory=deque)    # chunks to read again, in miss order
     lost: set = field(default_factory=set)                # steps that could not be produced
     missed_steps: set = field(default_factory=set)        # steps whose batch had to be read again
     rows_done: Counter = field(default_factory=Counter)   # epoch -> rows reported done
@@ -116,7 +119,7 @@ class JobLedger:
     def chunks_overdue(self, older_than: float) -> list[ChunkInfo]:
         now = time.monotonic()
         return [c for c in self.chunks.values()
-                if c.state in ("sent", "refill") and now - c.sent_at > older_than and c.file >= 0]
+                if c.state in ("sent", "resent") and now - c.sent_at > older_than and c.file >= 0]
 
     def chunk_resent(self, c: ChunkInfo) -> None:
         c.sent_at = time.monotonic()
@@ -174,8 +177,23 @@ class JobLedger:
         c = self.chunks.get(chunk)
         if c is not None and c.state == "cached":
             c.state = "refill"
+            self.refill_queue.append(chunk)
             return chunk
         return ""
+
+    def next_refills(self, in_flight_limit: int) -> list[ChunkInfo]:
+        """Chunks to read again now: at most `in_flight_limit` being re-read at once."""
+        in_flight = sum(1 for c in self.chunks.values() if c.state == "resent")
+        out = []
+        while self.refill_queue and in_flight < in_flight_limit:
+            c = self.chunks[self.refill_queue.popleft()]
+            if c.state != "refill":
+                continue
+            c.state = "resent"
+            self.chunk_resent(c)
+            out.append(c)
+            in_flight += 1
+        return out
 
     def step_done(self, step: str, worker: str, rows: int, loss_sum: float, times: dict) -> bool:
         """Record a step done; False for a duplicate (already done)."""
@@ -235,7 +253,8 @@ class JobLedger:
 
     def progress(self) -> dict:
         e = min(self.epoch, self.epochs)
-        seconds = time.monotonic() - self.epoch_started
+        finished = self.epoch > self.epochs
+        seconds = self.epoch_seconds[-1] if finished and self.epoch_seconds else time.monotonic() - self.epoch_started
         rows = self.rows_done[e]
         return {"epoch": e, "epochs": self.epochs, "rows": rows, "rows_per_s": round(rows / max(seconds, 1e-9), 1),
                 "loss": self.loss_sum[e] / rows if rows else None, "ready": len(self.ready),

@@ -54,8 +54,10 @@ class Loader(Service):
             task.cancel()
 
     async def close(self) -> None:
-        self.push.close(linger=0)
-        await self.cache.close()
+        if self.push is not None:
+            self.push.close(linger=0)
+        if self.cache:
+            await self.cache.close()
 
     def status(self) -> dict:
         return {**self.counters, "reading": sorted(self.reading)}

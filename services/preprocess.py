@@ -64,7 +64,7 @@ class Preprocess(Service):
         while True:
             frames = await self.pull.recv_multipart(copy=False)
             try:
-                msg = protocol.decode(frames)
+                msg = protocol.decode(frames, self.cfg.cluster.max_message_bytes)
                 if msg.type != "Chunk" or msg.arrays.get("data") is None or msg.arrays["data"].dtype != np.uint8:
                     raise BadMessage("unexpected", f"preprocess takes Chunk messages with uint8 data, got {msg.type}")
             except BadMessage as e:
@@ -82,8 +82,10 @@ class Preprocess(Service):
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
-        self.pull.close(linger=0)
-        await self.cache.close()
+        if self.pull is not None:
+            self.pull.close(linger=0)
+        if self.cache:
+            await self.cache.close()
 
     def status(self) -> dict:
         return {**self.counters, "busy": self.busy}

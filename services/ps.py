@@ -55,7 +55,7 @@ class ParamServer(Service):
     async def start(self) -> None:
         self.restore_all()
         self.server = Server(self.ctx, self.cfg.ps.endpoints[self.index], self.handle, self.counters,
-                             name=self.name)
+                             max_bytes=self.cfg.cluster.max_message_bytes, name=self.name)
         self.connect_coordinator()
         await self.register()
 
@@ -71,7 +71,8 @@ class ParamServer(Service):
 
     async def close(self) -> None:
         await self.checkpoint_all()  # SIGTERM: persist what we own before exit
-        self.server.close()
+        if self.server:
+            self.server.close()
 
     def status(self) -> dict:
         return {**self.counters, "jobs": len(self.jobs),

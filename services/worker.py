@@ -81,7 +81,8 @@ class Worker(Service):
     async def close(self) -> None:
         for c in self.shards:
             c.close()
-        await self.cache.close()
+        if self.cache:
+            await self.cache.close()
 
     async def drain(self) -> None:
         while self.busy:  # finish the batch in hand; the next one's lease lapses and is re-issued

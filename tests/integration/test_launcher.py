@@ -1,0 +1,217 @@
+"""The local-cluster launcher with real processes: redis-server on free ports,
+`mariana` subprocesses, and plain processes standing in for recorded services."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from services import cli
+from services.launcher import RedisServer, _start_time, find_redis_server, free_port, resolve
+from services.runtime.config import ROLES, load_cluster_config, to_toml
+from sparse.errors import MarianaError
+from tests.conftest import run_cli
+
+# A process that ignores SIGTERM, so only SIGKILL stops it; it says when it is ready.
+STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+SLEEPER = "import time; print('ready', flush=True); time.sleep(60)"
+
+
+def error_line(proc, code: int = 2) -> str:
+    """The exit code is `code`, no traceback; the last stderr line."""
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def started(code: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def write_state(root, recs: list[tuple[str, subprocess.Popen, int | None]]) -> None:
+    """A cluster.json as `mariana up` writes it, recording (name, process, start time)."""
+    services = [{"name": name, "role": name.split("-")[0], "index": 0, "pid": p.pid, "start": start,
+                 "cmd": p.args, "log": str(root / f"{name}.log")} for name, p, start in recs]
+    state = {"dir": str(root), "config": str(root / "cluster.toml"), "token": "t", "started_at": time.time(),
+             "http": f"http://127.0.0.1:{free_port()}", "redis": None, "services": services}
+    (root / "cluster.json").write_text(json.dumps(state))
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids of running processes whose command line contains text."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:  # exited while we looked
+            pass
+    return pids
+
+
+def answers_ping(port: int) -> bool:
+    try:
+        with redis.Redis(port=port, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)) as client:
+            return bool(client.ping())
+    except redis.exceptions.ConnectionError:
+        return False
+
+
+# ---- redis --------------------------------------------------------------------------
+
+def test_find_redis_server_finds_an_executable():
+    path = find_redis_server(load_cluster_config(env={}))
+    assert os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def test_find_redis_server_names_a_bad_binary(tmp_path):
+    cfg = load_cluster_config(overrides={"redis.binary": str(tmp_path / "nope")}, env={})
+    with pytest.raises(MarianaError, match=r"redis.binary = .*nope.*not an executable"):
+        find_redis_server(cfg)
+
+
+def test_redis_server_starts_answers_and_stops(tmp_path):
+    port = free_port()
+    server = RedisServer("127.0.0.1", port, str(tmp_path / "redis")).start()
+    try:
+        server.wait_ready(10.0)
+        with redis.Redis(port=port) as client:
+            assert client.ping()
+            client.set("k", b"v")
+            assert client.get("k") == b"v"
+            assert client.config_get("save") == {"save": ""}
+    finally:
+        code = server.stop()
+    assert code == 0
+    assert not os.path.exists(f"/proc/{server.pid}")  # exited and reaped
+    assert not answers_ping(port)
+
+
+def test_redis_server_reports_a_taken_port(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = RedisServer("127.0.0.1", taken.getsockname()[1], str(tmp_path / "redis")).start()
+        try:
+            with pytest.raises(MarianaError, match="exited with code"):
+                server.wait_ready(10.0)
+        finally:
+            server.stop()
+
+
+# ---- config ---------------------------------------------------------------------------
+
+def test_resolve_fills_every_endpoint_with_distinct_ports(tmp_path):
+    cfg = load_cluster_config(overrides={"cluster.dir": str(tmp_path), "ps.count": 3, "preprocess.count": 2},
+                              env={})
+    r = resolve(cfg)
+    endpoints = [r.coordinator.endpoint, r.redis.url, *r.ps.endpoints, *r.preprocess.endpoints]
+    ports = [int(e.rsplit(":", 1)[1].split("/")[0]) for e in endpoints] + [r.coordinator.http_port]
+    assert len(ports) == 8 and len(set(ports)) == 8 and all(p > 0 for p in ports)
+    assert r.redis.url.startswith("redis://127.0.0.1:") and r.redis.url.endswith("/0")
+    assert all(e.startswith("tcp://127.0.0.1:") for e in endpoints if e is not r.redis.url)
+    assert len(r.coordinator.token) >= 32
+    assert cfg.coordinator.endpoint == "" and cfg.coordinator.token == ""  # the input is left alone
+
+
+def test_resolve_keeps_what_is_given():
+    cfg = load_cluster_config(overrides={"cluster.base_port": 7000, "coordinator.token": "secret"}, env={})
+    r = resolve(cfg)
+    assert (r.coordinator.endpoint, r.coordinator.http_port, r.coordinator.token) == ("tcp://127.0.0.1:7000",
+                                                                                    7001, "secret")
+    given = load_cluster_config(overrides={"redis.embedded": False, "redis.url": "redis://db:6379/2"}, env={})
+    assert resolve(given).redis.url == "redis://db:6379/2"
+    with pytest.raises(MarianaError, match="redis.url"):  # not embedded and not given: nothing to pick
+        resolve(load_cluster_config(overrides={"redis.embedded": False}, env={}))
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    r = resolve(load_cluster_config(overrides={"cluster.dir": str(tmp_path), "worker.count": 3}, env={}))
+    path = tmp_path / "cluster.toml"
+    path.write_text(to_toml(r))
+    assert load_cluster_config(path, env={}) == r
+
+
+def test_cli_roles_are_the_config_roles():
+    assert cli.ROLES == ROLES
+
+
+# ---- cli ----------------------------------------------------------------------------------
+
+def test_run_rejects_an_index_out_of_range(tmp_path):
+    path = tmp_path / "cluster.toml"
+    path.write_text("[cluster]\nbase_port = 7000\n[ps]\ncount = 1\n")
+    line = error_line(run_cli("run", "ps", "--config", path, "--index", "5"))
+    assert line.startswith("mariana: error: --index 5") and "0..0" in line
+
+
+def test_down_and_status_without_a_cluster(tmp_path):
+    assert "no cluster is up in" in error_line(run_cli("down", "--dir", tmp_path))
+    assert "no cluster is up in" in error_line(run_cli("status", "--dir", tmp_path), code=1)
+
+
+@pytest.mark.slow
+def test_up_that_fails_leaves_nothing_running(tmp_path):
+    """The coordinator's ports are taken, so it cannot start: up stops everything it started."""
+    with socket.socket() as zmq_port, socket.socket() as http_port:
+        for s in (zmq_port, http_port):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        config = tmp_path / "in.toml"
+        config.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\nstart_seconds = 20\n'
+                          f'[coordinator]\nendpoint = "tcp://127.0.0.1:{zmq_port.getsockname()[1]}"\n'
+                          f'http_port = {http_port.getsockname()[1]}\n')
+        proc = run_cli("up", "--config", config, "--ps", "2")
+    # The message goes on with log tails, which may hold the failed service's traceback.
+    assert proc.returncode == 2 and "mariana: error: cluster in" in proc.stderr, proc.stderr
+    assert "did not start" in proc.stderr and "coordinator-0" in proc.stderr
+    assert not (tmp_path / "c" / "cluster.json").exists()
+    assert processes_naming(str(tmp_path / "c" / "cluster.toml")) == []
+    assert processes_naming(str(tmp_path / "c" / "redis")) == []
+    written = load_cluster_config(tmp_path / "c" / "cluster.toml", env={})
+    assert written.ps.count == 2 and written.coordinator.token  # the flags, and a token
+    assert oct((tmp_path / "c" / "cluster.toml").stat().st_mode & 0o777) == "0o600"
+
+
+def test_down_stops_recorded_processes_and_kills_stubborn_ones(tmp_path):
+    with started(SLEEPER) as worker, started(STUBBORN) as coordinator:
+        write_state(tmp_path, [("coordinator-0", coordinator, _start_time(coordinator.pid)),
+                               ("worker-0", worker, _start_time(worker.pid))])
+        assert "already up" in error_line(run_cli("up", "--dir", tmp_path))
+
+        st = run_cli("status", "--dir", tmp_path)  # the coordinator's HTTP port answers nothing
+        assert st.returncode == 1 and "unreachable" in st.stdout and str(worker.pid) in st.stdout, st.stdout
+        st = json.loads(run_cli("status", "--dir", tmp_path, "--json").stdout)
+        assert st["processes"]["worker-0"] == {"role": "worker", "index": 0, "pid": worker.pid, "running": True}
+
+        proc = run_cli("down", "--dir", tmp_path, "--timeout", "1")
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads(proc.stdout)
+        assert (summary["stopped"], summary["killed"], summary["not_running"]) == (["worker-0"],
+                                                                                 ["coordinator-0"], [])
+        assert worker.wait(5) == -signal.SIGTERM and coordinator.wait(5) == -signal.SIGKILL
+    assert not (tmp_path / "cluster.json").exists()
+
+
+def test_down_leaves_a_reused_pid_alone(tmp_path):
+    """A cluster.json outliving a reboot may name pids that now belong to others."""
+    with started(SLEEPER) as other:
+        write_state(tmp_path, [("coordinator-0", other, _start_time(other.pid) - 1)])
+        proc = run_cli("status", "--dir", tmp_path)
+        assert "none of the processes" in error_line(proc, code=1)
+        summary = json.loads(run_cli("down", "--dir", tmp_path).stdout)
+        assert summary["not_running"] == ["coordinator-0"] and summary["stopped"] == []
+        assert other.poll() is None  # still running
+        other.kill()

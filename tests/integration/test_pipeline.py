@@ -1,0 +1,170 @@
+"""The streaming pipeline with real processes, a real redis-server and real
+ZeroMQ sockets on loopback: exactly-once counts under failures, quality
+against local mode, the training modes, and the CLI around it."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from sparse.synth import generate_criteo
+from tests.conftest import run_cli
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+# Small tables and batches: many steps per epoch, so failures land mid-epoch.
+JOB = {"hashing": {"bits": 18}, "train": {"batch_size": 1024}, "data": {"block_bytes": 262144}}
+
+
+def job_config(kind: str = "lr", epochs: int = 2) -> dict:
+    return {**JOB, "model": {"kind": kind}, "train": {**JOB["train"], "epochs": epochs}}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("pipeline")
+    generate_criteo(d / "train.tsv", 120_000, seed=11)
+    generate_criteo(d / "small.tsv", 50_000, seed=13)  # for jobs that only need to run long enough to break
+    generate_criteo(d / "test.tsv", 20_000, seed=12)
+    return {"train": d / "train.tsv", "small": d / "small.tsv", "test": d / "test.tsv"}
+
+
+def assert_exactly_once(record: dict, epochs: int) -> None:
+    assert record["rows_in_data"] > 0
+    assert record["rows_applied"] == record["rows_in_data"] * epochs, record
+    assert record["rows_applied_per_epoch"] == [record["rows_in_data"]] * epochs, record
+    assert record["rows_per_epoch"] == [record["rows_in_data"]] * epochs, record
+    assert record["rows_lost"] == 0 and record["lines_lost"] == 0, record
+
+
+def progressed(rows: int, epoch: int = 1):
+    return lambda s: s["state"] != "running" or (s["progress"]["epoch"] >= epoch and s["progress"]["rows"] >= rows)
+
+
+def done_record(cluster: Cluster, job: str, timeout: float = 150.0) -> dict:
+    summary = cluster.wait(job, timeout)
+    assert summary["state"] == "done", f"{summary['state']}: {summary['error']}\n{cluster.logs()}"
+    return summary["record"]
+
+
+@pytest.mark.timeout(300)
+def test_cli_cluster_mode_matches_local_mode(data, tmp_path):
+    """`mariana up` / `train --mode cluster` / `status` / `down`, W=2, S=2, P=2:
+    the same record keys as local mode, exactly once, AUC within 0.003 of local."""
+    common = ["train", "--data", data["train"], "--test-data", data["test"], "--model", "dnn", "--epochs", "2",
+              "--set", "hashing.bits=18", "--set", "train.batch_size=1024", "--json"]
+    local = json.loads(run_cli(*common, "--out", tmp_path / "local", check=True).stdout)
+    cfg = tmp_path / "cluster.toml"
+    cfg.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\n[worker]\ncount = 2\n[ps]\ncount = 2\n'
+                   f'[preprocess]\ncount = 2\n')
+    run_cli("up", "--config", cfg, check=True)
+    try:
+        status = json.loads(run_cli("status", "--config", cfg, "--json", check=True).stdout)
+        services = status["coordinator"]["services"]
+        assert {f"worker-{i}" for i in (0, 1)} | {"ps-0", "ps-1", "loader-0", "preprocess-1"} <= set(services)
+        assert all(s["alive"] for s in services.values()), services
+        proc = run_cli(*common, "--out", tmp_path / "cluster", "--mode", "cluster", "--cluster-config", cfg,
+                       "--workers", "2", "--ps", "2", "--preprocess", "2", check=True)
+        record = json.loads(proc.stdout)
+        table = run_cli("status", "--config", cfg, check=True).stdout
+        assert record["job"] in table and "done" in table
+        mismatch = run_cli(*common, "--out", tmp_path / "x", "--mode", "cluster", "--cluster-config", cfg,
+                           "--workers", "3")
+        assert mismatch.returncode == 2 and "has 2 worker" in mismatch.stderr
+    finally:
+        down = run_cli("down", "--config", cfg)
+    assert down.returncode == 0, down.stderr
+    stopped = json.loads(down.stdout)
+    assert stopped["killed"] == [] and len(stopped["stopped"]) == 9, stopped  # 8 services + redis, on SIGTERM
+    for log in (tmp_path / "c" / "logs").glob("*-*.log"):  # (exit codes are known only to a parent)
+        assert "stopped after" in log.read_text(), log
+    assert set(local) <= set(record), set(local) - set(record)
+    for key in ("rows_applied", "rows_in_data", "batches_reissued", "cache_hits", "bad_messages", "epoch_seconds"):
+        assert key in record
+    assert_exactly_once(record, 2)
+    assert len(record["epoch_seconds"]) == 2 and len(local["epoch_seconds"]) == 2
+    assert record["bad_messages"] == 0 and record["batches_reissued"] == 0
+    batches = record["cache_hits"]  # every batch of epoch 2 came from the cache
+    assert batches >= record["rows_in_data"] // 1024
+    assert abs(record["auc"] - local["auc"]) <= 0.003, (record["auc"], local["auc"])
+    assert record["model_version"] == "v000001"
+    evaluated = json.loads(run_cli("evaluate", "--model", tmp_path / "cluster", "--data", data["test"], "--json",
+                                   check=True).stdout)
+    assert evaluated["auc"] == pytest.approx(record["auc"], abs=1e-9)
+
+
+@pytest.mark.timeout(240)
+def test_worker_killed_mid_epoch_its_batches_are_reissued(data, tmp_path):
+    with Cluster(tmp_path / "c", workers=2) as c:
+        job = c.submit([data["small"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))
+        c.wait(job, 60, until=progressed(10_000))
+        c.kill("worker-1", signal.SIGKILL)
+        record = done_record(c, job)
+    assert_exactly_once(record, 2)
+    assert record["batches_reissued"] >= 1, record  # it held a lease (and one fetched ahead) when it died
+
+
+@pytest.mark.timeout(240)
+def test_ps_shard_killed_and_restarted_restores_and_replays(data, tmp_path):
+    with Cluster(tmp_path / "c", workers=1, ps=2) as c:
+        job = c.submit([data["small"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))
+        c.wait(job, 60, until=progressed(20_000))
+        c.kill("ps-1", signal.SIGKILL)
+        time.sleep(1.0)  # the worker waits on the dead shard meanwhile
+        c.restart("ps-1")
+        record = done_record(c, job)
+        log = (tmp_path / "c" / "logs" / "ps-1.log").read_text()
+    assert "restored job" in log, log[-2000:]
+    assert_exactly_once(record, 2)
+    assert record["auc"] > 0.65, record  # still a model, not noise
+
+
+@pytest.mark.timeout(240)
+def test_redis_restarted_mid_job_refills_from_the_source(data, tmp_path):
+    with Cluster(tmp_path / "c", workers=1) as c:
+        job = c.submit([data["small"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))
+        c.wait(job, 90, until=progressed(10_000, epoch=2))  # epoch 2 replays from the cache
+        c.kill("redis", signal.SIGKILL)
+        time.sleep(1.0)
+        c.restart("redis")  # empty: every later read misses and is read again from the source
+        record = done_record(c, job)
+    assert_exactly_once(record, 2)
+    assert record["cache_misses"] > 0, record
+
+
+@pytest.mark.timeout(240)
+def test_bsp_and_bounded_staleness_jobs_count_exactly_once(data, tmp_path):
+    with Cluster(tmp_path / "c", workers=2) as c:
+        records = {}
+        for mode, extra in (("bsp", {}), ("ssp", {"staleness": 1})):
+            job = c.submit([data["train"]], tmp_path / mode, [data["test"]], job_config("lr"), mode=mode, **extra)
+            records[mode] = done_record(c, job)
+    for mode, record in records.items():
+        assert_exactly_once(record, 2)
+        assert record["mode"] == mode
+    assert records["bsp"]["staleness"] == 0 and records["ssp"]["staleness"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_bad_job_requests_are_refused_with_400_or_401(data, tmp_path):
+    with Cluster(tmp_path / "c") as c:
+        code, reply = c.request("POST", "/v1/jobs", {"data": [str(data["train"])], "out": str(tmp_path / "m")},
+                                token=None)
+        assert code == 401 and "token" in reply["error"]
+        cases = [
+            ({"data": [str(tmp_path / "missing.tsv")], "out": str(tmp_path / "m")}, "missing.tsv"),
+            ({"data": [str(data["train"])], "out": str(tmp_path / "m"), "config": {"train": {"epochz": 2}}},
+             "epochz"),
+            ({"data": [str(data["train"])], "out": str(tmp_path / "m"), "mode": "turbo"}, "turbo"),
+            ({"data": [str(data["train"])]}, "out"),
+            ({"data": [str(data["train"])], "out": str(tmp_path / "m"), "colour": 1}, "colour"),
+        ]
+        for body, named in cases:
+            code, reply = c.request("POST", "/v1/jobs", body)
+            assert code == 400 and named in reply["error"], (body, code, reply)
+        code, reply = c.request("GET", "/v1/jobs/nope")
+        assert code == 404
+        assert c.status()["services"]["coordinator-0"]["alive"]

@@ -91,8 +91,9 @@ def _train_cluster(args: argparse.Namespace, config) -> dict:
         log.info("epoch %d/%d: %s rows, %s rows/s, loss %s (%d batches ready, %d leased)", p["epoch"],
                  p["epochs"], f"{p['rows']:,}", f"{p['rows_per_s']:,.0f}", loss, p["ready"], p["leased"])
 
+    asked = tuple(key.split(".")[0] for key in overrides)
     return run_cluster_job(config, _paths(args.data), _paths(args.test_data), args.out, cluster,
-                           mode=sync, staleness=args.staleness, on_progress=report)
+                           mode=sync, staleness=args.staleness, on_progress=report, asked=asked)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:

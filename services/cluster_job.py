@@ -33,7 +33,8 @@ class JobFailed(MarianaError):
 
 def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], out: str, cluster: ClusterConfig,
                     mode: str = "async", staleness: int | None = None,
-                    on_progress: Callable[[dict], None] | None = None) -> dict:
+                    on_progress: Callable[[dict], None] | None = None, asked: tuple[str, ...] = ()) -> dict:
+    """`asked`: the roles whose counts the user gave; a running cluster must have those."""
     from services import launcher
 
     body = {"data": data, "test_data": test_data, "out": out, "config": config.to_dict(), "mode": mode}
@@ -43,7 +44,7 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
     info = launcher.cluster_info(cluster.cluster.path)
     started = info is None
     if info is not None:
-        check_sizes(cluster, info)
+        check_sizes(cluster, info, asked)
     if started:
         cluster.cluster.dir = tempfile.mkdtemp(prefix="mariana-cluster-")
         log.info("no cluster is up: starting one (%d workers, %d ps, %d preprocess) in %s",
@@ -66,12 +67,12 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
                 log.warning("cluster logs kept in %s/logs", cluster.cluster.dir)
 
 
-def check_sizes(wanted: ClusterConfig, info: dict) -> None:
+def check_sizes(wanted: ClusterConfig, info: dict, asked: tuple[str, ...]) -> None:
     """A running cluster is used as it is: asked-for sizes that differ are an error, not a surprise."""
     from services.runtime.config import load_cluster_config
 
     running = load_cluster_config(info["config"], env={})
-    for role in ("worker", "ps", "preprocess"):
+    for role in asked:
         if getattr(wanted, role).count != getattr(running, role).count:
             raise MarianaError(f"the cluster up in {info['dir']} has {getattr(running, role).count} {role}; "
                                f"asked for {getattr(wanted, role).count} (drop the flag, or `mariana down` first)")

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from services import protocol
+from services.assemble import assemble_and_publish, check_request
 from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step
 from services.protocol import BadMessage, Message
-from services.runtime.config import ClusterConfig
+from services.runtime.config import ROLES, ClusterConfig
 from services.runtime.lifecycle import Service, run_service
 from services.sample_cache import SampleCache, batch_key
 from services.transport import Client, PeerTimeout, RemoteError, Server
@@ -155,7 +156,10 @@ class Coordinator(Service):
         return await handler(peer, msg)
 
     async def on_Hello(self, peer: bytes, msg: Message) -> list:
-        name = f"{msg['role']}-{msg['index']}"
+        role, index = msg["role"], msg["index"]
+        if role not in ROLES or role == "coordinator" or not 0 <= index < self.cfg.count(role):
+            raise BadMessage("hello", f"no {role!r} #{index} in this cluster's config")
+        name = f"{role}-{index}"
         info = self.services.get(name)
         restarted = info is not None and info.boot != msg.get("boot")
         if info is None or restarted:
@@ -219,7 +223,7 @@ class Coordinator(Service):
         return protocol.encode("Ok", msg.msg_id)
 
     async def on_GetJob(self, peer: bytes, msg: Message) -> list:
-        run = self.job_of(msg)
+        run = self.job_of(msg, running=False)
         return protocol.encode("JobSpec", msg.msg_id, job=run.id, spec=run.spec)
 
     async def on_ChunkSent(self, peer: bytes, msg: Message) -> list:
@@ -260,10 +264,13 @@ class Coordinator(Service):
 
     # ---- helpers for requests ------------------------------------------------------------
 
-    def job_of(self, msg: Message) -> JobRun:
+    def job_of(self, msg: Message, running: bool = True) -> JobRun:
+        """The job a message names; reports about a job that has ended are refused (and change nothing)."""
         run = self.jobs.get(msg["job"])
         if run is None:
             raise MarianaError(f"no job {msg['job']!r}")
+        if running and run.state != "running":
+            raise MarianaError(f"job {run.id} is {run.state}; {msg.type} ignored")
         return run
 
     def active(self) -> JobRun | None:
@@ -431,8 +438,6 @@ class Coordinator(Service):
                 delay = min(delay * 2, 2.0)
 
     async def finish(self, run: JobRun) -> None:
-        from services.assemble import assemble_and_publish
-
         led = run.ledger
         applied = [(await self.shard_call(run, i, "ShardStats"))["rows"] for i in range(len(self.shards))]
         exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.shards))]
@@ -463,9 +468,10 @@ class Coordinator(Service):
         await self.cleanup(run)
 
     async def cleanup(self, run: JobRun) -> None:
+        timeout = 2.0 if self.stopping.is_set() else 10.0  # shutting down: do not outwait the drain
         for i, shard in enumerate(self.shards):
             try:
-                await shard.call("EndJob", job=run.id, timeout=10.0)
+                await shard.call("EndJob", job=run.id, timeout=timeout)
             except (PeerTimeout, RemoteError) as e:
                 log.warning("%s: job %s: EndJob on shard %d: %s", self.name, run.id, i, e)
         try:
@@ -590,8 +596,6 @@ class Coordinator(Service):
         return "\n".join(lines) + "\n"
 
     def new_job(self, body: dict) -> JobRun:
-        from services.assemble import check_request
-
         request, spec = check_request(body)
         job = time.strftime("j%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
         staleness = {"async": None, "bsp": 0, "ssp": request["staleness"]}[request["mode"]]

@@ -51,7 +51,8 @@ class Preprocess(Service):
         self.jobs: dict[str, JobCodec] = {}
         self.cache: SampleCache | None = None
         self.pull = None
-        self.busy = False
+        self.in_flight: set[asyncio.Task] = set()
+        self.failure: BaseException | None = None
 
     async def start(self) -> None:
         self.pull = make_socket(self.ctx, zmq.PULL, hwm=2)
@@ -61,7 +62,10 @@ class Preprocess(Service):
         await self.register()
 
     async def main(self) -> None:
+        # `threads` chunks in flight: one parses while another is hashed, cached or held back.
+        slots = asyncio.Semaphore(self.cfg.preprocess.threads)
         while True:
+            await slots.acquire()
             frames = await self.pull.recv_multipart(copy=False)
             try:
                 msg = protocol.decode(frames, self.cfg.cluster.max_message_bytes)
@@ -70,16 +74,24 @@ class Preprocess(Service):
             except BadMessage as e:
                 self.counters["bad_messages"] += 1
                 log.warning("%s: bad message dropped: %s", self.name, e)
+                slots.release()
                 continue
-            self.busy = True
-            try:
-                await self.process(msg)
-            finally:
-                self.busy = False
+            task = asyncio.create_task(self.process(msg))
+            self.in_flight.add(task)
+            task.add_done_callback(self.chunk_done)
+            task.add_done_callback(lambda _: slots.release())
+            if self.failure is not None:
+                raise self.failure  # e.g. Redis gone longer than redis.retry_seconds: exit non-zero
+
+    def chunk_done(self, task: asyncio.Task) -> None:
+        self.in_flight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.failure = task.exception()
 
     async def drain(self) -> None:
-        while self.busy:  # the chunk in hand is cached and reported; queued ones are re-sent on timeout
-            await asyncio.sleep(0.05)
+        # chunks in hand are cached and reported; queued ones are re-sent on the coordinator's timeout
+        if self.in_flight:
+            await asyncio.wait(set(self.in_flight))
 
     async def close(self) -> None:
         if self.pull is not None:
@@ -88,7 +100,7 @@ class Preprocess(Service):
             await self.cache.close()
 
     def status(self) -> dict:
-        return {**self.counters, "busy": self.busy}
+        return {**self.counters, "busy": len(self.in_flight)}
 
     # ---- one chunk ------------------------------------------------------------------------
 
@@ -97,7 +109,7 @@ class Preprocess(Service):
         codec = await self.codec(job)
         if codec is None:
             return
-        data = msg.arrays["data"].tobytes()
+        data = memoryview(msg.arrays["data"])  # the received frame, parsed in place
         try:
             batches, stats = await asyncio.to_thread(self.encode, codec, msg, data, job, chunk)
             error = ""

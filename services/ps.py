@@ -76,7 +76,7 @@ class ParamServer(Service):
 
     def status(self) -> dict:
         return {**self.counters, "jobs": len(self.jobs),
-                "steps_applied": sum(len(s.applied) for s in self.jobs.values())}
+                "steps_held": sum(len(s.applied) for s in self.jobs.values())}
 
     # ---- requests -------------------------------------------------------------------
 
@@ -101,6 +101,8 @@ class ParamServer(Service):
                 schema = Schema.from_dict(spec["schema"])
             except (KeyError, TypeError) as e:
                 raise BadMessage("spec", f"job spec lacks {e}") from None
+            except MarianaError as e:  # an unknown key, a bad schema
+                raise BadMessage("spec", f"bad job spec: {e}") from None
             self.jobs[job] = ParamShard(config, schema, self.index, self.cfg.ps.count)
             self.ended.discard(job)
             log.info("%s: job %s: %s tables %s", self.name, job, config.model.kind,
@@ -119,6 +121,8 @@ class ParamServer(Service):
 
     def on_PushGrads(self, msg: Message) -> list:
         shard = self.shard(msg)
+        if msg["rows"] < 1:
+            raise BadMessage("rows", f"PushGrads.rows must be >= 1, got {msg['rows']}")
         ids = _array(msg, "ids", np.int64, 1)
         grads = {k[2:]: _array(msg, k, np.float32, 2) for k in msg.arrays if k.startswith("g.")}
         dense = _array(msg, "dense", np.float32, 1) if "dense" in msg.arrays else None

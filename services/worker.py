@@ -69,6 +69,7 @@ class Worker(Service):
         self.shards: list[Client] = []
         self.cache: SampleCache | None = None
         self.busy = False
+        self.reporting: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self.connect_coordinator()
@@ -87,6 +88,8 @@ class Worker(Service):
     async def drain(self) -> None:
         while self.busy:  # finish the batch in hand; the next one's lease lapses and is re-issued
             await asyncio.sleep(0.05)
+        if self.reporting:
+            await asyncio.wait(set(self.reporting), timeout=5.0)
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -165,10 +168,16 @@ class Worker(Service):
         times.update(pull=t1 - t0, compute=t2 - t1, push=t3 - t2)
         self.counters["steps"] += 1
         self.counters["rows"] += batch.num_rows
+        # The next step need not wait for the coordinator's Ok: the shards have the update.
+        task = asyncio.create_task(self.report_done(work, batch.num_rows, result.loss_sum,
+                                                    {"times": times, "applied": applied, "worker": self.name}))
+        self.reporting.add(task)
+        task.add_done_callback(self.reporting.discard)
+
+    async def report_done(self, work: Message, rows: int, loss_sum: float, stats: dict) -> None:
         try:
-            await self.coordinator.call("BatchDone", job=work["job"], step=work["step"], rows=batch.num_rows,
-                                        loss_sum=result.loss_sum, stats={"times": times, "applied": applied,
-                                                                         "worker": self.name})
+            await self.coordinator.call("BatchDone", job=work["job"], step=work["step"], rows=rows,
+                                        loss_sum=loss_sum, stats=stats)
         except (PeerTimeout, RemoteError) as e:  # the lease lapses; the re-issued step is a no-op on the shards
             log.warning("%s: BatchDone for %s not delivered: %s", self.name, work["step"], e)
 

@@ -208,14 +208,18 @@ class BlockParser:
 
     def parse(self, block: bytes, first_line: int, stats: ParseStats, skip_rows: int = 0,
               num_lines: int | None = None) -> Chunk:
-        """Rows of `block` (whole lines; `num_lines` of them if the caller counted)."""
+        """Rows of `block` (whole lines; `num_lines` of them if the caller counted).
+
+        `block` may be any buffer (a received frame, unsliced): the fast path
+        reads it in place; only a block with bad rows is copied to bytes.
+        """
         if num_lines is None:
-            num_lines = block.count(b"\n")
+            num_lines = bytes(block).count(b"\n")
         chunk = self._parse_fast(block, first_line, skip_rows, num_lines)
         if chunk is not None:
             stats.rows_ok += chunk.num_rows
             return chunk
-        return self._parse_checked(block, first_line, stats, skip_rows)
+        return self._parse_checked(bytes(block), first_line, stats, skip_rows)
 
     def _read(self, block: bytes, convert, threads: bool, skip_rows: int) -> pa.Table:
         # No invalid-row handler: with one, pyarrow parses about 3x slower, and

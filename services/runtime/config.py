@@ -76,6 +76,11 @@ class LoaderConfig:
 class PreprocessConfig:
     count: int = 1
     endpoints: list[str] = field(default_factory=list)  # PULL socket of each instance
+    threads: int = 2                    # chunks parsed and hashed at once per instance
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ConfigError(f"preprocess.threads must be >= 1, got {self.threads}")
 
 
 @dataclass

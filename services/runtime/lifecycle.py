@@ -125,7 +125,7 @@ async def _run(service: Service) -> int:
         log.info("%s: started (pid %d)", service.name, os.getpid())
         work = asyncio.create_task(service.main(), name="main")
         done, _ = await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
+        if work in done and not service.stopping.is_set():  # (a main() that only waits for stop ends with it)
             stop.cancel()
             work.result()  # a crash of main() surfaces here
         else:
@@ -151,11 +151,27 @@ async def _run(service: Service) -> int:
 
 
 def run_service(service: Service) -> int:
-    """Run until SIGTERM/SIGINT; 0 on a clean stop, 1 when startup or the work failed."""
+    """Run until SIGTERM/SIGINT; 0 on a clean stop, 1 when startup or the work failed.
+
+    With MARIANA_PROFILE=DIR set, a cProfile of the whole run goes to DIR/<name>.prof.
+    """
     from sparse.errors import MarianaError
 
     try:
+        if os.environ.get("MARIANA_PROFILE"):
+            return _profiled(service, os.environ["MARIANA_PROFILE"])
         return asyncio.run(_run(service))
     except (MarianaError, OSError, zmq.ZMQError) as e:  # e.g. an endpoint already in use
         log.error("%s: %s", service.name, e)
         return 1
+
+
+def _profiled(service: Service, out_dir: str) -> int:
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(asyncio.run, _run(service))
+    finally:
+        os.makedirs(out_dir, exist_ok=True)
+        prof.dump_stats(os.path.join(out_dir, f"{service.name}.prof"))

@@ -130,9 +130,9 @@ class Cluster:
             code = launcher.reap(pid)
             if code is not None:
                 return code
-            if not os.path.exists(f"/proc/{pid}") or _zombie(pid):
-                return None
-            time.sleep(0.05)
+            if pid not in launcher._CHILDREN and (not os.path.exists(f"/proc/{pid}") or _zombie(pid)):
+                return None  # not ours to reap: gone is all we can know
+            time.sleep(0.05)  # our child: wait until it can be reaped (a zombie's threads may still exit)
         raise AssertionError(f"pid {pid} still running after {timeout}s")
 
     def restart(self, name: str) -> subprocess.Popen:
@@ -143,6 +143,22 @@ class Cluster:
         p.mariana_name = name
         self.restarted.append(p)
         return p
+
+    def stop_restarted(self, timeout: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM what `restart` started and still runs, in the launcher's stop order; name -> exit
+        code (None: killed after `timeout`). `launcher.down` stops only what `up` recorded."""
+        order = {role: i for i, role in enumerate(launcher.STOP_ORDER)}
+        live = [p for p in self.restarted if p.poll() is None]
+        codes: dict[str, int | None] = {}
+        for p in sorted(live, key=lambda p: order.get(p.mariana_name.split("-")[0], len(order))):
+            p.send_signal(signal.SIGTERM)
+            try:
+                codes[p.mariana_name] = p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                codes[p.mariana_name] = None
+        return codes
 
     def logs(self, lines: int = 30) -> str:
         out = []

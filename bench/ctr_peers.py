@@ -67,6 +67,8 @@ from pathlib import Path
 # that use them: the per-system child processes run this same file, and a
 # child's peak RSS should hold only what that system needs.
 
+from gendata import count_lines, synthetic_file  # bench/ is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -86,27 +88,6 @@ def note(message: str) -> None:
 
 
 # ---- data files ----------------------------------------------------------------------
-
-def count_lines(path: Path) -> int:
-    n = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            n += block.count(b"\n")
-    return n
-
-
-def synthetic_file(out_dir: Path, kind: str, rows: int, seed: int) -> Path:
-    """`<kind>_<rows>.tsv` from `mariana gen criteo`, reused if it has `rows` lines."""
-    path = out_dir / f"{kind}_{rows}.tsv"
-    if path.exists() and count_lines(path) == rows:
-        return path
-    note(f"generating {path.name} ({rows:,} rows, seed {seed})")
-    partial = path.with_suffix(".partial.tsv")
-    subprocess.run([sys.executable, "-m", "services.cli", "-q", "gen", "criteo", "--rows", str(rows),
-                    "--seed", str(seed), "--out", str(partial)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    partial.replace(path)
-    return path
-
 
 def find_data_path(spec: str) -> Path | None:
     """`spec` as given, else under $MARIANA_DATA or ../shared/data."""
@@ -441,8 +422,8 @@ def prepare_data(args: argparse.Namespace, out_dir: Path) -> dict | None:
         data = {"source": str(src), "train": train, "test": test}
     else:
         data = {"source": f"mariana gen criteo, seeds {TRAIN_SEED}/{TEST_SEED}",
-                "train": synthetic_file(out_dir, "train", args.rows, TRAIN_SEED),
-                "test": synthetic_file(out_dir, "test", max(args.rows // 5, 1), TEST_SEED)}
+                "train": synthetic_file(out_dir, "train", args.rows, TRAIN_SEED, note),
+                "test": synthetic_file(out_dir, "test", max(args.rows // 5, 1), TEST_SEED, note)}
     data["train_rows"], data["test_rows"] = count_lines(data["train"]), count_lines(data["test"])
     return data
 
@@ -481,13 +462,13 @@ def bench(args: argparse.Namespace, out_dir: Path) -> int:
 
 def rss_check(args: argparse.Namespace, out_dir: Path) -> int:
     """mariana-lr on N and 5N rows: peak RSS should follow table + block size, not the file."""
-    test = synthetic_file(out_dir, "test", max(args.rows // 5, 1), TEST_SEED)
+    test = synthetic_file(out_dir, "test", max(args.rows // 5, 1), TEST_SEED, note)
     sizes = [args.rows, 5 * args.rows]
     work_dir = out_dir / "models"
     work_dir.mkdir(exist_ok=True)
     results = []
     for rows in sizes:
-        data = {"train": synthetic_file(out_dir, "train", rows, TRAIN_SEED), "test": test}
+        data = {"train": synthetic_file(out_dir, "train", rows, TRAIN_SEED, note), "test": test}
         results.append(run_system("lr", data, args.bits, work_dir, rows))
     if any("error" in r for r in results):
         return 1

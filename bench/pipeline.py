@@ -44,6 +44,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gendata import synthetic_file  # bench/ is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_SEED, TEST_SEED = 1, 2
 MIN_TEST_ROWS = 20_000
@@ -57,29 +59,6 @@ class RunFailed(Exception):
 
 def note(message: str) -> None:
     print(f"pipeline: {message}", file=sys.stderr, flush=True)
-
-
-# ---- data ------------------------------------------------------------------------------
-
-def count_lines(path: Path) -> int:
-    n = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            n += block.count(b"\n")
-    return n
-
-
-def dataset(out_dir: Path, kind: str, rows: int, seed: int) -> Path:
-    """`<kind>-<rows>.tsv` from `mariana gen criteo`, reused if it has `rows` lines."""
-    path = out_dir / f"{kind}-{rows}.tsv"
-    if path.exists() and count_lines(path) == rows:
-        return path
-    note(f"generating {path.name} ({rows:,} rows, seed {seed})")
-    partial = path.with_suffix(".partial.tsv")
-    subprocess.run([sys.executable, "-m", "services.cli", "-q", "gen", "criteo", "--rows", str(rows),
-                    "--seed", str(seed), "--out", str(partial)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    partial.replace(path)
-    return path
 
 
 # ---- one run -------------------------------------------------------------------------------
@@ -249,8 +228,9 @@ def markdown(machine: dict, body: str) -> str:
 
 def bench(args: argparse.Namespace, out_dir: Path) -> int:
     rows_test = max(args.rows // 10, MIN_TEST_ROWS)
-    data = {"train": dataset(out_dir, "train", args.rows, TRAIN_SEED),
-            "test": dataset(out_dir, "test", rows_test, TEST_SEED), "train_rows": args.rows, "test_rows": rows_test}
+    data = {"train": synthetic_file(out_dir, "train", args.rows, TRAIN_SEED, note),
+            "test": synthetic_file(out_dir, "test", rows_test, TEST_SEED, note),
+            "train_rows": args.rows, "test_rows": rows_test}
     base = (1, 1, args.preprocess)
     grid_configs = [(w, s, args.preprocess) for w, s in args.grid]
     runs = []

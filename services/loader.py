@@ -30,6 +30,10 @@ from sparse.parse import iter_spans, open_binary, read_span
 log = logging.getLogger(__name__)
 
 
+class JobEnded(Exception):
+    """The coordinator refused a report: the job was cancelled or failed."""
+
+
 class Loader(Service):
     role = "loader"
 
@@ -87,6 +91,9 @@ class Loader(Service):
             for fi in range(file0, len(files)):
                 start = (offset0, line0) if fi == file0 else (0, 1)
                 chunks = await self.read_file(job, fi, files[fi], block_bytes, start, chunks)
+        except JobEnded:
+            log.info("%s: job %s has ended; stopped reading its source", self.name, job)
+            return
         except (DataFormatError, OSError) as e:
             error = f"{getattr(e, 'filename', None) or ''}{': ' if getattr(e, 'filename', None) else ''}{e}"
             log.error("%s: job %s: reading stopped: %s", self.name, job, error)
@@ -114,8 +121,9 @@ class Loader(Service):
                          lines: int, seconds: float = 0.0, announce: bool = True) -> None:
         chunk = f"f{fi}o{offset}"
         if announce:  # the coordinator learns of a chunk before preprocess can report it cached
-            await self.tell("ChunkSent", job=job, chunk=chunk, file=fi, offset=offset, length=len(block),
-                            first_line=first_line, lines=lines, seconds=seconds)
+            if not await self.tell("ChunkSent", job=job, chunk=chunk, file=fi, offset=offset,
+                                   length=len(block), first_line=first_line, lines=lines, seconds=seconds):
+                raise JobEnded(job)
         await self.push.send_multipart(
             protocol.encode("Chunk", 0, {"data": np.frombuffer(block, np.uint8)}, job=job, chunk=chunk,
                             path=path, first_line=first_line, lines=lines,
@@ -136,17 +144,18 @@ class Loader(Service):
         self.counters["chunks_resent"] += 1
         await self.send_chunk(job, fi, path, msg["offset"], msg["first_line"], block, msg["lines"], announce=False)
 
-    async def tell(self, type_: str, **fields) -> None:
-        """A report the coordinator must get: retried until it answers."""
+    async def tell(self, type_: str, **fields) -> bool:
+        """A report the coordinator must get: retried until it answers; False if it refused
+        (the job has ended)."""
         while True:
             try:
                 await self.coordinator.call(type_, **fields)
-                return
+                return True
             except PeerTimeout as e:
                 log.warning("%s: %s not acknowledged (%s); again", self.name, type_, e)
             except RemoteError as e:
                 log.warning("%s: coordinator refused %s: %s", self.name, type_, e)
-                return
+                return False
 
 
 def main(cfg: ClusterConfig, index: int) -> int:

@@ -53,7 +53,7 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 1 << 30  # a service may set a lower bound
 
 DTYPES = {np.dtype(t).str: np.dtype(t) for t in
-          (np.uint8, np.int32, np.int64, np.uint32, np.float32, np.float64)}
+          (np.uint8, np.uint16, np.int32, np.int64, np.uint32, np.float32, np.float64)}
 
 _I, _F, _S, _B, _D, _L = int, (int, float), str, bool, dict, list
 # type -> required header fields and their Python types (extra fields are allowed)

@@ -68,7 +68,7 @@ class Worker(Service):
         self.jobs: dict[str, JobModel] = {}
         self.shards: list[Client] = []
         self.cache: SampleCache | None = None
-        self.busy = False
+        self.busy = 0  # steps in hand
         self.reporting: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -94,6 +94,10 @@ class Worker(Service):
     # ---- the loop ---------------------------------------------------------------------
 
     async def main(self) -> None:
+        # `worker.pipeline` step loops: one computes while another waits on the shards.
+        await asyncio.gather(*(self.step_loop() for _ in range(self.cfg.worker.pipeline)))
+
+    async def step_loop(self) -> None:
         ahead = asyncio.create_task(self.lease_and_fetch())
         while not self.stopping.is_set():
             fetched = await ahead
@@ -101,14 +105,14 @@ class Worker(Service):
                 ahead = asyncio.create_task(self.lease_and_fetch())
                 continue
             ahead = asyncio.create_task(self.lease_and_fetch())  # overlaps this batch's work
-            self.busy = True
+            self.busy += 1
             try:
                 await self.train_step(fetched)
             except (BadMessage, DataFormatError, RemoteError) as e:  # counted; the lease lapses, the step is re-issued
                 self.counters["bad_messages" if not isinstance(e, RemoteError) else "step_errors"] += 1
                 log.warning("%s: step %s failed: %s", self.name, fetched.work["step"], e)
             finally:
-                self.busy = False
+                self.busy -= 1
         ahead.cancel()
 
     async def lease_and_fetch(self) -> Fetched | None:
@@ -131,7 +135,7 @@ class Worker(Service):
             self.counters["cache_misses"] += 1
         else:
             try:
-                batch = unpack_batch(blob)
+                batch = await asyncio.to_thread(unpack_batch, blob)  # numpy copies, off the loop
             except (BadMessage, DataFormatError) as e:  # a corrupt value: count it and refill from the source
                 self.counters["bad_messages"] += 1
                 log.warning("%s: cached batch %s is corrupt: %s", self.name, work["key"], e)
@@ -157,6 +161,7 @@ class Worker(Service):
         t0 = time.perf_counter()
         pulled, dense = await self.pull(jm, uniq, owners)
         t1 = time.perf_counter()
+        # No await from here to the copies below: another step loop shares the model.
         if jm.dense_size:
             torch.nn.utils.vector_to_parameters(torch.from_numpy(dense), jm.model.parameters())
         result = compute_grads(jm.model, batch, torch.from_numpy(inverse), pulled)

@@ -138,14 +138,16 @@ class SparseBatch:
 
     def to_arrays(self) -> tuple[dict, dict[str, np.ndarray]]:
         """(meta, named arrays) for the wire and the sample cache: the unique
-        ids and each entry's int32 index into them (smaller than the ids, and
-        the step needs them anyway); the CSR layout only when not fixed-width.
-        `from_arrays` is the inverse."""
+        ids and each entry's index into them (uint16 when there are at most
+        65536 distinct ids, as in a few thousand Criteo rows, else int32: a
+        quarter or half the bytes of the ids, and the step needs them anyway);
+        the CSR layout only when not fixed-width. `from_arrays` is the inverse."""
         uniq, inverse = self.unique()
         if len(uniq) > np.iinfo(np.int32).max:
             raise DataFormatError(f"batch {self.batch_id!r}: too many distinct ids for the wire")
+        index_type = np.uint16 if len(uniq) <= 1 << 16 else np.int32
         arrays = {"uniq": np.ascontiguousarray(uniq, np.int64),
-                  "inverse": np.ascontiguousarray(inverse, np.int32),
+                  "inverse": np.ascontiguousarray(inverse, index_type),
                   "dense": np.ascontiguousarray(self.dense, np.float32)}
         if self.labels is not None:
             arrays["labels"] = np.ascontiguousarray(self.labels, np.float32)
@@ -176,6 +178,9 @@ class SparseBatch:
             raise DataFormatError(f"bad SparseBatch arrays: missing or wrong {e}") from None
         if uniq.ndim != 1 or inverse.ndim != 1 or (inverse.size and uniq.size == 0):
             raise DataFormatError("bad SparseBatch arrays: uniq and inverse must be 1-d")
+        if uniq.dtype != np.int64 or inverse.dtype not in (np.uint16, np.int32, np.int64):
+            raise DataFormatError(f"bad SparseBatch arrays: uniq must be int64 and inverse uint16 or int32, "
+                                  f"got {uniq.dtype} and {inverse.dtype}")
         if inverse.size and (int(inverse.min()) < 0 or int(inverse.max()) >= uniq.size):
             raise DataFormatError(f"bad SparseBatch arrays: inverse must lie in [0, {uniq.size})")
         inverse = inverse.astype(np.int64)
@@ -188,18 +193,21 @@ class SparseBatch:
             indptr, fields = arrays["indptr"], arrays["fields"]
         else:
             raise DataFormatError("bad SparseBatch arrays: a batch that is not fixed-width needs indptr and fields")
-        batch = cls(ids=uniq[inverse], indptr=indptr, fields=fields, num_fields=f, num_ids=n,
+        if uniq.size and (int(uniq.min()) < 0 or int(uniq.max()) >= n):
+            raise DataFormatError(f"bad SparseBatch arrays: ids must lie in [0, {n})")
+        batch = cls(ids=np.take(uniq, inverse), indptr=indptr, fields=fields, num_fields=f, num_ids=n,
                     values=arrays.get("values"), dense=arrays.get("dense"), labels=arrays.get("labels"),
                     batch_id=batch_id, _fixed=fixed or None)
-        batch.validate()
+        if fixed:  # the layout was built here and ids come from checked uniq: check the rest only
+            batch.validate_rows()
+        else:
+            batch.validate()
         batch.set_unique(uniq, inverse)
         return batch
 
     def validate(self) -> "SparseBatch":
         """Check shapes, dtypes and bounds; for batches that come from outside."""
-        def need(cond: bool, what: str) -> None:
-            if not cond:
-                raise DataFormatError(f"bad SparseBatch {self.batch_id!r}: {what}")
+        need = self._need
 
         need(self.ids.dtype == np.int64 and self.ids.ndim == 1, "ids must be 1-d int64")
         need(self.indptr.dtype == np.int64 and self.indptr.ndim == 1 and len(self.indptr) >= 1,
@@ -212,6 +220,11 @@ class SparseBatch:
              f"ids must lie in [0, {self.num_ids})")
         need(self.nnz == 0 or (int(self.fields.min()) >= 0 and int(self.fields.max()) < self.num_fields),
              f"fields must lie in [0, {self.num_fields})")
+        return self.validate_rows()
+
+    def validate_rows(self) -> "SparseBatch":
+        """Check values, the dense block and labels against the layout."""
+        need = self._need
         need(self.values is None or (self.values.shape == self.ids.shape and self.values.dtype == np.float32),
              "values must be float32 like ids")
         need(self.dense.dtype == np.float32 and self.dense.ndim == 2 and self.dense.shape[0] == self.num_rows,
@@ -219,6 +232,10 @@ class SparseBatch:
         need(self.labels is None or (self.labels.shape == (self.num_rows,) and self.labels.dtype == np.float32),
              "labels must be (rows,) float32")
         return self
+
+    def _need(self, cond: bool, what: str) -> None:
+        if not cond:
+            raise DataFormatError(f"bad SparseBatch {self.batch_id!r}: {what}")
 
 
 def _dedupe_local(uniq: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

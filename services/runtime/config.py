@@ -87,7 +87,12 @@ class PreprocessConfig:
 class WorkerConfig:
     count: int = 1
     rpc_seconds: float = 10.0           # a shard that does not answer in this long is retried
+    pipeline: int = 2                   # steps in flight per worker (1: each pull sees the last push)
     threads: int = 0                    # torch threads per worker; 0: the job's train.threads rule
+
+    def __post_init__(self) -> None:
+        if self.pipeline < 1:
+            raise ConfigError(f"worker.pipeline must be >= 1, got {self.pipeline}")
 
 
 @dataclass

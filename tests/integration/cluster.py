@@ -52,7 +52,8 @@ class Cluster:
 
     # ---- HTTP ---------------------------------------------------------------------
 
-    def request(self, method: str, path: str, body: dict | None = None, token: str | None = "default") -> tuple[int, dict]:
+    def request(self, method: str, path: str, body: dict | None = None,
+                token: str | None = "default") -> tuple[int, dict]:
         headers = {"Content-Type": "application/json"}
         token = self.info.get("token") if token == "default" else token
         if token:

@@ -57,3 +57,25 @@ def test_csv_schema_from_config():
     with pytest.raises(ConfigError, match="columns without a role"):
         cfg.data.resolve_schema()
     assert JobConfig().to_dict()["train"]["epochs"] == 1
+
+
+def test_cluster_example_config_lists_every_key_with_its_default():
+    from pathlib import Path
+
+    from services.runtime.config import ClusterConfig, load_cluster_config
+
+    path = Path(__file__).resolve().parents[2] / "deploy/config/cluster.example.toml"
+    assert load_cluster_config(path, env={}) == ClusterConfig()
+    text = path.read_text()
+    for section, values in ClusterConfig().to_dict().items():
+        assert f"[{section}]" in text
+        for key in values:
+            assert f"\n{key} = " in text, f"{section}.{key} missing from {path.name}"
+
+
+def test_cluster_and_job_configs_take_only_their_own_environment_sections():
+    from services.runtime.config import load_cluster_config
+
+    env = {"MARIANA_WORKER__COUNT": "3", "MARIANA_TRAIN__EPOCHS": "4"}
+    assert load_cluster_config(env=env).worker.count == 3
+    assert load_config(env=env).train.epochs == 4

@@ -169,7 +169,7 @@ class Coordinator(Service):
         info.pid, info.boot, info.peer, info.last_seen = msg.get("pid", 0), msg.get("boot", 0.0), peer, time.time()
         info.status = msg.get("status") if isinstance(msg.get("status"), dict) else {}
         if restarted:
-            asyncio.create_task(self.rejoin(info))
+            self.spawn(self.rejoin(info))
         return protocol.encode("Welcome", msg.msg_id)
 
     async def on_Lease(self, peer: bytes, msg: Message) -> list:

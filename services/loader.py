@@ -24,7 +24,7 @@ from services.runtime.config import ClusterConfig
 from services.runtime.lifecycle import Service, run_service
 from services.sample_cache import SampleCache
 from services.transport import PeerTimeout, RemoteError, make_socket
-from sparse.errors import DataFormatError
+from sparse.errors import DataFormatError, MarianaError
 from sparse.parse import iter_spans, open_binary, read_span
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Loader(Service):
             self.files[job] = [str(f) for f in msg["files"]]
             self.reading[job] = asyncio.create_task(self.read(job, self.files[job], msg["block_bytes"]))
         elif msg.type == "Resend":
-            asyncio.create_task(self.resend(msg))
+            self.spawn(self.resend(msg))
         else:
             raise BadMessage("unexpected", f"a loader does not take {msg.type}")
 
@@ -94,7 +94,7 @@ class Loader(Service):
         except JobEnded:
             log.info("%s: job %s has ended; stopped reading its source", self.name, job)
             return
-        except (DataFormatError, OSError) as e:
+        except (MarianaError, OSError) as e:  # unreadable, not in the format, Redis gone for good
             error = f"{getattr(e, 'filename', None) or ''}{': ' if getattr(e, 'filename', None) else ''}{e}"
             log.error("%s: job %s: reading stopped: %s", self.name, job, error)
         await self.tell("SourceDone", job=job, chunks=chunks, error=error)

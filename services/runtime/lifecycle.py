@@ -44,6 +44,7 @@ class Service:
         self.coordinator: Client | None = None
         self.stopping: asyncio.Event | None = None
         self._heartbeat: asyncio.Task | None = None
+        self.background: set[asyncio.Task] = set()
 
     # ---- what a service fills in ----------------------------------------------------
 
@@ -64,6 +65,13 @@ class Service:
         return dict(self.counters)
 
     # ---- shared plumbing ---------------------------------------------------------------
+
+    def spawn(self, coro) -> asyncio.Task:
+        """A background task, referenced until done (the loop keeps only weak references)."""
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
 
     def connect_coordinator(self, on_command=None) -> Client:
         self.coordinator = Client(self.ctx, self.cfg.coordinator.endpoint, self.counters,

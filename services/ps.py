@@ -114,7 +114,7 @@ class ParamServer(Service):
         ids = _array(msg, "ids", np.int64, 1)
         rows = shard.pull(ids)
         if msg["dense"]:
-            rows["dense"] = shard.dense
+            rows["dense"] = shard.dense.copy()  # frames go out zero-copy: never the live array a push updates
         self.counters["pulls"] += 1
         self.counters["rows_pulled"] += len(ids)
         return protocol.encode("Rows", msg.msg_id, rows)

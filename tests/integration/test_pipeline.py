@@ -168,3 +168,20 @@ def test_bad_job_requests_are_refused_with_400_or_401(data, tmp_path):
         code, reply = c.request("GET", "/v1/jobs/nope")
         assert code == 404
         assert c.status()["services"]["coordinator-0"]["alive"]
+
+
+@pytest.mark.timeout(180)
+def test_one_worker_one_shard_in_strict_order_is_local_mode_exactly(data, tmp_path):
+    """With one step in flight and chunks cached in source order, the pipeline
+    applies the same updates in the same order as local mode: the wire, the
+    cache and the sharded optimizer change nothing, to the last bit."""
+    config = {**job_config("dnn", epochs=2), "train": {**JOB["train"], "epochs": 2, "threads": 1}}
+    local = json.loads(run_cli("train", "--data", data["small"], "--test-data", data["test"], "--model", "dnn",
+                               "--epochs", "2", "--set", "hashing.bits=18", "--set", "train.batch_size=1024",
+                               "--set", "data.block_bytes=262144", "--set", "train.threads=1", "--json",
+                               "--out", tmp_path / "local", check=True).stdout)
+    with Cluster(tmp_path / "c", **{"worker.pipeline": 1, "preprocess.threads": 1}) as c:
+        record = done_record(c, c.submit([data["small"]], tmp_path / "m", [data["test"]], config))
+    assert_exactly_once(record, 2)
+    assert record["train_loss"] == local["train_loss"]
+    assert record["auc"] == local["auc"] and record["logloss"] == local["logloss"]

@@ -95,7 +95,7 @@ class Worker(Service):
 
     async def main(self) -> None:
         # `worker.pipeline` step loops: one computes while another waits on the shards.
-        await asyncio.gather(*(self.step_loop() for _ in range(self.cfg.worker.pipeline)))
+        await asyncio.gather(*(self.step_loop() for _ in range(self.cfg.worker.steps_in_flight)))
 
     async def step_loop(self) -> None:
         ahead = asyncio.create_task(self.lease_and_fetch())

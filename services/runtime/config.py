@@ -87,12 +87,18 @@ class PreprocessConfig:
 class WorkerConfig:
     count: int = 1
     rpc_seconds: float = 10.0           # a shard that does not answer in this long is retried
-    pipeline: int = 2                   # steps in flight per worker (1: each pull sees the last push)
+    pipeline: int = 0                   # steps in flight per worker; 0: 2 with one worker, else 1
     threads: int = 0                    # torch threads per worker; 0: the job's train.threads rule
 
     def __post_init__(self) -> None:
-        if self.pipeline < 1:
-            raise ConfigError(f"worker.pipeline must be >= 1, got {self.pipeline}")
+        if self.pipeline < 0:
+            raise ConfigError(f"worker.pipeline must be >= 0, got {self.pipeline}")
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Two steps overlap a lone worker's compute with its wait on the shards; with
+        more workers they overlap each other, and more in flight only adds staleness."""
+        return self.pipeline or (2 if self.count == 1 else 1)
 
 
 @dataclass

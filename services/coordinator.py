@@ -550,7 +550,7 @@ class Coordinator(Service):
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _bad_request("the body must be a JSON object")
         try:
-            run = self.new_job(body)
+            run = await asyncio.to_thread(self.new_job, body)  # probes the files: off the loop
         except (ConfigError, MarianaError, OSError) as e:
             return _bad_request(str(e) if not isinstance(e, OSError) else f"{e.filename}: {e.strerror}")
         self.jobs[run.id] = run

@@ -25,6 +25,7 @@ from trainer.config import JobConfig
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no http_proxy for the cluster
 
 
 class JobFailed(MarianaError):
@@ -108,7 +109,7 @@ def _request(info: dict, method: str, path: str, body: dict | None = None) -> di
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(info["http"] + path, data=data, method=method, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with _DIRECT.open(req, timeout=30) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode("utf-8", "replace")

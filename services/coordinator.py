@@ -237,6 +237,7 @@ class Coordinator(Service):
         if msg["error"] and msg.get("chunk"):  # one chunk could not be read again
             run.ledger.chunk_lost(msg["chunk"])
             log.warning("%s: job %s: chunk %s lost: %s", self.name, run.id, msg["chunk"], msg["error"])
+            await self.pump_refills(run)
         elif msg["error"]:
             self.fail(run, f"reading the source: {msg['error']}")
         else:
@@ -250,15 +251,21 @@ class Coordinator(Service):
         if msg.get("error"):
             self.fail(run, msg["error"])
             return protocol.encode("Ok", msg.msg_id)
+        led = run.ledger
+        known = len(led.batches)
         try:
-            batches = [(int(k), int(r)) for k, r in msg["batches"]]
+            if not all(isinstance(b, list) and len(b) == 2 for b in msg["batches"]):
+                raise ValueError("batches")
+            cached = led.chunk_cached(msg["chunk"], msg["batches"], msg["stats"])
         except (TypeError, ValueError):
-            raise BadMessage("batches", "Cached.batches must be [[k, rows], ...]") from None
-        if run.ledger.chunk_cached(msg["chunk"], batches, msg["stats"]):
+            raise BadMessage("cached", "Cached.batches must be [[k, rows], ...] and stats numbers") from None
+        if cached:
             await self.pump_refills(run)
             self.pulse()
-        # Back-pressure: hold the reply (and so that preprocess) while workers lag behind.
-        while len(run.ledger.ready) >= self.cfg.coordinator.max_ready and run.state == "running":
+        # Back-pressure: hold the reply (and so that preprocess) while workers lag behind
+        # new batches; a refill is answered at once (the epoch's queue is long by design).
+        while len(led.batches) > known and len(led.ready) >= self.cfg.coordinator.max_ready \
+                and run.state == "running":
             await asyncio.sleep(0.01)
         return protocol.encode("Ok", msg.msg_id)
 
@@ -331,19 +338,27 @@ class Coordinator(Service):
             run = self.active()
             if run is None:
                 continue
-            for step, worker in run.ledger.expire_leases():
-                log.warning("%s: job %s: lease of %s by %s lapsed; issuing it again", self.name, run.id,
-                            step, worker)
+            try:
+                await self.tick_job(run)
+            except Exception:  # a bug here must not stop leases from lapsing for good
+                log.exception("%s: job %s: periodic check failed", self.name, run.id)
+
+    async def tick_job(self, run: JobRun) -> None:
+        for step, worker in run.ledger.expire_leases():
+            log.warning("%s: job %s: lease of %s by %s lapsed; issuing it again", self.name, run.id,
+                        step, worker)
+            self.pulse()
+        for c in run.ledger.chunks_overdue(self.cfg.coordinator.chunk_seconds):
+            if c.resends >= MAX_RESENDS:
+                run.ledger.chunk_lost(c.id)
+                log.error("%s: job %s: chunk %s never cached after %d tries; lost", self.name, run.id,
+                          c.id, c.resends)
+                await self.pump_refills(run)
                 self.pulse()
-            for c in run.ledger.chunks_overdue(self.cfg.coordinator.chunk_seconds):
-                if c.resends >= MAX_RESENDS:
-                    run.ledger.chunk_lost(c.id)
-                    log.error("%s: job %s: chunk %s never cached after %d tries; lost", self.name, run.id,
-                              c.id, c.resends)
-                    continue
-                log.warning("%s: job %s: chunk %s not cached after %.0fs; reading it again", self.name,
-                            run.id, c.id, self.cfg.coordinator.chunk_seconds)
-                await self.resend(run, c)
+                continue
+            log.warning("%s: job %s: chunk %s not cached after %.0fs; reading it again", self.name,
+                        run.id, c.id, self.cfg.coordinator.chunk_seconds)
+            await self.resend(run, c)
 
     # ---- a job, top to bottom -------------------------------------------------------------
 
@@ -373,6 +388,9 @@ class Coordinator(Service):
         except asyncio.CancelledError:
             self.fail(run, "the coordinator stopped")
             raise
+        except Exception as e:  # a bug: the job fails visibly instead of staying "running"
+            log.exception("%s: job %s: unexpected error", self.name, run.id)
+            self.fail(run, f"internal error: {type(e).__name__}: {e}")
         finally:
             if run.state != "done" and run.state != "running":
                 await self.cleanup(run)
@@ -392,7 +410,9 @@ class Coordinator(Service):
             try:
                 await self.shards[i].call("StartJob", job=run.id, spec=run.spec, timeout=10.0)
                 return
-            except (PeerTimeout, RemoteError) as e:
+            except RemoteError as e:  # the shard is up and refuses the job: retrying will not help
+                raise MarianaError(f"shard {i} cannot start the job: {e}") from None
+            except PeerTimeout as e:
                 log.warning("%s: job %s: shard %d not ready: %s", self.name, run.id, i, e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -412,7 +432,9 @@ class Coordinator(Service):
             missing: set[str] = set()
             for i in range(len(self.shards)):
                 stats = await self.shard_call(run, i, "ShardStats")
-                missing |= expected - set(stats["applied"])
+                if "applied" not in stats.arrays:
+                    raise MarianaError(f"shard {i} answered ShardStats without its applied steps")
+                missing |= expected - set(protocol.array_names(stats.arrays["applied"]))
             if not missing:
                 return
             n = led.replay(missing)
@@ -432,8 +454,10 @@ class Coordinator(Service):
                 return await self.shards[i].call(type_, job=run.id, **fields, timeout=60.0)
             except (PeerTimeout, RemoteError) as e:
                 log.warning("%s: job %s: shard %d: %s: %s", self.name, run.id, i, type_, e)
-                if isinstance(e, RemoteError) and e.code == "UnknownJob":
-                    await self.start_shard(run, i)
+                if isinstance(e, RemoteError):
+                    if e.code != "UnknownJob":
+                        raise MarianaError(f"shard {i} refused {type_}: {e}") from None
+                    await self.start_shard(run, i)  # it restarted: give it the job (it restores)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
@@ -461,6 +485,8 @@ class Coordinator(Service):
             "workers": self.cfg.worker.count, "ps": self.cfg.ps.count,
             "preprocess": self.cfg.preprocess.count, "job": run.id,
         })
+        if run.state != "running":  # cancelled while the model was being assembled
+            raise JobStopped()
         run.record, run.state, run.ended = record, "done", time.time()
         log.info("%s: job %s done: %s/%s, %d rows applied of %d x %d epochs, auc %s", self.name, run.id,
                  record["model_dir"], record["model_version"], record["rows_applied"],

@@ -92,20 +92,27 @@ class JobLedger:
             self.stage_seconds["read"] += seconds
 
     def chunk_cached(self, chunk: str, batches: list[tuple[int, int]], stats: dict) -> bool:
-        """Record a cached chunk; False for a chunk cached before (a duplicate)."""
+        """Record a cached chunk; False for a chunk cached before (a duplicate), or
+        one first cached after epoch 1 gave up on it. Raises ValueError, changing
+        nothing, for stats that are not numbers."""
+        seconds = {stage: float(stats.get(f"{stage}_s", 0.0)) for stage in ("parse", "hash", "cache")}
+        rows_ok, rows_bad = int(stats.get("rows_ok", 0)), int(stats.get("rows_bad", 0))
+        batches = [(int(k), int(rows)) for k, rows in batches]
         c = self.chunks.get(chunk)
         if c is None:  # cached before its ChunkSent arrived (a restarted coordinator): accept it
             c = self.chunks[chunk] = ChunkInfo(chunk, -1, -1, 0, 0, 0)
-        if c.state == "cached":
+        first_time = c.state in ("sent", "lost") and not c.batches
+        if c.state == "cached" or (first_time and self.epoch > 1):
             self.counters["duplicate_chunks"] += 1
             return False
-        first_time = c.state in ("sent", "lost") and not c.batches
-        c.batches = [(int(k), int(rows)) for k, rows in batches]
-        for stage in ("parse", "hash", "cache"):
-            self.stage_seconds[stage] += float(stats.get(f"{stage}_s", 0.0))
+        if first_time and c.state == "lost":
+            self.counters["lines_lost"] -= c.lines  # late, but still in epoch 1: not lost after all
+        c.batches = batches
+        for stage, s in seconds.items():
+            self.stage_seconds[stage] += s
         if first_time:
-            self.counters["rows_in_data"] += int(stats.get("rows_ok", 0))
-            self.counters["bad_rows"] += int(stats.get("rows_bad", 0))
+            self.counters["rows_in_data"] += rows_ok
+            self.counters["bad_rows"] += rows_bad
             for k, rows in c.batches:
                 name = f"{chunk}:{k}"
                 self.batches.append(name)
@@ -173,8 +180,11 @@ class JobLedger:
         self.counters["cache_misses"] += 1
         self.missed_steps.add(step)
         chunk = parse_step(step)[1].rsplit(":", 1)[0]
-        self.refill.setdefault(chunk, []).append(step)
         c = self.chunks.get(chunk)
+        if c is not None and c.state == "lost":  # it could not be read again before: do not wait
+            self.lost.add(step)
+            return ""
+        self.refill.setdefault(chunk, []).append(step)
         if c is not None and c.state == "cached":
             c.state = "refill"
             self.refill_queue.append(chunk)
@@ -183,6 +193,8 @@ class JobLedger:
 
     def next_refills(self, in_flight_limit: int) -> list[ChunkInfo]:
         """Chunks to read again now: at most `in_flight_limit` being re-read at once."""
+        if not self.refill_queue:
+            return []
         in_flight = sum(1 for c in self.chunks.values() if c.state == "resent")
         out = []
         while self.refill_queue and in_flight < in_flight_limit:
@@ -245,7 +257,10 @@ class JobLedger:
         self.epoch += 1
         self.epoch_started = time.monotonic()
         if self.epoch <= self.epochs:
-            self.ready.extend(self.epoch_steps(self.epoch))
+            lost_chunks = {c.id for c in self.chunks.values() if c.state == "lost"}
+            for step in self.epoch_steps(self.epoch):
+                chunk = parse_step(step)[1].rsplit(":", 1)[0]
+                (self.lost.add if chunk in lost_chunks else self.ready.append)(step)
 
     def expected_steps(self) -> set[str]:
         """Every step of the epochs so far."""

@@ -81,13 +81,14 @@ class Loader(Service):
             raise BadMessage("unexpected", f"a loader does not take {msg.type}")
 
     async def read(self, job: str, files: list[str], block_bytes: int) -> None:
-        at = await self.cache.get_offset(job)
-        if at:
-            log.info("%s: job %s: resuming at file %d offset %d (%d chunks sent)", self.name, job,
-                     at["file"], at["offset"], at["chunks"])
-        file0, offset0, line0, chunks = at.get("file", 0), at.get("offset", 0), at.get("line", 1), at.get("chunks", 0)
-        error = ""
+        error, chunks = "", 0
         try:
+            at = await self.cache.get_offset(job)
+            if at:
+                log.info("%s: job %s: resuming at file %d offset %d (%d chunks sent)", self.name, job,
+                         at["file"], at["offset"], at["chunks"])
+            file0, offset0, line0, chunks = (at.get("file", 0), at.get("offset", 0), at.get("line", 1),
+                                             at.get("chunks", 0))
             for fi in range(file0, len(files)):
                 start = (offset0, line0) if fi == file0 else (0, 1)
                 chunks = await self.read_file(job, fi, files[fi], block_bytes, start, chunks)

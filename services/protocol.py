@@ -30,7 +30,7 @@ Message catalog (request -> reply):
     StartJob{job, spec}                coordinator -> ps              -> Ok
     PullRows{job} + ids                worker -> ps                   -> Rows + one array per table (+ dense)
     PushGrads{job, step, rows} + grads worker -> ps                   -> Ack{applied}
-    ShardStats{job}                    coordinator -> ps              -> Stats{applied, rows}
+    ShardStats{job}                    coordinator -> ps              -> Stats{rows} + applied step ids
     Export{job}                        coordinator -> ps              -> Exported + arrays
     EndJob{job}                        coordinator -> ps              -> Ok
     Error{code, error}                 reply to anything that could not be served
@@ -83,7 +83,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "PushGrads": {"job": _S, "step": _S, "rows": _I},
     "Ack": {"applied": _B},
     "ShardStats": {"job": _S},
-    "Stats": {"applied": _D, "rows": _D},
+    "Stats": {"rows": _D},  # + array "applied": step ids (`names_array`), too many for a header
     "Export": {"job": _S},
     "Exported": {"shard": _I},
     "EndJob": {"job": _S},
@@ -133,8 +133,12 @@ def encode(type_: str, msg_id: int = 0, arrays: dict[str, np.ndarray] | None = N
             raise ValueError(f"array {name!r}: dtype {arr.dtype} is not sent on the wire")
         specs.append([name, arr.dtype.str, list(arr.shape)])
         buffers.append(memoryview(arr).cast("B") if arr.size else b"")
-    header = {"v": VERSION, "type": type_, "msg_id": msg_id, "arrays": specs, **fields}
-    return [msgpack.packb(header, use_bin_type=True)] + buffers
+    header = msgpack.packb({"v": VERSION, "type": type_, "msg_id": msg_id, "arrays": specs, **fields},
+                           use_bin_type=True)
+    if len(header) > MAX_HEADER_BYTES:  # the receiver would refuse it: fail here, loudly
+        raise ValueError(f"{type_} header of {len(header)} bytes (at most {MAX_HEADER_BYTES}); "
+                         "send bulk data as arrays")
+    return [header] + buffers
 
 
 def decode(frames: list, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
@@ -249,6 +253,26 @@ def unpack(blob: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     if pos != view.nbytes:
         raise BadMessage("array_size", f"packed arrays need {pos} bytes, the value has {view.nbytes}")
     return decode(frames, max_bytes)
+
+
+def names_array(names: list[str]) -> np.ndarray:
+    """Strings as one uint8 array (newline-separated UTF-8), for lists too long for a header.
+
+    >>> array_names(names_array(["e1/f0o0:0", "e1/f0o0:1"]))
+    ['e1/f0o0:0', 'e1/f0o0:1']
+    >>> array_names(names_array([]))
+    []
+    """
+    return np.frombuffer("\n".join(names).encode(), np.uint8)
+
+
+def array_names(arr: np.ndarray) -> list[str]:
+    """Inverse of `names_array`; BadMessage for bytes that are not UTF-8."""
+    try:
+        text = arr.tobytes().decode()
+    except UnicodeDecodeError:
+        raise BadMessage("names", "a names array is not UTF-8") from None
+    return text.split("\n") if text else []
 
 
 def error_reply(msg_id: int, code: str, error: str) -> list:

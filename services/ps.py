@@ -37,7 +37,11 @@ KEEP_CHECKPOINTS = 2
 
 
 class UnknownJob(MarianaError):
-    pass
+    """No such job here yet (not started, or this shard restarted): StartJob brings it."""
+
+
+class JobEnded(MarianaError):
+    """The job has ended: a worker still holding one of its steps drops it."""
 
 
 class ParamServer(Service):
@@ -53,7 +57,6 @@ class ParamServer(Service):
         self._writing = asyncio.Lock()
 
     async def start(self) -> None:
-        self.restore_all()
         self.server = Server(self.ctx, self.cfg.ps.endpoints[self.index], self.handle, self.counters,
                              max_bytes=self.cfg.cluster.max_message_bytes, name=self.name)
         self.connect_coordinator()
@@ -84,12 +87,15 @@ class ParamServer(Service):
         handler = getattr(self, f"on_{msg.type}", None)
         if handler is None:
             raise BadMessage("unexpected", f"a parameter server does not take {msg.type}")
-        return handler(msg)
+        out = handler(msg)
+        return await out if asyncio.iscoroutine(out) else out
 
     def shard(self, msg: Message) -> ParamShard:
         shard = self.jobs.get(msg["job"])
         if shard is None:
-            raise UnknownJob(f"shard {self.index} has no job {msg['job']!r} (not started, or ended)")
+            if msg["job"] in self.ended:
+                raise JobEnded(f"job {msg['job']!r} has ended")
+            raise UnknownJob(f"shard {self.index} has no job {msg['job']!r} (not started yet, or restarting)")
         return shard
 
     def on_StartJob(self, msg: Message) -> list:
@@ -105,6 +111,7 @@ class ParamServer(Service):
                 raise BadMessage("spec", f"bad job spec: {e}") from None
             self.jobs[job] = ParamShard(config, schema, self.index, self.cfg.ps.count)
             self.ended.discard(job)
+            self.restore(job)  # a restarted shard picks up its checkpoint of the job, if any
             log.info("%s: job %s: %s tables %s", self.name, job, config.model.kind,
                      ", ".join(f"{n}[{t.num_rows}x{t.dim}]" for n, t in self.jobs[job].tables.items()))
         return protocol.encode("Ok", msg.msg_id, steps=len(self.jobs[job].applied))
@@ -137,21 +144,24 @@ class ParamServer(Service):
         return protocol.encode("Ack", msg.msg_id, applied=applied)
 
     def on_ShardStats(self, msg: Message) -> list:
+        """Rows per epoch, and the applied step ids as an array (a header would
+        outgrow its limit on a long job)."""
         shard = self.shard(msg)
-        return protocol.encode("Stats", msg.msg_id, applied=shard.applied,
+        return protocol.encode("Stats", msg.msg_id, {"applied": protocol.names_array(list(shard.applied))},
                                rows={str(e): n for e, n in shard.rows_by_epoch().items()}, shard=self.index)
 
     def on_Export(self, msg: Message) -> list:
         arrays, _ = self.shard(msg).snapshot()
         return protocol.encode("Exported", msg.msg_id, arrays, shard=self.index)
 
-    def on_EndJob(self, msg: Message) -> list:
+    async def on_EndJob(self, msg: Message) -> list:
         job = msg["job"]
         if self.jobs.pop(job, None) is not None:
             log.info("%s: job %s ended; state dropped", self.name, job)
         self.dirty.discard(job)
         self.ended.add(job)
-        shutil.rmtree(self.job_dir(job), ignore_errors=True)
+        async with self._writing:  # not while a checkpoint of it is being written
+            shutil.rmtree(self.job_dir(job), ignore_errors=True)
         return protocol.encode("Ok", msg.msg_id)
 
     # ---- checkpoints ---------------------------------------------------------------------
@@ -180,22 +190,23 @@ class ParamServer(Service):
             shutil.rmtree(os.path.join(d, old), ignore_errors=True)
         return version
 
-    def restore_all(self) -> None:
-        if not os.path.isdir(self.state_dir):
+    def restore(self, job: str) -> None:
+        """Load the job's last checkpoint into its fresh shard. Lazily, on StartJob: a
+        checkpoint of a job no coordinator runs any more costs disk, not memory."""
+        if not os.path.isdir(self.job_dir(job)):
             return
-        for job in sorted(os.listdir(self.state_dir)):
-            try:
-                manifest, arrays, _ = checkpoint.load_version(self.job_dir(job))
-                shard = ParamShard(from_dict(JobConfig, manifest["config"]), Schema.from_dict(manifest["schema"]),
-                                   self.index, self.cfg.ps.count)
-                shard.restore(arrays, manifest)
-            except (MarianaError, KeyError) as e:
-                log.warning("%s: cannot restore job %s from %s: %s", self.name, job, self.job_dir(job), e)
-                continue
-            self.jobs[job] = shard
-            self.counters["restored_jobs"] += 1
-            log.info("%s: restored job %s from %s (%d steps applied)", self.name, job,
-                     manifest.get("version"), len(shard.applied))
+        shard = self.jobs[job]
+        try:
+            manifest, arrays, _ = checkpoint.load_version(self.job_dir(job))
+            shard.restore(arrays, manifest)
+        except (MarianaError, KeyError) as e:
+            log.warning("%s: cannot restore job %s from %s: %s; starting it fresh", self.name, job,
+                        self.job_dir(job), e)
+            self.jobs[job] = ParamShard(shard.config, shard.schema, self.index, self.cfg.ps.count)
+            return
+        self.counters["restored_jobs"] += 1
+        log.info("%s: restored job %s from %s (%d steps applied)", self.name, job,
+                 manifest.get("version"), len(shard.applied))
 
 
 def _array(msg: Message, name: str, dtype, ndim: int) -> np.ndarray:

@@ -103,6 +103,9 @@ class Client:
                 except BadMessage as e:
                     self.counters["bad_messages"] += 1
                     log.warning("bad command from %s: %s", self.endpoint, e)
+                except Exception:  # a failed command must not stop this socket's reader
+                    self.counters["errors"] += 1
+                    log.exception("command %s from %s failed", msg.type, self.endpoint)
             else:
                 self.counters["late_replies"] += 1
 

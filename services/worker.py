@@ -40,6 +40,12 @@ from trainer.models.base import CTRModel, build_model
 from trainer.strategies.ps_step import compute_grads
 
 log = logging.getLogger(__name__)
+
+
+class StepAbandoned(Exception):
+    """A step given up on (its lease has lapsed; the coordinator issues it again)."""
+
+
 STAGES = ("fetch", "pull", "compute", "push")
 
 
@@ -108,9 +114,12 @@ class Worker(Service):
             self.busy += 1
             try:
                 await self.train_step(fetched)
-            except (BadMessage, DataFormatError, RemoteError) as e:  # counted; the lease lapses, the step is re-issued
-                self.counters["bad_messages" if not isinstance(e, RemoteError) else "step_errors"] += 1
+            except (BadMessage, DataFormatError) as e:  # counted; the lease lapses, the step is re-issued
+                self.counters["bad_messages"] += 1
                 log.warning("%s: step %s failed: %s", self.name, fetched.work["step"], e)
+            except (RemoteError, StepAbandoned) as e:  # the job ended, or a shard stayed away
+                self.counters["steps_abandoned"] += 1
+                log.info("%s: step %s dropped: %s", self.name, fetched.work["step"], e)
             finally:
                 self.busy -= 1
         ahead.cancel()
@@ -228,14 +237,18 @@ class Worker(Service):
         return sum(bool(a["applied"]) for a in acks)
 
     async def call_shard(self, i: int, type_: str, arrays: dict, **fields) -> Message:
-        """A request to shard i, retried until it answers (it may be restarting)."""
-        delay = 0.1
+        """A request to shard i, retried while it may be restarting, up to about as long
+        as a lease lasts: by then the coordinator has issued the step again anyway."""
+        delay, give_up = 0.1, time.monotonic() + 2 * max(self.cfg.coordinator.lease_seconds,
+                                                          self.cfg.worker.rpc_seconds)
         while True:
             try:
                 return await self.shards[i].call(type_, arrays, **fields)
             except (PeerTimeout, RemoteError) as e:
-                if isinstance(e, RemoteError) and e.code not in ("UnknownJob",):
-                    raise
+                if isinstance(e, RemoteError) and e.code != "UnknownJob":
+                    raise  # JobEnded, or a refusal: this step is over for this worker
+                if time.monotonic() > give_up:
+                    raise StepAbandoned(f"shard {i} did not serve {type_} in time: {e}") from None
                 self.counters["shard_retries"] += 1
                 log.warning("%s: shard %d: %s; retrying in %.1fs", self.name, i, e, delay)
                 await asyncio.sleep(delay)

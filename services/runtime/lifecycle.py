@@ -138,11 +138,9 @@ async def _run(service: Service) -> int:
             work.result()  # a crash of main() surfaces here
         else:
             log.info("%s: stopping: draining work in flight", service.name)
-            await asyncio.wait_for(service.drain(), DRAIN_SECONDS)
+            await _drain(service)
             work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-    except asyncio.TimeoutError:
-        log.warning("%s: drain took longer than %.0fs; closing anyway", service.name, DRAIN_SECONDS)
+            await asyncio.wait({work}, timeout=DRAIN_SECONDS)  # its cleanup may call peers: bounded
     finally:
         stop.cancel()
         service.stop_heartbeat()
@@ -156,6 +154,13 @@ async def _run(service: Service) -> int:
     counts = ", ".join(f"{k}={v}" for k, v in sorted(service.counters.items()))
     log.info("%s: stopped after %.1fs (%s)", service.name, time.monotonic() - t0, counts or "no work")
     return 0
+
+
+async def _drain(service: Service) -> None:
+    try:
+        await asyncio.wait_for(service.drain(), DRAIN_SECONDS)
+    except asyncio.TimeoutError:
+        log.warning("%s: drain took longer than %.0fs; closing anyway", service.name, DRAIN_SECONDS)
 
 
 def run_service(service: Service) -> int:

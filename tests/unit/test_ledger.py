@@ -346,3 +346,50 @@ def test_refills_go_out_a_few_at_a_time():
     assert led.next_refills(2) == []           # two in flight already
     assert led.chunk_cached("f0o0", [(0, 1)], {})
     assert [c.id for c in led.next_refills(2)] == ["f0o2"]
+
+
+def test_a_lost_chunk_does_not_hold_up_later_epochs():
+    led = ledger_with({"f0o0": [(0, 4)], "f0o9": [(0, 2)]}, epochs=3)
+    finish_all(led)
+    led.next_epoch()
+    assert led.lease("w0", 60) == "e2/f0o0:0"
+    led.missed("e2/f0o0:0")
+    assert [c.id for c in led.next_refills(2)] == ["f0o0"]
+    led.chunk_lost("f0o0")                                  # the source changed: it cannot be read again
+    assert led.lost == {"e2/f0o0:0"} and led.refill == {}
+    assert led.lease("w0", 60) == "e2/f0o9:0" and led.step_done("e2/f0o9:0", "w0", 2, 0.0, {})
+    assert led.epoch_complete()
+    led.next_epoch()                                        # epoch 3 does not wait for it either
+    assert list(led.ready) == ["e3/f0o9:0"] and "e3/f0o0:0" in led.lost
+
+
+def test_a_miss_of_a_lost_chunk_is_lost_at_once():
+    led = ledger_with({"f0o0": [(0, 4), (1, 4)]}, epochs=2)
+    finish_all(led)
+    led.next_epoch()
+    a, b = led.lease("w0", 60), led.lease("w1", 60)
+    led.missed(a)
+    led.next_refills(2)
+    led.chunk_lost("f0o0")
+    assert led.missed(b) == "" and b in led.lost and led.refill == {}
+
+
+def test_a_chunk_first_cached_after_epoch_1_is_refused():
+    led = ledger_with({"f0o0": [(0, 4)]}, epochs=2)
+    led.chunk_sent(ChunkInfo("f0o9", 0, 9, 10, 5, 3))
+    led.chunk_lost("f0o9")                                  # never cached: given up on
+    finish_all(led)
+    led.next_epoch()
+    rows = led.counters["rows_in_data"]
+    assert not led.chunk_cached("f0o9", [(0, 3)], {"rows_ok": 3})
+    assert led.batches == ["f0o0:0"] and led.counters["rows_in_data"] == rows
+
+
+def test_cached_stats_that_are_not_numbers_change_nothing():
+    led = JobLedger("j", epochs=1)
+    led.chunk_sent(ChunkInfo("f0o0", 0, 0, 10, 1, 4))
+    with pytest.raises(ValueError):
+        led.chunk_cached("f0o0", [(0, 4)], {"parse_s": "slow"})
+    assert led.chunks["f0o0"].state == "sent" and led.batches == []
+    assert led.chunk_cached("f0o0", [(0, 4)], {"rows_ok": 4})
+    assert led.batches == ["f0o0:0"]

@@ -62,12 +62,16 @@ class HashedTable:
 
         `rows` must be unique (duplicates would be initialized twice, harmlessly).
         """
+        self.materialize(rows)
+        return np.take(self.weights, rows, axis=0)  # several times faster than weights[rows]
+
+    def materialize(self, rows: np.ndarray) -> None:
+        """Give untouched `rows` their initial values (a row is written once, on first touch)."""
         fresh = rows[~self.touched[rows]]
         if fresh.size:
             if self.init_scale:
                 self.weights[fresh] = init_rows(self.global_ids(fresh), self.dim, self.init_scale, self.seed)
             self.touched[fresh] = True
-        return np.take(self.weights, rows, axis=0)  # several times faster than weights[rows]
 
     def state_array(self, key: str) -> np.ndarray:
         """Optimizer state of the same shape as the weights, zero-initialized."""

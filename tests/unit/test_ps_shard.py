@@ -293,3 +293,16 @@ def test_step_ids_without_an_epoch_are_refused():
         with pytest.raises(DataFormatError, match="not e<epoch>"):
             s.push(bad, 2, EVEN[:1], grads_for(EVEN[:1]), None)
     assert s.rows_by_epoch() == {1: 4}
+
+
+def test_a_push_to_rows_never_pulled_starts_from_their_initial_values():
+    """A shard restored from a checkpoint gets pushes for rows no pull touched since:
+    they must update from the rows' initial values, not from zeros."""
+    pulled_first, pushed_cold = shard(), shard()
+    pulled_first.pull(ALL)
+    for p in (pulled_first, pushed_cold):
+        p.push("e1/c:0", 8, ALL, grads_for(ALL), None)
+    want, got = pulled_first.pull(ALL), pushed_cold.pull(ALL)
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    assert not np.array_equal(got["embedding"], np.zeros_like(got["embedding"]))

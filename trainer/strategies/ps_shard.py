@@ -94,7 +94,7 @@ class ParamShard:
             raise DataFormatError(f"dense grads have shape {dense_grad.shape}, expected {self.dense.shape}")
         for name, g in grads.items():
             table = self.tables[name]
-            table.gather(rows)  # materialize rows first touched by this push (e.g. after a restore)
+            table.materialize(rows)  # rows first touched by this push (e.g. after a restore)
             self.optimizers[name].apply(table, rows, g, unique=True)
         if dense_grad is not None and self.dense.size:
             self.dense_opt.apply([dense_grad])

@@ -1,6 +1,8 @@
 """Validated rows -> `SparseBatch`: feature hashing per field, numeric
 transforms, the dense block. Training, evaluation and serving all go through
-`Encoder.encode`, so a row gets the same ids everywhere.
+`Encoder`, so a row gets the same ids everywhere: `encode` for parsed blocks
+(columns from `sparse.parse`), `encode_rows` for a few rows given as values
+(`sparse.records`, a prediction request), the same hash of the same tokens.
 """
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import numpy as np
 import torch
 
 from sparse.batch import SparseBatch
-from sparse.hashing import HashSpec, binary_codes, bucket_codes, field_key, int_codes, log_dense
+from sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key, fmix64,
+                            fnv1a64, int_codes, log_bucket, log_dense)
 from sparse.parse import Chunk
 from sparse.schema import HOUR_FIELDS, Schema
 
@@ -62,6 +65,42 @@ class Encoder:
                                        dense=dense, batch_id=batch_id)
         batch.set_unique(uniq, local.reshape(-1))
         return batch
+
+    def encode_rows(self, chunk: Chunk) -> SparseBatch:
+        """A chunk from `sparse.records.parse_records` (categorical columns as lists
+        of bytes) -> the batch `encode` makes of the same rows.
+
+        Built for a request's few rows: every field's tokens go into one (B, F)
+        array and each hashing step runs once over it, where `encode` pays a
+        dozen numpy calls per field to hash each distinct value of a big block once.
+        """
+        b, f = chunk.num_rows, self.num_fields
+        tokens = np.empty((b, f), U64)
+        col = {name: j for j, name in enumerate(self.sparse_fields)}
+        numeric = [n for n in self.sparse_fields if n in self.numeric]
+        if numeric:  # log buckets as integer tokens; NaN is the missing token
+            x = np.stack([chunk.columns[n] for n in numeric], axis=1)
+            tok = fmix64(log_bucket(x, self.spec.bucket_scale).view(U64) ^ INT_SALT)
+            tok[np.isnan(x)] = MISSING_SALT
+            tokens[:, [col[n] for n in numeric]] = tok
+        ints = [n for n in self.sparse_fields if n in self.int_fields]
+        if ints:
+            values = np.stack([np.asarray(chunk.columns[n], np.int64) for n in ints], axis=1)
+            tokens[:, [col[n] for n in ints]] = fmix64(values.view(U64) ^ INT_SALT)
+        text = [n for n in self.sparse_fields if n not in self.numeric and n not in self.int_fields]
+        if text:  # every value of every text field, row-major, hashed in one pass
+            values = [v for row in zip(*(chunk.columns[n] for n in text)) for v in row]
+            lengths = np.fromiter(map(len, values), np.int64, len(values))
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            tok = fnv1a64(offsets, np.frombuffer(b"".join(values), np.uint8))
+            tok[lengths == 0] = MISSING_SALT
+            tokens[:, [col[n] for n in text]] = tok.reshape(b, len(text))
+        keys = np.array(self._keys, U64)
+        ids = (fmix64(tokens ^ keys) & self.spec.mask).view(np.int64)  # (B, F)
+        dense = None
+        if self.dense_fields:
+            dense = np.stack([log_dense(chunk.columns[n]) for n in self.dense_fields], axis=1)
+        return SparseBatch.from_fixed(ids, num_ids=self.spec.num_ids, labels=chunk.labels, dense=dense)
 
     def _codes(self, name: str, col, key) -> tuple[np.ndarray, np.ndarray]:
         if name in self.numeric:

@@ -1,0 +1,191 @@
+"""Rows given as field -> value mappings (the instances of a prediction
+request) instead of text lines, checked by the rules a parsed text row meets,
+so a row gets the same ids whichever way it arrives.
+
+A value is what a JSON or msgpack decoder yields:
+
+- categorical field: text (str or bytes, taken as its UTF-8 bytes) or an
+  integer (taken as its decimal text); None, '' or an absent key is missing;
+- numeric field: a number (int or float, finite; not a bool) or number text
+  as a file would hold it (`parse.NUMBER_RE`, no nan/inf); None, '' or
+  absent is missing;
+- hour field (Avazu's YYMMDDHH): text or an integer of 8 digits naming a
+  valid date and hour; it may not be missing (a file row without one is
+  malformed too).
+
+Keys outside the schema's columns are ignored and counted; the label and
+ignored columns are known keys.
+
+>>> from sparse.schema import criteo
+>>> chunk, bad, unknown = parse_records(criteo(), [{"I1": 3, "C1": "68fd1e64", "x": 1}, {"I1": "a"}])
+>>> chunk.num_rows, chunk.columns["C1"], float(chunk.columns["I1"][0]), bad, unknown
+(1, [b'68fd1e64'], 3.0, [(1, 'I1 is not a number')], 1)
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sparse.parse import HOUR_RE, NUMBER_RE, Chunk, _parse_hour, _split_hour
+from sparse.schema import Schema
+
+# The parser's patterns, anchored for re.fullmatch ('$' would also match before a final newline).
+_NUMBER = re.compile(NUMBER_RE.removeprefix("^").removesuffix("$"))
+_HOUR = re.compile(HOUR_RE.removeprefix("^").removesuffix("$"))
+
+
+class _Bad(Exception):
+    """One value that breaks its field's rule; the row is reported with `reason`."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def parse_records(schema: Schema, records: Sequence[Mapping]) -> tuple[Chunk, list[tuple[int, str]], int]:
+    """(chunk of the good rows, [(index, reason)] of the bad ones, unknown keys seen).
+
+    The chunk is unlabeled; its categorical columns are lists of bytes (what
+    `Encoder.encode_rows` takes), numeric columns float64 (NaN = missing),
+    hour fields int64. A bad row is reported with its first bad field, in the
+    order categorical, numeric, hour.
+    """
+    known = set(schema.columns)
+    index, bad, unknown = [], [], 0
+    for i, rec in enumerate(records):
+        if isinstance(rec, Mapping):
+            index.append(i)
+            unknown += sum(1 for k in rec if k not in known)  # a non-str key is unknown too
+        else:
+            bad.append((i, f"an instance must be an object of field values, got {_kind(rec)}"))
+    rows = [records[i] for i in index]
+    why: dict[int, str] = {}  # position in `rows` -> the first reason it is bad
+    cols: dict[str, object] = {f: _column(f, [r.get(f) for r in rows], _text, _texts, why, b"")
+                               for f in schema.categorical}
+    cols.update({f: np.array(_column(f, [r.get(f) for r in rows], _number, _numbers, why, math.nan), np.float64)
+                 for f in schema.numeric})
+    hours = (_column(schema.hour, [r.get(schema.hour) for r in rows], _hour_text, None, why, b"")
+             if schema.hour else [])
+    if why:
+        bad += [(index[j], reason) for j, reason in why.items()]
+        keep = np.array([j not in why for j in range(len(rows))], bool)
+        cols = {f: [v for v, k in zip(c, keep) if k] if isinstance(c, list) else c[keep] for f, c in cols.items()}
+        hours = [h for h, k in zip(hours, keep) if k]
+        index = [i for i, k in zip(index, keep) if k]
+    chunk = Chunk(columns=cols, labels=None, num_rows=len(index))
+    if schema.hour:
+        chunk, bad = _split_hours(schema, chunk, hours, index, bad)
+    return chunk, sorted(bad), unknown
+
+
+def _column(field: str, values: list, one, many, why: dict[int, str], stand_in) -> list:
+    """Values of one field converted by `many` (a fast path for a column of one plain
+    type; None where it does not apply) or else `one` value at a time. A bad value
+    is recorded in `why` (a row's first reason wins) and `stand_in` holds its place
+    until the bad rows are dropped."""
+    out = many(values) if many is not None else None
+    if out is not None:
+        return out
+    out = []
+    for j, v in enumerate(values):
+        try:
+            out.append(one(field, v))
+        except _Bad as e:
+            why.setdefault(j, e.reason)
+            out.append(stand_in)
+    return out
+
+
+def _texts(values: list) -> list[bytes] | None:
+    """Text and missing values only: the common case, without a call per value."""
+    if all(type(v) is str or v is None for v in values):
+        try:
+            return [b"" if v is None else v.encode() for v in values]
+        except UnicodeEncodeError:
+            return None
+    return None
+
+
+def _numbers(values: list) -> np.ndarray | None:
+    """Numbers and missing values only (None is NaN; NaN and inf sent as numbers are bad)."""
+    if all(type(v) is float or type(v) is int or v is None for v in values):
+        try:
+            x = np.array([math.nan if v is None else v for v in values], np.float64)
+        except OverflowError:
+            return None
+        sent_nan = np.isnan(x) & np.array([v is not None for v in values], bool)
+        return x if np.isfinite(x[~np.isnan(x)]).all() and not sent_nan.any() else None
+    return None
+
+
+def _split_hours(schema: Schema, chunk: Chunk, hours: list[bytes], index: list[int],
+                 bad: list[tuple[int, str]]) -> tuple[Chunk, list[tuple[int, str]]]:
+    """Hour of day and weekday by the parser's own functions (so an hour gets the
+    verdict and the split it gets in a file); rows whose hour is no date go to `bad`."""
+    col = pa.array(hours, pa.binary())
+    valid = pc.is_valid(_parse_hour(col)).to_numpy(zero_copy_only=False).astype(bool)
+    if not valid.all():
+        bad = bad + [(index[j], f"{schema.hour} is not a valid date and hour") for j in np.flatnonzero(~valid)]
+        col = pc.filter(col, pa.array(valid))
+        chunk = Chunk(columns={k: ([v for v, ok in zip(c, valid) if ok] if isinstance(c, list) else c[valid])
+                               for k, c in chunk.columns.items()}, labels=None, num_rows=int(valid.sum()))
+    chunk.columns["hour_of_day"], chunk.columns["weekday"] = _split_hour(col)
+    return chunk, bad
+
+
+def _text(field: str, v) -> bytes:
+    if v is None:
+        return b""
+    if isinstance(v, str):
+        try:
+            return v.encode()
+        except UnicodeEncodeError:  # a lone surrogate from "\ud800" in JSON
+            raise _Bad(f"{field} is not valid UTF-8 text") from None
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, int) and not isinstance(v, bool):
+        return str(v).encode()
+    raise _Bad(f"{field} must be text or an integer, got {_kind(v)}")
+
+
+def _number(field: str, v) -> float:
+    if v is None:
+        return math.nan
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        try:
+            x = float(v)
+        except OverflowError:  # an int past float's range
+            x = math.inf
+        if not math.isfinite(x):
+            raise _Bad(f"{field} is not a number")
+        return x
+    if isinstance(v, (str, bytes)):
+        text = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+        if text == "":
+            return math.nan
+        if _NUMBER.fullmatch(text):
+            x = float(text.strip(" \t"))
+            if math.isfinite(x):  # '1e999' matches the pattern but is no finite number
+                return x
+        raise _Bad(f"{field} is not a number")
+    raise _Bad(f"{field} must be a number or number text, got {_kind(v)}")
+
+
+def _hour_text(field: str, v) -> bytes:
+    """YYMMDDHH as 8 digits; whether it names a date is checked for the batch at once."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = str(v)
+    elif isinstance(v, bytes):
+        v = v.decode("utf-8", "replace")
+    if not isinstance(v, str) or not _HOUR.fullmatch(v):
+        raise _Bad(f"{field} is not YYMMDDHH")
+    return v.encode()
+
+
+def _kind(v) -> str:
+    return {dict: "an object", list: "an array", bool: "a boolean", float: "a float",
+            str: "text", type(None): "null"}.get(type(v), type(v).__name__)

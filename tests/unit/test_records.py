@@ -1,0 +1,161 @@
+"""Rows given as values (a prediction request) get exactly the ids, dense
+values and verdicts that the same rows get as text lines of a file."""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparse.encode import Encoder
+from sparse.hashing import HashSpec, token_id
+from sparse.parse import BlockParser, ParseStats
+from sparse.records import parse_records
+from sparse.schema import Schema, avazu, criteo
+
+SPECS = [HashSpec(bits=20, numeric="bucket"), HashSpec(bits=18, numeric="both", bucket_scale=2.5)]
+
+# Text a file could hold in a numeric field: numbers in several spellings, empty, and junk.
+number_text = st.one_of(
+    st.integers(-10**12, 10**12).map(str),
+    st.floats(allow_nan=False, allow_infinity=False, width=64).map(repr),
+    st.sampled_from(["", " 3 ", "  -2.5", "+7", ".5", "5.", "1e3", "-1E-2", "0", "007", "1e999",
+                     "nan", "inf", "-", "abc", "1,5", "0x10", "1_000", "١٢"]),
+)
+category_text = st.one_of(
+    st.text(st.characters(blacklist_characters="\t\n\r,\"", blacklist_categories=("Cs",)), max_size=12),
+    st.sampled_from(["68fd1e64", "", "a b", "ünï", "0"]),
+)
+hour_text = st.one_of(
+    st.builds(lambda y, m, d, h: f"{y:02d}{m:02d}{d:02d}{h:02d}", st.integers(0, 99), st.integers(0, 13),
+              st.integers(0, 32), st.integers(0, 25)),
+    st.sampled_from(["", "1410210", "141021000", "14x02100", "68123123", "69010100"]),
+)
+
+
+def file_path(schema: Schema, rows: list[dict], spec: HashSpec):
+    """(batch of the rows the parser keeps, indices of the rows it rejects) via text lines."""
+    unlabeled = schema.without_label()
+    cols = [c for c in unlabeled.columns]
+    lines = [unlabeled.delimiter.join(r.get(c, "") for c in cols) for r in rows]
+    block = ("\n".join(lines) + "\n").encode()
+    stats = ParseStats()
+    chunk = BlockParser(schema, labeled=False).parse(block, 1, stats)
+    batch = Encoder(schema, spec).encode(chunk)
+    return batch, sorted(b.line - 1 for b in stats.first_bad), stats.rows_bad
+
+
+def records_path(schema: Schema, rows: list[dict], spec: HashSpec):
+    chunk, bad, unknown = parse_records(schema.without_label(), rows)
+    return Encoder(schema, spec).encode_rows(chunk), [i for i, _ in bad], unknown
+
+
+def same_batches(a, b) -> None:
+    assert a.num_rows == b.num_rows
+    assert np.array_equal(a.ids, b.ids)
+    assert np.array_equal(a.dense, b.dense)
+
+
+def criteo_rows(n: int):
+    row = st.fixed_dictionaries({**{f"I{i}": number_text for i in range(1, 14)},
+                                 **{f"C{i}": category_text for i in range(1, 27)}})
+    return st.lists(row, min_size=1, max_size=n)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=criteo_rows(6), spec=st.sampled_from(SPECS))
+def test_criteo_rows_as_values_get_the_ids_of_the_same_rows_as_text(rows, spec):
+    want, want_bad, nbad = file_path(criteo(), rows, spec)
+    got, got_bad, unknown = records_path(criteo(), rows, spec)
+    assert unknown == 0
+    assert got_bad == want_bad and len(got_bad) == nbad
+    same_batches(got, want)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.fixed_dictionaries({"hour": hour_text, "C1": category_text, "site_id": category_text,
+                                            "device_ip": category_text}), min_size=1, max_size=5))
+def test_avazu_hours_split_as_the_parser_splits_them(rows):
+    full = [{c: r.get(c, "x") for c in avazu().without_label().columns} | r for r in rows]
+    want, want_bad, _ = file_path(avazu(), full, SPECS[0])
+    got, got_bad, _ = records_path(avazu(), full, SPECS[0])
+    assert got_bad == want_bad
+    same_batches(got, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=criteo_rows(4), spec=st.sampled_from(SPECS))
+def test_json_numbers_and_text_numbers_agree(rows, spec):
+    """A numeric field sent as a JSON number is the number its text spells."""
+    as_numbers = []
+    for r in rows:
+        out = dict(r)
+        for i in range(1, 14):
+            v = r[f"I{i}"]
+            if re.fullmatch(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", v) and math.isfinite(float(v)):
+                out[f"I{i}"] = int(v) if v.lstrip("+-").isdigit() else float(v)
+        as_numbers.append(out)
+    text, text_bad, _ = records_path(criteo(), rows, spec)
+    nums, nums_bad, _ = records_path(criteo(), as_numbers, spec)
+    assert nums_bad == text_bad
+    same_batches(nums, text)
+
+
+def test_ids_match_the_plain_python_reference():
+    chunk, bad, _ = parse_records(criteo().without_label(), [{"C1": "68fd1e64", "C2": 12345, "C3": None}])
+    batch = Encoder(criteo(), HashSpec(bits=20)).encode_rows(chunk)
+    ids = dict(zip(Encoder(criteo(), HashSpec(bits=20)).sparse_fields, batch.ids.tolist()))
+    assert not bad
+    assert ids["C1"] == token_id("C1", b"68fd1e64", bits=20) == 652390
+    assert ids["C2"] == token_id("C2", b"12345", bits=20)          # an integer is its decimal text
+    assert ids["C3"] == token_id("C3", None, bits=20)               # null and absent are missing
+    assert ids["C4"] == token_id("C4", b"", bits=20)
+
+
+@pytest.mark.parametrize("value,reason", [
+    (True, "C1 must be text or an integer, got a boolean"),
+    (1.5, "C1 must be text or an integer, got a float"),
+    ([1], "C1 must be text or an integer, got an array"),
+    ({"a": 1}, "C1 must be text or an integer, got an object"),
+    ("\ud800", "C1 is not valid UTF-8 text"),
+])
+def test_categorical_values_of_the_wrong_type_are_named(value, reason):
+    _, bad, _ = parse_records(criteo(), [{"C1": value}])
+    assert bad == [(0, reason)]
+
+
+@pytest.mark.parametrize("value,reason", [
+    (True, "I1 must be a number or number text, got a boolean"),
+    (float("nan"), "I1 is not a number"),
+    (float("inf"), "I1 is not a number"),
+    (10**400, "I1 is not a number"),
+    ("1e999", "I1 is not a number"),
+    ("3\n", "I1 is not a number"),
+    ([3], "I1 must be a number or number text, got an array"),
+])
+def test_numeric_values_that_are_not_numbers_are_named(value, reason):
+    _, bad, _ = parse_records(criteo(), [{"I1": value}])
+    assert bad == [(0, reason)]
+
+
+def test_rows_that_are_not_objects_and_unknown_keys():
+    chunk, bad, unknown = parse_records(criteo(), [[1, 2], {"I1": 1, "nope": 2, 7: 3, "label": 1}, "x"])
+    assert bad == [(0, "an instance must be an object of field values, got an array"),
+                   (2, "an instance must be an object of field values, got text")]
+    assert chunk.num_rows == 1 and unknown == 2   # "label" is a known column, "nope" and 7 are not
+
+
+def test_a_missing_hour_is_a_bad_row_as_in_a_file():
+    _, bad, _ = parse_records(avazu().without_label(), [{"C1": "1005"}, {"hour": 14102100}, {"hour": "14023200"},
+                                                        {"hour": "14020125"}])
+    assert bad == [(0, "hour is not YYMMDDHH"), (2, "hour is not a valid date and hour"),
+                   (3, "hour is not a valid date and hour")]
+
+
+def test_no_rows():
+    chunk, bad, unknown = parse_records(criteo(), [])
+    batch = Encoder(criteo(), SPECS[1]).encode_rows(chunk)
+    assert (chunk.num_rows, bad, unknown, batch.num_rows, batch.dense.shape) == (0, [], 0, 0, (0, 13))

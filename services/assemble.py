@@ -25,14 +25,15 @@ def check_request(body: dict) -> tuple[dict, dict]:
     """A submitted job -> (request, spec), or ConfigError/OSError naming what is wrong.
 
     body: {"data": [paths], "test_data": [paths], "out": dir, "config": {job config},
-           "mode": "async" | "ssp" | "bsp", "staleness": k}
+           "mode": "async" | "ssp" | "bsp", "staleness": k,
+           "promote": true (default) | false (write the version without moving CURRENT)}
     """
     if not isinstance(body, dict):
         raise ConfigError("the job must be a JSON object")
-    unknown = set(body) - {"data", "test_data", "out", "config", "mode", "staleness"}
+    unknown = set(body) - {"data", "test_data", "out", "config", "mode", "staleness", "promote"}
     if unknown:
         raise ConfigError(f"unknown job key {sorted(unknown)[0]!r} "
-                          "(known: config, data, mode, out, staleness, test_data)")
+                          "(known: config, data, mode, out, promote, staleness, test_data)")
     config = from_dict(JobConfig, body.get("config") or {}, "config")
     data, tests = _paths(body, "data"), _paths(body, "test_data")
     if not data:
@@ -46,12 +47,15 @@ def check_request(body: dict) -> tuple[dict, dict]:
     staleness = body.get("staleness", 2 if mode == "ssp" else 0)
     if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
         raise ConfigError(f"staleness must be an integer >= 0, got {staleness!r}")
+    promote = body.get("promote", True)
+    if not isinstance(promote, bool):
+        raise ConfigError(f"promote must be true or false, got {promote!r}")
     schema = config.data.resolve_schema()
     check_inputs(data + tests)
     Reader(data + tests, schema).probe()
     check_out_dir(out)
     request = {"data": data, "test_data": tests, "out": os.path.abspath(out), "mode": mode,
-               "staleness": staleness, "model": config.model.kind}
+               "staleness": staleness, "model": config.model.kind, "promote": promote}
     return request, {"config": config.to_dict(), "schema": schema.to_dict()}
 
 
@@ -111,12 +115,13 @@ def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_s
         "bad_rows": ledger.counters["bad_rows"] + (test_parse["rows_bad"] if test_parse else 0),
         "model": request["model"],
     }
-    version = bundle.save(request["out"], extra={
+    version = bundle.save(request["out"], make_current=request.get("promote", True), extra={
         "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows")},
         "train": {"data": request["data"], "test_data": request["test_data"], "rows": record["train_rows"],
                   "seconds": record["train_seconds"], "mode": "cluster/" + request["mode"],
                   "shards": num_shards, "job": ledger.job, "test_parse": test_parse,
                   "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     })
-    record.update(model_dir=request["out"], model_version=version, peak_rss_mb=round(peak_rss_mb(), 1))
+    record.update(model_dir=request["out"], model_version=version, promoted=request.get("promote", True),
+                  peak_rss_mb=round(peak_rss_mb(), 1))
     return record

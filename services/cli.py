@@ -2,6 +2,7 @@
 
     mariana gen criteo --rows N --seed S --out FILE
     mariana train --data FILE[,FILE...] [--test-data FILE] --model {lr,dnn} --out MODEL_DIR [--json]
+                  [--notify REDIS_URL]
                   [--mode cluster [--workers W] [--ps S] [--preprocess P] [--sync async|ssp|bsp]]
     mariana evaluate --model MODEL_DIR --data FILE [--json]
     mariana predict --model MODEL_DIR --data FILE
@@ -70,6 +71,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 raise MarianaError(f"--{flag.replace('_', '-')} needs --mode cluster")
         record = run_local_job(config, _paths(args.data), _paths(args.test_data), args.out,
                                on_progress=_progress_logger())
+    if args.notify:
+        from services import model_events
+
+        model_events.publish(args.notify, "trained", record["model_dir"], record["model_version"],
+                             record["model_version"])
     _print_record(record, args.json)
     return 0
 
@@ -337,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cluster: asynchronous SGD (default), bounded staleness, or a barrier per step")
     t.add_argument("--staleness", type=int, help="cluster, --sync ssp: steps a worker may run ahead (default 2)")
     t.add_argument("--cluster-config", help="cluster: TOML cluster config (its cluster.dir says where one is up)")
+    t.add_argument("--notify", metavar="REDIS_URL",
+                   help="announce the new version on this Redis (model servers subscribed to it load it)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("evaluate", help="metrics of a model on labeled data")

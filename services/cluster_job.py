@@ -34,11 +34,14 @@ class JobFailed(MarianaError):
 
 def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], out: str, cluster: ClusterConfig,
                     mode: str = "async", staleness: int | None = None,
-                    on_progress: Callable[[dict], None] | None = None, asked: tuple[str, ...] = ()) -> dict:
-    """`asked`: the roles whose counts the user gave; a running cluster must have those."""
+                    on_progress: Callable[[dict], None] | None = None, asked: tuple[str, ...] = (),
+                    promote: bool = True) -> dict:
+    """`asked`: the roles whose counts the user gave; a running cluster must have those.
+    `promote=False` writes the version without moving CURRENT (a retrain's candidate)."""
     from services import launcher
 
-    body = {"data": data, "test_data": test_data, "out": out, "config": config.to_dict(), "mode": mode}
+    body = {"data": data, "test_data": test_data, "out": out, "config": config.to_dict(), "mode": mode,
+            "promote": promote}
     if staleness is not None:
         body["staleness"] = staleness
     check_request(body)  # the coordinator checks it again; this fails before any process starts

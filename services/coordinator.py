@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from services import protocol
+from services import model_events, protocol
 from services.assemble import assemble_and_publish, check_request
 from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step
 from services.protocol import BadMessage, Message
@@ -491,7 +491,15 @@ class Coordinator(Service):
         log.info("%s: job %s done: %s/%s, %d rows applied of %d x %d epochs, auc %s", self.name, run.id,
                  record["model_dir"], record["model_version"], record["rows_applied"],
                  record["rows_in_data"], led.epochs, record.get("auc"))
+        await self.announce(record)
         await self.cleanup(run)
+
+    async def announce(self, record: dict) -> None:
+        """Tell model servers (Redis pub/sub) that a version was written."""
+        promoted = record.get("promoted", True)
+        await model_events.publish_async(self.cache.redis, "trained" if promoted else "candidate",
+                                         record["model_dir"], record["model_version"],
+                                         record["model_version"] if promoted else None)
 
     async def cleanup(self, run: JobRun) -> None:
         timeout = 2.0 if self.stopping.is_set() else 10.0  # shutting down: do not outwait the drain

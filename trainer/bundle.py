@@ -79,7 +79,8 @@ class ModelBundle:
             "torch": torch.__version__,
             **(extra or {}),
         }
-        return checkpoint.save_version(model_dir, manifest, weights, optim, make_current=make_current)
+        return checkpoint.save_version(model_dir, manifest, weights, optim, make_current=make_current,
+                                       reason="trained")
 
     @classmethod
     def load(cls, model_dir: str, version: str | None = None, with_optimizer: bool = False) -> "ModelBundle":

@@ -7,6 +7,7 @@
         weights.safetensors    dense parameters and the touched rows of each table
         optimizer.safetensors  optimizer state (to resume training)
       v000002/ ...
+      promotions.jsonl         one line per move of CURRENT: time, from, to, reason
 
 A version is written into a hidden temp dir, fsynced, renamed into place
 atomically, and only then does `CURRENT` move (by an atomic rename too), so a
@@ -19,6 +20,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,7 @@ VERSION_RE = re.compile(r"^v(\d{6,})$")
 WEIGHTS = "weights.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 MANIFEST = "manifest.json"
+PROMOTIONS = "promotions.jsonl"
 
 
 def list_versions(model_dir: str | os.PathLike) -> list[str]:
@@ -58,20 +61,86 @@ def current_version(model_dir: str | os.PathLike) -> str:
     return name
 
 
-def set_current(model_dir: str | os.PathLike, version: str) -> None:
+def set_current(model_dir: str | os.PathLike, version: str, reason: str | None = None) -> str | None:
+    """Point CURRENT at `version`; returns the version it named before (None: none).
+    With a `reason` ("trained", "promoted", "rollback", ...) the move is recorded in
+    promotions.jsonl, which `rollback_target` reads."""
     d = Path(model_dir)
     if not (d / version).is_dir():
         raise ModelDirError(f"{model_dir}: no version {version!r}")
+    try:
+        before = current_version(d)
+    except ModelDirError:
+        before = None
     tmp = d / f".CURRENT.{os.getpid()}"
     tmp.write_text(version + "\n")
     _fsync_file(tmp)
     os.replace(tmp, d / "CURRENT")
     _fsync_dir(d)
+    if reason is not None and before != version:
+        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": before, "to": version,
+                "reason": reason}
+        with open(d / PROMOTIONS, "a") as f:  # one short write: lines do not interleave
+            f.write(json.dumps(line) + "\n")
+    return before
+
+
+def promotions(model_dir: str | os.PathLike) -> list[dict]:
+    """The recorded moves of CURRENT, oldest first (unreadable lines are skipped)."""
+    try:
+        text = (Path(model_dir) / PROMOTIONS).read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "to" in rec:
+            out.append(rec)
+    return out
+
+
+def rollback_target(model_dir: str | os.PathLike) -> str:
+    """The version served before the current one came in: the moves of CURRENT are a
+    stack (a promotion pushes the version it replaced, a rollback pops), so repeated
+    rollbacks walk further back. Without a record, the version below CURRENT."""
+    current = current_version(model_dir)
+    stack: list[str] = []
+    for rec in promotions(model_dir):
+        if rec.get("reason") == "rollback":
+            if stack:
+                stack.pop()
+        elif rec.get("from"):
+            stack.append(rec["from"])
+    versions = list_versions(model_dir)
+    while stack:
+        target = stack.pop()
+        if target != current and target in versions:
+            return target
+    older = [v for v in versions if int(v[1:]) < int(current[1:])]
+    if not older:
+        raise ModelDirError(f"{model_dir}: nothing to roll back to (no version was served before {current})")
+    return older[-1]
+
+
+def read_manifest(model_dir: str | os.PathLike, version: str) -> dict:
+    """A version's manifest alone (no arrays): for listings."""
+    vdir = Path(model_dir) / version
+    try:
+        return json.loads((vdir / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ModelDirError(f"{vdir}: no {MANIFEST}") from None
+    except json.JSONDecodeError as e:
+        raise ModelDirError(f"{vdir}/{MANIFEST}: not valid JSON: {e}") from None
 
 
 def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str, np.ndarray],
-                 optimizer: dict[str, np.ndarray] | None = None, make_current: bool = True) -> str:
-    """Write a new version; returns its name (one more than the highest)."""
+                 optimizer: dict[str, np.ndarray] | None = None, make_current: bool = True,
+                 reason: str | None = None) -> str:
+    """Write a new version; returns its name (one more than the highest). With
+    `make_current`, CURRENT moves to it (recorded as `reason` when given)."""
     d = Path(model_dir)
     d.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d))
@@ -98,7 +167,7 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     if make_current:
-        set_current(d, version)
+        set_current(d, version, reason)
     return version
 
 
@@ -107,12 +176,7 @@ def load_version(model_dir: str | os.PathLike, version: str | None = None,
     """(manifest, weights, optimizer state or {}) of `version` (default: CURRENT)."""
     version = version or current_version(model_dir)
     vdir = Path(model_dir) / version
-    try:
-        manifest = json.loads((vdir / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise ModelDirError(f"{vdir}: no {MANIFEST}") from None
-    except json.JSONDecodeError as e:
-        raise ModelDirError(f"{vdir}/{MANIFEST}: not valid JSON: {e}") from None
+    manifest = read_manifest(model_dir, version)
     if manifest.get("format") != FORMAT:
         raise ModelDirError(f"{vdir}: unknown model format {manifest.get('format')!r} (expected {FORMAT})")
     try:

@@ -40,10 +40,11 @@ def check_out_dir(path: str) -> None:
 
 
 def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,
-                  on_progress: Callable[[Progress], None] | None = None) -> dict:
-    """Train on `train_paths`, evaluate on `test_paths`, publish a version in `out_dir`.
+                  on_progress: Callable[[Progress], None] | None = None, promote: bool = True) -> dict:
+    """Train on `train_paths`, evaluate on `test_paths`, publish a version in `out_dir`
+    (and move CURRENT to it unless `promote` is False: a candidate for a retrain gate).
 
-    Returns the result record (metrics, throughput, the version written).
+    Returns the result record (metrics, throughput, the version written, `promoted`).
     """
     if not train_paths:
         raise MarianaError("no training files given")
@@ -79,12 +80,12 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
         "bad_rows": trained.parse["rows_bad"] + (test_parse["rows_bad"] if test_parse else 0),
         "model": config.model.kind,
     }
-    version = bundle.save(out_dir, extra={
+    version = bundle.save(out_dir, make_current=promote, extra={
         "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows")},
         "train": {"data": train_paths, "test_data": test_paths, "rows": trained.train_rows,
                   "seconds": record["train_seconds"], "parse": trained.parse, "test_parse": test_parse},
     })
-    record.update(model_dir=os.path.abspath(out_dir), model_version=version,
+    record.update(model_dir=os.path.abspath(out_dir), model_version=version, promoted=promote,
                   peak_rss_mb=round(peak_rss_mb(), 1))
     log.info("saved %s/%s (auc=%s, logloss=%s)", out_dir, version, _fmt(record["auc"]), _fmt(record["logloss"]))
     return record

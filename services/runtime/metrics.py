@@ -1,0 +1,142 @@
+"""Prometheus metrics as mergeable state: counters, gauges and histograms with
+labels, kept as a plain dict that is JSON as it stands, so processes serving
+one endpoint can write theirs to a file and any of them can answer a scrape
+with the sum (`merge`), rendered in the text exposition format.
+
+>>> m = Metrics()
+>>> m.counter("requests_total", "Requests answered.")
+>>> m.histogram("latency_seconds", "Request latency.", buckets=(0.01, 0.1))
+>>> m.inc("requests_total", code="200"); m.observe("latency_seconds", 0.05)
+>>> print(render(m.definitions, merge([m.state(), m.state()])), end="")
+# HELP requests_total Requests answered.
+# TYPE requests_total counter
+requests_total{code="200"} 2
+# HELP latency_seconds Request latency.
+# TYPE latency_seconds histogram
+latency_seconds_bucket{le="0.01"} 0
+latency_seconds_bucket{le="0.1"} 2
+latency_seconds_bucket{le="+Inf"} 2
+latency_seconds_sum 0.1
+latency_seconds_count 2
+"""
+from __future__ import annotations
+
+import math
+
+# state: {metric: {label text: value}}; a histogram's value is [bucket counts..., +Inf count, sum]
+State = dict[str, dict[str, object]]
+DEFAULT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.definitions: dict[str, dict] = {}
+        self._values: State = {}
+
+    def counter(self, name: str, help: str) -> None:
+        self._define(name, "counter", help)
+
+    def gauge(self, name: str, help: str) -> None:
+        self._define(name, "gauge", help)
+
+    def histogram(self, name: str, help: str, buckets: tuple[float, ...] = DEFAULT_BUCKETS) -> None:
+        self._define(name, "histogram", help, buckets=tuple(sorted(buckets)))
+
+    def inc(self, name: str, amount: float = 1, **labels: str) -> None:
+        series = self._values[name]
+        key = _labels(labels)
+        series[key] = series.get(key, 0) + amount
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self._values[name][_labels(labels)] = value
+
+    def remove(self, name: str, **labels: str) -> None:
+        self._values[name].pop(_labels(labels), None)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        buckets = self.definitions[name]["buckets"]
+        series = self._values[name]
+        key = _labels(labels)
+        h = series.get(key)
+        if h is None:
+            h = series[key] = [0] * (len(buckets) + 1) + [0.0]
+        for i, le in enumerate(buckets):  # stored per bucket, made cumulative when rendered
+            if value <= le:
+                h[i] += 1
+                break
+        else:
+            h[len(buckets)] += 1
+        h[-1] += value
+
+    def value(self, name: str, **labels: str) -> float:
+        v = self._values[name].get(_labels(labels), 0)
+        return v if not isinstance(v, list) else sum(v[:-1])
+
+    def state(self) -> State:
+        """A copy of every series, JSON as it stands."""
+        return {name: {k: (list(v) if isinstance(v, list) else v) for k, v in series.items()}
+                for name, series in self._values.items()}
+
+    def _define(self, name: str, kind: str, help: str, **extra) -> None:
+        if name in self.definitions:
+            raise ValueError(f"metric {name!r} defined twice")
+        self.definitions[name] = {"type": kind, "help": help, **extra}
+        self._values[name] = {}
+
+
+def merge(states: list[State]) -> State:
+    """The sum of several processes' states, series by series."""
+    out: State = {}
+    for state in states:
+        for name, series in state.items():
+            into = out.setdefault(name, {})
+            for key, v in series.items():
+                have = into.get(key)
+                if have is None:
+                    into[key] = list(v) if isinstance(v, list) else v
+                elif isinstance(v, list) and isinstance(have, list) and len(v) == len(have):
+                    into[key] = [a + b for a, b in zip(have, v)]
+                elif not isinstance(v, list) and not isinstance(have, list):
+                    into[key] = have + v
+    return out
+
+
+def render(definitions: dict[str, dict], state: State) -> str:
+    lines = []
+    for name, d in definitions.items():
+        lines += [f"# HELP {name} {d['help']}", f"# TYPE {name} {d['type']}"]
+        for key, v in sorted(state.get(name, {}).items()):
+            if d["type"] != "histogram":
+                lines.append(f"{name}{_braces(key)} {_num(v)}")
+                continue
+            total = 0
+            for le, count in zip([*map(_num, d["buckets"]), "+Inf"], v[:-1]):
+                total += count
+                bucket = _join(key, 'le="' + le + '"')
+                lines.append(f"{name}_bucket{_braces(bucket)} {total}")
+            lines += [f"{name}_sum{_braces(key)} {_num(v[-1])}", f"{name}_count{_braces(key)} {total}"]
+    return "\n".join(lines) + "\n"
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a},{b}" if a else b
+
+
+def _braces(key: str) -> str:
+    return f"{{{key}}}" if key else ""
+
+
+def _num(v: float) -> str:
+    if isinstance(v, float):
+        if math.isinf(v):
+            return "+Inf" if v > 0 else "-Inf"
+        return repr(round(v, 9)) if v != int(v) else str(int(v))
+    return str(v)

@@ -1,4 +1,6 @@
-"""The `mariana` command line.
+"""The `mariana` command line: the pipeline's commands. The installed `mariana`
+script is `serving.cli:main`, which adds serve, model and retrain (services/
+never imports serving/); `python -m services.cli` is what the launcher runs.
 
     mariana gen criteo --rows N --seed S --out FILE
     mariana train --data FILE[,FILE...] [--test-data FILE] --model {lr,dnn} --out MODEL_DIR [--json]
@@ -391,11 +393,12 @@ def _add_cluster_commands(sub) -> None:
     r.set_defaults(func=cmd_run)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, build=build_parser) -> int:
+    """Run one command; `build` makes the parser (serving.cli adds its commands to ours)."""
     from services.runtime.logs import setup_logging
 
     tune_process()
-    args = build_parser().parse_args(argv)
+    args = build().parse_args(argv)
     setup_logging(-1 if args.quiet else args.verbose)
     try:
         return args.func(args)

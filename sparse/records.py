@@ -122,6 +122,24 @@ def _numbers(values: list) -> np.ndarray | None:
     return None
 
 
+def concat_chunks(chunks: list[Chunk]) -> Chunk:
+    """Rows of several `parse_records` chunks of one schema, in order (one model call
+    for several requests).
+
+    >>> from sparse.schema import criteo
+    >>> a, b = (parse_records(criteo(), [{"C1": c}])[0] for c in ("x", "y"))
+    >>> both = concat_chunks([a, b]); both.num_rows, both.columns["C1"]
+    (2, [b'x', b'y'])
+    """
+    if len(chunks) == 1:
+        return chunks[0]
+    cols: dict[str, object] = {}
+    for name, first in chunks[0].columns.items():
+        parts = [c.columns[name] for c in chunks]
+        cols[name] = [v for p in parts for v in p] if isinstance(first, list) else np.concatenate(parts)
+    return Chunk(columns=cols, labels=None, num_rows=sum(c.num_rows for c in chunks))
+
+
 def _split_hours(schema: Schema, chunk: Chunk, hours: list[bytes], index: list[int],
                  bad: list[tuple[int, str]]) -> tuple[Chunk, list[tuple[int, str]]]:
     """Hour of day and weekday by the parser's own functions (so an hour gets the

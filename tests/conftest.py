@@ -36,8 +36,8 @@ def gen_files(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_cli(*args: str, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`mariana ARGS` in a real subprocess."""
-    proc = subprocess.run([sys.executable, "-m", "services.cli", *map(str, args)], capture_output=True,
+    """`mariana ARGS` in a real subprocess (the installed script: serving.cli, the whole CLI)."""
+    proc = subprocess.run([sys.executable, "-m", "serving.cli", *map(str, args)], capture_output=True,
                           text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"mariana {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")

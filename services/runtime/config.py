@@ -175,10 +175,11 @@ def load_cluster_config(path: str | os.PathLike | None = None, env: Mapping[str,
     return load_config(path, env, overrides, cls=ClusterConfig)
 
 
-def to_toml(cfg: ClusterConfig) -> str:
-    """The config as TOML (tables of scalars and lists only), for `mariana up`'s resolved file."""
+def to_toml(cfg) -> str:
+    """A config dataclass of sections of scalars and lists as TOML: the resolved file
+    that `mariana up` (and `mariana serve`) hand to the processes they start."""
     lines = []
-    for section, values in cfg.to_dict().items():
+    for section, values in dataclasses.asdict(cfg).items():
         lines.append(f"[{section}]")
         for key, value in values.items():
             lines.append(f"{key} = {_toml_value(value)}")

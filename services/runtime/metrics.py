@@ -69,8 +69,17 @@ class Metrics:
         h[-1] += value
 
     def value(self, name: str, **labels: str) -> float:
-        v = self._values[name].get(_labels(labels), 0)
-        return v if not isinstance(v, list) else sum(v[:-1])
+        """One series (a histogram's count); with no labels, the sum of all of them.
+
+        >>> m = Metrics(); m.counter("c", "."); m.inc("c", code="200"); m.inc("c", 2, code="400")
+        >>> m.value("c"), m.value("c", code="400")
+        (3, 2)
+        """
+        count = lambda v: v if not isinstance(v, list) else sum(v[:-1])  # noqa: E731
+        series = self._values[name]
+        if labels:
+            return count(series.get(_labels(labels), 0))
+        return sum(count(v) for v in series.values())
 
     def state(self) -> State:
         """A copy of every series, JSON as it stands."""

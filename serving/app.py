@@ -1,0 +1,257 @@
+"""The pCTR endpoint: an aiohttp app over the data plane (serving/dataplane.py).
+
+    POST /v1/predict     {"instances": [{"I1": 3, "C1": "68fd1e64", ...}, ...]} as JSON or msgpack
+                         -> {"pctr": [...], "model_version": "v000003"} in the request's encoding
+    GET  /v1/model       the version in service: when and on what it was trained, its metrics
+    GET  /healthz        the process is up;  GET /readyz: a model is loaded (else 503)
+    GET  /metrics        Prometheus text, summed over the server's worker processes
+    GET  /openapi.json   this API, for clients and fuzzers
+    POST /v1/retrain     start `mariana retrain` (bearer token) -> 202 {"id": ...}
+    GET  /v1/retrain/ID  its state and decision (bearer token)
+
+Client mistakes are 4xx with a message naming them: 400 for a body that is not
+JSON/msgpack or not {"instances": [objects]} or holds a value of the wrong type,
+413 for a body or instance count over the limits, 401 for a missing or wrong
+token; 503 while no model is loaded. Fields a model does not know are ignored
+and counted. A 500 is a bug, logged with its trace.
+"""
+from __future__ import annotations
+
+import asyncio
+import glob
+import hmac
+import json
+import logging
+import os
+import time
+
+from aiohttp import web
+
+from serving import codec
+from serving.config import ServeConfig
+from serving.dataplane import Batcher, ModelHolder, error_answer
+from serving.errors import ServeError
+from serving.openapi import OPENAPI
+from serving.retrain import RetrainRunner
+from serving.watch import VersionWatcher
+from services.runtime.metrics import Metrics, merge, render
+
+log = logging.getLogger(__name__)
+SNAPSHOT_SECONDS = 1.0
+HOLDER, BATCHER, WATCHER, METRICS, SETTINGS, RETRAIN = (web.AppKey(k, object) for k in (
+    "holder", "batcher", "watcher", "metrics", "settings", "retrain"))
+
+
+def create_app(cfg: ServeConfig, worker: int = 0, run_dir: str | None = None,
+               config_path: str | None = None) -> web.Application:
+    """The app of one worker process; `run_dir` is shared by the server's workers
+    (their metrics snapshots), `config_path` is what POST /v1/retrain runs with."""
+    s = cfg.serve
+    app = web.Application(client_max_size=s.max_body_bytes, middlewares=[_errors_and_metrics])
+    app[SETTINGS] = {"cfg": cfg, "worker": worker, "run_dir": run_dir, "name": f"serve-{worker}"}
+    app[METRICS] = _metrics()
+    app[HOLDER] = ModelHolder()
+    app[RETRAIN] = RetrainRunner(cfg, config_path)
+    app.router.add_post("/v1/predict", predict)
+    app.router.add_get("/v1/model", model_info)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_post("/v1/retrain", retrain_start)
+    app.router.add_get("/v1/retrain/{id}", retrain_status)
+    app.cleanup_ctx.append(_lifecycle)
+    return app
+
+
+async def _lifecycle(app: web.Application):
+    """Start-up in order, shut-down in reverse: batcher, first load, watcher, snapshots."""
+    st, m = app[SETTINGS], app[METRICS]
+    s = st["cfg"].serve
+    batcher = app[BATCHER] = Batcher(s.batch_requests, s.max_instances,
+                                     on_batch=lambda n: m.observe("mariana_serve_batch_requests", n))
+    batcher.start()
+    watcher = app[WATCHER] = VersionWatcher(s, app[HOLDER], st["name"], on_event=lambda k, i: _model_event(app, k, i))
+    await watcher.check()
+    if app[HOLDER].current is None:
+        log.warning("%s: no model to serve yet in %s; /readyz says 503 until CURRENT names one", st["name"],
+                    s.model_dir)
+    watcher.start()
+    snapshots = asyncio.create_task(_write_snapshots(app)) if st["run_dir"] else None
+    yield
+    if snapshots:
+        snapshots.cancel()
+        await asyncio.gather(snapshots, return_exceptions=True)
+    await watcher.close()
+    await batcher.close()
+
+
+# ---- endpoints ------------------------------------------------------------------------
+
+async def predict(request: web.Request) -> web.Response:
+    app, s = request.app, request.app[SETTINGS]["cfg"].serve
+    fmt = codec.format_of(request.content_type)
+    try:
+        if request.content_length is not None and request.content_length > s.max_body_bytes:
+            raise ServeError(413, f"a body of {request.content_length} bytes; at most {s.max_body_bytes} "
+                             "(serve.max_body_bytes): split the request")
+        body = await _read(request, s.max_body_bytes)
+        predictor = app[HOLDER].current
+        if predictor is None:
+            raise ServeError(503, f"no model is loaded yet (nothing in service in {s.model_dir})")
+    except ServeError as e:
+        answer = error_answer(e, fmt, app[HOLDER].version)
+    else:
+        answer = await app[BATCHER].answer(predictor, body, fmt)
+    m = app[METRICS]
+    m.inc("mariana_serve_predictions_total", answer.instances)
+    if answer.unknown_fields:
+        m.inc("mariana_serve_unknown_fields_total", answer.unknown_fields)
+    headers = {"X-Model-Version": answer.version} if answer.version else {}
+    return web.Response(body=answer.body, status=answer.status, content_type=answer.content_type, headers=headers)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    predictor = request.app[HOLDER].current
+    if predictor is None:
+        raise ServeError(503, "no model is loaded yet")
+    return web.json_response({**predictor.info(), "worker": request.app[SETTINGS]["worker"]})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True, "worker": request.app[SETTINGS]["worker"]})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    version = request.app[HOLDER].version
+    if version is None:
+        return web.json_response({"ready": False, "error": "no model loaded"}, status=503)
+    return web.json_response({"ready": True, "model_version": version})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app = request.app
+    m, st = app[METRICS], app[SETTINGS]
+    states = [m.state()]
+    if st["run_dir"]:  # the other workers' last snapshots
+        own = _snapshot_path(st["run_dir"], st["worker"])
+        for path in glob.glob(os.path.join(st["run_dir"], "metrics-*.json")):
+            if path != own:
+                try:
+                    with open(path) as f:
+                        states.append(json.load(f))
+                except (OSError, ValueError):
+                    continue  # being replaced right now: it is in the next scrape
+    return web.Response(text=render(m.definitions, merge(states)), content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(OPENAPI)
+
+
+async def retrain_start(request: web.Request) -> web.Response:
+    _authorize(request)
+    run = request.app[RETRAIN].start()
+    return web.json_response(run, status=202)
+
+
+async def retrain_status(request: web.Request) -> web.Response:
+    _authorize(request)
+    return web.json_response(request.app[RETRAIN].status(request.match_info["id"]))
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+def _authorize(request: web.Request) -> None:
+    token = request.app[SETTINGS]["cfg"].serve.token
+    if not token:
+        raise ServeError(403, "admin endpoints are off: set serve.token in the serve config")
+    got = request.headers.get("Authorization", "")
+    if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+        raise ServeError(401, "a valid bearer token is required (Authorization: Bearer <serve.token>)")
+
+
+async def _read(request: web.Request, limit: int) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ServeError(413, f"the body is over {limit} bytes (serve.max_body_bytes): split the request") from None
+
+
+@web.middleware
+async def _errors_and_metrics(request: web.Request, handler):
+    t0 = time.perf_counter()
+    m = request.app[METRICS]
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+    m.inc("mariana_serve_in_flight", 1)
+    try:
+        response = await handler(request)
+    except ServeError as e:
+        response = web.json_response({"error": e.message}, status=e.status)
+    except web.HTTPException as e:  # aiohttp's own: no such route, method not allowed, ...
+        response = web.json_response({"error": _http_error_text(request, e)}, status=e.status,
+                                     headers={k: v for k, v in e.headers.items() if k == "Allow"})
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("%s: %s %s failed", request.app[SETTINGS]["name"], request.method, request.path)
+        response = web.json_response({"error": "internal error (logged)"}, status=500)
+    finally:
+        m.inc("mariana_serve_in_flight", -1)
+    m.inc("mariana_serve_requests_total", route=route, code=str(response.status))
+    m.observe("mariana_serve_request_seconds", time.perf_counter() - t0, route=route)
+    return response
+
+
+def _http_error_text(request: web.Request, e: web.HTTPException) -> str:
+    if e.status == 404:
+        return f"no such endpoint: {request.path} (see /openapi.json)"
+    if e.status == 405:
+        return f"{request.method} is not allowed on {request.path} (allowed: {e.headers.get('Allow', '')})"
+    return e.reason or e.text or f"HTTP {e.status}"
+
+
+def _metrics() -> Metrics:
+    m = Metrics()
+    m.counter("mariana_serve_requests_total", "HTTP requests answered, by route and status code.")
+    m.histogram("mariana_serve_request_seconds", "Time from request to answer, by route.",
+                buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+    m.counter("mariana_serve_predictions_total", "Instances scored.")
+    m.counter("mariana_serve_unknown_fields_total", "Fields of instances that the model does not know (ignored).")
+    m.histogram("mariana_serve_batch_requests", "Requests answered by one model call.",
+                buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+    m.gauge("mariana_serve_in_flight", "Requests being answered.")
+    m.gauge("mariana_serve_model_info", "Worker processes serving each model version.")
+    m.counter("mariana_serve_model_swaps_total", "Model versions swapped in.")
+    m.counter("mariana_serve_model_load_failures_total", "Model versions that could not be loaded.")
+    return m
+
+
+def _model_event(app: web.Application, kind: str, info: dict) -> None:
+    m = app[METRICS]
+    if kind == "swapped":
+        if info["previous"]:
+            m.remove("mariana_serve_model_info", version=info["previous"])
+        m.set("mariana_serve_model_info", 1, version=info["version"])
+        m.inc("mariana_serve_model_swaps_total")
+    elif kind == "load_failed":
+        m.inc("mariana_serve_model_load_failures_total")
+
+
+def _snapshot_path(run_dir: str, worker: int) -> str:
+    return os.path.join(run_dir, f"metrics-{worker}.json")
+
+
+async def _write_snapshots(app: web.Application) -> None:
+    st = app[SETTINGS]
+    path = _snapshot_path(st["run_dir"], st["worker"])
+    while True:
+        await asyncio.sleep(SNAPSHOT_SECONDS)
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(app[METRICS].state(), f)
+            os.replace(tmp, path)
+        except OSError as e:  # the run dir went away (the server is stopping)
+            log.debug("metrics snapshot not written: %s", e)

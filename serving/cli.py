@@ -1,0 +1,160 @@
+"""The `mariana` command: the pipeline's commands (services/cli.py) plus serving.
+
+    mariana serve --model-dir DIR [--config FILE] [--host 127.0.0.1] [--port 8080] [--workers N]
+                  [--redis-url URL]
+    mariana model list --model-dir DIR [--json]
+    mariana model promote VERSION --model-dir DIR [--notify REDIS_URL]
+    mariana model rollback --model-dir DIR [--notify REDIS_URL]
+    mariana retrain --config FILE [--json]
+
+`model` and `retrain` take the model dir and Redis from `--config` (its
+[serve] section) when the flags are not given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from services import cli as base
+from sparse.errors import MarianaError
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serving.server import run_worker, serve
+
+    cfg = _config(args, **{"serve.host": args.host, "serve.port": args.port, "serve.workers": args.workers,
+                           "serve.redis_url": args.redis_url})
+    if args.worker_index is not None:  # started by the supervisor, from its resolved config
+        return run_worker(cfg, args.worker_index, args.run_dir, args.config)
+    if not os.path.isdir(cfg.serve.model_dir):
+        raise MarianaError(f"{cfg.serve.model_dir}: no such model directory (train one with 'mariana train "
+                           "--out DIR', or create it empty to serve what is published there later)")
+    verbosity = ["-q"] if args.quiet else ["-v"] * args.verbose
+    return serve(cfg, verbosity)
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from trainer import checkpoint
+
+    cfg = _config(args)
+    model_dir = cfg.serve.model_dir
+    if args.action == "list":
+        rows = _versions(model_dir)
+        if args.json:
+            print(json.dumps({"model_dir": model_dir, "versions": rows}))
+        else:
+            _print_versions(model_dir, rows)
+        return 0
+    if args.action == "promote":
+        if not args.version:
+            raise MarianaError("model promote: name the VERSION to serve (see 'mariana model list')")
+        target, reason = args.version, "promoted"
+    else:
+        if args.version:
+            raise MarianaError("model rollback takes no VERSION (it goes back to the one served before)")
+        target, reason = checkpoint.rollback_target(model_dir), "rollback"
+    before = checkpoint.set_current(model_dir, target, reason=reason)
+    print(json.dumps({"model_dir": model_dir, "current": target, "previous": before, "reason": reason}))
+    url = args.notify or cfg.serve.redis_url
+    if url:
+        from services import model_events
+
+        model_events.publish(url, reason, model_dir, target, target, cfg.serve.channel)
+    return 0
+
+
+def cmd_retrain(args: argparse.Namespace) -> int:
+    from serving.retrain import run_retrain
+
+    decision = run_retrain(_config(args), args.status_file)
+    base._print_record(decision, args.json)
+    return 0
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+def _config(args: argparse.Namespace, **overrides):
+    from serving.config import load_serve_config
+
+    if getattr(args, "model_dir", None):
+        overrides["serve.model_dir"] = os.path.abspath(args.model_dir)
+    cfg = load_serve_config(args.config, overrides)
+    if not cfg.serve.model_dir:
+        raise MarianaError("no model directory: give --model-dir, or serve.model_dir in --config")
+    cfg.serve.model_dir = os.path.abspath(cfg.serve.model_dir)
+    return cfg
+
+
+def _versions(model_dir: str) -> list[dict]:
+    from trainer import checkpoint
+
+    if not os.path.isdir(model_dir):
+        raise MarianaError(f"{model_dir}: no such model directory")
+    try:
+        current = checkpoint.current_version(model_dir)
+    except MarianaError:
+        current = None
+    rows = []
+    for v in checkpoint.list_versions(model_dir):
+        try:
+            m = checkpoint.read_manifest(model_dir, v)
+        except MarianaError as e:
+            rows.append({"version": v, "current": v == current, "error": str(e)})
+            continue
+        metrics, train = m.get("metrics") or {}, m.get("train") or {}
+        rows.append({"version": v, "current": v == current, "created_at": m.get("created_at"),
+                     "kind": (m.get("model") or {}).get("kind"), "auc": metrics.get("auc"),
+                     "logloss": metrics.get("logloss"), "rows": train.get("rows", m.get("rows_trained")),
+                     "data": train.get("data")})
+    return rows
+
+
+def _print_versions(model_dir: str, rows: list[dict]) -> None:
+    print(model_dir)
+    fmt = lambda x: "-" if x is None else (f"{x:.4f}" if isinstance(x, float) else str(x))  # noqa: E731
+    base._print_table(("", "VERSION", "CREATED", "KIND", "AUC", "LOGLOSS", "ROWS"),
+                      [("*" if r["current"] else "", r["version"], fmt(r.get("created_at")), fmt(r.get("kind")),
+                        fmt(r.get("auc")), fmt(r.get("logloss")), base._count(r.get("rows")) or "-")
+                       for r in rows])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = base.build_parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+
+    s = sub.add_parser("serve", help="serve pCTR over HTTP from a model directory (hot-swaps new versions)")
+    s.add_argument("--model-dir", help="model directory: its CURRENT version is served")
+    s.add_argument("--config", help="TOML with [serve] (and [retrain] for POST /v1/retrain)")
+    s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="port (default 8080; 0: any free one)")
+    s.add_argument("--workers", type=int, help="processes sharing the port (default: one per core)")
+    s.add_argument("--redis-url", help="Redis where new versions are announced (default: poll CURRENT only)")
+    s.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor
+    s.add_argument("--run-dir", help=argparse.SUPPRESS)
+    s.set_defaults(func=cmd_serve)
+
+    m = sub.add_parser("model", help="list the versions of a model directory, promote one, roll back")
+    m.add_argument("action", choices=("list", "promote", "rollback"))
+    m.add_argument("version", nargs="?", help="promote: the version to serve")
+    m.add_argument("--model-dir", help="model directory (default: serve.model_dir of --config)")
+    m.add_argument("--config", help="serve config (model dir, and the Redis to announce changes on)")
+    m.add_argument("--notify", metavar="REDIS_URL", help="announce the change here (servers swap at once)")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_model)
+
+    r = sub.add_parser("retrain", help="train on the newest data window; promote only if not worse")
+    r.add_argument("--config", required=True, help="TOML with [serve] model_dir and [retrain] windows")
+    r.add_argument("--json", action="store_true", help="print the decision as one JSON line")
+    r.add_argument("--status-file", help=argparse.SUPPRESS)  # kept up to date for POST /v1/retrain
+    r.set_defaults(func=cmd_retrain)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return base.main(argv, build=build_parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

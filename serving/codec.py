@@ -1,0 +1,78 @@
+"""Request and response bodies: JSON, or msgpack when the Content-Type says so.
+An answer goes back in the encoding its request came in.
+
+    >>> fmt = format_of("application/msgpack")
+    >>> decode(encode({"instances": [{"I1": 3}]}, fmt), fmt, max_instances=10)
+    ([{'I1': 3}], 0)
+"""
+from __future__ import annotations
+
+import json
+
+import msgpack
+
+from serving.errors import bad_request, too_large
+
+JSON, MSGPACK = "application/json", "application/msgpack"
+_MSGPACK_TYPES = {"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"}
+
+
+def format_of(content_type: str | None) -> str:
+    """msgpack for msgpack media types; JSON for the rest (curl's form default included)."""
+    return MSGPACK if (content_type or "").lower() in _MSGPACK_TYPES else JSON
+
+
+def decode(body: bytes, fmt: str, max_instances: int) -> tuple[list, int]:
+    """A predict body -> (its instances, top-level keys other than 'instances').
+
+    ServeError 400 says what is wrong with the body; 413 when it holds more than
+    `max_instances` instances.
+    """
+    obj = _msgpack(body) if fmt == MSGPACK else _json(body)
+    if not isinstance(obj, dict):
+        raise bad_request(f"the body must be an object with an 'instances' array, got {_kind(obj)}")
+    if "instances" not in obj:
+        raise bad_request("the body has no 'instances' (an array of objects, one per row to score)")
+    instances = obj["instances"]
+    if not isinstance(instances, list):
+        raise bad_request(f"'instances' must be an array of objects, got {_kind(instances)}")
+    if not instances:
+        raise bad_request("'instances' is empty: send at least one row to score")
+    if len(instances) > max_instances:
+        raise too_large(f"{len(instances)} instances in one request; at most {max_instances} "
+                        "(serve.max_instances): split the request")
+    return instances, len(obj) - 1
+
+
+def encode(obj: dict, fmt: str) -> bytes:
+    if fmt == MSGPACK:
+        return msgpack.packb(obj, use_bin_type=True)
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _json(body: bytes):
+    try:
+        return json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the body is not UTF-8 text (byte {e.start}); send JSON, or msgpack with "
+                          "Content-Type: application/msgpack") from None
+    except RecursionError:
+        raise bad_request("the body is not valid JSON: it nests too deeply") from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, an integer of too many digits
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _msgpack(body: bytes):
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:  # truncated, extra data, nesting, ...:
+        raise bad_request(f"the body is not valid msgpack: {e or type(e).__name__}") from None
+
+
+def _kind(v) -> str:
+    return {dict: "an object", list: "an array", str: "text", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(v), type(v).__name__)

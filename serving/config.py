@@ -1,0 +1,103 @@
+"""The serving config: one TOML file for `mariana serve` and `mariana retrain`.
+
+    [serve]
+    model_dir = "/var/lib/mariana/models/ctr"
+    host = "127.0.0.1"            # loopback by default
+    port = 8080
+    workers = 0                   # processes sharing the port; 0: one per core
+    redis_url = "redis://127.0.0.1:6379/0"   # new versions announced here ("" : poll only)
+    token = "..."                 # bearer token of POST /v1/retrain ("" : the endpoint is off)
+
+    [retrain]
+    data = "/var/lib/mariana/logs/*.tsv"  # files sorted by name are the time order
+    train_files = 3               # the window trained on ...
+    eval_files = 1                # ... and the later window both models are scored on
+    auc_tolerance = 0.0           # promote when new AUC >= served AUC - tolerance
+
+Loaded like every config here: defaults <- TOML <- `MARIANA_SERVE__PORT`-style
+environment <- flags. Unknown keys and wrong types are errors naming the key.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from services.model_events import CHANNEL
+from sparse.errors import ConfigError
+from trainer.config import load_config
+
+
+@dataclass
+class ServeSection:
+    model_dir: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8080
+    workers: int = 0                    # processes sharing the port (SO_REUSEPORT); 0: one per core
+    max_body_bytes: int = 8 << 20       # a larger body is answered 413
+    max_instances: int = 10_000         # instances per request; more is answered 413
+    batch_requests: int = 64            # requests answered by one model call at most (micro-batching)
+    watch_seconds: float = 2.0          # how often CURRENT is read again (the fallback to pub/sub)
+    redis_url: str = ""                 # where new versions are announced; "" : poll only
+    channel: str = CHANNEL
+    token: str = ""                     # bearer token of the admin endpoints; "" : they are off
+    drain_seconds: float = 10.0         # on SIGTERM, requests in flight get this long to finish
+
+    def __post_init__(self) -> None:
+        for key in ("max_body_bytes", "max_instances", "batch_requests"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"serve.{key} must be >= 1, got {getattr(self, key)}")
+        if self.workers < 0:
+            raise ConfigError(f"serve.workers must be >= 0 (0: one per core), got {self.workers}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"serve.port must be in 0..65535, got {self.port}")
+        if self.watch_seconds <= 0:
+            raise ConfigError(f"serve.watch_seconds must be > 0, got {self.watch_seconds}")
+
+    @property
+    def worker_count(self) -> int:
+        return self.workers or os.cpu_count() or 1
+
+
+@dataclass
+class RetrainSection:
+    data: str = ""                      # glob of the log files; sorted by name = time order
+    train_files: int = 1                # the newest files but `eval_files` are trained on (this many)
+    eval_files: int = 1                 # the newest files score both models
+    train_data: list[str] = field(default_factory=list)  # or name the windows outright
+    eval_data: list[str] = field(default_factory=list)
+    auc_tolerance: float = 0.0          # the new model may be this much below the served one's AUC
+    job_config: str = ""                # a job TOML; default: the served model's own config
+    mode: str = "local"                 # or "cluster": train on the cluster that is up
+    cluster_config: str = ""            # cluster mode: its TOML (default: the built-in defaults)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("local", "cluster"):
+            raise ConfigError(f"retrain.mode must be 'local' or 'cluster', got {self.mode!r}")
+        if self.train_files < 1 or self.eval_files < 1:
+            raise ConfigError("retrain.train_files and retrain.eval_files must be >= 1")
+        if not self.auc_tolerance >= 0:
+            raise ConfigError(f"retrain.auc_tolerance must be >= 0, got {self.auc_tolerance}")
+
+
+@dataclass
+class ServeConfig:
+    serve: ServeSection = field(default_factory=ServeSection)
+    retrain: RetrainSection = field(default_factory=RetrainSection)
+
+
+def load_serve_config(path: str | None = None, overrides: dict | None = None,
+                      env: dict | None = None) -> ServeConfig:
+    cfg = load_config(path, env, {k: v for k, v in (overrides or {}).items() if v is not None}, cls=ServeConfig)
+    if path:
+        base = os.path.dirname(os.path.abspath(path))  # relative paths in the file are relative to it
+        cfg.serve.model_dir = _relative_to(base, cfg.serve.model_dir)
+        r = cfg.retrain
+        r.job_config, r.cluster_config, r.data = (_relative_to(base, p) for p in (r.job_config, r.cluster_config,
+                                                                                  r.data))
+        r.train_data = [_relative_to(base, p) for p in r.train_data]
+        r.eval_data = [_relative_to(base, p) for p in r.eval_data]
+    return cfg
+
+
+def _relative_to(base: str, path: str) -> str:
+    return os.path.join(base, path) if path and not os.path.isabs(path) else path

@@ -1,0 +1,137 @@
+"""Between the HTTP endpoints and the model: which version answers, and how
+requests reach it without blocking the event loop.
+
+- `ModelHolder` holds the version in service; a swap replaces the reference,
+  so a request keeps the `Predictor` it started with until it is answered.
+- `Batcher` runs the model on one thread per process. Requests that arrive
+  while it is busy queue up and are answered by its next call together
+  (decode, check, hash, one forward pass, encode), so under load each
+  request pays a share of one call instead of a call of its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from serving import codec
+from serving.errors import ServeError
+from serving.predictor import Predictor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Answer:
+    status: int
+    body: bytes
+    content_type: str
+    version: str
+    instances: int = 0
+    unknown_fields: int = 0
+    error: str = ""
+
+
+class ModelHolder:
+    def __init__(self) -> None:
+        self.current: Predictor | None = None
+
+    @property
+    def version(self) -> str | None:
+        return self.current.version if self.current else None
+
+    def swap(self, new: Predictor) -> Predictor | None:
+        old, self.current = self.current, new
+        return old
+
+
+@dataclass
+class _Pending:
+    predictor: Predictor
+    body: bytes
+    fmt: str
+    future: asyncio.Future
+
+
+class Batcher:
+    def __init__(self, max_requests: int, max_instances: int, on_batch: Callable[[int], None] = lambda n: None):
+        self.max_requests, self.max_instances, self.on_batch = max_requests, max_instances, on_batch
+        self.pending: deque[_Pending] = deque()
+        self.wake = asyncio.Event()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="mariana-predict")
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name="batcher")
+
+    async def answer(self, predictor: Predictor, body: bytes, fmt: str) -> Answer:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append(_Pending(predictor, body, fmt, future))
+        self.wake.set()
+        return await future
+
+    async def close(self) -> None:
+        if self.task:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        self.executor.shutdown(wait=True)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self.pending:
+                self.wake.clear()
+                await self.wake.wait()
+            batch = self._take()
+            try:
+                answers = await loop.run_in_executor(self.executor, answer_batch, batch[0].predictor,
+                                                     [(p.body, p.fmt) for p in batch], self.max_instances)
+            except Exception as e:  # a bug: this batch's requests get a 500; the next batch is served
+                log.exception("predicting a batch of %d requests failed", len(batch))
+                answers = [error_answer(ServeError(500, f"internal error: {type(e).__name__}"), p.fmt,
+                                        p.predictor.version) for p in batch]
+            for p, a in zip(batch, answers):
+                if not p.future.done():  # the client may have gone
+                    p.future.set_result(a)
+            self.on_batch(len(batch))
+
+    def _take(self) -> list[_Pending]:
+        """The oldest request and those behind it for the same version, up to max_requests."""
+        first = self.pending.popleft()
+        batch = [first]
+        while self.pending and self.pending[0].predictor is first.predictor and len(batch) < self.max_requests:
+            batch.append(self.pending.popleft())
+        return batch
+
+
+def answer_batch(predictor: Predictor, items: list[tuple[bytes, str]], max_instances: int) -> list[Answer]:
+    """Decode each body, score the good ones with one model call, encode each answer
+    (runs on the batcher's thread)."""
+    decoded = []
+    for body, fmt in items:
+        try:
+            decoded.append((*codec.decode(body, fmt, max_instances), None))
+        except ServeError as e:
+            decoded.append((None, 0, e))
+    scored = iter(predictor.predict_many([inst for inst, _, err in decoded if err is None]))
+    answers = []
+    for (instances, extra_keys, err), (_, fmt) in zip(decoded, items):
+        unknown = extra_keys
+        if err is None:
+            p = next(scored)
+            err, unknown = p.error, unknown + p.unknown_fields
+        if err is not None:
+            a = error_answer(err, fmt, predictor.version)
+            a.unknown_fields = unknown
+            answers.append(a)
+            continue
+        body = codec.encode({"pctr": p.pctr.tolist(), "model_version": predictor.version}, fmt)
+        answers.append(Answer(200, body, fmt, predictor.version, len(instances), unknown))
+    return answers
+
+
+def error_answer(err: ServeError, fmt: str, version: str | None) -> Answer:
+    return Answer(err.status, codec.encode({"error": err.message}, fmt), fmt, version or "", error=err.message)

@@ -1,0 +1,96 @@
+"""One loaded model version answering rows, with no HTTP in sight.
+
+Rows go the way they go in training: `sparse.records` checks them by the
+parser's rules, `Encoder.encode_rows` hashes them (the ids a file row gets),
+and the model is the version's own `ModelBundle`. `predict_many` answers
+several requests with one model call.
+
+    p = Predictor.load("models/ctr")             # CURRENT, warmed up
+    p.predict([{"I1": 3, "C1": "68fd1e64"}])     # -> array([0.21...], dtype=float32)
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from serving.errors import ServeError, bad_request
+from sparse.records import concat_chunks, parse_records
+from trainer import checkpoint
+from trainer.bundle import ModelBundle
+
+SHOWN_BAD = 5  # bad instances named in one error message
+
+
+@dataclass
+class Prediction:
+    """One request's answer: pCTR per instance, or the error that refuses it."""
+    pctr: np.ndarray | None
+    error: ServeError | None
+    unknown_fields: int
+
+
+class Predictor:
+    def __init__(self, bundle: ModelBundle, model_dir: str, version: str):
+        self.bundle, self.model_dir, self.version = bundle, os.path.abspath(model_dir), version
+        self.schema = bundle.schema.without_label()
+        self.loaded_at = time.time()
+
+    @classmethod
+    def load(cls, model_dir: str, version: str | None = None) -> "Predictor":
+        """The version (default: CURRENT), with one prediction made so that the first
+        client does not pay torch's lazy set-up. ModelDirError when it cannot be read."""
+        version = version or checkpoint.current_version(model_dir)
+        p = cls(ModelBundle.load(model_dir, version), model_dir, version)
+        p.predict([{}])
+        return p
+
+    def predict(self, instances: list) -> np.ndarray:
+        """(n,) float32 pCTR of one request's instances; ServeError 400 names bad ones."""
+        (answer,) = self.predict_many([instances])
+        if answer.error is not None:
+            raise answer.error
+        return answer.pctr
+
+    def predict_many(self, requests: list[list]) -> list[Prediction]:
+        """Each request checked on its own (a bad instance refuses its request only),
+        the good ones scored together."""
+        answers, chunks = [], []
+        for instances in requests:
+            chunk, bad, unknown = parse_records(self.schema, instances)
+            if bad:
+                answers.append(Prediction(None, bad_request(describe_bad(bad)), unknown))
+            else:
+                answers.append(Prediction(None, None, unknown))
+                chunks.append(chunk)
+        if chunks:
+            pctr = self.bundle.predict(self.bundle.encoder.encode_rows(concat_chunks(chunks)))
+            start, ok = 0, (a for a in answers if a.error is None)
+            for chunk, answer in zip(chunks, ok):
+                answer.pctr = pctr[start:start + chunk.num_rows]
+                start += chunk.num_rows
+        return answers
+
+    def info(self) -> dict:
+        """What /v1/model says: the version, when and on what it was trained, its metrics."""
+        m = self.bundle.manifest
+        train = m.get("train") or {}
+        return {
+            "model_dir": self.model_dir, "model_version": self.version, "kind": self.bundle.config.model.kind,
+            "trained_at": m.get("created_at"), "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                           time.gmtime(self.loaded_at)),
+            "trained_on": {"data": train.get("data"), "rows": train.get("rows", m.get("rows_trained")),
+                           "mode": train.get("mode", "local"), "seconds": train.get("seconds")},
+            "metrics": m.get("metrics") or {},
+            "schema": self.schema.name, "fields": list(self.schema.numeric + self.schema.categorical)
+            + ([self.schema.hour] if self.schema.hour else []),
+            "hash_bits": self.bundle.config.hashing.bits,
+        }
+
+
+def describe_bad(bad: list[tuple[int, str]]) -> str:
+    """'instances[3]: I1 is not a number; instances[7]: ... (and 4 more)'."""
+    text = "; ".join(f"instances[{i}]: {why}" for i, why in bad[:SHOWN_BAD])
+    return text + (f" (and {len(bad) - SHOWN_BAD} more)" if len(bad) > SHOWN_BAD else "")

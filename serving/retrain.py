@@ -1,0 +1,286 @@
+"""Batch retrain with a promotion gate: train on a window of the logs, score
+the new model and the served one on a later window, promote only when the
+new one is not worse (AUC within `retrain.auc_tolerance`).
+
+Triggered by `mariana retrain --config FILE`, by POST /v1/retrain on a model
+server (which runs that command), or by the systemd timer in deploy/. One
+retrain per model directory at a time (a lock file). Every decision is a JSON
+line in <model_dir>/decisions.jsonl; a promotion moves CURRENT (recorded in
+promotions.jsonl) and is announced on Redis, so servers swap to it.
+
+    {"time": ..., "verdict": "promoted" | "refused", "reason": "...",
+     "new_version": "v000004", "served_version": "v000003",
+     "metrics": {"new": {"auc": ..., "logloss": ...}, "served": {...}},
+     "auc_tolerance": 0.0, "train_data": [...], "eval_data": [...]}
+"""
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from serving.config import ServeConfig
+from serving.errors import ServeError
+from services import model_events
+from sparse.errors import ConfigError, MarianaError, ModelDirError
+from trainer import checkpoint
+from trainer.bundle import ModelBundle
+from trainer.config import JobConfig, from_dict, load_config
+
+log = logging.getLogger(__name__)
+DECISIONS = "decisions.jsonl"
+LOCK = ".retrain.lock"
+RUNS = ".retrain"  # status files and logs of retrains started over HTTP
+RUN_ID = re.compile(r"^r\d{8}-\d{6}-[0-9a-f]{6}$")
+
+
+class RetrainBusy(MarianaError):
+    """Another retrain of the same model directory is running."""
+
+
+# ---- the retrain itself ---------------------------------------------------------------
+
+def run_retrain(cfg: ServeConfig, status_file: str | None = None) -> dict:
+    """Train, gate, maybe promote; returns the decision (also appended to decisions.jsonl)."""
+    model_dir = cfg.serve.model_dir
+    if not model_dir:
+        raise ConfigError("serve.model_dir is not set: the retrain needs the model directory it publishes to")
+    status = _Status(status_file)
+    status.update(pid=os.getpid())
+    try:
+        with model_lock(model_dir):
+            decision = _retrain(cfg, model_dir, status)
+    except MarianaError as e:
+        status.update(state="failed", error=str(e))
+        raise
+    status.update(state="done", decision=decision)
+    return decision
+
+
+def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
+    from trainer.job import run_local_job
+    from trainer.strategies.local import evaluate
+
+    r = cfg.retrain
+    train, evals = windows(cfg)
+    served = _served_version(model_dir)
+    config = job_config(cfg, served)
+    log.info("retrain %s: training %s on %d file(s) (%s ... %s); served: %s", model_dir, config.model.kind,
+             len(train), os.path.basename(train[0]), os.path.basename(train[-1]), served or "nothing")
+    status.update(state="training", train_data=train, eval_data=evals, served_version=served)
+    if r.mode == "cluster":
+        from services.cluster_job import run_cluster_job
+        from services.runtime.config import load_cluster_config
+
+        record = run_cluster_job(config, train, [], model_dir, load_cluster_config(r.cluster_config or None),
+                                 promote=False)
+    else:
+        record = run_local_job(config, train, [], model_dir, promote=False)
+    new = record["model_version"]
+    status.update(state="evaluating", new_version=new)
+    scores = {"new": evaluate(ModelBundle.load(model_dir, new), evals)[0]}
+    if served:
+        scores["served"] = evaluate(ModelBundle.load(model_dir, served), evals)[0]
+    verdict, reason = gate(scores["new"], scores.get("served"), r.auc_tolerance)
+    decision = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "verdict": verdict, "reason": reason,
+        "new_version": new, "served_version": served,
+        "metrics": {k: _round(v) for k, v in scores.items()},
+        "auc_tolerance": r.auc_tolerance, "train_data": train, "eval_data": evals,
+        "train_rows": record["train_rows"], "train_seconds": record["train_seconds"],
+    }
+    with open(os.path.join(model_dir, DECISIONS), "a") as f:
+        f.write(json.dumps(decision) + "\n")
+    log.info("retrain %s: %s %s (%s)", model_dir, verdict, new, reason)
+    if verdict == "promoted":
+        checkpoint.set_current(model_dir, new, reason="retrain")
+        if cfg.serve.redis_url:
+            model_events.publish(cfg.serve.redis_url, "promoted", model_dir, new, new, cfg.serve.channel)
+    return decision
+
+
+def gate(new: dict, served: dict | None, tolerance: float) -> tuple[str, str]:
+    """('promoted' | 'refused', why), on AUC over the same later window.
+
+    >>> gate({"auc": 0.70}, {"auc": 0.71}, 0.02)
+    ('promoted', 'AUC 0.700000 >= served 0.710000 - tolerance 0.02')
+    >>> gate({"auc": 0.60}, {"auc": 0.71}, 0.0)[0]
+    'refused'
+    """
+    auc = new.get("auc")
+    if auc is None or not math.isfinite(auc):
+        return "refused", "the new model's AUC on the eval window is undefined (the window holds one class only)"
+    if served is None:
+        return "promoted", f"nothing was served; AUC {auc:.6f}"
+    base = served.get("auc")
+    if base is None or not math.isfinite(base):
+        return "promoted", f"the served model's AUC on the eval window is undefined; new AUC {auc:.6f}"
+    if auc >= base - tolerance:
+        return "promoted", f"AUC {auc:.6f} >= served {base:.6f} - tolerance {tolerance:g}"
+    return "refused", f"AUC {auc:.6f} < served {base:.6f} - tolerance {tolerance:g}"
+
+
+def windows(cfg: ServeConfig) -> tuple[list[str], list[str]]:
+    """(files to train on, later files to score on): named outright, or the newest
+    `eval_files` of `data` (sorted by name) and the `train_files` just before them."""
+    r = cfg.retrain
+    if r.train_data or r.eval_data:
+        if not (r.train_data and r.eval_data):
+            raise ConfigError("retrain.train_data and retrain.eval_data go together: name both windows")
+        files = r.train_data, r.eval_data
+    else:
+        if not r.data:
+            raise ConfigError("retrain.data is not set: a glob of the log files (or train_data and eval_data)")
+        found = sorted(p for p in glob.glob(r.data) if os.path.isfile(p))
+        need = r.train_files + r.eval_files
+        if len(found) < need:
+            raise ConfigError(f"retrain.data {r.data!r} matches {len(found)} file(s); a window of "
+                              f"{r.train_files} to train on and {r.eval_files} to score on needs {need}")
+        files = found[-need:-r.eval_files], found[-r.eval_files:]
+    for p in files[0] + files[1]:
+        if not os.path.isfile(p):
+            raise ConfigError(f"retrain window: {p}: no such file")
+    return [os.path.abspath(p) for p in files[0]], [os.path.abspath(p) for p in files[1]]
+
+
+def job_config(cfg: ServeConfig, served: str | None) -> JobConfig:
+    """The retrain's recipe: retrain.job_config, else that of the model in service."""
+    if cfg.retrain.job_config:
+        return load_config(cfg.retrain.job_config)
+    if served is None:
+        raise ConfigError("nothing is served yet, so there is no recipe to retrain: set retrain.job_config")
+    return from_dict(JobConfig, checkpoint.read_manifest(cfg.serve.model_dir, served)["config"])
+
+
+def _served_version(model_dir: str) -> str | None:
+    try:
+        return checkpoint.current_version(model_dir)
+    except ModelDirError:
+        if os.path.isdir(model_dir) and not (Path(model_dir) / "CURRENT").exists():
+            return None
+        raise
+
+
+def _round(metrics: dict) -> dict:
+    return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v) for k, v in metrics.items()
+            if k in ("auc", "logloss", "calibration", "ne", "count")}
+
+
+@contextmanager
+def model_lock(model_dir: str):
+    """Held while a retrain of `model_dir` runs (its pid written in the lock file);
+    RetrainBusy when another process holds it."""
+    os.makedirs(model_dir, exist_ok=True)
+    fd = os.open(os.path.join(model_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RetrainBusy(f"a retrain of {model_dir} is running already (pid {running_retrain(model_dir)})") \
+                from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def running_retrain(model_dir: str) -> int | None:
+    """The pid of the retrain holding the lock, found without taking it (taking it,
+    even for a moment, could make a retrain starting then fail)."""
+    try:
+        pid = int(Path(model_dir, LOCK).read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    return pid if pid and _alive(pid) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+class _Status:
+    """The JSON file a retrain started over HTTP keeps up to date (None: no file)."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self.data: dict = {}
+        if path and os.path.exists(path):
+            try:
+                self.data = json.loads(Path(path).read_text())
+            except ValueError:
+                self.data = {}
+
+    def update(self, **fields) -> None:
+        if not self.path:
+            return
+        self.data.update(fields, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        tmp = f"{self.path}.tmp"
+        Path(tmp).write_text(json.dumps(self.data))
+        os.replace(tmp, self.path)
+
+
+# ---- started over HTTP ----------------------------------------------------------------
+
+class RetrainRunner:
+    """POST /v1/retrain: `mariana retrain --config FILE` as a child process; its status
+    file under <model_dir>/.retrain/ can be read by every worker of the server."""
+
+    def __init__(self, cfg: ServeConfig, config_path: str | None):
+        self.cfg, self.config_path = cfg, config_path
+        self.children: list[subprocess.Popen] = []
+
+    def start(self) -> dict:
+        model_dir, r = self.cfg.serve.model_dir, self.cfg.retrain
+        if not self.config_path or not (r.data or r.train_data):
+            raise ServeError(503, "retrain is not configured on this server: start it with --config FILE "
+                             "holding a [retrain] section (data, or train_data and eval_data)")
+        self._reap()
+        if running_retrain(model_dir):
+            raise ServeError(409, f"a retrain of {model_dir} is running already (pid {running_retrain(model_dir)})")
+        run = time.strftime("r%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
+        runs = os.path.join(model_dir, RUNS)
+        os.makedirs(runs, exist_ok=True)
+        status = os.path.join(runs, f"{run}.json")
+        _Status(status).update(id=run, state="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        with open(os.path.join(runs, f"{run}.log"), "ab") as out:
+            self.children.append(subprocess.Popen(
+                [sys.executable, "-m", "serving.cli", "retrain", "--config", self.config_path,
+                 "--status-file", status], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True))
+        log.info("retrain %s started for %s (log: %s/%s.log)", run, model_dir, runs, run)
+        return {"id": run, "state": "starting", "status_url": f"/v1/retrain/{run}"}
+
+    def status(self, run: str) -> dict:
+        self._reap()
+        path = os.path.join(self.cfg.serve.model_dir, RUNS, f"{run}.json")
+        if not RUN_ID.match(run) or not os.path.exists(path):
+            raise ServeError(404, f"no retrain {run!r}")
+        try:
+            data = json.loads(Path(path).read_text())
+        except ValueError:  # being replaced right now
+            return {"id": run, "state": "unknown"}
+        pid = data.get("pid")
+        if data.get("state") not in ("done", "failed") and isinstance(pid, int) and not _alive(pid):
+            data.update(state="failed", error=f"the retrain process ended without a decision; see "
+                                              f"{os.path.join(self.cfg.serve.model_dir, RUNS, run)}.log")
+        return data
+
+    def _reap(self) -> None:
+        self.children = [c for c in self.children if c.poll() is None]

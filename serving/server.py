@@ -1,0 +1,200 @@
+"""The server's processes: `serve.workers` worker processes share one port
+(SO_REUSEPORT: the kernel spreads connections over them), so a request is
+answered on any core; a supervisor starts them, restarts one that dies, and
+stops them on SIGTERM. With one worker there is no supervisor.
+
+    supervisor (mariana serve)            reserves host:port, writes <run>/serve.toml
+      ├─ worker 0 (mariana serve --worker-index 0 --run-dir <run>)
+      └─ worker 1 ...                     each: aiohttp app + model + batcher thread
+
+Workers write their metrics to <run>/metrics-<i>.json each second; any of them
+answers /metrics with the sum. On SIGTERM a worker stops taking connections,
+answers what it holds (up to serve.drain_seconds) and exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from serving.config import ServeConfig
+from services.runtime.config import to_toml
+from sparse.errors import MarianaError
+
+log = logging.getLogger(__name__)
+READY_SECONDS = 120.0       # how long the supervisor waits for every worker to listen
+RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0)
+QUICK_DEATHS = 5            # a worker dying this many times in a row within 10 s of its start: give up
+
+
+# ---- one worker --------------------------------------------------------------------------
+
+def run_worker(cfg: ServeConfig, index: int = 0, run_dir: str | None = None, config_path: str | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; 0 after a clean stop, 1 when it could not start."""
+    import torch
+
+    torch.set_num_threads(1)  # one model thread per process; the workers are the parallelism
+    sys.setswitchinterval(0.001)  # the event loop gets the GIL back from the model thread within 1 ms
+    try:
+        return asyncio.run(_serve(cfg, index, run_dir, config_path))
+    except OSError as e:  # the port is taken, the host is not ours, ...
+        log.error("serve-%d: cannot listen on %s:%d: %s", index, cfg.serve.host, cfg.serve.port, e)
+        return 1
+
+
+async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path: str | None) -> int:
+    from aiohttp import web
+
+    from serving.app import METRICS, create_app
+
+    s = cfg.serve
+    app = create_app(cfg, index, run_dir, config_path)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=s.drain_seconds)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, s.host, s.port, reuse_port=True, backlog=1024)
+        await site.start()
+        port = runner.addresses[0][1] if runner.addresses else s.port  # port 0: the one the OS picked
+        log.info("serve-%d: listening on http://%s:%d (pid %d, model dir %s)", index, s.host, port, os.getpid(),
+                 s.model_dir)
+        if run_dir:
+            open(os.path.join(run_dir, f"worker-{index}.ready"), "w").close()
+        await stop.wait()
+        log.info("serve-%d: stopping: answering the requests in flight (up to %.0fs)", index, s.drain_seconds)
+    finally:
+        await runner.cleanup()
+    m = app[METRICS]
+    log.info("serve-%d: stopped after %d requests, %d predictions", index,
+             m.value("mariana_serve_requests_total"), m.value("mariana_serve_predictions_total"))
+    return 0
+
+
+# ---- the supervisor ------------------------------------------------------------------------
+
+def serve(cfg: ServeConfig, verbosity: list[str] = ()) -> int:
+    """Run the server: in this process with one worker, else supervise `worker_count`.
+
+    The resolved config (flags and environment applied) goes to <run>/serve.toml:
+    the workers start from it, and POST /v1/retrain runs `mariana retrain` with it.
+    """
+    n = cfg.serve.worker_count
+    run_dir = tempfile.mkdtemp(prefix="mariana-serve-")
+    reserved = _reserve(cfg.serve.host, cfg.serve.port) if n > 1 else None
+    try:
+        if reserved is not None:
+            cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, port=reserved.getsockname()[1]))
+        resolved = os.path.join(run_dir, "serve.toml")
+        fd = os.open(resolved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold the admin token
+        with os.fdopen(fd, "w") as f:
+            f.write(to_toml(cfg))
+        if n == 1:
+            return run_worker(cfg, 0, run_dir, resolved)
+        return _Supervisor(cfg, n, run_dir, resolved, list(verbosity)).run()
+    finally:
+        if reserved is not None:
+            reserved.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _reserve(host: str, port: int) -> socket.socket:
+    """Bind (not listen) host:port with SO_REUSEPORT: the workers bind it too, and a
+    port 0 becomes one concrete port for all of them, kept across worker restarts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise MarianaError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class _Supervisor:
+    def __init__(self, cfg: ServeConfig, n: int, run_dir: str, resolved: str, verbosity: list[str]):
+        self.cfg, self.n, self.run_dir, self.resolved, self.verbosity = cfg, n, run_dir, resolved, verbosity
+        self.children: dict[int, subprocess.Popen] = {}
+        self.started: dict[int, float] = {}
+        self.quick_deaths: dict[int, int] = {}
+        self.stopping = False
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        for i in range(self.n):
+            self._start(i)
+        s = self.cfg.serve
+        if not self._wait_ready():
+            self._stop_all()
+            raise MarianaError(f"the workers did not all start listening on {s.host}:{s.port} "
+                               f"within {READY_SECONDS:.0f}s (see their log lines above)")
+        log.info("serving %s on http://%s:%d with %d worker processes", s.model_dir, s.host, s.port, self.n)
+        failed = False
+        while not self.stopping:
+            time.sleep(0.2)
+            for i, child in list(self.children.items()):
+                if child.poll() is not None and not self.stopping:
+                    failed = not self._restart(i, child.returncode)
+                    if failed:
+                        self.stopping = True
+                        break
+        self._stop_all()
+        return 1 if failed else 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = True
+
+    def _start(self, i: int) -> None:
+        cmd = [sys.executable, "-m", "serving.cli", *self.verbosity, "serve", "--config", self.resolved,
+               "--worker-index", str(i), "--run-dir", self.run_dir]
+        self.children[i] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        self.started[i] = time.monotonic()
+
+    def _restart(self, i: int, code: int) -> bool:
+        quick = time.monotonic() - self.started[i] < 10.0
+        self.quick_deaths[i] = self.quick_deaths.get(i, 0) + 1 if quick else 0
+        if self.quick_deaths[i] >= QUICK_DEATHS:
+            log.error("serve: worker %d exited (code %s) %d times in a row right after starting; giving up",
+                      i, code, self.quick_deaths[i])
+            return False
+        delay = RESTART_DELAYS[min(self.quick_deaths[i], len(RESTART_DELAYS) - 1)]
+        log.warning("serve: worker %d exited with code %s; starting it again in %.1fs", i, code, delay)
+        time.sleep(delay)
+        self._start(i)
+        return True
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + READY_SECONDS
+        while time.monotonic() < deadline and not self.stopping:
+            if all(os.path.exists(os.path.join(self.run_dir, f"worker-{i}.ready")) for i in range(self.n)):
+                return True
+            if any(c.poll() is not None for c in self.children.values()):
+                return False
+            time.sleep(0.05)
+        return False
+
+    def _stop_all(self) -> None:
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.serve.drain_seconds + 10.0
+        for i, child in self.children.items():
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("serve: worker %d did not stop in time; killing it", i)
+                child.kill()
+                child.wait()
+        log.info("serve: stopped (%d workers)", self.n)

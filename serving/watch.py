@@ -1,0 +1,114 @@
+"""Learning of new versions: the model directory's CURRENT is the truth; a
+Redis pub/sub message (services/model_events.py) makes the server look at it
+at once, and a poll every `serve.watch_seconds` catches what a message
+missed (Redis down, no Redis configured, a version promoted by hand).
+
+A new version is loaded on a thread of its own beside the one in service,
+warmed up, then swapped in; requests in flight finish on the version they
+started with. A version that fails to load is logged and counted and not
+tried again until CURRENT changes; the old one keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from serving.config import ServeSection
+from serving.dataplane import ModelHolder
+from serving.predictor import Predictor
+from services import model_events
+from sparse.errors import MarianaError
+from trainer import checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class VersionWatcher:
+    def __init__(self, cfg: ServeSection, holder: ModelHolder, name: str,
+                 on_event: Callable[[str, dict], None] = lambda kind, info: None):
+        self.cfg, self.holder, self.name, self.on_event = cfg, holder, name, on_event
+        self.poke = asyncio.Event()
+        self.failed: str | None = None  # a CURRENT that would not load: not retried until it changes
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="mariana-load")
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self.tasks.append(asyncio.create_task(self._poll(), name="watch-poll"))
+        if self.cfg.redis_url:
+            self.tasks.append(asyncio.create_task(self._listen(), name="watch-redis"))
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.loader.shutdown(wait=True)
+
+    async def check(self) -> bool:
+        """Load and swap in CURRENT if it is not the version in service; True on a swap."""
+        try:
+            version = checkpoint.current_version(self.cfg.model_dir)
+        except MarianaError:
+            return False  # no model yet (or a CURRENT being replaced): the next look will tell
+        if version == self.holder.version or version == self.failed:
+            return False
+        t0 = time.perf_counter()
+        try:
+            new = await asyncio.get_running_loop().run_in_executor(self.loader, Predictor.load,
+                                                                   self.cfg.model_dir, version)
+        except (MarianaError, OSError, KeyError, ValueError, RuntimeError) as e:
+            self.failed = version
+            log.error("%s: cannot load %s/%s: %s; serving %s still", self.name, self.cfg.model_dir, version, e,
+                      self.holder.version or "nothing")
+            self.on_event("load_failed", {"version": version, "error": str(e)})
+            return False
+        old = self.holder.swap(new)
+        self.failed = None
+        seconds = time.perf_counter() - t0
+        log.info("%s: serving %s (was %s), loaded in %.2fs", self.name, version,
+                 old.version if old else "nothing", seconds)
+        self.on_event("swapped", {"version": version, "previous": old.version if old else None, "seconds": seconds})
+        return True
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self.poke.wait(), self.cfg.watch_seconds)
+            except asyncio.TimeoutError:
+                pass
+            self.poke.clear()
+            await self.check()
+
+    async def _listen(self) -> None:
+        """Subscribe to the announcements; reconnect with a growing delay when Redis is away."""
+        import redis
+        import redis.asyncio as aioredis
+
+        delay, down_since = 0.5, None
+        while True:
+            client = aioredis.Redis.from_url(self.cfg.redis_url, socket_connect_timeout=2)
+            try:
+                async with client.pubsub() as pubsub:
+                    await pubsub.subscribe(self.cfg.channel)
+                    log.info("%s: listening for new versions on %s (%s)", self.name, self.cfg.redis_url,
+                             self.cfg.channel)
+                    delay, down_since = 0.5, None
+                    self.poke.set()  # anything announced while we were away
+                    async for message in pubsub.listen():
+                        if message.get("type") != "message":
+                            continue
+                        msg = model_events.parse(message.get("data"))
+                        if msg is not None and model_events.concerns(msg, self.cfg.model_dir):
+                            log.info("%s: announced: %s %s", self.name, msg["event"], msg.get("version"))
+                            self.poke.set()
+            except (redis.RedisError, OSError) as e:
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("%s: redis %s unreachable (%s); polling CURRENT every %.1fs meanwhile", self.name,
+                                self.cfg.redis_url, e, self.cfg.watch_seconds)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+            finally:
+                await client.aclose()

@@ -123,18 +123,27 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """Ready: this worker has a model. `workers` says how many of the server's worker
+    processes listen yet (a load balancer needs one; a benchmark wants them all)."""
+    st = request.app[SETTINGS]
+    run_dir, n = st["run_dir"], st["cfg"].serve.worker_count
+    listening = len(glob.glob(os.path.join(run_dir, "worker-*.ready"))) if run_dir else 1
+    workers = {"listening": listening, "of": n}
     version = request.app[HOLDER].version
     if version is None:
-        return web.json_response({"ready": False, "error": "no model loaded"}, status=503)
-    return web.json_response({"ready": True, "model_version": version})
+        return web.json_response({"ready": False, "error": "no model loaded", "workers": workers}, status=503)
+    return web.json_response({"ready": True, "model_version": version, "worker": st["worker"], "workers": workers})
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Every worker's counts, summed. This worker writes its snapshot before reading
+    the others': what a scrape reports is then on disk, so the next scrape, answered
+    by whichever worker, never reports less (a drop would look like a counter reset)."""
     app = request.app
     m, st = app[METRICS], app[SETTINGS]
     states = [m.state()]
-    if st["run_dir"]:  # the other workers' last snapshots
-        own = _snapshot_path(st["run_dir"], st["worker"])
+    if st["run_dir"]:
+        own = _write_snapshot(app)
         for path in glob.glob(os.path.join(st["run_dir"], "metrics-*.json")):
             if path != own:
                 try:
@@ -243,15 +252,21 @@ def _snapshot_path(run_dir: str, worker: int) -> str:
     return os.path.join(run_dir, f"metrics-{worker}.json")
 
 
-async def _write_snapshots(app: web.Application) -> None:
+def _write_snapshot(app: web.Application) -> str:
+    """This worker's metrics to <run>/metrics-<i>.json (atomically); returns the path."""
     st = app[SETTINGS]
     path = _snapshot_path(st["run_dir"], st["worker"])
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(app[METRICS].state(), f)
+        os.replace(tmp, path)
+    except OSError as e:  # the run dir went away (the server is stopping)
+        log.debug("metrics snapshot not written: %s", e)
+    return path
+
+
+async def _write_snapshots(app: web.Application) -> None:
     while True:
         await asyncio.sleep(SNAPSHOT_SECONDS)
-        tmp = f"{path}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(app[METRICS].state(), f)
-            os.replace(tmp, path)
-        except OSError as e:  # the run dir went away (the server is stopping)
-            log.debug("metrics snapshot not written: %s", e)
+        _write_snapshot(app)

@@ -35,7 +35,7 @@ class Prediction:
 class Predictor:
     def __init__(self, bundle: ModelBundle, model_dir: str, version: str):
         self.bundle, self.model_dir, self.version = bundle, os.path.abspath(model_dir), version
-        self.schema = bundle.schema.without_label()
+        self.schema = bundle.schema  # with its label column: a row that carries one is not "unknown"
         self.loaded_at = time.time()
 
     @classmethod

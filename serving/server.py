@@ -64,7 +64,8 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(runner, s.host, s.port, reuse_port=True, backlog=1024)
+        # Workers of one server share the port; a server of one worker owns it alone.
+        site = web.TCPSite(runner, s.host, s.port, reuse_port=s.worker_count > 1, backlog=1024)
         await site.start()
         port = runner.addresses[0][1] if runner.addresses else s.port  # port 0: the one the OS picked
         log.info("serve-%d: listening on http://%s:%d (pid %d, model dir %s)", index, s.host, port, os.getpid(),
@@ -110,8 +111,20 @@ def serve(cfg: ServeConfig, verbosity: list[str] = ()) -> int:
 
 def _reserve(host: str, port: int) -> socket.socket:
     """Bind (not listen) host:port with SO_REUSEPORT: the workers bind it too, and a
-    port 0 becomes one concrete port for all of them, kept across worker restarts."""
+    port 0 becomes one concrete port for all of them, kept across worker restarts.
+
+    First a plain bind: with SO_REUSEPORT alone, a second server started on a port
+    that one already serves would join it and take half its connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    probe = socket.socket(family, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a past server's TIME_WAIT is no owner
+    try:
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
+    except OSError as e:
+        raise MarianaError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    finally:
+        probe.close()
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:

@@ -1,0 +1,1114 @@
+"""Online pCTR serving against peers, in one run (the serving issue): mariana
+serve with an LR and a DNN model, a FastAPI + scikit-learn server, and an
+HTTP floor, under the same load generator, with the same request rows.
+
+The numbers for docs/benchmarks.md come from this command, in the repository root:
+
+    scripts/bootstrap.sh dev,bench && .venv/bin/python bench/serving.py --train-rows 200000 --duration 10
+
+Other uses:
+
+    .venv/bin/python bench/serving.py --quick                      # a smoke run, about a minute and a half
+    .venv/bin/python bench/serving.py --systems lr,floor --phases ramp
+    .venv/bin/python bench/serving.py --systems dnn --phases swap --swap-duration 30
+
+Systems (each serves POST /v1/predict {"instances": [...]} -> {"pctr": [...],
+"model_version": ...}, JSON, on 127.0.0.1 with `--workers` processes, default
+one per core):
+
+- `mariana-lr`, `mariana-dnn`: `mariana serve --model-dir DIR --workers N`,
+  defaults otherwise (SO_REUSEPORT workers, aiohttp, micro-batching on a model
+  thread). DIR holds two versions trained by `mariana train --model lr|dnn` on
+  the training file (the same file twice: v000001 and v000002, CURRENT on
+  v000002).
+- `fastapi-sklearn`: the typical hand-rolled Python model server.
+  FastAPI + pydantic request/response models, `uvicorn --workers N`
+  (uvicorn's own multi-process mode: one listening socket shared by the
+  workers; uvloop and httptools, as `uvicorn[standard]` installs them), an
+  `async def` handler that turns each instance into the tokens of
+  bench/ctr_peers.py (`I3_-2`, `C1_68fd1e64`, `<field>_m` when missing), hashes
+  them with FeatureHasher(2^22, alternate_sign=False) and scores them with an
+  SGDClassifier(loss="log_loss") trained, one pass, on the same training file.
+- `floor`: a minimal aiohttp app in N forked processes (SO_REUSEPORT), the same
+  stack as mariana (aiohttp on asyncio's default loop): it parses the JSON
+  body and answers a constant pctr list, no model. What HTTP + JSON alone cost.
+
+Data (bench-out/serving/, reused when the row count matches): `train_<N>.tsv`
+(`mariana gen criteo --seed 1`) trains every model; request bodies come from
+`test_<B>.tsv` (`--seed 2`): `--bodies` single-instance bodies (one row each)
+and bodies of `--batch-size` rows, integers as JSON numbers, categoricals as
+strings, missing fields left out, pre-encoded once and sent in turn.
+
+What is timed, by bench/loadgen.py (its docstring has the details), which runs
+in its own process on the same machine as the servers (so on 2 cores the
+generator, its kernel work and the server share them; its CPU share is in the
+results):
+
+- ramp (single-instance requests): open loop at a constant rate on
+  `--connections` keep-alive HTTP/1.1 connections, latency from each request's
+  *scheduled* send time to the last byte of its answer (no coordinated
+  omission); `--warmup` s not counted, then `--duration` s measured. Rates step
+  up through `--rates` until p99 > 50 ms, an error, or an abort (a request
+  waited 2 s); with `--refine 1` one more run halfway between the last pass
+  and the first failure. The targets' rates (1,000/s and 2,000/s) are always
+  run. "max QPS" = the highest offered rate that passed.
+- swap (mariana only): a fresh server with `serve.watch_seconds = 0.2`
+  (config file), at the target rate (LR 2,000/s, DNN 1,000/s) for
+  `--swap-duration` s while CURRENT alternates between v000001 and v000002
+  every `--swap-every` s: `trainer.checkpoint.set_current` in this process,
+  which is what `mariana model promote` does (its ~0.3 s of CPU per call would
+  otherwise load the 2 cores; `--promote-cli` runs the command instead).
+  Counted: promotions, swaps the workers made (`mariana_serve_model_swaps_total`
+  from /metrics), versions seen in the answers (X-Model-Version).
+- batch: closed loop, `--batch-connections` connections each sending its next
+  `--batch-size`-instance body as soon as the last is answered, for
+  `--duration` s after the warm-up; predictions/s = answered instances / s.
+
+Every run also records the server's CPU (utime + stime of its process group,
+from /proc) and the generator's own. Servers start in their own process
+groups and are stopped (SIGTERM, then SIGKILL) in `finally`, also on Ctrl-C.
+
+Writes bench-out/serving/results.json (every run, the machine, the versions)
+and results.md (to paste into docs/benchmarks.md); exits 1 when a target is
+missed or a run had errors, 2 when a server or the generator could not run.
+"""
+import argparse
+import datetime as dt
+import http.client
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# No `from __future__ import annotations` here: FastAPI reads the handler's
+# annotations (the pydantic models defined inside fastapi_app) at run time.
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # after bench/: `serving` here would be this file, so it is never imported
+
+from gendata import synthetic_file  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+SYSTEMS = {"lr": "mariana-lr", "dnn": "mariana-dnn", "fastapi": "fastapi-sklearn", "floor": "floor"}
+TARGET = {"lr": (2000, 5.0), "dnn": (1000, 10.0)}   # rate, p99 ms
+BATCH_TARGET = 50_000                                 # predictions/s with 256-instance requests
+P99_LIMIT_MS = 50.0
+TRAIN_SEED, TEST_SEED = 1, 2
+NUMERIC = tuple(f"I{i}" for i in range(1, 14))
+CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
+DEFAULT_RATES = "500,1000,2000,3000,4000,6000,8000,10000,12000,16000"
+QUICK = {"train_rows": 20_000, "duration": 2.0, "warmup": 0.5, "rates": "1000,2000,4000", "refine": 0,
+         "swap_duration": 4.0, "swap_every": 1.0, "progress": 1.0}
+FULL = {"train_rows": 200_000, "duration": 10.0, "warmup": 2.0, "rates": DEFAULT_RATES, "refine": 1,
+        "swap_duration": 20.0, "swap_every": 1.5, "progress": 2.5}
+PACKAGES = ("mariana", "aiohttp", "torch", "numpy", "msgpack", "fastapi", "starlette", "pydantic", "uvicorn",
+            "uvloop", "httptools", "scikit-learn")
+PEER_MODEL_ENV = "MARIANA_BENCH_SKLEARN_MODEL"
+
+CHILDREN: list = []   # every process started, for the cleanup in main()
+
+
+class BenchError(Exception):
+    """A server or the generator could not run: the report would be meaningless."""
+
+
+def note(message: str) -> None:
+    print(f"serving: {message}", file=sys.stderr, flush=True)
+
+
+# ---- processes ---------------------------------------------------------------------------------
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(entry))
+    return pids
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """utime + stime of the group's live processes (a process that exited is not counted)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in group_pids(pgid):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def start_process(cmd: list, log=None, stdout=None) -> subprocess.Popen:
+    """In its own session (its own process group), so that it can be stopped whole."""
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdin=subprocess.DEVNULL,
+                            stdout=stdout if stdout is not None else log,
+                            stderr=log if log is not None else None, start_new_session=True)
+    CHILDREN.append(proc)
+    return proc
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM to the whole group; SIGKILL to what is left after `grace` seconds."""
+    pgid = proc.pid
+    if proc.poll() is None or group_pids(pgid):
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and (proc.poll() is None or group_pids(pgid)):
+            time.sleep(0.05)
+        if proc.poll() is None or group_pids(pgid):
+            note(f"pid {pgid} did not stop within {grace:.0f} s of SIGTERM: killing its group")
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+    if proc in CHILDREN:
+        CHILDREN.remove(proc)
+
+
+def cleanup() -> None:
+    for proc in list(CHILDREN):
+        stop_process(proc, grace=5.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+# ---- the servers -------------------------------------------------------------------------------
+
+class Server:
+    """One system's server: its process group, its log, its readiness."""
+
+    def __init__(self, system: str, cmd: list, port: int, workers: int, log_path: Path, ready: str):
+        self.system, self.cmd, self.port, self.workers, self.log_path, self.ready = (
+            system, cmd, port, workers, log_path, ready)
+        self.proc = None
+        self.log = None
+        self.started_s = None
+
+    def __enter__(self) -> "Server":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "wb")
+        t0 = time.perf_counter()
+        self.proc = start_process(self.cmd, log=self.log)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self.started_s = time.perf_counter() - t0
+        note(f"{SYSTEMS[self.system]}: ready on port {self.port} with {self.workers} workers "
+             f"in {self.started_s:.1f} s (log: {self.log_path.relative_to(REPO) if self.log_path.is_relative_to(REPO) else self.log_path})")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+        if self.log is not None:
+            self.log.close()
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """/readyz answers 200, and every worker is listening: distinct `worker`
+        ids from /healthz on fresh connections (SO_REUSEPORT picks a worker per
+        connection), or for uvicorn, its "Application startup complete" per worker."""
+        deadline = time.monotonic() + timeout
+        seen: set = set()
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BenchError(f"{SYSTEMS[self.system]} exited with code {self.proc.returncode} while starting; "
+                                 f"see {self.log_path}:\n    " + "\n    ".join(self.log_tail(12)))
+            try:
+                status, _ = http_get(self.port, "/readyz")
+                if status == 200:
+                    if self.ready == "uvicorn-log":
+                        text = self.log_path.read_text(errors="replace")
+                        if text.count("Application startup complete") >= self.workers:
+                            return
+                    else:
+                        status, body = http_get(self.port, "/healthz")
+                        if status == 200:
+                            seen.add(json.loads(body)["worker"])
+                            if len(seen) >= self.workers:
+                                return
+                            continue  # another fresh connection at once
+            except (OSError, http.client.HTTPException, ValueError, KeyError):
+                pass
+            time.sleep(0.1)
+        raise BenchError(f"{SYSTEMS[self.system]} not ready within {timeout:.0f} s (workers seen: {len(seen)}); "
+                         f"see {self.log_path}")
+
+    def cpu_seconds(self) -> float:
+        return group_cpu_seconds(self.proc.pid)
+
+    def log_tail(self, n: int) -> list[str]:
+        try:
+            return self.log_path.read_text(errors="replace").splitlines()[-n:]
+        except OSError:
+            return []
+
+    def log_problems(self, limit: int = 12) -> list[str]:
+        """Lines of its log that say something went wrong (errors, tracebacks, restarts)."""
+        pattern = re.compile(r"Traceback|ERROR|CRITICAL|Exception|exited with code|killing|failed", re.I)
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [line[:300] for line in lines if pattern.search(line)][:limit]
+
+
+def server_for(system: str, args, models: dict, port: int, config: Path | None = None, tag: str = "") -> Server:
+    log = args.out_dir / "logs" / f"{SYSTEMS[system]}{tag}.log"
+    common = ["--host", "127.0.0.1", "--port", port, "--workers", args.workers]
+    if system in ("lr", "dnn"):
+        cmd = [sys.executable, "-m", "serving.cli", "serve", "--model-dir", models[system], *common]
+        if config is not None:
+            cmd += ["--config", config]
+        return Server(system, cmd, port, args.workers, log, "healthz")
+    if system == "fastapi":
+        return Server(system, [sys.executable, __file__, "--child", "fastapi", "--model", models["fastapi"],
+                               *common], port, args.workers, log, "uvicorn-log")
+    return Server(system, [sys.executable, __file__, "--child", "floor", *common], port, args.workers, log, "healthz")
+
+
+def scrape_metrics(port: int) -> dict:
+    """mariana's /metrics (summed over workers): requests by code, swaps, load failures, batch sizes."""
+    try:
+        status, body = http_get(port, "/metrics", timeout=5)
+    except (OSError, http.client.HTTPException) as e:
+        return {"error": str(e)}
+    if status != 200:
+        return {"error": f"HTTP {status}"}
+    out = {"requests_by_code": {}, "model_swaps": 0.0, "model_load_failures": 0.0,
+           "batch_requests_sum": 0.0, "batch_requests_count": 0.0, "unknown_fields": 0.0}
+    for line in body.decode().splitlines():
+        m = re.match(r"^(\w+)(\{[^}]*\})?\s+(\S+)$", line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "mariana_serve_requests_total" and 'route="/v1/predict"' in labels:
+            code = re.search(r'code="(\d+)"', labels).group(1)
+            out["requests_by_code"][code] = out["requests_by_code"].get(code, 0) + int(value)
+        elif name == "mariana_serve_model_swaps_total":
+            out["model_swaps"] += value
+        elif name == "mariana_serve_model_load_failures_total":
+            out["model_load_failures"] += value
+        elif name == "mariana_serve_unknown_fields_total":
+            out["unknown_fields"] += value
+        elif name == "mariana_serve_batch_requests_sum":
+            out["batch_requests_sum"] += value
+        elif name == "mariana_serve_batch_requests_count":
+            out["batch_requests_count"] += value
+    c = out["batch_requests_count"]
+    out["mean_requests_per_model_call"] = round(out["batch_requests_sum"] / c, 2) if c else None
+    return out
+
+
+# ---- the peers' servers (run as `serving.py --child ...`) --------------------------------------
+
+def peer_tokens(instance: dict, scale: float) -> list[str]:
+    """The tokens bench/ctr_peers.py's token_columns makes from a TSV row, from one instance."""
+    out = []
+    for name in NUMERIC:
+        x = instance.get(name)
+        if x is None:
+            out.append(f"{name}_m")
+        else:
+            b = int(math.floor(math.log1p(abs(x)) * scale))
+            out.append(f"{name}_{-b if x < 0 else b}")
+    for name in CATEGORICAL:
+        v = instance.get(name)
+        out.append(f"{name}_m" if v is None or v == "" else f"{name}_{v}")
+    return out
+
+
+def fastapi_app():
+    """The FastAPI app of one uvicorn worker (uvicorn calls this factory in each worker)."""
+    import pickle
+
+    from fastapi import FastAPI
+    from pydantic import BaseModel
+
+    with open(os.environ[PEER_MODEL_ENV], "rb") as f:
+        peer = pickle.load(f)
+    hasher, model, scale, version = peer["hasher"], peer["model"], peer["bucket_scale"], peer["version"]
+    pid = os.getpid()
+
+    class PredictRequest(BaseModel):
+        instances: list[dict[str, int | float | str | None]]
+
+    class PredictResponse(BaseModel):
+        pctr: list[float]
+        model_version: str
+
+    app = FastAPI(title="sklearn pCTR (bench peer)")
+
+    @app.post("/v1/predict", response_model=PredictResponse)
+    async def predict(request: PredictRequest):
+        x = hasher.transform([peer_tokens(instance, scale) for instance in request.instances])
+        return PredictResponse(pctr=model.predict_proba(x)[:, 1].tolist(), model_version=version)
+
+    @app.get("/readyz")
+    async def readyz():
+        return {"ready": True, "model_version": version}
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"ok": True, "worker": pid}
+
+    return app
+
+
+def child_fastapi(args) -> int:
+    import uvicorn
+
+    os.environ[PEER_MODEL_ENV] = str(Path(args.model).resolve())
+    # workers > 1: uvicorn spawns each worker, which imports this file again and calls the factory
+    uvicorn.run("__main__:fastapi_app", factory=True, host=args.host, port=args.port, workers=args.workers,
+                log_level="info", access_log=False)
+    return 0
+
+
+def child_floor(args) -> int:
+    """aiohttp, N processes forked after the imports, each listening with SO_REUSEPORT."""
+    import json as json_
+
+    from aiohttp import web
+
+    for _ in range(args.workers - 1):
+        if os.fork() == 0:
+            break
+    pid = os.getpid()
+
+    async def predict(request: web.Request) -> web.Response:
+        n = len(json_.loads(await request.read())["instances"])
+        body = json_.dumps({"pctr": [0.5] * n, "model_version": "floor"}, separators=(",", ":")).encode()
+        return web.Response(body=body, content_type="application/json")
+
+    async def readyz(request: web.Request) -> web.Response:
+        return web.json_response({"ready": True, "model_version": "floor"})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "worker": pid})
+
+    app = web.Application(client_max_size=8 << 20)
+    app.router.add_post("/v1/predict", predict)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/healthz", healthz)
+    web.run_app(app, host=args.host, port=args.port, reuse_port=True, access_log=None, print=None)
+    return 0
+
+
+def child_train_sklearn(args) -> int:
+    """Train the peer's model (one pass, like bench/ctr_peers.py) and pickle it; check
+    that the server's per-instance tokens equal the training tokens on test rows."""
+    import pickle
+
+    import numpy as np
+    from sklearn.feature_extraction import FeatureHasher
+    from sklearn.linear_model import SGDClassifier
+
+    from ctr_peers import read_tsv_chunks, token_columns
+    from sparse.hashing import HashSpec
+
+    scale = HashSpec().bucket_scale
+    hasher = FeatureHasher(n_features=1 << args.bits, input_type="string", alternate_sign=False)
+    model = SGDClassifier(loss="log_loss", random_state=0)
+    rows, t0 = 0, time.perf_counter()
+    for table in read_tsv_chunks(Path(args.train), 50_000):
+        x = hasher.transform(zip(*(col.to_pylist() for col in token_columns(table))))
+        model.partial_fit(x, table.column("label").to_numpy(), classes=np.array([0, 1]))
+        rows += table.num_rows
+    seconds = time.perf_counter() - t0
+    table = next(read_tsv_chunks(Path(args.test), 500))
+    want = [list(t) for t in zip(*(col.to_pylist() for col in token_columns(table)))]
+    got = [peer_tokens(instance, scale) for instance in read_instances(Path(args.test), 500)]
+    if want != got:
+        bad = next(i for i, (w, g) in enumerate(zip(want, got)) if w != g)
+        raise SystemExit(f"peer tokens differ from the training tokens on test row {bad}: {want[bad]} vs {got[bad]}")
+    with open(args.out, "wb") as f:
+        pickle.dump({"hasher": hasher, "model": model, "bucket_scale": scale, "version": "sklearn-sgd",
+                     "rows": rows}, f, protocol=pickle.HIGHEST_PROTOCOL)
+    print(json.dumps({"train_rows": rows, "train_seconds": round(seconds, 2), "model": repr(model)}))
+    return 0
+
+
+def run_child(args) -> int:
+    return {"fastapi": child_fastapi, "floor": child_floor, "train-sklearn": child_train_sklearn}[args.child](args)
+
+
+# ---- data and models ---------------------------------------------------------------------------
+
+def read_instances(path: Path, n: int) -> list[dict]:
+    """The first n rows of a Criteo TSV as instances: integers as numbers, categoricals as
+    strings, missing fields left out."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            parts = line.rstrip("\n").split("\t")
+            inst = {}
+            for name, v in zip(NUMERIC, parts[1:14]):
+                if v != "":
+                    inst[name] = int(v) if re.fullmatch(r"-?\d+", v) else float(v)
+            for name, v in zip(CATEGORICAL, parts[14:40]):
+                if v != "":
+                    inst[name] = v
+            out.append(inst)
+            if len(out) == n:
+                break
+    return out
+
+
+def write_bodies(instances: list[dict], per_body: int, path: Path) -> dict:
+    """One JSON body per line, `per_body` instances each (as many whole bodies as the rows give)."""
+    n = len(instances) // per_body
+    with open(path, "w") as f:
+        for i in range(n):
+            body = {"instances": instances[i * per_body:(i + 1) * per_body]}
+            f.write(json.dumps(body, separators=(",", ":")) + "\n")
+    size = path.stat().st_size
+    return {"path": path, "bodies": n, "instances_per_body": per_body, "mean_bytes": round(size / max(n, 1))}
+
+
+def prepare_data(args) -> dict:
+    out = args.out_dir
+    test_rows = max(args.bodies, args.batch_size * 16)
+    train = synthetic_file(out, "train", args.train_rows, TRAIN_SEED, note)
+    test = synthetic_file(out, "test", test_rows, TEST_SEED, note)
+    instances = read_instances(test, test_rows)
+    return {"train": train, "test": test, "train_rows": args.train_rows, "test_rows": test_rows,
+            "single": write_bodies(instances[:args.bodies], 1, out / "bodies-1.jsonl"),
+            "batch": write_bodies(instances, args.batch_size, out / f"bodies-{args.batch_size}.jsonl")}
+
+
+def train_models(args, data: dict, systems: list[str]) -> tuple[dict, dict]:
+    models, records = {}, {}
+    for kind in ("lr", "dnn"):
+        if kind not in systems:
+            continue
+        model_dir = args.out_dir / "models" / kind
+        shutil.rmtree(model_dir, ignore_errors=True)  # mariana would add versions to an old dir
+        records[kind] = []
+        for _ in range(2):  # v000001, v000002 (CURRENT): the swap phase alternates them
+            cmd = [sys.executable, "-m", "serving.cli", "-q", "train", "--data", data["train"], "--model", kind,
+                   "--out", model_dir, "--json"]
+            proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise BenchError(f"mariana train --model {kind} failed (exit {proc.returncode}): "
+                                 + " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]))
+            record = json.loads(proc.stdout.strip().splitlines()[-1])
+            records[kind].append({k: record.get(k) for k in ("model_version", "train_rows", "train_seconds",
+                                                             "promoted")})
+            note(f"trained mariana-{kind} {record['model_version']} on {record['train_rows']:,} rows "
+                 f"in {record['train_seconds']:.1f} s")
+        models[kind] = model_dir
+    if "fastapi" in systems:
+        path = args.out_dir / "models" / f"sklearn-{args.train_rows}.pkl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, __file__, "--child", "train-sklearn", "--train", data["train"], "--test", data["test"],
+               "--out", path, "--bits", args.bits]
+        proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise BenchError(f"training the sklearn peer failed (exit {proc.returncode}): "
+                             + " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-5:]))
+        records["fastapi"] = json.loads(proc.stdout.strip().splitlines()[-1])
+        note(f"trained the sklearn peer on {records['fastapi']['train_rows']:,} rows "
+             f"in {records['fastapi']['train_seconds']:.1f} s")
+        models["fastapi"] = path
+    return models, records
+
+
+# ---- one load run ------------------------------------------------------------------------------
+
+def loadgen_command(args, server: Server, bodies: Path, label: str, rate: float | None = None,
+                    closed: int | None = None, duration: float | None = None) -> list:
+    cmd = [sys.executable, BENCH / "loadgen.py", "--port", server.port, "--bodies", bodies,
+           "--duration", duration or args.duration, "--warmup", args.warmup, "--progress", args.progress,
+           "--label", f"serving: {label}"]
+    if closed:
+        cmd += ["--closed", closed, "--drain", 10]
+    else:
+        cmd += ["--rate", rate, "--connections", args.connections]
+    return cmd
+
+
+def run_load(args, server: Server, cmd: list, during=None) -> dict:
+    """Run the generator to its end (calling `during(elapsed)` every 50 ms meanwhile);
+    its JSON result plus the server's CPU over the run."""
+    cpu0, t0 = server.cpu_seconds(), time.perf_counter()
+    proc = start_process(cmd, stdout=subprocess.PIPE)
+    try:
+        limit = args.warmup + max(args.duration, args.swap_duration) + 60
+        while proc.poll() is None:
+            elapsed = time.perf_counter() - t0
+            if elapsed > limit:
+                raise BenchError(f"the load generator did not finish within {limit:.0f} s")
+            if during is not None:
+                during(elapsed)
+            time.sleep(0.05)
+        out = proc.stdout.read().decode()
+    finally:
+        stop_process(proc, grace=2.0)
+        proc.stdout.close()
+    wall = time.perf_counter() - t0
+    cpu = server.cpu_seconds() - cpu0
+    lines = out.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise BenchError(f"the load generator failed (exit {proc.returncode}): {out.strip()[-500:]}")
+    result = json.loads(lines[-1])
+    if "fatal" in result:
+        raise BenchError(f"the load generator could not run: {result['fatal']}")
+    result["server_cpu_s"] = round(cpu, 2)
+    result["server_cores"] = round(cpu / wall, 2)
+    if server.proc.poll() is not None:
+        raise BenchError(f"{SYSTEMS[server.system]} exited (code {server.proc.returncode}) during the run; "
+                         f"see {server.log_path}")
+    return result
+
+
+def open_run(args, server: Server, rate: int, phase: str, during=None, duration: float | None = None) -> dict:
+    label = f"{SYSTEMS[server.system]} {rate:,}/s{' (swapping)' if phase == 'swap' else ''}"
+    r = run_load(args, server, loadgen_command(args, server, args.data["single"]["path"], label, rate=rate,
+                                                duration=duration), during)
+    p = r["latency_ms"]
+    r.update(system=SYSTEMS[server.system], phase=phase, rate=rate,
+             passed=(p["p99"] is not None and p["p99"] <= P99_LIMIT_MS and r["error_count"] == 0
+                     and not r["aborted"]))
+    errors = f", ERRORS {r['errors']}" if r["error_count"] else ""
+    note(f"{label}: p50 {fmt(p['p50'], '.2f')} p95 {fmt(p['p95'], '.2f')} p99 {fmt(p['p99'], '.2f')} ms, "
+         f"{fmt(r['ok_per_s'], ',.0f')} ok/s{errors}{' ABORTED' if r['aborted'] else ''}; server "
+         f"{r['server_cores']:.2f} cores, generator {fmt(r['loadgen_cpu_share'], '.2f')}; "
+         f"{'pass' if r['passed'] else 'OVER (p99 > 50 ms or errors)'}")
+    return r
+
+
+# ---- the phases --------------------------------------------------------------------------------
+
+def ramp(args, server: Server) -> list[dict]:
+    """Step the rate up until a run fails; one refining run between the last pass and
+    the first failure; then any target rate not yet run."""
+    runs, last_pass, first_fail = [], None, None
+    for rate in args.rates:
+        r = open_run(args, server, rate, "ramp")
+        runs.append(r)
+        time.sleep(0.5)
+        if not r["passed"]:
+            first_fail = rate
+            break
+        last_pass = rate
+    for _ in range(args.refine):
+        if first_fail is None or last_pass is None:
+            break
+        mid = int(round((last_pass + first_fail) / 2 / 250) * 250)
+        if not last_pass < mid < first_fail:
+            break
+        r = open_run(args, server, mid, "ramp")
+        runs.append(r)
+        time.sleep(0.5)
+        last_pass, first_fail = (mid, first_fail) if r["passed"] else (last_pass, mid)
+    done = {r["rate"] for r in runs}
+    for rate in sorted({rate for rate, _ in TARGET.values()} - done):
+        runs.append(open_run(args, server, rate, "reference"))
+        time.sleep(0.5)
+    return runs
+
+
+def max_qps(runs: list[dict]) -> dict:
+    """The highest offered rate that passed, among the ramp's runs (a failure stops the ramp)."""
+    ramp_runs = [r for r in runs if r["phase"] == "ramp"]
+    passed = [r["rate"] for r in ramp_runs if r["passed"]]
+    failed = [r["rate"] for r in ramp_runs if not r["passed"]]
+    best = max((rate for rate in passed if not failed or rate < min(failed)), default=None)
+    return {"max_qps": best, "first_failed_rate": min(failed) if failed else None,
+            "capped": not failed and bool(passed)}  # capped: never failed, the true max is higher
+
+
+def batch_run(args, server: Server) -> dict:
+    label = f"{SYSTEMS[server.system]} batch-{args.batch_size} x {args.batch_connections} connections"
+    r = run_load(args, server, loadgen_command(args, server, args.data["batch"]["path"], label,
+                                               closed=args.batch_connections))
+    r.update(system=SYSTEMS[server.system], phase="batch", instances_per_request=args.batch_size,
+             predictions_per_s=round(r["ok_per_s"] * args.batch_size) if r["ok_per_s"] is not None else None)
+    p = r["latency_ms"]
+    errors = f", ERRORS {r['errors']}" if r["error_count"] else ""
+    note(f"{label}: {fmt(r['predictions_per_s'], ',')} predictions/s ({fmt(r['ok_per_s'], ',.1f')} requests/s), request p50 "
+         f"{fmt(p['p50'], '.1f')} p99 {fmt(p['p99'], '.1f')} ms{errors}; server {r['server_cores']:.2f} cores")
+    return r
+
+
+class Promoter:
+    """Alternates CURRENT between two versions every `every` s, from `start` s on, until `stop` s."""
+
+    def __init__(self, model_dir: Path, versions: list[str], every: float, start: float, stop: float, cli: bool):
+        self.model_dir, self.versions, self.every, self.cli = model_dir, versions, every, cli
+        self.next_at, self.stop = start, stop
+        self.done: list[dict] = []
+
+    def __call__(self, elapsed: float) -> None:
+        if elapsed < self.next_at or elapsed > self.stop:
+            return
+        target = self.versions[len(self.done) % 2]
+        t0 = time.perf_counter()
+        if self.cli:
+            subprocess.run([sys.executable, "-m", "serving.cli", "model", "promote", target, "--model-dir",
+                            str(self.model_dir)], cwd=REPO, check=True, capture_output=True)
+        else:
+            from trainer import checkpoint
+
+            checkpoint.set_current(self.model_dir, target, reason="promoted")
+        self.done.append({"at_s": round(elapsed, 3), "version": target,
+                          "seconds": round(time.perf_counter() - t0, 4)})
+        self.next_at += self.every
+
+
+def swap_run(args, system: str, models: dict) -> tuple[dict, dict]:
+    """A fresh server with watch_seconds 0.2, load at the target rate, CURRENT moving."""
+    rate = TARGET[system][0]
+    model_dir = models[system]
+    config = args.out_dir / f"serve-swap-{system}.toml"
+    config.write_text("[serve]\nwatch_seconds = 0.2\n")
+    from trainer import checkpoint
+
+    versions = checkpoint.list_versions(model_dir)[:2]
+    checkpoint.set_current(model_dir, versions[1], reason="promoted")
+    with server_for(system, args, models, free_port(), config=config, tag="-swap") as server:
+        time.sleep(1.2)  # every worker's first metrics snapshot (its first load counts as a swap) is written
+        before = scrape_metrics(server.port)
+        # promotions start 0.3 s into the measured window and stop one interval before its end
+        startup = 0.3  # the generator's start-up (imports, connections) before its clock starts
+        promoter = Promoter(model_dir, [versions[0], versions[1]], args.swap_every,
+                            start=startup + args.warmup + 0.3, stop=startup + args.warmup + args.swap_duration
+                            - args.swap_every, cli=args.promote_cli)
+        r = open_run(args, server, rate, "swap", during=promoter, duration=args.swap_duration)
+        time.sleep(1.5)  # the workers write their metrics every second
+        after = scrape_metrics(server.port)
+        problems = server.log_problems()
+    swaps = None if "error" in before or "error" in after else int(after["model_swaps"] - before["model_swaps"])
+    failures = None if "error" in before or "error" in after else int(
+        after["model_load_failures"] - before["model_load_failures"])
+    r.update(promotions=promoter.done, promotions_count=len(promoter.done), worker_swaps=swaps,
+             load_failures=failures, versions_seen=sorted(r["versions"]), watch_seconds=0.2,
+             promote="mariana model promote (CLI)" if args.promote_cli else "trainer.checkpoint.set_current")
+    note(f"{SYSTEMS[system]} swap: {len(promoter.done)} promotions, {swaps} worker swaps, versions seen "
+         f"{r['versions']}, errors {r['error_count']}")
+    checkpoint.set_current(model_dir, versions[1], reason="promoted")
+    return r, {"metrics": after, "log_problems": problems}
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+def fmt(value, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else format(value, spec) + suffix
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def run_at(results: dict, system: str, rate: int) -> dict | None:
+    runs = [r for r in results.get(system, {}).get("runs", []) if r["rate"] == rate]
+    return runs[-1] if runs else None
+
+
+def p99_at(results: dict, system: str, rate: int):
+    r = run_at(results, system, rate)
+    return None if r is None else r["latency_ms"]["p99"]
+
+
+def targets(results: dict, swaps: dict, batches: dict) -> list[dict]:
+    out = []
+    for kind, (rate, limit) in TARGET.items():
+        name = SYSTEMS[kind]
+        if name in results:
+            r = run_at(results, name, rate)
+            p99 = None if r is None else r["latency_ms"]["p99"]
+            errors = None if r is None else r["error_count"]
+            out.append({"target": f"{name} single-instance p99 <= {limit:g} ms at {rate:,}/s",
+                        "value": p99, "errors": errors,
+                        "pass": p99 is not None and p99 <= limit and errors == 0 and not r["aborted"]})
+        if name in swaps:
+            s = swaps[name]
+            p99 = s["latency_ms"]["p99"]
+            out.append({"target": f"{name} while swapping ({s['promotions_count']} promotions): 0 errors",
+                        "value": s["error_count"], "pass": s["error_count"] == 0 and not s["aborted"]})
+            out.append({"target": f"{name} while swapping: p99 <= {limit:g} ms at {rate:,}/s", "value": p99,
+                        "pass": p99 is not None and p99 <= limit and s["error_count"] == 0 and not s["aborted"]})
+        if name in batches:
+            b = batches[name]
+            out.append({"target": f"{name} batch-256: >= {BATCH_TARGET:,} predictions/s",
+                        "value": b["predictions_per_s"],
+                        "pass": (b["predictions_per_s"] or 0) >= BATCH_TARGET and b["error_count"] == 0})
+    return out
+
+
+def compute_ratios(results: dict, batches: dict) -> list[dict]:
+    out = []
+    for kind in ("lr", "dnn"):
+        ours = SYSTEMS[kind]
+        if ours not in results:
+            continue
+        rate = TARGET[kind][0]
+        for peer in ("fastapi-sklearn", "floor"):
+            if peer not in results:
+                continue
+            out.append({"what": f"{ours} / {peer}: max QPS (p99 < 50 ms)",
+                        "value": ratio(results[ours]["max_qps"], results[peer]["max_qps"]),
+                        "detail": f"{fmt(results[ours]['max_qps'], ',')} vs {fmt(results[peer]['max_qps'], ',')}/s"})
+            a, b = p99_at(results, ours, rate), p99_at(results, peer, rate)
+            out.append({"what": f"{ours} / {peer}: p99 at {rate:,}/s", "value": ratio(a, b),
+                        "detail": f"{fmt(a, '.2f')} vs {fmt(b, '.2f')} ms"})
+            if ours in batches and peer in batches:
+                a, b = batches[ours]["predictions_per_s"], batches[peer]["predictions_per_s"]
+                out.append({"what": f"{ours} / {peer}: batch-256 predictions/s", "value": ratio(a, b),
+                            "detail": f"{fmt(a, ',')} vs {fmt(b, ',')}"})
+    return out
+
+
+def cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    p = r["latency_ms"]
+    text = f"{fmt(p['p50'], '.2f')} / {fmt(p['p95'], '.2f')} / {fmt(p['p99'], '.2f')}"
+    if r["aborted"]:
+        return f"overloaded (aborted; {fmt(p['p99'], '.0f')})"
+    if r["error_count"]:
+        text += f" ({r['error_count']} errors)"
+    return text if r["passed"] else f"{text} ✗"
+
+
+def summary_table(results: dict, batches: dict) -> str:
+    lines = ["| system | p50 / p95 / p99 ms at 1,000/s | at 2,000/s | max QPS, p99 < 50 ms | batch-256 predictions/s |",
+             "|---|---:|---:|---:|---:|"]
+    for name, s in results.items():
+        mq = s["max_qps"]
+        mq_text = "n/a" if mq is None else (f">= {mq:,}" if s["capped"] else f"{mq:,}")
+        b = batches.get(name)
+        lines.append(f"| {name} | {cell(run_at(results, name, 1000))} | {cell(run_at(results, name, 2000))} | "
+                     f"{mq_text} | {fmt(b and b['predictions_per_s'], ',')} |")
+    return "\n".join(lines)
+
+
+def rate_table(results: dict) -> str:
+    names = list(results)
+    rates = sorted({r["rate"] for s in results.values() for r in s["runs"]})
+    lines = ["| offered/s | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for rate in rates:
+        lines.append(f"| {rate:,} | " + " | ".join(cell(run_at(results, n, rate)) for n in names) + " |")
+    return "\n".join(lines)
+
+
+def runs_table(runs: list[dict]) -> str:
+    lines = ["| system | phase | offered/s | ok/s | p50 | p95 | p99 | max | errors | generator lag p99 | "
+             "server cores | generator cores |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        p, lag = r["latency_ms"], r["lag_ms"]
+        err = str(r["error_count"]) + (" (aborted)" if r["aborted"] else "")
+        lines.append(f"| {r['system']} | {r['phase']} | {r['rate']:,} | {fmt(r['ok_per_s'], ',.0f')} | "
+                     f"{fmt(p['p50'], '.2f')} | {fmt(p['p95'], '.2f')} | {fmt(p['p99'], '.2f')} | "
+                     f"{fmt(p['max'], '.1f')} | {err} | {fmt(lag['p99'], '.2f')} | {r['server_cores']:.2f} | "
+                     f"{fmt(r['loadgen_cpu_share'], '.2f')} |")
+    return "\n".join(lines)
+
+
+def swap_table(swaps: dict) -> str:
+    lines = ["| system | offered/s | ok/s | p50 | p95 | p99 | max ms | errors | promotions | worker swaps | "
+             "versions seen (answers) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, s in swaps.items():
+        p = s["latency_ms"]
+        seen = ", ".join(f"{v}: {n:,}" for v, n in sorted(s["versions"].items()))
+        lines.append(f"| {name} | {s['rate']:,} | {fmt(s['ok_per_s'], ',.0f')} | {fmt(p['p50'], '.2f')} | "
+                     f"{fmt(p['p95'], '.2f')} | {fmt(p['p99'], '.2f')} | {fmt(p['max'], '.1f')} | "
+                     f"{s['error_count']}{' (aborted)' if s['aborted'] else ''} | {s['promotions_count']} | "
+                     f"{fmt(s['worker_swaps'], 'd')} | {seen} |")
+    return "\n".join(lines)
+
+
+def batch_table(batches: dict) -> str:
+    lines = ["| system | connections | requests/s | predictions/s | request p50 ms | p99 ms | errors | server cores |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, b in batches.items():
+        p = b["latency_ms"]
+        lines.append(f"| {name} | {b['connections']} | {fmt(b['ok_per_s'], ',.1f')} | "
+                     f"{fmt(b['predictions_per_s'], ',')} | {fmt(p['p50'], '.1f')} | {fmt(p['p99'], '.1f')} | "
+                     f"{b['error_count']} | {b['server_cores']:.2f} |")
+    return "\n".join(lines)
+
+
+def verdict(ok: bool) -> str:
+    return "**PASS**" if ok else "**FAIL**"
+
+
+def report_body(args, data: dict, results: dict, swaps: dict, batches: dict, t: list, rat: list,
+                servers: dict) -> str:
+    parts = []
+    if results:
+        parts += ["Single-instance requests, open loop. p50 / p95 / p99 in ms from the scheduled send time; "
+                  "✗: p99 over 50 ms or errors.", summary_table(results, batches),
+                  "By offered rate (p50 / p95 / p99 ms):", rate_table(results),
+                  "Every run (ms; ok/s: 2xx answers with a pctr list per second; errors include requests "
+                  "still waiting when an overloaded run was aborted):", runs_table(
+                      [r for s in results.values() for r in s["runs"]])]
+    if swaps:
+        parts += [f"While CURRENT alternates v000001 / v000002 every {args.swap_every:g} s "
+                  f"(`serve.watch_seconds = 0.2`; each promotion makes every worker load and swap in the version):",
+                  swap_table(swaps)]
+    if batches and not results:
+        parts += [batch_table(batches)]
+    elif batches:
+        parts += [f"Batches of {args.batch_size} instances, closed loop:", batch_table(batches)]
+    parts.append("\n".join(f"- {t_['target']}: {fmt(t_['value'], ',.2f' if isinstance(t_['value'], float) else ',')}"
+                           f" {verdict(t_['pass'])}" for t_ in t) or "- (no target measured)")
+    if rat:
+        parts.append("Ratios (mariana / peer; max QPS and predictions/s: higher is better for mariana above 1, "
+                     "p99: lower is better below 1):\n" + "\n".join(
+                         f"- {x['what']}: **{fmt(x['value'], '.2f', 'x')}** ({x['detail']})" for x in rat))
+    errors = [r for s in results.values() for r in s["runs"] if r["error_count"]] + \
+             [r for r in list(swaps.values()) + list(batches.values()) if r["error_count"]]
+    flagged = [f"- {r['system']} {r['phase']}{' ' + format(r['rate'], ',') + '/s' if r.get('rate') else ''}: "
+               f"{r['errors']}{' (overloaded: the run was aborted)' if r['aborted'] else ''}" for r in errors]
+    for name, info in servers.items():
+        m = info.get("metrics") or {}
+        codes = m.get("requests_by_code") or {}
+        bad = {c: n for c, n in codes.items() if not c.startswith("2")}
+        if bad:
+            flagged.append(f"- {name}: the server counted non-2xx answers to /v1/predict: {bad}")
+        if m.get("model_load_failures"):
+            flagged.append(f"- {name}: {m['model_load_failures']:.0f} model load failures")
+        for line in info.get("log_problems", []):
+            flagged.append(f"- {name} log: `{line.strip()}`")
+    parts.append("Errors and server log problems:\n" + ("\n".join(flagged) if flagged else
+                                                         "- none: every answer was a 2xx with a pctr list"))
+    calls = {n: i["metrics"].get("mean_requests_per_model_call") for n, i in servers.items()
+             if (i.get("metrics") or {}).get("mean_requests_per_model_call")}
+    if calls:
+        parts.append("mariana's micro-batching over the whole run (mean requests per model call): "
+                     + ", ".join(f"{n} {v}" for n, v in calls.items()))
+    parts.append("Run with the generator sharing the server's cores: \"generator lag\" is how late requests left "
+                 "it (waiting for a free connection or for a core); \"cores\" are CPU seconds per second.")
+    return "\n\n".join(parts)
+
+
+def machine_info() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal:")), 0)
+    versions = {}
+    for package in PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True)
+    return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(sys.orig_argv), "cpu_model": cpu, "cores": len(os.sched_getaffinity(0)),
+            "mem_gib": round(mem / (1 << 20)), "platform": platform.platform(), "kernel": platform.release(),
+            "python": platform.python_version(), "versions": versions, "git": git.stdout.strip() or None}
+
+
+def markdown(machine: dict, args, data: dict, body: str) -> str:
+    v = machine["versions"]
+    versions = ", ".join(f"{k} {x}" for k, x in v.items() if x and k != "mariana")
+    return (f"## Online serving against peers (`bench/serving.py`)\n\n"
+            f"- **Date:** {machine['date'][:10]}, at commit {machine['git']}\n"
+            f"- **Machine:** {machine['cores']} cores ({machine['cpu_model']}), {machine['mem_gib']} GiB; "
+            f"Linux {machine['kernel']}, Python {machine['python']}; servers and load generator on the same cores\n"
+            f"- **Versions:** {versions}\n"
+            f"- **Command:** `{machine['command']}`\n"
+            f"- **Data:** models trained on {data['train_rows']:,} rows (`mariana gen criteo --seed 1`); "
+            f"requests made of {data['test_rows']:,} rows of `--seed 2` ({data['single']['bodies']:,} "
+            f"single-instance bodies of {data['single']['mean_bytes']:,} bytes on average; "
+            f"{data['batch']['bodies']} bodies of {data['batch']['instances_per_body']} instances, "
+            f"{data['batch']['mean_bytes'] / 1024:,.0f} KiB), JSON\n"
+            f"- **Servers:** {args.workers} worker processes each: mariana serve (aiohttp, SO_REUSEPORT); "
+            f"FastAPI + uvicorn --workers {args.workers} (uvloop, httptools, pydantic) with scikit-learn "
+            f"FeatureHasher(2^{args.bits}) + SGDClassifier(log_loss); floor: aiohttp, JSON parse, constant answer\n"
+            f"- **What is timed:** `bench/loadgen.py` (own process): open loop, {args.connections} keep-alive "
+            f"connections, latency from the scheduled send time to the full answer; {args.warmup:g} s warm-up, "
+            f"then {args.duration:g} s measured per rate; batches: closed loop on {args.batch_connections} "
+            f"connections\n\n{body}\n")
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+def bench(args) -> int:
+    out = args.out_dir
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    args.data = data = prepare_data(args)
+    models, train_records = train_models(args, data, args.systems)
+    results, swaps, batches, servers = {}, {}, {}, {}
+    for system in args.systems:
+        name = SYSTEMS[system]
+        if "ramp" in args.phases or "batch" in args.phases:
+            with server_for(system, args, models, free_port()) as server:
+                if "ramp" in args.phases:
+                    runs = ramp(args, server)
+                    results[name] = {"runs": runs, **max_qps(runs), "startup_s": round(server.started_s, 1)}
+                    mq = results[name]
+                    note(f"{name}: max QPS with p99 < 50 ms: {fmt(mq['max_qps'], ',')}"
+                         f"{' (every rate passed)' if mq['capped'] else ''}")
+                if "batch" in args.phases and system in args.batch_systems:
+                    batches[name] = batch_run(args, server)
+                metrics = scrape_metrics(server.port) if system in ("lr", "dnn") else None
+                servers[name] = {"metrics": metrics, "log_problems": server.log_problems(),
+                                 "startup_s": round(server.started_s, 1)}
+        if "swap" in args.phases and system in TARGET:
+            swaps[name], servers[f"{name} (swap)"] = swap_run(args, system, models)
+
+    t = targets(results, swaps, batches)
+    rat = compute_ratios(results, batches)
+    body = report_body(args, data, results, swaps, batches, t, rat, servers)
+    print("\n" + body)
+    machine = machine_info()
+    (out / "results.md").write_text(markdown(machine, args, data, body))
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "data"}
+    (out / "results.json").write_text(json.dumps({
+        "machine": machine, "settings": settings,
+        "data": {k: ({kk: str(vv) for kk, vv in v.items()} if isinstance(v, dict) else str(v))
+                 for k, v in data.items()},
+        "training": train_records, "results": results, "swap": swaps, "batch": batches, "servers": servers,
+        "targets": t, "ratios": rat}, indent=1) + "\n")
+    note(f"wrote {out / 'results.md'} and results.json")
+    # errors in a run that was not past capacity (an aborted run is overloaded by definition)
+    any_errors = any(r["error_count"] and not r["aborted"] for r in
+                     [r for s in results.values() for r in s["runs"]] + list(swaps.values()) + list(batches.values()))
+    return 0 if all(x["pass"] for x in t) and not any_errors else 1
+
+
+def parse_list(spec: str, allowed: dict | tuple, what: str) -> list[str]:
+    aliases = {v: k for k, v in allowed.items()} if isinstance(allowed, dict) else {}
+    items = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        item = aliases.get(item, item)
+        if item not in allowed:
+            raise argparse.ArgumentTypeError(f"unknown {what} {item!r}; choose from {', '.join(allowed)}")
+        items.append(item)
+    if not items:
+        raise argparse.ArgumentTypeError(f"no {what} given")
+    return list(dict.fromkeys(items))
+
+
+def parse_args(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 20k training rows, 2 s per rate, rates 1000,2000,4000, 4 s of swaps")
+    p.add_argument("--systems", type=lambda s: parse_list(s, SYSTEMS, "system"), default=list(SYSTEMS),
+                   help="comma-separated subset of lr,dnn,fastapi,floor (default: all)")
+    p.add_argument("--phases", type=lambda s: parse_list(s, ("ramp", "swap", "batch"), "phase"),
+                   default=["ramp", "swap", "batch"], help="comma-separated subset of ramp,swap,batch (default: all)")
+    p.add_argument("--train-rows", type=int, help=f"generated training rows (default {FULL['train_rows']:,})")
+    p.add_argument("--duration", type=float, help=f"measured seconds per run (default {FULL['duration']:g})")
+    p.add_argument("--warmup", type=float, help=f"seconds before each measured window (default {FULL['warmup']:g})")
+    p.add_argument("--rates", help=f"open-loop rates to step through (default {DEFAULT_RATES})")
+    p.add_argument("--refine", type=int, help="extra runs bisecting between the last pass and the first failure "
+                                              "(default 1)")
+    p.add_argument("--swap-duration", type=float, help=f"measured seconds of the swap phase "
+                                                       f"(default {FULL['swap_duration']:g})")
+    p.add_argument("--swap-every", type=float, help=f"seconds between promotions (default {FULL['swap_every']:g})")
+    p.add_argument("--promote-cli", action="store_true",
+                   help="promote with `mariana model promote` processes instead of in this process")
+    p.add_argument("--connections", type=int, default=64, help="open-loop keep-alive connections (default 64)")
+    p.add_argument("--bodies", type=int, default=4096, help="distinct single-instance request bodies (default 4096)")
+    p.add_argument("--batch-size", type=int, default=256, help="instances per batch request (default 256)")
+    p.add_argument("--batch-connections", type=int, default=4, help="closed-loop connections of the batch phase")
+    p.add_argument("--batch-systems", type=lambda s: parse_list(s, SYSTEMS, "system"), default=list(SYSTEMS),
+                   help="systems that run the batch phase (default: all)")
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                   help="worker processes of every server (default: one per core)")
+    p.add_argument("--bits", type=int, default=22, help="the sklearn peer's hash bits (default 22)")
+    p.add_argument("--progress", type=float, help="seconds between the generator's progress lines (0: none)")
+    p.add_argument("--out-dir", default=str(REPO / "bench-out" / "serving"),
+                   help="data, models, logs and results (default: bench-out/serving/)")
+    # the peers' processes: this file, run again
+    p.add_argument("--child", choices=("fastapi", "floor", "train-sklearn"), help=argparse.SUPPRESS)
+    p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--train", help=argparse.SUPPRESS)
+    p.add_argument("--test", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return args
+    preset = QUICK if args.quick else FULL
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    try:
+        args.rates = sorted({int(float(r)) for r in str(args.rates).split(",") if r.strip()})
+    except ValueError:
+        p.error(f"--rates: want numbers, e.g. {DEFAULT_RATES}")
+    if not args.rates or min(args.rates) <= 0:
+        p.error("--rates: want positive rates")
+    if args.train_rows < 1000 or args.duration <= 0 or args.warmup < 0 or args.workers < 1 \
+            or args.connections < 1 or args.batch_connections < 1 or args.swap_every <= 0:
+        p.error("--train-rows >= 1000; --duration, --swap-every > 0; --workers, --connections >= 1")
+    args.out_dir = Path(args.out_dir).resolve()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return run_child(args)
+
+    def on_signal(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    try:
+        return bench(args)
+    except BenchError as e:
+        note(f"stopped: {e}")
+        return 2
+    except KeyboardInterrupt:
+        note("interrupted")
+        return 130
+    finally:
+        cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

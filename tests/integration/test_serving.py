@@ -1,0 +1,328 @@
+"""`mariana serve` as a real process on loopback, spoken to over real HTTP:
+the endpoint agrees with `mariana predict`, client mistakes get 4xx naming
+them, new versions are swapped in (by a Redis announcement or the CURRENT
+poll) without a failed request, and SIGTERM drains and exits 0."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from services.launcher import RedisServer, free_port
+from tests.conftest import run_cli
+from tests.integration.serving import Server, tsv_instances
+
+pytestmark = pytest.mark.slow
+SAMPLE_ROWS = 300
+
+
+@pytest.fixture(scope="module")
+def models(gen_files, tmp_path_factory) -> dict[str, Path]:
+    """An LR and a DNN model trained on the planted-model data, and the rows to score."""
+    d = tmp_path_factory.mktemp("models")
+    for kind in ("lr", "dnn"):
+        run_cli("-q", "train", "--data", gen_files["train"], "--model", kind, "--out", d / kind, check=True)
+    sample = d / "sample.tsv"
+    with open(gen_files["test"]) as src, open(sample, "w") as out:
+        for _, line in zip(range(SAMPLE_ROWS), src):
+            out.write(line)
+    return {"lr": d / "lr", "dnn": d / "dnn", "sample": sample}
+
+
+@pytest.fixture(scope="module")
+def lr_server(models, tmp_path_factory):
+    with Server(tmp_path_factory.mktemp("serve-lr"), models["lr"], workers=2,
+                serve={"max_instances": 50, "max_body_bytes": 200_000, "token": "s3cret"}) as s:
+        s.wait_for("/readyz")
+        yield s
+
+
+# ---- the same pCTR as `mariana predict` ----------------------------------------------
+
+@pytest.mark.parametrize("kind", ["lr", "dnn"])
+def test_endpoint_and_mariana_predict_agree(kind, models, tmp_path):
+    want = [float(x) for x in run_cli("predict", "--model", models[kind], "--data", models["sample"],
+                                      check=True).stdout.split()]
+    assert len(want) == SAMPLE_ROWS
+    with Server(tmp_path / "s", models[kind], workers=1) as s:
+        s.wait_for("/readyz")
+        for numbers, fmt in ((False, "json"), (True, "json"), (True, "msgpack")):
+            rows = tsv_instances(models["sample"], SAMPLE_ROWS, numbers=numbers)
+            got = []
+            for i in range(0, SAMPLE_ROWS, 64):  # several requests, so batches of several sizes
+                status, answer = s.predict(rows[i:i + 64], fmt)
+                assert status == 200, answer
+                assert answer["model_version"] == "v000001"
+                got += answer["pctr"]
+            assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-6, (kind, numbers, fmt)
+        status, one = s.predict(rows[:1])
+        assert status == 200 and abs(one["pctr"][0] - want[0]) <= 1e-6  # alone, as in a batch
+
+
+# ---- client mistakes --------------------------------------------------------------------
+
+MISTAKES = [  # (what, method, path, body, content type, status, words the error must hold)
+    ("malformed JSON", "POST", "/v1/predict", b'{"instances": [', "application/json", 400, "not valid JSON"),
+    ("malformed msgpack", "POST", "/v1/predict", b"\xc1\xc1", "application/msgpack", 400, "not valid msgpack"),
+    ("not UTF-8", "POST", "/v1/predict", b"\xff\xff", "application/json", 400, "not UTF-8"),
+    ("an array body", "POST", "/v1/predict", b"[1]", "application/json", 400, "'instances' array"),
+    ("no instances", "POST", "/v1/predict", b'{"rows": []}', "application/json", 400, "no 'instances'"),
+    ("empty instances", "POST", "/v1/predict", b'{"instances": []}', "application/json", 400, "is empty"),
+    ("a number for instances", "POST", "/v1/predict", b'{"instances": 3}', "application/json", 400,
+     "must be an array of objects, got a number"),
+    ("a row that is no object", "POST", "/v1/predict", b'{"instances": [[1, 2]]}', "application/json", 400,
+     "instances[0]: an instance must be an object"),
+    ("a list for a number", "POST", "/v1/predict", b'{"instances": [{"I3": [1]}]}', "application/json", 400,
+     "instances[0]: I3 must be a number or number text, got an array"),
+    ("text that is no number", "POST", "/v1/predict", b'{"instances": [{}, {"I3": "lots"}]}', "application/json",
+     400, "instances[1]: I3 is not a number"),
+    ("a boolean category", "POST", "/v1/predict", b'{"instances": [{"C3": false}]}', "application/json", 400,
+     "instances[0]: C3 must be text or an integer, got a boolean"),
+    ("NaN", "POST", "/v1/predict", b'{"instances": [{"I1": NaN}]}', "application/json", 400, "NaN is not"),
+    ("too many instances", "POST", "/v1/predict", json.dumps({"instances": [{}] * 51}).encode(),
+     "application/json", 413, "51 instances in one request; at most 50"),
+    ("too large a body", "POST", "/v1/predict", b'{"instances": [{"C1": "' + b"x" * 300_000 + b'"}]}',
+     "application/json", 413, "at most 200000"),
+    ("GET predict", "GET", "/v1/predict", None, None, 405, "GET is not allowed"),
+    ("no such endpoint", "GET", "/v2/nothing", None, None, 404, "no such endpoint"),
+    ("retrain without a token", "POST", "/v1/retrain", b"", None, 401, "bearer token"),
+    ("retrain with a wrong token", "POST", "/v1/retrain", b"", "Bearer nope", 401, "bearer token"),
+    ("retrain status without a token", "GET", "/v1/retrain/r20260101-000000-abcdef", None, None, 401, "token"),
+]
+
+
+@pytest.mark.parametrize("what,method,path,body,ctype,status,says", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_client_mistakes_get_a_4xx_that_names_them(lr_server, what, method, path, body, ctype, status, says):
+    headers = {}
+    if ctype and ctype.startswith("Bearer"):
+        headers["Authorization"] = ctype
+    elif ctype:
+        headers["Content-Type"] = ctype
+    got, got_headers, raw = lr_server.request(method, path, body, headers)
+    answer = msgpack.unpackb(raw) if got_headers.get("Content-Type", "").startswith("application/msgpack") \
+        else json.loads(raw)
+    assert got == status and says in answer["error"], (what, got, answer)
+    assert lr_server.predict([{"I1": 1}])[0] == 200  # and it goes on serving
+
+
+def test_unknown_fields_are_ignored_and_counted(lr_server):
+    before = lr_server.metric("mariana_serve_unknown_fields_total")
+    status, with_extra = lr_server.predict([{"I1": 1, "C1": "68fd1e64", "colour": "red", "size": 3}])
+    _, without = lr_server.predict([{"I1": 1, "C1": "68fd1e64"}])
+    assert status == 200 and with_extra["pctr"] == without["pctr"]
+    deadline = time.monotonic() + 5  # the other worker's count arrives with its next snapshot (1 s)
+    while lr_server.metric("mariana_serve_unknown_fields_total") < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert lr_server.metric("mariana_serve_unknown_fields_total") == before + 2
+
+
+def test_counters_never_go_down_whichever_worker_answers_the_scrape(lr_server):
+    """Scrapes land on either worker; a counter that dropped between two of them
+    would look like a reset to Prometheus."""
+    last = 0.0
+    for i in range(60):
+        if i % 3 == 0:
+            lr_server.predict([{"I1": i}] * (1 + i % 5))
+        now = lr_server.metric("mariana_serve_predictions_total")
+        assert now >= last, (i, now, last)
+        last = now
+
+
+def test_metrics_openapi_and_model_info(lr_server):
+    for _ in range(4):
+        lr_server.predict([{"I1": 1}])
+    status, body = lr_server.get("/metrics")
+    text = body["text"]
+    assert status == 200
+    for series in ('mariana_serve_requests_total{code="200",route="/v1/predict"}',
+                   'mariana_serve_request_seconds_bucket{route="/v1/predict",le="0.005"}',
+                   'mariana_serve_model_info{version="v000001"}', "mariana_serve_predictions_total",
+                   "mariana_serve_batch_requests_count", "# TYPE mariana_serve_request_seconds histogram"):
+        assert series in text, series
+    assert 'code="5' not in text  # no 5xx answered, whatever the tests above sent
+    status, spec = lr_server.get("/openapi.json")
+    assert status == 200 and spec["openapi"].startswith("3.") and "/v1/predict" in spec["paths"]
+    status, info = lr_server.get("/v1/model")
+    assert status == 200 and info["model_version"] == "v000001" and info["kind"] == "lr"
+    assert info["trained_on"]["rows"] == 30_000 and "C26" in info["fields"] and info["trained_at"]
+    assert lr_server.get("/healthz")[0] == 200
+
+
+def test_both_workers_answer(lr_server):
+    workers = set()
+    for _ in range(40):  # a new connection each time: the kernel spreads them over the workers
+        workers.add(lr_server.get("/healthz")[1]["worker"])
+    assert workers == {0, 1}, lr_server.logs()
+
+
+# ---- versions come and go --------------------------------------------------------------
+
+def test_no_model_is_503_until_a_version_appears(models, tmp_path):
+    empty = tmp_path / "models"
+    empty.mkdir()
+    with Server(tmp_path / "s", empty) as s:
+        assert s.get("/readyz")[0] == 503
+        status, answer = s.predict([{"I1": 1}])
+        assert status == 503 and "no model is loaded" in answer["error"]
+        shutil.copytree(models["lr"] / "v000001", empty / "v000001")
+        (empty / "CURRENT").write_text("v000001\n")
+        assert s.wait_for("/readyz", timeout=10)["model_version"] == "v000001"
+        assert s.predict([{"I1": 1}])[0] == 200
+
+
+def test_a_version_that_will_not_load_leaves_the_old_one_serving(models, tmp_path):
+    d = tmp_path / "models"
+    shutil.copytree(models["lr"], d)
+    with Server(tmp_path / "s", d) as s:
+        s.wait_for("/readyz")
+        broken = d / "v000002"
+        shutil.copytree(d / "v000001", broken)
+        (broken / "weights.safetensors").write_bytes(b"not safetensors")
+        (d / "CURRENT").write_text("v000002\n")
+        deadline = time.monotonic() + 10
+        while s.metric("mariana_serve_model_load_failures_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.metric("mariana_serve_model_load_failures_total") == 1  # tried once, not every poll
+        status, answer = s.predict([{"I1": 1}])
+        assert status == 200 and answer["model_version"] == "v000001"
+        assert "cannot load" in s.logs() and "serving v000001 still" in s.logs()
+
+
+def test_a_redis_announcement_swaps_at_once(models, gen_files, tmp_path):
+    d = tmp_path / "models"
+    shutil.copytree(models["lr"], d)
+    redis = RedisServer("127.0.0.1", free_port(), str(tmp_path / "redis")).start()
+    try:
+        redis.wait_ready()
+        # A poll every 10 minutes: only the announcement can make the swap quick.
+        with Server(tmp_path / "s", d, serve={"redis_url": redis.url, "watch_seconds": 600.0}) as s:
+            s.wait_for("/readyz")
+            deadline = time.monotonic() + 10
+            while "listening for new versions" not in s.logs() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            run_cli("-q", "train", "--data", gen_files["test"], "--model", "lr", "--out", d, "--notify", redis.url,
+                    check=True)
+            t0 = time.monotonic()
+            while s.get("/readyz")[1].get("model_version") != "v000002":
+                assert time.monotonic() - t0 < 10, s.logs()
+                time.sleep(0.05)
+            assert "announced: trained v000002" in s.logs()
+    finally:
+        redis.stop()
+
+
+def test_three_new_versions_under_a_steady_stream_of_requests(models, gen_files, tmp_path):
+    """Clients keep asking while three versions are published: no failed request,
+    every answer names its version, and a connection never sees an older one again."""
+    d = tmp_path / "models"
+    shutil.copytree(models["lr"], d)
+    rows = tsv_instances(models["sample"], 50, numbers=True)
+    with Server(tmp_path / "s", d, workers=2, serve={"watch_seconds": 0.2}) as s:
+        s.wait_for("/readyz")
+        stop, results = threading.Event(), []
+
+        def client(k: int) -> None:
+            conn, seen = s.connect(), []
+            while not stop.is_set():
+                try:
+                    status, answer = s.predict(rows[k:k + 1 + k % 8], conn=conn)
+                except OSError as e:  # a failed request is a result too
+                    seen.append((0, repr(e)))
+                    conn = s.connect()
+                    continue
+                seen.append((status, answer.get("model_version")))
+            conn.close()
+            results.append(seen)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        for seed in (3, 4, 5):  # three new versions, trained while the stream goes on
+            run_cli("-q", "train", "--data", gen_files["test"], "--model", "lr", "--out", d, "--set",
+                    f"model.seed={seed}", check=True)
+            time.sleep(0.6)
+        deadline = time.monotonic() + 10
+        while s.get("/readyz")[1].get("model_version") != "v000004" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(30)
+    answers = [a for seen in results for a in seen]
+    assert len(answers) > 300
+    assert all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200][:5]
+    versions = {v for _, v in answers}
+    assert versions == {"v000001", "v000002", "v000003", "v000004"}, versions
+    for seen in results:  # one connection stays on one worker, which only moves forward
+        order = [int(v[1:]) for _, v in seen]
+        assert order == sorted(order)
+
+
+def test_model_commands_list_promote_rollback(models, tmp_path):
+    d = tmp_path / "models"
+    shutil.copytree(models["lr"], d)
+    run_cli("-q", "train", "--data", models["sample"], "--model", "lr", "--out", d, check=True)  # v000002
+    listing = json.loads(run_cli("model", "list", "--model-dir", d, "--json", check=True).stdout)
+    assert [(v["version"], v["current"]) for v in listing["versions"]] == [("v000001", False), ("v000002", True)]
+    assert listing["versions"][0]["rows"] == 30_000 and listing["versions"][1]["kind"] == "lr"
+    table = run_cli("model", "list", "--model-dir", d, check=True).stdout
+    assert "* v000002" in table.replace("  ", " ")
+    with Server(tmp_path / "s", d, serve={"watch_seconds": 0.2}) as s:
+        assert s.wait_for("/readyz")["model_version"] == "v000002"
+        moved = json.loads(run_cli("model", "rollback", "--model-dir", d, check=True).stdout)
+        assert (moved["current"], moved["previous"], moved["reason"]) == ("v000001", "v000002", "rollback")
+        deadline = time.monotonic() + 10
+        while s.get("/readyz")[1]["model_version"] != "v000001":
+            assert time.monotonic() < deadline, s.logs()
+            time.sleep(0.1)
+        run_cli("model", "promote", "v000002", "--model-dir", d, check=True)
+        while s.get("/readyz")[1]["model_version"] != "v000002":
+            assert time.monotonic() < deadline + 10, s.logs()
+            time.sleep(0.1)
+    bad = run_cli("model", "promote", "v000009", "--model-dir", d)
+    assert bad.returncode == 2 and "no version 'v000009'" in bad.stderr
+    assert (d / "CURRENT").read_text().strip() == "v000002"
+
+
+def test_sigterm_answers_what_is_in_flight_and_exits_0(models, tmp_path):
+    s = Server(tmp_path / "s", models["dnn"], workers=2)
+    s.start(ready=True)
+    rows = tsv_instances(models["sample"], 200, numbers=True)
+    answers: list[int] = []
+
+    def burst() -> None:
+        for _ in range(20):
+            try:
+                answers.append(s.predict(rows)[0])
+            except OSError:  # refused once the server stopped listening: not a started request
+                return
+
+    t = threading.Thread(target=burst)
+    t.start()
+    time.sleep(0.3)
+    assert s.stop() == 0, s.logs()
+    t.join(30)
+    assert answers and all(a == 200 for a in answers), answers
+    assert "serve: stopped (2 workers)" in s.logs() and "Traceback" not in s.logs()
+
+
+def test_serve_refuses_a_missing_model_dir_and_a_taken_port(tmp_path, models):
+    gone = run_cli("serve", "--model-dir", tmp_path / "nope", "--port", "0")
+    assert gone.returncode == 2 and "no such model directory" in gone.stderr
+    with Server(tmp_path / "s", models["lr"], workers=1) as s:
+        taken = subprocess.run(["timeout", "60", *_cli(), "serve", "--model-dir", str(models["lr"]),
+                                "--port", str(s.port), "--workers", "2"], capture_output=True, text=True)
+        assert taken.returncode != 0 and "Traceback" not in taken.stderr
+
+
+def _cli() -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "serving.cli"]

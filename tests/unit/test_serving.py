@@ -1,0 +1,213 @@
+"""Serving below HTTP: bodies, the predictor, batches of requests, the model
+registry's moves, the retrain gate and windows, the serve config."""
+from __future__ import annotations
+
+import json
+import os
+
+import msgpack
+import numpy as np
+import pytest
+
+from serving import codec
+from serving.config import load_serve_config
+from serving.dataplane import answer_batch
+from serving.errors import ServeError
+from serving.predictor import Predictor, describe_bad
+from serving.retrain import gate, windows
+from sparse.errors import ConfigError, ModelDirError
+from sparse.schema import criteo
+from trainer import checkpoint
+from trainer.bundle import ModelBundle
+from trainer.config import load_config
+
+J, M = codec.JSON, codec.MSGPACK
+
+
+# ---- bodies ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body,fmt,status,says", [
+    (b"{nope", J, 400, "not valid JSON"),
+    (b"\xff\xfe{}", J, 400, "not UTF-8"),
+    (b'{"instances": [{"I1": NaN}]}', J, 400, "NaN is not a JSON number"),
+    (b'{"instances": [{"I1": Infinity}]}', J, 400, "Infinity is not a JSON number"),
+    (b"[" * 100_000 + b"]" * 100_000, J, 400, "nests too deeply"),
+    (b'{"instances": [{"I1": ' + b"9" * 5000 + b"}]}", J, 400, "not valid JSON"),
+    (b"[]", J, 400, "must be an object with an 'instances' array, got an array"),
+    (b'"x"', J, 400, "got text"),
+    (b"{}", J, 400, "has no 'instances'"),
+    (b'{"instances": {"I1": 1}}', J, 400, "'instances' must be an array of objects, got an object"),
+    (b'{"instances": []}', J, 400, "'instances' is empty"),
+    (b'{"instances": [' + b"{}," * 10 + b"{}]}", J, 413, "11 instances in one request; at most 10"),
+    (b"\xc1", M, 400, "not valid msgpack"),
+    (msgpack.packb({"instances": [{}]})[:-1], M, 400, "not valid msgpack"),
+    (msgpack.packb({"instances": [{}]}) + b"\x00", M, 400, "not valid msgpack"),
+    (msgpack.packb([1, 2]), M, 400, "got an array"),
+])
+def test_bodies_that_are_refused_say_why(body, fmt, status, says):
+    with pytest.raises(ServeError) as e:
+        codec.decode(body, fmt, max_instances=10)
+    assert e.value.status == status and says in e.value.message, e.value.message
+
+
+def test_bodies_round_trip_in_both_encodings():
+    body = {"instances": [{"I1": 3, "C1": "68fd1e64", "C2": None}], "extra": 1}
+    for fmt in (J, M):
+        instances, extra = codec.decode(codec.encode(body, fmt), fmt, max_instances=5)
+        assert instances == body["instances"] and extra == 1
+    assert codec.format_of("application/msgpack") == M and codec.format_of("application/x-msgpack") == M
+    assert codec.format_of("application/json") == J and codec.format_of(None) == J
+    assert codec.format_of("application/x-www-form-urlencoded") == J  # curl -d: read as JSON
+
+
+# ---- the predictor and batches of requests -------------------------------------------
+
+@pytest.fixture(scope="module")
+def predictor(tmp_path_factory) -> Predictor:
+    """A small untrained DNN (random init: pCTR varies by row), saved and loaded as a version."""
+    d = tmp_path_factory.mktemp("model")
+    cfg = load_config(overrides={"model.kind": "dnn", "hashing.bits": 12, "model.hidden": [8], "model.slots": 4,
+                                 "hashing.numeric": "both"}, env={})
+    ModelBundle(cfg, criteo()).save(str(d))
+    return Predictor.load(str(d))
+
+
+def rows(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{**{f"I{i}": int(rng.integers(0, 50)) for i in range(1, 14)},
+             **{f"C{i}": f"{rng.integers(0, 30):08x}" for i in range(1, 27)}} for _ in range(n)]
+
+
+def test_a_batch_of_requests_gets_what_each_request_gets_alone(predictor):
+    reqs = [rows(1, 0), rows(5, 1), rows(3, 2)]
+    together = predictor.predict_many(reqs)
+    for req, answer in zip(reqs, together):
+        assert answer.error is None
+        np.testing.assert_allclose(answer.pctr, predictor.predict(req), rtol=0, atol=1e-6)
+    assert len({round(float(p), 6) for a in together for p in a.pctr}) > 1  # rows differ, so do pCTRs
+    assert all(0 < p < 1 for a in together for p in a.pctr)
+
+
+def test_a_bad_instance_refuses_its_request_only(predictor):
+    bad = rows(3) + [{"I1": "many"}, "x"]
+    good, wrong, also_good = predictor.predict_many([rows(2), bad, rows(1, 5)])
+    assert good.error is None and also_good.error is None and len(good.pctr) == 2 and len(also_good.pctr) == 1
+    assert wrong.pctr is None and wrong.error.status == 400
+    assert wrong.error.message == ("instances[3]: I1 is not a number; "
+                                   "instances[4]: an instance must be an object of field values, got text")
+
+
+def test_unknown_fields_are_counted_not_refused(predictor):
+    (a,) = predictor.predict_many([[{"I1": 1, "nope": 2, "label": 1}, {"zzz": None}]])
+    assert a.error is None and a.unknown_fields == 2 and len(a.pctr) == 2
+
+
+def test_answer_batch_answers_each_body_in_its_encoding(predictor):
+    items = [(codec.encode({"instances": rows(2)}, J), J),
+             (b"{oops", J),
+             (codec.encode({"instances": [{"C1": True}]}, M), M),
+             (codec.encode({"instances": rows(1), "meta": 1}, M), M)]
+    a = answer_batch(predictor, items, max_instances=100)
+    assert [x.status for x in a] == [200, 400, 400, 200]
+    assert json.loads(a[0].body)["model_version"] == predictor.version and len(json.loads(a[0].body)["pctr"]) == 2
+    assert "not valid JSON" in json.loads(a[1].body)["error"]
+    assert msgpack.unpackb(a[2].body)["error"] == "instances[0]: C1 must be text or an integer, got a boolean"
+    assert len(msgpack.unpackb(a[3].body)["pctr"]) == 1 and a[3].unknown_fields == 1
+    assert (a[0].instances, a[3].instances) == (2, 1)
+
+
+def test_describe_bad_names_the_first_few():
+    bad = [(i, "I1 is not a number") for i in range(8)]
+    assert describe_bad(bad).endswith("instances[4]: I1 is not a number (and 3 more)")
+
+
+# ---- the model directory's moves ----------------------------------------------------
+
+def versions(d, n: int) -> list[str]:
+    return [checkpoint.save_version(d, {"i": i}, {"w": np.zeros(1, np.float32)}, make_current=False)
+            for i in range(n)]
+
+
+def test_rollback_walks_back_through_the_moves(tmp_path):
+    v1, v2, v3 = versions(tmp_path, 3)
+    checkpoint.set_current(tmp_path, v1, reason="trained")
+    checkpoint.set_current(tmp_path, v3, reason="promoted")
+    checkpoint.set_current(tmp_path, v2, reason="retrain")
+    assert checkpoint.rollback_target(tmp_path) == v3            # served before v2
+    checkpoint.set_current(tmp_path, v3, reason="rollback")
+    assert checkpoint.rollback_target(tmp_path) == v1            # and before v3
+    checkpoint.set_current(tmp_path, v1, reason="rollback")
+    with pytest.raises(ModelDirError, match="nothing to roll back to"):
+        checkpoint.rollback_target(tmp_path)
+    moves = checkpoint.promotions(tmp_path)
+    assert [(m["from"], m["to"], m["reason"]) for m in moves] == [
+        (None, v1, "trained"), (v1, v3, "promoted"), (v3, v2, "retrain"), (v2, v3, "rollback"),
+        (v3, v1, "rollback")]
+
+
+def test_rollback_without_a_record_takes_the_version_below(tmp_path):
+    v1, v2 = versions(tmp_path, 2)
+    checkpoint.set_current(tmp_path, v2)  # no reason: not recorded
+    assert checkpoint.promotions(tmp_path) == [] and checkpoint.rollback_target(tmp_path) == v1
+
+
+def test_moves_to_versions_that_do_not_exist_are_refused(tmp_path):
+    versions(tmp_path, 1)
+    with pytest.raises(ModelDirError, match="no version 'v000009'"):
+        checkpoint.set_current(tmp_path, "v000009", reason="promoted")
+    assert not (tmp_path / "CURRENT").exists()
+
+
+# ---- retrain: the gate and the windows ------------------------------------------------
+
+def test_gate():
+    assert gate({"auc": 0.75}, None, 0.0)[0] == "promoted"
+    assert gate({"auc": 0.75}, {"auc": 0.75}, 0.0)[0] == "promoted"          # not worse is enough
+    assert gate({"auc": 0.7499}, {"auc": 0.75}, 0.0)[0] == "refused"
+    assert gate({"auc": 0.7499}, {"auc": 0.75}, 0.001)[0] == "promoted"
+    assert gate({"auc": float("nan")}, {"auc": 0.75}, 0.0) == (
+        "refused", "the new model's AUC on the eval window is undefined (the window holds one class only)")
+    assert gate({"auc": 0.6}, {"auc": float("nan")}, 0.0)[0] == "promoted"
+
+
+def serve_cfg(tmp_path, **retrain):
+    path = tmp_path / "serve.toml"
+    lines = ["[serve]", 'model_dir = "models"', "[retrain]"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in retrain.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return load_serve_config(str(path), env={})
+
+
+def test_windows_are_the_newest_files_in_name_order(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for day in ("day03", "day01", "day04", "day02", "day05"):
+        (logs / f"{day}.tsv").write_text("x\n")
+    cfg = serve_cfg(tmp_path, data="logs/*.tsv", train_files=2, eval_files=1)   # relative to the config file
+    train, evals = windows(cfg)
+    assert [os.path.basename(p) for p in train] == ["day03.tsv", "day04.tsv"]
+    assert [os.path.basename(p) for p in evals] == ["day05.tsv"]
+    assert cfg.serve.model_dir == str(tmp_path / "models")
+    with pytest.raises(ConfigError, match="matches 5 file"):
+        windows(serve_cfg(tmp_path, data="logs/*.tsv", train_files=5, eval_files=1))
+    with pytest.raises(ConfigError, match="retrain.data is not set"):
+        windows(serve_cfg(tmp_path))
+    with pytest.raises(ConfigError, match="go together"):
+        windows(serve_cfg(tmp_path, train_data=["logs/day01.tsv"]))
+    with pytest.raises(ConfigError, match="no such file"):
+        windows(serve_cfg(tmp_path, train_data=["logs/day01.tsv"], eval_data=["logs/day09.tsv"]))
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("serve.port", 70000, "serve.port must be in 0..65535"),
+    ("serve.max_instances", 0, "serve.max_instances must be >= 1"),
+    ("serve.workers", -1, "serve.workers must be >= 0"),
+    ("serve.watch_seconds", 0, "serve.watch_seconds must be > 0"),
+    ("retrain.mode", "gpu", "retrain.mode must be 'local' or 'cluster'"),
+    ("retrain.auc_tolerance", -0.1, "retrain.auc_tolerance must be >= 0"),
+    ("serve.colour", 1, "unknown key 'serve.colour'"),
+    ("serve.port", "eighty", "serve.port"),
+])
+def test_bad_serve_config_names_the_key(key, value, says):
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("(", r"\(")):
+        load_serve_config(overrides={key: value}, env={})

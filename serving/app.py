@@ -232,7 +232,7 @@ def _metrics() -> Metrics:
                 buckets=(1, 2, 4, 8, 16, 32, 64, 128))
     m.gauge("mariana_serve_in_flight", "Requests being answered.")
     m.gauge("mariana_serve_model_info", "Worker processes serving each model version.")
-    m.counter("mariana_serve_model_swaps_total", "Model versions swapped in.")
+    m.counter("mariana_serve_model_swaps_total", "Model versions swapped in for another (the first load is not one).")
     m.counter("mariana_serve_model_load_failures_total", "Model versions that could not be loaded.")
     return m
 
@@ -240,10 +240,10 @@ def _metrics() -> Metrics:
 def _model_event(app: web.Application, kind: str, info: dict) -> None:
     m = app[METRICS]
     if kind == "swapped":
-        if info["previous"]:
+        if info["previous"]:  # the first load is no swap
             m.remove("mariana_serve_model_info", version=info["previous"])
+            m.inc("mariana_serve_model_swaps_total")
         m.set("mariana_serve_model_info", 1, version=info["version"])
-        m.inc("mariana_serve_model_swaps_total")
     elif kind == "load_failed":
         m.inc("mariana_serve_model_load_failures_total")
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -61,10 +62,16 @@ class Batcher:
         self.max_requests, self.max_instances, self.on_batch = max_requests, max_instances, on_batch
         self.pending: deque[_Pending] = deque()
         self.wake = asyncio.Event()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="mariana-predict")
+        # The model thread takes (batch, future) jobs and hands each future its answers
+        # with one call_soon_threadsafe: no executor futures, locks or chaining per batch.
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._model_thread, name="mariana-predict", daemon=True)
         self.task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.thread.start()
         self.task = asyncio.create_task(self._run(), name="batcher")
 
     async def answer(self, predictor: Predictor, body: bytes, fmt: str) -> Answer:
@@ -77,26 +84,33 @@ class Batcher:
         if self.task:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
-        self.executor.shutdown(wait=True)
+        self.jobs.put(None)
+        await asyncio.to_thread(self.thread.join)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             while not self.pending:
                 self.wake.clear()
                 await self.wake.wait()
             batch = self._take()
-            try:
-                answers = await loop.run_in_executor(self.executor, answer_batch, batch[0].predictor,
-                                                     [(p.body, p.fmt) for p in batch], self.max_instances)
-            except Exception as e:  # a bug: this batch's requests get a 500; the next batch is served
-                log.exception("predicting a batch of %d requests failed", len(batch))
-                answers = [error_answer(ServeError(500, f"internal error: {type(e).__name__}"), p.fmt,
-                                        p.predictor.version) for p in batch]
+            done = self.loop.create_future()
+            self.jobs.put((batch, done))
+            answers = await done  # one batch at a time: the next one gathers meanwhile
             for p, a in zip(batch, answers):
                 if not p.future.done():  # the client may have gone
                     p.future.set_result(a)
             self.on_batch(len(batch))
+
+    def _model_thread(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            batch, done = job
+            try:
+                answers = answer_batch(batch[0].predictor, [(p.body, p.fmt) for p in batch], self.max_instances)
+            except Exception as e:  # a bug: this batch's requests get a 500; the next batch is served
+                log.exception("predicting a batch of %d requests failed", len(batch))
+                answers = [error_answer(ServeError(500, f"internal error: {type(e).__name__}"), p.fmt,
+                                        p.predictor.version) for p in batch]
+            self.loop.call_soon_threadsafe(_resolve, done, answers)
 
     def _take(self) -> list[_Pending]:
         """The oldest request and those behind it for the same version, up to max_requests."""
@@ -105,6 +119,11 @@ class Batcher:
         while self.pending and self.pending[0].predictor is first.predictor and len(batch) < self.max_requests:
             batch.append(self.pending.popleft())
         return batch
+
+
+def _resolve(future: asyncio.Future, answers: list[Answer]) -> None:
+    if not future.done():
+        future.set_result(answers)
 
 
 def answer_batch(predictor: Predictor, items: list[tuple[bytes, str]], max_instances: int) -> list[Answer]:

@@ -54,6 +54,7 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
     from aiohttp import web
 
     from serving.app import METRICS, create_app
+    from services.runtime.tuning import freeze_imports
 
     s = cfg.serve
     app = create_app(cfg, index, run_dir, config_path)
@@ -63,6 +64,7 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    freeze_imports()  # the model is loaded: the collector need not walk torch's and aiohttp's objects again
     try:
         # Workers of one server share the port; a server of one worker owns it alone.
         site = web.TCPSite(runner, s.host, s.port, reuse_port=s.worker_count > 1, backlog=1024)

@@ -33,6 +33,13 @@ class Encoder:
                               + (HOUR_FIELDS if schema.hour else ()))
         self.dense_fields = schema.numeric if spec.numeric in ("dense", "both") else ()
         self._keys = [field_key(f) for f in self.sparse_fields]
+        # encode_rows: each kind of field's positions among the sparse fields
+        kinds = [("numeric" if f in self.numeric else "int" if f in self.int_fields else "text")
+                 for f in self.sparse_fields]
+        self._rows_plan = {k: ([f for f, kf in zip(self.sparse_fields, kinds) if kf == k],
+                               np.array([j for j, kf in enumerate(kinds) if kf == k], np.int64))
+                           for k in ("numeric", "int", "text")}
+        self._key_array = np.array(self._keys, U64)
 
     @property
     def num_fields(self) -> int:
@@ -76,27 +83,25 @@ class Encoder:
         """
         b, f = chunk.num_rows, self.num_fields
         tokens = np.empty((b, f), U64)
-        col = {name: j for j, name in enumerate(self.sparse_fields)}
-        numeric = [n for n in self.sparse_fields if n in self.numeric]
+        numeric, at = self._rows_plan["numeric"]
         if numeric:  # log buckets as integer tokens; NaN is the missing token
             x = np.stack([chunk.columns[n] for n in numeric], axis=1)
             tok = fmix64(log_bucket(x, self.spec.bucket_scale).view(U64) ^ INT_SALT)
             tok[np.isnan(x)] = MISSING_SALT
-            tokens[:, [col[n] for n in numeric]] = tok
-        ints = [n for n in self.sparse_fields if n in self.int_fields]
+            tokens[:, at] = tok
+        ints, at = self._rows_plan["int"]
         if ints:
             values = np.stack([np.asarray(chunk.columns[n], np.int64) for n in ints], axis=1)
-            tokens[:, [col[n] for n in ints]] = fmix64(values.view(U64) ^ INT_SALT)
-        text = [n for n in self.sparse_fields if n not in self.numeric and n not in self.int_fields]
+            tokens[:, at] = fmix64(values.view(U64) ^ INT_SALT)
+        text, at = self._rows_plan["text"]
         if text:  # every value of every text field, row-major, hashed in one pass
             values = [v for row in zip(*(chunk.columns[n] for n in text)) for v in row]
             lengths = np.fromiter(map(len, values), np.int64, len(values))
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             tok = fnv1a64(offsets, np.frombuffer(b"".join(values), np.uint8))
             tok[lengths == 0] = MISSING_SALT
-            tokens[:, [col[n] for n in text]] = tok.reshape(b, len(text))
-        keys = np.array(self._keys, U64)
-        ids = (fmix64(tokens ^ keys) & self.spec.mask).view(np.int64)  # (B, F)
+            tokens[:, at] = tok.reshape(b, len(text))
+        ids = (fmix64(tokens ^ self._key_array) & self.spec.mask).view(np.int64)  # (B, F)
         dense = None
         if self.dense_fields:
             dense = np.stack([log_dense(chunk.columns[n]) for n in self.dense_fields], axis=1)

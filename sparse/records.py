@@ -64,10 +64,9 @@ def parse_records(schema: Schema, records: Sequence[Mapping]) -> tuple[Chunk, li
             bad.append((i, f"an instance must be an object of field values, got {_kind(rec)}"))
     rows = [records[i] for i in index]
     why: dict[int, str] = {}  # position in `rows` -> the first reason it is bad
-    cols: dict[str, object] = {f: _column(f, [r.get(f) for r in rows], _text, _texts, why, b"")
-                               for f in schema.categorical}
-    cols.update({f: np.array(_column(f, [r.get(f) for r in rows], _number, _numbers, why, math.nan), np.float64)
-                 for f in schema.numeric})
+    cols: dict[str, object] = _text_block(schema.categorical, rows, why)
+    nums = _numeric_block(schema.numeric, rows, why)
+    cols.update({f: nums[:, j] for j, f in enumerate(schema.numeric)})
     hours = (_column(schema.hour, [r.get(schema.hour) for r in rows], _hour_text, None, why, b"")
              if schema.hour else [])
     if why:
@@ -100,26 +99,36 @@ def _column(field: str, values: list, one, many, why: dict[int, str], stand_in) 
     return out
 
 
-def _texts(values: list) -> list[bytes] | None:
-    """Text and missing values only: the common case, without a call per value."""
+def _text_block(fields: tuple[str, ...], rows: list[Mapping], why: dict[int, str]) -> dict[str, list[bytes]]:
+    """Every categorical field's values as bytes. Text and missing values only (the
+    common case) go in one pass over the block; anything else field by field."""
+    values = [r.get(f) for r in rows for f in fields]  # row-major
     if all(type(v) is str or v is None for v in values):
         try:
-            return [b"" if v is None else v.encode() for v in values]
-        except UnicodeEncodeError:
-            return None
-    return None
+            encoded = [b"" if v is None else v.encode() for v in values]
+        except UnicodeEncodeError:  # a lone surrogate: the slow path names it
+            encoded = None
+        if encoded is not None:
+            n = len(fields)
+            return {f: encoded[j::n] for j, f in enumerate(fields)}
+    return {f: _column(f, [r.get(f) for r in rows], _text, None, why, b"") for f in fields}
 
 
-def _numbers(values: list) -> np.ndarray | None:
-    """Numbers and missing values only (None is NaN; NaN and inf sent as numbers are bad)."""
+def _numeric_block(fields: tuple[str, ...], rows: list[Mapping], why: dict[int, str]) -> np.ndarray:
+    """(rows, fields) float64 of every numeric field at once. Numbers and missing values
+    only (the common case) take a few numpy calls for the whole block; anything else
+    is checked field by field, value by value."""
+    values = [r.get(f) for r in rows for f in fields]  # row-major
     if all(type(v) is float or type(v) is int or v is None for v in values):
         try:
-            x = np.array([math.nan if v is None else v for v in values], np.float64)
-        except OverflowError:
-            return None
-        sent_nan = np.isnan(x) & np.array([v is not None for v in values], bool)
-        return x if np.isfinite(x[~np.isnan(x)]).all() and not sent_nan.any() else None
-    return None
+            x = np.array([0.0 if v is None else v for v in values], np.float64).reshape(len(rows), len(fields))
+        except OverflowError:  # an int past float's range: the slow path names it
+            x = None
+        if x is not None and np.isfinite(x).all():  # NaN or inf sent as a number is bad
+            x[np.array([v is None for v in values], bool).reshape(x.shape)] = math.nan
+            return x
+    cols = [_column(f, [r.get(f) for r in rows], _number, None, why, math.nan) for f in fields]
+    return np.array(cols, np.float64).reshape(len(fields), len(rows)).T
 
 
 def concat_chunks(chunks: list[Chunk]) -> Chunk:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sparse.errors import ConfigError
-from sparse.hashing import (HashSpec, binary_ids, bucket_codes, field_key, fmix64, fnv1a64, int_ids,
+from sparse.hashing import (HashSpec, _py_fnv1a64, binary_ids, bucket_codes, field_key, fmix64, fnv1a64, int_ids,
                             log_bucket, token_id)
 
 SPEC20 = HashSpec(bits=20)
@@ -90,3 +90,15 @@ def test_hash_spec_rejects_bad_values():
         HashSpec(bits=0)
     with pytest.raises(ConfigError, match="numeric"):
         HashSpec(numeric="log")
+
+
+@pytest.mark.parametrize("widths", [[8] * 50, [8, 0, 8, 8, 0], [3, 8, 1, 0, 12, 8], [0, 0], [5]])
+def test_fnv1a64_same_width_and_mixed_width_paths_match_the_reference(widths):
+    """Strings all of one width (hex ids) take a matrix path; mixed widths the gather
+    path: both are the plain-Python FNV-1a of each string."""
+    rng = np.random.default_rng(len(widths))
+    values = [bytes(rng.integers(0, 256, w, dtype=np.uint8)) for w in widths]
+    offsets = np.concatenate([[0], np.cumsum([len(v) for v in values])])
+    data = np.frombuffer(b"".join(values), np.uint8)
+    got = fnv1a64(offsets, data).tolist()
+    assert got == [_py_fnv1a64(v) for v in values]

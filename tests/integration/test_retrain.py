@@ -1,0 +1,139 @@
+"""The retrain gate on real data windows, from the command line and over HTTP:
+a model trained on shuffled labels is refused, a better one is promoted,
+every decision is recorded, and a server swaps to what was promoted."""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from sparse.synth import generate_criteo
+from tests.conftest import run_cli
+from tests.integration.serving import Server
+
+pytestmark = pytest.mark.slow
+TOKEN = "retrain-token"
+
+
+@pytest.fixture(scope="module")
+def days(tmp_path_factory) -> dict[str, Path]:
+    """Four days of logs from the planted model, a day with its labels shuffled, and a
+    small sample the served model is trained on (so a day of data can beat it)."""
+    d = tmp_path_factory.mktemp("logs")
+    out = {}
+    for i in range(1, 5):
+        out[f"day{i}"] = d / f"day0{i}.tsv"
+        generate_criteo(out[f"day{i}"], 20_000, seed=10 + i)
+    lines = out["day2"].read_text().splitlines(keepends=True)
+    labels = [line.split("\t", 1)[0] for line in lines]
+    random.Random(7).shuffle(labels)
+    out["shuffled"] = d / "shuffled.tsv"
+    out["shuffled"].write_text("".join(lab + "\t" + line.split("\t", 1)[1] for lab, line in zip(labels, lines)))
+    out["small"] = d / "small.tsv"
+    out["small"].write_text("".join(out["day1"].read_text().splitlines(keepends=True)[:3000]))
+    return out
+
+
+def served_model(tmp_path: Path, days) -> Path:
+    model_dir = tmp_path / "models"
+    run_cli("-q", "train", "--data", days["small"], "--model", "lr", "--batch-size", "256", "--out", model_dir,
+            check=True)
+    return model_dir
+
+
+def retrain_config(tmp_path: Path, model_dir: Path, **retrain) -> Path:
+    path = tmp_path / "retrain.toml"
+    lines = ["[serve]", f'model_dir = "{model_dir}"', "[retrain]"] + [f"{k} = {json.dumps(v)}" for k, v in retrain.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def decisions(model_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (model_dir / "decisions.jsonl").read_text().splitlines()]
+
+
+def test_the_gate_refuses_a_worse_model_and_promotes_a_better_one(days, tmp_path):
+    model_dir = served_model(tmp_path, days)
+    worse = retrain_config(tmp_path, model_dir, train_data=[str(days["shuffled"])], eval_data=[str(days["day4"])])
+    refused = json.loads(run_cli("retrain", "--config", worse, "--json", check=True).stdout)
+    assert refused["verdict"] == "refused" and refused["new_version"] == "v000002"
+    assert refused["served_version"] == "v000001"
+    new, served = refused["metrics"]["new"]["auc"], refused["metrics"]["served"]["auc"]
+    assert new < served and served > 0.6 and abs(new - 0.5) < 0.05, refused  # shuffled labels: a coin toss
+    assert (model_dir / "CURRENT").read_text().strip() == "v000001"         # still the old one
+    assert (model_dir / "v000002").is_dir()                                    # the candidate stays, for a look
+
+    better = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"]), str(days["day3"])],
+                            eval_data=[str(days["day4"])])
+    promoted = json.loads(run_cli("retrain", "--config", better, "--json", check=True).stdout)
+    assert promoted["verdict"] == "promoted" and promoted["new_version"] == "v000003"
+    assert promoted["metrics"]["new"]["auc"] > promoted["metrics"]["served"]["auc"]
+    assert promoted["train_rows"] == 40_000
+    assert (model_dir / "CURRENT").read_text().strip() == "v000003"
+
+    log = decisions(model_dir)
+    assert [d["verdict"] for d in log] == ["refused", "promoted"]
+    assert log[0]["eval_data"] == [str(days["day4"])] and "AUC" in log[0]["reason"]
+    moves = [json.loads(line) for line in (model_dir / "promotions.jsonl").read_text().splitlines()]
+    assert [(m["from"], m["to"], m["reason"]) for m in moves] == [(None, "v000001", "trained"),
+                                                                  ("v000001", "v000003", "retrain")]
+    run_cli("model", "rollback", "--model-dir", model_dir, check=True)
+    assert (model_dir / "CURRENT").read_text().strip() == "v000001"
+
+
+def test_retrain_needs_a_window_and_a_recipe(days, tmp_path):
+    model_dir = tmp_path / "empty"
+    model_dir.mkdir()
+    cfg = retrain_config(tmp_path, model_dir, data=str(days["day1"].parent / "day*.tsv"), train_files=9)
+    short = run_cli("retrain", "--config", cfg)
+    assert short.returncode == 2 and "matches 4 file(s)" in short.stderr
+    cfg = retrain_config(tmp_path, model_dir, data=str(days["day1"].parent / "day*.tsv"))
+    no_recipe = run_cli("retrain", "--config", cfg)
+    assert no_recipe.returncode == 2 and "set retrain.job_config" in no_recipe.stderr
+
+
+def test_retrain_over_http_behind_a_token(days, tmp_path):
+    model_dir = served_model(tmp_path, days)
+    retrain = {"data": str(days["day1"].parent / "day0*.tsv"), "train_files": 2, "eval_files": 1}
+    with Server(tmp_path / "s", model_dir, workers=2, serve={"token": TOKEN, "watch_seconds": 0.3},
+                retrain=retrain) as s:
+        s.wait_for("/readyz")
+        assert s.post("/v1/retrain", b"")[0] == 401
+        assert s.post("/v1/retrain", b"", headers={"Authorization": "Bearer wrong"})[0] == 401
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        status, started = s.post("/v1/retrain", b"", headers=auth)
+        assert status == 202 and started["state"] == "starting", started
+        run = started["id"]
+        deadline = time.monotonic() + 120
+        while (state := s.get(f"/v1/retrain/{run}", auth)[1])["state"] in ("starting",):
+            assert time.monotonic() < deadline, state
+            time.sleep(0.1)
+        if state["state"] in ("training", "evaluating"):  # one at a time
+            status, busy = s.post("/v1/retrain", b"", headers=auth)
+            assert status == 409 and "running already" in busy["error"], busy
+        while state["state"] not in ("done", "failed"):
+            assert time.monotonic() < deadline, state
+            time.sleep(0.2)
+            state = s.get(f"/v1/retrain/{run}", auth)[1]
+        assert state["state"] == "done", state
+        decision = state["decision"]
+        assert decision["verdict"] == "promoted" and decision["served_version"] == "v000001"
+        assert [Path(p).name for p in decision["train_data"]] == ["day02.tsv", "day03.tsv"]
+        assert [Path(p).name for p in decision["eval_data"]] == ["day04.tsv"]
+        new = decision["new_version"]
+        while s.get("/readyz")[1]["model_version"] != new:  # the server swaps to the promoted version
+            assert time.monotonic() < deadline, s.logs()
+            time.sleep(0.1)
+        assert s.get("/v1/retrain/r20260101-000000-abcdef", auth)[0] == 404
+        assert s.get("/v1/retrain/..%2F..%2Fetc", auth)[0] == 404
+    assert decisions(model_dir)[-1]["new_version"] == new
+
+
+def test_admin_endpoints_are_off_without_a_token(days, tmp_path):
+    model_dir = served_model(tmp_path, days)
+    with Server(tmp_path / "s", model_dir) as s:
+        status, answer = s.post("/v1/retrain", b"", headers={"Authorization": "Bearer "})
+        assert status == 403 and "serve.token" in answer["error"]

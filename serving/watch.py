@@ -5,7 +5,8 @@ missed (Redis down, no Redis configured, a version promoted by hand).
 
 A new version is loaded on a thread of its own beside the one in service,
 warmed up, then swapped in; requests in flight finish on the version they
-started with. A version that fails to load is logged and counted and not
+started with. The version swapped out stays loaded, so going back to it (a
+rollback) is a swap without a load. A version that fails to load is logged and counted and not
 tried again until CURRENT changes; the old one keeps serving.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ class VersionWatcher:
         self.cfg, self.holder, self.name, self.on_event = cfg, holder, name, on_event
         self.poke = asyncio.Event()
         self.failed: str | None = None  # a CURRENT that would not load: not retried until it changes
+        self.previous: Predictor | None = None  # the version swapped out, kept loaded: rollbacks are instant
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="mariana-load")
         self.tasks: list[asyncio.Task] = []
 
@@ -55,9 +57,13 @@ class VersionWatcher:
         if version == self.holder.version or version == self.failed:
             return False
         t0 = time.perf_counter()
+        kept = self.previous is not None and self.previous.version == version
         try:
-            new = await asyncio.get_running_loop().run_in_executor(self.loader, Predictor.load,
-                                                                   self.cfg.model_dir, version)
+            if kept:
+                new = self.previous  # a rollback: the version just replaced is still loaded
+            else:
+                new = await asyncio.get_running_loop().run_in_executor(self.loader, Predictor.load,
+                                                                       self.cfg.model_dir, version)
         except (MarianaError, OSError, KeyError, ValueError, RuntimeError) as e:
             self.failed = version
             log.error("%s: cannot load %s/%s: %s; serving %s still", self.name, self.cfg.model_dir, version, e,
@@ -65,10 +71,10 @@ class VersionWatcher:
             self.on_event("load_failed", {"version": version, "error": str(e)})
             return False
         old = self.holder.swap(new)
-        self.failed = None
+        self.previous, self.failed = old, None
         seconds = time.perf_counter() - t0
-        log.info("%s: serving %s (was %s), loaded in %.2fs", self.name, version,
-                 old.version if old else "nothing", seconds)
+        log.info("%s: serving %s (was %s), %s", self.name, version, old.version if old else "nothing",
+                 "kept loaded since it was swapped out" if kept else f"loaded in {seconds:.2f}s")
         self.on_event("swapped", {"version": version, "previous": old.version if old else None, "seconds": seconds})
         return True
 

@@ -286,6 +286,10 @@ def test_model_commands_list_promote_rollback(models, tmp_path):
         while s.get("/readyz")[1]["model_version"] != "v000002":
             assert time.monotonic() < deadline + 10, s.logs()
             time.sleep(0.1)
+        # v000001 had to be loaded (this server never served it); going back to v000002, the
+        # version just swapped out and still loaded, needs no load at all
+        assert "serving v000001 (was v000002), loaded in" in s.logs()
+        assert "serving v000002 (was v000001), kept loaded since it was swapped out" in s.logs()
     bad = run_cli("model", "promote", "v000009", "--model-dir", d)
     assert bad.returncode == 2 and "no version 'v000009'" in bad.stderr
     assert (d / "CURRENT").read_text().strip() == "v000002"

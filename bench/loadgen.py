@@ -26,7 +26,8 @@ chunked), X-Model-Version (or the body's "model_version"), and a check that a
 retried), and in an open-loop run requests still unanswered when it stops
 (`unfinished`: counted in the percentiles with the time they had waited).
 An open-loop run stops early (`aborted`) once some request has waited
-`--abort-after` seconds: the server is past its capacity.
+`--abort-after` seconds: the server is past its capacity. `ok_per_s` is the
+achieved rate: good answers that arrived inside the measured window, per second.
 
 The event loop is asyncio's over epoll, but it waits with select(2) on the
 epoll fd: select's timeout has microsecond resolution where epoll_wait's is a
@@ -172,6 +173,7 @@ class Generator:
         self.errors: dict[str, int] = {}
         self.versions: dict[str, int] = {}
         self.completed_all = 0
+        self.ok_in_window = 0   # good answers that arrived inside the measured window: the achieved rate
         self.connect_failures = 0
         self.reconnects = 0
         self.progress_mark = 0
@@ -254,6 +256,9 @@ class Generator:
         now = self.loop.time()
         self.completed_all += 1
         scheduled, sent = req
+        if not self.closed_loop and self.measure_from <= now <= self.end and scheduled < self.measure_from \
+                and status is not None and 200 <= status < 300 and body_ok:
+            self.ok_in_window += 1  # a warm-up request answered inside the window counts for the achieved rate
         if self.closed_loop:
             measured = self.measure_from <= sent and now <= self.end
             scheduled = sent
@@ -270,8 +275,11 @@ class Generator:
                 error = "2xx without pctr"
         if error is not None:
             self.errors[error] = self.errors.get(error, 0) + 1
-        elif version is not None:
-            self.versions[version] = self.versions.get(version, 0) + 1
+        else:
+            if now <= self.end:
+                self.ok_in_window += 1
+            if version is not None:
+                self.versions[version] = self.versions.get(version, 0) + 1
         self.latency.append(now - scheduled)
         self.service.append(now - sent)
         self.lag.append(sent - scheduled)
@@ -375,7 +383,7 @@ class Generator:
             "measured_s": round(window, 3),
             "scheduled": None if self.closed_loop else len(self.sched),
             "answered": answered, "ok": ok,
-            "ok_per_s": round(ok / window, 1) if window > 0 else None,
+            "ok_per_s": round(self.ok_in_window / window, 1) if window > 0 else None,
             "status": self.status, "errors": errors, "error_count": sum(errors.values()),
             "aborted": self.aborted, "unfinished": len(unfinished),
             "latency_ms": summary_ms(self.latency),

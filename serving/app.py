@@ -68,8 +68,11 @@ async def _lifecycle(app: web.Application):
     """Start-up in order, shut-down in reverse: batcher, first load, watcher, snapshots."""
     st, m = app[SETTINGS], app[METRICS]
     s = st["cfg"].serve
-    batcher = app[BATCHER] = Batcher(s.batch_requests, s.max_instances,
-                                     on_batch=lambda n: m.observe("mariana_serve_batch_requests", n))
+    def on_batch(n: int, where: str) -> None:
+        m.observe("mariana_serve_batch_requests", n)
+        m.inc("mariana_serve_batches_total", where=where)
+
+    batcher = app[BATCHER] = Batcher(s.batch_requests, s.max_instances, s.inline_bytes, on_batch)
     batcher.start()
     watcher = app[WATCHER] = VersionWatcher(s, app[HOLDER], st["name"], on_event=lambda k, i: _model_event(app, k, i))
     await watcher.check()
@@ -230,6 +233,8 @@ def _metrics() -> Metrics:
     m.counter("mariana_serve_unknown_fields_total", "Fields of instances that the model does not know (ignored).")
     m.histogram("mariana_serve_batch_requests", "Requests answered by one model call.",
                 buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+    m.counter("mariana_serve_batches_total", "Model calls, by where they ran: the event loop (small batches) "
+                                             "or the model thread.")
     m.gauge("mariana_serve_in_flight", "Requests being answered.")
     m.gauge("mariana_serve_model_info", "Worker processes serving each model version.")
     m.counter("mariana_serve_model_swaps_total", "Model versions swapped in for another (the first load is not one).")

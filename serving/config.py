@@ -36,6 +36,8 @@ class ServeSection:
     max_body_bytes: int = 8 << 20       # a larger body is answered 413
     max_instances: int = 10_000         # instances per request; more is answered 413
     batch_requests: int = 64            # requests answered by one model call at most (micro-batching)
+    inline_bytes: int = 4096            # a batch of bodies this small is answered on the event loop (<~1 ms);
+                                        # bigger ones on the model thread (0: always the thread)
     watch_seconds: float = 2.0          # how often CURRENT is read again (the fallback to pub/sub)
     redis_url: str = ""                 # where new versions are announced; "" : poll only
     channel: str = CHANNEL
@@ -46,6 +48,8 @@ class ServeSection:
         for key in ("max_body_bytes", "max_instances", "batch_requests"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"serve.{key} must be >= 1, got {getattr(self, key)}")
+        if self.inline_bytes < 0:
+            raise ConfigError(f"serve.inline_bytes must be >= 0, got {self.inline_bytes}")
         if self.workers < 0:
             raise ConfigError(f"serve.workers must be >= 0 (0: one per core), got {self.workers}")
         if not 0 <= self.port <= 65535:

@@ -3,10 +3,12 @@ requests reach it without blocking the event loop.
 
 - `ModelHolder` holds the version in service; a swap replaces the reference,
   so a request keeps the `Predictor` it started with until it is answered.
-- `Batcher` runs the model on one thread per process. Requests that arrive
-  while it is busy queue up and are answered by its next call together
-  (decode, check, hash, one forward pass, encode), so under load each
-  request pays a share of one call instead of a call of its own.
+- `Batcher` answers the requests that queued up together, with one model call
+  (decode, check, hash, one forward pass, encode), so under load each request
+  pays a share of a call instead of a call of its own. A batch of small bodies
+  (together at most `serve.inline_bytes`: about a millisecond of work) is
+  answered on the event loop; a bigger one on the model thread, so the loop
+  never stops for long (model versions load on a thread of their own).
 """
 from __future__ import annotations
 
@@ -58,8 +60,10 @@ class _Pending:
 
 
 class Batcher:
-    def __init__(self, max_requests: int, max_instances: int, on_batch: Callable[[int], None] = lambda n: None):
+    def __init__(self, max_requests: int, max_instances: int, inline_bytes: int = 0,
+                 on_batch: Callable[[int, str], None] = lambda n, where: None):
         self.max_requests, self.max_instances, self.on_batch = max_requests, max_instances, on_batch
+        self.inline_bytes = inline_bytes
         self.pending: deque[_Pending] = deque()
         self.wake = asyncio.Event()
         # The model thread takes (batch, future) jobs and hands each future its answers
@@ -93,24 +97,34 @@ class Batcher:
                 self.wake.clear()
                 await self.wake.wait()
             batch = self._take()
-            done = self.loop.create_future()
-            self.jobs.put((batch, done))
-            answers = await done  # one batch at a time: the next one gathers meanwhile
+            where = "loop" if sum(len(p.body) for p in batch) <= self.inline_bytes else "thread"
+            if where == "loop":
+                # A few small bodies: about a millisecond at most, answered here. Handing them to
+                # the model thread would cost more than that in latency (each hand-off waits for
+                # the GIL, up to a switch interval), and save nothing in CPU.
+                answers = self._answer_here(batch)
+            else:
+                done = self.loop.create_future()
+                self.jobs.put((batch, done))
+                answers = await done  # one batch at a time: the next one gathers meanwhile
             for p, a in zip(batch, answers):
                 if not p.future.done():  # the client may have gone
                     p.future.set_result(a)
-            self.on_batch(len(batch))
+            self.on_batch(len(batch), where)
+            await asyncio.sleep(0)  # the loop reads and writes before the next batch
 
     def _model_thread(self) -> None:
         while (job := self.jobs.get()) is not None:
             batch, done = job
-            try:
-                answers = answer_batch(batch[0].predictor, [(p.body, p.fmt) for p in batch], self.max_instances)
-            except Exception as e:  # a bug: this batch's requests get a 500; the next batch is served
-                log.exception("predicting a batch of %d requests failed", len(batch))
-                answers = [error_answer(ServeError(500, f"internal error: {type(e).__name__}"), p.fmt,
-                                        p.predictor.version) for p in batch]
-            self.loop.call_soon_threadsafe(_resolve, done, answers)
+            self.loop.call_soon_threadsafe(_resolve, done, self._answer_here(batch))
+
+    def _answer_here(self, batch: list[_Pending]) -> list[Answer]:
+        try:
+            return answer_batch(batch[0].predictor, [(p.body, p.fmt) for p in batch], self.max_instances)
+        except Exception as e:  # a bug: this batch's requests get a 500; the next batch is served
+            log.exception("predicting a batch of %d requests failed", len(batch))
+            return [error_answer(ServeError(500, f"internal error: {type(e).__name__}"), p.fmt, p.predictor.version)
+                    for p in batch]
 
     def _take(self) -> list[_Pending]:
         """The oldest request and those behind it for the same version, up to max_requests."""

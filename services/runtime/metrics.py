@@ -21,6 +21,8 @@ latency_seconds_count 2
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 
 # state: {metric: {label text: value}}; a histogram's value is [bucket counts..., +Inf count, sum]
@@ -60,12 +62,7 @@ class Metrics:
         h = series.get(key)
         if h is None:
             h = series[key] = [0] * (len(buckets) + 1) + [0.0]
-        for i, le in enumerate(buckets):  # stored per bucket, made cumulative when rendered
-            if value <= le:
-                h[i] += 1
-                break
-        else:
-            h[len(buckets)] += 1
+        h[bisect.bisect_left(buckets, value)] += 1  # per bucket (le: value <= bound); cumulative when rendered
         h[-1] += value
 
     def value(self, name: str, **labels: str) -> float:
@@ -128,7 +125,14 @@ def render(definitions: dict[str, dict], state: State) -> str:
 
 
 def _labels(labels: dict[str, str]) -> str:
-    return ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
+    """The label text of a series, made once per distinct label set (metrics are
+    updated on every request; their label sets are few)."""
+    return _label_text(tuple(labels.items())) if labels else ""
+
+
+@functools.lru_cache(maxsize=4096)
+def _label_text(items: tuple) -> str:
+    return ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(items))
 
 
 def _escape(v: str) -> str:

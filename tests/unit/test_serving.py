@@ -211,3 +211,28 @@ def test_windows_are_the_newest_files_in_name_order(tmp_path):
 def test_bad_serve_config_names_the_key(key, value, says):
     with pytest.raises(ConfigError, match=says.replace(".", r"\.").replace("(", r"\(")):
         load_serve_config(overrides={key: value}, env={})
+
+
+@pytest.mark.parametrize("inline_bytes,where", [(1 << 20, "loop"), (0, "thread")])
+async def test_the_batcher_answers_on_the_loop_or_the_thread_alike(predictor, inline_bytes, where):
+    """Small batches are answered on the event loop, bigger ones on the model thread;
+    both give what the predictor gives."""
+    import asyncio
+
+    from serving.dataplane import Batcher
+
+    seen = []
+    batcher = Batcher(max_requests=8, max_instances=100, inline_bytes=inline_bytes,
+                      on_batch=lambda n, w: seen.append((n, w)))
+    batcher.start()
+    try:
+        reqs = [rows(1 + k % 3, k) for k in range(6)]
+        answers = await asyncio.gather(*(batcher.answer(predictor, codec.encode({"instances": r}, J), J)
+                                         for r in reqs))
+    finally:
+        await batcher.close()
+    for req, a in zip(reqs, answers):
+        assert a.status == 200
+        np.testing.assert_allclose(json.loads(a.body)["pctr"], predictor.predict(req), rtol=0, atol=1e-6)
+    assert {w for _, w in seen} == {where} and sum(n for n, _ in seen) == 6
+    assert not batcher.thread.is_alive()

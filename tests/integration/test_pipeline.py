@@ -8,7 +8,9 @@ import signal
 import time
 
 import pytest
+import redis
 
+from services import model_events
 from sparse.synth import generate_criteo
 from tests.conftest import run_cli
 from tests.integration.cluster import Cluster
@@ -137,15 +139,31 @@ def test_redis_restarted_mid_job_refills_from_the_source(data, tmp_path):
 
 @pytest.mark.timeout(240)
 def test_bsp_and_bounded_staleness_jobs_count_exactly_once(data, tmp_path):
+    """...and the coordinator announces each version it writes on Redis (what model
+    servers subscribe to); a job with promote=false writes a candidate, CURRENT stays."""
     with Cluster(tmp_path / "c", workers=2) as c:
+        listener = redis.Redis.from_url(c.cfg.redis.url).pubsub()
+        listener.subscribe(model_events.CHANNEL)
         records = {}
-        for mode, extra in (("bsp", {}), ("ssp", {"staleness": 1})):
+        for mode, extra in (("bsp", {}), ("ssp", {"staleness": 1, "promote": False})):
             job = c.submit([data["train"]], tmp_path / mode, [data["test"]], job_config("lr"), mode=mode, **extra)
             records[mode] = done_record(c, job)
+        announced = []
+        deadline = time.monotonic() + 10
+        while len(announced) < 2 and time.monotonic() < deadline:
+            m = listener.get_message(timeout=1.0)
+            if m and m["type"] == "message":
+                announced.append(model_events.parse(m["data"]))
+        listener.close()
     for mode, record in records.items():
         assert_exactly_once(record, 2)
         assert record["mode"] == mode
     assert records["bsp"]["staleness"] == 0 and records["ssp"]["staleness"] == 1
+    assert [(a["event"], a["model_dir"], a["version"]) for a in announced] == [
+        ("trained", str((tmp_path / "bsp").resolve()), "v000001"),
+        ("candidate", str((tmp_path / "ssp").resolve()), "v000001")]
+    assert (tmp_path / "bsp" / "CURRENT").exists() and not (tmp_path / "ssp" / "CURRENT").exists()
+    assert records["ssp"]["promoted"] is False
 
 
 @pytest.mark.timeout(120)

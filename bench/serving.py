@@ -852,8 +852,8 @@ def swap_run(args, system: str, models: dict) -> tuple[dict, dict]:
     checkpoint.set_current(model_dir, versions[-1], reason="promoted")
     at_target = next(r for r in runs if r["rate"] == target)
     at_target.update(ladder=[{k: r[k] for k in ("rate", "ok_per_s", "latency_ms", "error_count", "aborted", "passed",
-                                                "promotions_count", "worker_swaps", "server_cores", "other_cores",
-                                                "loadgen_cpu_share")} for r in runs],
+                                                "promotions_count", "worker_swaps", "versions", "server_cores",
+                                                "other_cores", "loadgen_cpu_share")} for r in runs],
                      max_qps=max_qps([dict(r, phase="ramp") for r in runs]))
     return at_target, {"metrics": after, "log_problems": problems}
 
@@ -1014,34 +1014,22 @@ def runs_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def swap_ladder_table(swaps: dict) -> str:
-    lines = ["| system | offered/s | ok/s | p50 | p95 | p99 | errors | promotions | worker swaps | "
-             "server / generator / other cores |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def swap_table(swaps: dict) -> str:
+    lines = ["| system | offered/s | ok/s | p50 | p95 | p99 | max ms | errors | promotions | worker swaps | "
+             "versions seen (answers) | server / generator / other cores |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for name, s in swaps.items():
         for r in s["ladder"]:
             p = r["latency_ms"]
+            seen = ", ".join(f"{v}: {n:,}" for v, n in sorted(r["versions"].items()))
             lines.append(f"| {name} | {r['rate']:,} | {fmt(r['ok_per_s'], ',.0f')} | {fmt(p['p50'], '.2f')} | "
                          f"{fmt(p['p95'], '.2f')} | {fmt(p['p99'], '.2f')}{'' if r['passed'] else ' ✗'} | "
-                         f"{r['error_count']}{' (aborted)' if r['aborted'] else ''} | {r['promotions_count']} | "
-                         f"{fmt(r['worker_swaps'], 'd')} | {r['server_cores']:.2f} / "
-                         f"{fmt(r['loadgen_cpu_share'], '.2f')} / {r['other_cores']:.2f} |")
+                         f"{fmt(p['max'], '.1f')} | {r['error_count']}{' (aborted)' if r['aborted'] else ''} | "
+                         f"{r['promotions_count']} | {fmt(r['worker_swaps'], 'd')} | {seen} | "
+                         f"{r['server_cores']:.2f} / {fmt(r['loadgen_cpu_share'], '.2f')} / {r['other_cores']:.2f} |")
         m = s["max_qps"]
         lines.append(f"| {name} | **max QPS while swapping, p99 < 50 ms: "
-                     f"{'>= ' if m['capped'] else ''}{fmt(m['max_qps'], ',')}** | | | | | | | | |")
-    return "\n".join(lines)
-
-
-def swap_table(swaps: dict) -> str:
-    lines = ["| system | offered/s | ok/s | p50 | p95 | p99 | max ms | errors | promotions | worker swaps | "
-             "versions seen (answers) | server / other cores |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for name, s in swaps.items():
-        p = s["latency_ms"]
-        seen = ", ".join(f"{v}: {n:,}" for v, n in sorted(s["versions"].items()))
-        lines.append(f"| {name} | {s['rate']:,} | {fmt(s['ok_per_s'], ',.0f')} | {fmt(p['p50'], '.2f')} | "
-                     f"{fmt(p['p95'], '.2f')} | {fmt(p['p99'], '.2f')} | {fmt(p['max'], '.1f')} | "
-                     f"{s['error_count']}{' (aborted)' if s['aborted'] else ''} | {s['promotions_count']} | "
-                     f"{fmt(s['worker_swaps'], 'd')} | {seen} | {s['server_cores']:.2f} / {s['other_cores']:.2f} |")
+                     f"{'>= ' if m['capped'] else ''}{fmt(m['max_qps'], ',')}** | | | | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -1073,8 +1061,7 @@ def report_body(args, data: dict, results: dict, swaps: dict, batches: dict, t: 
     if swaps:
         parts += [f"While CURRENT cycles v000001 -> v000002 -> v000003 every {args.swap_every:g} s "
                   f"(`serve.watch_seconds = 0.2`; each promotion makes every worker load and swap in the version), "
-                  "at the target rates:", swap_table(swaps),
-                  "The same while swapping, stepped up until p99 passed 50 ms (✗):", swap_ladder_table(swaps)]
+                  "stepped up until p99 passed 50 ms (✗):", swap_table(swaps)]
     if batches and not results:
         parts += [batch_table(batches)]
     elif batches:

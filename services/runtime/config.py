@@ -65,6 +65,8 @@ class CoordinatorConfig:
     chunk_seconds: float = 60.0         # a chunk sent this long ago and not cached is read again
     max_ready: int = 32                 # batches cached ahead of the workers before preprocess is held back
     heartbeat_seconds: float = 5.0      # a worker silent this long is not waited for (staleness, BSP)
+    state_dir: str = ""                 # job state and history (SQLite); default: <cluster.dir>/coordinator
+    model_dirs: list[str] = field(default_factory=list)  # shown in the web UI besides the jobs' own
 
 
 @dataclass
@@ -158,6 +160,11 @@ class ClusterConfig:
                                   ("preprocess.endpoints", self.preprocess.endpoints)) if not v]
         if missing:
             raise ConfigError(f"{', '.join(missing)} not set (set them, or cluster.base_port)")
+
+    @property
+    def coordinator_state_dir(self) -> str:
+        return os.path.abspath(os.path.expanduser(self.coordinator.state_dir
+                                                  or os.path.join(self.cluster.path, "coordinator")))
 
     @property
     def ps_state_dir(self) -> str:

@@ -12,7 +12,13 @@ A job, read top to bottom (`run_job`):
     Export <- every shard -> one ModelBundle -> evaluate -> a model version (as in local mode)
     EndJob -> every shard; drop the job's cache keys
 
-HTTP (loopback by default): GET /healthz, /v1/status, /v1/jobs, /v1/jobs/{id}, /metrics;
+Jobs outlive the coordinator: each job and every ledger change it acknowledges
+are written to its job store (SQLite, services/jobstore.py) first; a restarted
+coordinator reads them back, replays the journal of a running job and goes on
+with it (steps done stay done; the shards ignore a step issued twice).
+
+HTTP (loopback by default): GET /healthz, /v1/status, /v1/jobs, /v1/jobs/{id},
+/v1/jobs/{id}/history, /v1/models, /metrics, and the web UI at /ui/;
 POST /v1/jobs and /v1/jobs/{id}/cancel need `Authorization: Bearer <coordinator.token>`.
 """
 from __future__ import annotations
@@ -29,8 +35,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from services import model_events, protocol
+from services import model_events, protocol, webui
 from services.assemble import assemble_and_publish, check_request
+from services.jobstore import JobStore
 from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step
 from services.protocol import BadMessage, Message
 from services.runtime.config import ROLES, ClusterConfig
@@ -38,9 +45,16 @@ from services.runtime.lifecycle import Service, run_service
 from services.sample_cache import SampleCache, batch_key
 from services.transport import Client, PeerTimeout, RemoteError, Server
 from sparse.errors import ConfigError, MarianaError
+from sparse.metrics import histogram_auc
+from trainer import checkpoint
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.25
+POINT_SECONDS = 1.0      # a history point of the running job this often
+ENDED = ("done", "failed", "cancelled")
+# The counter of each role's heartbeat status shown as its throughput: (counter, unit, scale).
+RATES = {"worker": ("rows", "rows/s", 1.0), "ps": ("rows_applied", "rows/s", 1.0),
+         "preprocess": ("batches", "batches/s", 1.0), "loader": ("bytes_sent", "MB/s", 1e-6)}
 MAX_RESENDS = 5
 MAX_RECONCILE_ROUNDS = 10
 
@@ -54,9 +68,19 @@ class ServiceInfo:
     peer: bytes = b""
     last_seen: float = 0.0
     status: dict = field(default_factory=dict)
+    rate: dict | None = None           # {"value", "unit"}: its throughput between two heartbeats
 
     def alive(self, within: float) -> bool:
         return time.time() - self.last_seen <= within
+
+    def update(self, status: dict, now: float) -> None:
+        """A heartbeat's numbers; the throughput from the change of the role's counter."""
+        counter, unit, scale = RATES.get(self.role, (None, "", 1.0))
+        if counter and self.status and now > self.last_seen:
+            before, after = self.status.get(counter, 0), status.get(counter, 0)
+            if isinstance(before, (int, float)) and isinstance(after, (int, float)) and after >= before:
+                self.rate = {"value": round((after - before) * scale / (now - self.last_seen), 2), "unit": unit}
+        self.status, self.last_seen = status, now
 
 
 @dataclass
@@ -73,15 +97,45 @@ class JobRun:
     record: dict = field(default_factory=dict)
     baseline: dict = field(default_factory=dict)  # services' bad_messages when the job started
     task: asyncio.Task | None = None
+    restarts: int = 0              # coordinator restarts this job lived through
+    final: dict | None = None      # the summary's numbers when it ended (an ended job keeps no ledger)
+    last_point: tuple | None = None  # (t, rows, loss_sum, hist) at the last history point
 
     def summary(self) -> dict:
         out = {"id": self.id, "state": self.state, "error": self.error, "submitted": self.submitted,
                "started": self.started, "ended": self.ended, "model": self.request.get("model"),
-               "mode": self.request.get("mode"), "data": self.request.get("data"),
-               "progress": self.ledger.progress()}
+               "mode": self.request.get("mode"), "data": self.request.get("data"), "restarts": self.restarts}
+        if self.final is not None:
+            out.update(progress=self.final["progress"], cache=self.final["cache"])
+        else:
+            out.update(progress=self.ledger.progress(), cache=self.ledger.cache_stats())
         if self.record:
             out["record"] = self.record
         return out
+
+    def epochs(self) -> list[dict]:
+        return self.final["epochs"] if self.final is not None else self.ledger.epoch_summaries
+
+    def to_saved(self) -> dict:
+        """What the job store keeps of the job (the ledger is its journal)."""
+        s = self.summary()
+        return {"id": self.id, "request": self.request, "spec": self.spec, "state": self.state,
+                "error": self.error, "submitted": self.submitted, "started": self.started, "ended": self.ended,
+                "record": self.record, "restarts": self.restarts, "data_bytes": self.ledger.data_bytes,
+                "final": {"progress": s["progress"], "cache": s["cache"], "epochs": self.epochs()}}
+
+    @classmethod
+    def from_saved(cls, d: dict) -> "JobRun":
+        spec, request = d["spec"], d["request"]
+        staleness = {"async": None, "bsp": 0, "ssp": request.get("staleness")}[request["mode"]]
+        ledger = JobLedger(d["id"], epochs=spec["config"]["train"]["epochs"], staleness=staleness,
+                           data_bytes=d.get("data_bytes", 0))
+        run = cls(d["id"], request, spec, ledger, state=d["state"], error=d["error"], submitted=d["submitted"],
+                  started=d["started"], ended=d["ended"], record=d.get("record") or {},
+                  restarts=d.get("restarts", 0))
+        if run.state in ENDED:
+            run.final = d["final"]
+        return run
 
 
 class Coordinator(Service):
@@ -96,12 +150,15 @@ class Coordinator(Service):
         self.server: Server | None = None
         self.cache: SampleCache | None = None
         self.runner: web.AppRunner | None = None
+        self.store: JobStore | None = None
         self.wake = asyncio.Event()
 
     # ---- life -----------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.queue = asyncio.Queue()
+        self.store = JobStore(self.cfg.coordinator_state_dir)
+        self.restore()  # before any service can report on a job
         self.server = Server(self.ctx, self.cfg.coordinator.endpoint, self.handle, self.counters,
                              max_bytes=self.cfg.cluster.max_message_bytes, name=self.name)
         self.shards = [Client(self.ctx, ep, self.counters, timeout=30.0) for ep in self.cfg.ps.endpoints]
@@ -114,12 +171,53 @@ class Coordinator(Service):
         log.info("%s: ZeroMQ at %s, HTTP at http://%s:%d", self.name, self.cfg.coordinator.endpoint,
                  self.cfg.coordinator.http_host, self.cfg.coordinator.http_port)
 
+    def restore(self) -> None:
+        """Jobs from the job store: ended ones as they were, queued ones queued again, and a
+        running one rebuilt from its journal, to go on where it was."""
+        for saved in self.store.load_jobs():
+            run = JobRun.from_saved(saved)
+            self.jobs[run.id] = run
+            if run.state == "running":
+                run.restarts += 1
+                events = 0
+                for kind, data in self.store.events(run.id):
+                    run.ledger.apply(kind, data)
+                    events += 1
+                led = run.ledger
+                log.info("%s: job %s resumed from %d journal events: epoch %d/%d, %d steps done, source %s",
+                         self.name, run.id, events, led.epoch, led.epochs, len(led.done),
+                         "read" if led.source_done else "being read")
+                self.save(run)
+            if run.state in ("queued", "running"):
+                self.queue.put_nowait(run.id)
+        if self.jobs:
+            log.info("%s: %d jobs in %s", self.name, len(self.jobs), self.store.path)
+
+    def journal(self, run: JobRun, kind: str, data: dict):
+        """A ledger change, recorded before it is acknowledged; returns what the ledger did
+        (False: nothing new). Raises ValueError for a bad event, changing nothing."""
+        changed = run.ledger.apply(kind, data)
+        if changed is not False:
+            self.store.append(run.id, kind, data)
+        return changed
+
+    def save(self, run: JobRun) -> None:
+        self.store.save_job(run.id, run.to_saved(), run.submitted)
+
+    def ended(self, run: JobRun) -> None:
+        """A job reached done, failed or cancelled: freeze its numbers, keep its history,
+        drop its journal."""
+        self.add_point(run)
+        run.final = run.to_saved()["final"]
+        self.save(run)
+        self.store.drop_events(run.id)
+
     async def main(self) -> None:
         ticker = asyncio.create_task(self.tick())
         try:
             while True:
                 run = self.jobs[await self.queue.get()]
-                if run.state != "queued":
+                if run.state not in ("queued", "running") or run.task is not None:
                     continue
                 run.task = asyncio.create_task(self.run_job(run))
                 await asyncio.gather(run.task, return_exceptions=True)
@@ -133,6 +231,9 @@ class Coordinator(Service):
         for run in self.jobs.values():
             if run.task and not run.task.done():
                 run.task.cancel()
+        for run in self.jobs.values():
+            if run.task:
+                await asyncio.gather(run.task, return_exceptions=True)
         if self.runner:
             await self.runner.cleanup()
         for c in self.shards:
@@ -141,6 +242,8 @@ class Coordinator(Service):
             await self.cache.close()
         if self.server:
             self.server.close()
+        if self.store:
+            self.store.close()
 
     def pulse(self) -> None:
         """Wake every held lease: steps became ready or a worker finished one."""
@@ -166,11 +269,11 @@ class Coordinator(Service):
             info = self.services[name] = ServiceInfo(msg["role"], msg["index"])
             log.info("%s: %s %s (pid %s)", self.name, name, "restarted" if restarted else "registered",
                      msg.get("pid"))
-        info.pid, info.boot, info.peer, info.last_seen = msg.get("pid", 0), msg.get("boot", 0.0), peer, time.time()
-        info.status = msg.get("status") if isinstance(msg.get("status"), dict) else {}
+        info.pid, info.boot, info.peer = msg.get("pid", 0), msg.get("boot", 0.0), peer
+        info.update(msg.get("status") if isinstance(msg.get("status"), dict) else {}, time.time())
         if restarted:
             self.spawn(self.rejoin(info))
-        return protocol.encode("Welcome", msg.msg_id)
+        return protocol.encode("Welcome", msg.msg_id, boot=self.boot)
 
     async def on_Lease(self, peer: bytes, msg: Message) -> list:
         worker = msg["worker"]
@@ -201,9 +304,11 @@ class Coordinator(Service):
         stats = msg["stats"]
         worker = str(stats.get("worker", ""))
         self.touch(worker)
+        times = stats.get("times", {}) if isinstance(stats.get("times"), dict) else {}
         try:
-            first = run.ledger.step_done(msg["step"], worker, msg["rows"], float(msg["loss_sum"]),
-                                         stats.get("times", {}) if isinstance(stats.get("times"), dict) else {})
+            first = self.journal(run, "done", {"step": msg["step"], "worker": worker, "rows": msg["rows"],
+                                               "loss_sum": float(msg["loss_sum"]), "times": times,
+                                               "hist": stats.get("hist")})
         except ValueError as e:
             raise BadMessage("step", str(e)) from None
         if first:
@@ -228,20 +333,20 @@ class Coordinator(Service):
 
     async def on_ChunkSent(self, peer: bytes, msg: Message) -> list:
         run = self.job_of(msg)
-        run.ledger.chunk_sent(ChunkInfo(msg["chunk"], msg["file"], msg["offset"], msg["length"],
-                                        msg["first_line"], msg["lines"]), float(msg["seconds"]))
+        c = ChunkInfo(msg["chunk"], msg["file"], msg["offset"], msg["length"], msg["first_line"], msg["lines"])
+        self.journal(run, "sent", JobLedger.chunk_event(c, float(msg["seconds"])))
         return protocol.encode("Ok", msg.msg_id)
 
     async def on_SourceDone(self, peer: bytes, msg: Message) -> list:
         run = self.job_of(msg)
         if msg["error"] and msg.get("chunk"):  # one chunk could not be read again
-            run.ledger.chunk_lost(msg["chunk"])
+            self.journal(run, "lost", {"chunk": msg["chunk"]})
             log.warning("%s: job %s: chunk %s lost: %s", self.name, run.id, msg["chunk"], msg["error"])
             await self.pump_refills(run)
         elif msg["error"]:
             self.fail(run, f"reading the source: {msg['error']}")
         else:
-            run.ledger.source_done = True
+            self.journal(run, "source_done", {"chunks": msg["chunks"]})
             log.info("%s: job %s: source read (%d chunks)", self.name, run.id, msg["chunks"])
         self.pulse()
         return protocol.encode("Ok", msg.msg_id)
@@ -256,7 +361,8 @@ class Coordinator(Service):
         try:
             if not all(isinstance(b, list) and len(b) == 2 for b in msg["batches"]):
                 raise ValueError("batches")
-            cached = led.chunk_cached(msg["chunk"], msg["batches"], msg["stats"])
+            cached = self.journal(run, "cached", {"chunk": msg["chunk"], "batches": msg["batches"],
+                                                  "stats": _numbers(msg["stats"])})
         except (TypeError, ValueError):
             raise BadMessage("cached", "Cached.batches must be [[k, rows], ...] and stats numbers") from None
         if cached:
@@ -333,6 +439,7 @@ class Coordinator(Service):
     # ---- periodic work ------------------------------------------------------------------------
 
     async def tick(self) -> None:
+        last_point = 0.0
         while True:
             await asyncio.sleep(TICK_SECONDS)
             run = self.active()
@@ -340,8 +447,31 @@ class Coordinator(Service):
                 continue
             try:
                 await self.tick_job(run)
+                if time.monotonic() - last_point >= POINT_SECONDS:
+                    last_point = time.monotonic()
+                    self.add_point(run)
+                    self.save(run)
             except Exception:  # a bug here must not stop leases from lapsing for good
                 log.exception("%s: job %s: periodic check failed", self.name, run.id)
+
+    def add_point(self, run: JobRun) -> None:
+        """A history point: rows, rows/s, and the loss and progressive AUC of the steps
+        done since the previous point."""
+        led, now = run.ledger, time.time()
+        rows = sum(led.rows_done.values())
+        loss = sum(led.loss_sum.values())
+        hist = sum(led.hist.values()) if led.hist else None
+        t0, rows0, loss0, hist0 = run.last_point or (run.started or now, 0, 0.0, None)
+        run.last_point = (now, rows, loss, hist)
+        if rows == rows0 and run.state == "running" and run.last_point[0] - t0 < 30:
+            return  # nothing new: no flat stretch of points while the job waits
+        d_hist = None if hist is None else hist - (0 if hist0 is None else hist0)
+        d_rows = rows - rows0
+        self.store.add_point(run.id, {
+            "t": round(now, 3), "epoch": min(led.epoch, led.epochs), "rows_total": rows,
+            "rows_per_s": round(d_rows / max(now - t0, 1e-9), 1),
+            "loss": (loss - loss0) / d_rows if d_rows > 0 else None,
+            "auc": histogram_auc(d_hist[0], d_hist[1]) if d_hist is not None and d_rows > 0 else None})
 
     async def tick_job(self, run: JobRun) -> None:
         for step, worker in run.ledger.expire_leases():
@@ -350,7 +480,7 @@ class Coordinator(Service):
             self.pulse()
         for c in run.ledger.chunks_overdue(self.cfg.coordinator.chunk_seconds):
             if c.resends >= MAX_RESENDS:
-                run.ledger.chunk_lost(c.id)
+                self.journal(run, "lost", {"chunk": c.id})
                 log.error("%s: job %s: chunk %s never cached after %d tries; lost", self.name, run.id,
                           c.id, c.resends)
                 await self.pump_refills(run)
@@ -364,21 +494,26 @@ class Coordinator(Service):
 
     async def run_job(self, run: JobRun) -> None:
         led = run.ledger
-        run.state, run.started = "running", time.time()
         run.baseline = self.bad_message_counts()
-        log.info("%s: job %s started: %s, %d epochs, mode %s, data %s", self.name, run.id,
-                 run.request["model"], led.epochs, run.request["mode"], ",".join(run.request["data"]))
+        if run.state == "running":  # restored from the journal after a restart
+            log.info("%s: job %s goes on at epoch %d (restart %d)", self.name, run.id, led.epoch, run.restarts)
+        else:
+            run.state, run.started = "running", time.time()
+            self.journal(run, "start", {"t": run.started})
+            self.save(run)
+            log.info("%s: job %s started: %s, %d epochs, mode %s, data %s", self.name, run.id,
+                     run.request["model"], led.epochs, run.request["mode"], ",".join(run.request["data"]))
         try:
             for i in range(len(self.shards)):
                 await self.start_shard(run, i)
-            await self.read_source(run)
-            led.epoch_started = time.monotonic()
+            if not led.source_done:
+                await self.read_source(run)  # a loader that is reading it already goes on
             while led.epoch <= led.epochs:
                 await self.until(run, led.epoch_complete)
                 await self.reconcile(run)
                 log.info("%s: job %s: epoch %d done: %d rows, %.2fs", self.name, run.id, led.epoch,
-                         led.rows_done[led.epoch], time.monotonic() - led.epoch_started)
-                led.next_epoch()
+                         led.rows_done[led.epoch], time.time() - led.epoch_started)
+                self.journal(run, "epoch", {"t": time.time()})
                 self.pulse()
             await self.finish(run)
         except JobStopped:
@@ -386,7 +521,11 @@ class Coordinator(Service):
         except (MarianaError, OSError) as e:
             self.fail(run, str(e))
         except asyncio.CancelledError:
-            self.fail(run, "the coordinator stopped")
+            if not self.stopping.is_set():
+                self.fail(run, "the coordinator stopped")
+            else:  # left running in the job store: it goes on when the coordinator starts again
+                log.info("%s: job %s left running at epoch %d; it resumes when the coordinator starts",
+                         self.name, run.id, led.epoch)
             raise
         except Exception as e:  # a bug: the job fails visibly instead of staying "running"
             log.exception("%s: job %s: unexpected error", self.name, run.id)
@@ -437,7 +576,8 @@ class Coordinator(Service):
                 missing |= expected - set(protocol.array_names(stats.arrays["applied"]))
             if not missing:
                 return
-            n = led.replay(missing)
+            n = len(missing & led.done)
+            self.journal(run, "replay", {"steps": sorted(missing)})
             log.warning("%s: job %s: shards lack %d steps (restored from a checkpoint); replaying",
                         self.name, run.id, n)
             self.pulse()
@@ -488,6 +628,7 @@ class Coordinator(Service):
         if run.state != "running":  # cancelled while the model was being assembled
             raise JobStopped()
         run.record, run.state, run.ended = record, "done", time.time()
+        self.ended(run)
         log.info("%s: job %s done: %s/%s, %d rows applied of %d x %d epochs, auc %s", self.name, run.id,
                  record["model_dir"], record["model_version"], record["rows_applied"],
                  record["rows_in_data"], led.epochs, record.get("auc"))
@@ -519,6 +660,7 @@ class Coordinator(Service):
             return
         run.state, run.error, run.ended = "failed", error, time.time()
         log.error("%s: job %s failed: %s", self.name, run.id, error)
+        self.ended(run)
         self.pulse()
 
     def bad_message_counts(self) -> dict:
@@ -540,9 +682,12 @@ class Coordinator(Service):
         app.router.add_get("/v1/status", self.http_status)
         app.router.add_get("/v1/jobs", self.http_jobs)
         app.router.add_get("/v1/jobs/{id}", self.http_job)
+        app.router.add_get("/v1/jobs/{id}/history", self.http_history)
+        app.router.add_get("/v1/models", self.http_models)
         app.router.add_post("/v1/jobs", self.http_submit)
         app.router.add_post("/v1/jobs/{id}/cancel", self.http_cancel)
         app.router.add_get("/metrics", self.http_metrics)
+        webui.add_routes(app)  # GET / and /ui/: the web UI of jobs and models
         return app
 
     def status_dict(self) -> dict:
@@ -550,23 +695,46 @@ class Coordinator(Service):
         self.services[self.name].status = dict(self.counters)
         within = self.cfg.coordinator.heartbeat_seconds
         return {"services": {n: {"role": s.role, "index": s.index, "pid": s.pid, "alive": s.alive(within),
-                                 "last_seen": s.last_seen, "status": s.status}
+                                 "last_seen": s.last_seen, "status": s.status,
+                                 "rate": s.rate if s.alive(within) else None}
                              for n, s in sorted(self.services.items())},
-                "jobs": [r.summary() for r in self.jobs.values()],
+                "jobs": self.job_summaries(),
                 "counters": dict(self.counters)}
+
+    def job_summaries(self) -> list[dict]:
+        """Newest first."""
+        return [r.summary() for r in sorted(self.jobs.values(), key=lambda r: (r.submitted, r.id), reverse=True)]
 
     async def http_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.status_dict())
 
     async def http_jobs(self, request: web.Request) -> web.Response:
-        return web.json_response({"jobs": [r.summary() for r in self.jobs.values()]})
+        return web.json_response({"jobs": self.job_summaries()})
 
-    async def http_job(self, request: web.Request) -> web.Response:
+    def job_or_404(self, request: web.Request) -> JobRun:
         run = self.jobs.get(request.match_info["id"])
         if run is None:
             raise web.HTTPNotFound(text=json.dumps({"error": f"no job {request.match_info['id']!r}"}),
                                    content_type="application/json")
-        return web.json_response(run.summary())
+        return run
+
+    async def http_job(self, request: web.Request) -> web.Response:
+        return web.json_response(self.job_or_404(request).summary())
+
+    async def http_history(self, request: web.Request) -> web.Response:
+        run = self.job_or_404(request)
+        try:
+            since = float(request.query.get("since", 0))
+        except ValueError:
+            return _bad_request(f"since must be a number (unix seconds), got {request.query['since']!r}")
+        return web.json_response({"job": run.id, "points": self.store.points(run.id, since),
+                                  "epochs": run.epochs()})
+
+    async def http_models(self, request: web.Request) -> web.Response:
+        dirs = list(dict.fromkeys([*self.cfg.coordinator.model_dirs,
+                                   *(r.record.get("model_dir") or r.request.get("out") for r in self.jobs.values())]))
+        models = await asyncio.to_thread(lambda: [checkpoint.overview(d) for d in dirs if d])
+        return web.json_response({"models": [m for m in models if m is not None]})
 
     def authorize(self, request: web.Request) -> None:
         token = self.cfg.coordinator.token
@@ -588,6 +756,7 @@ class Coordinator(Service):
         except (ConfigError, MarianaError, OSError) as e:
             return _bad_request(str(e) if not isinstance(e, OSError) else f"{e.filename}: {e.strerror}")
         self.jobs[run.id] = run
+        self.save(run)
         self.queue.put_nowait(run.id)
         log.info("%s: job %s submitted (%s, %d epochs)", self.name, run.id, run.request["model"], run.ledger.epochs)
         return web.json_response({"job": run.id, "state": run.state}, status=201)
@@ -600,6 +769,7 @@ class Coordinator(Service):
         if run.state in ("queued", "running"):
             run.state, run.ended, run.error = "cancelled", time.time(), "cancelled by request"
             log.info("%s: job %s cancelled", self.name, run.id)
+            self.ended(run)
             self.pulse()
         return web.json_response(run.summary())
 
@@ -633,12 +803,20 @@ class Coordinator(Service):
         request, spec = check_request(body)
         job = time.strftime("j%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
         staleness = {"async": None, "bsp": 0, "ssp": request["staleness"]}[request["mode"]]
-        ledger = JobLedger(job, epochs=spec["config"]["train"]["epochs"], staleness=staleness)
+        # gzip offsets count uncompressed bytes: no size to estimate epoch 1's progress from
+        size = 0 if any(str(f).endswith(".gz") for f in request["data"]) else sum(
+            os.path.getsize(f) for f in request["data"])
+        ledger = JobLedger(job, epochs=spec["config"]["train"]["epochs"], staleness=staleness, data_bytes=size)
         return JobRun(job, request, spec, ledger)
 
 
 class JobStopped(Exception):
     """The job was cancelled or failed while the coordinator waited for it."""
+
+
+def _numbers(stats: dict) -> dict:
+    """The numbers of a Cached report's stats (what the ledger reads), for the journal."""
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float))}
 
 
 def _bad_request(message: str) -> web.Response:

@@ -16,12 +16,22 @@ An epoch is complete when the source is fully cached (epoch 1) and every
 step of it is done; then the coordinator asks every shard which steps it has
 applied and replays the missing ones (a shard restored from an older
 checkpoint) before the next epoch starts.
+
+Every change that must outlive the coordinator goes through `apply(kind, data)`,
+which the coordinator also writes to its journal (services/jobstore.py) before
+acknowledging it; replaying the journal rebuilds the ledger after a restart.
+Leases and cache misses are not journaled: a restored ledger has every step
+that is not done back in `ready`, and issuing a step again is always safe.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from sparse.metrics import HIST_BINS, histogram_auc
 
 STAGES = ("read", "parse", "hash", "cache", "fetch", "pull", "compute", "push")
 
@@ -80,16 +90,53 @@ class JobLedger:
     worker_done: Counter = field(default_factory=Counter)  # worker -> steps done first by it
     counters: Counter = field(default_factory=Counter)
     stage_seconds: Counter = field(default_factory=Counter)
-    epoch_started: float = field(default_factory=time.monotonic)
+    epoch_started: float = field(default_factory=time.time)   # wall clock: it outlives a restart
     epoch_seconds: list[float] = field(default_factory=list)
+    epoch_summaries: list[dict] = field(default_factory=list)  # {epoch, seconds, rows, loss, auc} per finished one
+    hist: dict = field(default_factory=dict)               # epoch -> (2, bins) positives/negatives per logit bin
+    data_bytes: int = 0                                    # size of the sources (0: unknown): progress in epoch 1
+
+    # ---- the journal ---------------------------------------------------------------------
+
+    def apply(self, kind: str, d: dict):
+        """One journaled change; the coordinator records `(kind, d)` when this returns
+        anything but False. Raises ValueError (changing nothing) for a bad event."""
+        if kind == "start":
+            self.epoch_started = float(d["t"])
+        elif kind == "sent":
+            return self.chunk_sent(ChunkInfo(**d["chunk"]), float(d.get("seconds", 0.0)))
+        elif kind == "cached":
+            return self.chunk_cached(d["chunk"], d["batches"], d["stats"])
+        elif kind == "lost":
+            self.chunk_lost(d["chunk"])
+        elif kind == "source_done":
+            self.source_done = True
+        elif kind == "done":
+            return self.step_done(d["step"], d["worker"], d["rows"], d["loss_sum"], d.get("times") or {},
+                                  d.get("hist"))
+        elif kind == "replay":
+            return self.replay(set(d["steps"])) > 0
+        elif kind == "epoch":
+            self.next_epoch(float(d["t"]))
+        else:
+            raise ValueError(f"unknown journal event {kind!r}")
+        return True
+
+    @staticmethod
+    def chunk_event(c: ChunkInfo, seconds: float) -> dict:
+        return {"chunk": {k: v for k, v in asdict(c).items()
+                          if k in ("id", "file", "offset", "length", "first_line", "lines")}, "seconds": seconds}
 
     # ---- chunks (epoch 1, and refills) -------------------------------------------------
 
-    def chunk_sent(self, c: ChunkInfo, seconds: float = 0.0) -> None:
-        if c.id not in self.chunks:
-            c.sent_at = time.monotonic()
-            self.chunks[c.id] = c
-            self.stage_seconds["read"] += seconds
+    def chunk_sent(self, c: ChunkInfo, seconds: float = 0.0) -> bool:
+        """Record a chunk the loader sent; False when it is known already."""
+        if c.id in self.chunks:
+            return False
+        c.sent_at = time.monotonic()
+        self.chunks[c.id] = c
+        self.stage_seconds["read"] += seconds
+        return True
 
     def chunk_cached(self, chunk: str, batches: list[tuple[int, int]], stats: dict) -> bool:
         """Record a cached chunk; False for a chunk cached before (a duplicate), or
@@ -207,18 +254,23 @@ class JobLedger:
             in_flight += 1
         return out
 
-    def step_done(self, step: str, worker: str, rows: int, loss_sum: float, times: dict) -> bool:
-        """Record a step done; False for a duplicate (already done)."""
+    def step_done(self, step: str, worker: str, rows: int, loss_sum: float, times: dict,
+                  hist: list | None = None) -> bool:
+        """Record a step done; False for a duplicate (already done). `hist`: the batch's
+        [positives, negatives] per logit bin, for the progressive AUC."""
         if step in self.done:
             self.counters["duplicate_done"] += 1
             return False
         epoch, _ = parse_step(step)
+        h = _hist(hist)
         self.leased.pop(step, None)
         self.done.add(step)
         self.lost.discard(step)
         self.rows_done[epoch] += rows
         self.loss_sum[epoch] += loss_sum
         self.worker_done[worker] += 1
+        if h is not None:
+            self.hist[epoch] = self.hist.get(epoch, 0) + h
         for stage, s in times.items():
             if stage in STAGES:
                 self.stage_seconds[stage] += float(s)
@@ -252,10 +304,16 @@ class JobLedger:
         self.counters["batches_replayed"] += len(steps)
         return len(steps)
 
-    def next_epoch(self) -> None:
-        self.epoch_seconds.append(round(time.monotonic() - self.epoch_started, 3))
+    def next_epoch(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        seconds = round(now - self.epoch_started, 3)
+        self.epoch_seconds.append(seconds)
+        rows = self.rows_done[self.epoch]
+        self.epoch_summaries.append({"epoch": self.epoch, "seconds": seconds, "rows": rows,
+                                     "loss": self.loss_sum[self.epoch] / rows if rows else None,
+                                     "auc": self.train_auc(self.epoch)})
         self.epoch += 1
-        self.epoch_started = time.monotonic()
+        self.epoch_started = now
         if self.epoch <= self.epochs:
             lost_chunks = {c.id for c in self.chunks.values() if c.state == "lost"}
             for step in self.epoch_steps(self.epoch):
@@ -266,12 +324,48 @@ class JobLedger:
         """Every step of the epochs so far."""
         return {step_id(e, b) for e in range(1, min(self.epoch, self.epochs) + 1) for b in self.batches}
 
+    def train_auc(self, epoch: int) -> float | None:
+        """Progressive AUC of an epoch: every prediction made before its step's update."""
+        h = self.hist.get(epoch)
+        return None if h is None else histogram_auc(h[0], h[1])
+
+    def fraction(self) -> float:
+        """How much of the job is done, 0..1; during epoch 1 an estimate from the bytes cached."""
+        if self.epoch > self.epochs:
+            return 1.0
+        total = self.counters["rows_in_data"]
+        if not self.source_done and total:
+            seen = sum(c.length for c in self.chunks.values() if c.batches and c.length > 0)
+            if seen and self.data_bytes > seen:
+                total = total * self.data_bytes / seen
+        part = min(1.0, self.rows_done[self.epoch] / total) if total else 0.0
+        return round((self.epoch - 1 + part) / self.epochs, 4)
+
     def progress(self) -> dict:
         e = min(self.epoch, self.epochs)
         finished = self.epoch > self.epochs
-        seconds = self.epoch_seconds[-1] if finished and self.epoch_seconds else time.monotonic() - self.epoch_started
+        seconds = self.epoch_seconds[-1] if finished and self.epoch_seconds else time.time() - self.epoch_started
         rows = self.rows_done[e]
         return {"epoch": e, "epochs": self.epochs, "rows": rows, "rows_per_s": round(rows / max(seconds, 1e-9), 1),
                 "loss": self.loss_sum[e] / rows if rows else None, "ready": len(self.ready),
                 "leased": len(self.leased), "chunks": len(self.chunks), "batches": len(self.batches),
-                "source_done": self.source_done}
+                "source_done": self.source_done, "fraction": self.fraction(),
+                "rows_total": sum(self.rows_done.values())}
+
+    def cache_stats(self) -> dict:
+        hits, misses = self.counters["cache_hits"], self.counters["cache_misses"]
+        return {"hits": hits, "misses": misses, "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}
+
+
+def _hist(hist) -> np.ndarray | None:
+    """A worker's [positives, negatives] per bin as a (2, HIST_BINS) array; None when absent.
+    Raises ValueError for anything else."""
+    if hist is None:
+        return None
+    try:
+        h = np.asarray(hist, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError("stats.hist must be two lists of counts") from None
+    if h.shape != (2, HIST_BINS) or (h < 0).any():
+        raise ValueError(f"stats.hist must be 2 x {HIST_BINS} non-negative counts, got shape {h.shape}")
+    return h

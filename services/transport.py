@@ -109,11 +109,19 @@ class Client:
             else:
                 self.counters["late_replies"] += 1
 
-    def close(self) -> None:
-        self._reader.cancel()
+    def fail_pending(self, reason: str) -> int:
+        """Fail every request in flight with PeerTimeout (the peer restarted: it will never
+        answer them); their callers retry now instead of at their timeout."""
+        n = 0
         for fut in self.pending.values():
             if not fut.done():
-                fut.set_exception(PeerTimeout(f"{self.endpoint}: client closed"))
+                fut.set_exception(PeerTimeout(f"{self.endpoint}: {reason}"))
+                n += 1
+        return n
+
+    def close(self) -> None:
+        self._reader.cancel()
+        self.fail_pending("client closed")
         self.sock.close(linger=0)
 
 

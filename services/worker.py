@@ -184,7 +184,8 @@ class Worker(Service):
         self.counters["rows"] += batch.num_rows
         # The next step need not wait for the coordinator's Ok: the shards have the update.
         task = asyncio.create_task(self.report_done(work, batch.num_rows, result.loss_sum,
-                                                    {"times": times, "applied": applied, "worker": self.name}))
+                                                    {"times": times, "applied": applied, "worker": self.name,
+                                                     "hist": [h.tolist() for h in result.score_hist]}))
         self.reporting.add(task)
         task.add_done_callback(self.reporting.discard)
 

@@ -38,7 +38,7 @@ from trainer.bundle import ModelBundle
 from trainer.config import JobConfig, from_dict, load_config
 
 log = logging.getLogger(__name__)
-DECISIONS = "decisions.jsonl"
+DECISIONS = checkpoint.DECISIONS
 LOCK = ".retrain.lock"
 RUNS = ".retrain"  # status files and logs of retrains started over HTTP
 RUN_ID = re.compile(r"^r\d{8}-\d{6}-[0-9a-f]{6}$")

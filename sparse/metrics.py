@@ -96,6 +96,42 @@ class BinaryMetrics:
         }
 
 
+# Progressive (train) AUC: each step's predictions, made before its update, are
+# counted into fixed logit bins that workers send and the coordinator adds up.
+# 128 bins over logits [-8, 8] (pCTR 0.0003..0.9997): within ~0.002 of exact AUC.
+HIST_BINS = 128
+HIST_LOGIT_RANGE = 8.0
+
+
+def score_histogram(labels: np.ndarray, logits: np.ndarray, bins: int = HIST_BINS) -> tuple[np.ndarray, np.ndarray]:
+    """(positives, negatives) per logit bin, ascending; mergeable by addition.
+
+    >>> pos, neg = score_histogram(np.array([1, 0, 1, 0]), np.array([5., -5., 1., 1.]), bins=4)
+    >>> pos.tolist(), neg.tolist()
+    ([0, 0, 1, 1], [1, 0, 1, 0])
+    """
+    x = np.asarray(logits, np.float64).ravel()
+    y = np.asarray(labels).ravel() > 0.5
+    width = 2 * HIST_LOGIT_RANGE / bins
+    idx = np.clip(((x + HIST_LOGIT_RANGE) / width).astype(np.int64), 0, bins - 1)
+    return (np.bincount(idx[y], minlength=bins).astype(np.int64),
+            np.bincount(idx[~y], minlength=bins).astype(np.int64))
+
+
+def histogram_auc(pos, neg) -> float | None:
+    """AUC of binned scores, ties within a bin counted half; None if a class is absent.
+
+    >>> histogram_auc([0, 0, 1, 1], [1, 0, 1, 0])
+    0.875
+    """
+    pos, neg = np.asarray(pos, np.float64), np.asarray(neg, np.float64)
+    total_pos, total_neg = pos.sum(), neg.sum()
+    if total_pos == 0 or total_neg == 0:
+        return None
+    neg_below = np.cumsum(neg) - neg
+    return float((pos * (neg_below + 0.5 * neg)).sum() / (total_pos * total_neg))
+
+
 def _entropy(ctr: float) -> float:
     if ctr <= 0 or ctr >= 1:
         return 0.0

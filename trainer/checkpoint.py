@@ -8,6 +8,7 @@
         optimizer.safetensors  optimizer state (to resume training)
       v000002/ ...
       promotions.jsonl         one line per move of CURRENT: time, from, to, reason
+      decisions.jsonl          one line per retrain verdict (serving/retrain.py)
 
 A version is written into a hidden temp dir, fsynced, renamed into place
 atomically, and only then does `CURRENT` move (by an atomic rename too), so a
@@ -35,6 +36,7 @@ WEIGHTS = "weights.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 MANIFEST = "manifest.json"
 PROMOTIONS = "promotions.jsonl"
+DECISIONS = "decisions.jsonl"
 
 
 def list_versions(model_dir: str | os.PathLike) -> list[str]:
@@ -87,8 +89,17 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
 
 def promotions(model_dir: str | os.PathLike) -> list[dict]:
     """The recorded moves of CURRENT, oldest first (unreadable lines are skipped)."""
+    return [rec for rec in _json_lines(Path(model_dir) / PROMOTIONS) if "to" in rec]
+
+
+def decisions(model_dir: str | os.PathLike) -> list[dict]:
+    """The retrain verdicts recorded in the model dir, oldest first."""
+    return [rec for rec in _json_lines(Path(model_dir) / DECISIONS) if "verdict" in rec]
+
+
+def _json_lines(path: Path) -> list[dict]:
     try:
-        text = (Path(model_dir) / PROMOTIONS).read_text()
+        text = path.read_text()
     except FileNotFoundError:
         return []
     out = []
@@ -97,9 +108,36 @@ def promotions(model_dir: str | os.PathLike) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(rec, dict) and "to" in rec:
+        if isinstance(rec, dict):
             out.append(rec)
     return out
+
+
+def overview(model_dir: str | os.PathLike, limit: int = 50) -> dict | None:
+    """A model dir at a glance, newest first: versions with their metrics, the retrain
+    decisions and the moves of CURRENT (at most `limit` of each); None if it does not exist."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        return None
+    try:
+        current = current_version(d)
+    except ModelDirError:
+        current = ""
+    versions = []
+    for v in reversed(list_versions(d)[-limit:]):
+        try:
+            m = read_manifest(d, v)
+        except ModelDirError as e:
+            versions.append({"version": v, "current": v == current, "error": str(e)})
+            continue
+        train = m.get("train") or {}
+        versions.append({"version": v, "current": v == current, "created": m.get("created_at"),
+                         "model": (m.get("model") or {}).get("kind"), "metrics": m.get("metrics") or {},
+                         "rows": train.get("rows", m.get("rows_trained")), "job": train.get("job")})
+    moves = [{"time": p.get("time"), "version": p.get("to"), "previous": p.get("from"), "reason": p.get("reason")}
+             for p in promotions(d)]
+    return {"dir": str(d), "current": current, "versions": versions,
+            "decisions": decisions(d)[::-1][:limit], "promotions": moves[::-1][:limit]}
 
 
 def rollback_target(model_dir: str | os.PathLike) -> str:

@@ -45,6 +45,7 @@ class Service:
         self.stopping: asyncio.Event | None = None
         self._heartbeat: asyncio.Task | None = None
         self.background: set[asyncio.Task] = set()
+        self.coordinator_boot: float | None = None  # when the coordinator we talk to started
 
     # ---- what a service fills in ----------------------------------------------------
 
@@ -96,8 +97,15 @@ class Service:
         self._heartbeat = asyncio.create_task(self._beat(), name="heartbeat")
 
     async def hello(self) -> None:
-        await self.coordinator.call("Hello", role=self.role, index=self.index, pid=os.getpid(),
-                                    boot=self.boot, status=self.status(), timeout=2.0)
+        reply = await self.coordinator.call("Hello", role=self.role, index=self.index, pid=os.getpid(),
+                                            boot=self.boot, status=self.status(), timeout=2.0)
+        boot = reply.get("boot")
+        if boot is not None and self.coordinator_boot is not None and boot != self.coordinator_boot:
+            # The coordinator restarted: what was in flight to it is lost; send it again now
+            # rather than when each request times out (a held Cached waits up to 10 minutes).
+            n = self.coordinator.fail_pending("the coordinator restarted")
+            log.info("%s: the coordinator restarted; %d requests in flight are sent again", self.name, n)
+        self.coordinator_boot = boot if boot is not None else self.coordinator_boot
 
     async def _beat(self) -> None:
         period = max(0.2, self.cfg.coordinator.heartbeat_seconds / 3)

@@ -92,6 +92,27 @@ class Cluster:
             time.sleep(0.1)
         raise AssertionError(f"job {job} not there after {timeout}s: {self.job(job)}\n{self.logs()}")
 
+    def wait_for(self, probe, timeout: float = 30.0):
+        """probe()'s first truthy answer, polled until `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = probe()
+            if got:
+                return got
+            time.sleep(0.1)
+        raise AssertionError(f"nothing after {timeout}s\n{self.logs()}")
+
+    def wait_http(self, timeout: float = 60.0) -> None:
+        """Until the coordinator answers HTTP (after a restart)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.info["http"] + "/healthz", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError(f"the coordinator did not answer in {timeout}s\n{self.logs()}")
+
     def status(self) -> dict:
         return self.request("GET", "/v1/status")[1]
 

@@ -137,6 +137,47 @@ def test_redis_restarted_mid_job_refills_from_the_source(data, tmp_path):
     assert record["cache_misses"] > 0, record
 
 
+@pytest.mark.timeout(300)
+def test_coordinator_killed_and_restarted_mid_job_keeps_history_and_completes(data, tmp_path):
+    """SIGKILL the coordinator in epoch 1 (source half read) and again in epoch 2: each new
+    one reads the job store, shows the job and its history as they were, replays the
+    journal and goes on; every row is trained exactly once, and a job that ended before
+    the restarts is still listed with its record."""
+    with Cluster(tmp_path / "c", workers=2) as c:
+        first = c.submit([data["small"]], tmp_path / "m0", [data["test"]], job_config("lr", epochs=1))
+        first_record = done_record(c, first)
+        job = c.submit([data["train"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))
+        for epoch, rows in ((1, 20_000), (2, 10_000)):
+            before = c.wait(job, 120, until=progressed(rows, epoch))
+            assert before["state"] == "running", before
+            assert before["progress"]["source_done"] == (epoch == 2), before  # epoch 1: still reading
+            history = c.wait_for(lambda: c.request("GET", f"/v1/jobs/{job}/history")[1]["points"], 10)
+            assert history[-1]["rows_total"] > 0, history
+            c.kill("coordinator-0", signal.SIGKILL)
+            c.restart("coordinator-0")
+            c.wait_http()
+            after = c.job(job)
+            assert after["state"] == "running" and after["restarts"] == epoch, after
+            assert after["progress"]["epoch"] == epoch
+            kept = c.request("GET", f"/v1/jobs/{job}/history")[1]["points"]
+            assert kept[:len(history)] == history  # what the UI showed before the restart
+            assert c.job(first)["record"] == first_record
+        record = done_record(c, job, timeout=200)
+        points = c.request("GET", f"/v1/jobs/{job}/history")[1]
+        models = {m["dir"]: m for m in c.request("GET", "/v1/models")[1]["models"]}
+        assert c.request("GET", f"/v1/jobs/{job}/history?since=soon")[0] == 400
+        log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
+    assert "resumed from" in log and "goes on at epoch 2" in log, log[-3000:]
+    assert_exactly_once(record, 2)
+    assert record["auc"] > 0.65, record
+    assert [e["epoch"] for e in points["epochs"]] == [1, 2] and points["points"][-1]["epoch"] == 2
+    assert all(e["auc"] is not None and 0.5 < e["auc"] < 1 for e in points["epochs"]), points["epochs"]
+    for out, rec in ((tmp_path / "m0", first_record), (tmp_path / "m", record)):
+        versions = models[str(out.resolve())]["versions"]
+        assert [(v["version"], v["current"]) for v in versions] == [("v000001", True)]
+        assert versions[0]["metrics"]["auc"] == rec["auc"]
+
+
 @pytest.mark.timeout(240)
 def test_bsp_and_bounded_staleness_jobs_count_exactly_once(data, tmp_path):
     """...and the coordinator announces each version it writes on Redis (what model

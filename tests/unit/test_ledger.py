@@ -393,3 +393,65 @@ def test_cached_stats_that_are_not_numbers_change_nothing():
     assert led.chunks["f0o0"].state == "sent" and led.batches == []
     assert led.chunk_cached("f0o0", [(0, 4)], {"rows_ok": 4})
     assert led.batches == ["f0o0:0"]
+
+
+# ---- the journal ----------------------------------------------------------------------
+
+
+def _journaled(led: JobLedger, events: list, kind: str, data: dict):
+    """What the coordinator does: apply, and record what changed something."""
+    changed = led.apply(kind, data)
+    if changed is not False:
+        events.append((kind, data))
+    return changed
+
+
+def test_replaying_the_journal_rebuilds_the_ledger_and_leases_what_is_not_done():
+    live, events = JobLedger("j1", epochs=2), []
+    _journaled(live, events, "start", {"t": 1000.0})
+    for i, cid in enumerate(("f0o0", "f0o100")):
+        _journaled(live, events, "sent", JobLedger.chunk_event(chunk(cid, offset=i * 100), 0.1))
+        _journaled(live, events, "cached", {"chunk": cid, "batches": [[0, 4], [1, 3]], "stats": {"rows_ok": 7}})
+    assert _journaled(live, events, "sent", JobLedger.chunk_event(chunk("f0o0"), 0.1)) is False  # a repeat
+    _journaled(live, events, "source_done", {"chunks": 2})
+    hist = [[0] * 127 + [3], [4] + [0] * 127]
+    for _ in range(4):
+        step = live.lease("w0", 60)
+        _journaled(live, events, "done", {"step": step, "worker": "w0", "rows": 4, "loss_sum": 2.0,
+                                          "times": {}, "hist": hist})
+    assert live.epoch_complete()
+    _journaled(live, events, "epoch", {"t": 1010.0})
+    leased = live.lease("w0", 60)  # in flight when the coordinator died: not journaled
+    assert len(events) == 1 + 4 + 1 + 4 + 1
+
+    restored = JobLedger("j1", epochs=2)
+    for kind, data in events:
+        restored.apply(kind, data)
+    assert (restored.epoch, restored.done, restored.batches, restored.source_done) == (
+        live.epoch, live.done, live.batches, True)
+    assert restored.rows_done == live.rows_done and restored.counters["rows_in_data"] == 14
+    assert restored.epoch_summaries == [{"epoch": 1, "seconds": 10.0, "rows": 16, "loss": 0.5, "auc": 1.0}]
+    again = []
+    while (step := restored.lease("w1", 60)) is not None:
+        again.append(step)
+    assert leased in again and sorted(again) == sorted(restored.epoch_steps(2))
+
+
+def test_bad_journal_events_change_nothing():
+    led = ledger_with({"f0o0": [(0, 4)]})
+    with pytest.raises(ValueError, match="unknown journal event"):
+        led.apply("teleport", {})
+    step = led.lease("w0", 60)
+    with pytest.raises(ValueError, match="2 x 128"):
+        led.apply("done", {"step": step, "worker": "w0", "rows": 4, "loss_sum": 1.0, "hist": [[1, 2], [3, 4]]})
+    assert step not in led.done and led.rows_done[1] == 0
+
+
+def test_progress_fraction_estimates_epoch_1_from_bytes_then_counts_rows():
+    led = JobLedger("j1", epochs=2, data_bytes=400)  # four chunks of 100 bytes; one cached so far
+    led.chunk_sent(chunk("f0o0"))
+    led.chunk_cached("f0o0", [(0, 10)], {"rows_ok": 10})
+    led.step_done(led.lease("w0", 60), "w0", 10, 1.0, {})
+    assert led.fraction() == 0.125  # 10 rows of an estimated 40, epoch 1 of 2
+    led.source_done = True
+    assert led.fraction() == 0.5    # the source is read: 10 rows is all of epoch 1

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from sparse.batch import SparseBatch
+from sparse.metrics import score_histogram
 from sparse.optim import SparseOptimizer
 from trainer.models.base import CTRModel, make_input
 
@@ -23,6 +24,7 @@ class StepResult:
     num_rows: int
     row_grads: dict[str, np.ndarray]    # table -> (U, dim), one row per pulled id
     dense_grads: list[np.ndarray]       # one per model.parameters(), same order
+    score_hist: tuple[np.ndarray, np.ndarray] | None = None  # (pos, neg) per logit bin: progressive AUC
 
 
 def compute_grads(model: CTRModel, batch: SparseBatch, inverse: torch.Tensor,
@@ -37,7 +39,8 @@ def compute_grads(model: CTRModel, batch: SparseBatch, inverse: torch.Tensor,
     return StepResult(
         loss_sum=float(loss.detach()), num_rows=batch.num_rows,
         row_grads={name: r.grad.numpy() for name, r in rows.items()},
-        dense_grads=[p.grad.numpy() for p in model.parameters()])
+        dense_grads=[p.grad.numpy() for p in model.parameters()],
+        score_hist=score_histogram(batch.labels, logits.detach().numpy()))
 
 
 class DenseOptimizer:

@@ -173,13 +173,17 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from services.launcher import ClusterNotUp, status
+    from services.launcher import ClusterNotUp, remote_status, status
 
-    try:
-        st = status(_cluster_dir(args))
-    except ClusterNotUp as e:
-        print(f"mariana: {e}", file=sys.stderr)
-        return 1
+    if args.url:  # a cluster this shell did not start (systemd, another machine)
+        st = {"dir": None, "http": args.url.rstrip("/"), "started_at": None, "processes": {},
+              **remote_status(args.url.rstrip("/"))}
+    else:
+        try:
+            st = status(_cluster_dir(args))
+        except ClusterNotUp as e:
+            print(f"mariana: {e} (or name a coordinator with --url)", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(st))
     else:
@@ -250,20 +254,40 @@ def _cluster_dir(args: argparse.Namespace) -> str:
 
 
 def _print_status(st: dict) -> None:
+    """What the web UI shows, as tables: services, jobs, model versions and retrain verdicts."""
     coord = st["coordinator"] or {}
-    print(f"cluster {st['dir']}  {st['http']}  up {_ago(st['started_at'])}")
+    where = f"cluster {st['dir']}  " if st["dir"] else "cluster "
+    print(where + st["http"] + (f"  up {_ago(st['started_at'])}" if st["started_at"] else ""))
     if st["error"]:
         print(f"  {st['error']}")
     print()
-    _print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "LAST SEEN"), _service_rows(st, coord))
+    _print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "LAST SEEN", "THROUGHPUT"), _service_rows(st, coord))
     jobs = coord.get("jobs") or []
     if jobs:
         print()
-        progress = [j.get("progress") or {} for j in jobs]
-        _print_table(("JOB", "STATE", "MODEL", "EPOCH", "ROWS", "ROWS/S", "ERROR"),
-                     [(j.get("id"), j.get("state"), j.get("model"), f"{p.get('epoch')}/{p.get('epochs')}",
-                       _count(p.get("rows")), _count(p.get("rows_per_s")), (j.get("error") or "")[:60] or None)
-                      for j, p in zip(jobs, progress)])
+        _print_table(("JOB", "STATE", "MODEL", "EPOCH", "DONE", "ROWS", "ROWS/S", "LOSS", "CACHE HITS", "ERROR"),
+                     [_job_row(j) for j in jobs])
+    for m in st.get("models") or []:
+        print(f"\nmodels in {m['dir']} (serving {m.get('current') or 'nothing'})")
+        _print_table(("VERSION", "", "MODEL", "CREATED", "AUC", "LOGLOSS", "ROWS", "JOB"),
+                     [(v["version"], "*" if v.get("current") else "", v.get("model"), v.get("created"),
+                       _num(v.get("metrics", {}).get("auc")), _num(v.get("metrics", {}).get("logloss")),
+                       _count(v.get("rows")), v.get("job")) for v in m["versions"][:10]])
+        for d in m.get("decisions", [])[:5]:
+            print(f"  retrain {d.get('time')}: {d.get('verdict')} {d.get('new_version')} ({d.get('reason')})")
+
+
+def _job_row(j: dict) -> tuple:
+    p, cache = j.get("progress") or {}, j.get("cache") or {}
+    frac, hits = p.get("fraction"), cache.get("hit_rate")
+    return (j.get("id"), j.get("state") + (f" ({j['restarts']} restarts)" if j.get("restarts") else ""),
+            j.get("model"), f"{p.get('epoch')}/{p.get('epochs')}", None if frac is None else f"{100 * frac:.0f}%",
+            _count(p.get("rows")), _count(p.get("rows_per_s")), _num(p.get("loss")),
+            None if hits is None else f"{100 * hits:.1f}%", (j.get("error") or "")[:60] or None)
+
+
+def _num(x) -> str | None:
+    return f"{x:.4f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _service_rows(st: dict, coord: dict) -> list[tuple]:
@@ -276,7 +300,9 @@ def _service_rows(st: dict, coord: dict) -> list[tuple]:
         alive = "-" if not s else ("yes" if s.get("alive") else "no")
         pid = "-" if not p else f"{p['pid']}{'' if p['running'] else ' (exited)'}"
         seen = _ago(s["last_seen"]) + " ago" if s.get("last_seen") else "-"
-        rows.append((name, p.get("role") or s.get("role"), p.get("index", s.get("index")), alive, pid, seen))
+        rate = s.get("rate") or {}
+        speed = f"{rate['value']:,.1f} {rate['unit']}" if rate.get("unit") else None
+        rows.append((name, p.get("role") or s.get("role"), p.get("index", s.get("index")), alive, pid, seen, speed))
     return rows
 
 
@@ -384,6 +410,7 @@ def _add_cluster_commands(sub) -> None:
     s.add_argument("--dir", help="cluster directory (default: the config's cluster.dir)")
     s.add_argument("--config", help="cluster config whose cluster.dir to use")
     s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--url", help="ask this coordinator (http://host:port) instead of a local cluster's")
     s.set_defaults(func=cmd_status)
 
     r = sub.add_parser("run", help="run one service in the foreground (what systemd and `up` start)")

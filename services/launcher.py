@@ -535,18 +535,26 @@ def status(cluster_dir: str) -> dict:
         raise ClusterNotUp(f"no cluster is up in {root}: none of the processes in {STATE_FILE} runs "
                            f"(`mariana down --dir {root}` clears it)")
     result = {"dir": root, "http": state["http"], "config": state["config"], "started_at": state["started_at"],
-              "processes": procs, "coordinator": None, "error": None}
+              "processes": procs}
+    return {**result, **remote_status(state["http"])}
+
+
+def remote_status(http: str) -> dict:
+    """What the coordinator at `http` reports: {"coordinator": /v1/status, "models": /v1/models,
+    "error"}; "error" says why it could not be read (None when it could)."""
+    out = {"coordinator": None, "models": [], "error": None}
     try:
-        result["coordinator"] = fetch_status(state["http"], timeout=5.0)
+        out["coordinator"] = fetch_status(http, timeout=5.0)
+        out["models"] = fetch_status(http, timeout=5.0, path="/v1/models").get("models", [])
     except _UNREACHABLE as e:
-        result["error"] = f"coordinator at {state['http']} unreachable: {_reason(e)}"
-    return result
+        out["error"] = f"coordinator at {http} unreachable: {_reason(e)}"
+    return out
 
 
-def fetch_status(http: str, timeout: float = 2.0) -> dict:
-    """GET {http}/v1/status as a dict; raises OSError, ValueError or HTTPException."""
+def fetch_status(http: str, timeout: float = 2.0, path: str = "/v1/status") -> dict:
+    """GET {http}{path} as a dict; raises OSError, ValueError or HTTPException."""
     try:
-        with _HTTP.open(f"{http}/v1/status", timeout=timeout) as resp:
+        with _HTTP.open(f"{http}{path}", timeout=timeout) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as e:
         e.close()  # it holds the response open

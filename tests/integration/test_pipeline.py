@@ -72,7 +72,10 @@ def test_cli_cluster_mode_matches_local_mode(data, tmp_path):
                        "--workers", "2", "--ps", "2", "--preprocess", "2", check=True)
         record = json.loads(proc.stdout)
         table = run_cli("status", "--config", cfg, check=True).stdout
-        assert record["job"] in table and "done" in table
+        assert record["job"] in table and "done" in table and "100%" in table, table
+        assert f"models in {(tmp_path / 'cluster').resolve()} (serving v000001)" in table, table
+        by_url = run_cli("status", "--url", status["http"], check=True).stdout  # what a systemd host runs
+        assert record["job"] in by_url and "rows/s" in by_url, by_url
         mismatch = run_cli(*common, "--out", tmp_path / "x", "--mode", "cluster", "--cluster-config", cfg,
                            "--workers", "3")
         assert mismatch.returncode == 2 and "has 2 worker" in mismatch.stderr

@@ -706,7 +706,19 @@ class Coordinator(Service):
         return [r.summary() for r in sorted(self.jobs.values(), key=lambda r: (r.submitted, r.id), reverse=True)]
 
     async def http_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status_dict())
+        return web.json_response({**self.status_dict(), "redis": await self.redis_stats()})
+
+    async def redis_stats(self) -> dict:
+        """The sample cache's Redis as its INFO says: hit rate of reads, memory, keys."""
+        try:
+            info = await asyncio.wait_for(self.cache.redis.info(), 1.0)
+        except (asyncio.TimeoutError, OSError, RedisError) as e:
+            return {"up": False, "error": str(e) or type(e).__name__}
+        hits, misses = info.get("keyspace_hits", 0), info.get("keyspace_misses", 0)
+        return {"up": True, "hits": hits, "misses": misses,
+                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+                "used_memory": info.get("used_memory"), "keys": sum(
+                    v.get("keys", 0) for k, v in info.items() if k.startswith("db") and isinstance(v, dict))}
 
     async def http_jobs(self, request: web.Request) -> web.Response:
         return web.json_response({"jobs": self.job_summaries()})

@@ -31,6 +31,7 @@ import urllib.parse
 import urllib.request
 
 from services.runtime.config import ClusterConfig, to_toml
+from services.runtime.sdnotify import child_env
 from sparse.errors import MarianaError
 
 log = logging.getLogger(__name__)
@@ -449,8 +450,9 @@ def _embedded_redis(cfg: ClusterConfig, root: str) -> RedisServer:
 def _child_env() -> dict:
     # cluster.toml already has the environment's MARIANA_<SECTION>__ values folded in, and
     # the flags of `mariana up` on top; children re-reading them would undo the flags.
+    # systemd's NOTIFY_SOCKET is for `up` itself (its services are not systemd's main process).
     drop = tuple(f"MARIANA_{s.upper()}__" for s in _CLUSTER_SECTIONS)
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    return {k: v for k, v in child_env().items() if not k.startswith(drop)}
 
 
 def _spawn(role: str, index: int, state: dict, env: dict) -> dict:

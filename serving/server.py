@@ -10,6 +10,11 @@ stops them on SIGTERM. With one worker there is no supervisor.
 Workers write their metrics to <run>/metrics-<i>.json each second; any of them
 answers /metrics with the sum. On SIGTERM a worker stops taking connections,
 answers what it holds (up to serve.drain_seconds) and exits 0.
+
+Under systemd (Type=notify) the main process — the supervisor, or the lone
+worker — sends READY=1 once every worker listens, WATCHDOG=1 while it is
+healthy, and STOPPING=1 on SIGTERM (services/runtime/sdnotify.py); the
+supervised workers are started without $NOTIFY_SOCKET.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import tempfile
 import time
 
 from serving.config import ServeConfig
+from services.runtime import sdnotify
 from services.runtime.config import to_toml
 from sparse.errors import MarianaError
 
@@ -65,6 +71,7 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     freeze_imports()  # the model is loaded: the collector need not walk torch's and aiohttp's objects again
+    watchdog = None
     try:
         # Workers of one server share the port; a server of one worker owns it alone.
         site = web.TCPSite(runner, s.host, s.port, reuse_port=s.worker_count > 1, backlog=1024)
@@ -74,10 +81,17 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
                  s.model_dir)
         if run_dir:
             open(os.path.join(run_dir, f"worker-{index}.ready"), "w").close()
+        # A lone worker is systemd's main process (a supervised one has no NOTIFY_SOCKET: no-ops).
+        sdnotify.notify("READY=1", f"STATUS=serving on {s.host}:{port}")
+        period = sdnotify.watchdog_period()
+        watchdog = asyncio.create_task(sdnotify.watchdog(period), name="watchdog") if period else None
         await stop.wait()
         log.info("serve-%d: stopping: answering the requests in flight (up to %.0fs)", index, s.drain_seconds)
+        sdnotify.notify("STOPPING=1", "STATUS=stopping")
     finally:
         await runner.cleanup()
+        if watchdog is not None:
+            watchdog.cancel()
     m = app[METRICS]
     log.info("serve-%d: stopped after %d requests, %d predictions", index,
              m.value("mariana_serve_requests_total"), m.value("mariana_serve_predictions_total"))
@@ -144,6 +158,7 @@ class _Supervisor:
         self.started: dict[int, float] = {}
         self.quick_deaths: dict[int, int] = {}
         self.stopping = False
+        self.watchdog_period, self.next_ping = sdnotify.watchdog_period(), 0.0
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -156,6 +171,7 @@ class _Supervisor:
             raise MarianaError(f"the workers did not all start listening on {s.host}:{s.port} "
                                f"within {READY_SECONDS:.0f}s (see their log lines above)")
         log.info("serving %s on http://%s:%d with %d worker processes", s.model_dir, s.host, s.port, self.n)
+        sdnotify.notify("READY=1", f"STATUS=serving on {s.host}:{s.port} with {self.n} workers")
         failed = False
         while not self.stopping:
             time.sleep(0.2)
@@ -165,8 +181,20 @@ class _Supervisor:
                     if failed:
                         self.stopping = True
                         break
+            self._feed_watchdog()
+        sdnotify.notify("STOPPING=1", "STATUS=stopping")
         self._stop_all()
         return 1 if failed else 0
+
+    def _feed_watchdog(self) -> None:
+        """WATCHDOG=1 every half WatchdogSec while this loop runs and a worker serves: a
+        supervisor that hangs, or whose workers are all down, gets restarted by systemd."""
+        if self.watchdog_period is None or time.monotonic() < self.next_ping:
+            return
+        alive = sum(c.poll() is None for c in self.children.values())
+        if alive:
+            sdnotify.notify("WATCHDOG=1", f"STATUS=serving with {alive} of {self.n} workers")
+            self.next_ping = time.monotonic() + self.watchdog_period
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = True
@@ -174,7 +202,7 @@ class _Supervisor:
     def _start(self, i: int) -> None:
         cmd = [sys.executable, "-m", "serving.cli", *self.verbosity, "serve", "--config", self.resolved,
                "--worker-index", str(i), "--run-dir", self.run_dir]
-        self.children[i] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        self.children[i] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=sdnotify.child_env())
         self.started[i] = time.monotonic()
 
     def _restart(self, i: int, code: int) -> bool:

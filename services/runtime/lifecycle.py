@@ -24,6 +24,7 @@ from collections import Counter
 
 import zmq.asyncio
 
+from services.runtime import sdnotify
 from services.runtime.config import ClusterConfig
 from services.transport import Client, PeerTimeout, RemoteError
 
@@ -129,16 +130,22 @@ async def _run(service: Service) -> int:
     service.ctx = zmq.asyncio.Context()
     t0 = time.monotonic()
     stop = asyncio.create_task(service.stopping.wait(), name="stop")
+    watchdog = None
     try:
         starting = asyncio.create_task(service.start(), name="start")
         await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():  # SIGTERM while still starting (e.g. waiting for the coordinator)
+            _stopping(service)
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             log.info("%s: stopped while starting", service.name)
             return 0
         starting.result()
         log.info("%s: started (pid %d)", service.name, os.getpid())
+        # systemd (Type=notify) counts the unit started now, and from now on restarts it
+        # when the event loop stops pinging (WatchdogSec=): a blocked loop is a dead service.
+        sdnotify.notify("READY=1", f"STATUS={service.name}: running")
+        watchdog = _watchdog(service)
         work = asyncio.create_task(service.main(), name="main")
         done, _ = await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
         if work in done and not service.stopping.is_set():  # (a main() that only waits for stop ends with it)
@@ -146,6 +153,7 @@ async def _run(service: Service) -> int:
             work.result()  # a crash of main() surfaces here
         else:
             log.info("%s: stopping: draining work in flight", service.name)
+            _stopping(service)
             await _drain(service)
             work.cancel()
             await asyncio.wait({work}, timeout=DRAIN_SECONDS)  # its cleanup may call peers: bounded
@@ -159,9 +167,27 @@ async def _run(service: Service) -> int:
         if service.coordinator:
             service.coordinator.close()
         service.ctx.destroy(linger=0)
+        if watchdog is not None:  # fed through close (a ps checkpoint), which runs within TimeoutStopSec
+            watchdog.cancel()
     counts = ", ".join(f"{k}={v}" for k, v in sorted(service.counters.items()))
     log.info("%s: stopped after %.1fs (%s)", service.name, time.monotonic() - t0, counts or "no work")
     return 0
+
+
+def _stopping(service: Service) -> None:
+    sdnotify.notify("STOPPING=1", f"STATUS={service.name}: stopping")
+
+
+def _watchdog(service: Service) -> asyncio.Task | None:
+    """WATCHDOG=1 from the event loop while systemd asks for it, with the counters as STATUS."""
+    period = sdnotify.watchdog_period()
+    if period is None:
+        return None
+
+    def status() -> str:  # what `systemctl status` shows
+        return f"{service.name}: " + (", ".join(f"{k}={v}" for k, v in sorted(service.counters.items())) or "running")
+
+    return asyncio.create_task(sdnotify.watchdog(period, status), name="watchdog")
 
 
 async def _drain(service: Service) -> None:

@@ -168,6 +168,7 @@ def test_coordinator_killed_and_restarted_mid_job_keeps_history_and_completes(da
         record = done_record(c, job, timeout=200)
         points = c.request("GET", f"/v1/jobs/{job}/history")[1]
         models = {m["dir"]: m for m in c.request("GET", "/v1/models")[1]["models"]}
+        cache, redis_info = c.job(job)["cache"], c.status()["redis"]
         assert c.request("GET", f"/v1/jobs/{job}/history?since=soon")[0] == 400
         log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
     assert "resumed from" in log and "goes on at epoch 2" in log, log[-3000:]
@@ -175,6 +176,8 @@ def test_coordinator_killed_and_restarted_mid_job_keeps_history_and_completes(da
     assert record["auc"] > 0.65, record
     assert [e["epoch"] for e in points["epochs"]] == [1, 2] and points["points"][-1]["epoch"] == 2
     assert all(e["auc"] is not None and 0.5 < e["auc"] < 1 for e in points["epochs"]), points["epochs"]
+    assert cache["hits"] >= record["rows_in_data"] // 1024 and 0 < cache["hit_rate"] <= 1, cache  # epoch 2
+    assert redis_info["up"] and redis_info["hits"] > 0 and 0 < redis_info["hit_rate"] <= 1, redis_info
     for out, rec in ((tmp_path / "m0", first_record), (tmp_path / "m", record)):
         versions = models[str(out.resolve())]["versions"]
         assert [(v["version"], v["current"]) for v in versions] == [("v000001", True)]

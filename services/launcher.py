@@ -109,6 +109,11 @@ def _fill_free_ports(cfg: ClusterConfig) -> None:
             cfg.redis.url = f"redis://{_url_host(host)}:{ports.take(host)}/0"
         cfg.ps.endpoints = cfg.ps.endpoints or [tcp() for _ in range(cfg.ps.count)]
         cfg.preprocess.endpoints = cfg.preprocess.endpoints or [tcp() for _ in range(cfg.preprocess.count)]
+        # Prometheus /metrics of every service but the coordinator (its HTTP API serves it)
+        cfg.loader.metrics_port = cfg.loader.metrics_port or ports.take(host)
+        for role in ("ps", "preprocess", "worker"):
+            sec = getattr(cfg, role)
+            sec.metrics_ports = sec.metrics_ports or [ports.take(host) for _ in range(sec.count)]
 
 
 def _url_host(host: str) -> str:

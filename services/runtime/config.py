@@ -15,11 +15,16 @@ defaults <- TOML <- `MARIANA_<SECTION>__<KEY>` environment <- overrides.
 
 With `cluster.base_port` set, unset endpoints follow from it (coordinator
 base, HTTP base+1, Redis base+2, ps i at base+10+i, preprocess i at
-base+100+i); `mariana up` picks free ports when it is 0.
+base+100+i), and so do the Prometheus ports of the services (loader base+3,
+ps i base+200+i, preprocess i base+300+i, worker i base+400+i; the
+coordinator answers /metrics on its HTTP port); `mariana up` picks free ports
+when it is 0.
 
 >>> cfg = load_cluster_config(overrides={"cluster.base_port": 7000, "ps.count": 2}, env={})
 >>> cfg.coordinator.endpoint, cfg.ps.endpoints, cfg.redis.url
 ('tcp://127.0.0.1:7000', ['tcp://127.0.0.1:7010', 'tcp://127.0.0.1:7011'], 'redis://127.0.0.1:7002/0')
+>>> cfg.metrics_port("loader", 0), cfg.ps.metrics_ports, cfg.worker.metrics_ports
+(7003, [7200, 7201], [7400])
 """
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ from sparse.errors import ConfigError
 from trainer.config import load_config
 
 ROLES = ("coordinator", "loader", "preprocess", "worker", "ps")
+# Offsets from cluster.base_port of the /metrics port of each role's instance 0.
+METRICS_OFFSETS = {"loader": 3, "ps": 200, "preprocess": 300, "worker": 400}
 
 
 @dataclass
@@ -72,6 +79,7 @@ class CoordinatorConfig:
 @dataclass
 class LoaderConfig:
     hwm: int = 4                        # chunks queued per preprocess connection (back-pressure)
+    metrics_port: int = 0               # Prometheus /metrics; 0: none (derived from base_port when set)
 
 
 @dataclass
@@ -79,6 +87,7 @@ class PreprocessConfig:
     count: int = 1
     endpoints: list[str] = field(default_factory=list)  # PULL socket of each instance
     threads: int = 2                    # chunks parsed and hashed at once per instance
+    metrics_ports: list[int] = field(default_factory=list)  # /metrics of each instance; [] : none
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -91,6 +100,7 @@ class WorkerConfig:
     rpc_seconds: float = 10.0           # a shard that does not answer in this long is retried
     pipeline: int = 0                   # steps in flight per worker; 0: 2 with one worker, else 1
     threads: int = 0                    # torch threads per worker; 0: the job's train.threads rule
+    metrics_ports: list[int] = field(default_factory=list)  # /metrics of each instance; [] : none
 
     def __post_init__(self) -> None:
         if self.pipeline < 0:
@@ -109,6 +119,7 @@ class PSConfig:
     endpoints: list[str] = field(default_factory=list)  # ROUTER socket of each shard
     checkpoint_seconds: float = 30.0    # 0: only on SIGTERM and at job end
     state_dir: str = ""                 # default: <cluster.dir>/ps
+    metrics_ports: list[int] = field(default_factory=list)  # /metrics of each shard; [] : none
 
 
 @dataclass
@@ -146,10 +157,15 @@ class ClusterConfig:
             self.ps.endpoints = self.ps.endpoints or [tcp(base + 10 + i) for i in range(self.ps.count)]
             self.preprocess.endpoints = (self.preprocess.endpoints
                                          or [tcp(base + 100 + i) for i in range(self.preprocess.count)])
-        for role in ("ps", "preprocess"):
-            sec = getattr(self, role)
-            if sec.endpoints and len(sec.endpoints) != sec.count:
-                raise ConfigError(f"{role}.endpoints lists {len(sec.endpoints)} endpoints for "
+            self.loader.metrics_port = self.loader.metrics_port or base + METRICS_OFFSETS["loader"]
+            for role in ("ps", "preprocess", "worker"):
+                sec = getattr(self, role)
+                sec.metrics_ports = sec.metrics_ports or [base + METRICS_OFFSETS[role] + i for i in range(sec.count)]
+        for role, key in (("ps", "endpoints"), ("preprocess", "endpoints"), ("ps", "metrics_ports"),
+                          ("preprocess", "metrics_ports"), ("worker", "metrics_ports")):
+            sec, listed = getattr(self, role), getattr(getattr(self, role), key)
+            if listed and len(listed) != sec.count:
+                raise ConfigError(f"{role}.{key} lists {len(listed)} {key.replace('_', ' ')} for "
                                   f"{role}.count = {sec.count}")
 
     def require_endpoints(self) -> None:
@@ -172,6 +188,16 @@ class ClusterConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def metrics_port(self, role: str, index: int) -> int | None:
+        """The port of one service's Prometheus /metrics: 0 when none is set; None for the
+        coordinator, whose HTTP API answers /metrics itself."""
+        if role == "coordinator":
+            return None
+        if role == "loader":
+            return self.loader.metrics_port
+        ports = getattr(self, role).metrics_ports
+        return ports[index] if index < len(ports) else 0
 
     def count(self, role: str) -> int:
         return getattr(self, role).count if role in ("preprocess", "worker", "ps") else 1

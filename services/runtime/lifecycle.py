@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from services.runtime import sdnotify
 from services.runtime.config import ClusterConfig
+from services.runtime.exporter import start_metrics
 from services.transport import Client, PeerTimeout, RemoteError
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ async def _run(service: Service) -> int:
     service.ctx = zmq.asyncio.Context()
     t0 = time.monotonic()
     stop = asyncio.create_task(service.stopping.wait(), name="stop")
-    watchdog = None
+    metrics, watchdog = None, None
     try:
         starting = asyncio.create_task(service.start(), name="start")
         await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -141,6 +142,7 @@ async def _run(service: Service) -> int:
             log.info("%s: stopped while starting", service.name)
             return 0
         starting.result()
+        metrics = await start_metrics(service)
         log.info("%s: started (pid %d)", service.name, os.getpid())
         # systemd (Type=notify) counts the unit started now, and from now on restarts it
         # when the event loop stops pinging (WatchdogSec=): a blocked loop is a dead service.
@@ -160,6 +162,8 @@ async def _run(service: Service) -> int:
     finally:
         stop.cancel()
         service.stop_heartbeat()
+        if metrics is not None:  # reverse of start: it came up after start()
+            await metrics.stop()
         try:
             await service.close()
         except Exception:  # close what was opened; a half-started service has less to close

@@ -79,3 +79,21 @@ def test_cluster_and_job_configs_take_only_their_own_environment_sections():
     env = {"MARIANA_WORKER__COUNT": "3", "MARIANA_TRAIN__EPOCHS": "4"}
     assert load_cluster_config(env=env).worker.count == 3
     assert load_config(env=env).train.epochs == 4
+
+
+def test_metrics_ports_follow_base_port_and_are_checked_against_counts():
+    from services.launcher import resolve
+    from services.runtime.config import load_cluster_config
+
+    cfg = load_cluster_config(overrides={"cluster.base_port": 5700, "worker.count": 3, "ps.count": 2}, env={})
+    assert [cfg.metrics_port("worker", i) for i in range(3)] == [6100, 6101, 6102]
+    assert (cfg.metrics_port("loader", 0), cfg.ps.metrics_ports, cfg.preprocess.metrics_ports) == (5703, [5900, 5901],
+                                                                                                  [6000])
+    assert cfg.metrics_port("coordinator", 0) is None  # its HTTP API answers /metrics
+    unset = load_cluster_config(env={})
+    assert unset.metrics_port("worker", 0) == unset.metrics_port("loader", 0) == 0
+    with pytest.raises(ConfigError, match="worker.metrics_ports lists 1 metrics ports for worker.count = 2"):
+        load_cluster_config(overrides={"worker.count": 2, "worker.metrics_ports": [9100]}, env={})
+    filled = resolve(load_cluster_config(overrides={"worker.count": 2}, env={}))  # `mariana up`: free ports
+    ports = [filled.metrics_port(r, i) for r in ("loader", "ps", "preprocess", "worker") for i in range(filled.count(r))]
+    assert len(set(ports)) == len(ports) == 5 and all(ports), ports

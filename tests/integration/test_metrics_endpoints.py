@@ -1,0 +1,71 @@
+"""Every service of a real local cluster answers GET /metrics on the port the
+resolved config gives it (the coordinator on its HTTP API), in the Prometheus
+text format, with the counters its heartbeat reports, labelled role and index."""
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import pytest
+
+from sparse.synth import generate_criteo
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+SAMPLE = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{[^}]*\})? (-?[0-9.e+-]+|[+-]Inf|NaN)$', re.I)
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via a proxy
+
+
+def scrape(port: int) -> tuple[int, str, dict[str, float]]:
+    """(status, content type, {series: value}); every line must be a comment or a sample."""
+    with DIRECT.open(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+        status, ctype = r.status, r.headers["Content-Type"]
+    series = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) [a-z_:][a-z0-9_:]* ", line, re.I), line
+            continue
+        m = SAMPLE.match(line)
+        assert m, f"not a Prometheus sample: {line!r}"
+        series[(m.group(1) + (m.group(2) or ""))] = float(m.group(3))
+    return status, ctype, series
+
+
+@pytest.mark.timeout(180)
+def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
+    data = tmp_path / "train.tsv"
+    generate_criteo(data, 5_000, seed=5)
+    with Cluster(tmp_path / "c", workers=2, ps=1, preprocess=1) as c:
+        job = c.submit([data], tmp_path / "m", config={"hashing": {"bits": 16}, "train": {"batch_size": 512}})
+        assert c.wait(job)["state"] == "done", c.logs()
+        services = c.status()["services"]  # what each one last reported in its heartbeat
+        status, ctype, coord = scrape(c.cfg.coordinator.http_port)
+        assert status == 200 and ctype.startswith("text/plain")
+        assert coord['mariana_service_up{service="worker-1",role="worker"}'] == 1
+        for role in ("loader", "preprocess", "worker", "ps"):
+            for index in range(c.cfg.count(role)):
+                name, port = f"{role}-{index}", c.cfg.metrics_port(role, index)
+                assert port, f"{name}: the resolved config gives it no metrics port"
+                status, ctype, series = scrape(port)
+                assert status == 200 and ctype.startswith("text/plain"), (name, ctype)
+                labels = f'{{index="{index}",role="{role}"}}'
+                assert series[f"mariana_service_start_time_seconds{labels}"] > 0
+                reported = {k: v for k, v in services[name]["status"].items() if isinstance(v, (int, float))}
+                assert reported, f"{name}: no numbers in its heartbeat"
+                for key, value in reported.items():  # a counter, or a gauge (busy, jobs)
+                    counter, gauge = f"mariana_{role}_{key}_total{labels}", f"mariana_{role}_{key}{labels}"
+                    assert counter in series or gauge in series, (name, key, sorted(series))
+                    assert series.get(counter, value) >= value, (name, key)  # scraped after the heartbeat
+        assert series_of(c, "worker", "steps") > 0 and series_of(c, "ps", "steps_applied") > 0
+        assert series_of(c, "loader", "chunks_sent") > 0 and series_of(c, "preprocess", "batches") > 0
+
+
+def series_of(c: Cluster, role: str, counter: str) -> float:
+    """A counter summed over a role's instances, as scraped."""
+    total = 0.0
+    for index in range(c.cfg.count(role)):
+        total += scrape(c.cfg.metrics_port(role, index))[2].get(
+            f'mariana_{role}_{counter}_total{{index="{index}",role="{role}"}}', 0.0)
+    return total

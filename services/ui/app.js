@@ -372,6 +372,8 @@
       [level, text] = ["down", `coordinator unreachable (${state.error}${since})`];
     } else if (down.length) {
       [level, text] = ["degraded", `${down.length} of ${services.length} services down: ${down.join(", ")}`];
+    } else if (redisOf() && redisOf().up === false) {
+      [level, text] = ["degraded", `the sample cache's Redis does not answer (${str(redisOf().error)})`];
     } else {
       [level, text] = ["ok", `healthy · ${services.length} services alive`];
     }
@@ -790,6 +792,8 @@
     } else {
       parts.push(el("p", {class: "empty"}, "No job yet."));
     }
+    const redis = redisOf();
+    if (redis) parts.push(el("h3", {}, "Redis server"), redisFacts(redis));
     const counters = cacheCounters();
     if (counters.length) {
       parts.push(el("h3", {}, "Service counters"), el("table", {class: "table"}, el("tbody", {},
@@ -797,6 +801,28 @@
                                          el("td", {class: "num"}, fmtValue(v)))))));
     }
     $("cache-body").replaceChildren(...parts);
+  }
+
+  function redisOf() {  // /v1/status "redis": the cache server's INFO (newer coordinators)
+    return state.status && isObj(state.status.redis) ? state.status.redis : null;
+  }
+
+  function redisFacts(r) {
+    const facts = r.up === false
+      ? [["State", "down"], ["Error", r.error]]
+      : [["State", r.up ? "up" : null], ["Read hit rate", fmtPct(r.hit_rate)],
+         ["Hits / misses", isNum(r.hits) ? `${fmtInt(r.hits)} / ${fmtInt(r.misses)}` : null],
+         ["Memory", fmtBytes(r.used_memory)], ["Keys", fmtInt(r.keys)]];
+    return el("dl", {class: "facts", "data-testid": "redis", "data-up": String(r.up)},
+              facts.map(([k, v]) => el("div", {}, el("dt", {}, k), el("dd", {}, str(v)))));
+  }
+
+  function fmtBytes(n) {
+    if (!isNum(n)) return DASH;
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) [n, i] = [n / 1024, i + 1];
+    return `${n.toFixed(i && n < 10 ? 1 : 0)} ${units[i]}`;
   }
 
   function cacheCounters() {  // [service, counter, value] for counters about the cache

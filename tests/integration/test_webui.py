@@ -1,0 +1,337 @@
+"""The web UI: its routes on a real aiohttp server, and a real browser (headless
+Chromium driven by Playwright) watching a job run on a real local cluster.
+
+The browser test installs what it lacks: Debian's `chromium` (apt-get, as root) when
+/usr/bin/chromium is absent; the `playwright` package comes with the dev extra. It never
+downloads a browser of Playwright's own. Screenshots go to $MARIANA_TEST_ARTIFACTS or
+<repo>/test-artifacts/ (git-ignored)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from services import webui
+from sparse.synth import generate_criteo
+from tests.conftest import ROOT
+from tests.integration.cluster import Cluster
+
+CHROMIUM = Path("/usr/bin/chromium")
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+# LR on small batches: ~5,600 steps over 3 epochs of 120k rows, about 15-20 s on one worker
+# and one shard: long enough to watch it run, short enough for the suite.
+JOB = {"model": {"kind": "lr"}, "hashing": {"bits": 18}, "train": {"batch_size": 64, "epochs": 3},
+       "data": {"block_bytes": 262144}}
+
+
+# ---- routes ---------------------------------------------------------------------------------
+
+@pytest.fixture
+async def ui_server():
+    """An aiohttp server with only the UI's routes, on a free loopback port: (host, port)."""
+    app = web.Application()
+    webui.add_routes(app)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield runner.addresses[0][:2]
+    await runner.cleanup()
+
+
+async def raw_get(addr: tuple, path: str) -> tuple[int, dict, bytes]:
+    """GET with the path sent exactly as written (an HTTP client would normalize "..")."""
+    reader, writer = await asyncio.open_connection(*addr)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: ui\r\nConnection: close\r\n\r\n".encode())
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+async def test_ui_serves_its_files_without_caching(ui_server):
+    code, headers, body = await raw_get(ui_server, "/ui/")
+    assert code == 200 and headers["content-type"] == "text/html; charset=utf-8"
+    assert headers["cache-control"] == "no-cache" and b'src="app.js"' in body
+    assert "script-src" not in headers["content-security-policy"]  # default-src 'self': no inline code
+    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css"), ("favicon.svg", "image/svg+xml")):
+        code, headers, body = await raw_get(ui_server, f"/ui/{name}")
+        assert code == 200 and headers["content-type"].startswith(kind), (name, headers)
+        assert headers["cache-control"] == "no-cache"
+        assert body == (webui.UI_DIR / name).read_bytes()
+
+
+async def test_ui_root_redirects_to_the_page(ui_server):
+    for path in ("/", "/ui"):
+        code, headers, _ = await raw_get(ui_server, path)
+        assert code == 302 and headers["location"] == "/ui/", (path, code, headers)
+
+
+@pytest.mark.parametrize("path", [
+    "/ui/../x", "/ui/../webui.py", "/ui/..%2fwebui.py", "/ui/%2e%2e/webui.py", "/ui/..%5cwebui.py",
+    "/ui/webui.py", "/ui/nope.js", "/ui/app.js/x", "/ui/.", "/ui/..", "/ui//etc/passwd", "/x",
+])
+async def test_ui_serves_nothing_outside_its_directory(ui_server, path):
+    code, _, body = await raw_get(ui_server, path)
+    assert code == 404, (path, code, body[:200])
+
+
+def test_the_ui_files_ship_with_the_package():
+    """pyproject.toml's package-data lists them (an installed wheel has no source tree)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert '[tool.setuptools.package-data]' in text and 'services = ["ui/*"]' in text
+    assert {"index.html", "app.js", "style.css"} <= set(webui.ui_files())
+
+
+def test_the_page_builds_no_markup_from_strings():
+    """Every string from the API becomes a text node: no innerHTML and friends in app.js."""
+    js = (webui.UI_DIR / "app.js").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+        assert sink not in js, sink
+
+
+# ---- a browser watching a job ---------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's Chromium, installed with apt-get when it is missing (root only)."""
+    if CHROMIUM.exists():
+        return str(CHROMIUM)
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip(f"{CHROMIUM} is missing and cannot be installed here (needs root and apt-get): "
+                    "apt-get install chromium")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]):
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"{' '.join(cmd)} took more than 240 s")
+        if proc.returncode != 0:
+            pytest.skip(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    if not CHROMIUM.exists():
+        pytest.skip(f"apt-get installed chromium but {CHROMIUM} is not there")
+    return str(CHROMIUM)
+
+
+@pytest.fixture
+def artifacts() -> Path:
+    path = Path(os.environ.get("MARIANA_TEST_ARTIFACTS") or ROOT / "test-artifacts")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def http_code(url: str) -> int:
+    try:
+        with _HTTP.open(url, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code
+
+
+def attr_int(locator, name: str) -> int:
+    value = locator.get_attribute(name)
+    return int(float(value)) if value else 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_browser_shows_a_running_job_progress_and_charts(chromium, artifacts, tmp_path):
+    """The issue's demonstration: open the UI while a job runs; its progress advances,
+    its charts grow, the services show alive; then the job's record once it is done."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the dev extra installs playwright")
+    data = tmp_path / "train.tsv"
+    generate_criteo(data, 120_000, seed=21)
+    with Cluster(tmp_path / "c") as c:
+        job = c.submit([data], tmp_path / "model", [], JOB)
+        summary = c.wait(job, 60, until=lambda s: s["state"] != "running" or s["progress"]["rows"] > 0)
+        assert summary["state"] == "running", summary
+        assert http_code(c.info["http"] + f"/v1/jobs/{job}/history") == 200
+        errors: list[str] = []
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
+                page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+                page.goto(c.info["http"] + "/")
+                assert page.url == c.info["http"] + "/ui/"
+                watch_the_running_job(sync_api, page, job, artifacts)
+                summary = c.wait(job, 120)
+                assert summary["state"] == "done", f"{summary}\n{c.logs()}"
+                see_the_job_done(sync_api, page, job, summary["record"], artifacts)
+            except AssertionError as e:  # say what the page said, too
+                page.screenshot(path=str(artifacts / "webui-failed.png"), full_page=True)
+                raise AssertionError(f"{e}\nthe page's errors: {errors}\n"
+                                     f"screenshot: {artifacts / 'webui-failed.png'}") from None
+            finally:
+                browser.close()
+    assert not errors, errors
+
+
+def watch_the_running_job(sync_api, page, job: str, artifacts: Path) -> None:
+    expect = sync_api.expect
+    row = page.locator(f'[data-testid=job-row][data-job="{job}"]')
+    expect(row).to_have_attribute("aria-selected", "true")  # the running job is selected by default
+    expect(row).to_have_attribute("data-state", "running")
+    progress = row.locator("[data-testid=job-progress]")
+    charts = ["chart-loss", "chart-auc", "chart-throughput"]
+    expect(page.locator("[data-testid=chart-source]")).to_have_attribute("data-source", "history")
+    page.wait_for_function("""(charts) => charts.every((c) =>
+        +document.querySelector(`[data-testid=${c}]`).dataset.points >= 1)""", arg=charts, timeout=15_000)
+    rows = attr_int(progress, "data-rows")
+    points = {c: attr_int(page.locator(f"[data-testid={c}]"), "data-points") for c in charts}
+    page.wait_for_function("""([job, rows, points]) => {
+        const p = document.querySelector(`[data-testid=job-row][data-job="${job}"] [data-testid=job-progress]`);
+        return +p.dataset.rows > rows && Object.entries(points).every(([c, n]) =>
+            +document.querySelector(`[data-testid=${c}]`).dataset.points > n);
+    }""", arg=[job, rows, points], timeout=15_000)
+    assert attr_int(progress, "data-rows") > rows
+    for c, n in points.items():
+        assert attr_int(page.locator(f"[data-testid={c}]"), "data-points") > n, c
+    worker = page.locator('[data-testid=service-row][data-service="worker-0"]')
+    expect(worker).to_have_attribute("data-alive", "true")
+    expect(page.locator('[data-testid=service-row][data-service="ps-0"]')).to_have_attribute("data-alive", "true")
+    expect(page.locator("[data-testid=health]")).to_have_attribute("data-state", "ok")
+    expect(page.locator("[data-testid=redis]")).to_have_attribute("data-up", "true")
+    shot = artifacts / "webui-running.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"screenshot of the running job: {shot}")
+
+
+def see_the_job_done(sync_api, page, job: str, record: dict, artifacts: Path) -> None:
+    expect = sync_api.expect
+    row = page.locator(f'[data-testid=job-row][data-job="{job}"]')
+    expect(row).to_have_attribute("data-state", "done", timeout=10_000)
+    expect(row.locator("[data-testid=job-progress]")).to_have_attribute("data-fraction", "1.0000")
+    shown = page.locator("[data-testid=job-record]")
+    expect(shown).to_be_visible()
+    expect(shown.locator("[data-key=rows_applied] .v")).to_have_text(f"{record['rows_applied']:,}")
+    expect(page.locator("[data-testid=job-error]")).to_be_hidden()
+    expect(page.locator("[data-testid=job-epochs] tbody tr")).to_have_count(3)
+    model = page.locator(f'[data-testid=model][data-dir="{record["model_dir"]}"]')
+    expect(model.locator(f'[data-version="{record["model_version"]}"]')).to_contain_text("current", timeout=10_000)
+    shot = artifacts / "webui-done.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"screenshot of the finished job: {shot}")
+
+
+# ---- the page against an API that is hostile or incomplete ---------------------------------------
+
+EVIL = "<img src=x onerror=window.pwned=1>"
+FAKE_STATUS = {"services": {
+    "worker-0": {"role": "worker", "index": 0, "pid": 41, "alive": False, "last_seen": time.time() - 30,
+                 "status": {"rows": 10, EVIL: 1}},
+    f"ps-0{EVIL}": {"role": "ps", "index": 0, "alive": True}},  # no pid, last_seen, status nor rate
+    "counters": {}}
+FAKE_JOB = {"id": f"j1{EVIL}", "state": "failed", "error": f"<script>window.pwned=2</script>{EVIL}",
+            "submitted": 1.7e9, "started": 1.7e9, "ended": 0, "model": EVIL, "data": [EVIL],
+            "progress": {"epoch": 1, "epochs": 2}}  # no rows, loss, rate, cache, record
+
+
+@contextmanager
+def ui_only_server():
+    """The UI's routes alone on a real aiohttp server (its own loop, in a thread): its URL."""
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    webui.add_routes(app)
+    runner = web.AppRunner(app, access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    host, port = runner.addresses[0][:2]
+    thread = threading.Thread(target=loop.run_forever, name="ui-server")
+    thread.start()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+class FakeAPI:
+    """/v1/status and /v1/jobs of an older coordinator (no history, no models): a running job
+    whose rows grow at each request, and a failed one with hostile strings."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def running_job(self) -> dict:
+        self.calls += 1
+        return {"id": "j2-running", "state": "running", "error": "", "submitted": 1.8e9, "started": 1.8e9,
+                "ended": 0, "model": "lr", "mode": "async", "data": ["/d.tsv"],
+                "progress": {"epoch": 1, "epochs": 2, "rows": 1000 * self.calls, "rows_per_s": 900.0 + self.calls,
+                             "loss": 0.5 - 0.001 * self.calls, "ready": 3, "leased": 1, "batches": 40,
+                             "source_done": False}}
+
+    def __call__(self, route) -> None:
+        path = route.request.url.split("/v1/", 1)[1].split("?")[0]
+        body = {"status": FAKE_STATUS, "jobs": {"jobs": [FAKE_JOB, self.running_job()]}}.get(path)
+        if body is None:  # history, models: an older coordinator
+            route.fulfill(status=404, content_type="text/plain", body="404: Not Found")
+        else:
+            route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_browser_page_writes_api_strings_as_text_and_copes_with_an_older_api(chromium):
+    """Without history the charts fill from the running job's progress; hostile strings stay
+    text; missing fields show a dash; a click selects a job (and shows its error)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the dev extra installs playwright")
+    expect = sync_api.expect
+    with ui_only_server() as url, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.route("**/v1/**", FakeAPI())
+            page.goto(url + "/ui/")
+            running = page.locator('[data-testid=job-row][data-job="j2-running"]')
+            expect(running).to_have_attribute("aria-selected", "true")  # the running job, though listed second
+            expect(page.locator("[data-testid=job-row]").first).to_have_attribute("data-job", "j2-running")
+            expect(page.locator("[data-testid=chart-source]")).to_have_attribute("data-source", "summary")
+            page.wait_for_function("() => +document.querySelector('[data-testid=chart-loss]').dataset.points >= 3")
+            expect(page.locator("[data-testid=chart-auc]")).to_have_attribute("data-points", "0")
+            assert int(running.locator("[data-testid=job-progress]").get_attribute("data-rows")) >= 3000
+            expect(page.locator("[data-testid=models]")).to_contain_text("404")
+
+            failed = page.locator("[data-testid=job-row][data-state=failed]")
+            expect(failed).to_have_attribute("data-job", FAKE_JOB["id"])
+            failed.click()
+            expect(failed).to_have_attribute("aria-selected", "true")
+            expect(running).to_have_attribute("aria-selected", "false")
+            assert page.url.endswith("#job=" + urllib.parse.quote(FAKE_JOB["id"], safe=""))
+            expect(failed.locator("td").nth(2)).to_have_text(EVIL)  # the model, as text
+            expect(failed.locator("[data-testid=job-rows]")).to_have_text("—")
+            expect(failed.locator("[data-testid=job-cache]")).to_have_text("—")
+            expect(page.locator("[data-testid=job-error]")).to_contain_text(FAKE_JOB["error"])
+            expect(page.locator("[data-testid=chart-loss]")).to_have_attribute("data-points", "0")
+            expect(page.locator("[data-testid=health]")).to_have_attribute("data-state", "degraded")
+            expect(page.locator('[data-testid=service-row][data-service="worker-0"]')).to_have_attribute(
+                "data-alive", "false")
+            expect(page.locator(f'[data-testid=service-row][data-service="ps-0{EVIL}"]')).to_contain_text("—")
+            page.wait_for_timeout(1500)  # a refresh or two more
+            assert page.locator("img").count() == 0 and page.locator("script").count() == 1
+            assert page.evaluate("window.pwned") is None
+        finally:
+            browser.close()
+    assert not errors, errors

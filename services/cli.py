@@ -12,6 +12,7 @@ never imports serving/); `python -m services.cli` is what the launcher runs.
     mariana down [--dir DIR] [--timeout SECONDS]
     mariana status [--dir DIR] [--json]
     mariana run {coordinator,loader,preprocess,worker,ps} --config FILE [--index N]
+    mariana deploy install [--prefix DIR] [--dry-run] [--mariana PATH] [--redis-server PATH]
 
 User errors (a bad path, an unknown format, a file of the wrong format, a bad
 config key) print one line `mariana: error: ...` and exit with code 2.
@@ -189,6 +190,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         _print_status(st)
     return 0 if st["error"] is None else 1
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from services.deploy import install
+
+    print(install(args.prefix, dry_run=args.dry_run, mariana=args.mariana, redis_server=args.redis_server))
+    return 0
 
 
 # ---- helpers ----------------------------------------------------------------------
@@ -418,6 +426,19 @@ def _add_cluster_commands(sub) -> None:
     r.add_argument("--config", required=True, help="TOML cluster config")
     r.add_argument("--index", type=int, default=0, help="which instance of the role (default 0)")
     r.set_defaults(func=cmd_run)
+
+    dp = sub.add_parser("deploy", help="install the systemd units and configs of a systemd host")
+    dsub = dp.add_subparsers(dest="action", required=True, metavar="ACTION")
+    di = dsub.add_parser("install", help="write the units to PREFIX/etc/systemd/system and the configs to "
+                                         "PREFIX/etc/mariana (an existing config is kept); print what to run next")
+    di.add_argument("--prefix", default="/", help="root to install under (default /; a staging dir for packages)")
+    di.add_argument("--dry-run", action="store_true", help="write nothing; list what would be written")
+    di.add_argument("--mariana", metavar="PATH",
+                    help="the mariana executable the units run (default: this install's, beside its python)")
+    di.add_argument("--redis-server", metavar="PATH",
+                    help="the redis-server mariana-redis.service runs (default: as `mariana up` finds it, "
+                         "else /usr/bin/redis-server)")
+    di.set_defaults(func=cmd_deploy)
 
 
 def main(argv: list[str] | None = None, build=build_parser) -> int:

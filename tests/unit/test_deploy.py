@@ -1,7 +1,11 @@
-"""The systemd units in deploy/ pass `systemd-analyze verify` (with ExecStart
-pointed at this checkout's `mariana`, since /opt/mariana is where they install)."""
+"""deploy/: `mariana deploy install` writes the units and configs and prints what
+to run; the units it writes pass `systemd-analyze verify` (templates as
+instances, the target, the timer); the configs, the Redis config and the
+Prometheus scrape config agree on the ports."""
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -9,20 +13,193 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from services.runtime.config import load_cluster_config
+from services.runtime.lifecycle import DRAIN_SECONDS
+from tests.conftest import ROOT, run_cli
 
-UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service")) + sorted((ROOT / "deploy" / "systemd").glob("*.timer"))
+DEPLOY = ROOT / "deploy"
+UNITS = sorted(p.name for p in (DEPLOY / "systemd").iterdir() if p.suffix in (".service", ".timer", ".target"))
+CONFIGS = ("cluster.toml", "serve.toml", "redis.conf", "prometheus.yml")
+LONG_RUNNING = ("mariana-coordinator.service", "mariana-loader.service", "mariana-preprocess@.service",
+                "mariana-worker@.service", "mariana-ps@.service", "mariana-serve.service")
+HARDENING = ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "PrivateTmp=yes", "PrivateDevices=yes",
+             "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectControlGroups=yes",
+             "RestrictSUIDSGID=yes", "LockPersonality=yes")
+MARIANA = str(Path(sys.executable).parent / "mariana")
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                    reason="systemd-analyze not installed (Debian package 'systemd')")
-def test_units_verify(tmp_path):
-    assert UNITS, "no units in deploy/systemd"
-    mariana = Path(sys.executable).parent / "mariana"
-    for unit in UNITS:
-        text = unit.read_text().replace("/opt/mariana/.venv/bin/mariana", str(mariana))
-        text = text.replace("User=mariana", "User=root").replace("Group=mariana", "Group=root")
-        (tmp_path / unit.name).write_text(text)
-    proc = subprocess.run(["systemd-analyze", "verify", *(str(tmp_path / u.name) for u in UNITS)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def settings(text: str) -> dict[str, list[str]]:
+    """Key -> values of a unit file (keys may repeat)."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, value = line.split("=", 1)
+            out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def seconds(value: str) -> float:
+    m = re.fullmatch(r"(\d+)(s|min)?", value)
+    assert m, value
+    return int(m.group(1)) * (60 if m.group(2) == "min" else 1)
+
+
+@pytest.fixture(scope="session")
+def systemd_analyze() -> str:
+    """systemd-analyze, installed from Debian's `systemd` package when it is missing."""
+    found = shutil.which("systemd-analyze")
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
+                                                  "systemd"]):
+            subprocess.run(cmd, capture_output=True, env=env, timeout=600)
+        found = shutil.which("systemd-analyze")
+    if found is None:
+        pytest.skip("systemd-analyze is missing and could not be installed (needs root and apt-get: "
+                    "the Debian package 'systemd')")
+    return found
+
+
+# ---- the units ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", LONG_RUNNING)
+def test_long_running_units_notify_restart_and_are_sandboxed(name):
+    s = settings((DEPLOY / "systemd" / name).read_text())
+    one = {k: v[-1] for k, v in s.items()}
+    assert (one["Type"], one["NotifyAccess"], one["Restart"]) == ("notify", "main", "on-failure"), name
+    assert 0 < seconds(one["WatchdogSec"]) <= 60 and seconds(one["RestartSec"]) > 0
+    if name == "mariana-serve.service":  # the supervisor waits drain_seconds + 10 s for its workers
+        from serving.config import load_serve_config
+
+        assert seconds(one["TimeoutStopSec"]) > load_serve_config(None, {}).serve.drain_seconds + 10
+    else:  # drain, then the main task's bounded cleanup, then close (a shard's checkpoint)
+        assert seconds(one["TimeoutStopSec"]) > 2 * DRAIN_SECONDS + 30, name
+    assert seconds(one["TimeoutStartSec"]) > load_cluster_config(env={}).cluster.start_seconds
+    assert (one["User"], one["Group"], one["PartOf"], one["WantedBy"]) == ("mariana", "mariana", "mariana.target",
+                                                                           "mariana.target")
+    assert one["ExecStart"].startswith("/opt/mariana/.venv/bin/mariana ")
+    assert "/etc/mariana/" in one["ExecStart"] and one.get("StateDirectory") == "mariana"
+    assert set(one["RestrictAddressFamilies"].split()) >= {"AF_INET", "AF_INET6", "AF_UNIX"}
+    assert all(h in (DEPLOY / "systemd" / name).read_text().splitlines() for h in HARDENING), name
+    if name.endswith("@.service"):
+        assert one["ExecStart"].endswith("--index %i")
+
+
+def test_the_target_and_the_redis_unit():
+    target = settings((DEPLOY / "systemd" / "mariana.target").read_text())
+    assert target["WantedBy"] == ["multi-user.target"]
+    redis = settings((DEPLOY / "systemd" / "mariana-redis.service").read_text())
+    assert redis["ExecStart"] == ["/usr/bin/redis-server /etc/mariana/redis.conf"]
+    assert redis["PartOf"] == redis["WantedBy"] == ["mariana.target"]
+    for name in ("mariana-coordinator.service", "mariana-worker@.service"):
+        assert "mariana-redis.service" in settings((DEPLOY / "systemd" / name).read_text())["After"][0]
+
+
+def test_units_verify(tmp_path, systemd_analyze):
+    """What `mariana deploy install` writes verifies: each unit, and each template as an instance."""
+    proc = run_cli("deploy", "install", "--prefix", tmp_path, check=True)
+    units = tmp_path / "etc" / "systemd" / "system"
+    for path in units.iterdir():  # systemd-analyze of some versions wants the user to exist
+        path.write_text(path.read_text().replace("User=mariana", "User=root").replace("Group=mariana", "Group=root"))
+    names = [n.replace("@.", "@0.") for n in UNITS] + ["mariana-worker@1.service"]
+    assert {"mariana-worker@0.service", "mariana.target", "mariana-retrain.timer"} <= set(names), proc.stdout
+    verify = subprocess.run([systemd_analyze, "verify", *(str(units / n) for n in names)],
+                            capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0 and not verify.stderr.strip(), verify.stderr
+
+
+def test_verify_catches_a_broken_unit(tmp_path, systemd_analyze):
+    """The check above can fail: a unit whose ExecStart is missing does not verify."""
+    text = (DEPLOY / "systemd" / "mariana-worker@.service").read_text()
+    (tmp_path / "mariana-worker@.service").write_text(text.replace("User=mariana", "User=root")
+                                                      .replace("Group=mariana", "Group=root"))
+    shutil.copy(DEPLOY / "systemd" / "mariana.target", tmp_path)
+    verify = subprocess.run([systemd_analyze, "verify", str(tmp_path / "mariana-worker@0.service")],
+                            capture_output=True, text=True, timeout=60)
+    assert verify.returncode != 0 and "/opt/mariana/.venv/bin/mariana" in verify.stderr, verify.stderr
+
+
+# ---- mariana deploy install ------------------------------------------------------------------
+
+def test_dry_run_writes_nothing_and_lists_what_it_would(tmp_path):
+    proc = run_cli("deploy", "install", "--prefix", tmp_path / "root", "--dry-run", check=True)
+    assert not (tmp_path / "root").exists()
+    for name in UNITS:
+        assert f"would write  {tmp_path / 'root/etc/systemd/system' / name}" in proc.stdout
+    for name in CONFIGS:
+        assert f"would write  {tmp_path / 'root/etc/mariana' / name}" in proc.stdout
+
+
+def test_install_writes_units_and_configs_and_says_what_to_run(tmp_path):
+    proc = run_cli("deploy", "install", "--prefix", tmp_path, check=True)
+    units, etc = tmp_path / "etc/systemd/system", tmp_path / "etc/mariana"
+    assert sorted(p.name for p in units.iterdir()) == UNITS
+    assert sorted(p.name for p in etc.iterdir()) == sorted(CONFIGS)
+    worker = (units / "mariana-worker@.service").read_text()
+    assert f"ExecStart={MARIANA} run worker --config /etc/mariana/cluster.toml --index %i" in worker
+    assert "/opt/mariana/.venv" not in "".join(p.read_text() for p in units.iterdir())
+    assert (etc / "cluster.toml").read_text() == (DEPLOY / "config/cluster.systemd.toml").read_text()
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in etc.iterdir()}
+    assert modes == {"cluster.toml": "0o640", "serve.toml": "0o640", "redis.conf": "0o640",  # tokens
+                     "prometheus.yml": "0o644"}, modes
+    lines = proc.stdout.splitlines()
+    assert "  systemctl daemon-reload" in lines
+    assert "  systemctl enable --now mariana-retrain.timer" in lines
+    assert any("useradd --system --home-dir /var/lib/mariana" in ln for ln in lines)
+    enable = next(ln for ln in lines if ln.startswith("  systemctl enable --now mariana.target"))
+    cfg = load_cluster_config(DEPLOY / "config/cluster.systemd.toml", env={})
+    for role in ("worker", "ps", "preprocess"):  # one instance per index the config counts
+        assert [u for u in enable.split() if u.startswith(f"mariana-{role}@")] == \
+            [f"mariana-{role}@{i}.service" for i in range(cfg.count(role))], enable
+    assert {"mariana-coordinator.service", "mariana-loader.service", "mariana-serve.service"} <= set(enable.split())
+
+
+def test_a_second_install_keeps_an_edited_config_and_follows_its_counts(tmp_path):
+    run_cli("deploy", "install", "--prefix", tmp_path, "--mariana", "/srv/venv/bin/mariana", check=True)
+    cluster, unit = tmp_path / "etc/mariana/cluster.toml", tmp_path / "etc/systemd/system/mariana-loader.service"
+    cluster.write_text(cluster.read_text().replace("[worker]\ncount = 2", "[worker]\ncount = 3"))
+    assert "/srv/venv/bin/mariana run loader" in unit.read_text()
+    proc = run_cli("deploy", "install", "--prefix", tmp_path, check=True)
+    assert "[worker]\ncount = 3" in cluster.read_text()
+    assert f"kept  {cluster} (it exists and may be edited: not overwritten" in proc.stdout
+    assert f"wrote  {unit}" in proc.stdout and f"{MARIANA} run loader" in unit.read_text()  # units follow the package
+    assert "mariana-worker@2.service" in proc.stdout
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    line = error_line(run_cli("deploy", "install", "--prefix", afile))
+    assert line == f"mariana: error: {afile}/etc/mariana: cannot write there: {afile} is not a directory"
+    assert not list(tmp_path.glob("afile*/**"))
+    assert "unrecognized arguments: --bogus" in error_line(run_cli("deploy", "install", "--bogus"))
+    broken = tmp_path / "broken"
+    (broken / "etc/mariana").mkdir(parents=True)
+    (broken / "etc/mariana/cluster.toml").write_text("[worker]\ncount = 0\n")
+    line = error_line(run_cli("deploy", "install", "--prefix", broken))
+    assert "cluster.toml" in line and "worker.count must be >= 1" in line
+    assert not (broken / "etc/systemd").exists()  # checked before anything is written
+
+
+# ---- the configs agree on ports --------------------------------------------------------------
+
+def test_systemd_configs_redis_and_prometheus_agree_on_ports():
+    from serving.config import load_serve_config
+
+    cfg = load_cluster_config(DEPLOY / "config/cluster.systemd.toml", env={})
+    assert cfg.cluster.base_port and not cfg.redis.embedded and cfg.cluster.host == "127.0.0.1"
+    redis_conf = (DEPLOY / "config/redis.conf").read_text()
+    assert f"\nport {cfg.redis.url.rsplit(':', 1)[1].split('/')[0]}\n" in redis_conf
+    assert "\nbind 127.0.0.1\n" in redis_conf and '\nsave ""\n' in redis_conf
+    serve = load_serve_config(DEPLOY / "config/serve.systemd.toml", {})
+    assert serve.serve.redis_url == cfg.redis.url and serve.serve.model_dir.startswith("/var/lib/mariana/")
+    scraped = re.findall(r'"127\.0\.0\.1:(\d+)"', (DEPLOY / "prometheus/prometheus.yml").read_text())
+    expected = [cfg.coordinator.http_port, cfg.loader.metrics_port, *cfg.ps.metrics_ports,
+                *cfg.preprocess.metrics_ports, *cfg.worker.metrics_ports, serve.serve.port]
+    assert sorted(map(int, scraped)) == sorted(expected)

@@ -34,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from services import model_events, protocol, webui
 from services.assemble import assemble_and_publish, check_request
@@ -69,6 +70,7 @@ class ServiceInfo:
     last_seen: float = 0.0
     status: dict = field(default_factory=dict)
     rate: dict | None = None           # {"value", "unit"}: its throughput between two heartbeats
+    sampled: tuple = ()                # (time, counter) of the last heartbeat; last_seen moves with any request
 
     def alive(self, within: float) -> bool:
         return time.time() - self.last_seen <= within
@@ -76,10 +78,12 @@ class ServiceInfo:
     def update(self, status: dict, now: float) -> None:
         """A heartbeat's numbers; the throughput from the change of the role's counter."""
         counter, unit, scale = RATES.get(self.role, (None, "", 1.0))
-        if counter and self.status and now > self.last_seen:
-            before, after = self.status.get(counter, 0), status.get(counter, 0)
-            if isinstance(before, (int, float)) and isinstance(after, (int, float)) and after >= before:
-                self.rate = {"value": round((after - before) * scale / (now - self.last_seen), 2), "unit": unit}
+        value = status.get(counter) if counter else None
+        if isinstance(value, (int, float)):
+            if self.sampled and now - self.sampled[0] > 0.1 and value >= self.sampled[1]:
+                self.rate = {"value": round((value - self.sampled[1]) * scale / (now - self.sampled[0]), 2),
+                             "unit": unit}
+            self.sampled = (now, value)
         self.status, self.last_seen = status, now
 
 

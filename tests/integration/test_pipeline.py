@@ -156,6 +156,10 @@ def test_coordinator_killed_and_restarted_mid_job_keeps_history_and_completes(da
             assert before["progress"]["source_done"] == (epoch == 2), before  # epoch 1: still reading
             history = c.wait_for(lambda: c.request("GET", f"/v1/jobs/{job}/history")[1]["points"], 10)
             assert history[-1]["rows_total"] > 0, history
+            workers = c.wait_for(lambda: [s["rate"] for n, s in c.status()["services"].items()
+                                          if n.startswith("worker") and s["rate"]], 10)
+            # rows/s between heartbeats: plausible for 2 cores (not rows over the gap between two requests)
+            assert all(r["unit"] == "rows/s" and 0 <= r["value"] < 300_000 for r in workers), workers
             c.kill("coordinator-0", signal.SIGKILL)
             c.restart("coordinator-0")
             c.wait_http()

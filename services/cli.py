@@ -454,15 +454,15 @@ def main(argv: list[str] | None = None, build=build_parser) -> int:
         return _fail(str(e))
     except MemoryError:
         return _fail("out of memory: lower hashing.bits (tables have 2^bits rows) or data.block_bytes")
+    except BrokenPipeError:  # `mariana predict ... | head` (an OSError: it must come first)
+        sys.stderr.close()
+        return 0
     except OSError as e:  # a path that is missing, a directory, unwritable, ...
         where = f"{e.filename}: " if e.filename else ""
         return _fail(f"{where}{(e.strerror or str(e)).lower()}")
     except KeyboardInterrupt:
         print("mariana: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `mariana predict ... | head`
-        sys.stderr.close()
-        return 0
 
 
 def _fail(message: str) -> int:

@@ -3,10 +3,13 @@ script is `serving.cli:main`, which adds serve, model and retrain (services/
 never imports serving/); `python -m services.cli` is what the launcher runs.
 
     mariana gen criteo --rows N --seed S --out FILE
+    mariana gen ads-with-images --rows N --seed S --images MNIST_DIR --out DIR
     mariana train --data FILE[,FILE...] [--test-data FILE] --model {lr,dnn} --out MODEL_DIR [--json]
-                  [--notify REDIS_URL]
+                  [--notify REDIS_URL] [--images CREATIVES_DIR [--featurizer DIR]]
                   [--mode cluster [--workers W] [--ps S] [--preprocess P] [--sync async|ssp|bsp]]
     mariana evaluate --model MODEL_DIR --data FILE [--json]
+    mariana featurizer train --data MNIST_DIR --out DIR
+    mariana featurize --model FEATURIZER_DIR --images FILE --out FILE.npy
     mariana predict --model MODEL_DIR --data FILE
     mariana up [--config FILE] [--dir DIR] [--workers W] [--ps S] [--preprocess P]
     mariana down [--dir DIR] [--timeout SECONDS]
@@ -27,6 +30,7 @@ import os
 import sys
 import time
 
+from services import images_cli
 from services.runtime.tuning import freeze_imports, tune_process
 from sparse.errors import MarianaError
 from sparse.schema import FORMATS  # light: no numpy before tune_process() sets its thread count
@@ -64,6 +68,10 @@ def cmd_gen(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     freeze_imports()
     config = _job_config(args)
+    if args.featurizer and not args.images:
+        raise MarianaError("--featurizer goes with --images")
+    if args.mode == "cluster" and config.images.creatives:
+        raise MarianaError("--images needs --mode local (the cluster pipeline has no image stage yet)")
     if args.mode == "cluster":
         record = _train_cluster(args, config)
     else:
@@ -210,7 +218,8 @@ def _job_config(args: argparse.Namespace):
 
     overrides = dict(parse_set_option(item) for item in args.set or [])
     for flag, key in (("model", "model.kind"), ("epochs", "train.epochs"), ("format", "data.format"),
-                      ("batch_size", "train.batch_size"), ("bits", "hashing.bits")):
+                      ("batch_size", "train.batch_size"), ("bits", "hashing.bits"),
+                      ("images", "images.creatives"), ("featurizer", "images.featurizer")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
@@ -356,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--model-seed", type=int, default=20140621, help="seed of the planted click model")
     gc.add_argument("--out", required=True, help="output file (.gz to compress)")
     gc.set_defaults(func=cmd_gen)
+    images_cli.add_gen_ads(gsub)
 
     t = sub.add_parser("train", help="train a click model locally and publish a version")
     t.add_argument("--data", required=True, help="training file(s), comma-separated")
@@ -381,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--cluster-config", help="cluster: TOML cluster config (its cluster.dir says where one is up)")
     t.add_argument("--notify", metavar="REDIS_URL",
                    help="announce the new version on this Redis (model servers subscribed to it load it)")
+    t.add_argument("--images", metavar="DIR", help="creatives of 'gen ads-with-images' (its OUT dir): add each "
+                   "row's creative image features (lr: mode 1, dnn: mode 2 with an image tower)")
+    t.add_argument("--featurizer", metavar="DIR", help="with --images: the frozen featurizer to use "
+                   "(default: DIR/creatives/featurizer, trained there on first use)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("evaluate", help="metrics of a model on labeled data")
@@ -395,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--data", required=True, help="labeled or unlabeled rows")
     pr.add_argument("--format", choices=FORMATS)
     pr.set_defaults(func=cmd_predict)
+    images_cli.add_commands(sub)
     _add_cluster_commands(sub)
     return p
 

@@ -35,6 +35,27 @@ def gen_files(tmp_path_factory) -> dict[str, Path]:
     return {"train": d / "train.tsv", "test": d / "test.tsv"}
 
 
+@pytest.fixture(scope="session")
+def mnist_dir() -> Path:
+    d = data_dir() / "mnist"
+    if not (d / "t10k-images-idx3-ubyte.gz").exists():
+        pytest.skip(f"MNIST not found at {d} (set MARIANA_DATA to the shared data dir)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def small_featurizer(mnist_dir, tmp_path_factory) -> Path:
+    """A featurizer trained in ~2 s (1 epoch on 2,000 images): tests need determinism, not accuracy."""
+    from featurizer.image import load_mnist
+    from trainer.featurizer_train import FeaturizerTrainConfig, train_and_export
+
+    out = tmp_path_factory.mktemp("featurizer") / "f"
+    report = train_and_export(load_mnist(mnist_dir), out, FeaturizerTrainConfig(epochs=1, train_limit=2000,
+                                                                                batch_size=128))
+    assert report["test_accuracy"] > 0.5
+    return out
+
+
 def run_cli(*args: str, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
     """`mariana ARGS` in a real subprocess (the installed script: serving.cli, the whole CLI)."""
     proc = subprocess.run([sys.executable, "-m", "serving.cli", *map(str, args)], capture_output=True,

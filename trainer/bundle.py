@@ -12,9 +12,10 @@ import time
 import numpy as np
 import torch
 
+from featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
 from sparse.batch import SparseBatch
 from sparse.encode import Encoder
-from sparse.errors import ModelDirError
+from sparse.errors import ConfigError, ModelDirError
 from sparse.optim import AdaGrad, FTRL, SparseOptimizer
 from sparse.schema import Schema
 from sparse.table import HashedTable
@@ -28,10 +29,18 @@ FEW_ENTRIES = 4096  # up to ~100 Criteo rows: predicted without deduplicating id
 
 
 class ModelBundle:
-    def __init__(self, config: JobConfig, schema: Schema):
-        self.config, self.schema = config, schema
-        self.encoder = Encoder(schema, config.hashing)
-        self.model = build_model(config.model, self.encoder.num_fields, self.encoder.dense_dim)
+    """`images`: the creative id -> image features table of a job with
+    `images.creatives` set (trainer.images makes it; a saved version stores it);
+    the encoder then appends each row's features to the dense block."""
+
+    def __init__(self, config: JobConfig, schema: Schema, images: CreativeFeatures | None = None):
+        if bool(config.images.creatives) != (images is not None):
+            raise ConfigError("a job with images.creatives needs its creative features table (and only it has one)")
+        self.config, self.schema, self.images = config, schema, images
+        base = Encoder(schema, config.hashing)
+        self.encoder = ImageFeatureEncoder(base, images, config.images.field) if images else base
+        self.model = build_model(config.model, base.num_fields, base.dense_dim,
+                                 images.width if images else 0, config.images.tower)
         self.tables = {
             t.name: HashedTable(t.name, config.hashing.num_ids, t.dim, t.init_scale, seed=config.model.seed)
             for t in self.model.tables}
@@ -73,6 +82,8 @@ class ModelBundle:
             weights[f"dense.{pname}"] = p.detach().numpy()
             for key, arr in state.items():
                 optim[f"dense.{pname}.{key}"] = arr
+        if self.images is not None:
+            weights.update(self.images.to_arrays())
         manifest = {
             "config": self.config.to_dict(),
             "schema": self.schema.to_dict(),
@@ -88,6 +99,11 @@ class ModelBundle:
             "torch": torch.__version__,
             **(extra or {}),
         }
+        if self.images is not None:  # what serving must do: look each row's creative id up in this table
+            manifest["images"] = {**manifest.get("images", {}), "field": self.config.images.field,
+                                  "dim": self.images.dim, "width": self.images.width,
+                                  "creatives": len(self.images.ids), "arrays": sorted(self.images.to_arrays()),
+                                  "dense_layout": "numeric dense, then image features, then unknown flag"}
         return checkpoint.save_version(model_dir, manifest, weights, optim, make_current=make_current,
                                        reason="trained")
 
@@ -99,7 +115,13 @@ class ModelBundle:
             schema = Schema.from_dict(manifest["schema"])
         except KeyError as e:
             raise ModelDirError(f"{model_dir}: manifest lacks {e}") from None
-        bundle = cls(config, schema)
+        images = None
+        if config.images.creatives:
+            try:
+                images = CreativeFeatures.from_arrays(weights)
+            except KeyError as e:
+                raise ModelDirError(f"{model_dir}: an image model whose weights lack {e}") from None
+        bundle = cls(config, schema, images)
         bundle.manifest = manifest
         bundle.rows_trained = manifest.get("rows_trained", 0)
         bundle.steps = manifest.get("steps", 0)

@@ -106,12 +106,28 @@ class TrainConfig:
 
 
 @dataclass
+class ImagesConfig:
+    """Image features of ad creatives (issue 6): off unless `creatives` names a dir."""
+
+    creatives: str = ""    # `gen ads-with-images` OUT dir or its creatives/ dir; "" = no image features
+    featurizer: str = ""   # frozen featurizer dir; "" = CREATIVES/featurizer, trained there on first use
+    mnist: str = ""        # MNIST dir that first-use training reads; "" = the one the creatives came from
+    field: str = "C26"     # the categorical column holding a row's creative id
+    tower: int = 32        # dnn: hidden width of the image tower (features -> embedding)
+
+    def __post_init__(self) -> None:
+        if self.tower < 1:
+            raise ConfigError(f"images.tower must be >= 1, got {self.tower}")
+
+
+@dataclass
 class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     hashing: HashSpec = field(default_factory=HashSpec)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

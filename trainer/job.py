@@ -52,7 +52,12 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
     check_inputs(train_paths + test_paths)
     Reader(train_paths + test_paths, schema).probe()  # a wrong format fails now, not after training
     check_out_dir(out_dir)
-    bundle = ModelBundle(config, schema)
+    images, image_info = None, None
+    if config.images.creatives:
+        from trainer.images import prepare_image_features
+
+        images, image_info = prepare_image_features(config.images)
+    bundle = ModelBundle(config, schema, images)
     log.info("training %s on %s (%d fields, %d dense, 2^%d ids)", config.model.kind,
              ",".join(train_paths), bundle.encoder.num_fields, bundle.encoder.dense_dim, config.hashing.bits)
     trained = train_local(bundle, train_paths, on_progress)
@@ -61,9 +66,12 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
                     describe_bad(trained.parse["first_bad"], 3))
     if trained.train_rows == 0:
         raise MarianaError(f"no valid training rows in {', '.join(train_paths)}: nothing to publish")
+    train_lookups = images.counts() if images else None
     metrics, test_parse = ({}, None)
     if test_paths:
         metrics, test_parse = evaluate(bundle, test_paths)
+    if images:
+        image_info = _image_record(image_info, train_lookups, images.counts(), config.model.kind)
     record = {
         "auc": metrics.get("auc"),
         "logloss": metrics.get("logloss"),
@@ -80,7 +88,10 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
         "bad_rows": trained.parse["rows_bad"] + (test_parse["rows_bad"] if test_parse else 0),
         "model": config.model.kind,
     }
+    if image_info:
+        record["images"] = image_info
     version = bundle.save(out_dir, make_current=promote, extra={
+        **({"images": image_info} if image_info else {}),
         "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows")},
         "train": {"data": train_paths, "test_data": test_paths, "rows": trained.train_rows,
                   "seconds": record["train_seconds"], "parse": trained.parse, "test_parse": test_parse},
@@ -89,6 +100,21 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
                   peak_rss_mb=round(peak_rss_mb(), 1))
     log.info("saved %s/%s (auc=%s, logloss=%s)", out_dir, version, _fmt(record["auc"]), _fmt(record["logloss"]))
     return record
+
+
+MODES = {"lr": "mode 1: LR over hashed ids + image features as dense values",
+         "dnn": "mode 2: sparse DNN with an image tower over frozen image features"}
+
+
+def _image_record(info: dict, after_train: dict, after_test: dict, kind: str) -> dict:
+    """The featurizer used and the lookups of each phase: rows whose creative id the
+    table lacked got the fallback (zeros, flag 1) and are counted here."""
+    test = {k: after_test[k] - after_train[k] for k in after_test}
+    if after_train["unknown"] or test["unknown"]:
+        log.warning("image features: %d training and %d test rows named an unknown creative (fallback used)",
+                    after_train["unknown"], test["unknown"])
+    return {**info, "train_lookups": after_train["lookups"], "train_unknown_creative": after_train["unknown"],
+            "test_lookups": test["lookups"], "test_unknown_creative": test["unknown"], "mode": MODES[kind]}
 
 
 def _fmt(x: float | None) -> str:

@@ -92,12 +92,18 @@ class CTRModel(nn.Module):
         raise NotImplementedError
 
 
-def build_model(cfg, num_fields: int, dense_dim: int) -> CTRModel:
-    """The model of `cfg.kind` ('lr' or 'dnn') for a schema's field layout."""
+def build_model(cfg, num_fields: int, dense_dim: int, image_dim: int = 0, image_tower: int = 32) -> CTRModel:
+    """The model of `cfg.kind` ('lr' or 'dnn') for a schema's field layout.
+
+    `image_dim` columns of creative features follow the `dense_dim` numeric ones
+    in the dense block: LR weighs them like any dense value (mode 1), the DNN
+    gives them a tower of their own (mode 2).
+    """
     from trainer.models.lr import LogisticRegression
     from trainer.models.sparse_dnn import SparseDNN
 
     torch.manual_seed(cfg.seed)
     if cfg.kind == "lr":
-        return LogisticRegression(dense_dim)
-    return SparseDNN(num_fields, dense_dim, cfg.embed_dim, list(cfg.hidden), cfg.init_scale, cfg.interaction, cfg.slots)
+        return LogisticRegression(dense_dim + image_dim)
+    return SparseDNN(num_fields, dense_dim, cfg.embed_dim, list(cfg.hidden), cfg.init_scale, cfg.interaction, cfg.slots,
+                     image_dim=image_dim, image_tower=image_tower)

@@ -2,7 +2,10 @@
 layer, an MLP, and a wide linear part.
 
     embeddings         ids -> per-field embeddings                 (B, F, D)
-    dense_arch         dense block -> one more "field"              (B, 1, D)
+    dense_arch         numeric dense block -> one more "field"      (B, 1, D)
+    image_arch         creative image features (the last image_dim
+                       columns of the dense block) -> MLP -> one
+                       more "field" that interacts with the others  (B, 1, D)
     interaction "proj" (default) dot products among K learned mixtures of
                        the fields                                   (B, K(K-1)/2)
                        -> over_arch MLP                             (B,)
@@ -82,32 +85,41 @@ class ProjectedDotInteraction(nn.Module):
 
 class SparseDNN(CTRModel):
     def __init__(self, num_fields: int, dense_dim: int, embed_dim: int, hidden: list[int],
-                 init_scale: float, interaction: str = "fm", slots: int = 16):
+                 init_scale: float, interaction: str = "fm", slots: int = 16, image_dim: int = 0,
+                 image_tower: int = 32):
         super().__init__()
         self.tables = (TableSpec("linear", 1, 0.0, "linear"),
                        TableSpec("embedding", embed_dim, init_scale, "embedding"))
         self.kind = interaction
+        self.dense_dim = dense_dim
         self.dense_arch = mlp([dense_dim, embed_dim]) if dense_dim else None
-        n = num_fields + (1 if dense_dim else 0)
+        if image_dim:  # only then: a model without images keeps its parameter names and order
+            self.image_arch = mlp([image_dim, image_tower, embed_dim])
+        else:
+            self.image_arch = None
+        extra = (1 if dense_dim else 0) + (1 if image_dim else 0)
+        n = num_fields + extra
         if interaction == "fm":
             self.fm = FMInteraction()
             self.deep_arch = mlp([n * embed_dim, *hidden, 1])
         else:
             self.dot = DotInteraction(n) if interaction == "dot" else ProjectedDotInteraction(n, slots)
             pairs = n * (n - 1) // 2 if interaction == "dot" else slots * (slots - 1) // 2
-            self.over_arch = mlp([pairs + (embed_dim if dense_dim else 0), *hidden, 1])
+            self.over_arch = mlp([pairs + extra * embed_dim, *hidden, 1])
         self.bias = nn.Parameter(torch.zeros(1))
 
     def forward(self, x: ModelInput) -> torch.Tensor:
         wide = pool_fields(x, "linear").sum(dim=(1, 2))            # (B,)
         emb = pool_fields(x, "embedding")                          # (B, F, D)
-        dense_emb = None
+        towers = []                                                 # each (B, D)
         if self.dense_arch is not None:
-            dense_emb = self.dense_arch(x.dense)                    # (B, D)
-            emb = torch.cat([emb, dense_emb[:, None, :]], dim=1)    # (B, F+1, D)
+            towers.append(self.dense_arch(x.dense[:, :self.dense_dim]))
+        if self.image_arch is not None:
+            towers.append(self.image_arch(x.dense[:, self.dense_dim:]))
+        if towers:
+            emb = torch.cat([emb, torch.stack(towers, dim=1)], dim=1)  # (B, F+T, D)
         if self.kind == "fm":
             deep = self.fm(emb) + self.deep_arch(emb.flatten(1)).squeeze(1)
         else:
-            parts = [self.dot(emb)] + ([dense_emb] if dense_emb is not None else [])
-            deep = self.over_arch(torch.cat(parts, dim=1)).squeeze(1)
+            deep = self.over_arch(torch.cat([self.dot(emb), *towers], dim=1)).squeeze(1)
         return wide + deep + self.bias

@@ -1,0 +1,220 @@
+"""Image featurizer benchmark (issue 6), one run, peers beside it:
+
+1. Throughput at batch 256 (28x28 MNIST images), images/s, median of --repeat
+   timed windows each:
+   - mariana: `ImageFeaturizer.embed` (frozen ops, torch.nn.functional, padded
+     to whole row blocks so an image's bits do not depend on its batch);
+   - torch-module: the same weights in `trainer.models.image_cnn.ImageCNN`,
+     eager, `inference_mode` (the plain torch reference);
+   - numpy: the same network in numpy (im2col + matmul), no torch.
+   Target: mariana >= 2,000 images/s. The systems take turns, one window each
+   per round, so a burst of load on the host hits them alike.
+2. The cache-hit path against preprocess: for each block of a
+   `gen ads-with-images` train.tsv, parse + hash (`BlockParser` and `Encoder`,
+   what preprocess does) vs the creative lookup (`CreativeFeatures.lookup` of
+   the block's C26 column and the concatenation into the dense block), and a
+   Python dict lookup as the peer. Target: lookup <= 10% of parse + hash.
+
+    .venv/bin/python bench/featurizer.py              # ~1 min (first run: + data and featurizer, ~1 min)
+    .venv/bin/python bench/featurizer.py --repeat 15 --seconds 2
+
+Writes bench-out/featurizer/results.json (with the machine); exits 1 when a target is missed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from featurizer.creatives import CreativeFeatures, load_creatives  # noqa: E402
+from featurizer.image import ImageFeaturizer, load_mnist, mnist_dir, to_input  # noqa: E402
+from sparse.encode import Encoder  # noqa: E402
+from sparse.hashing import HashSpec  # noqa: E402
+from sparse.parse import Reader  # noqa: E402
+from sparse.schema import criteo  # noqa: E402
+
+
+def note(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def timed_rate(fn, items: int, seconds: float, repeat: int) -> list[float]:
+    """items/s of fn() over `repeat` windows of about `seconds` each (after one warm-up call)."""
+    fn()
+    rates = []
+    for _ in range(repeat):
+        n, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < seconds:
+            fn()
+            n += items
+        rates.append(n / elapsed)
+    return rates
+
+
+# ---- the numpy peer ------------------------------------------------------------------------
+
+def numpy_embed(f: ImageFeaturizer, images: np.ndarray) -> np.ndarray:
+    """The featurizer's ops in numpy: conv as im2col + matmul."""
+    w = {k: v.numpy() for k, v in f.weights.items()}
+    x = ((images.astype(np.float32) / 255.0 - f.pixel_mean) / f.pixel_std)[:, None]  # (N, 1, S, S)
+    for op in f.ops:
+        kind = op["op"]
+        if kind == "conv2d":
+            x = _conv3x3(x, w[op["weight"]], w[op["bias"]], op["padding"][0])
+        elif kind == "relu":
+            x = np.maximum(x, 0)
+        elif kind == "max_pool2d":
+            k = op["kernel"]
+            n, c, h, wd = x.shape
+            x = x.reshape(n, c, h // k, k, wd // k, k).max(axis=(3, 5))
+        elif kind == "flatten":
+            x = x.reshape(len(x), -1)
+        elif kind == "linear":
+            x = x @ w[op["weight"]].T + w[op["bias"]]
+    return (x - f.out_mean.numpy()) / f.out_std.numpy()
+
+
+def _conv3x3(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, pad: int) -> np.ndarray:
+    n, c, h, wd = x.shape
+    o, _, kh, kw = weight.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    ho, wo = h + 2 * pad - kh + 1, wd + 2 * pad - kw + 1
+    cols = np.lib.stride_tricks.sliding_window_view(xp, (kh, kw), axis=(2, 3))  # (N, C, Ho, Wo, kh, kw)
+    cols = cols.transpose(0, 2, 3, 1, 4, 5).reshape(n * ho * wo, c * kh * kw)
+    out = cols @ weight.reshape(o, -1).T + bias                                  # (N*Ho*Wo, O)
+    return out.reshape(n, ho, wo, o).transpose(0, 3, 1, 2)
+
+
+# ---- 1. throughput --------------------------------------------------------------------------
+
+def throughput(f: ImageFeaturizer, images: np.ndarray, seconds: float, repeat: int) -> dict:
+    from trainer.models.image_cnn import ImageCNN, ImageCNNConfig
+
+    batch = images[:256]
+    module = ImageCNN(ImageCNNConfig.from_dict(f.manifest["cnn"])).eval()
+    module.load_state_dict({k: v for k, v in f.weights.items() if not k.startswith("output.")})
+
+    def torch_module() -> None:
+        with torch.inference_mode():
+            x = to_input(batch, f.pixel_mean, f.pixel_std)
+            ((module.embed_features(x) - f.out_mean) / f.out_std).numpy()
+
+    ref = f.embed(batch)
+    gap = float(np.abs(numpy_embed(f, batch) - ref).max())
+    systems = {"mariana": lambda: f.embed(batch, batch_size=256), "torch-module": torch_module,
+               "numpy": lambda: numpy_embed(f, batch)}
+    runs: dict[str, list[float]] = {name: [] for name in systems}
+    for _ in range(repeat):  # interleaved windows: a burst of load on the host hits every system alike
+        for name, fn in systems.items():
+            runs[name] += timed_rate(fn, len(batch), seconds, 1)
+    out = {}
+    for name, rates in runs.items():
+        out[name] = {"images_per_s": round(statistics.median(rates)), "runs": [round(r) for r in rates]}
+        note(f"{name}: {out[name]['images_per_s']:,} images/s at batch 256 (runs {out[name]['runs']})")
+    out["numpy_max_abs_diff"] = gap
+    return out
+
+
+# ---- 2. lookup vs preprocess -----------------------------------------------------------------
+
+def lookup_overhead(train_tsv: Path, table: CreativeFeatures, field: str, block_bytes: int) -> dict:
+    encoder = Encoder(criteo(), HashSpec())
+    as_dict = {cid: i for i, cid in enumerate(table.ids)}
+    t = {"parse": 0.0, "hash": 0.0, "lookup": 0.0, "dict_lookup": 0.0}
+    rows = 0
+    for task in Reader([str(train_tsv)], criteo(), block_bytes).tasks():
+        t0 = time.perf_counter()
+        chunk, _ = task.run()
+        t1 = time.perf_counter()
+        batch = encoder.encode(chunk)
+        t2 = time.perf_counter()
+        feats = table.lookup(chunk.columns[field])
+        batch.dense = np.concatenate([batch.dense, feats], axis=1)
+        t3 = time.perf_counter()
+        idx = np.fromiter((as_dict.get(v, -1) for v in chunk.columns[field].to_pylist()), np.int64, chunk.num_rows)
+        np.concatenate([batch.dense[:, :0], table.table[idx]], axis=1)
+        t4 = time.perf_counter()
+        for key, dt_ in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            t[key] += dt_
+        rows += chunk.num_rows
+    pre = t["parse"] + t["hash"]
+    return {"rows": rows, "block_bytes": block_bytes, **{f"{k}_s": round(v, 4) for k, v in t.items()},
+            "lookup_share_of_preprocess": round(t["lookup"] / pre, 4),
+            "dict_lookup_share_of_preprocess": round(t["dict_lookup"] / pre, 4),
+            "lookup_us_per_row": round(1e6 * t["lookup"] / max(rows, 1), 3)}
+
+
+# ---- setup and report --------------------------------------------------------------------------
+
+def prepare(args) -> tuple[Path, ImageFeaturizer, CreativeFeatures]:
+    from featurizer.ads import AdsSpec, generate_ads_with_images
+    from trainer.config import ImagesConfig
+    from trainer.images import creatives_dir, resolve_featurizer
+
+    data = Path(args.out_dir) / f"ads-{args.rows}"
+    if not (data / "train.tsv").exists():
+        note(f"generating {args.rows:,} rows into {data}")
+        generate_ads_with_images(data, AdsSpec(rows=args.rows, seed=1), mnist_dir(args.mnist))
+    cdir = creatives_dir(str(data))
+    ids, images, meta = load_creatives(cdir)
+    fdir, how = resolve_featurizer(ImagesConfig(creatives=str(data), featurizer=args.featurizer or ""), cdir, meta)
+    note(f"featurizer {fdir} ({how})")
+    f = ImageFeaturizer.load(fdir)
+    return data, f, CreativeFeatures(ids, f.embed(images))
+
+
+def machine() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "cores": os.cpu_count(),
+            "cpu_model": cpu, "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "command": " ".join(sys.orig_argv)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=200_000, help="rows of the generated ads data")
+    p.add_argument("--repeat", type=int, default=7, help="timed windows per system (interleaved)")
+    p.add_argument("--seconds", type=float, default=1.0, help="length of one timed window")
+    p.add_argument("--block-bytes", type=int, default=4 << 20, help="preprocess block size (data.block_bytes)")
+    p.add_argument("--mnist", help="MNIST dir (default: $MARIANA_DATA/mnist or ../shared/data/mnist)")
+    p.add_argument("--featurizer", help="featurizer dir (default: the data's cached one, trained on first use)")
+    p.add_argument("--out-dir", default=str(REPO / "bench-out" / "featurizer"))
+    args = p.parse_args(argv)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    data, f, table = prepare(args)
+    mnist = load_mnist(args.mnist)
+    result = {"machine": machine(), "featurizer": {"dir": str(f.manifest.get("source", {}).get("dir")),
+                                                   "dim": f.dim, "accuracy": f.manifest.get("accuracy")},
+              "throughput": throughput(f, mnist.images, args.seconds, args.repeat),
+              "lookup": lookup_overhead(data / "train.tsv", table, "C26", args.block_bytes)}
+    ours = result["throughput"]["mariana"]["images_per_s"]
+    share = result["lookup"]["lookup_share_of_preprocess"]
+    result["targets"] = {"images_per_s >= 2000": ours >= 2000, "lookup <= 10% of preprocess": share <= 0.10}
+    (Path(args.out_dir) / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    tp = result["throughput"]
+    print(f"featurizer, batch 256: mariana {ours:,} images/s; torch-module {tp['torch-module']['images_per_s']:,} "
+          f"(ratio {ours / tp['torch-module']['images_per_s']:.2f}x); numpy {tp['numpy']['images_per_s']:,} "
+          f"(ratio {ours / tp['numpy']['images_per_s']:.1f}x; max |diff| {tp['numpy_max_abs_diff']:.1e})")
+    lk = result["lookup"]
+    print(f"cache-hit lookup: {lk['lookup_s']} s for {lk['rows']:,} rows = {100 * share:.2f}% of parse + hash "
+          f"({lk['parse_s']} + {lk['hash_s']} s); python dict peer {100 * lk['dict_lookup_share_of_preprocess']:.1f}%")
+    for target, ok in result["targets"].items():
+        print(f"{'PASS' if ok else 'FAIL'}: {target}")
+    return 0 if all(result["targets"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""IDX files (the MNIST format), gzip or plain: read, check, write.
+
+    magic   4 bytes: 0, 0, dtype code (0x08 = uint8), number of dims
+    dims    one big-endian uint32 per dim
+    data    prod(dims) items, row-major
+
+Only uint8 payloads are read (MNIST images and labels). A short, long or
+mislabelled file is an `IdxFormatError` that names the file and what is wrong.
+
+>>> import tempfile, os
+>>> p = os.path.join(tempfile.mkdtemp(), "x.idx.gz")
+>>> write_idx(p, np.arange(6, dtype=np.uint8).reshape(2, 3))
+>>> read_idx(p).tolist()
+[[0, 1, 2], [3, 4, 5]]
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+
+import numpy as np
+
+from sparse.errors import DataFormatError
+
+UBYTE = 0x08
+GZIP_MAGIC = b"\x1f\x8b"
+MAX_DIMS = 4
+
+
+class IdxFormatError(DataFormatError):
+    """An IDX file that is truncated, too long, or not IDX at all."""
+
+
+def read_idx(path: str | os.PathLike, ndim: int | None = None) -> np.ndarray:
+    """The array in an IDX file (gz or plain); `ndim` checks the number of dims."""
+    path = os.fspath(path)
+    raw = _read_bytes(path)
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+        raise IdxFormatError(f"{path}: not an IDX file (bad magic {raw[:4].hex() or 'empty'})")
+    dtype, dims = raw[2], raw[3]
+    if dtype != UBYTE:
+        raise IdxFormatError(f"{path}: IDX dtype code 0x{dtype:02x}, only uint8 (0x08) is supported")
+    if not 1 <= dims <= MAX_DIMS or (ndim is not None and dims != ndim):
+        want = f"{ndim}" if ndim is not None else f"1..{MAX_DIMS}"
+        raise IdxFormatError(f"{path}: IDX file has {dims} dims, expected {want}")
+    head = 4 + 4 * dims
+    if len(raw) < head:
+        raise IdxFormatError(f"{path}: truncated IDX header")
+    shape = tuple(int(s) for s in np.frombuffer(raw, ">u4", dims, 4))
+    need = int(np.prod(shape, dtype=np.int64))
+    if len(raw) - head != need:
+        raise IdxFormatError(f"{path}: header says {shape} = {need:,} bytes of data, the file holds "
+                             f"{len(raw) - head:,} (truncated or corrupt)")
+    return np.frombuffer(raw, np.uint8, need, head).reshape(shape)
+
+
+def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
+    """Write a uint8 array as IDX (gzip when the name ends in .gz)."""
+    a = np.ascontiguousarray(array)
+    if a.dtype != np.uint8 or not 1 <= a.ndim <= MAX_DIMS:
+        raise ValueError(f"write_idx takes uint8 arrays of 1..{MAX_DIMS} dims, got {a.dtype} {a.shape}")
+    body = bytes([0, 0, UBYTE, a.ndim]) + np.array(a.shape, ">u4").tobytes() + a.tobytes()
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(body)
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:  # FileNotFoundError etc. carry the path
+        raw = f.read()
+    if raw[:2] != GZIP_MAGIC:
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as e:
+        raise IdxFormatError(f"{path}: corrupt gzip data ({e})") from None

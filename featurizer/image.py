@@ -1,0 +1,281 @@
+"""The frozen image featurizer: uint8 images -> float32 features, and the
+image data it needs (MNIST IDX files, the fixed train/test split, checks).
+
+    DIR/manifest.json        format, d, input normalisation, the ops, accuracy, source sha256
+    DIR/weights.safetensors  the weights the ops name, and the output standardisation
+
+    ImageFeaturizer.load(DIR).embed(uint8 (N, 28, 28)) -> float32 (N, d)
+
+The network is defined once, in trainer/models/image_cnn.py; training there
+(trainer/featurizer_train.py) exports it as a list of plain ops (conv2d, relu,
+max_pool2d, flatten, linear) that `ImageFeaturizer` runs with
+torch.nn.functional. So this layer needs no training code (DESIGN.md: the
+featurizer sits below the trainer) and preprocess and serving load only
+weights and JSON, never pickle.
+
+`embed` is a pure function of the pixels: no dropout, no batch statistics, and
+the same bits for an image whatever batch it comes in (see `ROW_BLOCK`), so
+training, preprocess and serving get the same features for a creative.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from featurizer.idx import IdxFormatError, read_idx
+from sparse.errors import DataFormatError, ModelDirError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mariana-featurizer/1"
+WEIGHTS = "weights.safetensors"
+MANIFEST = "manifest.json"
+MNIST_IMAGES = "t10k-images-idx3-ubyte.gz"
+MNIST_LABELS = "t10k-labels-idx1-ubyte.gz"
+SPLIT_SEED = 20140621
+TEST_IMAGES = 2000
+# The embed GEMM computes rows in blocks; a partial block may sum in another
+# order. Padding every call to whole blocks gives each image the same bits in
+# any batch (checked by tests/unit/test_featurizer.py).
+ROW_BLOCK = 8
+
+
+class BadImage(DataFormatError):
+    """An image that is not uint8 of the featurizer's size (the pipeline counts and skips it)."""
+
+
+# ---- data ------------------------------------------------------------------------
+
+@dataclass
+class ImageSet:
+    images: np.ndarray   # (N, S, S) uint8
+    labels: np.ndarray   # (N,) uint8
+    source: dict         # paths and sha256 of the files read
+
+
+def mnist_dir(root: str | os.PathLike | None = None) -> Path:
+    """`root`, else $MARIANA_DATA/mnist, else ../shared/data/mnist beside the checkout."""
+    if root:
+        return Path(root)
+    data = os.environ.get("MARIANA_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
+    return Path(data) / "mnist"
+
+
+def load_mnist(root: str | os.PathLike | None = None) -> ImageSet:
+    """The MNIST images and labels in `root` (see `mnist_dir`), checked against each other."""
+    d = mnist_dir(root)
+    paths = {"images": d / MNIST_IMAGES, "labels": d / MNIST_LABELS}
+    for p in paths.values():
+        if not p.exists():
+            raise DataFormatError(f"{p}: no such file (the MNIST IDX files; set MARIANA_DATA or pass the dir)")
+    images, labels = read_idx(paths["images"], ndim=3), read_idx(paths["labels"], ndim=1)
+    if len(images) != len(labels):
+        raise IdxFormatError(f"{d}: {len(images)} images but {len(labels)} labels")
+    if labels.size and labels.max() > 9:
+        raise IdxFormatError(f"{paths['labels']}: labels must be digits 0..9, found {labels.max()}")
+    source = {"dir": str(d.resolve())} | {f"{k}_sha256": file_sha256(p) for k, p in paths.items()}
+    return ImageSet(images, labels, source)
+
+
+def split_indices(n: int, test: int = TEST_IMAGES, seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices: a fixed permutation, its last `test` items held out.
+    gen ads-with-images draws its creatives from the held-out part.
+
+    >>> tr, te = split_indices(10, test=2); len(tr), len(te), sorted(np.concatenate([tr, te]).tolist()) == list(range(10))
+    (8, 2, True)
+    """
+    if not 0 < test < n:
+        raise ValueError(f"test split of {test} images out of {n}")
+    perm = np.random.default_rng(seed).permutation(n)
+    return np.sort(perm[:n - test]), np.sort(perm[n - test:])
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- checking images ---------------------------------------------------------------
+
+def check_images(images, name: str = "images", size: int = 28) -> np.ndarray:
+    """A (N, size, size) uint8 array, or BadImage naming what is wrong."""
+    if not isinstance(images, np.ndarray):
+        raise BadImage(f"{name}: expected a numpy array, got {type(images).__name__}")
+    if images.dtype != np.uint8:
+        raise BadImage(f"{name}: expected uint8 pixels, got {images.dtype}")
+    if images.ndim != 3 or images.shape[1:] != (size, size):
+        raise BadImage(f"{name}: expected shape (N, {size}, {size}), got {images.shape}")
+    return images
+
+
+def decode_image(raw, name: str, size: int = 28) -> np.ndarray:
+    """One image from raw bytes (size*size pixels, row-major) or a (size, size) uint8
+    array -> (size, size) uint8; BadImage naming `name` otherwise.
+
+    >>> decode_image(bytes(784), "creative 7").shape
+    (28, 28)
+    >>> decode_image(bytes(10), "creative 7")
+    Traceback (most recent call last):
+    featurizer.image.BadImage: creative 7: 10 bytes, expected 784 (a 28x28 uint8 image)
+    """
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        if len(raw) != size * size:
+            raise BadImage(f"{name}: {len(raw)} bytes, expected {size * size} (a {size}x{size} uint8 image)")
+        return np.frombuffer(raw, np.uint8).reshape(size, size)
+    return check_images(raw[None] if isinstance(raw, np.ndarray) and raw.ndim == 2 else raw, name, size)[0]
+
+
+def stack_images(items: Sequence, names: Sequence[str], size: int = 28) -> tuple[np.ndarray, list[int], list[str]]:
+    """(good images (G, size, size), their positions, one reason per bad item):
+    for a pipeline stage that counts and skips undecodable images."""
+    good, keep, bad = [], [], []
+    for i, (raw, name) in enumerate(zip(items, names)):
+        try:
+            good.append(decode_image(raw, name, size))
+            keep.append(i)
+        except BadImage as e:
+            bad.append(str(e))
+    arr = np.stack(good) if good else np.zeros((0, size, size), np.uint8)
+    return arr, keep, bad
+
+
+# ---- export and load ------------------------------------------------------------------
+
+def pixel_stats(images: np.ndarray) -> tuple[float, float]:
+    """(mean, std) of pixels / 255: the input normalisation."""
+    x = images.astype(np.float64) / 255.0
+    return float(x.mean()), float(x.std())
+
+
+def to_input(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
+    """uint8 (N, S, S) -> normalised float32 (N, 1, S, S)."""
+    x = torch.from_numpy(images.astype(np.float32)).div_(255.0)  # a fresh array: the input may be read-only
+    return x.sub_(mean).div_(std).unsqueeze(1)
+
+
+def write_featurizer(out_dir: str | os.PathLike, manifest: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write DIR/weights.safetensors and DIR/manifest.json, replacing DIR atomically
+    (built in a temp dir beside it, then renamed)."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-featurizer-", dir=out.parent))
+    try:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
+        body = {**manifest, "format": FORMAT, "weights_sha256": file_sha256(tmp / WEIGHTS), "torch": torch.__version__,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+class ImageFeaturizer:
+    """A frozen CNN: uint8 (N, S, S) images -> float32 (N, d) features.
+
+    `ops` (what trainer.models.image_cnn.frozen_ops wrote) run over `weights`;
+    the features are then standardised with `output.mean` / `output.std`.
+    `embed` works in chunks of `batch_size` images, each padded to whole row blocks.
+    """
+
+    def __init__(self, manifest: dict, weights: dict[str, torch.Tensor]):
+        self.manifest, self.weights = manifest, weights
+        self.ops, self.head_ops = manifest["ops"], manifest.get("head_ops", [])
+        self.size, self.dim = int(manifest["input"]["size"]), int(manifest["dim"])
+        self.pixel_mean = float(manifest["input"]["pixel_mean"])
+        self.pixel_std = float(manifest["input"]["pixel_std"])
+        self.out_mean = weights.get("output.mean", torch.zeros(self.dim))
+        self.out_std = weights.get("output.std", torch.ones(self.dim))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ImageFeaturizer":
+        d = Path(path)
+        try:
+            manifest = json.loads((d / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise ModelDirError(f"{d}: no featurizer here (no {MANIFEST}); train one with "
+                                f"'mariana featurizer train --out {d}'") from None
+        except json.JSONDecodeError as e:
+            raise ModelDirError(f"{d}/{MANIFEST}: not valid JSON: {e}") from None
+        if manifest.get("format") != FORMAT:
+            raise ModelDirError(f"{d}: unknown featurizer format {manifest.get('format')!r} (expected {FORMAT})")
+        try:
+            weights = load_file(str(d / WEIGHTS))
+        except (OSError, SafetensorError) as e:
+            raise ModelDirError(f"{d}: cannot read {WEIGHTS}: {e}") from None
+        featurizer = cls(manifest, weights)
+        featurizer.check_weights(str(d))
+        return featurizer
+
+    def check_weights(self, where: str) -> None:
+        unknown = sorted({op.get("op") for op in self.ops + self.head_ops} - set(_OPS), key=str)
+        if unknown:
+            raise ModelDirError(f"{where}: unknown ops {unknown} in {MANIFEST}")
+        named = {op[k] for op in self.ops + self.head_ops for k in ("weight", "bias") if k in op}
+        missing = sorted(named - set(self.weights))
+        if missing:
+            raise ModelDirError(f"{where}: weights lack {missing[:3]}")
+
+    def embed(self, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
+        """uint8 (N, S, S) -> float32 (N, d); BadImage when the array is not that.
+
+        The same image gets the same bits in any batch and any batch_size.
+        """
+        check_images(images, size=self.size)
+        step = max(ROW_BLOCK, batch_size - batch_size % ROW_BLOCK)
+        out = np.empty((len(images), self.dim), np.float32)
+        with torch.inference_mode():
+            for i in range(0, len(images), step):
+                chunk = images[i:i + step]
+                h = self.run(self.ops, _pad_rows(to_input(chunk, self.pixel_mean, self.pixel_std)))
+                out[i:i + len(chunk)] = ((h[:len(chunk)] - self.out_mean) / self.out_std).numpy()
+        return out
+
+    def classify(self, images: np.ndarray) -> np.ndarray:
+        """(N,) predicted classes (the exported head over the raw features): a check of a loaded featurizer."""
+        check_images(images, size=self.size)
+        with torch.inference_mode():
+            x = _pad_rows(to_input(images, self.pixel_mean, self.pixel_std))
+            return self.run(self.head_ops, self.run(self.ops, x)).argmax(1).numpy()[:len(images)]
+
+    def run(self, ops: list[dict], x: torch.Tensor) -> torch.Tensor:
+        for op in ops:
+            x = _OPS[op["op"]](x, op, self.weights)
+        return x
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """(N, ...) -> (ceil(N / ROW_BLOCK) * ROW_BLOCK, ...), zero images appended."""
+    extra = -len(x) % ROW_BLOCK
+    return torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) if extra else x
+
+
+_OPS = {
+    "conv2d": lambda x, op, w: F.conv2d(x, w[op["weight"]], w[op["bias"]], stride=tuple(op["stride"]),
+                                        padding=tuple(op["padding"])),
+    "linear": lambda x, op, w: F.linear(x, w[op["weight"]], w[op["bias"]]),
+    "max_pool2d": lambda x, op, w: F.max_pool2d(x, op["kernel"]),
+    "relu": lambda x, op, w: F.relu(x),
+    "flatten": lambda x, op, w: x.flatten(1),
+}

@@ -1,0 +1,134 @@
+"""The image commands of `mariana` (issue 6), registered by services/cli.py
+(numpy and torch load inside the commands: `mariana --help` stays light):
+
+    mariana gen ads-with-images --rows N --seed S --images MNIST_DIR --out DIR
+                                [--test-rows N] [--creatives C] [--model-seed M]
+    mariana featurizer train --data MNIST_DIR --out DIR [--epochs E] [--json]
+    mariana featurize --model FEATURIZER_DIR --images FILE --out FILE.npy
+
+FILE is an IDX file (gz or plain) or a .npy of uint8 (N, 28, 28); the output
+is a .npy of float32 (N, d). Bad input is one line and exit code 2 (cli.main).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+from sparse.errors import MarianaError
+
+log = logging.getLogger("mariana")
+
+
+def cmd_gen_ads(args: argparse.Namespace) -> int:
+    from featurizer.ads import AdsSpec, generate_ads_with_images
+
+    if args.rows < 1 or (args.test_rows is not None and args.test_rows < 0):
+        raise MarianaError("--rows must be >= 1 and --test-rows >= 0")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise MarianaError(f"{args.out}: exists and is not a directory; --out names the directory to write")
+    _need_dir(args.images, "--images")
+    spec = AdsSpec(rows=args.rows, seed=args.seed, test_rows=args.test_rows, creatives=args.creatives,
+                   model_seed=args.model_seed)
+    try:
+        result = generate_ads_with_images(args.out, spec, args.images)
+    except ValueError as e:
+        raise MarianaError(str(e)) from None
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_featurizer_train(args: argparse.Namespace) -> int:
+    from featurizer.image import load_mnist
+    from trainer.featurizer_train import FeaturizerTrainConfig, train_and_export
+
+    _need_dir(args.data, "--data")
+    if args.epochs < 1:
+        raise MarianaError("--epochs must be >= 1")
+    data = load_mnist(args.data)
+
+    def progress(p) -> None:
+        log.info("featurizer epoch %d/%d: %s images, loss %.4f, %s images/s", p.epoch, p.epochs,
+                 f"{p.images:,}", p.loss, f"{p.images_per_s:,.0f}")
+
+    report = train_and_export(data, args.out, FeaturizerTrainConfig(epochs=args.epochs, seed=args.seed), progress)
+    print(json.dumps(report) if args.json else
+          f"featurizer written to {report['featurizer']}: test accuracy {report['test_accuracy']:.4f} "
+          f"on {report['test_images']} held-out images ({report['train_seconds']} s)")
+    return 0
+
+
+def cmd_featurize(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from featurizer.image import ImageFeaturizer
+
+    if not args.out.endswith(".npy"):
+        raise MarianaError(f"--out {args.out}: the output is a .npy file")
+    featurizer = ImageFeaturizer.load(args.model)
+    images = read_images(args.images)
+    t0 = time.perf_counter()
+    features = featurizer.embed(images, batch_size=args.batch_size)
+    seconds = time.perf_counter() - t0
+    np.save(args.out, features, allow_pickle=False)
+    print(json.dumps({"images": len(images), "dim": featurizer.dim, "out": os.path.abspath(args.out),
+                      "seconds": round(seconds, 3), "images_per_s": round(len(images) / max(seconds, 1e-9))}))
+    return 0
+
+
+def read_images(path: str):
+    """uint8 (N, S, S) from an IDX file or a .npy (never pickled objects)."""
+    import numpy as np
+
+    from featurizer.idx import read_idx
+    from featurizer.image import check_images
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(2, "no such file", path)
+    if path.endswith(".npy"):
+        try:
+            images = np.load(path, allow_pickle=False)
+        except ValueError as e:
+            raise MarianaError(f"{path}: not a plain .npy array ({e})") from None
+    else:
+        images = read_idx(path, ndim=3)
+    return check_images(images, path)
+
+
+def _need_dir(path: str, flag: str) -> None:
+    if not os.path.isdir(path):
+        raise MarianaError(f"{flag} {path}: no such directory")
+
+
+def add_gen_ads(gsub) -> None:
+    ga = gsub.add_parser("ads-with-images", help="Criteo-style rows whose creatives are real MNIST images "
+                                                 "(docs/synthetic-data.md)")
+    ga.add_argument("--rows", type=int, required=True, help="training rows")
+    ga.add_argument("--test-rows", type=int, help="test rows (default rows / 4)")
+    ga.add_argument("--seed", type=int, default=0, help="seed of the rows")
+    ga.add_argument("--model-seed", type=int, default=20140621, help="seed of the planted click model")
+    ga.add_argument("--creatives", type=int, default=2000, help="creatives (held-out MNIST images, at most 2000)")
+    ga.add_argument("--images", required=True, help="the MNIST dir (t10k-images/labels IDX files)")
+    ga.add_argument("--out", required=True, help="directory: train.tsv, test.tsv, creatives/, planted.json")
+    ga.set_defaults(func=cmd_gen_ads)
+
+
+def add_commands(sub) -> None:
+    f = sub.add_parser("featurize", help="embed images with a frozen featurizer")
+    f.add_argument("--model", required=True, help="featurizer directory")
+    f.add_argument("--images", required=True, help="IDX file (gz or plain) or .npy of uint8 (N, 28, 28)")
+    f.add_argument("--out", required=True, help=".npy file of float32 (N, d)")
+    f.add_argument("--batch-size", type=int, default=256)
+    f.set_defaults(func=cmd_featurize)
+
+    fz = sub.add_parser("featurizer", help="train the image featurizer")
+    fsub = fz.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ft = fsub.add_parser("train", help="train the CNN on MNIST (8k/2k split) and export it frozen")
+    ft.add_argument("--data", required=True, help="the MNIST dir")
+    ft.add_argument("--out", required=True, help="featurizer directory to write (replaced)")
+    ft.add_argument("--epochs", type=int, default=5)
+    ft.add_argument("--seed", type=int, default=0)
+    ft.add_argument("--json", action="store_true")
+    ft.set_defaults(func=cmd_featurizer_train)

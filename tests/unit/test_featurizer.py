@@ -1,0 +1,168 @@
+"""The image featurizer (issue 6): IDX reading, image checks, the frozen CNN's
+determinism, creative lookups with their fallback, and the ads-with-images data."""
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
+from featurizer.idx import IdxFormatError, read_idx, write_idx
+from featurizer.image import BadImage, ImageFeaturizer, decode_image, stack_images
+from sparse.encode import Encoder
+from sparse.errors import ModelDirError
+from sparse.hashing import HashSpec
+from sparse.parse import Chunk
+from sparse.schema import criteo
+
+
+@pytest.fixture(scope="session")
+def mnist(mnist_dir):
+    from featurizer.image import load_mnist
+
+    return load_mnist(mnist_dir)
+
+
+@pytest.fixture(scope="session")
+def featurizer_dir(small_featurizer):
+    return small_featurizer
+
+
+# ---- IDX -------------------------------------------------------------------------------
+
+def test_idx_round_trip_gz_and_plain(tmp_path):
+    a = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    for name in ("a.idx", "a.idx.gz"):
+        write_idx(tmp_path / name, a)
+        assert np.array_equal(read_idx(tmp_path / name, ndim=3), a)
+
+
+def test_idx_rejects_corrupt_files_naming_them(tmp_path):
+    a = np.zeros((3, 28, 28), np.uint8)
+    write_idx(tmp_path / "ok.idx", a)
+    body = (tmp_path / "ok.idx").read_bytes()
+    cases = {
+        "short.idx": (body[:-5], "truncated or corrupt"),
+        "long.idx": (body + b"\0", "truncated or corrupt"),
+        "magic.idx": (b"\x08\x03" + body[2:], "bad magic"),
+        "dtype.idx": (body[:2] + b"\x0d" + body[3:], "only uint8"),
+        "header.idx": (body[:6], "truncated IDX header"),
+        "gz.idx.gz": (gzip.compress(body)[:-20], "corrupt gzip"),
+    }
+    for name, (raw, why) in cases.items():
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(IdxFormatError, match=why) as e:
+            read_idx(tmp_path / name)
+        assert name in str(e.value)
+    with pytest.raises(IdxFormatError, match="expected 1"):
+        read_idx(tmp_path / "ok.idx", ndim=1)
+
+
+# ---- images ------------------------------------------------------------------------------
+
+def test_bad_images_are_rejected_with_their_name(featurizer_dir):
+    f = ImageFeaturizer.load(featurizer_dir)
+    with pytest.raises(BadImage, match="images: expected uint8 pixels, got float32"):
+        f.embed(np.zeros((2, 28, 28), np.float32))
+    with pytest.raises(BadImage, match=r"expected shape \(N, 28, 28\), got \(2, 28, 27\)"):
+        f.embed(np.zeros((2, 28, 27), np.uint8))
+    good, keep, bad = stack_images([bytes(784), bytes(783), np.zeros((28, 28), np.uint8), np.zeros((3, 3), np.uint8)],
+                                   ["c1", "c2", "c3", "c4"])
+    assert good.shape == (2, 28, 28) and keep == [0, 2]
+    assert bad[0].startswith("c2: 783 bytes") and bad[1].startswith("c4: expected shape")
+    with pytest.raises(BadImage, match="creative 9: expected uint8"):
+        decode_image(np.zeros((28, 28), np.int64), "creative 9")
+
+
+def test_featurizer_load_errors_name_the_dir(tmp_path, featurizer_dir):
+    with pytest.raises(ModelDirError, match="no featurizer here"):
+        ImageFeaturizer.load(tmp_path)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text((featurizer_dir / "manifest.json").read_text())
+    (broken / "weights.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ModelDirError, match="cannot read weights.safetensors"):
+        ImageFeaturizer.load(broken)
+
+
+def test_embed_is_deterministic_across_calls_and_batch_sizes(featurizer_dir, mnist):
+    f = ImageFeaturizer.load(featurizer_dir)
+    images = mnist.images[:120]
+    full = f.embed(images)
+    assert full.shape == (120, f.dim) and full.dtype == np.float32
+    assert np.array_equal(f.embed(images), full)
+    for bs in (1, 7, 64):
+        parts = np.concatenate([f.embed(images[i:i + bs], batch_size=bs) for i in range(0, len(images), bs)])
+        assert np.array_equal(parts, full), bs
+    assert np.array_equal(ImageFeaturizer.load(featurizer_dir).embed(images[5:6]), full[5:6])  # a fresh load too
+
+
+def test_frozen_ops_compute_what_the_module_computes(featurizer_dir, mnist):
+    """The exported op list and trainer/models/image_cnn.py are the same network."""
+    from featurizer.image import to_input
+    from trainer.models.image_cnn import ImageCNN, ImageCNNConfig
+
+    f = ImageFeaturizer.load(featurizer_dir)
+    model = ImageCNN(ImageCNNConfig.from_dict(f.manifest["cnn"])).eval()
+    model.load_state_dict({k: v for k, v in f.weights.items() if not k.startswith("output.")})
+    x = to_input(mnist.images[:64], f.pixel_mean, f.pixel_std)
+    with torch.inference_mode():
+        want = ((model.embed_features(x) - f.out_mean) / f.out_std).numpy()
+        assert np.array_equal(f.classify(mnist.images[:64]), model(x).argmax(1).numpy())
+    assert np.array_equal(f.embed(mnist.images[:64]), want)
+
+
+# ---- creatives -----------------------------------------------------------------------------
+
+def test_unknown_creative_gets_the_fallback_and_is_counted():
+    feats = np.array([[1, 2], [3, 4]], np.float32)
+    table = CreativeFeatures([b"0000000a", b"0000000b"], feats)
+    col = pa.array([b"0000000b", b"ffffffff", None, b"0000000a"], pa.binary())
+    out = table.lookup(col)
+    assert out.tolist() == [[3, 4, 0], [0, 0, 1], [0, 0, 1], [1, 2, 0]]
+    assert table.counts() == {"lookups": 4, "unknown": 2}
+    again = CreativeFeatures.from_arrays(table.to_arrays())
+    assert again.ids == table.ids and np.array_equal(again.table, table.table)
+
+
+def test_encoder_puts_creative_features_in_the_dense_block():
+    """The file path (pyarrow columns) and the request path (lists of bytes) get the same dense block."""
+    schema, spec = criteo(), HashSpec(bits=16, numeric="both")
+    table = CreativeFeatures([b"c1", b"c2"], np.array([[0.5], [-0.5]], np.float32))
+    enc = ImageFeatureEncoder(Encoder(schema, spec), table, "C26")
+    rows = 3
+    cols = {f"I{i}": np.array([1.0, np.nan, 3.0]) for i in range(1, 14)}
+    cats = {f"C{i}": [b"x", b"y", b""] for i in range(1, 26)} | {"C26": [b"c2", b"zz", b"c1"]}
+    chunk = Chunk({**cols, **{k: pa.array(v, pa.binary()) for k, v in cats.items()}}, None, rows)
+    batch = enc.encode(chunk)
+    assert batch.dense.shape == (rows, 13 + 2) and enc.dense_dim == 15
+    assert batch.dense[:, 13:].tolist() == [[-0.5, 0.0], [0.0, 1.0], [0.5, 0.0]]
+    by_rows = enc.encode_rows(Chunk({**cols, **cats}, None, rows))
+    assert np.array_equal(by_rows.dense, batch.dense) and np.array_equal(by_rows.ids, batch.ids)
+    assert table.counts() == {"lookups": 6, "unknown": 2}
+
+
+# ---- ads-with-images data ---------------------------------------------------------------------
+
+def test_gen_ads_with_images_is_deterministic_for_a_seed(mnist, tmp_path):
+    from featurizer.ads import AdsSpec, generate_ads_with_images
+    from featurizer.creatives import load_creatives
+
+    spec = AdsSpec(rows=3000, seed=4, creatives=300)
+    a = generate_ads_with_images(tmp_path / "a", spec, mnist.source["dir"])
+    generate_ads_with_images(tmp_path / "b", spec, mnist.source["dir"])
+    generate_ads_with_images(tmp_path / "c", AdsSpec(rows=3000, seed=5, creatives=300), mnist.source["dir"])
+    for name in ("train.tsv", "test.tsv", "creatives/creatives.npy", "creatives/creatives.json", "planted.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert (tmp_path / "a" / "train.tsv").read_bytes() != (tmp_path / "c" / "train.tsv").read_bytes()
+    ids, images, meta = load_creatives(tmp_path / "a" / "creatives")
+    assert images.shape == (300, 28, 28) and len(ids) == 300 and meta["field"] == "C26"
+    lines = (tmp_path / "a" / "train.tsv").read_text().splitlines()
+    assert len(lines) == 3000 and all(len(line.split("\t")) == 40 for line in lines[:50])
+    assert {line.split("\t")[-1].encode() for line in lines} <= set(ids)
+    new = {i for i, n in zip(ids, meta["new"]) if n}
+    assert not new & {line.split("\t")[-1].encode() for line in lines}   # new creatives: test rows only
+    assert a["test"]["rows_with_new_creative"] > 0 and 0.15 < a["train"]["ctr"] < 0.3

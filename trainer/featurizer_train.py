@@ -1,0 +1,129 @@
+"""Train the image CNN (trainer/models/image_cnn.py) on MNIST and export it as
+a frozen featurizer (featurizer/image.py reads it). Read top to bottom:
+
+    split the 10k images 8k/2k (fixed permutation, featurizer.image.split_indices)
+    for epoch: for batch of the 8k: cross-entropy, Adam step; progress ~1/s
+    accuracy on the 2k held out
+    export: the stages up to "embed" as frozen ops, weights in safetensors,
+            the output standardisation measured on the 8k
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from featurizer.image import (SPLIT_SEED, TEST_IMAGES, ImageFeaturizer, ImageSet, pixel_stats, split_indices,
+                              to_input, write_featurizer)
+from trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FeaturizerTrainConfig:
+    epochs: int = 5
+    batch_size: int = 64
+    lr: float = 2e-3
+    seed: int = 0
+    test_images: int = TEST_IMAGES
+    train_limit: int = 0            # use only the first N training images (0: all); for quick tests
+    cnn: ImageCNNConfig = field(default_factory=ImageCNNConfig)
+
+
+@dataclass
+class TrainProgress:
+    epoch: int
+    epochs: int
+    images: int          # seen in this epoch
+    loss: float          # mean cross-entropy since the last report
+    images_per_s: float
+
+
+def train_featurizer(data: ImageSet, cfg: FeaturizerTrainConfig = FeaturizerTrainConfig(),
+                     progress: Callable[[TrainProgress], None] | None = None,
+                     report_every: float = 1.0) -> tuple[ImageCNN, dict]:
+    """Train on the train split; returns (model in eval mode, report with the test accuracy)."""
+    train_idx, test_idx = split_indices(len(data.images), cfg.test_images)
+    if cfg.train_limit:
+        train_idx = train_idx[:cfg.train_limit]
+    mean, std = pixel_stats(data.images[train_idx])
+    x_train = to_input(data.images[train_idx], mean, std)                    # (N, 1, 28, 28)
+    y_train = torch.from_numpy(data.labels[train_idx].astype(np.int64))
+    torch.manual_seed(cfg.seed)
+    model = ImageCNN(cfg.cnn)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    for epoch in range(1, cfg.epochs + 1):
+        train_epoch(model, opt, x_train, y_train, cfg.batch_size, gen, lambda n, loss, ips: progress and progress(
+            TrainProgress(epoch, cfg.epochs, n, loss, ips)), report_every)
+    model.eval()
+    accuracy = accuracy_of(model, to_input(data.images[test_idx], mean, std), data.labels[test_idx])
+    report = {"test_accuracy": round(accuracy, 4), "train_images": len(train_idx), "test_images": len(test_idx),
+              "epochs": cfg.epochs, "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed,
+              "split_seed": SPLIT_SEED, "train_seconds": round(time.perf_counter() - t0, 2),
+              "pixel_mean": mean, "pixel_std": std, "train_index": train_idx}
+    log.info("featurizer: test accuracy %.4f on %d held-out images", accuracy, len(test_idx))
+    return model, report
+
+
+def train_epoch(model: ImageCNN, opt, x: torch.Tensor, y: torch.Tensor, batch_size: int, gen: torch.Generator,
+                report: Callable[[int, float, float], None], report_every: float) -> None:
+    """One pass in a random order; report(images seen, mean loss of the window, images/s)."""
+    model.train()
+    order = torch.randperm(len(x), generator=gen)
+    t_epoch = last = time.perf_counter()
+    window_loss, window_n, seen = 0.0, 0, 0
+    for start in range(0, len(x), batch_size):
+        idx = order[start:start + batch_size]
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        seen += len(idx)
+        window_loss, window_n = window_loss + float(loss.detach()) * len(idx), window_n + len(idx)
+        now = time.perf_counter()
+        if now - last >= report_every or seen == len(x):
+            report(seen, window_loss / window_n, seen / max(now - t_epoch, 1e-9))
+            window_loss, window_n, last = 0.0, 0, now
+
+
+def accuracy_of(model: ImageCNN, x: torch.Tensor, labels: np.ndarray) -> float:
+    with torch.inference_mode():
+        pred = torch.cat([model(x[i:i + 512]).argmax(1) for i in range(0, len(x), 512)])
+    return float((pred.numpy() == labels).mean())
+
+
+def export_featurizer(model: ImageCNN, report: dict, data: ImageSet, out_dir: str | Path) -> Path:
+    """Write the frozen featurizer: the ops up to "embed" (+ the head, for `classify`),
+    their weights, and the output standardisation measured on the training images."""
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    manifest = {"dim": model.cfg.embed_dim, "cnn": model.cfg.to_dict(),
+                "ops": frozen_ops(model), "head_ops": frozen_ops(model, "head", "head"),
+                "input": {"size": model.cfg.size, "dtype": "uint8", "layout": "(N, size, size)",
+                          "pixel_mean": report["pixel_mean"], "pixel_std": report["pixel_std"],
+                          "normalise": "(pixels / 255 - pixel_mean) / pixel_std"},
+                "output": {"stage": "embed", "standardise": "(features - output.mean) / output.std, "
+                                                            "measured on the train split"},
+                "accuracy": report["test_accuracy"], "source": data.source,
+                "train": {k: v for k, v in report.items() if k != "train_index"}}
+    raw = ImageFeaturizer(manifest, weights).embed(data.images[report["train_index"]])  # (N, d) unstandardised
+    std = raw.std(0)
+    weights["output.mean"] = torch.from_numpy(raw.mean(0))
+    weights["output.std"] = torch.from_numpy(np.where(std > 1e-6, std, 1.0).astype(np.float32))  # dead units: 1
+    return write_featurizer(out_dir, manifest, weights)
+
+
+def train_and_export(data: ImageSet, out_dir: str | Path, cfg: FeaturizerTrainConfig = FeaturizerTrainConfig(),
+                     progress: Callable[[TrainProgress], None] | None = None) -> dict:
+    """Train, export, and return the report (with the featurizer dir)."""
+    model, report = train_featurizer(data, cfg, progress)
+    out = export_featurizer(model, report, data, out_dir)
+    return {"featurizer": str(out), **{k: v for k, v in report.items() if k != "train_index"}}

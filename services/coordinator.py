@@ -631,13 +631,13 @@ class Coordinator(Service):
         })
         if run.state != "running":  # cancelled while the model was being assembled
             raise JobStopped()
+        await self.cleanup(run)  # a job reported done holds nothing any more (shards, cached batches)
         run.record, run.state, run.ended = record, "done", time.time()
         self.ended(run)
         log.info("%s: job %s done: %s/%s, %d rows applied of %d x %d epochs, auc %s", self.name, run.id,
                  record["model_dir"], record["model_version"], record["rows_applied"],
                  record["rows_in_data"], led.epochs, record.get("auc"))
         await self.announce(record)
-        await self.cleanup(run)
 
     async def announce(self, record: dict) -> None:
         """Tell model servers (Redis pub/sub) that a version was written."""

@@ -67,6 +67,10 @@ class Preprocess(Service):
         while True:
             await slots.acquire()
             frames = await self.pull.recv_multipart(copy=False)
+            if self.stopping.is_set():  # draining: a chunk taken now would outlive the drain
+                self.counters["chunks_refused_stopping"] += 1
+                slots.release()
+                continue  # the coordinator reads it again on its timeout
             try:
                 msg = protocol.decode(frames, self.cfg.cluster.max_message_bytes)
                 if msg.type != "Chunk" or msg.arrays.get("data") is None or msg.arrays["data"].dtype != np.uint8:
@@ -90,7 +94,7 @@ class Preprocess(Service):
 
     async def drain(self) -> None:
         # chunks in hand are cached and reported; queued ones are re-sent on the coordinator's timeout
-        if self.in_flight:
+        while self.in_flight:  # (one may have started while the signal arrived)
             await asyncio.wait(set(self.in_flight))
 
     async def close(self) -> None:
@@ -153,6 +157,8 @@ class Preprocess(Service):
                                             error=error, timeout=600.0)
                 return
             except PeerTimeout as e:
+                if self.stopping.is_set() and self.coordinator.closed:
+                    return  # shut down: the coordinator reads the chunk again on its timeout
                 log.warning("%s: Cached %s not acknowledged (%s); again", self.name, chunk, e)
             except RemoteError as e:
                 log.warning("%s: coordinator refused Cached %s: %s", self.name, chunk, e)

@@ -62,6 +62,7 @@ class Client:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.connect(endpoint)
         self.pending: dict[int, asyncio.Future] = {}
+        self.closed = False
         self._reader = asyncio.create_task(self._read(), name=f"client-{endpoint}")
 
     async def call(self, type_: str, arrays: dict | None = None, timeout: float | None = None,
@@ -120,6 +121,7 @@ class Client:
         return n
 
     def close(self) -> None:
+        self.closed = True
         self._reader.cancel()
         self.fail_pending("client closed")
         self.sock.close(linger=0)

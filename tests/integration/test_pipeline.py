@@ -117,6 +117,8 @@ def test_ps_shard_killed_and_restarted_restores_and_replays(data, tmp_path):
     with Cluster(tmp_path / "c", workers=1, ps=2) as c:
         job = c.submit([data["small"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))
         c.wait(job, 60, until=progressed(20_000))
+        ps_log = tmp_path / "c" / "logs" / "ps-1.log"
+        c.wait_for(lambda: f"checkpoint {job}/" in ps_log.read_text(), 30)  # something to restore from
         c.kill("ps-1", signal.SIGKILL)
         time.sleep(1.0)  # the worker waits on the dead shard meanwhile
         c.restart("ps-1")

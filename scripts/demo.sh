@@ -26,6 +26,8 @@ $mariana -q up --workers 2 --ps 2 --preprocess 1 >/dev/null
 serve_pid=""
 trap '[ -n "$serve_pid" ] && kill -TERM "$serve_pid" 2>/dev/null; wait 2>/dev/null; $mariana -q down >/dev/null' EXIT
 $mariana status
+http=$(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["http"])' "$out/cluster/cluster.json")
+echo "  web UI of jobs, workers and models while the demo runs: $http/ui/"
 
 echo "== 3/9 train logistic regression on the cluster, 2 epochs (the second from the cache)"
 $mariana train --mode cluster --data "$out/train.tsv" --test-data "$out/test.tsv" --model lr --epochs 2 \

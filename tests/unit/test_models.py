@@ -87,3 +87,22 @@ def test_fixed_and_csr_forms_give_the_same_logits():
         a = model(make_input(b, torch.from_numpy(b.ids), tables))
         c = model(make_input(csr, torch.from_numpy(csr.ids), tables))
     torch.testing.assert_close(a, c)
+
+
+def test_linear_table_take_matches_index_select_and_its_gradient():
+    """The dim-1 fast path (numpy take, scatter_add backward) against torch's index_select."""
+    from trainer.models.base import _Take
+
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(50, 1, generator=g)
+    index = torch.randint(0, 50, (400,), generator=g)  # with repeats: gradients must sum
+    upstream = torch.randn(400, generator=g)
+    a = weights.clone().requires_grad_()
+    out_a = _Take.apply(a.view(-1), index)
+    (out_a * upstream).sum().backward()
+    b = weights.clone().requires_grad_()
+    out_b = torch.index_select(b, 0, index).view(-1)
+    (out_b * upstream).sum().backward()
+    assert torch.equal(out_a, out_b)
+    assert torch.allclose(a.grad, b.grad, atol=1e-6)
+    assert a.grad[index.unique()].abs().sum() > 0 and (a.grad.view(-1)[~torch.isin(torch.arange(50), index)] == 0).all()

@@ -70,12 +70,36 @@ def make_input(batch: SparseBatch, inverse: torch.Tensor, rows: dict[str, torch.
         num_rows=batch.num_rows, num_fields=batch.num_fields, rows=rows)
 
 
+class _Take(torch.autograd.Function):
+    """flat[index] for a 1-d tensor; backward sums the gradient into each index
+    (scatter_add). On the CPU the gather is numpy's take, which is 2-3x faster
+    than torch's gather or index_select for a gather of this shape (a 4096-row
+    batch: 160k entries from ~18k rows); same values, same gradient."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.size = flat.numel()
+        if flat.device.type == "cpu" and index.device.type == "cpu":
+            return torch.from_numpy(np.take(flat.detach().numpy(), index.numpy()))
+        return flat[index]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.size).scatter_add_(0, index, grad), None
+
+
 def pool_fields(x: ModelInput, table: str) -> torch.Tensor:
     """(B, F, dim): per row and field, the sum of value * row over that field's entries."""
-    emb = torch.index_select(x.rows[table], 0, x.local_ids)  # (nnz, dim); backward is index_add
+    weights = x.rows[table]
+    dim = weights.shape[1]  # explicit: a schema may have no sparse fields at all
+    if dim == 1:  # a linear table: a flat take, about 4x faster than index_select here
+        emb = _Take.apply(weights.view(-1), x.local_ids).view(-1, 1)
+    else:
+        emb = torch.index_select(weights, 0, x.local_ids)  # (nnz, dim); backward is index_add
     if x.values is not None:
         emb = emb * x.values[:, None]
-    dim = x.rows[table].shape[1]  # explicit: a schema may have no sparse fields at all
     if x.fixed:
         return emb.view(x.num_rows, x.num_fields, dim)
     slots = x.row_index * x.num_fields + x.fields

@@ -147,12 +147,13 @@ class ImageFeatureEncoder:
         return self.base.dense_dim + self.table.width
 
     def encode(self, chunk: Chunk, batch_id: str = "") -> SparseBatch:
-        return self._attach(self.base.encode(chunk, batch_id), chunk)
+        return self.attach(self.base.encode(chunk, batch_id), chunk)
 
     def encode_rows(self, chunk: Chunk) -> SparseBatch:
-        return self._attach(self.base.encode_rows(chunk), chunk)
+        return self.attach(self.base.encode_rows(chunk), chunk)
 
-    def _attach(self, batch: SparseBatch, chunk: Chunk) -> SparseBatch:
+    def attach(self, batch: SparseBatch, chunk: Chunk) -> SparseBatch:
+        """`batch` (the base encoder's, of `chunk`) with the creative features appended to its dense block."""
         feats = self.table.lookup(chunk.columns[self.field])          # (B, d + 1)
         batch.dense = np.concatenate([batch.dense, feats], axis=1) if batch.dense.shape[1] else feats
         return batch

@@ -54,9 +54,30 @@ def check_request(body: dict) -> tuple[dict, dict]:
     check_inputs(data + tests)
     Reader(data + tests, schema).probe()
     check_out_dir(out)
+    if config.images.creatives:
+        from trainer.images import creatives_dir
+
+        creatives_dir(config.images.creatives)  # ConfigError naming the dir when it is not one
+        if config.images.featurizer and not os.path.isdir(config.images.featurizer):
+            raise ConfigError(f"images.featurizer {config.images.featurizer}: no such directory")
     request = {"data": data, "test_data": tests, "out": os.path.abspath(out), "mode": mode,
                "staleness": staleness, "model": config.model.kind, "promote": promote}
     return request, {"config": config.to_dict(), "schema": schema.to_dict()}
+
+
+def image_record(spec: dict, ledger, images) -> dict:
+    """As local mode records it: the featurizer and cache, then the lookups of each phase
+    (training rows were looked up by preprocess once, in the pass over the source)."""
+    from trainer.images import features_sha
+    from trainer.job import MODES
+
+    test = images.counts()  # the table was fresh for the evaluation
+    return {**spec["images"]["info"], "model_creatives": len(images.ids),
+            "features_sha256": features_sha(images.features),
+            "train_lookups": int(ledger.counters["creative_lookups"]),
+            "train_unknown_creative": int(ledger.counters["creatives_unknown"]),
+            "test_lookups": test["lookups"], "test_unknown_creative": test["unknown"],
+            "mode": MODES[spec["config"]["model"]["kind"]]}
 
 
 def _paths(body: dict, key: str) -> list[str]:
@@ -68,11 +89,12 @@ def _paths(body: dict, key: str) -> list[str]:
     return [os.path.abspath(p) for p in value]
 
 
-def assemble(spec: dict, exports: list[dict[str, np.ndarray]]) -> ModelBundle:
-    """One bundle from every shard's export (tables by global id; dense from shard 0)."""
+def assemble(spec: dict, exports: list[dict[str, np.ndarray]], images=None) -> ModelBundle:
+    """One bundle from every shard's export (tables by global id; dense from shard 0);
+    `images`: the creative features table of a job with image features."""
     from sparse.schema import Schema
 
-    bundle = ModelBundle(from_dict(JobConfig, spec["config"]), Schema.from_dict(spec["schema"]))
+    bundle = ModelBundle(from_dict(JobConfig, spec["config"]), Schema.from_dict(spec["schema"]), images)
     for arrays in exports:
         for name, table in bundle.tables.items():
             state = {k.rsplit(".", 1)[1]: v for k, v in arrays.items()
@@ -93,9 +115,9 @@ def assemble(spec: dict, exports: list[dict[str, np.ndarray]]) -> ModelBundle:
 
 
 def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_shards: int,
-                         train_seconds: float) -> dict:
+                         train_seconds: float, images=None) -> dict:
     """Assemble, evaluate on the test files, save a version; the job's result record."""
-    bundle = assemble(spec, exports)
+    bundle = assemble(spec, exports, images)
     rows_per_epoch = [int(ledger.rows_done[e]) for e in range(1, ledger.epochs + 1)]
     bundle.rows_trained = sum(rows_per_epoch)
     bundle.steps = len(ledger.done)
@@ -115,7 +137,10 @@ def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_s
         "bad_rows": ledger.counters["bad_rows"] + (test_parse["rows_bad"] if test_parse else 0),
         "model": request["model"],
     }
+    if images is not None:
+        record["images"] = image_record(spec, ledger, images)
     version = bundle.save(request["out"], make_current=request.get("promote", True), extra={
+        **({"images": record["images"]} if images is not None else {}),
         "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows")},
         "train": {"data": request["data"], "test_data": request["test_data"], "rows": record["train_rows"],
                   "seconds": record["train_seconds"], "mode": "cluster/" + request["mode"],

@@ -10,6 +10,7 @@ never imports serving/); `python -m services.cli` is what the launcher runs.
     mariana evaluate --model MODEL_DIR --data FILE [--json]
     mariana featurizer train --data MNIST_DIR --out DIR
     mariana featurize --model FEATURIZER_DIR --images FILE --out FILE.npy
+    mariana featurize-creatives --images CREATIVES_DIR [--featurizer DIR] [--redis-url URL]
     mariana predict --model MODEL_DIR --data FILE
     mariana up [--config FILE] [--dir DIR] [--workers W] [--ps S] [--preprocess P]
     mariana down [--dir DIR] [--timeout SECONDS]
@@ -70,8 +71,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _job_config(args)
     if args.featurizer and not args.images:
         raise MarianaError("--featurizer goes with --images")
-    if args.mode == "cluster" and config.images.creatives:
-        raise MarianaError("--images needs --mode local (the cluster pipeline has no image stage yet)")
+    if args.mode == "cluster" and config.images.creatives:  # the coordinator reads these: no relative paths
+        for key in ("creatives", "featurizer", "mnist"):
+            if getattr(config.images, key):
+                setattr(config.images, key, os.path.abspath(getattr(config.images, key)))
     if args.mode == "cluster":
         record = _train_cluster(args, config)
     else:

@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 
 from services import model_events, protocol, webui
 from services.assemble import assemble_and_publish, check_request
+from services.creative_cache import creative_table, featurize_creatives
 from services.jobstore import JobStore
 from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step
 from services.protocol import BadMessage, Message
@@ -48,6 +49,7 @@ from services.transport import Client, PeerTimeout, RemoteError, Server
 from sparse.errors import ConfigError, MarianaError
 from sparse.metrics import histogram_auc
 from trainer import checkpoint
+from trainer.config import JobConfig, from_dict
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.25
@@ -508,6 +510,8 @@ class Coordinator(Service):
             log.info("%s: job %s started: %s, %d epochs, mode %s, data %s", self.name, run.id,
                      run.request["model"], led.epochs, run.request["mode"], ",".join(run.request["data"]))
         try:
+            if run.spec["config"].get("images", {}).get("creatives") and "images" not in run.spec:
+                await self.prepare_images(run)  # before any shard or preprocess reads the spec
             for i in range(len(self.shards)):
                 await self.start_shard(run, i)
             if not led.source_done:
@@ -605,13 +609,34 @@ class Coordinator(Service):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
+    async def prepare_images(self, run: JobRun) -> None:
+        """The featurizer stage's batch job: embed the creatives not cached in Redis yet,
+        and name their cache in the spec that preprocess, workers and shards read."""
+        cfg = from_dict(JobConfig, run.spec["config"]).images
+        log.info("%s: job %s: image features of %s", self.name, run.id, cfg.creatives)
+        info = await featurize_creatives(self.cache, cfg, self.counters)
+        info.pop("ids")
+        run.spec["images"] = {"redis_key": info["redis_key"], "dim": info["dim"], "field": cfg.field, "info": info}
+        self.save(run)
+
+    async def image_table(self, run: JobRun):
+        """The job's creatives that have cached features: the table its model version stores."""
+        if "images" not in run.spec:
+            return None
+        from trainer.images import load_creative_set
+
+        img = run.spec["images"]
+        cset = await asyncio.to_thread(load_creative_set, run.spec["config"]["images"]["creatives"])
+        return await creative_table(self.cache, img["redis_key"], int(img["dim"]), cset.ids)
+
     async def finish(self, run: JobRun) -> None:
         led = run.ledger
         applied = [(await self.shard_call(run, i, "ShardStats"))["rows"] for i in range(len(self.shards))]
         exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.shards))]
+        images = await self.image_table(run)
         train_seconds = time.time() - run.started
         record = await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, led,
-                                         len(self.shards), train_seconds)
+                                         len(self.shards), train_seconds, images)
         rows_applied = [min(int(a.get(str(e), 0)) for a in applied) for e in range(1, led.epochs + 1)]
         record.update({
             "rows_applied": sum(rows_applied),

@@ -5,6 +5,7 @@
                                 [--test-rows N] [--creatives C] [--model-seed M]
     mariana featurizer train --data MNIST_DIR --out DIR [--epochs E] [--json]
     mariana featurize --model FEATURIZER_DIR --images FILE --out FILE.npy
+    mariana featurize-creatives --images CREATIVES_DIR [--featurizer DIR] [--redis-url URL | --config FILE]
 
 FILE is an IDX file (gz or plain) or a .npy of uint8 (N, 28, 28); the output
 is a .npy of float32 (N, d). Bad input is one line and exit code 2 (cli.main).
@@ -78,6 +79,41 @@ def cmd_featurize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_featurize_creatives(args: argparse.Namespace) -> int:
+    """The featurizer stage's batch job on its own: cache the features of every creative
+    of a dir that Redis lacks (new uploads, say), for cluster jobs and model servers."""
+    import asyncio
+    from collections import Counter
+
+    from services import launcher
+    from services.creative_cache import featurize_creatives
+    from services.runtime.config import load_cluster_config
+    from services.sample_cache import SampleCache
+    from trainer.config import ImagesConfig
+
+    _need_dir(args.images, "--images")
+    url = args.redis_url
+    if not url:
+        running = launcher.cluster_info(load_cluster_config(args.config).cluster.path)
+        if running is None:
+            raise MarianaError("no --redis-url given and no cluster is up (`mariana up`) to take its Redis from")
+        url = load_cluster_config(running["config"], env={}).redis.url
+    cfg = load_cluster_config(args.config, overrides={"redis.url": url})
+    images = ImagesConfig(creatives=os.path.abspath(args.images), featurizer=args.featurizer or "")
+
+    async def run() -> dict:
+        cache = SampleCache(cfg, Counter())
+        try:
+            return await featurize_creatives(cache, images, Counter())
+        finally:
+            await cache.close()
+
+    info = asyncio.run(run())
+    info.pop("ids")
+    print(json.dumps(info))
+    return 0
+
+
 def read_images(path: str):
     """uint8 (N, S, S) from an IDX file or a .npy (never pickled objects)."""
     import numpy as np
@@ -122,6 +158,15 @@ def add_commands(sub) -> None:
     f.add_argument("--out", required=True, help=".npy file of float32 (N, d)")
     f.add_argument("--batch-size", type=int, default=256)
     f.set_defaults(func=cmd_featurize)
+
+    fc = sub.add_parser("featurize-creatives", help="cache the image features of a creatives dir in Redis "
+                                                    "(each creative once; for cluster jobs and model servers)")
+    fc.add_argument("--images", required=True, help="creatives dir ('gen ads-with-images' OUT, with uploads/)")
+    fc.add_argument("--featurizer", help="frozen featurizer dir (default: CREATIVES/featurizer, "
+                                         "trained there on first use)")
+    fc.add_argument("--redis-url", help="the Redis to cache in (default: the Redis of the cluster that is up)")
+    fc.add_argument("--config", help="cluster TOML (which cluster is up; Redis retry settings)")
+    fc.set_defaults(func=cmd_featurize_creatives)
 
     fz = sub.add_parser("featurizer", help="train the image featurizer")
     fsub = fz.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -33,7 +33,7 @@ import numpy as np
 
 from sparse.metrics import HIST_BINS, histogram_auc
 
-STAGES = ("read", "parse", "hash", "cache", "fetch", "pull", "compute", "push")
+STAGES = ("read", "parse", "image", "hash", "cache", "fetch", "pull", "compute", "push")
 
 
 def step_id(epoch: int, batch: str) -> str:
@@ -142,8 +142,9 @@ class JobLedger:
         """Record a cached chunk; False for a chunk cached before (a duplicate), or
         one first cached after epoch 1 gave up on it. Raises ValueError, changing
         nothing, for stats that are not numbers."""
-        seconds = {stage: float(stats.get(f"{stage}_s", 0.0)) for stage in ("parse", "hash", "cache")}
+        seconds = {stage: float(stats.get(f"{stage}_s", 0.0)) for stage in ("parse", "image", "hash", "cache")}
         rows_ok, rows_bad = int(stats.get("rows_ok", 0)), int(stats.get("rows_bad", 0))
+        image_rows, image_unknown = int(stats.get("image_rows", 0)), int(stats.get("image_unknown", 0))
         batches = [(int(k), int(rows)) for k, rows in batches]
         c = self.chunks.get(chunk)
         if c is None:  # cached before its ChunkSent arrived (a restarted coordinator): accept it
@@ -160,6 +161,8 @@ class JobLedger:
         if first_time:
             self.counters["rows_in_data"] += rows_ok
             self.counters["bad_rows"] += rows_bad
+            self.counters["creative_lookups"] += image_rows
+            self.counters["creatives_unknown"] += image_unknown
             for k, rows in c.batches:
                 name = f"{chunk}:{k}"
                 self.batches.append(name)

@@ -3,6 +3,9 @@ Redis sample cache -> the coordinator, which hands them to workers.
 
     Chunk{job, chunk, path, first_line, lines, first_of_file} + data   (PULL, from the loader)
       parse (sparse.parse.BlockTask, the same checks as local mode; bad rows counted)
+      image features (a job with images): each row's creative id looked up in Redis
+            (services/creative_cache.py, memoized per job) and appended to the dense
+            block as local mode's encoder does; an unknown creative gets the fallback, counted
       hash  (sparse.encode.Encoder), split into train.batch_size rows
       cache (one Redis pipeline per chunk)
       Cached{job, chunk, batches: [[k, rows], ...], stats} -> coordinator
@@ -21,7 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
 from services import protocol
+from services.creative_cache import CreativeLookup
 from services.protocol import BadMessage, Message
 from services.runtime.config import ClusterConfig
 from services.runtime.lifecycle import Service, run_service
@@ -29,7 +34,7 @@ from services.sample_cache import SampleCache, pack_batch
 from services.transport import PeerTimeout, RemoteError, make_socket
 from sparse.encode import Encoder
 from sparse.errors import DataFormatError, MarianaError
-from sparse.parse import BlockParser, BlockTask
+from sparse.parse import BlockParser, BlockTask, Chunk, ParseStats
 from sparse.schema import Schema
 from trainer.config import JobConfig, from_dict
 
@@ -41,6 +46,8 @@ class JobCodec:
     encoder: Encoder
     parser: BlockParser
     batch_rows: int
+    creatives: CreativeLookup | None = None  # a job with image features
+    field: str = ""                          # the column naming a row's creative
 
 
 class Preprocess(Service):
@@ -115,7 +122,14 @@ class Preprocess(Service):
             return
         data = memoryview(msg.arrays["data"])  # the received frame, parsed in place
         try:
-            batches, stats = await asyncio.to_thread(self.encode, codec, msg, data, job, chunk)
+            rows, parse, parse_s = await asyncio.to_thread(self.parse, codec, msg, data)
+            table, lookup_s = None, 0.0
+            if codec.creatives is not None and rows.num_rows:
+                t0 = time.perf_counter()
+                table = await codec.creatives.table_for(distinct_ids(rows.columns[codec.field]))
+                lookup_s = time.perf_counter() - t0
+            batches, stats = await asyncio.to_thread(self.encode, codec, rows, parse, table, job, chunk)
+            stats.update(parse_s=parse_s, image_s=lookup_s + stats.pop("attach_s", 0.0))
             error = ""
         except DataFormatError as e:  # e.g. the file is not in the job's format: the job fails with this
             batches, stats, error = [], {}, str(e)
@@ -126,27 +140,41 @@ class Preprocess(Service):
         self.counters["chunks"] += 1
         self.counters["batches"] += len(batches)
         self.counters["rows_bad"] += stats.get("rows_bad", 0)
+        self.counters["creative_lookups"] += stats.get("image_rows", 0)
+        self.counters["creatives_unknown"] += stats.get("image_unknown", 0)
         await self.report(job, chunk, [[k, rows] for k, (_, rows) in enumerate(batches)], stats, error)
 
-    def encode(self, codec: JobCodec, msg: Message, data: bytes, job: str, chunk: str):
-        """(packed batches with their row counts, stats); runs on a thread (pyarrow, numpy, torch release the GIL)."""
+    def parse(self, codec: JobCodec, msg: Message, data: bytes) -> tuple[Chunk, ParseStats, float]:
+        """Runs on a thread (pyarrow releases the GIL)."""
         t0 = time.perf_counter()
         first = msg["first_of_file"]
         task = BlockTask(codec.parser, msg["path"], msg["first_line"], data, msg["lines"],
                          skip_rows=1 if first and codec.encoder.schema.header else 0, first_of_file=first)
         rows, parse = task.run()
-        t1 = time.perf_counter()
+        if parse.rows_bad:
+            log.warning("%s: chunk %s: %s", self.name, msg["chunk"], parse.summary())
+        return rows, parse, time.perf_counter() - t0
+
+    def encode(self, codec: JobCodec, rows: Chunk, parse: ParseStats, table: CreativeFeatures | None,
+               job: str, chunk: str):
+        """(packed batches with their row counts, stats); runs on a thread (numpy and torch release the GIL)."""
+        t0 = time.perf_counter()
         out = []
+        image_unknown, attach_s = 0, 0.0
         if rows.num_rows:
             block = codec.encoder.encode(rows, batch_id=chunk)
+            if table is not None:  # what local mode's ImageFeatureEncoder does, timed on its own
+                t1 = time.perf_counter()
+                block = ImageFeatureEncoder(codec.encoder, table, codec.field).attach(block, rows)
+                image_unknown = int(block.dense[:, -1].sum())  # the flag column: 1.0 where the creative was unknown
+                attach_s = time.perf_counter() - t1
             for k, b in enumerate(block.split(codec.batch_rows)):
                 b.batch_id = f"{chunk}:{k}"
                 out.append((pack_batch(job, b), b.num_rows))
-        t2 = time.perf_counter()
-        if parse.rows_bad:
-            log.warning("%s: chunk %s: %s", self.name, chunk, parse.summary())
         stats = {"rows_ok": parse.rows_ok, "rows_bad": parse.rows_bad,
-                 "first_bad": parse.to_dict()["first_bad"], "parse_s": t1 - t0, "hash_s": t2 - t1}
+                 "first_bad": parse.to_dict()["first_bad"], "hash_s": time.perf_counter() - t0 - attach_s}
+        if table is not None:
+            stats.update(image_rows=rows.num_rows, image_unknown=image_unknown, attach_s=attach_s)
         return out, stats
 
     async def report(self, job: str, chunk: str, batches: list, stats: dict, error: str) -> None:
@@ -178,9 +206,26 @@ class Preprocess(Service):
             codec = JobCodec(Encoder(schema, config.hashing),
                              BlockParser(schema, labeled=True, threads=config.data.parse_threads),
                              config.train.batch_size)
+            images = spec.get("images")
+            if config.images.creatives:
+                if not images:  # the coordinator sets it before any chunk is read
+                    self.counters["unknown_jobs"] += 1
+                    log.warning("%s: job %s has image features but no creative cache in its spec", self.name, job)
+                    return None
+                codec.creatives = CreativeLookup(self.cache, images["redis_key"], int(images["dim"]), self.counters)
+                codec.field = config.images.field
             self.jobs = {job: codec}
             log.info("%s: job %s: %s rows, batches of %d", self.name, job, schema.name, codec.batch_rows)
         return codec
+
+
+def distinct_ids(column) -> list[bytes]:
+    """The distinct values of a creative-id column (nulls and empty ids left out)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col = column.cast(pa.binary()) if not pa.types.is_binary(column.type) else column
+    return [v for v in pc.unique(col).drop_null().to_pylist() if v]
 
 
 def main(cfg: ClusterConfig, index: int) -> int:

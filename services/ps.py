@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from services import protocol
+from services.creative_cache import image_width
 from services.protocol import BadMessage, Message
 from services.runtime.config import ClusterConfig
 from services.runtime.lifecycle import Service, run_service
@@ -109,7 +110,7 @@ class ParamServer(Service):
                 raise BadMessage("spec", f"job spec lacks {e}") from None
             except MarianaError as e:  # an unknown key, a bad schema
                 raise BadMessage("spec", f"bad job spec: {e}") from None
-            self.jobs[job] = ParamShard(config, schema, self.index, self.cfg.ps.count)
+            self.jobs[job] = ParamShard(config, schema, self.index, self.cfg.ps.count, image_width(spec))
             self.ended.discard(job)
             self.restore(job)  # a restarted shard picks up its checkpoint of the job, if any
             log.info("%s: job %s: %s tables %s", self.name, job, config.model.kind,

@@ -29,6 +29,7 @@ import torch
 from services.protocol import BadMessage, Message
 from services.runtime.config import ClusterConfig
 from services.runtime.lifecycle import Service, run_service
+from services.creative_cache import image_width
 from services.sample_cache import SampleCache, unpack_batch
 from services.transport import Client, PeerTimeout, RemoteError
 from sparse.batch import SparseBatch
@@ -268,7 +269,8 @@ class Worker(Service):
                 log.warning("%s: cannot get job %s: %s", self.name, job, e)
                 return None
             self.set_threads(config)
-            model = build_model(config.model, encoder.num_fields, encoder.dense_dim)
+            model = build_model(config.model, encoder.num_fields, encoder.dense_dim,
+                                image_width(spec), config.images.tower)
             jm = JobModel(job, config, model, sum(p.numel() for p in model.parameters()))
             self.jobs = {job: jm}  # one job at a time: forget the previous model
             log.info("%s: job %s: %s model, %d dense parameters, %d shards", self.name, job,

@@ -110,6 +110,8 @@ async def predict(request: web.Request) -> web.Response:
     m.inc("mariana_serve_predictions_total", answer.instances)
     if answer.unknown_fields:
         m.inc("mariana_serve_unknown_fields_total", answer.unknown_fields)
+    if answer.unknown_creatives:
+        m.inc("mariana_serve_unknown_creatives_total", answer.unknown_creatives)
     headers = {"X-Model-Version": answer.version} if answer.version else {}
     return web.Response(body=answer.body, status=answer.status, content_type=answer.content_type, headers=headers)
 
@@ -231,6 +233,10 @@ def _metrics() -> Metrics:
                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
     m.counter("mariana_serve_predictions_total", "Instances scored.")
     m.counter("mariana_serve_unknown_fields_total", "Fields of instances that the model does not know (ignored).")
+    m.counter("mariana_serve_creatives_added_total", "Creatives featurized after the version was trained, added "
+                                                     "to its image table from the Redis creative cache.")
+    m.counter("mariana_serve_unknown_creatives_total", "Instances naming a creative that the image model's table "
+                                                       "lacks (scored with the fallback: zero features, flag 1).")
     m.histogram("mariana_serve_batch_requests", "Requests answered by one model call.",
                 buckets=(1, 2, 4, 8, 16, 32, 64, 128))
     m.counter("mariana_serve_batches_total", "Model calls, by where they ran: the event loop (small batches) "
@@ -251,6 +257,8 @@ def _model_event(app: web.Application, kind: str, info: dict) -> None:
         m.set("mariana_serve_model_info", 1, version=info["version"])
     elif kind == "load_failed":
         m.inc("mariana_serve_model_load_failures_total")
+    elif kind == "creatives_added":
+        m.inc("mariana_serve_creatives_added_total", info["added"])
 
 
 def _snapshot_path(run_dir: str, worker: int) -> str:

@@ -43,6 +43,8 @@ class ServeSection:
     channel: str = CHANNEL
     token: str = ""                     # bearer token of the admin endpoints; "" : they are off
     drain_seconds: float = 10.0         # on SIGTERM, requests in flight get this long to finish
+    creatives_seconds: float = 5.0      # image models: how often creatives featurized since training are read
+                                        # from redis_url's creative cache into the table (0: never)
 
     def __post_init__(self) -> None:
         for key in ("max_body_bytes", "max_instances", "batch_requests"):
@@ -56,6 +58,8 @@ class ServeSection:
             raise ConfigError(f"serve.port must be in 0..65535, got {self.port}")
         if self.watch_seconds <= 0:
             raise ConfigError(f"serve.watch_seconds must be > 0, got {self.watch_seconds}")
+        if self.creatives_seconds < 0:
+            raise ConfigError(f"serve.creatives_seconds must be >= 0 (0: never), got {self.creatives_seconds}")
 
     @property
     def worker_count(self) -> int:

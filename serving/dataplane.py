@@ -36,6 +36,7 @@ class Answer:
     instances: int = 0
     unknown_fields: int = 0
     error: str = ""
+    unknown_creatives: int = 0
 
 
 class ModelHolder:
@@ -162,7 +163,8 @@ def answer_batch(predictor: Predictor, items: list[tuple[bytes, str]], max_insta
             answers.append(a)
             continue
         body = codec.encode({"pctr": p.pctr.tolist(), "model_version": predictor.version}, fmt)
-        answers.append(Answer(200, body, fmt, predictor.version, len(instances), unknown))
+        answers.append(Answer(200, body, fmt, predictor.version, len(instances), unknown,
+                              unknown_creatives=p.unknown_creatives))
     return answers
 
 

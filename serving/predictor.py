@@ -30,6 +30,7 @@ class Prediction:
     pctr: np.ndarray | None
     error: ServeError | None
     unknown_fields: int
+    unknown_creatives: int = 0  # instances whose creative id the version's image table lacks (fallback used)
 
 
 class Predictor:
@@ -66,12 +67,42 @@ class Predictor:
                 answers.append(Prediction(None, None, unknown))
                 chunks.append(chunk)
         if chunks:
-            pctr = self.bundle.predict(self.bundle.encoder.encode_rows(concat_chunks(chunks)))
+            batch = self.bundle.encoder.encode_rows(concat_chunks(chunks))
+            pctr = self.bundle.predict(batch)
+            # an image model's dense block ends with the unknown-creative flag (training's lookup, same table)
+            flags = batch.dense[:, -1] if self.bundle.images is not None else None
             start, ok = 0, (a for a in answers if a.error is None)
             for chunk, answer in zip(chunks, ok):
                 answer.pctr = pctr[start:start + chunk.num_rows]
+                if flags is not None:
+                    answer.unknown_creatives = int(flags[start:start + chunk.num_rows].sum())
                 start += chunk.num_rows
         return answers
+
+    def creative_key(self) -> tuple[str, int] | None:
+        """(featurizer sha256, feature dim) of an image model, else None: which cached
+        creative features fit this version (services/creative_cache.py keys them so)."""
+        img = self.bundle.manifest.get("images") or {}
+        if self.bundle.images is None or not img.get("featurizer_sha256"):
+            return None
+        return img["featurizer_sha256"], int(self.bundle.images.dim)
+
+    def add_creatives(self, ids: list[bytes], features) -> int:
+        """Extend the image table with creatives the version was not trained with (new ads,
+        featurized since by the same featurizer); ids it has are left as trained. Returns
+        how many were added. The table is replaced, not changed: a request being encoded
+        keeps the one it started with."""
+        from featurizer.creatives import CreativeFeatures
+
+        table = self.bundle.images
+        have = set(table.ids)
+        keep = [i for i, cid in enumerate(ids) if cid not in have]
+        if not keep:
+            return 0
+        new = CreativeFeatures(table.ids + [ids[i] for i in keep],
+                               np.concatenate([table.features, np.asarray(features, np.float32)[keep]]))
+        self.bundle.images = self.bundle.encoder.table = new
+        return len(keep)
 
     def info(self) -> dict:
         """What /v1/model says: the version, when and on what it was trained, its metrics."""

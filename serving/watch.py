@@ -41,6 +41,8 @@ class VersionWatcher:
         self.tasks.append(asyncio.create_task(self._poll(), name="watch-poll"))
         if self.cfg.redis_url:
             self.tasks.append(asyncio.create_task(self._listen(), name="watch-redis"))
+            if self.cfg.creatives_seconds:
+                self.tasks.append(asyncio.create_task(self._creatives(), name="watch-creatives"))
 
     async def close(self) -> None:
         for t in self.tasks:
@@ -86,6 +88,39 @@ class VersionWatcher:
                 pass
             self.poke.clear()
             await self.check()
+
+    async def _creatives(self) -> None:
+        """An image model's table grows with creatives featurized since it was trained
+        (`mariana featurize-creatives`, or a later job, cached them in Redis under the
+        same featurizer): a new ad is scored from its pixels instead of the fallback."""
+        import redis
+        import redis.asyncio as aioredis
+
+        from services.creative_cache import read_all
+
+        client, warned = aioredis.Redis.from_url(self.cfg.redis_url, socket_connect_timeout=2), False
+        try:
+            while True:
+                await asyncio.sleep(self.cfg.creatives_seconds)
+                p = self.holder.current
+                key = p.creative_key() if p is not None else None
+                if key is None:
+                    continue
+                try:
+                    ids, features = await read_all(client, *key)
+                    warned = False
+                except (redis.RedisError, OSError) as e:
+                    if not warned:
+                        log.warning("%s: creative features unreadable on %s: %s", self.name, self.cfg.redis_url, e)
+                        warned = True
+                    continue
+                added = p.add_creatives(ids, features) if ids else 0
+                if added:
+                    log.info("%s: %s: %d creatives featurized since training added to its table (now %d)",
+                             self.name, p.version, added, len(p.bundle.images.ids))
+                    self.on_event("creatives_added", {"version": p.version, "added": added})
+        finally:
+            await client.aclose()
 
     async def _listen(self) -> None:
         """Subscribe to the announcements; reconnect with a growing delay when Redis is away."""

@@ -4,8 +4,15 @@ every creative once, and hand back the id -> features table.
 
     prepare_image_features(cfg.images) -> (CreativeFeatures (C ids -> (C, d)), info for the record)
 
-The table is what a model version stores, what preprocess will cache per
-creative, and what serving looks a creative id up in.
+The table is what a model version stores and what serving looks a creative id
+up in; in cluster mode each creative's features are cached in Redis
+(services/creative_cache.py) and preprocess looks them up there.
+
+A creatives dir is `creatives.npy` + `creatives.json` (what `gen
+ads-with-images` writes) plus, optionally, `uploads/<id>.raw` (784 bytes) or
+`uploads/<id>.npy` (28x28 uint8): one file per creative added later. An
+upload that is not a 28x28 image is corrupt: counted, named in the log and
+the record, and left out, so rows naming it get the unknown-creative fallback.
 """
 from __future__ import annotations
 
@@ -17,14 +24,37 @@ from typing import Callable
 
 import numpy as np
 
+from dataclasses import dataclass, field
+
 from featurizer.creatives import META_FILE, CreativeFeatures, load_creatives
-from featurizer.image import ImageFeaturizer, load_mnist
+from featurizer.image import ImageFeaturizer, load_mnist, stack_images
 from sparse.errors import ConfigError
 from trainer.config import ImagesConfig
 from trainer.featurizer_train import FeaturizerTrainConfig, TrainProgress, train_and_export
 
 log = logging.getLogger(__name__)
 CACHE_DIR = "featurizer"
+UPLOADS_DIR = "uploads"
+SHOWN_CORRUPT = 5
+
+
+@dataclass
+class CreativeSet:
+    """The creatives of a dir: ids, their images (C, 28, 28) uint8, and the uploads that were corrupt."""
+
+    dir: Path
+    ids: list[bytes]
+    images: np.ndarray
+    meta: dict
+    corrupt: list[str] = field(default_factory=list)  # one reason per corrupt upload
+
+    def tags(self) -> list[bytes]:
+        """8 bytes of each image's sha256: a cached feature row is reused only for the same pixels."""
+        return [hashlib.sha256(img.tobytes()).digest()[:8] for img in self.images]
+
+    def info(self) -> dict:
+        return {"creatives_dir": str(self.dir.resolve()), "creatives": len(self.ids),
+                "corrupt_images": len(self.corrupt), "first_corrupt": self.corrupt[:SHOWN_CORRUPT]}
 
 
 def creatives_dir(path: str) -> Path:
@@ -35,6 +65,54 @@ def creatives_dir(path: str) -> Path:
             return cand
     raise ConfigError(f"--images {path}: no {META_FILE} there or in {d / 'creatives'} "
                       f"(make creatives with 'mariana gen ads-with-images')")
+
+
+def load_creative_set(path: str) -> CreativeSet:
+    """The creatives of `path` (see creatives_dir) with their uploads; corrupt uploads counted and skipped."""
+    cdir = creatives_dir(path)
+    ids, images, meta = load_creatives(cdir)
+    corrupt: list[str] = []
+    up = cdir / UPLOADS_DIR
+    if up.is_dir():
+        files = sorted(p for p in up.iterdir() if p.is_file() and p.suffix in (".raw", ".npy"))
+        items, names = [], []
+        for p in files:
+            raw = p.read_bytes()
+            if p.suffix == ".npy":
+                try:
+                    raw = np.load(p, allow_pickle=False)
+                except (ValueError, OSError, EOFError) as e:
+                    corrupt.append(f"{p.name}: not a readable .npy ({e})")
+                    continue
+            items.append(raw)
+            names.append(p)
+        good, keep, bad = stack_images(items, [p.name for p in names])
+        corrupt += bad
+        known = set(ids)
+        new_ids = [names[i].stem.encode() for i in keep]
+        if new_ids:
+            replaced = [i for i in new_ids if i in known]
+            if replaced:
+                raise ConfigError(f"{up}: uploads reuse creative ids of creatives.json "
+                                  f"({', '.join(i.decode() for i in replaced[:3])}); an id names one image")
+            ids = ids + new_ids
+            images = np.concatenate([images, good]) if len(images) else good
+        if corrupt:
+            log.warning("%d corrupt creative uploads in %s skipped (rows naming them get the fallback): %s",
+                        len(corrupt), up, "; ".join(corrupt[:SHOWN_CORRUPT]))
+    return CreativeSet(cdir, ids, images, meta, corrupt)
+
+
+def open_featurizer(cfg: ImagesConfig, cset: CreativeSet,
+                    progress: Callable[[TrainProgress], None] | None = None) -> tuple[ImageFeaturizer, Path, str]:
+    fdir, how = resolve_featurizer(cfg, cset.dir, cset.meta, progress)
+    return ImageFeaturizer.load(fdir), fdir, how
+
+
+def featurizer_info(featurizer: ImageFeaturizer, fdir: Path, how: str) -> dict:
+    return {"featurizer": str(fdir.resolve()), "featurizer_source": how, "dim": featurizer.dim,
+            "featurizer_accuracy": featurizer.manifest.get("accuracy"),
+            "featurizer_sha256": featurizer.manifest.get("weights_sha256")}
 
 
 def resolve_featurizer(cfg: ImagesConfig, cdir: Path, meta: dict,
@@ -54,22 +132,17 @@ def resolve_featurizer(cfg: ImagesConfig, cdir: Path, meta: dict,
 def prepare_image_features(cfg: ImagesConfig,
                            progress: Callable[[TrainProgress], None] | None = None) -> tuple[CreativeFeatures, dict]:
     """Embed every creative with the frozen featurizer; (table, info for the job record)."""
-    cdir = creatives_dir(cfg.creatives)
-    ids, images, meta = load_creatives(cdir)
-    fdir, how = resolve_featurizer(cfg, cdir, meta, progress)
-    featurizer = ImageFeaturizer.load(fdir)
+    cset = load_creative_set(cfg.creatives)
+    featurizer, fdir, how = open_featurizer(cfg, cset, progress)
     t0 = time.perf_counter()
-    features = featurizer.embed(images)                      # (C, d)
+    features = featurizer.embed(cset.images)                 # (C, d)
     seconds = time.perf_counter() - t0
-    info = {"creatives_dir": str(cdir.resolve()), "creatives": len(ids), "field": cfg.field,
-            "featurizer": str(fdir.resolve()), "featurizer_source": how, "dim": featurizer.dim,
-            "featurizer_accuracy": featurizer.manifest.get("accuracy"),
-            "featurizer_sha256": featurizer.manifest.get("weights_sha256"),
-            "embed_images_per_s": round(len(ids) / max(seconds, 1e-9)),
-            "features_sha256": _sha(features), "unknown_creative": "zero features, flag column = 1"}
-    log.info("image features: %d creatives x %d dims from %s (%s)", len(ids), featurizer.dim, fdir, how)
-    return CreativeFeatures(ids, features), info
+    info = {**cset.info(), "field": cfg.field, **featurizer_info(featurizer, fdir, how),
+            "embed_images_per_s": round(len(cset.ids) / max(seconds, 1e-9)),
+            "features_sha256": features_sha(features), "unknown_creative": "zero features, flag column = 1"}
+    log.info("image features: %d creatives x %d dims from %s (%s)", len(cset.ids), featurizer.dim, fdir, how)
+    return CreativeFeatures(cset.ids, features), info
 
 
-def _sha(a: np.ndarray) -> str:
+def features_sha(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()

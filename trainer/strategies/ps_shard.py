@@ -38,12 +38,13 @@ def dense_vector(model: torch.nn.Module) -> np.ndarray:
 
 
 class ParamShard:
-    def __init__(self, config: JobConfig, schema: Schema, shard: int, num_shards: int):
+    def __init__(self, config: JobConfig, schema: Schema, shard: int, num_shards: int, image_width: int = 0):
+        """`image_width`: columns of creative features (+ the unknown flag) in the dense block."""
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} of {num_shards}")
         self.config, self.schema, self.shard, self.num_shards = config, schema, shard, num_shards
         encoder = Encoder(schema, config.hashing)
-        model = build_model(config.model, encoder.num_fields, encoder.dense_dim)
+        model = build_model(config.model, encoder.num_fields, encoder.dense_dim, image_width, config.images.tower)
         self.specs = {t.name: t for t in model.tables}
         num_ids = config.hashing.num_ids
         local_rows = (num_ids - shard + num_shards - 1) // num_shards

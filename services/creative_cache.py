@@ -1,0 +1,146 @@
+"""Creative features in Redis: each creative is embedded once per featurizer,
+cached, and looked up by preprocess (the pipeline's featurizer stage) and by
+the coordinator when it writes the model version.
+
+    mariana:creatives:<featurizer sha256[:16]>   hash: creative id -> tag (8 bytes) + float32[d]
+
+The tag is the first 8 bytes of the image's sha256, so a creative whose
+pixels changed is embedded again instead of reusing stale features. Keys do
+not expire: features are a pure function of (featurizer, image). A value of
+the wrong length (another writer, a corrupt entry) is counted and treated as
+unknown, never raised.
+
+    info = await featurize_creatives(cache, images_cfg, counters)   # the batch job: embed what is missing
+    lookup = CreativeLookup(cache, namespace, dim, counters)         # preprocess, one per job
+    table = await lookup.table_for(column)                           # -> CreativeFeatures of the chunk's ids
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import numpy as np
+
+from featurizer.creatives import CreativeFeatures
+from services.sample_cache import PREFIX, SampleCache
+from trainer.config import ImagesConfig
+
+log = logging.getLogger(__name__)
+TAG = 8
+CHUNK = 1000  # ids per HMGET / HSET
+
+
+def image_width(spec: dict) -> int:
+    """Dense columns a job's image features add (d features + the unknown flag; 0 without images)."""
+    images = spec.get("images") or {}
+    return int(images["dim"]) + 1 if images else 0
+
+
+def namespace_of(featurizer_sha: str) -> str:
+    return f"{PREFIX}:creatives:{featurizer_sha[:16]}"
+
+
+def _split(value: bytes | None, dim: int) -> tuple[bytes, np.ndarray] | None:
+    if value is None or len(value) != TAG + 4 * dim:
+        return None
+    return value[:TAG], np.frombuffer(value, np.float32, offset=TAG)
+
+
+async def read_values(cache: SampleCache, key: str, ids: list[bytes]) -> list[bytes | None]:
+    out: list[bytes | None] = []
+    for i in range(0, len(ids), CHUNK):
+        part = ids[i:i + CHUNK]
+        out += await cache.retry("reading creative features", lambda p=part: cache.redis.hmget(key, p))
+    return out
+
+
+async def featurize_creatives(cache: SampleCache, cfg: ImagesConfig, counters: Counter) -> dict:
+    """The batch job: embed every creative of `cfg.creatives` whose features are not
+    cached yet (or whose image changed) and cache them. Returns what the job record
+    shows: the featurizer, the Redis key, how many were embedded now and how many
+    were cached already, and the corrupt uploads skipped."""
+    from trainer.images import featurizer_info, load_creative_set, open_featurizer
+
+    cset = await asyncio.to_thread(load_creative_set, cfg.creatives)
+    featurizer, fdir, how = await asyncio.to_thread(open_featurizer, cfg, cset)
+    info = featurizer_info(featurizer, fdir, how)
+    key, dim = namespace_of(info["featurizer_sha256"] or "unversioned"), featurizer.dim
+    tags = cset.tags()
+    have = await read_values(cache, key, cset.ids)
+    todo = [i for i, (v, tag) in enumerate(zip(have, tags)) if (s := _split(v, dim)) is None or s[0] != tag]
+    seconds = 0.0
+    if todo:
+        t0 = time.perf_counter()
+        features = await asyncio.to_thread(featurizer.embed, cset.images[todo])
+        seconds = time.perf_counter() - t0
+        for i in range(0, len(todo), CHUNK):
+            mapping = {cset.ids[j]: tags[j] + features[n].tobytes()
+                       for n, j in enumerate(todo[i:i + CHUNK], start=i)}
+            await cache.retry("caching creative features", lambda m=mapping: cache.redis.hset(key, mapping=m))
+    counters["creatives_embedded"] += len(todo)
+    counters["corrupt_images"] += len(cset.corrupt)
+    log.info("creative features in %s: %d embedded now (%.0f images/s), %d cached before, %d corrupt uploads",
+             key, len(todo), len(todo) / max(seconds, 1e-9), len(cset.ids) - len(todo), len(cset.corrupt))
+    return {**cset.info(), **info, "field": cfg.field, "redis_key": key, "embedded": len(todo),
+            "cached_before": len(cset.ids) - len(todo), "ids": [i.decode() for i in cset.ids],
+            "unknown_creative": "zero features, flag column = 1"}
+
+
+async def creative_table(cache: SampleCache, key: str, dim: int, ids: list[bytes]) -> CreativeFeatures:
+    """The features of `ids` that are cached, as the table a model version stores."""
+    known, rows = [], []
+    for cid, value in zip(ids, await read_values(cache, key, ids)):
+        split = _split(value, dim)
+        if split is not None:
+            known.append(cid)
+            rows.append(split[1])
+    return CreativeFeatures(known, np.stack(rows) if rows else np.zeros((0, dim), np.float32))
+
+
+async def read_all(redis, featurizer_sha: str, dim: int) -> tuple[list[bytes], np.ndarray]:
+    """Every creative cached for a featurizer: (ids, (n, dim) features); values of the
+    wrong length are skipped. `redis`: a redis.asyncio client (serving has no SampleCache)."""
+    ids, rows = [], []
+    async for cid, value in redis.hscan_iter(namespace_of(featurizer_sha), count=1000):
+        split = _split(value, dim)
+        if split is not None:
+            ids.append(cid)
+            rows.append(split[1])
+    return ids, (np.stack(rows) if rows else np.zeros((0, dim), np.float32))
+
+
+class CreativeLookup:
+    """Preprocess's view of one job's creative features: a local memo in front of
+    Redis. A chunk costs one HMGET for the ids this process has not seen; an id
+    Redis does not have is remembered as unknown for the job (its rows get the
+    fallback and are counted)."""
+
+    def __init__(self, cache: SampleCache, key: str, dim: int, counters: Counter):
+        self.cache, self.key, self.dim, self.counters = cache, key, dim, counters
+        self.known: dict[bytes, np.ndarray] = {}
+        self.missing: set[bytes] = set()
+        self._table: CreativeFeatures | None = None
+
+    async def table_for(self, ids: list[bytes]) -> CreativeFeatures:
+        """A table holding every id of `ids` that is cached (distinct ids expected)."""
+        new = [i for i in ids if i not in self.known and i not in self.missing]
+        if new:
+            self.counters["creative_fetches"] += len(new)
+            for cid, value in zip(new, await read_values(self.cache, self.key, new)):
+                split = _split(value, self.dim)
+                if split is None:
+                    if value is not None:
+                        self.counters["creative_values_bad"] += 1
+                        log.warning("creative %r in %s: a value of %d bytes, expected %d; treated as unknown",
+                                    cid, self.key, len(value), TAG + 4 * self.dim)
+                    self.missing.add(cid)
+                else:
+                    self.known[cid] = split[1]
+            self._table = None
+        if self._table is None:
+            ids_known = list(self.known)
+            feats = np.stack([self.known[i] for i in ids_known]) if ids_known else np.zeros((0, self.dim), np.float32)
+            self._table = CreativeFeatures(ids_known, feats)
+        return self._table

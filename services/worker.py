@@ -58,6 +58,7 @@ class JobModel:
     config: JobConfig
     model: CTRModel
     dense_size: int
+    gate: asyncio.Semaphore  # steps of this job between pull and push at once (worker.steps_in_flight)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Worker(Service):
         self.shards: list[Client] = []
         self.cache: SampleCache | None = None
         self.busy = 0  # steps in hand
+        self.job_lock = asyncio.Lock()
         self.reporting: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -102,7 +104,8 @@ class Worker(Service):
 
     async def main(self) -> None:
         # `worker.pipeline` step loops: one computes while another waits on the shards.
-        await asyncio.gather(*(self.step_loop() for _ in range(self.cfg.worker.steps_in_flight)))
+        # A job may allow fewer at once (JobModel.gate); the loops still fetch ahead.
+        await asyncio.gather(*(self.step_loop() for _ in range(self.cfg.worker.steps_in_flight("lr"))))
 
     async def step_loop(self) -> None:
         ahead = asyncio.create_task(self.lease_and_fetch())
@@ -168,18 +171,19 @@ class Worker(Service):
         times = {"fetch": f.seconds}
         uniq, inverse = batch.unique()
         owners = self.partition(uniq)
-        t0 = time.perf_counter()
-        pulled, dense = await self.pull(jm, uniq, owners)
-        t1 = time.perf_counter()
-        # No await from here to the copies below: another step loop shares the model.
-        if jm.dense_size:
-            torch.nn.utils.vector_to_parameters(torch.from_numpy(dense), jm.model.parameters())
-        result = compute_grads(jm.model, batch, torch.from_numpy(inverse), pulled)
-        dense_grad = (np.concatenate([g.reshape(-1) for g in result.dense_grads]).astype(np.float32)
-                      if result.dense_grads else None)
-        t2 = time.perf_counter()
-        applied = await self.push(jm, work["step"], batch.num_rows, uniq, owners, result.row_grads, dense_grad)
-        t3 = time.perf_counter()
+        async with jm.gate:
+            t0 = time.perf_counter()
+            pulled, dense = await self.pull(jm, uniq, owners)
+            t1 = time.perf_counter()
+            # No await from here to the copies below: another step loop shares the model.
+            if jm.dense_size:
+                torch.nn.utils.vector_to_parameters(torch.from_numpy(dense), jm.model.parameters())
+            result = compute_grads(jm.model, batch, torch.from_numpy(inverse), pulled)
+            dense_grad = (np.concatenate([g.reshape(-1) for g in result.dense_grads]).astype(np.float32)
+                          if result.dense_grads else None)
+            t2 = time.perf_counter()
+            applied = await self.push(jm, work["step"], batch.num_rows, uniq, owners, result.row_grads, dense_grad)
+            t3 = time.perf_counter()
         times.update(pull=t1 - t0, compute=t2 - t1, push=t3 - t2)
         self.counters["steps"] += 1
         self.counters["rows"] += batch.num_rows
@@ -259,6 +263,10 @@ class Worker(Service):
     # ---- jobs --------------------------------------------------------------------------
 
     async def job_model(self, job: str) -> JobModel | None:
+        async with self.job_lock:  # the step loops ask at once when a job starts: build one model, not two
+            return await self._job_model(job)
+
+    async def _job_model(self, job: str) -> JobModel | None:
         jm = self.jobs.get(job)
         if jm is None:
             try:
@@ -271,10 +279,12 @@ class Worker(Service):
             self.set_threads(config)
             model = build_model(config.model, encoder.num_fields, encoder.dense_dim,
                                 image_width(spec), config.images.tower)
-            jm = JobModel(job, config, model, sum(p.numel() for p in model.parameters()))
+            in_flight = self.cfg.worker.steps_in_flight(config.model.kind)
+            jm = JobModel(job, config, model, sum(p.numel() for p in model.parameters()),
+                          asyncio.Semaphore(in_flight))
             self.jobs = {job: jm}  # one job at a time: forget the previous model
-            log.info("%s: job %s: %s model, %d dense parameters, %d shards", self.name, job,
-                     config.model.kind, jm.dense_size, len(self.shards))
+            log.info("%s: job %s: %s model, %d dense parameters, %d shards, %d steps in flight", self.name, job,
+                     config.model.kind, jm.dense_size, len(self.shards), in_flight)
         return jm
 
     def set_threads(self, config: JobConfig) -> None:

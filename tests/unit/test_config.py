@@ -97,3 +97,12 @@ def test_metrics_ports_follow_base_port_and_are_checked_against_counts():
     filled = resolve(load_cluster_config(overrides={"worker.count": 2}, env={}))  # `mariana up`: free ports
     ports = [filled.metrics_port(r, i) for r in ("loader", "ps", "preprocess", "worker") for i in range(filled.count(r))]
     assert len(set(ports)) == len(ports) == 5 and all(ports), ports
+
+
+def test_a_lone_worker_overlaps_lr_steps_only_unless_told():
+    """Two steps in flight keep one worker busy, but cost a DNN AUC (docs/pipeline.md)."""
+    from services.runtime.config import WorkerConfig
+
+    assert WorkerConfig().steps_in_flight("lr") == 2 and WorkerConfig().steps_in_flight("dnn") == 1
+    assert WorkerConfig(count=2).steps_in_flight("lr") == 1
+    assert WorkerConfig(pipeline=3).steps_in_flight("dnn") == 3

@@ -14,6 +14,11 @@
    what preprocess does) vs the creative lookup (`CreativeFeatures.lookup` of
    the block's C26 column and the concatenation into the dense block), and a
    Python dict lookup as the peer. Target: lookup <= 10% of parse + hash.
+3. The same in the pipeline (`--pipeline`, default on): one `mariana train
+   --mode cluster --images` job (W1 S1 P1, LR) on that data; from its record,
+   preprocess's image stage (Redis lookups of ids new to the process + the
+   attach) against its parse + hash + cache, and rows/s beside the same job
+   without images.
 
     .venv/bin/python bench/featurizer.py              # ~1 min (first run: + data and featurizer, ~1 min)
     .venv/bin/python bench/featurizer.py --repeat 15 --seconds 2
@@ -158,7 +163,7 @@ def lookup_overhead(train_tsv: Path, table: CreativeFeatures, field: str, block_
 
 # ---- setup and report --------------------------------------------------------------------------
 
-def prepare(args) -> tuple[Path, ImageFeaturizer, CreativeFeatures]:
+def prepare(args) -> tuple[Path, ImageFeaturizer, CreativeFeatures, Path]:
     from featurizer.ads import AdsSpec, generate_ads_with_images
     from trainer.config import ImagesConfig
     from trainer.images import creatives_dir, resolve_featurizer
@@ -172,7 +177,32 @@ def prepare(args) -> tuple[Path, ImageFeaturizer, CreativeFeatures]:
     fdir, how = resolve_featurizer(ImagesConfig(creatives=str(data), featurizer=args.featurizer or ""), cdir, meta)
     note(f"featurizer {fdir} ({how})")
     f = ImageFeaturizer.load(fdir)
-    return data, f, CreativeFeatures(ids, f.embed(images))
+    return data, f, CreativeFeatures(ids, f.embed(images)), Path(fdir)
+
+
+def pipeline_stage(data: Path, featurizer: str, out_dir: Path) -> dict:
+    """Two cluster jobs on the ads data, with and without image features; their stage seconds."""
+    import subprocess
+
+    out = {}
+    for label, extra in (("without_images", []), ("with_images", ["--images", str(data), "--featurizer", featurizer])):
+        model = out_dir / f"model-{label}"
+        if model.exists():
+            import shutil
+            shutil.rmtree(model)
+        cmd = [sys.executable, "-m", "services.cli", "-q", "train", "--data", str(data / "train.tsv"), "--model", "lr",
+               "--out", str(model), "--json", "--mode", "cluster", "--workers", "1", "--ps", "1", "--preprocess", "1",
+               *extra]
+        note(f"pipeline: {label}")
+        rec = json.loads(subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True).stdout)
+        st = rec["stage_seconds"]
+        out[label] = {"rows_per_s": rec["rows_per_s"], "epoch_seconds": rec["epoch_seconds"], "stage_seconds": st}
+        if extra:
+            pre = st["parse"] + st["hash"] + st["cache"]
+            out[label].update(image_share_of_preprocess=round(st["image"] / pre, 4),
+                              creative_lookups=rec["images"]["train_lookups"],
+                              unknown=rec["images"]["train_unknown_creative"])
+    return out
 
 
 def machine() -> dict:
@@ -192,14 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mnist", help="MNIST dir (default: $MARIANA_DATA/mnist or ../shared/data/mnist)")
     p.add_argument("--featurizer", help="featurizer dir (default: the data's cached one, trained on first use)")
     p.add_argument("--out-dir", default=str(REPO / "bench-out" / "featurizer"))
+    p.add_argument("--no-pipeline", dest="pipeline", action="store_false", help="skip the cluster jobs (part 3)")
     args = p.parse_args(argv)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-    data, f, table = prepare(args)
+    data, f, table, fdir = prepare(args)
     mnist = load_mnist(args.mnist)
     result = {"machine": machine(), "featurizer": {"dir": str(f.manifest.get("source", {}).get("dir")),
                                                    "dim": f.dim, "accuracy": f.manifest.get("accuracy")},
               "throughput": throughput(f, mnist.images, args.seconds, args.repeat),
               "lookup": lookup_overhead(data / "train.tsv", table, "C26", args.block_bytes)}
+    if args.pipeline:
+        result["pipeline"] = pipeline_stage(data, str(fdir.resolve()), Path(args.out_dir))
     ours = result["throughput"]["mariana"]["images_per_s"]
     share = result["lookup"]["lookup_share_of_preprocess"]
     result["targets"] = {"images_per_s >= 2000": ours >= 2000, "lookup <= 10% of preprocess": share <= 0.10}
@@ -211,6 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     lk = result["lookup"]
     print(f"cache-hit lookup: {lk['lookup_s']} s for {lk['rows']:,} rows = {100 * share:.2f}% of parse + hash "
           f"({lk['parse_s']} + {lk['hash_s']} s); python dict peer {100 * lk['dict_lookup_share_of_preprocess']:.1f}%")
+    if args.pipeline:
+        pl = result["pipeline"]
+        w, wo = pl["with_images"], pl["without_images"]
+        st = w["stage_seconds"]
+        result["targets"]["pipeline image stage <= 10% of preprocess"] = w["image_share_of_preprocess"] <= 0.10
+        print(f"pipeline (cluster W1 S1 P1, lr): image stage {st['image']} s = "
+              f"{100 * w['image_share_of_preprocess']:.2f}% of preprocess (parse {st['parse']} + hash {st['hash']} + "
+              f"cache {st['cache']} s); rows/s {w['rows_per_s']:,.0f} with images, {wo['rows_per_s']:,.0f} without "
+              f"(ratio {w['rows_per_s'] / wo['rows_per_s']:.2f})")
+        (Path(args.out_dir) / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     for target, ok in result["targets"].items():
         print(f"{'PASS' if ok else 'FAIL'}: {target}")
     return 0 if all(result["targets"].values()) else 1

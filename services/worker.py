@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.creative_cache import image_width
 from services.protocol import BadMessage, Message
 from services.runtime.config import ClusterConfig
 from services.runtime.lifecycle import Service, run_service
-from services.creative_cache import image_width
 from services.sample_cache import SampleCache, unpack_batch
 from services.transport import Client, PeerTimeout, RemoteError
 from sparse.batch import SparseBatch

@@ -19,12 +19,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-
-from dataclasses import dataclass, field
 
 from featurizer.creatives import META_FILE, CreativeFeatures, load_creatives
 from featurizer.image import ImageFeaturizer, load_mnist, stack_images

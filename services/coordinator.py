@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 
 from services import model_events, protocol, webui
 from services.assemble import assemble_and_publish, check_request
-from services.creative_cache import creative_table, featurize_creatives
+from services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from services.jobstore import JobStore
 from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step
 from services.protocol import BadMessage, Message
@@ -616,7 +616,8 @@ class Coordinator(Service):
         log.info("%s: job %s: image features of %s", self.name, run.id, cfg.creatives)
         info = await featurize_creatives(self.cache, cfg, self.counters)
         info.pop("ids")
-        run.spec["images"] = {"redis_key": info["redis_key"], "dim": info["dim"], "field": cfg.field, "info": info}
+        run.spec["images"] = {"redis_key": info["redis_key"], "dim": info["dim"], "field": cfg.field,
+                              "set": info["set"], "info": info}
         self.save(run)
 
     async def image_table(self, run: JobRun):
@@ -625,8 +626,9 @@ class Coordinator(Service):
             return None
         from trainer.images import load_creative_set
 
-        img = run.spec["images"]
-        cset = await asyncio.to_thread(load_creative_set, run.spec["config"]["images"]["creatives"])
+        img, cfg = run.spec["images"], from_dict(JobConfig, run.spec["config"]).images
+        await ensure_cached(self.cache, cfg, img["redis_key"], img["set"], self.counters)  # Redis may have restarted
+        cset = await asyncio.to_thread(load_creative_set, cfg.creatives)
         return await creative_table(self.cache, img["redis_key"], int(img["dim"]), cset.ids)
 
     async def finish(self, run: JobRun) -> None:

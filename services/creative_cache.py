@@ -2,16 +2,19 @@
 cached, and looked up by preprocess (the pipeline's featurizer stage) and by
 the coordinator when it writes the model version.
 
-    mariana:creatives:<featurizer sha256[:16]>   hash: creative id -> tag (8 bytes) + float32[d]
+    mariana:creatives:<featurizer sha256[:16]>        hash: creative id -> tag (8 bytes) + float32[d]
+    mariana:creatives:<featurizer sha256[:16]>:sets   set: digests of the creative sets cached whole
 
 The tag is the first 8 bytes of the image's sha256, so a creative whose
 pixels changed is embedded again instead of reusing stale features. Keys do
 not expire: features are a pure function of (featurizer, image). A value of
 the wrong length (another writer, a corrupt entry) is counted and treated as
-unknown, never raised.
+unknown, never raised. A restarted Redis is empty: a reader that misses an id
+and finds its set no longer recorded as cached embeds the set again (counted
+as `creative_cache_rebuilt`) instead of training or publishing with fallbacks.
 
     info = await featurize_creatives(cache, images_cfg, counters)   # the batch job: embed what is missing
-    lookup = CreativeLookup(cache, namespace, dim, counters)         # preprocess, one per job
+    lookup = CreativeLookup(cache, cfg, key, dim, digest, counters)  # preprocess, one per job
     table = await lookup.table_for(column)                           # -> CreativeFeatures of the chunk's ids
 """
 from __future__ import annotations
@@ -79,13 +82,26 @@ async def featurize_creatives(cache: SampleCache, cfg: ImagesConfig, counters: C
             mapping = {cset.ids[j]: tags[j] + features[n].tobytes()
                        for n, j in enumerate(todo[i:i + CHUNK], start=i)}
             await cache.retry("caching creative features", lambda m=mapping: cache.redis.hset(key, mapping=m))
+    digest = cset.digest()
+    await cache.retry("recording the creative set", lambda: cache.redis.sadd(f"{key}:sets", digest))
     counters["creatives_embedded"] += len(todo)
     counters["corrupt_images"] += len(cset.corrupt)
     log.info("creative features in %s: %d embedded now (%.0f images/s), %d cached before, %d corrupt uploads",
              key, len(todo), len(todo) / max(seconds, 1e-9), len(cset.ids) - len(todo), len(cset.corrupt))
-    return {**cset.info(), **info, "field": cfg.field, "redis_key": key, "embedded": len(todo),
+    return {**cset.info(), **info, "field": cfg.field, "redis_key": key, "set": digest, "embedded": len(todo),
             "cached_before": len(cset.ids) - len(todo), "ids": [i.decode() for i in cset.ids],
             "unknown_creative": "zero features, flag column = 1"}
+
+
+async def ensure_cached(cache: SampleCache, cfg: ImagesConfig, key: str, digest: str, counters: Counter) -> bool:
+    """Embed the set again if Redis no longer holds it whole (it restarted empty); True if it did."""
+    held = await cache.retry("checking the creative set", lambda: cache.redis.sismember(f"{key}:sets", digest))
+    if held:
+        return False
+    log.warning("creative set %s is gone from %s (redis restarted?): embedding it again", digest, key)
+    counters["creative_cache_rebuilt"] += 1
+    await featurize_creatives(cache, cfg, counters)
+    return True
 
 
 async def creative_table(cache: SampleCache, key: str, dim: int, ids: list[bytes]) -> CreativeFeatures:
@@ -117,28 +133,35 @@ class CreativeLookup:
     Redis does not have is remembered as unknown for the job (its rows get the
     fallback and are counted)."""
 
-    def __init__(self, cache: SampleCache, key: str, dim: int, counters: Counter):
-        self.cache, self.key, self.dim, self.counters = cache, key, dim, counters
+    def __init__(self, cache: SampleCache, cfg: ImagesConfig, key: str, dim: int, digest: str, counters: Counter):
+        self.cache, self.cfg, self.key, self.dim, self.digest = cache, cfg, key, dim, digest
+        self.counters = counters
         self.known: dict[bytes, np.ndarray] = {}
         self.missing: set[bytes] = set()
         self._table: CreativeFeatures | None = None
+        self._lock = asyncio.Lock()  # chunks in flight share the memo (and one rebuild)
 
     async def table_for(self, ids: list[bytes]) -> CreativeFeatures:
         """A table holding every id of `ids` that is cached (distinct ids expected)."""
-        new = [i for i in ids if i not in self.known and i not in self.missing]
-        if new:
-            self.counters["creative_fetches"] += len(new)
-            for cid, value in zip(new, await read_values(self.cache, self.key, new)):
-                split = _split(value, self.dim)
-                if split is None:
-                    if value is not None:
-                        self.counters["creative_values_bad"] += 1
-                        log.warning("creative %r in %s: a value of %d bytes, expected %d; treated as unknown",
-                                    cid, self.key, len(value), TAG + 4 * self.dim)
-                    self.missing.add(cid)
-                else:
-                    self.known[cid] = split[1]
-            self._table = None
+        async with self._lock:
+            new = [i for i in ids if i not in self.known and i not in self.missing]
+            if new:
+                self.counters["creative_fetches"] += len(new)
+                values = await read_values(self.cache, self.key, new)
+                if None in values and await ensure_cached(self.cache, self.cfg, self.key, self.digest,
+                                                          self.counters):
+                    values = await read_values(self.cache, self.key, new)
+                for cid, value in zip(new, values):
+                    split = _split(value, self.dim)
+                    if split is None:
+                        if value is not None:
+                            self.counters["creative_values_bad"] += 1
+                            log.warning("creative %r in %s: a value of %d bytes, expected %d; treated as unknown",
+                                        cid, self.key, len(value), TAG + 4 * self.dim)
+                        self.missing.add(cid)
+                    else:
+                        self.known[cid] = split[1]
+                self._table = None
         if self._table is None:
             ids_known = list(self.known)
             feats = np.stack([self.known[i] for i in ids_known]) if ids_known else np.zeros((0, self.dim), np.float32)

@@ -60,6 +60,7 @@ class Preprocess(Service):
         self.pull = None
         self.in_flight: set[asyncio.Task] = set()
         self.failure: BaseException | None = None
+        self.codec_lock = asyncio.Lock()
 
     async def start(self) -> None:
         self.pull = make_socket(self.ctx, zmq.PULL, hwm=2)
@@ -193,6 +194,10 @@ class Preprocess(Service):
                 return
 
     async def codec(self, job: str) -> JobCodec | None:
+        async with self.codec_lock:  # chunks in flight ask at once when a job starts: one codec, one memo
+            return await self._codec(job)
+
+    async def _codec(self, job: str) -> JobCodec | None:
         codec = self.jobs.get(job)
         if codec is None:
             try:
@@ -212,7 +217,8 @@ class Preprocess(Service):
                     self.counters["unknown_jobs"] += 1
                     log.warning("%s: job %s has image features but no creative cache in its spec", self.name, job)
                     return None
-                codec.creatives = CreativeLookup(self.cache, images["redis_key"], int(images["dim"]), self.counters)
+                codec.creatives = CreativeLookup(self.cache, config.images, images["redis_key"], int(images["dim"]),
+                                                 images["set"], self.counters)
                 codec.field = config.images.field
             self.jobs = {job: codec}
             log.info("%s: job %s: %s rows, batches of %d", self.name, job, schema.name, codec.batch_rows)

@@ -51,6 +51,13 @@ class CreativeSet:
         """8 bytes of each image's sha256: a cached feature row is reused only for the same pixels."""
         return [hashlib.sha256(img.tobytes()).digest()[:8] for img in self.images]
 
+    def digest(self) -> str:
+        """Names this set of (id, image) pairs: the cache records which sets it holds whole."""
+        h = hashlib.sha256()
+        for cid, tag in zip(self.ids, self.tags()):
+            h.update(len(cid).to_bytes(2, "little") + cid + tag)
+        return h.hexdigest()[:16]
+
     def info(self) -> dict:
         return {"creatives_dir": str(self.dir.resolve()), "creatives": len(self.ids),
                 "corrupt_images": len(self.corrupt), "first_corrupt": self.corrupt[:SHOWN_CORRUPT]}

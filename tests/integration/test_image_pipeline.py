@@ -5,6 +5,7 @@ and serving's lookup; unknown creatives and corrupt uploads counted."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -105,7 +106,7 @@ def test_featurizer_stage_is_local_mode_exactly_and_serving_looks_up_alike(ads, 
     assert row[-1] == 0.0 and row[-1 - want.shape[1]:-1].tobytes() == want[2000].tobytes()
     # A creative featurized after training (`mariana featurize-creatives`) is scored from its pixels.
     assert served["added"]["embedded"] == 1 and served["added"]["cached_before"] == 2001
-    added = ImageFeaturizer.load(ads["featurizer"]).embed(load_creative_set(str(ads["dir"])).images[-1:])
+    added = ImageFeaturizer.load(ads["featurizer"]).embed(served["new_image"][None])
     bundle.images = bundle.encoder.table = type(bundle.images)(bundle.images.ids + [UNKNOWN],
                                                                np.concatenate([bundle.images.features, added]))
     want_after = bundle.predict(bundle.encoder.encode_rows(_chunk(bundle, instances)))
@@ -129,9 +130,14 @@ def serve_and_add_a_creative(ads, tmp_path, redis_url: str, data) -> dict:
         from featurizer.image import load_mnist
 
         image = load_mnist(mnist_dir_of(ads)).images[11]
-        (ads["dir"] / "creatives" / "uploads" / f"{UNKNOWN.decode()}.raw").write_bytes(image.tobytes())
-        added = run_cli("featurize-creatives", "--images", ads["dir"], "--featurizer", ads["featurizer"],
-                        "--redis-url", redis_url, check=True)
+        upload = ads["dir"] / "creatives" / "uploads" / f"{UNKNOWN.decode()}.raw"
+        upload.write_bytes(image.tobytes())
+        try:
+            added = run_cli("featurize-creatives", "--images", ads["dir"], "--featurizer", ads["featurizer"],
+                            "--redis-url", redis_url, check=True)
+            out["new_image"] = image
+        finally:
+            upload.unlink()  # the fixture is shared: leave the creatives as they were
         out["added"] = json.loads(added.stdout.strip().splitlines()[-1])
         deadline = time.monotonic() + 30
         while srv.metric("mariana_serve_creatives_added_total") < 1:
@@ -153,3 +159,32 @@ def _chunk(bundle, instances):
     chunk, bad, _ = parse_records(bundle.schema, instances)
     assert not bad
     return chunk
+
+
+@pytest.mark.timeout(240)
+def test_creatives_lost_from_redis_are_embedded_again_not_trained_as_unknown(ads, tmp_path):
+    """Redis restarted empty between the featurize job and the first chunk (the cluster's
+    test double: preprocess paused, the creative keys deleted): preprocess misses every
+    creative, finds the set no longer recorded, embeds it again and trains with the real
+    features; only the 80 planted rows are unknown."""
+    import signal
+
+    data = ads["dir"] / "train.tsv"
+    with Cluster(tmp_path / "c") as c:
+        r = redis.Redis.from_url(c.cfg.redis.url)
+        pre = c.pid("preprocess-0")
+        os.kill(pre, signal.SIGSTOP)
+        try:
+            job = c.submit([data], tmp_path / "m", [], {**job_config(ads), "model": {"kind": "lr"}})
+            sets = c.wait_for(lambda: r.keys("mariana:creatives:*:sets"), 60)  # the featurize job is done
+            assert r.delete(sets[0][:-len(b":sets")], sets[0]) == 2
+        finally:
+            os.kill(pre, signal.SIGCONT)
+        summary = c.wait(job, 120)
+        assert summary["state"] == "done", f"{summary['error']}\n{c.logs()}"
+        status = c.wait_for(lambda: (s := c.status()["services"]["preprocess-0"]["status"])
+                            .get("creative_lookups") == 8_000 and s)
+        held = r.hlen(sets[0][:-len(b":sets")])
+    img = summary["record"]["images"]
+    assert status["creative_cache_rebuilt"] == 1 and status["creatives_unknown"] == 80, status
+    assert img["train_unknown_creative"] == 80 and img["model_creatives"] == 2001 and held == 2001, img

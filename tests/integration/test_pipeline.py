@@ -232,6 +232,10 @@ def test_bad_job_requests_are_refused_with_400_or_401(data, tmp_path):
             ({"data": [str(data["train"])], "out": str(tmp_path / "m"), "mode": "turbo"}, "turbo"),
             ({"data": [str(data["train"])]}, "out"),
             ({"data": [str(data["train"])], "out": str(tmp_path / "m"), "colour": 1}, "colour"),
+            ({"data": [str(data["train"])], "out": str(tmp_path / "m"),
+              "config": {"images": {"creatives": str(tmp_path)}}}, "no creatives.json"),
+            ({"data": [str(data["train"])], "out": str(tmp_path / "m"),
+              "config": {"images": {"creatives": str(tmp_path), "tower": 0}}}, "images.tower"),
         ]
         for body, named in cases:
             code, reply = c.request("POST", "/v1/jobs", body)

@@ -30,10 +30,10 @@ from services.creative_cache import CreativeLookup
 from services.protocol import BadMessage, Message
 from services.runtime.config import ClusterConfig
 from services.runtime.lifecycle import Service, run_service
-from services.sample_cache import SampleCache, pack_batch
+from services.sample_cache import CacheUnavailable, SampleCache, pack_batch
 from services.transport import PeerTimeout, RemoteError, make_socket
 from sparse.encode import Encoder
-from sparse.errors import DataFormatError, MarianaError
+from sparse.errors import MarianaError
 from sparse.parse import BlockParser, BlockTask, Chunk, ParseStats
 from sparse.schema import Schema
 from trainer.config import JobConfig, from_dict
@@ -132,7 +132,9 @@ class Preprocess(Service):
             batches, stats = await asyncio.to_thread(self.encode, codec, rows, parse, table, job, chunk)
             stats.update(parse_s=parse_s, image_s=lookup_s + stats.pop("attach_s", 0.0))
             error = ""
-        except DataFormatError as e:  # e.g. the file is not in the job's format: the job fails with this
+        except CacheUnavailable:
+            raise  # Redis gone longer than redis.retry_seconds: this process exits non-zero (main)
+        except MarianaError as e:  # the file is not in the job's format, the creatives are unreadable: the job fails
             batches, stats, error = [], {}, str(e)
             log.warning("%s: chunk %s of job %s: %s", self.name, chunk, job, e)
         t0 = time.perf_counter()

@@ -32,7 +32,9 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -182,14 +184,10 @@ def prepare(args) -> tuple[Path, ImageFeaturizer, CreativeFeatures, Path]:
 
 def pipeline_stage(data: Path, featurizer: str, out_dir: Path) -> dict:
     """Two cluster jobs on the ads data, with and without image features; their stage seconds."""
-    import subprocess
-
     out = {}
     for label, extra in (("without_images", []), ("with_images", ["--images", str(data), "--featurizer", featurizer])):
         model = out_dir / f"model-{label}"
-        if model.exists():
-            import shutil
-            shutil.rmtree(model)
+        shutil.rmtree(model, ignore_errors=True)  # a fresh version 1, not one more in an old dir
         cmd = [sys.executable, "-m", "services.cli", "-q", "train", "--data", str(data / "train.tsv"), "--model", "lr",
                "--out", str(model), "--json", "--mode", "cluster", "--workers", "1", "--ps", "1", "--preprocess", "1",
                *extra]

@@ -29,6 +29,7 @@ from sparse.parse import Chunk
 
 IMAGES_FILE = "creatives.npy"
 META_FILE = "creatives.json"
+FALLBACK = "zero features, flag column = 1"  # what an unknown creative gets (as records say it)
 
 
 def load_creatives(path: str | os.PathLike) -> tuple[list[bytes], np.ndarray, dict]:

@@ -65,19 +65,16 @@ def check_request(body: dict) -> tuple[dict, dict]:
     return request, {"config": config.to_dict(), "schema": schema.to_dict()}
 
 
-def image_record(spec: dict, ledger, images) -> dict:
-    """As local mode records it: the featurizer and cache, then the lookups of each phase
-    (training rows were looked up by preprocess once, in the pass over the source)."""
+def cluster_image_record(spec: dict, ledger, images) -> dict:
+    """Local mode's record of the image features (trainer.job.image_record); training rows
+    were looked up by preprocess once, in the pass over the source, and the table was
+    fresh for the evaluation."""
     from trainer.images import features_sha
-    from trainer.job import MODES
+    from trainer.job import image_record
 
-    test = images.counts()  # the table was fresh for the evaluation
-    return {**spec["images"]["info"], "model_creatives": len(images.ids),
-            "features_sha256": features_sha(images.features),
-            "train_lookups": int(ledger.counters["creative_lookups"]),
-            "train_unknown_creative": int(ledger.counters["creatives_unknown"]),
-            "test_lookups": test["lookups"], "test_unknown_creative": test["unknown"],
-            "mode": MODES[spec["config"]["model"]["kind"]]}
+    info = {**spec["images"]["info"], "model_creatives": len(images.ids), "features_sha256": features_sha(images.features)}
+    train = {"lookups": int(ledger.counters["creative_lookups"]), "unknown": int(ledger.counters["creatives_unknown"])}
+    return image_record(info, train, images.counts(), spec["config"]["model"]["kind"])
 
 
 def _paths(body: dict, key: str) -> list[str]:
@@ -138,7 +135,7 @@ def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_s
         "model": request["model"],
     }
     if images is not None:
-        record["images"] = image_record(spec, ledger, images)
+        record["images"] = cluster_image_record(spec, ledger, images)
     version = bundle.save(request["out"], make_current=request.get("promote", True), extra={
         **({"images": record["images"]} if images is not None else {}),
         "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows")},

@@ -26,7 +26,7 @@ from collections import Counter
 
 import numpy as np
 
-from featurizer.creatives import CreativeFeatures
+from featurizer.creatives import FALLBACK, CreativeFeatures
 from services.sample_cache import PREFIX, SampleCache
 from trainer.config import ImagesConfig
 
@@ -49,6 +49,21 @@ def _split(value: bytes | None, dim: int) -> tuple[bytes, np.ndarray] | None:
     if value is None or len(value) != TAG + 4 * dim:
         return None
     return value[:TAG], np.frombuffer(value, np.float32, offset=TAG)
+
+
+def _stack(rows: list[np.ndarray], dim: int) -> np.ndarray:
+    return np.stack(rows) if rows else np.zeros((0, dim), np.float32)
+
+
+def _valid(pairs, dim: int) -> tuple[list[bytes], np.ndarray]:
+    """(ids, features) of the (id, cached value) pairs whose value is well formed."""
+    ids, rows = [], []
+    for cid, value in pairs:
+        split = _split(value, dim)
+        if split is not None:
+            ids.append(cid)
+            rows.append(split[1])
+    return ids, _stack(rows, dim)
 
 
 async def read_values(cache: SampleCache, key: str, ids: list[bytes]) -> list[bytes | None]:
@@ -90,7 +105,7 @@ async def featurize_creatives(cache: SampleCache, cfg: ImagesConfig, counters: C
              key, len(todo), len(todo) / max(seconds, 1e-9), len(cset.ids) - len(todo), len(cset.corrupt))
     return {**cset.info(), **info, "field": cfg.field, "redis_key": key, "set": digest, "embedded": len(todo),
             "cached_before": len(cset.ids) - len(todo), "ids": [i.decode() for i in cset.ids],
-            "unknown_creative": "zero features, flag column = 1"}
+            "unknown_creative": FALLBACK}
 
 
 async def ensure_cached(cache: SampleCache, cfg: ImagesConfig, key: str, digest: str, counters: Counter) -> bool:
@@ -106,25 +121,13 @@ async def ensure_cached(cache: SampleCache, cfg: ImagesConfig, key: str, digest:
 
 async def creative_table(cache: SampleCache, key: str, dim: int, ids: list[bytes]) -> CreativeFeatures:
     """The features of `ids` that are cached, as the table a model version stores."""
-    known, rows = [], []
-    for cid, value in zip(ids, await read_values(cache, key, ids)):
-        split = _split(value, dim)
-        if split is not None:
-            known.append(cid)
-            rows.append(split[1])
-    return CreativeFeatures(known, np.stack(rows) if rows else np.zeros((0, dim), np.float32))
+    return CreativeFeatures(*_valid(zip(ids, await read_values(cache, key, ids)), dim))
 
 
 async def read_all(redis, featurizer_sha: str, dim: int) -> tuple[list[bytes], np.ndarray]:
     """Every creative cached for a featurizer: (ids, (n, dim) features); values of the
     wrong length are skipped. `redis`: a redis.asyncio client (serving has no SampleCache)."""
-    ids, rows = [], []
-    async for cid, value in redis.hscan_iter(namespace_of(featurizer_sha), count=1000):
-        split = _split(value, dim)
-        if split is not None:
-            ids.append(cid)
-            rows.append(split[1])
-    return ids, (np.stack(rows) if rows else np.zeros((0, dim), np.float32))
+    return _valid([pair async for pair in redis.hscan_iter(namespace_of(featurizer_sha), count=CHUNK)], dim)
 
 
 class CreativeLookup:
@@ -163,7 +166,5 @@ class CreativeLookup:
                         self.known[cid] = split[1]
                 self._table = None
         if self._table is None:
-            ids_known = list(self.known)
-            feats = np.stack([self.known[i] for i in ids_known]) if ids_known else np.zeros((0, self.dim), np.float32)
-            self._table = CreativeFeatures(ids_known, feats)
+            self._table = CreativeFeatures(list(self.known), _stack(list(self.known.values()), self.dim))
         return self._table

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import zmq
 
 from featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
@@ -229,9 +231,6 @@ class Preprocess(Service):
 
 def distinct_ids(column) -> list[bytes]:
     """The distinct values of a creative-id column (nulls and empty ids left out)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     col = column.cast(pa.binary()) if not pa.types.is_binary(column.type) else column
     return [v for v in pc.unique(col).drop_null().to_pylist() if v]
 

@@ -96,9 +96,10 @@ class VersionWatcher:
         import redis
         import redis.asyncio as aioredis
 
-        from services.creative_cache import read_all
+        from services.creative_cache import namespace_of, read_all
 
         client, warned = aioredis.Redis.from_url(self.cfg.redis_url, socket_connect_timeout=2), False
+        seen: tuple = ()  # (version, creatives cached) at the last read: nothing new, nothing to read
         try:
             while True:
                 await asyncio.sleep(self.cfg.creatives_seconds)
@@ -107,8 +108,11 @@ class VersionWatcher:
                 if key is None:
                     continue
                 try:
+                    now = (p.version, await client.hlen(namespace_of(key[0])))
+                    if now == seen:
+                        continue
                     ids, features = await read_all(client, *key)
-                    warned = False
+                    seen, warned = now, False
                 except (redis.RedisError, OSError) as e:
                     if not warned:
                         log.warning("%s: creative features unreadable on %s: %s", self.name, self.cfg.redis_url, e)

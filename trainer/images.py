@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from featurizer.creatives import META_FILE, CreativeFeatures, load_creatives
+from featurizer.creatives import FALLBACK, META_FILE, CreativeFeatures, load_creatives
 from featurizer.image import ImageFeaturizer, load_mnist, stack_images
 from sparse.errors import ConfigError
 from trainer.config import ImagesConfig
@@ -145,7 +145,7 @@ def prepare_image_features(cfg: ImagesConfig,
     seconds = time.perf_counter() - t0
     info = {**cset.info(), "field": cfg.field, **featurizer_info(featurizer, fdir, how),
             "embed_images_per_s": round(len(cset.ids) / max(seconds, 1e-9)),
-            "features_sha256": features_sha(features), "unknown_creative": "zero features, flag column = 1"}
+            "features_sha256": features_sha(features), "unknown_creative": FALLBACK}
     log.info("image features: %d creatives x %d dims from %s (%s)", len(cset.ids), featurizer.dim, fdir, how)
     return CreativeFeatures(cset.ids, features), info
 

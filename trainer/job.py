@@ -71,7 +71,9 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
     if test_paths:
         metrics, test_parse = evaluate(bundle, test_paths)
     if images:
-        image_info = _image_record(image_info, train_lookups, images.counts(), config.model.kind)
+        after = images.counts()
+        image_info = image_record(image_info, train_lookups,
+                                  {k: after[k] - train_lookups[k] for k in after}, config.model.kind)
     record = {
         "auc": metrics.get("auc"),
         "logloss": metrics.get("logloss"),
@@ -106,14 +108,14 @@ MODES = {"lr": "mode 1: LR over hashed ids + image features as dense values",
          "dnn": "mode 2: sparse DNN with an image tower over frozen image features"}
 
 
-def _image_record(info: dict, after_train: dict, after_test: dict, kind: str) -> dict:
-    """The featurizer used and the lookups of each phase: rows whose creative id the
-    table lacked got the fallback (zeros, flag 1) and are counted here."""
-    test = {k: after_test[k] - after_train[k] for k in after_test}
-    if after_train["unknown"] or test["unknown"]:
+def image_record(info: dict, train: dict, test: dict, kind: str) -> dict:
+    """The featurizer used and the lookups of each phase ({"lookups", "unknown"} counts):
+    rows whose creative id the table lacked got the fallback (zeros, flag 1) and are
+    counted here. Local and cluster jobs record it alike."""
+    if train["unknown"] or test["unknown"]:
         log.warning("image features: %d training and %d test rows named an unknown creative (fallback used)",
-                    after_train["unknown"], test["unknown"])
-    return {**info, "train_lookups": after_train["lookups"], "train_unknown_creative": after_train["unknown"],
+                    train["unknown"], test["unknown"])
+    return {**info, "train_lookups": train["lookups"], "train_unknown_creative": train["unknown"],
             "test_lookups": test["lookups"], "test_unknown_creative": test["unknown"], "mode": MODES[kind]}
 
 

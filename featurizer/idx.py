@@ -22,9 +22,9 @@ import zlib
 import numpy as np
 
 from sparse.errors import DataFormatError
+from sparse.parse import open_binary
 
 UBYTE = 0x08
-GZIP_MAGIC = b"\x1f\x8b"
 MAX_DIMS = 4
 
 
@@ -67,11 +67,10 @@ def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
 
 
 def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:  # FileNotFoundError etc. carry the path
-        raw = f.read()
-    if raw[:2] != GZIP_MAGIC:
-        return raw
-    try:
-        return gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as e:
-        raise IdxFormatError(f"{path}: corrupt gzip data ({e})") from None
+    with open_binary(path) as f:  # gunzips by the magic, as data files are; FileNotFoundError carries the path
+        try:
+            return f.read()
+        except (OSError, EOFError, zlib.error) as e:
+            if not isinstance(f, gzip.GzipFile):
+                raise
+            raise IdxFormatError(f"{path}: corrupt gzip data ({e})") from None

@@ -23,9 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -34,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from featurizer.idx import IdxFormatError, read_idx
 from sparse.errors import DataFormatError, ModelDirError
@@ -168,27 +165,6 @@ def to_input(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
     """uint8 (N, S, S) -> normalised float32 (N, 1, S, S)."""
     x = torch.from_numpy(images.astype(np.float32)).div_(255.0)  # a fresh array: the input may be read-only
     return x.sub_(mean).div_(std).unsqueeze(1)
-
-
-def write_featurizer(out_dir: str | os.PathLike, manifest: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write DIR/weights.safetensors and DIR/manifest.json, replacing DIR atomically
-    (built in a temp dir beside it, then renamed)."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-featurizer-", dir=out.parent))
-    try:
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
-        body = {**manifest, "format": FORMAT, "weights_sha256": file_sha256(tmp / WEIGHTS), "torch": torch.__version__,
-                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 class ImageFeaturizer:

@@ -54,6 +54,7 @@ from trainer.config import JobConfig, from_dict
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.25
 POINT_SECONDS = 1.0      # a history point of the running job this often
+REDIS_STATS_SECONDS = 2.0  # /v1/status's Redis INFO is at most this old
 ENDED = ("done", "failed", "cancelled")
 # The counter of each role's heartbeat status shown as its throughput: (counter, unit, scale).
 RATES = {"worker": ("rows", "rows/s", 1.0), "ps": ("rows_applied", "rows/s", 1.0),
@@ -133,9 +134,7 @@ class JobRun:
     @classmethod
     def from_saved(cls, d: dict) -> "JobRun":
         spec, request = d["spec"], d["request"]
-        staleness = {"async": None, "bsp": 0, "ssp": request.get("staleness")}[request["mode"]]
-        ledger = JobLedger(d["id"], epochs=spec["config"]["train"]["epochs"], staleness=staleness,
-                           data_bytes=d.get("data_bytes", 0))
+        ledger = job_ledger(d["id"], request, spec, d.get("data_bytes", 0))
         run = cls(d["id"], request, spec, ledger, state=d["state"], error=d["error"], submitted=d["submitted"],
                   started=d["started"], ended=d["ended"], record=d.get("record") or {},
                   restarts=d.get("restarts", 0))
@@ -158,6 +157,7 @@ class Coordinator(Service):
         self.runner: web.AppRunner | None = None
         self.store: JobStore | None = None
         self.wake = asyncio.Event()
+        self._redis_stats: tuple[float, dict] = (float("-inf"), {})
 
     # ---- life -----------------------------------------------------------------------------
 
@@ -740,7 +740,16 @@ class Coordinator(Service):
         return web.json_response({**self.status_dict(), "redis": await self.redis_stats()})
 
     async def redis_stats(self) -> dict:
-        """The sample cache's Redis as its INFO says: hit rate of reads, memory, keys."""
+        """The sample cache's Redis as its INFO says: hit rate of reads, memory, keys.
+        Asked at most every REDIS_STATS_SECONDS: each open web UI polls /v1/status every second."""
+        at, stats = self._redis_stats
+        if time.monotonic() - at < REDIS_STATS_SECONDS:
+            return stats
+        stats = await self._read_redis_stats()
+        self._redis_stats = (time.monotonic(), stats)
+        return stats
+
+    async def _read_redis_stats(self) -> dict:
         try:
             info = await asyncio.wait_for(self.cache.redis.info(), 1.0)
         except (asyncio.TimeoutError, OSError, RedisError) as e:
@@ -845,12 +854,16 @@ class Coordinator(Service):
     def new_job(self, body: dict) -> JobRun:
         request, spec = check_request(body)
         job = time.strftime("j%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
-        staleness = {"async": None, "bsp": 0, "ssp": request["staleness"]}[request["mode"]]
         # gzip offsets count uncompressed bytes: no size to estimate epoch 1's progress from
         size = 0 if any(str(f).endswith(".gz") for f in request["data"]) else sum(
             os.path.getsize(f) for f in request["data"])
-        ledger = JobLedger(job, epochs=spec["config"]["train"]["epochs"], staleness=staleness, data_bytes=size)
-        return JobRun(job, request, spec, ledger)
+        return JobRun(job, request, spec, job_ledger(job, request, spec, size))
+
+
+def job_ledger(job: str, request: dict, spec: dict, data_bytes: int) -> JobLedger:
+    """A job's empty ledger (a new job, or one a restarted coordinator replays its journal into)."""
+    staleness = {"async": None, "bsp": 0, "ssp": request.get("staleness")}[request["mode"]]
+    return JobLedger(job, epochs=spec["config"]["train"]["epochs"], staleness=staleness, data_bytes=data_bytes)
 
 
 class JobStopped(Exception):

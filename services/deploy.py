@@ -25,7 +25,6 @@ from sparse.errors import MarianaError
 # What the shipped units run; replaced by the paths of this install.
 UNIT_MARIANA = "/opt/mariana/.venv/bin/mariana"
 UNIT_REDIS = "/usr/bin/redis-server"
-UNIT_CLUSTER_CONFIG = "/etc/mariana/cluster.toml"
 # deploy/ file -> its name in /etc/mariana
 CONFIGS = {"config/cluster.systemd.toml": "cluster.toml", "config/serve.systemd.toml": "serve.toml",
            "config/redis.conf": "redis.conf", "prometheus/prometheus.yml": "prometheus.yml"}

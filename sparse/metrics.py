@@ -72,11 +72,7 @@ class BinaryMetrics:
     def auc(self) -> float | None:
         """Mann-Whitney AUC with ties counted half; None if one class is absent."""
         _, pos, neg = self._compact()
-        total_pos, total_neg = pos.sum(), neg.sum()
-        if total_pos == 0 or total_neg == 0:
-            return None
-        neg_below = np.cumsum(neg) - neg
-        return float((pos * (neg_below + 0.5 * neg)).sum() / (total_pos * total_neg))
+        return histogram_auc(pos, neg)  # each distinct score is a bin of its own
 
     def result(self) -> dict:
         if self.count == 0:

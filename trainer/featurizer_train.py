@@ -9,7 +9,11 @@ a frozen featurizer (featurizer/image.py reads it). Read top to bottom:
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +22,11 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
-from featurizer.image import (SPLIT_SEED, TEST_IMAGES, ImageFeaturizer, ImageSet, pixel_stats, split_indices,
-                              to_input, write_featurizer)
+from featurizer.image import (FORMAT, MANIFEST, SPLIT_SEED, TEST_IMAGES, WEIGHTS, ImageFeaturizer, ImageSet,
+                              file_sha256, pixel_stats, split_indices, to_input)
+from trainer.checkpoint import _fsync_dir, _fsync_file, _publishable
 from trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops
 
 log = logging.getLogger(__name__)
@@ -127,3 +133,37 @@ def train_and_export(data: ImageSet, out_dir: str | Path, cfg: FeaturizerTrainCo
     model, report = train_featurizer(data, cfg, progress)
     out = export_featurizer(model, report, data, out_dir)
     return {"featurizer": str(out), **{k: v for k, v in report.items() if k != "train_index"}}
+
+
+def write_featurizer(out_dir: str | os.PathLike, manifest: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write DIR/weights.safetensors and DIR/manifest.json, replacing DIR: built and fsynced
+    in a temp dir beside it with the umask's modes (as model versions are, trainer.checkpoint),
+    then two renames a moment apart (the old DIR aside, the new one in), so a reader finds the
+    old featurizer or the new one, never part of one. When another writer puts its DIR in
+    place first, that one stays and this one is dropped."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-featurizer-", dir=out.parent))
+    old = out.with_name(f".old-{out.name}-{os.getpid()}")
+    try:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
+        body = {**manifest, "format": FORMAT, "weights_sha256": file_sha256(tmp / WEIGHTS), "torch": torch.__version__,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        _publishable(tmp)
+        if out.exists():
+            os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / MANIFEST).exists():
+                raise
+            log.info("%s: another writer put a featurizer there first; keeping it", out)
+        _fsync_dir(out.parent)
+    finally:
+        for d in (tmp, old):
+            if d.exists():
+                shutil.rmtree(d, ignore_errors=True)
+    return out

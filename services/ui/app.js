@@ -173,10 +173,10 @@
 
   async function refresh() {
     try {
-      const [status, jobs] = await Promise.all([getJSON("/v1/status"), getJSON("/v1/jobs")]);
+      const status = await getJSON("/v1/status");  // its jobs are /v1/jobs's: one request, not two
       if (status.missing) throw new Error("/v1/status: 404");
       state.status = isObj(status.data) ? status.data : {};
-      const list = jobs.data && Array.isArray(jobs.data.jobs) ? jobs.data.jobs : state.status.jobs;
+      const list = state.status.jobs;
       const fresh = sortJobs(Array.isArray(list) ? list.filter((j) => isObj(j) && j.id !== undefined) : []);
       const before = new Map(state.jobs.map((j) => [j.id, j.state]));
       if (fresh.some((j) => before.has(j.id) && before.get(j.id) !== j.state)) state.modelsAt = 0;

@@ -267,8 +267,9 @@ def ui_only_server():
 
 
 class FakeAPI:
-    """/v1/status and /v1/jobs of an older coordinator (no history, no models): a running job
-    whose rows grow at each request, and a failed one with hostile strings."""
+    """/v1/status (its jobs included, as every coordinator has sent them) of an older
+    coordinator (no history, no models): a running job whose rows grow at each request, and
+    a failed one with hostile strings."""
 
     def __init__(self):
         self.calls = 0
@@ -283,7 +284,8 @@ class FakeAPI:
 
     def __call__(self, route) -> None:
         path = route.request.url.split("/v1/", 1)[1].split("?")[0]
-        body = {"status": FAKE_STATUS, "jobs": {"jobs": [FAKE_JOB, self.running_job()]}}.get(path)
+        body = {"status": {**FAKE_STATUS, "jobs": [FAKE_JOB, self.running_job()]}}.get(path) \
+            if path == "status" else None
         if body is None:  # history, models: an older coordinator
             route.fulfill(status=404, content_type="text/plain", body="404: Not Found")
         else:

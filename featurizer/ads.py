@@ -33,7 +33,7 @@ from featurizer.creatives import IMAGES_FILE, META_FILE
 from featurizer.image import load_mnist, split_indices
 from sparse.hashing import fmix64
 from sparse.metrics import BinaryMetrics
-from sparse.synth import World, _draw, _table, make_world
+from sparse.synth import World, _draw, _table, ctr_shift, make_world
 
 CREATIVE_FIELD = "C26"
 SEGMENT_FIELD = "C17"           # 10 values, never missing: the "user segment"
@@ -112,30 +112,31 @@ def _solve_offset(world, planted, old, new, spec) -> float:
     """Shift so that ~22% of training rows are clicks, as in the plain Criteo model."""
     planted.offset = 0.0
     logit, *_ = _rows(world, planted, np.random.default_rng(12345), old, new, 100_000, spec, False)
-    lo, hi = -10.0, 10.0
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if (1 / (1 + np.exp(-(logit + mid)))).mean() > 0.22 else (mid, hi)
-    return (lo + hi) / 2
+    return ctr_shift(logit)
 
 
 def _write(path: Path, world, planted, ids_arr, rng, old, new, n, spec, test, chunk=200_000) -> dict:
     opts = pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     metrics, pos, done, counts = BinaryMetrics(), 0, 0, np.zeros(len(ids_arr), np.int64)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with pa.OSFile(str(tmp), "wb") as sink:
-        while done < n:
-            m = min(chunk, n - done)
-            logit, ints, cats, k = _rows(world, planted, rng, old, new, m, spec, test)
-            p = 1 / (1 + np.exp(-logit))
-            labels = rng.random(m) < p
-            table = _table(world, labels, ints, cats)
-            table = table.set_column(table.schema.get_field_index(CREATIVE_FIELD), CREATIVE_FIELD, ids_arr.take(k))
-            pa_csv.write_csv(table, sink, opts)
-            metrics.update(labels.astype(np.float32), p)
-            counts += np.bincount(k, minlength=len(ids_arr))
-            pos, done = pos + int(labels.sum()), done + m
-    os.replace(tmp, path)
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink:
+            while done < n:
+                m = min(chunk, n - done)
+                logit, ints, cats, k = _rows(world, planted, rng, old, new, m, spec, test)
+                p = 1 / (1 + np.exp(-logit))
+                labels = rng.random(m) < p
+                table = _table(world, labels, ints, cats)
+                table = table.set_column(table.schema.get_field_index(CREATIVE_FIELD), CREATIVE_FIELD,
+                                         ids_arr.take(k))
+                pa_csv.write_csv(table, sink, opts)
+                metrics.update(labels.astype(np.float32), p)
+                counts += np.bincount(k, minlength=len(ids_arr))
+                pos, done = pos + int(labels.sum()), done + m
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()  # a failed run leaves no half-written file behind
     return {"path": str(path), "rows": n, "ctr": round(pos / max(n, 1), 4),
             "oracle_auc": metrics.auc(), "creatives_seen": int((counts > 0).sum()),
             "rows_with_new_creative": int(counts[new].sum())}

@@ -92,13 +92,14 @@ def cmd_featurize_creatives(args: argparse.Namespace) -> int:
     from trainer.config import ImagesConfig
 
     _need_dir(args.images, "--images")
-    url = args.redis_url
-    if not url:
-        running = launcher.cluster_info(load_cluster_config(args.config).cluster.path)
+    cfg = load_cluster_config(args.config)
+    if args.redis_url:
+        cfg.redis.url = args.redis_url
+    else:
+        running = launcher.cluster_info(cfg.cluster.path)
         if running is None:
             raise MarianaError("no --redis-url given and no cluster is up (`mariana up`) to take its Redis from")
-        url = load_cluster_config(running["config"], env={}).redis.url
-    cfg = load_cluster_config(args.config, overrides={"redis.url": url})
+        cfg.redis.url = load_cluster_config(running["config"], env={}).redis.url  # its resolved port
     images = ImagesConfig(creatives=os.path.abspath(args.images), featurizer=args.featurizer or "")
 
     async def run() -> dict:

@@ -129,10 +129,15 @@ def _draw(world: World, n: int, rng: np.random.Generator):
 def _solve_bias(world: World) -> float:
     world.bias = 0.0
     logit, _, _ = _draw(world, 200_000, np.random.default_rng(12345))
+    return ctr_shift(logit)
+
+
+def ctr_shift(logit: np.ndarray, target: float = TARGET_CTR) -> float:
+    """The constant that, added to every logit, makes the mean click probability `target` (bisection)."""
     lo, hi = -10.0, 10.0
     for _ in range(50):
         mid = (lo + hi) / 2
-        if (1 / (1 + np.exp(-(logit + mid)))).mean() > TARGET_CTR:
+        if (1 / (1 + np.exp(-(logit + mid)))).mean() > target:
             hi = mid
         else:
             lo = mid

@@ -38,7 +38,9 @@ def gen_files(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
     d = data_dir() / "mnist"
-    if not (d / "t10k-images-idx3-ubyte.gz").exists():
+    from featurizer.image import MNIST_IMAGES
+
+    if not (d / MNIST_IMAGES).exists():
         pytest.skip(f"MNIST not found at {d} (set MARIANA_DATA to the shared data dir)")
     return d
 

@@ -82,8 +82,8 @@ class ModelBundle:
             weights[f"dense.{pname}"] = p.detach().numpy()
             for key, arr in state.items():
                 optim[f"dense.{pname}.{key}"] = arr
-        if self.images is not None:
-            weights.update(self.images.to_arrays())
+        image_arrays = self.images.to_arrays() if self.images is not None else {}
+        weights.update(image_arrays)
         manifest = {
             "config": self.config.to_dict(),
             "schema": self.schema.to_dict(),
@@ -102,7 +102,7 @@ class ModelBundle:
         if self.images is not None:  # what serving must do: look each row's creative id up in this table
             manifest["images"] = {**manifest.get("images", {}), "field": self.config.images.field,
                                   "dim": self.images.dim, "width": self.images.width,
-                                  "creatives": len(self.images.ids), "arrays": sorted(self.images.to_arrays()),
+                                  "creatives": len(self.images.ids), "arrays": sorted(image_arrays),
                                   "dense_layout": "numeric dense, then image features, then unknown flag"}
         return checkpoint.save_version(model_dir, manifest, weights, optim, make_current=make_current,
                                        reason="trained")

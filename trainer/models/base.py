@@ -72,7 +72,7 @@ def make_input(batch: SparseBatch, inverse: torch.Tensor, rows: dict[str, torch.
 
 class _Take(torch.autograd.Function):
     """flat[index] for a 1-d tensor; backward sums the gradient into each index
-    (scatter_add). On the CPU the gather is numpy's take, which is 2-3x faster
+    (scatter_add). On the CPU the gather is numpy's take, which is about 2.5x faster
     than torch's gather or index_select for a gather of this shape (a 4096-row
     batch: 160k entries from ~18k rows); same values, same gradient."""
 
@@ -94,7 +94,7 @@ def pool_fields(x: ModelInput, table: str) -> torch.Tensor:
     """(B, F, dim): per row and field, the sum of value * row over that field's entries."""
     weights = x.rows[table]
     dim = weights.shape[1]  # explicit: a schema may have no sparse fields at all
-    if dim == 1:  # a linear table: a flat take, about 4x faster than index_select here
+    if dim == 1:  # a linear table: compute_grads of a 4096-row LR batch 2.0 -> 0.7 ms (index_select before)
         emb = _Take.apply(weights.view(-1), x.local_ids).view(-1, 1)
     else:
         emb = torch.index_select(weights, 0, x.local_ids)  # (nnz, dim); backward is index_add

@@ -84,12 +84,12 @@ class ParamServer(Service):
 
     # ---- requests -------------------------------------------------------------------
 
-    async def handle(self, peer: bytes, msg: Message) -> list:
+    def handle(self, peer: bytes, msg: Message):
+        """Reply frames, answered at once; EndJob's coroutine runs as a task."""
         handler = getattr(self, f"on_{msg.type}", None)
         if handler is None:
             raise BadMessage("unexpected", f"a parameter server does not take {msg.type}")
-        out = handler(msg)
-        return await out if asyncio.iscoroutine(out) else out
+        return handler(msg)
 
     def shard(self, msg: Message) -> ParamShard:
         shard = self.jobs.get(msg["job"])

@@ -1,15 +1,25 @@
 """ZeroMQ sockets for the services: a request/reply client matched by msg_id,
-and a ROUTER server loop that decodes, dispatches and answers.
+and a ROUTER server that decodes, dispatches and answers.
 
 Every receive goes through `protocol.decode`; a bad message is answered with
-an `Error` (when there is someone to answer) and counted, and the loop goes
+an `Error` (when there is someone to answer) and counted, and the service goes
 on. A request that gets no reply in time fails with `PeerTimeout`.
+
+Sockets are read from the event loop's reader callback on the socket's file
+descriptor, draining every message waiting, and written with non-blocking
+sends: no future per message. pyzmq's asyncio sockets cost about twice the CPU
+per round trip (300 against 150 microseconds a side, measured with 18k-id
+requests on loopback), and a training step makes two or three round trips.
+A server's synchronous handler answers from the callback itself; one that
+returns an awaitable (a held lease) runs as a task.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
+import time
 from collections import Counter
 from typing import Awaitable, Callable
 
@@ -21,6 +31,7 @@ from services.protocol import BadMessage, Message
 from sparse.errors import DataFormatError, MarianaError
 
 log = logging.getLogger(__name__)
+DRAIN_BATCH = 64  # messages read per reader callback before other callbacks get a turn
 
 
 class PeerTimeout(MarianaError):
@@ -43,6 +54,70 @@ def make_socket(ctx: zmq.asyncio.Context, kind: int, hwm: int = 1000) -> zmq.asy
     return sock
 
 
+class _Channel:
+    """A socket of the service's context (closed with it) used through a synchronous view:
+    `on_frames(frames)` is called from the loop for each message; `send` never blocks
+    the loop."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, kind: int, on_frames: Callable[[list], None]):
+        self.owner = make_socket(ctx, kind)  # never used for I/O: its own reader would replace ours
+        self.sock = zmq.Socket.shadow(self.owner.underlying)
+        self.on_frames = on_frames
+        self.loop = asyncio.get_running_loop()
+        self.fd = self.sock.getsockopt(zmq.FD)
+        self.reading = False
+
+    def start_reading(self) -> None:
+        self.reading = True
+        self.loop.add_reader(self.fd, self._readable)
+        self.loop.call_soon(self._readable)  # the descriptor is edge-triggered: look now
+
+    def stop_reading(self) -> None:
+        if self.reading:
+            self.reading = False
+            self.loop.remove_reader(self.fd)
+
+    def _readable(self) -> None:
+        for _ in range(DRAIN_BATCH):
+            if not self.reading:
+                return
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:  # closed under us
+                self.stop_reading()
+                return
+            self.on_frames(frames)
+        self.loop.call_soon(self._readable)  # more waiting: after the other callbacks
+
+    def send_now(self, frames: list) -> bool:
+        """Send without waiting; False when the socket's queue is full (or it is closed)."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        # A send may consume the descriptor's edge for messages already queued to read.
+        if self.reading and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.loop.call_soon(self._readable)
+        return True
+
+    async def send(self, frames: list, timeout: float) -> None:
+        """Send, waiting (up to `timeout`) while the peer's queue is full."""
+        if self.send_now(frames):
+            return
+        give_up, delay = time.monotonic() + timeout, 0.001
+        while not self.send_now(frames):
+            if time.monotonic() > give_up:
+                raise zmq.Again()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def close(self) -> None:
+        self.stop_reading()
+        self.owner.close(linger=0)
+
+
 class Client:
     """A DEALER to one peer: `await call(type, arrays, **fields)` -> reply `Message`.
 
@@ -57,25 +132,27 @@ class Client:
                  on_command: Callable[[Message], Awaitable[None]] | None = None, identity: bytes | None = None):
         self.endpoint, self.timeout, self.counters = endpoint, timeout, counters
         self.on_command = on_command
-        self.sock = make_socket(ctx, zmq.DEALER)
+        self.channel = _Channel(ctx, zmq.DEALER, self._received)
         if identity:
-            self.sock.setsockopt(zmq.IDENTITY, identity)
-        self.sock.connect(endpoint)
+            self.channel.sock.setsockopt(zmq.IDENTITY, identity)
+        self.channel.sock.connect(endpoint)
         self.pending: dict[int, asyncio.Future] = {}
+        self.commands: set[asyncio.Task] = set()
         self.closed = False
-        self._reader = asyncio.create_task(self._read(), name=f"client-{endpoint}")
+        self.channel.start_reading()
 
     async def call(self, type_: str, arrays: dict | None = None, timeout: float | None = None,
                    **fields) -> Message:
         msg_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending[msg_id] = fut
+        timeout = timeout or self.timeout
         try:
-            await self.sock.send_multipart(protocol.encode(type_, msg_id, arrays, **fields), copy=False)
-            reply = await asyncio.wait_for(fut, timeout or self.timeout)
-        except asyncio.TimeoutError:
+            await self.channel.send(protocol.encode(type_, msg_id, arrays, **fields), timeout)
+            reply = await asyncio.wait_for(fut, timeout)
+        except (asyncio.TimeoutError, zmq.Again):
             self.counters["rpc_timeouts"] += 1
-            raise PeerTimeout(f"{self.endpoint} did not answer {type_} in {timeout or self.timeout:.1f}s") from None
+            raise PeerTimeout(f"{self.endpoint} did not answer {type_} in {timeout:.1f}s") from None
         finally:
             self.pending.pop(msg_id, None)
         if reply.type == "Error":
@@ -84,31 +161,37 @@ class Client:
 
     async def send(self, type_: str, arrays: dict | None = None, **fields) -> None:
         """A message that expects no reply."""
-        await self.sock.send_multipart(protocol.encode(type_, 0, arrays, **fields), copy=False)
+        try:
+            await self.channel.send(protocol.encode(type_, 0, arrays, **fields), self.timeout)
+        except zmq.Again:
+            raise PeerTimeout(f"{self.endpoint} took no {type_} in {self.timeout:.1f}s") from None
 
-    async def _read(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            try:
-                msg = protocol.decode(frames)
-            except BadMessage as e:
-                self.counters["bad_messages"] += 1
-                log.warning("bad message from %s: %s", self.endpoint, e)
-                continue
-            fut = self.pending.get(msg.msg_id)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-            elif self.on_command is not None and msg.msg_id == 0:
-                try:
-                    await self.on_command(msg)
-                except BadMessage as e:
-                    self.counters["bad_messages"] += 1
-                    log.warning("bad command from %s: %s", self.endpoint, e)
-                except Exception:  # a failed command must not stop this socket's reader
-                    self.counters["errors"] += 1
-                    log.exception("command %s from %s failed", msg.type, self.endpoint)
-            else:
-                self.counters["late_replies"] += 1
+    def _received(self, frames: list) -> None:
+        try:
+            msg = protocol.decode(frames)
+        except BadMessage as e:
+            self.counters["bad_messages"] += 1
+            log.warning("bad message from %s: %s", self.endpoint, e)
+            return
+        fut = self.pending.get(msg.msg_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+        elif self.on_command is not None and msg.msg_id == 0:
+            task = asyncio.create_task(self._command(msg))
+            self.commands.add(task)
+            task.add_done_callback(self.commands.discard)
+        else:
+            self.counters["late_replies"] += 1
+
+    async def _command(self, msg: Message) -> None:
+        try:
+            await self.on_command(msg)
+        except BadMessage as e:
+            self.counters["bad_messages"] += 1
+            log.warning("bad command from %s: %s", self.endpoint, e)
+        except Exception:  # a failed command must not stop this socket's reader
+            self.counters["errors"] += 1
+            log.exception("command %s from %s failed", msg.type, self.endpoint)
 
     def fail_pending(self, reason: str) -> int:
         """Fail every request in flight with PeerTimeout (the peer restarted: it will never
@@ -122,80 +205,98 @@ class Client:
 
     def close(self) -> None:
         self.closed = True
-        self._reader.cancel()
+        for task in self.commands:
+            task.cancel()
         self.fail_pending("client closed")
-        self.sock.close(linger=0)
+        self.channel.close()
 
 
-Handler = Callable[[bytes, Message], Awaitable[list | None]]
+Handler = Callable[[bytes, Message], "list | None | Awaitable[list | None]"]
 
 
 class Server:
-    """A ROUTER that answers requests: `handler(peer, msg)` returns reply frames
-    (or None to reply later with `reply`). Handlers run as tasks, so one may
-    wait (a held lease) while others are served."""
+    """A ROUTER that answers requests: `handler(peer, msg)` returns reply frames (or
+    None to reply later with `reply`), or an awaitable of them. A synchronous answer
+    goes out at once; an awaitable runs as a task, so one may wait (a held lease)
+    while others are served."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, handler: Handler, counters: Counter,
                  max_bytes: int = protocol.MAX_MESSAGE_BYTES, name: str = "server"):
         self.endpoint, self.handler, self.counters, self.max_bytes = endpoint, handler, counters, max_bytes
         self.name = name
-        self.sock = make_socket(ctx, zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.bind(endpoint)
+        self.channel = _Channel(ctx, zmq.ROUTER, self._received)
+        self.channel.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.channel.sock.bind(endpoint)
         self.tasks: set[asyncio.Task] = set()
-        self._loop = asyncio.create_task(self._serve(), name=f"{name}-router")
+        self.channel.start_reading()
 
-    async def _serve(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            peer, body = frames[0].bytes, frames[1:]
-            try:
-                msg = protocol.decode(body, self.max_bytes)
-            except BadMessage as e:
-                self.counters["bad_messages"] += 1
-                log.warning("%s: bad message from peer %s: %s", self.name, peer.hex()[:8], e)
-                await self.reply(peer, protocol.error_reply(_guess_msg_id(body), e.code, str(e)))
-                continue
-            task = asyncio.create_task(self._handle(peer, msg))
+    def _received(self, frames: list) -> None:
+        peer, body = frames[0].bytes, frames[1:]
+        try:
+            msg = protocol.decode(body, self.max_bytes)
+        except BadMessage as e:
+            self.counters["bad_messages"] += 1
+            log.warning("%s: bad message from peer %s: %s", self.name, peer.hex()[:8], e)
+            self.send(peer, protocol.error_reply(_guess_msg_id(body), e.code, str(e)))
+            return
+        try:
+            reply = self.handler(peer, msg)
+        except Exception as e:
+            reply = self._failed(peer, msg, e)
+        if inspect.isawaitable(reply):
+            task = asyncio.create_task(self._finish(peer, msg, reply))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+        elif reply is not None:
+            self.send(peer, reply)
 
-    async def _handle(self, peer: bytes, msg: Message) -> None:
+    async def _finish(self, peer: bytes, msg: Message, pending: Awaitable) -> None:
         try:
-            reply = await self.handler(peer, msg)
-        except (BadMessage, DataFormatError) as e:  # well-formed frames, wrong content (shapes, ids)
+            reply = await pending
+        except Exception as e:
+            reply = self._failed(peer, msg, e)
+        if reply is not None:
+            self.send(peer, reply)
+
+    def _failed(self, peer: bytes, msg: Message, e: Exception) -> list:
+        """The `Error` answer to a request whose handler raised (counted and logged)."""
+        if isinstance(e, (BadMessage, DataFormatError)):  # well-formed frames, wrong content (shapes, ids)
             self.counters["bad_messages"] += 1
             log.warning("%s: bad %s from peer %s: %s", self.name, msg.type, peer.hex()[:8], e)
-            reply = protocol.error_reply(msg.msg_id, getattr(e, "code", "bad_data"), str(e))
-        except MarianaError as e:
+            return protocol.error_reply(msg.msg_id, getattr(e, "code", "bad_data"), str(e))
+        if isinstance(e, MarianaError):
             self.counters["errors"] += 1
             log.warning("%s: cannot serve %s: %s", self.name, msg.type, e)
-            reply = protocol.error_reply(msg.msg_id, type(e).__name__, str(e))
-        except Exception as e:  # a bug must not kill the server; it answers and logs the trace
-            self.counters["errors"] += 1
-            log.exception("%s: %s failed", self.name, msg.type)
-            reply = protocol.error_reply(msg.msg_id, "internal", f"{type(e).__name__}: {e}")
-        if reply is not None:
-            await self.reply(peer, reply)
+            return protocol.error_reply(msg.msg_id, type(e).__name__, str(e))
+        # a bug must not kill the server; it answers and logs the trace
+        self.counters["errors"] += 1
+        log.error("%s: %s failed", self.name, msg.type, exc_info=e)
+        return protocol.error_reply(msg.msg_id, "internal", f"{type(e).__name__}: {e}")
+
+    def send(self, peer: bytes, frames: list) -> None:
+        """A reply or command to a peer; dropped (and counted) when the peer has gone away
+        or is not reading (a ROUTER never blocks)."""
+        try:
+            sent = self.channel.send_now([peer, *frames])
+        except zmq.ZMQError as e:
+            sent = False
+            log.debug("%s: message to %s not sent: %s", self.name, peer.hex()[:8], e)
+        if not sent:
+            self.counters["unsent_replies"] += 1
 
     async def reply(self, peer: bytes, frames: list) -> None:
-        try:
-            await self.sock.send_multipart([peer, *frames], copy=False)
-        except zmq.ZMQError as e:  # the peer went away
-            self.counters["unsent_replies"] += 1
-            log.debug("%s: reply to %s not sent: %s", self.name, peer.hex()[:8], e)
+        self.send(peer, frames)
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests; let handlers in flight finish (up to `timeout`)."""
-        self._loop.cancel()
+        self.channel.stop_reading()
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=timeout)
 
     def close(self) -> None:
-        self._loop.cancel()
         for t in self.tasks:
             t.cancel()
-        self.sock.close(linger=0)
+        self.channel.close()
 
 
 def _guess_msg_id(frames: list) -> int:

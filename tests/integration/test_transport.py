@@ -1,0 +1,175 @@
+"""The services' ZeroMQ transport on real loopback sockets: a Client and a Server
+in one event loop, answering at once or from a task, refusing bad requests with
+the right codes, timing out, and never blocking the loop on a full queue."""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from services import protocol
+from services.launcher import free_port
+from services.protocol import BadMessage
+from services.transport import DRAIN_BATCH, Client, PeerTimeout, RemoteError, Server
+from sparse.errors import DataFormatError, MarianaError
+
+
+def endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+async def with_server(handler, body, **server_args):
+    ctx = zmq.asyncio.Context()
+    ep = endpoint()
+    counters = Counter()
+    server = Server(ctx, ep, handler, counters, name="test", **server_args)
+    client = Client(ctx, ep, Counter(), timeout=5.0)
+    try:
+        return await body(client, server, counters)
+    finally:
+        client.close()
+        server.close()
+        ctx.destroy(linger=0)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_sync_and_async_handlers_answer_and_a_held_request_blocks_no_other():
+    release = None
+
+    def handler(peer, msg):
+        if msg.type == "Lease":  # held until released: runs as a task
+            async def held():
+                await release.wait()
+                return protocol.encode("Wait", msg.msg_id)
+            return held()
+        ids = msg.arrays["ids"]
+        return protocol.encode("Rows", msg.msg_id, {"rows": (ids * 2).astype(np.float32)})
+
+    async def body(client, server, counters):
+        nonlocal release
+        release = asyncio.Event()
+        held = asyncio.create_task(client.call("Lease", worker="w"))
+        # more requests at once than one reader callback takes: every one is answered, in any order
+        n = 3 * DRAIN_BATCH
+        replies = await asyncio.gather(*(client.call("PullRows", {"ids": np.arange(i, i + 5)}, job="j", dense=False)
+                                         for i in range(n)))
+        assert [r.arrays["rows"].tolist() for r in replies] == [[2.0 * (i + k) for k in range(5)] for i in range(n)]
+        assert not held.done()
+        release.set()
+        assert (await held).type == "Wait"
+        assert counters["bad_messages"] == 0 and counters["errors"] == 0
+
+    run(with_server(handler, body))
+
+
+def test_handler_errors_are_answered_with_their_code_and_counted():
+    def handler(peer, msg):
+        kind = msg["job"]
+        if kind == "bad":
+            raise BadMessage("shape", "ids must be 1-d")
+        if kind == "data":
+            raise DataFormatError("ids out of range")
+        if kind == "refused":
+            raise MarianaError("no job 'x'")
+        if kind == "async-bad":
+            async def later():
+                raise BadMessage("field", "later")
+            return later()
+        raise RuntimeError("a bug")
+
+    async def body(client, server, counters):
+        for job, code in [("bad", "shape"), ("data", "bad_data"), ("refused", "MarianaError"),
+                          ("async-bad", "field"), ("bug", "internal")]:
+            with pytest.raises(RemoteError) as e:
+                await client.call("GetJob", job=job)
+            assert e.value.code == code, (job, e.value)
+        # garbage frames: answered with an Error naming the check
+        sock = client.channel.sock
+        sock.send_multipart([b"\xc1 not msgpack"])
+        for _ in range(100):
+            if counters["bad_messages"] == 4:
+                break
+            await asyncio.sleep(0.02)
+        assert (counters["bad_messages"], counters["errors"]) == (4, 2)
+        assert client.counters["late_replies"] == 1  # the Error to the garbage: msg_id 0, no one waits for it
+        with pytest.raises(RemoteError, match="no job"):  # still serving
+            await client.call("GetJob", job="refused")
+
+    run(with_server(handler, body))
+
+
+def test_a_silent_peer_times_out_and_a_full_queue_does_not_block_the_loop():
+    async def body():
+        ctx = zmq.asyncio.Context()
+        client = Client(ctx, endpoint(), Counter(), timeout=0.3)  # nobody listens there
+        try:
+            with pytest.raises(PeerTimeout, match="did not answer GetJob in 0.3s"):
+                await client.call("GetJob", job="j")
+            assert client.counters["rpc_timeouts"] == 1
+            # DEALER queues up to its high-water mark (1000) for a peer that never comes ...
+            ticks = 0
+
+            async def ticker():
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0.01)
+
+            t = asyncio.create_task(ticker())
+            sent = 0
+            with pytest.raises(PeerTimeout, match="took no Ok"):
+                for sent in range(5000):
+                    await client.send("Ok")
+            t.cancel()
+            assert 900 <= sent < 5000  # ... then waits, with the loop free, and gives up
+            assert ticks >= 10
+        finally:
+            client.close()
+            ctx.destroy(linger=0)
+
+    run(body())
+
+
+def test_commands_reach_on_command_in_order_and_late_replies_are_counted():
+    seen = []
+
+    async def on_command(msg):
+        seen.append(msg["job"])
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        ep = endpoint()
+        peers = []
+
+        def handler(peer, msg):
+            peers.append(peer)
+            return protocol.encode("Ok", msg.msg_id)
+
+        counters = Counter()
+        server = Server(ctx, ep, handler, counters)
+        client = Client(ctx, ep, Counter(), on_command=on_command)
+        try:
+            await client.call("GetJob", job="hello")
+            for i in range(5):
+                await server.reply(peers[0], protocol.encode("ReadSource", 0, job=f"c{i}", files=[], block_bytes=1))
+            server.send(peers[0], protocol.encode("Ok", 987654))  # a reply nobody waits for
+            server.send(b"no such peer", protocol.encode("Ok", 1))  # dropped: ROUTER never blocks
+            for _ in range(100):
+                if len(seen) == 5 and client.counters["late_replies"] == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert seen == [f"c{i}" for i in range(5)]
+            assert client.counters["late_replies"] == 1
+        finally:
+            client.close()
+            server.close()
+            ctx.destroy(linger=0)
+
+    run(body())

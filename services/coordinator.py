@@ -282,21 +282,31 @@ class Coordinator(Service):
         return protocol.encode("Welcome", msg.msg_id, boot=self.boot)
 
     async def on_Lease(self, peer: bytes, msg: Message) -> list:
-        worker = msg["worker"]
+        """Up to `want` steps at once (one round trip per few steps); the steps the worker
+        finished since its last Lease ride along in `done`, recorded before anything is leased."""
+        worker, want = msg["worker"], msg.get("want", 1)
+        if not isinstance(want, int) or isinstance(want, bool) or not 1 <= want <= protocol.MAX_LEASE:
+            raise BadMessage("field", f"Lease.want must be an integer in [1, {protocol.MAX_LEASE}], got {want!r:.40}")
         self.touch(worker)
+        self.record_reports(worker, msg.get("done", []), "Lease.done")
         deadline = time.monotonic() + 1.0  # held up to a second: no busy polling
         while True:
             run = self.active()
             if run is None:
                 return protocol.encode("Idle", msg.msg_id)
-            led = run.ledger
-            if led.may_lease(worker, self.active_workers()):
+            led, items = run.ledger, []
+            active = self.active_workers()
+            while len(items) < want and led.may_lease(worker, active):
                 step = led.lease(worker, self.cfg.coordinator.lease_seconds)
-                if step is not None:
-                    batch = parse_step(step)[1]
-                    chunk, k = batch.rsplit(":", 1)
-                    return protocol.encode("Work", msg.msg_id, job=run.id, epoch=parse_step(step)[0], step=step,
-                                           key=batch_key(run.id, chunk, int(k)), rows=led.batch_rows.get(batch, 0))
+                if step is None:
+                    break
+                epoch, batch = parse_step(step)
+                chunk, k = batch.rsplit(":", 1)
+                items.append({"job": run.id, "epoch": epoch, "step": step, "key": batch_key(run.id, chunk, int(k)),
+                              "rows": led.batch_rows.get(batch, 0)})
+            if items:
+                more = {"more": items[1:]} if len(items) > 1 else {}
+                return protocol.encode("Work", msg.msg_id, **items[0], **more)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return protocol.encode("Wait", msg.msg_id)
@@ -305,21 +315,49 @@ class Coordinator(Service):
             except asyncio.TimeoutError:
                 pass
 
-    async def on_BatchDone(self, peer: bytes, msg: Message) -> list:
-        run = self.job_of(msg)
-        stats = msg["stats"]
-        worker = str(stats.get("worker", ""))
+    async def on_Done(self, peer: bytes, msg: Message) -> list:
+        """Steps done (sent at once while a Lease is held, or when the worker stops), and
+        `released`: steps a stopping worker hands back untrained, issued again at once."""
+        worker, released = msg["worker"], msg.get("released", [])
+        if not isinstance(released, list) or not all(isinstance(s, str) for s in released):
+            raise BadMessage("field", "Done.released must be a list of step ids")
         self.touch(worker)
-        times = stats.get("times", {}) if isinstance(stats.get("times"), dict) else {}
-        try:
-            first = self.journal(run, "done", {"step": msg["step"], "worker": worker, "rows": msg["rows"],
-                                               "loss_sum": float(msg["loss_sum"]), "times": times,
-                                               "hist": stats.get("hist")})
-        except ValueError as e:
-            raise BadMessage("step", str(e)) from None
-        if first:
+        self.record_reports(worker, msg["reports"], "Done.reports")
+        run = self.active()
+        if released and run is not None and run.ledger.release(released, worker):
+            log.info("%s: %s handed back %d steps", self.name, worker, len(released))
             self.pulse()
         return protocol.encode("Ok", msg.msg_id)
+
+    def record_reports(self, worker: str, reports, where: str) -> None:
+        """Steps a worker finished, journaled (one commit per message) before the reply.
+        Reports of a job that is no longer running change nothing and are counted. A bad
+        report is refused (BadMessage) after the good ones before it are recorded: the
+        others' leases lapse and they are trained again, which the shards ignore."""
+        if not isinstance(reports, list):
+            raise BadMessage("field", f"{where} must be a list, got {type(reports).__name__}")
+        events: dict[str, list[dict]] = {}
+        try:
+            for i, report in enumerate(reports):
+                r = protocol.check_record("Report", report, f"{where}[{i}]")
+                run = self.jobs.get(r["job"])
+                if run is None or run.state != "running":
+                    self.counters["late_reports"] += 1
+                    continue
+                stats = r["stats"]
+                times = stats.get("times", {}) if isinstance(stats.get("times"), dict) else {}
+                event = {"step": r["step"], "worker": worker, "rows": r["rows"], "loss_sum": float(r["loss_sum"]),
+                         "times": times, "hist": stats.get("hist")}
+                try:
+                    if run.ledger.apply("done", event):
+                        events.setdefault(run.id, []).append(event)
+                except ValueError as e:
+                    raise BadMessage("step", f"{where}[{i}]: {e}") from None
+        finally:
+            for job, done in events.items():
+                self.store.append_many(job, "done", done)
+            if events:
+                self.pulse()
 
     async def on_Miss(self, peer: bytes, msg: Message) -> list:
         run = self.job_of(msg)

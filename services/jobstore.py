@@ -83,6 +83,16 @@ class JobStore:
     def append(self, job: str, kind: str, data: dict) -> None:
         self._write("INSERT INTO events (job, kind, data) VALUES (?, ?, ?)", (job, kind, json.dumps(data)))
 
+    def append_many(self, job: str, kind: str, events: list[dict]) -> None:
+        """Several events of one kind in one transaction (one commit, not one each)."""
+        rows = [(job, kind, json.dumps(d)) for d in events]
+        try:
+            with self.db:  # BEGIN ... COMMIT (or ROLLBACK)
+                self.db.execute("BEGIN")
+                self.db.executemany("INSERT INTO events (job, kind, data) VALUES (?, ?, ?)", rows)
+        except sqlite3.Error as e:
+            raise JobStoreError(f"{self.path}: {e}") from None
+
     def events(self, job: str) -> Iterator[tuple[str, dict]]:
         for kind, data in self.db.execute("SELECT kind, data FROM events WHERE job = ? ORDER BY seq", (job,)):
             yield kind, json.loads(data)

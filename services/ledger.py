@@ -213,6 +213,15 @@ class JobLedger:
             return step
         return None
 
+    def release(self, steps: list[str], worker: str) -> int:
+        """Steps a worker hands back untrained (it is stopping): first in line again,
+        without waiting for their leases to lapse. Returns how many it still held."""
+        back = [s for s in steps if (lease := self.leased.get(s)) is not None and lease.worker == worker]
+        for step in reversed(back):
+            del self.leased[step]
+            self.ready.appendleft(step)
+        return len(back)
+
     def expire_leases(self) -> list[tuple[str, str]]:
         """(step, worker) of lapsed leases, now back at the head of the queue."""
         now = time.monotonic()

@@ -16,8 +16,8 @@ length, the header, the buffers) for the Redis sample cache.
 Message catalog (request -> reply):
 
     Hello{role, index}                 any service -> coordinator     -> Welcome
-    Lease{worker}                      worker -> coordinator          -> Work | Wait | Idle
-    BatchDone{job, step, rows, loss_sum, stats}  worker -> coordinator -> Ok
+    Lease{worker, want, done}          worker -> coordinator          -> Work{..., more} | Wait | Idle
+    Done{worker, reports}              worker -> coordinator          -> Ok
     Miss{job, step, key}               worker -> coordinator          -> Ok (the key was not in the cache)
     GetJob{job}                        any -> coordinator             -> JobSpec{job, spec}
     ChunkSent{job, chunk, ...}         loader -> coordinator          -> Ok
@@ -51,6 +51,7 @@ VERSION = 1
 MAX_FRAMES = 256
 MAX_HEADER_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 1 << 30  # a service may set a lower bound
+MAX_LEASE = 64  # steps one Lease may ask for
 
 DTYPES = {np.dtype(t).str: np.dtype(t) for t in
           (np.uint8, np.uint16, np.int32, np.int64, np.uint32, np.float32, np.float64)}
@@ -60,11 +61,11 @@ _I, _F, _S, _B, _D, _L = int, (int, float), str, bool, dict, list
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Hello": {"role": _S, "index": _I},
     "Welcome": {},
-    "Lease": {"worker": _S},
-    "Work": {"job": _S, "epoch": _I, "step": _S, "key": _S, "rows": _I},
+    "Lease": {"worker": _S},  # + optional want (batches, default 1) and done (a list of Report)
+    "Work": {"job": _S, "epoch": _I, "step": _S, "key": _S, "rows": _I},  # + optional more: [Work fields]
     "Wait": {},
     "Idle": {},
-    "BatchDone": {"job": _S, "step": _S, "rows": _I, "loss_sum": _F, "stats": _D},
+    "Done": {"worker": _S, "reports": _L},
     "Miss": {"job": _S, "step": _S, "key": _S},
     "GetJob": {"job": _S},
     "JobSpec": {"job": _S, "spec": _D},
@@ -89,6 +90,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "EndJob": {"job": _S},
     "Ok": {},
     "Error": {"code": _S, "error": _S},
+}
+# records carried in a message's lists, checked with `check_record`
+RECORDS: dict[str, dict[str, Any]] = {
+    "Report": {"job": _S, "step": _S, "rows": _I, "loss_sum": _F, "stats": _D},  # a step done
+    "Work": SCHEMAS["Work"],
 }
 
 
@@ -195,11 +201,24 @@ def _header(buf: memoryview) -> dict:
     if not isinstance(header.get("arrays", []), list):
         raise BadMessage("arrays", "arrays must be a list")
     header.setdefault("arrays", [])
-    for key, tp in SCHEMAS[type_].items():
-        value = header.get(key)
-        if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
-            raise BadMessage("field", f"{type_}.{key} is missing or not {_type_name(tp)}")
+    _check_fields(type_, SCHEMAS[type_], header)
     return header
+
+
+def check_record(kind: str, record: Any, where: str) -> dict:
+    """A record of a message's list (`RECORDS[kind]`), checked like a header; BadMessage
+    naming `where` (e.g. "Lease.done[3]") when it is not a map with the fields."""
+    if not isinstance(record, dict):
+        raise BadMessage("field", f"{where} must be a map, got {type(record).__name__}")
+    _check_fields(where, RECORDS[kind], record)
+    return record
+
+
+def _check_fields(where: str, schema: dict[str, Any], d: dict) -> None:
+    for key, tp in schema.items():
+        value = d.get(key)
+        if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
+            raise BadMessage("field", f"{where}.{key} is missing or not {_type_name(tp)}")
 
 
 def _array_spec(spec) -> tuple[str, np.dtype, tuple[int, ...]]:

@@ -112,8 +112,9 @@ class SampleCache:
             self.counters["batches_transient"] += len(blobs)
         return size, keep
 
-    async def get(self, key: str) -> bytes | None:
-        return await self.retry(f"reading {key}", lambda: self.redis.get(key))
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """Several values in one round trip (None for each missing one)."""
+        return await self.retry(f"reading {len(keys)} batches", lambda: self.redis.mget(keys))
 
     async def drop_job(self, job: str) -> int:
         """Delete every key of a job; returns how many."""

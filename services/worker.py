@@ -1,19 +1,23 @@
-"""Worker: leases a batch from the coordinator, reads it from the sample
-cache, pulls the rows it touches from the shards that own them, computes the
-gradient with the same pure step as local training, pushes it, and reports
-the batch done.
+"""Worker: leases batches from the coordinator a few at a time, reads them from
+the sample cache, pulls the rows each touches from the shards that own them,
+computes the gradient with the same pure step as local training, pushes it,
+and reports the batch done.
 
-    loop:
-        Work{job, step, key} <- Lease                  (held by the coordinator while none is ready)
-        batch <- Redis[key]                            (a miss: tell the coordinator, which refills it)
-        rows  <- PullRows to each shard (id % S)       (dense parameters from shard 0)
-        grads <- trainer.strategies.ps_step.compute_grads
-        PushGrads to each shard                        (idempotent per step)
-        BatchDone -> coordinator
+    feed:   Work{job, step, key, more} <- Lease{want, done}   (held by the coordinator while none is ready)
+            batches <- Redis[keys]                          (one round trip; a miss: tell the coordinator)
+    step:   rows  <- PullRows to each shard (id % S)        (dense parameters from shard 0)
+            grads <- trainer.strategies.ps_step.compute_grads
+            PushGrads to each shard                         (idempotent per step)
+            report -> the next Lease's `done`               (or a Done at once while a Lease is held)
 
-The next lease and its cache read run while this batch computes. A shard
-that does not answer is retried until it does (a restarted shard restores
-its checkpoint and the coordinator replays what it lost).
+One Lease and one cache read per `worker.lease_batches` steps, and the reports
+of the steps done since the last Lease ride along with it: the coordinator,
+one per cluster, sees two messages per few steps instead of two per step.
+The feeder keeps `lease_batches` to twice that in hand, so the next batches
+are read while these train. A shard that does not answer is retried until it
+does (a restarted shard restores its checkpoint and the coordinator replays
+what it lost). A stopping worker finishes the steps it is on, reports them
+and hands the rest back.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services import protocol
 from services.creative_cache import image_width
 from services.protocol import BadMessage, Message
 from services.runtime.config import ClusterConfig
@@ -63,8 +68,8 @@ class JobModel:
 
 @dataclass
 class Fetched:
-    work: Message
-    batch: SparseBatch | None
+    work: dict  # the Work fields: job, epoch, step, key, rows
+    batch: SparseBatch
     seconds: float
 
 
@@ -76,7 +81,11 @@ class Worker(Service):
         self.jobs: dict[str, JobModel] = {}
         self.shards: list[Client] = []
         self.cache: SampleCache | None = None
-        self.busy = 0  # steps in hand
+        self.busy = 0  # steps being trained
+        self.inbox: asyncio.Queue[Fetched] = asyncio.Queue()  # leased and read, in lease order
+        self.room = asyncio.Event()  # the inbox ran low: lease more
+        self.leasing = False         # a Lease is out (the coordinator may hold it)
+        self.reports: list[dict] = []  # steps done, for the next Lease
         self.job_lock = asyncio.Lock()
         self.reporting: set[asyncio.Task] = set()
 
@@ -95,8 +104,12 @@ class Worker(Service):
             await self.cache.close()
 
     async def drain(self) -> None:
-        while self.busy:  # finish the batch in hand; the next one's lease lapses and is re-issued
+        while self.busy:  # finish the steps being trained; hand the others back
             await asyncio.sleep(0.05)
+        released = []
+        while not self.inbox.empty():
+            released.append(self.inbox.get_nowait().work["step"])
+        self.flush(released)
         if self.reporting:
             await asyncio.wait(set(self.reporting), timeout=5.0)
 
@@ -104,17 +117,18 @@ class Worker(Service):
 
     async def main(self) -> None:
         # `worker.pipeline` step loops: one computes while another waits on the shards.
-        # A job may allow fewer at once (JobModel.gate); the loops still fetch ahead.
-        await asyncio.gather(*(self.step_loop() for _ in range(self.cfg.worker.steps_in_flight("lr"))))
+        # A job may allow fewer at once (JobModel.gate).
+        loops = [self.step_loop() for _ in range(self.cfg.worker.steps_in_flight("lr"))]
+        await asyncio.gather(self.feed(), *loops)
 
     async def step_loop(self) -> None:
-        ahead = asyncio.create_task(self.lease_and_fetch())
         while not self.stopping.is_set():
-            fetched = await ahead
-            if fetched is None:
-                ahead = asyncio.create_task(self.lease_and_fetch())
-                continue
-            ahead = asyncio.create_task(self.lease_and_fetch())  # overlaps this batch's work
+            fetched = await self.inbox.get()
+            if self.inbox.qsize() < self.cfg.worker.lease_batches:
+                self.room.set()
+            if self.stopping.is_set():  # drain hands it back
+                self.inbox.put_nowait(fetched)
+                return
             self.busy += 1
             try:
                 await self.train_step(fetched)
@@ -126,38 +140,76 @@ class Worker(Service):
                 log.info("%s: step %s dropped: %s", self.name, fetched.work["step"], e)
             finally:
                 self.busy -= 1
-        ahead.cancel()
 
-    async def lease_and_fetch(self) -> Fetched | None:
-        """The next batch (None: nothing to do yet, or it could not be read)."""
+    async def feed(self) -> None:
+        """Keep `lease_batches` to twice that many batches in the inbox."""
+        k = self.cfg.worker.lease_batches
+        while not self.stopping.is_set():
+            if self.inbox.qsize() >= k:
+                self.room.clear()
+                await self.room.wait()
+                continue
+            works = await self.lease(k)
+            for fetched in await self.fetch(works):
+                self.inbox.put_nowait(fetched)
+
+    async def lease(self, want: int) -> list[dict]:
+        """Up to `want` steps' Work fields ([]: nothing to do yet, or the reply was bad); the
+        reports waiting go with the request."""
+        done, self.reports = self.reports, []
+        self.leasing = True
         try:
-            work = await self.coordinator.call("Lease", worker=self.name, timeout=30.0)
-        except (PeerTimeout, RemoteError) as e:
+            reply = await self.coordinator.call("Lease", worker=self.name, want=want, done=done, timeout=30.0)
+        except PeerTimeout as e:  # maybe never delivered: the reports go with the next request
+            self.reports[:0] = done
             log.info("%s: lease: %s; asking again", self.name, e)
             await asyncio.sleep(0.5)
-            return None
-        if work.type == "Idle":
+            return []
+        except RemoteError as e:
+            log.info("%s: lease: %s; asking again", self.name, e)
+            await asyncio.sleep(0.5)
+            return []
+        finally:
+            self.leasing = False
+        if reply.type == "Idle":
             await asyncio.sleep(0.2)
-            return None
-        if work.type != "Work":
-            return None
-        t0 = time.perf_counter()
-        blob = await self.cache.get(work["key"])
-        batch = None
-        if blob is None:
-            self.counters["cache_misses"] += 1
-        else:
-            try:
-                batch = await asyncio.to_thread(unpack_batch, blob)  # numpy copies, off the loop
-            except (BadMessage, DataFormatError) as e:  # a corrupt value: count it and refill from the source
-                self.counters["bad_messages"] += 1
-                log.warning("%s: cached batch %s is corrupt: %s", self.name, work["key"], e)
-        if batch is None:
-            await self.report_miss(work)
-            return None
-        return Fetched(work, batch, time.perf_counter() - t0)
+            return []
+        if reply.type != "Work":
+            return []
+        try:
+            more = reply.get("more", [])
+            if not isinstance(more, list):
+                raise BadMessage("field", "Work.more must be a list")
+            extra = [protocol.check_record("Work", w, f"Work.more[{i}]") for i, w in enumerate(more)]
+        except BadMessage as e:  # the leases lapse and the coordinator issues them again
+            self.counters["bad_messages"] += 1
+            log.warning("%s: bad Work from the coordinator: %s", self.name, e)
+            return []
+        return [reply.fields, *extra]
 
-    async def report_miss(self, work: Message) -> None:
+    async def fetch(self, works: list[dict]) -> list[Fetched]:
+        """The leased batches, read from the cache in one round trip and decoded off the loop.
+        A missing or corrupt one is reported to the coordinator, which reads it again."""
+        if not works:
+            return []
+        t0 = time.perf_counter()
+        blobs = await self.cache.get_many([w["key"] for w in works])
+        batches = await asyncio.to_thread(_unpack_all, blobs)
+        seconds = (time.perf_counter() - t0) / len(works)
+        out = []
+        for work, blob, batch in zip(works, blobs, batches):
+            if isinstance(batch, SparseBatch):
+                out.append(Fetched(work, batch, seconds))
+                continue
+            if blob is None:
+                self.counters["cache_misses"] += 1
+            else:  # a corrupt value: count it and refill from the source
+                self.counters["bad_messages"] += 1
+                log.warning("%s: cached batch %s is corrupt: %s", self.name, work["key"], batch)
+            await self.report_miss(work)
+        return out
+
+    async def report_miss(self, work: dict) -> None:
         try:
             await self.coordinator.call("Miss", job=work["job"], step=work["step"], key=work["key"])
         except (PeerTimeout, RemoteError) as e:  # the lease lapses and the batch is issued again
@@ -187,19 +239,31 @@ class Worker(Service):
         times.update(pull=t1 - t0, compute=t2 - t1, push=t3 - t2)
         self.counters["steps"] += 1
         self.counters["rows"] += batch.num_rows
-        # The next step need not wait for the coordinator's Ok: the shards have the update.
-        task = asyncio.create_task(self.report_done(work, batch.num_rows, result.loss_sum,
-                                                    {"times": times, "applied": applied, "worker": self.name,
-                                                     "hist": [h.tolist() for h in result.score_hist]}))
+        # The next step need not wait for the coordinator: the shards have the update.
+        self.reports.append({"job": work["job"], "step": work["step"], "rows": batch.num_rows,
+                             "loss_sum": result.loss_sum,
+                             "stats": {"times": times, "applied": applied, "worker": self.name,
+                                       "hist": [h.tolist() for h in result.score_hist]}})
+        if self.leasing:  # a held Lease would sit on the report: send it now
+            self.flush()
+
+    def flush(self, released: list[str] = ()) -> None:
+        """Send the reports waiting (and steps handed back) in a Done of their own."""
+        if not self.reports and not released:
+            return
+        reports, self.reports = self.reports, []
+        task = asyncio.create_task(self.send_done(reports, list(released)))
         self.reporting.add(task)
         task.add_done_callback(self.reporting.discard)
 
-    async def report_done(self, work: Message, rows: int, loss_sum: float, stats: dict) -> None:
+    async def send_done(self, reports: list[dict], released: list[str]) -> None:
         try:
-            await self.coordinator.call("BatchDone", job=work["job"], step=work["step"], rows=rows,
-                                        loss_sum=loss_sum, stats=stats)
-        except (PeerTimeout, RemoteError) as e:  # the lease lapses; the re-issued step is a no-op on the shards
-            log.warning("%s: BatchDone for %s not delivered: %s", self.name, work["step"], e)
+            await self.coordinator.call("Done", worker=self.name, reports=reports, released=released)
+        except PeerTimeout as e:  # the next Lease carries them (a duplicate report is ignored)
+            self.reports[:0] = reports
+            log.warning("%s: %d reports not delivered: %s", self.name, len(reports), e)
+        except RemoteError as e:  # the leases lapse; the re-issued steps are no-ops on the shards
+            log.warning("%s: %d reports refused: %s", self.name, len(reports), e)
 
     # ---- shards ----------------------------------------------------------------------
 
@@ -294,7 +358,18 @@ class Worker(Service):
         torch.set_num_threads(n)
 
     def status(self) -> dict:
-        return {**self.counters, "busy": self.busy}
+        return {**self.counters, "busy": self.busy, "in_hand": self.inbox.qsize()}
+
+
+def _unpack_all(blobs: list[bytes | None]) -> list[SparseBatch | Exception | None]:
+    """Each blob as a batch, the error for a corrupt one, None for a miss."""
+    out = []
+    for blob in blobs:
+        try:
+            out.append(None if blob is None else unpack_batch(blob))
+        except (BadMessage, DataFormatError) as e:
+            out.append(e)
+    return out
 
 
 def main(cfg: ClusterConfig, index: int) -> int:

@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from services.protocol import MAX_LEASE
 from sparse.errors import ConfigError
 from trainer.config import load_config
 
@@ -99,12 +100,15 @@ class WorkerConfig:
     count: int = 1
     rpc_seconds: float = 10.0           # a shard that does not answer in this long is retried
     pipeline: int = 0                   # steps in flight per worker; 0: 2 for an LR job on one worker, else 1
+    lease_batches: int = 4              # batches per Lease (and per cache read); up to twice this in hand
     threads: int = 0                    # torch threads per worker; 0: the job's train.threads rule
     metrics_ports: list[int] = field(default_factory=list)  # /metrics of each instance; [] : none
 
     def __post_init__(self) -> None:
         if self.pipeline < 0:
             raise ConfigError(f"worker.pipeline must be >= 0, got {self.pipeline}")
+        if not 1 <= self.lease_batches <= MAX_LEASE:
+            raise ConfigError(f"worker.lease_batches must be in [1, {MAX_LEASE}], got {self.lease_batches}")
 
     def steps_in_flight(self, kind: str = "lr") -> int:
         """Two steps overlap a lone worker's compute with its wait on the shards; with

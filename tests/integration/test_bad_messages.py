@@ -174,9 +174,26 @@ def test_coordinator_answers_bad_messages_and_keeps_serving(cluster):
         assert_error(reply, 203, "MarianaError")
         reply = call(sock, "Lease", 204, worker="nobody")
         assert reply.type == "Idle"
+        # batched leases and reports: each list and record is checked, and named in the error
+        report = {"job": "nope", "step": "e1/f0o0:0", "rows": 4, "loss_sum": 1.0, "stats": {}}
+        late = service_counter(cluster, "coordinator-0", "late_reports")
+        refused = [
+            (call(sock, "Lease", 205, worker="w", want=0), "Lease.want must be an integer in [1, 64]"),
+            (call(sock, "Lease", 206, worker="w", want=True), "Lease.want must be an integer"),
+            (call(sock, "Lease", 207, worker="w", done="x"), "Lease.done must be a list"),
+            (call(sock, "Done", 208, worker="w", reports=[report, {"job": "nope"}]),
+             "Done.reports[1].step is missing or not a string"),
+            (call(sock, "Done", 209, worker="w", reports=[], released="e1/f0o0:0"), "Done.released must be a list"),
+        ]
+        for reply, words in refused:
+            assert reply.type == "Error" and reply["code"] == "field" and words in reply["error"], reply.fields
+        assert call(sock, "Done", 210, worker="w", reports=[report], released=["e1/f0o0:0"]).type == "Ok"
+        assert call(sock, "Lease", 211, worker="w", want=64, done=[report]).type == "Idle"
         sock.close()
     assert http_status(cluster)["services"]["coordinator-0"]["alive"]
-    assert service_counter(cluster, "coordinator-0", "bad_messages") == before + len(cases) + 1
+    # reports of no running job are counted and change nothing (the one before the bad record too)
+    wait_counter(cluster, "coordinator-0", "late_reports", late + 3)
+    assert service_counter(cluster, "coordinator-0", "bad_messages") == before + len(cases) + 1 + len(refused)
     log = (cluster.root / "logs" / "coordinator-0.log").read_text()
     assert "bad message from peer" in log and "frame 0 is not msgpack" in log
 

@@ -27,6 +27,18 @@ def test_jobs_journal_and_points_survive_reopening(tmp_path):
         assert list(s.events("j1")) == [] and len(list(s.events("j2"))) == 1
 
 
+def test_append_many_is_one_transaction_in_order(tmp_path):
+    with JobStore(str(tmp_path)) as s:
+        s.append("j1", "sent", {"n": 0})
+        s.append_many("j1", "done", [{"n": 1}, {"n": 2}, {"n": 3}])
+        s.append("j1", "epoch", {"n": 4})
+        with pytest.raises(JobStoreError, match="NOT NULL"):  # a clear error; nothing written
+            s.append_many(None, "done", [{"n": 5}])
+    with JobStore(str(tmp_path)) as s:
+        assert [(k, d["n"]) for k, d in s.events("j1")] == [("sent", 0), ("done", 1), ("done", 2), ("done", 3),
+                                                            ("epoch", 4)]
+
+
 def test_an_unusable_state_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

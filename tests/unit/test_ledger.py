@@ -143,6 +143,19 @@ def test_lapsed_leases_go_back_to_the_head():
     assert led.lease("w2", 60) == "e1/f0o0:0"
 
 
+def test_released_steps_go_back_to_the_head_in_lease_order():
+    led = ledger_with({"f0o0": [(0, 4), (1, 4), (2, 4), (3, 4)]})
+    out = [led.lease("w0", 3600.0) for _ in range(3)]
+    assert led.lease("w1", 3600.0) == "e1/f0o0:3"
+    # a stopping worker hands back what it had not trained; another worker's and unknown steps stay
+    assert led.release(out[1:] + ["e1/f0o0:3", "e1/f9o0:0"], "w0") == 2
+    assert list(led.ready) == ["e1/f0o0:1", "e1/f0o0:2"]
+    assert set(led.leased) == {"e1/f0o0:0", "e1/f0o0:3"}
+    assert led.release(out[1:], "w0") == 0  # twice: nothing more
+    assert led.counters["batches_reissued"] == 0  # handed back, not lapsed
+    assert [led.lease("w1", 60) for _ in range(3)] == ["e1/f0o0:1", "e1/f0o0:2", None]
+
+
 def test_late_done_of_a_reissued_step_is_skipped_by_lease():
     led = ledger_with({"f0o0": [(0, 4), (1, 4)]})
     led.lease("w0", -1.0)

@@ -22,8 +22,8 @@ VALID = {
     "Work": {"job": "j1", "epoch": 2, "step": "e2/f0o0:3", "key": "mariana:j1:b:f0o0:3", "rows": 4096},
     "Wait": {},
     "Idle": {},
-    "BatchDone": {"job": "j1", "step": "e1/f0o0:0", "rows": 4, "loss_sum": 2.5,
-                  "stats": {"worker": "w0", "times": {"pull": 0.01}}},
+    "Done": {"worker": "w0", "reports": [{"job": "j1", "step": "e1/f0o0:0", "rows": 4, "loss_sum": 2.5,
+                                          "stats": {"worker": "w0", "times": {"pull": 0.01}}}]},
     "Miss": {"job": "j1", "step": "e2/f0o0:1", "key": "mariana:j1:b:f0o0:1"},
     "GetJob": {"job": "j1"},
     "JobSpec": {"job": "j1", "spec": {"config": {"train": {"epochs": 2}}, "schema": {"name": "criteo"}}},
@@ -230,13 +230,30 @@ def test_other_ill_typed_fields(type_, fields):
 
 def test_bool_is_not_a_number():
     # As for integers, `True` where a number is required is a sender's mistake.
-    fields = {**VALID["BatchDone"], "loss_sum": True}
-    assert code_of(raw({"v": 1, "type": "BatchDone", "msg_id": 0, "arrays": [], **fields})) == "field"
+    fields = {**VALID["ChunkSent"], "seconds": True}
+    assert code_of(raw({"v": 1, "type": "ChunkSent", "msg_id": 0, "arrays": [], **fields})) == "field"
 
 
 def test_number_fields_take_ints_and_floats():
-    for loss in (3, 2.5):
-        assert decode(encode("BatchDone", 0, **{**VALID["BatchDone"], "loss_sum": loss}))["loss_sum"] == loss
+    for seconds in (3, 2.5):
+        assert decode(encode("ChunkSent", 0, **{**VALID["ChunkSent"], "seconds": seconds}))["seconds"] == seconds
+
+
+def test_records_in_lists_are_checked_like_headers():
+    report = VALID["Done"]["reports"][0]
+    assert protocol.check_record("Report", report, "Done.reports[0]") is report
+    assert protocol.check_record("Report", {**report, "loss_sum": 3}, "r")["loss_sum"] == 3
+    for bad, words in [({**report, "loss_sum": True}, "Done.reports[0].loss_sum is missing or not a number"),
+                       ({k: v for k, v in report.items() if k != "step"}, "Done.reports[0].step is missing"),
+                       ({**report, "rows": "4"}, "Done.reports[0].rows is missing or not an integer"),
+                       ([report], "Done.reports[0] must be a map, got list")]:
+        with pytest.raises(BadMessage, match=words.replace("[", r"\[").replace("]", r"\]")) as e:
+            protocol.check_record("Report", bad, "Done.reports[0]")
+        assert e.value.code == "field"
+    work = VALID["Work"]
+    assert protocol.check_record("Work", work, "Work.more[0]") is work
+    with pytest.raises(BadMessage, match="Work.more.0..key"):
+        protocol.check_record("Work", {**work, "key": None}, "Work.more[0]")
 
 
 def test_arrays_must_be_a_list():

@@ -29,7 +29,7 @@ Message catalog (request -> reply):
     Batch{job, meta} + arrays          a SparseBatch, packed into the Redis sample cache
     StartJob{job, spec}                coordinator -> ps              -> Ok
     PullRows{job} + ids                worker -> ps                   -> Rows + one array per table (+ dense)
-    PushGrads{job, step, rows} + grads worker -> ps                   -> Ack{applied}
+    PushGrads{job, step, rows} + grads worker -> ps                   -> Ack{applied} (+ rows of next_ids)
     ShardStats{job}                    coordinator -> ps              -> Stats{rows} + applied step ids
     Export{job}                        coordinator -> ps              -> Exported + arrays
     EndJob{job}                        coordinator -> ps              -> Ok

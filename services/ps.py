@@ -4,7 +4,8 @@ pulls, applies pushes at most once per step, checkpoints on a timer and on
 SIGTERM, restores on start.
 
     PullRows{job, dense} + ids                 -> Rows + {table: rows} (+ dense)
-    PushGrads{job, step, rows} + ids, g.<table>, dense -> Ack{applied}
+    PushGrads{job, step, rows, next_dense} + ids, g.<table>, dense, next_ids
+                                               -> Ack{applied} (+ the rows of next_ids, as Rows)
     StartJob{job, spec} / ShardStats / Export / EndJob   (from the coordinator)
 
 Checkpoints: <ps.state_dir>/shard-<i>/<job>/vNNNNNN (safetensors + JSON,
@@ -120,20 +121,30 @@ class ParamServer(Service):
     def on_PullRows(self, msg: Message) -> list:
         shard = self.shard(msg)
         ids = _array(msg, "ids", np.int64, 1)
+        return protocol.encode("Rows", msg.msg_id, self.pull(shard, ids, msg["dense"]))
+
+    def pull(self, shard: ParamShard, ids: np.ndarray, dense: bool) -> dict[str, np.ndarray]:
         rows = shard.pull(ids)
-        if msg["dense"]:
+        if dense:
             rows["dense"] = shard.dense.copy()  # frames go out zero-copy: never the live array a push updates
         self.counters["pulls"] += 1
         self.counters["rows_pulled"] += len(ids)
-        return protocol.encode("Rows", msg.msg_id, rows)
+        return rows
 
     def on_PushGrads(self, msg: Message) -> list:
+        """Apply a step; with `next_ids`, answer the pull of the worker's next step too
+        (rows read after this update, as a PullRows right after it would)."""
         shard = self.shard(msg)
         if msg["rows"] < 1:
             raise BadMessage("rows", f"PushGrads.rows must be >= 1, got {msg['rows']}")
         ids = _array(msg, "ids", np.int64, 1)
         grads = {k[2:]: _array(msg, k, np.float32, 2) for k in msg.arrays if k.startswith("g.")}
         dense = _array(msg, "dense", np.float32, 1) if "dense" in msg.arrays else None
+        next_ids = _array(msg, "next_ids", np.int64, 1) if "next_ids" in msg.arrays else None
+        if next_ids is not None:
+            if not isinstance(msg.get("next_dense", False), bool):
+                raise BadMessage("field", "PushGrads.next_dense must be a boolean")
+            shard.local_rows(next_ids)  # refused before anything is applied
         applied = shard.push(msg["step"], msg["rows"], ids, grads, dense)
         if applied:
             self.dirty.add(msg["job"])
@@ -142,7 +153,8 @@ class ParamServer(Service):
         else:
             self.counters["duplicate_pushes"] += 1
             log.info("%s: step %s of job %s was applied before; ignored", self.name, msg["step"], msg["job"])
-        return protocol.encode("Ack", msg.msg_id, applied=applied)
+        rows = None if next_ids is None else self.pull(shard, next_ids, msg.get("next_dense") is True)
+        return protocol.encode("Ack", msg.msg_id, rows, applied=applied)
 
     def on_ShardStats(self, msg: Message) -> list:
         """Rows per epoch, and the applied step ids as an array (a header would

@@ -7,10 +7,13 @@ and reports the batch done.
             batches <- Redis[keys]                          (one round trip; a miss: tell the coordinator)
     step:   rows  <- PullRows to each shard (id % S)        (dense parameters from shard 0)
             grads <- trainer.strategies.ps_step.compute_grads
-            PushGrads to each shard                         (idempotent per step)
+            PushGrads to each shard                         (idempotent per step; carries the next
+                                                             batch's ids, and the Ack its rows)
             report -> the next Lease's `done`               (or a Done at once while a Lease is held)
 
-One Lease and one cache read per `worker.lease_batches` steps, and the reports
+While batches are in hand a step needs one round trip to each shard: its push
+brings back the rows of the next batch, read after the update, as a pull right
+after it would. One Lease and one cache read per `worker.lease_batches` steps, and the reports
 of the steps done since the last Lease ride along with it: the coordinator,
 one per cluster, sees two messages per few steps instead of two per step.
 The feeder keeps `lease_batches` to twice that in hand, so the next batches
@@ -25,6 +28,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +77,38 @@ class Fetched:
     seconds: float
 
 
+class Inbox:
+    """Batches leased and read, in lease order; a step may put the next one back in front."""
+
+    def __init__(self):
+        self.items: deque[Fetched] = deque()
+        self.arrived = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def put(self, f: Fetched) -> None:
+        self.items.append(f)
+        self.arrived.set()
+
+    def put_back(self, f: Fetched) -> None:
+        self.items.appendleft(f)
+        self.arrived.set()
+
+    async def next_job(self) -> str:
+        """Wait for a batch; the job of the one in front."""
+        while not self.items:
+            self.arrived.clear()
+            await self.arrived.wait()
+        return self.items[0].work["job"]
+
+    def take_now(self, job: str) -> Fetched | None:
+        """The next batch if it is of `job` and here already."""
+        if self.items and self.items[0].work["job"] == job:
+            return self.items.popleft()
+        return None
+
+
 class Worker(Service):
     role = "worker"
 
@@ -82,7 +118,7 @@ class Worker(Service):
         self.shards: list[Client] = []
         self.cache: SampleCache | None = None
         self.busy = 0  # steps being trained
-        self.inbox: asyncio.Queue[Fetched] = asyncio.Queue()  # leased and read, in lease order
+        self.inbox = Inbox()
         self.room = asyncio.Event()  # the inbox ran low: lease more
         self.leasing = False         # a Lease is out (the coordinator may hold it)
         self.reports: list[dict] = []  # steps done, for the next Lease
@@ -106,9 +142,8 @@ class Worker(Service):
     async def drain(self) -> None:
         while self.busy:  # finish the steps being trained; hand the others back
             await asyncio.sleep(0.05)
-        released = []
-        while not self.inbox.empty():
-            released.append(self.inbox.get_nowait().work["step"])
+        released = [f.work["step"] for f in self.inbox.items]
+        self.inbox.items.clear()
         self.flush(released)
         if self.reporting:
             await asyncio.wait(set(self.reporting), timeout=5.0)
@@ -122,36 +157,53 @@ class Worker(Service):
         await asyncio.gather(self.feed(), *loops)
 
     async def step_loop(self) -> None:
+        """Train a run of steps of one job: each step's push also pulls the rows of the
+        next batch in hand (one round trip a step); the run ends when none is, or the
+        next belongs to another job. The gate is held for the whole run, so a job that
+        allows one step at a time has exactly one between pull and push."""
         while not self.stopping.is_set():
-            fetched = await self.inbox.get()
-            if self.inbox.qsize() < self.cfg.worker.lease_batches:
-                self.room.set()
-            if self.stopping.is_set():  # drain hands it back
-                self.inbox.put_nowait(fetched)
-                return
-            self.busy += 1
-            try:
-                await self.train_step(fetched)
-            except (BadMessage, DataFormatError) as e:  # counted; the lease lapses, the step is re-issued
-                self.counters["bad_messages"] += 1
-                log.warning("%s: step %s failed: %s", self.name, fetched.work["step"], e)
-            except (RemoteError, StepAbandoned) as e:  # the job ended, or a shard stayed away
-                self.counters["steps_abandoned"] += 1
-                log.info("%s: step %s dropped: %s", self.name, fetched.work["step"], e)
-            finally:
-                self.busy -= 1
+            job = await self.inbox.next_job()
+            jm = await self.job_model(job)
+            if jm is None:  # its lease lapses; the coordinator issues the step again
+                self.inbox.take_now(job)
+                await asyncio.sleep(0.5)
+                continue
+            async with jm.gate:  # before taking a batch: a loop waiting here holds none
+                f = None if self.stopping.is_set() else self.inbox.take_now(job)  # (drain hands it back)
+                if f is None:
+                    continue
+                self.note_taken()
+                pulled = None
+                while f is not None:
+                    self.busy += 1
+                    try:
+                        f, pulled = await self.train_step(jm, f, pulled)
+                    except (BadMessage, DataFormatError) as e:  # counted; the lease lapses, the step is re-issued
+                        self.counters["bad_messages"] += 1
+                        log.warning("%s: step %s failed: %s", self.name, f.work["step"], e)
+                        f = None
+                    except (RemoteError, StepAbandoned) as e:  # the job ended, or a shard stayed away
+                        self.counters["steps_abandoned"] += 1
+                        log.info("%s: step %s dropped: %s", self.name, f.work["step"], e)
+                        f = None
+                    finally:
+                        self.busy -= 1
+
+    def note_taken(self) -> None:
+        if len(self.inbox) < self.cfg.worker.lease_batches:
+            self.room.set()
 
     async def feed(self) -> None:
         """Keep `lease_batches` to twice that many batches in the inbox."""
         k = self.cfg.worker.lease_batches
         while not self.stopping.is_set():
-            if self.inbox.qsize() >= k:
+            if len(self.inbox) >= k:
                 self.room.clear()
                 await self.room.wait()
                 continue
             works = await self.lease(k)
             for fetched in await self.fetch(works):
-                self.inbox.put_nowait(fetched)
+                self.inbox.put(fetched)
 
     async def lease(self, want: int) -> list[dict]:
         """Up to `want` steps' Work fields ([]: nothing to do yet, or the reply was bad); the
@@ -215,28 +267,41 @@ class Worker(Service):
         except (PeerTimeout, RemoteError) as e:  # the lease lapses and the batch is issued again
             log.warning("%s: could not report a cache miss for %s: %s", self.name, work["step"], e)
 
-    async def train_step(self, f: Fetched) -> None:
+    async def train_step(self, jm: JobModel, f: Fetched,
+                         pulled: tuple | None) -> tuple[Fetched | None, tuple | None]:
+        """One step, its rows pulled already or not; returns the next batch of the run and
+        its rows (None, None: the run ends). A failed push puts the next batch back."""
         work, batch = f.work, f.batch
-        jm = await self.job_model(work["job"])
-        if jm is None:
-            return
-        times = {"fetch": f.seconds}
+        times = {"fetch": f.seconds, "pull": 0.0}
         uniq, inverse = batch.unique()
         owners = self.partition(uniq)
-        async with jm.gate:
+        if pulled is None:
             t0 = time.perf_counter()
-            pulled, dense = await self.pull(jm, uniq, owners)
-            t1 = time.perf_counter()
-            # No await from here to the copies below: another step loop shares the model.
-            if jm.dense_size:
-                torch.nn.utils.vector_to_parameters(torch.from_numpy(dense), jm.model.parameters())
-            result = compute_grads(jm.model, batch, torch.from_numpy(inverse), pulled)
-            dense_grad = (np.concatenate([g.reshape(-1) for g in result.dense_grads]).astype(np.float32)
-                          if result.dense_grads else None)
-            t2 = time.perf_counter()
-            applied = await self.push(jm, work["step"], batch.num_rows, uniq, owners, result.row_grads, dense_grad)
-            t3 = time.perf_counter()
-        times.update(pull=t1 - t0, compute=t2 - t1, push=t3 - t2)
+            pulled = self.rows_of(jm, uniq, owners, await asyncio.gather(*(
+                self.call_shard(i, "PullRows", {"ids": uniq[sel]}, job=jm.job, dense=(i == 0 and jm.dense_size > 0))
+                for i, sel in enumerate(owners))))
+            times["pull"] = time.perf_counter() - t0
+            self.counters["separate_pulls"] += 1  # the others ride on the previous push
+        rows, dense = pulled
+        t1 = time.perf_counter()
+        # No await from here to the copies below: another step loop shares the model.
+        if jm.dense_size:
+            torch.nn.utils.vector_to_parameters(torch.from_numpy(dense), jm.model.parameters())
+        result = compute_grads(jm.model, batch, torch.from_numpy(inverse), rows)
+        dense_grad = (np.concatenate([g.reshape(-1) for g in result.dense_grads]).astype(np.float32)
+                      if result.dense_grads else None)
+        t2 = time.perf_counter()
+        nxt = None if self.stopping.is_set() else self.inbox.take_now(jm.job)
+        if nxt is not None:
+            self.note_taken()
+        try:
+            applied, next_rows = await self.push(jm, work["step"], batch.num_rows, uniq, owners,
+                                                 result.row_grads, dense_grad, nxt)
+        except BaseException:
+            if nxt is not None:
+                self.inbox.put_back(nxt)
+            raise
+        times.update(compute=t2 - t1, push=time.perf_counter() - t2)
         self.counters["steps"] += 1
         self.counters["rows"] += batch.num_rows
         # The next step need not wait for the coordinator: the shards have the update.
@@ -246,6 +311,7 @@ class Worker(Service):
                                        "hist": [h.tolist() for h in result.score_hist]}})
         if self.leasing:  # a held Lease would sit on the report: send it now
             self.flush()
+        return nxt, next_rows
 
     def flush(self, released: list[str] = ()) -> None:
         """Send the reports waiting (and steps handed back) in a Done of their own."""
@@ -275,10 +341,9 @@ class Worker(Service):
         owner = uniq % s
         return [np.flatnonzero(owner == i) for i in range(s)]
 
-    async def pull(self, jm: JobModel, uniq: np.ndarray, owners: list) -> tuple[dict, np.ndarray | None]:
-        replies = await asyncio.gather(*(
-            self.call_shard(i, "PullRows", {"ids": uniq[sel]}, job=jm.job, dense=(i == 0 and jm.dense_size > 0))
-            for i, sel in enumerate(owners)))
+    def rows_of(self, jm: JobModel, uniq: np.ndarray, owners: list, replies: list[Message]
+                ) -> tuple[dict, np.ndarray | None]:
+        """The shards' answers to a pull as ({table: (U, dim) rows}, dense parameters)."""
         pulled = {}
         for spec in jm.model.tables:
             out = np.empty((len(uniq), spec.dim), np.float32)  # writable: autograd leaves
@@ -296,15 +361,27 @@ class Worker(Service):
         return pulled, dense
 
     async def push(self, jm: JobModel, step: str, rows: int, uniq: np.ndarray, owners: list,
-                   grads: dict[str, np.ndarray], dense_grad: np.ndarray | None) -> int:
+                   grads: dict[str, np.ndarray], dense_grad: np.ndarray | None,
+                   nxt: Fetched | None) -> tuple[int, tuple | None]:
+        """Push a step's gradients to each shard, with the pull of `nxt` in the same message;
+        (shards that applied it, nxt's rows as `rows_of` gives them or None)."""
+        next_uniq = next_owners = None
+        if nxt is not None:
+            next_uniq = nxt.batch.unique()[0]
+            next_owners = self.partition(next_uniq)
         calls = []
         for i, sel in enumerate(owners):
             arrays = {"ids": uniq[sel], **{f"g.{name}": g[sel] for name, g in grads.items()}}
             if i == 0 and dense_grad is not None:
                 arrays["dense"] = dense_grad
-            calls.append(self.call_shard(i, "PushGrads", arrays, job=jm.job, step=step, rows=rows))
+            fields = {}
+            if nxt is not None:
+                arrays["next_ids"] = next_uniq[next_owners[i]]
+                fields["next_dense"] = i == 0 and jm.dense_size > 0
+            calls.append(self.call_shard(i, "PushGrads", arrays, job=jm.job, step=step, rows=rows, **fields))
         acks = await asyncio.gather(*calls)
-        return sum(bool(a["applied"]) for a in acks)
+        applied = sum(bool(a["applied"]) for a in acks)
+        return applied, (None if nxt is None else self.rows_of(jm, next_uniq, next_owners, acks))
 
     async def call_shard(self, i: int, type_: str, arrays: dict, **fields) -> Message:
         """A request to shard i, retried while it may be restarting, up to about as long
@@ -358,7 +435,7 @@ class Worker(Service):
         torch.set_num_threads(n)
 
     def status(self) -> dict:
-        return {**self.counters, "busy": self.busy, "in_hand": self.inbox.qsize()}
+        return {**self.counters, "busy": self.busy, "in_hand": len(self.inbox)}
 
 
 def _unpack_all(blobs: list[bytes | None]) -> list[SparseBatch | Exception | None]:

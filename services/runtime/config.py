@@ -100,7 +100,7 @@ class WorkerConfig:
     count: int = 1
     rpc_seconds: float = 10.0           # a shard that does not answer in this long is retried
     pipeline: int = 0                   # steps in flight per worker; 0: 2 for an LR job on one worker, else 1
-    lease_batches: int = 4              # batches per Lease (and per cache read); up to twice this in hand
+    lease_batches: int = 8              # batches per Lease (and per cache read); up to twice this in hand
     threads: int = 0                    # torch threads per worker; 0: the job's train.threads rule
     metrics_ports: list[int] = field(default_factory=list)  # /metrics of each instance; [] : none
 

@@ -246,15 +246,29 @@ def test_ps_refuses_bad_pushes_without_applying_them(cluster, ps_job):
         ("no such table", {"ids": ids, "g.nope": np.zeros((3, 1), np.float32)}, "e1/f0o0:0", "bad_data"),
         ("dense grads of the wrong size", {**grads(ids), "dense": np.zeros(7, np.float32)}, "e1/f0o0:0", "bad_data"),
         ("not a step id", grads(ids), "step-one", "bad_data"),
+        ("next ids outside the table", {**grads(ids), "next_ids": np.array([2, 1 << 16])}, "e1/f0o0:0", "bad_data"),
+        ("int32 next ids", {**grads(ids), "next_ids": np.array([2], np.int32)}, "e1/f0o0:0", "arrays"),
     ]
     for i, (case, arrays, step, code) in enumerate(bad):
         assert_error(call(sock, "PushGrads", 400 + i, arrays, job=job, step=step, rows=3), 400 + i, code, case)
+    reply = call(sock, "PushGrads", 419, {**grads(ids), "next_ids": ids}, job=job, step="e1/f0o0:0", rows=3,
+                 next_dense="yes")
+    assert_error(reply, 419, "field", "next_dense not a boolean")
+    bad.append(reply)
     reply = call(sock, "PushGrads", 420, grads(ids), job="no-such-job", step="e1/f0o0:0", rows=3)
     assert_error(reply, 420, "UnknownJob")  # answered; the worker retries it while a shard restarts
     stats = call(sock, "ShardStats", 421, job=job)
     assert applied_steps(stats) == set() and stats["rows"] == {}, "a refused push changed the shard"
     # the same step, now well-formed, is applied once: the refusals did not mark it done
-    assert call(sock, "PushGrads", 422, grads(ids), job=job, step="e1/f0o0:0", rows=3)["applied"] is True
+    before_rows = call(sock, "PullRows", 425, {"ids": ids}, job=job, dense=True)
+    ack = call(sock, "PushGrads", 422, {**grads(ids), "next_ids": ids[::-1]}, job=job, step="e1/f0o0:0", rows=3,
+               next_dense=True)
+    assert ack["applied"] is True
+    # the rows of next_ids come back with the Ack, read after this update (as a PullRows right after it)
+    after = call(sock, "PullRows", 426, {"ids": ids}, job=job, dense=True)
+    assert np.array_equal(ack.arrays["linear"], after.arrays["linear"][::-1])
+    assert np.array_equal(ack.arrays["dense"], after.arrays["dense"])
+    assert not np.array_equal(after.arrays["linear"], before_rows.arrays["linear"])
     assert call(sock, "PushGrads", 423, grads(ids), job=job, step="e1/f0o0:0", rows=3)["applied"] is False
     stats = call(sock, "ShardStats", 424, job=job)
     assert applied_steps(stats) == {"e1/f0o0:0"} and stats["rows"] == {"1": 3}

@@ -10,6 +10,7 @@ Other uses:
 
     .venv/bin/python bench/pipeline.py --rows 100000 --grid 1x1             # a quick look
     .venv/bin/python bench/pipeline.py --model dnn --grid 1x1,2x1 --preprocess 2
+    .venv/bin/python bench/pipeline.py --rows 1000000 --cpu 5 --repeat 2   # CPU per cached epoch by process
 
 Data (in bench-out/pipeline/, reused when the row count matches):
 `train-<N>.tsv` (`mariana gen criteo`, seed 1) and `test-<M>.tsv` (seed 2,
@@ -42,6 +43,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from gendata import synthetic_file  # bench/ is on sys.path when run as a script
@@ -110,6 +112,78 @@ def exactly_once(result: dict, file_rows: int, epochs: int) -> dict:
     return {"ok": ok, "text": f"rows_applied {r['rows_applied']:,} == rows_in_data {r['rows_in_data']:,} "
                               f"(file: {file_rows:,}) x {epochs}: {'ok' if ok else 'MISMATCH'}; "
                               f"bad_messages {r['bad_messages']}; cache misses {r['cache_misses']}"}
+
+
+# ---- CPU per cached epoch (--cpu) ------------------------------------------------------------
+
+def cluster_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) of `mariana train` (pid `root`) and the processes it
+    started: the services of its cluster and their redis-server."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(pid) != root and int(fields[1]) != root:  # fields[1]: the parent's pid
+                continue
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # gone
+            continue
+        role = ("" if argv == [""]  # a zombie: its CPU is final, its command line gone
+                else "redis" if any("redis-server" in a for a in argv)
+                else argv[argv.index("run") + 1] if "run" in argv[:-1] else "train")
+        out[int(pid)] = (role, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def run_cpu(args: argparse.Namespace, data: dict, epochs: int, run: int, out_dir: Path) -> dict:
+    """A W1 S1 job of `epochs` epochs; CPU seconds of its processes by role, sampled from /proc."""
+    model_dir = out_dir / "models" / f"cpu-{epochs}-r{run}"
+    shutil.rmtree(model_dir, ignore_errors=True)
+    cmd = train_command(argparse.Namespace(**{**vars(args), "epochs": epochs}), data, (1, 1, args.preprocess),
+                        model_dir)
+    seen: dict[int, tuple[str, float]] = {}
+    with subprocess.Popen(cmd, cwd=REPO, env=os.environ | {"MARIANA_CLUSTER__DIR": str(out_dir / "no-cluster")},
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+        while proc.poll() is None:
+            for pid, (role, cpu) in cluster_cpu(proc.pid).items():  # a process that ended keeps its last
+                seen[pid] = (role or seen.get(pid, ("train", 0.0))[0], cpu)
+            time.sleep(0.05)
+        out = proc.stdout.read()
+    if proc.returncode != 0:
+        note(f"cpu run of {epochs} epochs failed (exit {proc.returncode})")
+        raise RunFailed(f"cpu {epochs}")
+    by_role: dict[str, float] = {}
+    for role, seconds in seen.values():
+        by_role[role] = by_role.get(role, 0.0) + seconds
+    record = json.loads(out.strip().splitlines()[-1])
+    note(f"cpu run {run}, {epochs} epochs: epochs {record['epoch_seconds']} s; core-seconds "
+         + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_role.items())))
+    return {"epochs": epochs, "run": run, "cpu": by_role, "epoch_seconds": record["epoch_seconds"]}
+
+
+def bench_cpu(args: argparse.Namespace, out_dir: Path) -> int:
+    """CPU per cached epoch by role: (an N-epoch job - a 1-epoch job) / (N - 1), runs interleaved."""
+    rows_test = max(args.rows // 10, MIN_TEST_ROWS)
+    data = {"train": synthetic_file(out_dir, "train", args.rows, TRAIN_SEED, note),
+            "test": synthetic_file(out_dir, "test", rows_test, TEST_SEED, note)}
+    n, pairs = args.cpu, []
+    for k in range(1, args.repeat + 1):
+        pairs.append((run_cpu(args, data, 1, k, out_dir), run_cpu(args, data, n, k, out_dir)))
+    roles = sorted({r for one, many in pairs for r in (*one["cpu"], *many["cpu"])})
+    lines = [f"CPU per cached epoch, core-seconds ({n}-epoch job - 1-epoch job) / {n - 1}, W1 S1, "
+             f"{args.rows:,} rows, model {args.model}:", "",
+             "| run | " + " | ".join(roles) + " | all | cached epochs s |",
+             "|---|" + "---:|" * (len(roles) + 2)]
+    for one, many in pairs:
+        per = {r: (many["cpu"].get(r, 0.0) - one["cpu"].get(r, 0.0)) / (n - 1) for r in roles}
+        lines.append(f"| {one['run']} | " + " | ".join(f"{per[r]:.2f}" for r in roles)
+                     + f" | {sum(per.values()):.2f} | " + ", ".join(f"{s:.2f}" for s in many["epoch_seconds"][1:])
+                     + " |")
+    print("\n".join(lines))
+    (out_dir / "cpu.json").write_text(json.dumps({"machine": machine_info(), "pairs": pairs}, indent=1))
+    note(f"wrote {out_dir / 'cpu.json'}")
+    return 0
 
 
 # ---- summary ---------------------------------------------------------------------------------
@@ -276,11 +350,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"cluster configs WORKERSxSHARDS, comma-separated (default {DEFAULT_GRID}); one run each, "
                         "W1 S1 reuses the paired runs")
     p.add_argument("--preprocess", type=int, default=1, help="preprocess processes in every cluster run")
+    p.add_argument("--cpu", type=int, metavar="EPOCHS", default=0,
+                   help="instead: CPU per cached epoch by process role, from W1 S1 jobs of 1 and EPOCHS (>= 2) "
+                        "epochs (--repeat pairs), read from /proc")
     p.add_argument("--out-dir", default=str(REPO / "bench-out" / "pipeline"),
                    help="data, models and results (default: bench-out/pipeline/ in the repository)")
     args = p.parse_args(argv)
-    if args.rows < 1 or args.epochs < 2 or args.repeat < 1 or args.preprocess < 1:
-        p.error("--rows, --repeat and --preprocess must be >= 1, --epochs >= 2")
+    if args.rows < 1 or args.epochs < 2 or args.repeat < 1 or args.preprocess < 1 or args.cpu == 1 or args.cpu < 0:
+        p.error("--rows, --repeat and --preprocess must be >= 1, --epochs and --cpu >= 2")
     return args
 
 
@@ -289,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir).resolve()
     (out_dir / "models").mkdir(parents=True, exist_ok=True)
     try:
-        return bench(args, out_dir)
+        return bench_cpu(args, out_dir) if args.cpu else bench(args, out_dir)
     except RunFailed:
         return 1
 

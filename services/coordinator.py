@@ -40,7 +40,7 @@ from services import model_events, protocol, webui
 from services.assemble import assemble_and_publish, check_request
 from services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from services.jobstore import JobStore
-from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step
+from services.ledger import STAGES, ChunkInfo, JobLedger, stage_seconds_of, parse_step
 from services.protocol import BadMessage, Message
 from services.runtime.config import ROLES, ClusterConfig
 from services.runtime.lifecycle import Service, run_service
@@ -345,7 +345,10 @@ class Coordinator(Service):
                     self.counters["late_reports"] += 1
                     continue
                 stats = r["stats"]
-                times = stats.get("times", {}) if isinstance(stats.get("times"), dict) else {}
+                try:  # the journal gets numbers, never what a peer sent in their place
+                    times = stage_seconds_of(stats.get("times") or {})
+                except ValueError as e:
+                    raise BadMessage("field", f"{where}[{i}]: {e}") from None
                 event = {"step": r["step"], "worker": worker, "rows": r["rows"], "loss_sum": float(r["loss_sum"]),
                          "times": times, "hist": stats.get("hist")}
                 try:
@@ -454,7 +457,7 @@ class Coordinator(Service):
         peer = self.peer_of(role)
         if peer is None:
             return False
-        await self.server.reply(peer, protocol.encode(type_, 0, **fields))
+        self.server.send(peer, protocol.encode(type_, 0, **fields))
         return True
 
     async def rejoin(self, info: ServiceInfo) -> None:

@@ -275,6 +275,7 @@ class JobLedger:
             return False
         epoch, _ = parse_step(step)
         h = _hist(hist)
+        seconds = stage_seconds_of(times)
         self.leased.pop(step, None)
         self.done.add(step)
         self.lost.discard(step)
@@ -283,9 +284,8 @@ class JobLedger:
         self.worker_done[worker] += 1
         if h is not None:
             self.hist[epoch] = self.hist.get(epoch, 0) + h
-        for stage, s in times.items():
-            if stage in STAGES:
-                self.stage_seconds[stage] += float(s)
+        for stage, s in seconds.items():
+            self.stage_seconds[stage] += s
         if epoch >= 2 and step not in self.missed_steps:
             self.counters["cache_hits"] += 1
         return True
@@ -367,6 +367,20 @@ class JobLedger:
     def cache_stats(self) -> dict:
         hits, misses = self.counters["cache_hits"], self.counters["cache_misses"]
         return {"hits": hits, "misses": misses, "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}
+
+
+def stage_seconds_of(times) -> dict[str, float]:
+    """A worker's stage times as {stage: seconds} (other keys dropped); ValueError for
+    anything else, before the ledger changes."""
+    if not isinstance(times, dict):
+        raise ValueError("stats.times must be a map of stage -> seconds")
+    try:
+        out = {stage: float(s) for stage, s in times.items() if stage in STAGES and not isinstance(s, bytes)}
+    except (TypeError, ValueError):
+        raise ValueError("stats.times must map stages to numbers of seconds") from None
+    if len(out) != sum(1 for stage in times if stage in STAGES):
+        raise ValueError("stats.times must map stages to numbers of seconds")
+    return out
 
 
 def _hist(hist) -> np.ndarray | None:

@@ -17,7 +17,7 @@ Message catalog (request -> reply):
 
     Hello{role, index}                 any service -> coordinator     -> Welcome
     Lease{worker, want, done}          worker -> coordinator          -> Work{..., more} | Wait | Idle
-    Done{worker, reports}              worker -> coordinator          -> Ok
+    Done{worker, reports, released}    worker -> coordinator          -> Ok (released: steps handed back)
     Miss{job, step, key}               worker -> coordinator          -> Ok (the key was not in the cache)
     GetJob{job}                        any -> coordinator             -> JobSpec{job, spec}
     ChunkSent{job, chunk, ...}         loader -> coordinator          -> Ok
@@ -65,7 +65,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "Work": {"job": _S, "epoch": _I, "step": _S, "key": _S, "rows": _I},  # + optional more: [Work fields]
     "Wait": {},
     "Idle": {},
-    "Done": {"worker": _S, "reports": _L},
+    "Done": {"worker": _S, "reports": _L},  # + optional released: step ids handed back untrained
     "Miss": {"job": _S, "step": _S, "key": _S},
     "GetJob": {"job": _S},
     "JobSpec": {"job": _S, "spec": _D},
@@ -194,8 +194,8 @@ def _header(buf: memoryview) -> dict:
     if header.get("v") != VERSION:
         raise BadMessage("version", f"protocol version {header.get('v')!r} (this side speaks {VERSION})")
     type_ = header.get("type")
-    if type_ not in SCHEMAS:
-        raise BadMessage("type", f"unknown message type {type_!r}")
+    if not isinstance(type_, str) or type_ not in SCHEMAS:  # (a list or map is not even hashable)
+        raise BadMessage("type", f"unknown message type {type_!r:.80}")
     if not isinstance(header.get("msg_id"), int) or isinstance(header.get("msg_id"), bool):
         raise BadMessage("msg_id", "msg_id must be an integer")
     if not isinstance(header.get("arrays", []), list):
@@ -226,8 +226,8 @@ def _array_spec(spec) -> tuple[str, np.dtype, tuple[int, ...]]:
             and isinstance(spec[2], list)):
         raise BadMessage("arrays", f"an array spec must be [name, dtype, shape], got {spec!r:.80}")
     name, dtype, shape = spec
-    if dtype not in DTYPES:
-        raise BadMessage("dtype", f"array {name!r}: dtype {dtype!r} is not allowed")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise BadMessage("dtype", f"array {name!r}: dtype {dtype!r:.80} is not allowed")
     if len(shape) > 4 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise BadMessage("shape", f"array {name!r}: bad shape {shape!r:.80}")
     return name, DTYPES[dtype], tuple(shape)

@@ -59,13 +59,15 @@ class _Channel:
     `on_frames(frames)` is called from the loop for each message; `send` never blocks
     the loop."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, kind: int, on_frames: Callable[[list], None]):
+    def __init__(self, ctx: zmq.asyncio.Context, kind: int, on_frames: Callable[[list], None],
+                 counters: Counter, name: str):
         self.owner = make_socket(ctx, kind)  # never used for I/O: its own reader would replace ours
         self.sock = zmq.Socket.shadow(self.owner.underlying)
-        self.on_frames = on_frames
+        self.on_frames, self.counters, self.name = on_frames, counters, name
         self.loop = asyncio.get_running_loop()
         self.fd = self.sock.getsockopt(zmq.FD)
         self.reading = False
+        self.closed = False
 
     def start_reading(self) -> None:
         self.reading = True
@@ -88,24 +90,34 @@ class _Channel:
             except zmq.ZMQError:  # closed under us
                 self.stop_reading()
                 return
-            self.on_frames(frames)
+            try:
+                self.on_frames(frames)
+            except Exception:  # a bug: the queue must still be drained, or the edge is lost for good
+                self.counters["errors"] += 1
+                log.exception("%s: a received message could not be handled", self.name)
         self.loop.call_soon(self._readable)  # more waiting: after the other callbacks
 
     def send_now(self, frames: list) -> bool:
-        """Send without waiting; False when the socket's queue is full (or it is closed)."""
+        """Send without waiting; False when the socket's queue is full or it is closed."""
+        if self.closed:
+            return False
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        # A send may consume the descriptor's edge for messages already queued to read.
-        if self.reading and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self.loop.call_soon(self._readable)
+        finally:
+            # Any operation may consume the descriptor's edge for messages already queued to read.
+            if self.reading and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self.loop.call_soon(self._readable)
         return True
 
     async def send(self, frames: list, timeout: float) -> None:
-        """Send, waiting (up to `timeout`) while the peer's queue is full."""
+        """Send, waiting (up to `timeout`) while the peer's queue is full; zmq.Again when it
+        stays full, or at once when the socket is closed."""
         if self.send_now(frames):
             return
+        if self.closed:
+            raise zmq.Again()
         give_up, delay = time.monotonic() + timeout, 0.001
         while not self.send_now(frames):
             if time.monotonic() > give_up:
@@ -115,6 +127,7 @@ class _Channel:
 
     def close(self) -> None:
         self.stop_reading()
+        self.closed = True
         self.owner.close(linger=0)
 
 
@@ -122,8 +135,9 @@ class Client:
     """A DEALER to one peer: `await call(type, arrays, **fields)` -> reply `Message`.
 
     Requests are matched to replies by msg_id, so many may be in flight at
-    once. Messages the peer sends on its own (commands; msg_id 0 or an id
-    nobody waits for) go to `on_command`. Late replies are dropped and counted.
+    once. Messages the peer sends on its own (commands, msg_id 0) go to
+    `on_command`, each as a task started in arrival order. Replies nobody waits
+    for any more are dropped and counted (`late_replies`).
     """
 
     _ids = itertools.count(1)
@@ -132,7 +146,7 @@ class Client:
                  on_command: Callable[[Message], Awaitable[None]] | None = None, identity: bytes | None = None):
         self.endpoint, self.timeout, self.counters = endpoint, timeout, counters
         self.on_command = on_command
-        self.channel = _Channel(ctx, zmq.DEALER, self._received)
+        self.channel = _Channel(ctx, zmq.DEALER, self._received, counters, f"client of {endpoint}")
         if identity:
             self.channel.sock.setsockopt(zmq.IDENTITY, identity)
         self.channel.sock.connect(endpoint)
@@ -189,7 +203,7 @@ class Client:
         except BadMessage as e:
             self.counters["bad_messages"] += 1
             log.warning("bad command from %s: %s", self.endpoint, e)
-        except Exception:  # a failed command must not stop this socket's reader
+        except Exception:  # counted and logged; the service goes on
             self.counters["errors"] += 1
             log.exception("command %s from %s failed", msg.type, self.endpoint)
 
@@ -224,7 +238,7 @@ class Server:
                  max_bytes: int = protocol.MAX_MESSAGE_BYTES, name: str = "server"):
         self.endpoint, self.handler, self.counters, self.max_bytes = endpoint, handler, counters, max_bytes
         self.name = name
-        self.channel = _Channel(ctx, zmq.ROUTER, self._received)
+        self.channel = _Channel(ctx, zmq.ROUTER, self._received, counters, name)
         self.channel.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.channel.sock.bind(endpoint)
         self.tasks: set[asyncio.Task] = set()
@@ -283,9 +297,6 @@ class Server:
             log.debug("%s: message to %s not sent: %s", self.name, peer.hex()[:8], e)
         if not sent:
             self.counters["unsent_replies"] += 1
-
-    async def reply(self, peer: bytes, frames: list) -> None:
-        self.send(peer, frames)
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests; let handlers in flight finish (up to `timeout`)."""

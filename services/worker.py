@@ -56,7 +56,7 @@ class StepAbandoned(Exception):
     """A step given up on (its lease has lapsed; the coordinator issues it again)."""
 
 
-STAGES = ("fetch", "pull", "compute", "push")
+LEASE_MARGIN = 0.8  # a batch held this fraction of coordinator.lease_seconds is not trained
 
 
 @dataclass
@@ -75,6 +75,7 @@ class Fetched:
     work: dict  # the Work fields: job, epoch, step, key, rows
     batch: SparseBatch
     seconds: float
+    leased_at: float  # time.monotonic() of the Lease's answer
 
 
 class Inbox:
@@ -122,6 +123,7 @@ class Worker(Service):
         self.room = asyncio.Event()  # the inbox ran low: lease more
         self.leasing = False         # a Lease is out (the coordinator may hold it)
         self.reports: list[dict] = []  # steps done, for the next Lease
+        self.feeder: asyncio.Task | None = None
         self.job_lock = asyncio.Lock()
         self.reporting: set[asyncio.Task] = set()
 
@@ -142,6 +144,9 @@ class Worker(Service):
     async def drain(self) -> None:
         while self.busy:  # finish the steps being trained; hand the others back
             await asyncio.sleep(0.05)
+        self.room.set()  # a feeder waiting for room sees `stopping`; one leasing hands back what it gets
+        if self.feeder is not None:
+            await asyncio.wait([self.feeder], timeout=2.0)  # a coordinator holds a Lease up to 1 s
         released = [f.work["step"] for f in self.inbox.items]
         self.inbox.items.clear()
         self.flush(released)
@@ -154,7 +159,8 @@ class Worker(Service):
         # `worker.pipeline` step loops: one computes while another waits on the shards.
         # A job may allow fewer at once (JobModel.gate).
         loops = [self.step_loop() for _ in range(self.cfg.worker.steps_in_flight("lr"))]
-        await asyncio.gather(self.feed(), *loops)
+        self.feeder = asyncio.create_task(self.feed())
+        await asyncio.gather(self.feeder, *loops)
 
     async def step_loop(self) -> None:
         """Train a run of steps of one job: each step's push also pulls the rows of the
@@ -164,15 +170,15 @@ class Worker(Service):
         while not self.stopping.is_set():
             job = await self.inbox.next_job()
             jm = await self.job_model(job)
-            if jm is None:  # its lease lapses; the coordinator issues the step again
-                self.inbox.take_now(job)
+            if jm is None:  # hand the batch back: the coordinator issues it again
+                f = self.take(job)
+                self.flush([f.work["step"]] if f else [])
                 await asyncio.sleep(0.5)
                 continue
             async with jm.gate:  # before taking a batch: a loop waiting here holds none
-                f = None if self.stopping.is_set() else self.inbox.take_now(job)  # (drain hands it back)
+                f = None if self.stopping.is_set() else self.take(job)  # (drain hands it back)
                 if f is None:
                     continue
-                self.note_taken()
                 pulled = None
                 while f is not None:
                     self.busy += 1
@@ -189,9 +195,16 @@ class Worker(Service):
                     finally:
                         self.busy -= 1
 
-    def note_taken(self) -> None:
+    def take(self, job: str) -> Fetched | None:
+        """The next batch of `job` in hand, if any. One held so long that its lease has
+        (nearly) lapsed is skipped: the coordinator issues it again, maybe to another worker.
+        Tells the feeder when the inbox runs low."""
+        stale = LEASE_MARGIN * self.cfg.coordinator.lease_seconds
+        while (f := self.inbox.take_now(job)) is not None and time.monotonic() - f.leased_at > stale:
+            self.counters["lapsed_in_hand"] += 1
         if len(self.inbox) < self.cfg.worker.lease_batches:
             self.room.set()
+        return f
 
     async def feed(self) -> None:
         """Keep `lease_batches` to twice that many batches in the inbox."""
@@ -202,8 +215,12 @@ class Worker(Service):
                 await self.room.wait()
                 continue
             works = await self.lease(k)
-            for fetched in await self.fetch(works):
-                self.inbox.put(fetched)
+            fetched = await self.fetch(works) if not self.stopping.is_set() else []
+            if self.stopping.is_set():  # stopping meanwhile: hand back what came
+                self.flush([w["step"] for w in works])
+                return
+            for f in fetched:
+                self.inbox.put(f)
 
     async def lease(self, want: int) -> list[dict]:
         """Up to `want` steps' Work fields ([]: nothing to do yet, or the reply was bad); the
@@ -212,12 +229,9 @@ class Worker(Service):
         self.leasing = True
         try:
             reply = await self.coordinator.call("Lease", worker=self.name, want=want, done=done, timeout=30.0)
-        except PeerTimeout as e:  # maybe never delivered: the reports go with the next request
-            self.reports[:0] = done
-            log.info("%s: lease: %s; asking again", self.name, e)
-            await asyncio.sleep(0.5)
-            return []
-        except RemoteError as e:
+        except (PeerTimeout, RemoteError) as e:
+            if isinstance(e, PeerTimeout):  # maybe never delivered: the reports go with the next request
+                self.reports[:0] = done
             log.info("%s: lease: %s; asking again", self.name, e)
             await asyncio.sleep(0.5)
             return []
@@ -244,14 +258,14 @@ class Worker(Service):
         A missing or corrupt one is reported to the coordinator, which reads it again."""
         if not works:
             return []
-        t0 = time.perf_counter()
+        t0, leased_at = time.perf_counter(), time.monotonic()
         blobs = await self.cache.get_many([w["key"] for w in works])
         batches = await asyncio.to_thread(_unpack_all, blobs)
         seconds = (time.perf_counter() - t0) / len(works)
         out = []
         for work, blob, batch in zip(works, blobs, batches):
             if isinstance(batch, SparseBatch):
-                out.append(Fetched(work, batch, seconds))
+                out.append(Fetched(work, batch, seconds, leased_at))
                 continue
             if blob is None:
                 self.counters["cache_misses"] += 1
@@ -270,7 +284,8 @@ class Worker(Service):
     async def train_step(self, jm: JobModel, f: Fetched,
                          pulled: tuple | None) -> tuple[Fetched | None, tuple | None]:
         """One step, its rows pulled already or not; returns the next batch of the run and
-        its rows (None, None: the run ends). A failed push puts the next batch back."""
+        its rows (None, None: the run ends). A failed push, or next rows that come back
+        wrong, put the next batch back."""
         work, batch = f.work, f.batch
         times = {"fetch": f.seconds, "pull": 0.0}
         uniq, inverse = batch.unique()
@@ -291,17 +306,28 @@ class Worker(Service):
         dense_grad = (np.concatenate([g.reshape(-1) for g in result.dense_grads]).astype(np.float32)
                       if result.dense_grads else None)
         t2 = time.perf_counter()
-        nxt = None if self.stopping.is_set() else self.inbox.take_now(jm.job)
+        nxt = None if self.stopping.is_set() else self.take(jm.job)
+        next_ids = next_owners = None
         if nxt is not None:
-            self.note_taken()
+            next_ids = nxt.batch.unique()[0]
+            next_owners = self.partition(next_ids)
         try:
-            applied, next_rows = await self.push(jm, work["step"], batch.num_rows, uniq, owners,
-                                                 result.row_grads, dense_grad, nxt)
+            acks = await self.push(jm, work["step"], batch.num_rows, uniq, owners, result.row_grads, dense_grad,
+                                   next_ids, next_owners)
         except BaseException:
             if nxt is not None:
                 self.inbox.put_back(nxt)
             raise
         times.update(compute=t2 - t1, push=time.perf_counter() - t2)
+        applied, next_rows = sum(bool(a["applied"]) for a in acks), None
+        if nxt is not None:
+            try:
+                next_rows = self.rows_of(jm, next_ids, next_owners, acks)
+            except BadMessage as e:  # this step is applied and reported; the next one pulls on its own
+                self.counters["bad_messages"] += 1
+                log.warning("%s: rows for step %s came back wrong: %s", self.name, nxt.work["step"], e)
+                self.inbox.put_back(nxt)
+                nxt = None
         self.counters["steps"] += 1
         self.counters["rows"] += batch.num_rows
         # The next step need not wait for the coordinator: the shards have the update.
@@ -362,26 +388,20 @@ class Worker(Service):
 
     async def push(self, jm: JobModel, step: str, rows: int, uniq: np.ndarray, owners: list,
                    grads: dict[str, np.ndarray], dense_grad: np.ndarray | None,
-                   nxt: Fetched | None) -> tuple[int, tuple | None]:
-        """Push a step's gradients to each shard, with the pull of `nxt` in the same message;
-        (shards that applied it, nxt's rows as `rows_of` gives them or None)."""
-        next_uniq = next_owners = None
-        if nxt is not None:
-            next_uniq = nxt.batch.unique()[0]
-            next_owners = self.partition(next_uniq)
+                   next_ids: np.ndarray | None, next_owners: list | None) -> list[Message]:
+        """Push a step's gradients to each shard, with the pull of the next batch's ids (if
+        any) in the same message; the shards' Acks, in shard order."""
         calls = []
         for i, sel in enumerate(owners):
             arrays = {"ids": uniq[sel], **{f"g.{name}": g[sel] for name, g in grads.items()}}
             if i == 0 and dense_grad is not None:
                 arrays["dense"] = dense_grad
             fields = {}
-            if nxt is not None:
-                arrays["next_ids"] = next_uniq[next_owners[i]]
+            if next_ids is not None:
+                arrays["next_ids"] = next_ids[next_owners[i]]
                 fields["next_dense"] = i == 0 and jm.dense_size > 0
             calls.append(self.call_shard(i, "PushGrads", arrays, job=jm.job, step=step, rows=rows, **fields))
-        acks = await asyncio.gather(*calls)
-        applied = sum(bool(a["applied"]) for a in acks)
-        return applied, (None if nxt is None else self.rows_of(jm, next_uniq, next_owners, acks))
+        return await asyncio.gather(*calls)
 
     async def call_shard(self, i: int, type_: str, arrays: dict, **fields) -> Message:
         """A request to shard i, retried while it may be restarting, up to about as long

@@ -69,7 +69,7 @@ class CoordinatorConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 0
     token: str = ""                     # bearer token for job submit/cancel; empty: no token needed on loopback
-    lease_seconds: float = 15.0         # a batch leased this long without BatchDone is issued again
+    lease_seconds: float = 15.0         # a batch leased this long and not reported done is issued again
     chunk_seconds: float = 60.0         # a chunk sent this long ago and not cached is read again
     max_ready: int = 32                 # batches cached ahead of the workers before preprocess is held back
     heartbeat_seconds: float = 5.0      # a worker silent this long is not waited for (staleness, BSP)

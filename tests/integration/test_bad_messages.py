@@ -34,6 +34,8 @@ from services.launcher import RedisServer, free_port
 from services.protocol import Message
 from services.runtime.config import load_cluster_config, to_toml
 from services.runtime.lifecycle import DRAIN_SECONDS
+from services.sample_cache import pack_batch
+from sparse.batch import SparseBatch
 from sparse.synth import generate_criteo
 from tests.conftest import ROOT
 from tests.integration.cluster import Cluster
@@ -463,6 +465,21 @@ def test_worker_survives_bad_replies_from_its_coordinator(redis_server, tmp_path
             miss = coord.expect("Miss")
             assert miss["key"] == key + "-absent"  # a plain miss: not a bad message
             coord.reply(miss, "Ok")
+            # a good batch of a job the coordinator will not describe: handed back at once, and
+            # the worker goes on leasing (it must not wait for room that never comes)
+            lease = coord.expect("Lease")
+            good = SparseBatch.from_fixed(np.array([[1, 2], [3, 4]]), num_ids=16, labels=np.ones(2, np.float32))
+            r.set(key + "-good", pack_batch("fake", good))
+            coord.reply(lease, "Work", job="fake", epoch=1, step="e1/f0o0:2", key=key + "-good", rows=2)
+            first, second = coord.next(), coord.next()  # the next Lease and GetJob, in either order
+            get, lease = (first, second) if first.type == "GetJob" else (second, first)
+            assert (get.type, lease.type) == ("GetJob", "Lease")
+            coord.reply(get, "Error", code="MarianaError", error="no job 'fake'")
+            while (done := coord.next()).type == "GetJob":  # the other step loop asks too
+                coord.reply(done, "Error", code="MarianaError", error="no job 'fake'")
+            assert done.type == "Done" and done["released"] == ["e1/f0o0:2"] and done["reports"] == [], done
+            coord.reply(done, "Ok")
+            coord.reply(lease, "Wait")
             coord.send(protocol.encode("ReadSource", 0, job="j", files=[], block_bytes=1))  # a worker takes no commands
             coord.wait_status("bad_messages", 4)
             coord.wait_status("cache_misses", 1)

@@ -14,7 +14,7 @@ import zmq.asyncio
 from services import protocol
 from services.launcher import free_port
 from services.protocol import BadMessage
-from services.transport import DRAIN_BATCH, Client, PeerTimeout, RemoteError, Server
+from services.transport import DRAIN_BATCH, Client, PeerTimeout, RemoteError, Server, _Channel
 from sparse.errors import DataFormatError, MarianaError
 
 
@@ -158,7 +158,7 @@ def test_commands_reach_on_command_in_order_and_late_replies_are_counted():
         try:
             await client.call("GetJob", job="hello")
             for i in range(5):
-                await server.reply(peers[0], protocol.encode("ReadSource", 0, job=f"c{i}", files=[], block_bytes=1))
+                server.send(peers[0], protocol.encode("ReadSource", 0, job=f"c{i}", files=[], block_bytes=1))
             server.send(peers[0], protocol.encode("Ok", 987654))  # a reply nobody waits for
             server.send(b"no such peer", protocol.encode("Ok", 1))  # dropped: ROUTER never blocks
             for _ in range(100):
@@ -170,6 +170,44 @@ def test_commands_reach_on_command_in_order_and_late_replies_are_counted():
         finally:
             client.close()
             server.close()
+            ctx.destroy(linger=0)
+
+    run(body())
+
+
+def test_a_message_that_breaks_its_handler_does_not_stop_the_reading():
+    """The descriptor is edge-triggered: a reader that stopped half-way would never be woken
+    for the messages behind the bad one."""
+    got = []
+
+    def on_frames(frames):
+        if frames[0].bytes == b"boom":
+            raise RuntimeError("a bug in a handler")
+        got.append(frames[0].bytes)
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        ep = endpoint()
+        counters = Counter()
+        channel = _Channel(ctx, zmq.PULL, on_frames, counters, "test")
+        channel.sock.bind(ep)
+        channel.start_reading()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(ep)
+        try:
+            for body_ in (b"a", b"boom", b"b", b"c"):
+                await push.send(body_)
+            for _ in range(100):
+                if len(got) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert got == [b"a", b"b", b"c"] and counters["errors"] == 1
+            channel.close()
+            assert channel.send_now([b"x"]) is False  # closed: refused, not a use of a freed socket
+            with pytest.raises(zmq.Again):
+                await channel.send([b"x"], timeout=5.0)
+        finally:
+            push.close(linger=0)
             ctx.destroy(linger=0)
 
     run(body())

@@ -124,6 +124,17 @@ def test_duplicate_done_counts_once():
     assert led.worker_done == {"w0": 1} and led.counters["duplicate_done"] == 1
 
 
+@pytest.mark.parametrize("times", [{"pull": "x"}, {"pull": [1]}, {"push": b"1"}, [0.5]])
+def test_step_done_with_bad_stage_times_changes_nothing(times):
+    led = ledger_with({"f0o0": [(0, 4)]})
+    step = led.lease("w0", 60)
+    with pytest.raises(ValueError, match="stats.times"):
+        led.step_done(step, "w0", 4, 1.0, times)
+    assert step in led.leased and not led.done and not led.rows_done and not led.stage_seconds["pull"]
+    assert led.step_done(step, "w0", 4, 1.0, {"pull": 0.25, "other": "ignored"})
+    assert led.stage_seconds["pull"] == 0.25 and "other" not in led.stage_seconds
+
+
 def test_step_done_rejects_a_bad_step_id():
     led = ledger_with({"f0o0": [(0, 4)]})
     with pytest.raises(ValueError):

@@ -194,7 +194,7 @@ def test_missing_version():
     assert code_of(raw(h)) == "version"
 
 
-@pytest.mark.parametrize("type_", ["Nope", "ok", None, 3])
+@pytest.mark.parametrize("type_", ["Nope", "ok", None, 3, [1], {"a": 1}])  # unhashable ones too
 def test_unknown_type(type_):
     assert code_of(raw(ok_header(type=type_))) == "type"
 
@@ -273,7 +273,7 @@ def test_frame_count_must_match_specs():
     assert code_of(raw(ok_header(arrays=one), b"\0" * 8, b"\0" * 8)) == "frame_count"
 
 
-@pytest.mark.parametrize("dtype", ["|O", "<c16", "|b1", "<f2", ">i8", "int64", "<U1"])
+@pytest.mark.parametrize("dtype", ["|O", "<c16", "|b1", "<f2", ">i8", "int64", "<U1", ["<i8"], None])
 def test_disallowed_dtype(dtype):
     assert code_of(raw(ok_header(arrays=[["a", dtype, [1]]]), b"\0" * 16)) == "dtype"
 

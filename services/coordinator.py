@@ -40,7 +40,7 @@ from services import model_events, protocol, webui
 from services.assemble import assemble_and_publish, check_request
 from services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from services.jobstore import JobStore
-from services.ledger import STAGES, ChunkInfo, JobLedger, stage_seconds_of, parse_step
+from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step, stage_seconds_of
 from services.protocol import BadMessage, Message
 from services.runtime.config import ROLES, ClusterConfig
 from services.runtime.lifecycle import Service, run_service

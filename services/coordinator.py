@@ -43,6 +43,7 @@ from services.jobstore import JobStore
 from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step, stage_seconds_of
 from services.protocol import BadMessage, Message
 from services.runtime.config import ROLES, ClusterConfig
+from services.runtime.exporter import render_service
 from services.runtime.lifecycle import Service, run_service
 from services.sample_cache import SampleCache, batch_key
 from services.transport import Client, PeerTimeout, RemoteError, Server
@@ -870,9 +871,10 @@ class Coordinator(Service):
         return web.Response(text=self.prometheus(), content_type="text/plain")
 
     def prometheus(self) -> str:
+        """Its own counters as every service renders them (role and index labels), then the
+        cluster's: which services are up, jobs by state, the active job's progress."""
+        own = render_service(self.role, self.index, self.counters, {}, self.boot)
         lines = []
-        for name, value in sorted(self.counters.items()):
-            lines += [f"# TYPE mariana_coordinator_{name}_total counter", f"mariana_coordinator_{name}_total {value}"]
         within = self.cfg.coordinator.heartbeat_seconds
         lines.append("# TYPE mariana_service_up gauge")
         for n, s in sorted(self.services.items()):
@@ -890,7 +892,7 @@ class Coordinator(Service):
             for key in ("batches_reissued", "cache_hits", "cache_misses", "batches_replayed"):
                 lines += [f"# TYPE mariana_job_{key}_total counter",
                           f'mariana_job_{key}_total{{job="{run.id}"}} {run.ledger.counters[key]}']
-        return "\n".join(lines) + "\n"
+        return own + "\n".join(lines) + "\n"
 
     def new_job(self, body: dict) -> JobRun:
         request, spec = check_request(body)

@@ -44,6 +44,10 @@ def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
         status, ctype, coord = scrape(c.cfg.coordinator.http_port)
         assert status == 200 and ctype.startswith("text/plain")
         assert coord['mariana_service_up{service="worker-1",role="worker"}'] == 1
+        own = '{index="0",role="coordinator"}'  # its own numbers carry the labels every service's do
+        assert coord[f"mariana_service_start_time_seconds{own}"] > 0
+        mine = [k for k in coord if k.startswith("mariana_coordinator_")]
+        assert all(k.endswith(own) for k in mine), mine
         for role in ("loader", "preprocess", "worker", "ps"):
             for index in range(c.cfg.count(role)):
                 name, port = f"{role}-{index}", c.cfg.metrics_port(role, index)

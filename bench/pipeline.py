@@ -162,11 +162,17 @@ def run_cpu(args: argparse.Namespace, data: dict, epochs: int, run: int, out_dir
     return {"epochs": epochs, "run": run, "cpu": by_role, "epoch_seconds": record["epoch_seconds"]}
 
 
+def bench_data(args: argparse.Namespace, out_dir: Path) -> dict:
+    """The generated train and test files (made once per row count), and their row counts."""
+    rows_test = max(args.rows // 10, MIN_TEST_ROWS)
+    return {"train": synthetic_file(out_dir, "train", args.rows, TRAIN_SEED, note),
+            "test": synthetic_file(out_dir, "test", rows_test, TEST_SEED, note),
+            "train_rows": args.rows, "test_rows": rows_test}
+
+
 def bench_cpu(args: argparse.Namespace, out_dir: Path) -> int:
     """CPU per cached epoch by role: (an N-epoch job - a 1-epoch job) / (N - 1), runs interleaved."""
-    rows_test = max(args.rows // 10, MIN_TEST_ROWS)
-    data = {"train": synthetic_file(out_dir, "train", args.rows, TRAIN_SEED, note),
-            "test": synthetic_file(out_dir, "test", rows_test, TEST_SEED, note)}
+    data = bench_data(args, out_dir)
     n, pairs = args.cpu, []
     for k in range(1, args.repeat + 1):
         pairs.append((run_cpu(args, data, 1, k, out_dir), run_cpu(args, data, n, k, out_dir)))
@@ -301,10 +307,7 @@ def markdown(machine: dict, body: str) -> str:
 # ---- main ------------------------------------------------------------------------------------
 
 def bench(args: argparse.Namespace, out_dir: Path) -> int:
-    rows_test = max(args.rows // 10, MIN_TEST_ROWS)
-    data = {"train": synthetic_file(out_dir, "train", args.rows, TRAIN_SEED, note),
-            "test": synthetic_file(out_dir, "test", rows_test, TEST_SEED, note),
-            "train_rows": args.rows, "test_rows": rows_test}
+    data = bench_data(args, out_dir)
     base = (1, 1, args.preprocess)
     grid_configs = [(w, s, args.preprocess) for w, s in args.grid]
     runs = []

@@ -121,15 +121,16 @@ class ParamServer(Service):
     def on_PullRows(self, msg: Message) -> list:
         shard = self.shard(msg)
         ids = _array(msg, "ids", np.int64, 1)
-        return protocol.encode("Rows", msg.msg_id, self.pull(shard, ids, msg["dense"]))
+        return protocol.encode("Rows", msg.msg_id, self.pull(shard, shard.local_rows(ids), msg["dense"]))
 
-    def pull(self, shard: ParamShard, ids: np.ndarray, dense: bool) -> dict[str, np.ndarray]:
-        rows = shard.pull(ids)
+    def pull(self, shard: ParamShard, rows: np.ndarray, dense: bool) -> dict[str, np.ndarray]:
+        """The answer to a pull of local `rows` (checked ids, `ParamShard.local_rows`)."""
+        out = shard.gather(rows)
         if dense:
-            rows["dense"] = shard.dense.copy()  # frames go out zero-copy: never the live array a push updates
+            out["dense"] = shard.dense.copy()  # frames go out zero-copy: never the live array a push updates
         self.counters["pulls"] += 1
-        self.counters["rows_pulled"] += len(ids)
-        return rows
+        self.counters["rows_pulled"] += len(rows)
+        return out
 
     def on_PushGrads(self, msg: Message) -> list:
         """Apply a step; with `next_ids`, answer the pull of the worker's next step too
@@ -140,11 +141,11 @@ class ParamServer(Service):
         ids = _array(msg, "ids", np.int64, 1)
         grads = {k[2:]: _array(msg, k, np.float32, 2) for k in msg.arrays if k.startswith("g.")}
         dense = _array(msg, "dense", np.float32, 1) if "dense" in msg.arrays else None
-        next_ids = _array(msg, "next_ids", np.int64, 1) if "next_ids" in msg.arrays else None
-        if next_ids is not None:
+        next_rows = None
+        if "next_ids" in msg.arrays:
             if not isinstance(msg.get("next_dense", False), bool):
                 raise BadMessage("field", "PushGrads.next_dense must be a boolean")
-            shard.local_rows(next_ids)  # refused before anything is applied
+            next_rows = shard.local_rows(_array(msg, "next_ids", np.int64, 1))  # refused before anything is applied
         applied = shard.push(msg["step"], msg["rows"], ids, grads, dense)
         if applied:
             self.dirty.add(msg["job"])
@@ -153,7 +154,7 @@ class ParamServer(Service):
         else:
             self.counters["duplicate_pushes"] += 1
             log.info("%s: step %s of job %s was applied before; ignored", self.name, msg["step"], msg["job"])
-        rows = None if next_ids is None else self.pull(shard, next_ids, msg.get("next_dense") is True)
+        rows = None if next_rows is None else self.pull(shard, next_rows, msg.get("next_dense") is True)
         return protocol.encode("Ack", msg.msg_id, rows, applied=applied)
 
     def on_ShardStats(self, msg: Message) -> list:

@@ -7,9 +7,9 @@ on. A request that gets no reply in time fails with `PeerTimeout`.
 
 Sockets are read from the event loop's reader callback on the socket's file
 descriptor, draining every message waiting, and written with non-blocking
-sends: no future per message. pyzmq's asyncio sockets cost about twice the CPU
-per round trip (300 against 150 microseconds a side, measured with 18k-id
-requests on loopback), and a training step makes two or three round trips.
+sends: no future per message. The usual pyzmq asyncio pattern costs 1.3x the CPU
+per round trip for a header-only request and 1.2x for a pull of 18k ids, both
+sides together (`bench/transport.py`), and a training step makes one to three.
 A server's synchronous handler answers from the callback itself; one that
 returns an awaitable (a held lease) runs as a task.
 """

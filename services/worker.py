@@ -251,7 +251,8 @@ class Worker(Service):
             self.counters["bad_messages"] += 1
             log.warning("%s: bad Work from the coordinator: %s", self.name, e)
             return []
-        return [reply.fields, *extra]
+        first = {k: v for k, v in reply.fields.items() if k != "more"}
+        return [first, *extra]
 
     async def fetch(self, works: list[dict]) -> list[Fetched]:
         """The leased batches, read from the cache in one round trip and decoded off the loop.

@@ -73,7 +73,10 @@ class ParamShard:
 
     def pull(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """table -> (len(ids), dim) rows for unique global `ids` (materialized on first pull)."""
-        rows = self.local_rows(ids)
+        return self.gather(self.local_rows(ids))
+
+    def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """table -> the rows at local positions `rows` (from `local_rows`)."""
         return {name: t.gather(rows) for name, t in self.tables.items()}
 
     def push(self, step: str, num_rows: int, ids: np.ndarray, grads: dict[str, np.ndarray],

@@ -11,10 +11,20 @@ The deploy files come from the checkout (deploy/ beside services/) or, for an
 installed wheel, from <prefix>/share/mariana/deploy (pyproject's data-files).
 Nothing is started: the commands printed at the end create the user and
 enable the units, one instance per index the cluster config counts.
+
+The units are sandboxed, and PrivateTmp= and ProtectHome= hide /tmp, /var/tmp, /home,
+/root and /run/user from them. Before writing anything the install checks that what
+each unit's ExecStart= needs in order to start (the program, the file it links to, a
+script's #! interpreter and the file that links to, a venv's base Python, an editable
+install's checkout) lies outside what that unit hides, reading the settings from the
+units and their drop-ins in PREFIX/etc/systemd/system/UNIT.d/*.conf. At / a hidden
+path is an error; under a staging prefix the report ends with a warning.
 """
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import site
 import sys
 from dataclasses import dataclass, field
@@ -33,6 +43,12 @@ SECRET = ("cluster.toml", "serve.toml", "redis.conf")  # may hold tokens: writte
 TEMPLATES = (("mariana-ps@", "ps"), ("mariana-preprocess@", "preprocess"), ("mariana-worker@", "worker"))
 SINGLE = ("mariana-redis", "mariana-coordinator", "mariana-loader")
 
+# What the sandbox settings hide from a unit's processes (systemd.exec(5)).
+TRUE = ("1", "yes", "y", "true", "t", "on")
+HOME_DIRS = ("/home", "/root", "/run/user")  # ProtectHome=yes|tmpfs empties them; read-only does not
+TMP_DIRS = ("/tmp", "/var/tmp")  # PrivateTmp=yes|disconnected: the unit's own, empty
+SYSTEMD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # a unit's PATH (for #!/usr/bin/env)
+
 
 @dataclass
 class Plan:
@@ -43,6 +59,19 @@ class Plan:
     unchanged: list[Path] = field(default_factory=list)
     kept: list[Path] = field(default_factory=list)
     commands: list[str] = field(default_factory=list)
+    hidden: list[str] = field(default_factory=list)  # under a staging prefix: what the sandbox hides...
+    fixes: list[str] = field(default_factory=list)  # ...and what to do about it (at / the install refuses)
+
+
+@dataclass(frozen=True)
+class Hidden:
+    """A file that `program` needs in order to start, hidden from `units` by their `option`."""
+    program: str
+    path: str
+    role: str  # how the program needs it ("its #! interpreter"); "" for the program itself
+    under: str  # the hidden directory: /root
+    option: str  # the setting that hides it: ProtectHome=yes
+    units: tuple[str, ...]
 
 
 def deploy_dir() -> Path:
@@ -76,16 +105,174 @@ def plan_install(prefix: str, mariana: str | None = None, redis_server: str | No
     plan = Plan(root, deploy_dir())
     mariana, redis_server = mariana or default_mariana(), redis_server or default_redis_server()
     units = root / "etc" / "systemd" / "system"
-    for unit in sorted((plan.source / "systemd").iterdir()):
-        if unit.suffix in (".service", ".timer", ".target"):
-            text = unit.read_text().replace(UNIT_MARIANA, mariana).replace(UNIT_REDIS, redis_server)
-            _add(plan, units / unit.name, text, replace=True)
+    texts = {unit.name: unit.read_text().replace(UNIT_MARIANA, mariana).replace(UNIT_REDIS, redis_server)
+             for unit in sorted((plan.source / "systemd").iterdir())
+             if unit.suffix in (".service", ".timer", ".target")}
+    _check_sandbox(plan, texts, units, mariana, redis_server)
+    for name, text in texts.items():
+        _add(plan, units / name, text, replace=True)
     etc = root / "etc" / "mariana"
     for src, name in CONFIGS.items():
         _add(plan, etc / name, (plan.source / src).read_text(), replace=False)
     plan.commands = _commands(plan, etc / "cluster.toml")
     _check_writable(plan)
     return plan
+
+
+# ---- what the sandbox hides from a unit ------------------------------------------------------
+
+def unit_settings(text: str) -> dict[str, list[str]]:
+    """Key -> its values in order, of a unit's text (with its drop-ins appended)."""
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if "=" in line and not line.startswith(("#", ";", "[")):
+            key, value = line.split("=", 1)
+            out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def _in_force(values: list[str], words: bool) -> list[str]:
+    """The items of a list setting: each assignment adds (its words, or itself as one item),
+    an empty one clears those before it (how a drop-in resets ExecStart=)."""
+    items: list[str] = []
+    for value in values:
+        items = items + (value.split() if words else [value]) if value else []
+    return items
+
+
+def hidden_dirs(text: str) -> dict[str, str]:
+    """Directory -> the setting of the unit `text` that hides it from the unit's processes."""
+    s = unit_settings(text)
+    hidden: dict[str, str] = {}
+    home, tmp = s.get("ProtectHome", [""])[-1], s.get("PrivateTmp", [""])[-1]
+    if home.lower() in TRUE + ("tmpfs",):
+        hidden.update(dict.fromkeys(HOME_DIRS, f"ProtectHome={home}"))
+    if tmp.lower() in TRUE + ("disconnected",):
+        hidden.update(dict.fromkeys(TMP_DIRS, f"PrivateTmp={tmp}"))
+    for key in ("InaccessiblePaths", "TemporaryFileSystem"):
+        for item in _in_force(s.get(key, []), words=True):
+            hidden[item.lstrip("-+").split(":")[0].rstrip("/") or "/"] = f"{key}={item}"
+    return hidden
+
+
+def exec_programs(text: str) -> list[str]:
+    """The programs a unit's ExecStart= lines run: their first words, without the -@:+! flags."""
+    return [line.split()[0].lstrip("-@:+!") for line in _in_force(unit_settings(text).get("ExecStart", []), False)]
+
+
+def find_hidden(units: dict[str, str], needs: dict[str, list[tuple[str, str]]]) -> list[Hidden]:
+    """What the units hide of the files their programs need.
+
+    `units`: unit name -> its text (drop-ins appended); `needs`: program -> [(path, role)]
+    as runtime_paths gives. One Hidden per path and hiding setting, naming every unit that
+    hides it; in the order of `needs`.
+    """
+    found: dict[tuple[str, str, str, str, str], list[str]] = {}
+    for name, text in units.items():
+        hidden = hidden_dirs(text)
+        for program in exec_programs(text):
+            for path, role in needs.get(program, []):
+                for d, option in hidden.items():
+                    if path == d or path.startswith(d.rstrip("/") + "/"):
+                        found.setdefault((program, path, role, d, option), []).append(name)
+    order = [(program, path) for program, paths in needs.items() for path, _ in paths]
+    return [Hidden(*key, units=tuple(names))
+            for key, names in sorted(found.items(), key=lambda kv: order.index(kv[0][:2]))]
+
+
+def runtime_paths(program: str) -> list[tuple[str, str]]:
+    """(path, role) of the files `program` needs in order to start: itself and the file it
+    links to; for a script its #! interpreter, the file that links to and a venv's base
+    Python; when that interpreter is the one running now, where mariana is imported from
+    (an editable install imports from its checkout)."""
+    needs = [(program, ""), (os.path.realpath(program), "the file it links to")]
+    interpreter = _interpreter(program)
+    if interpreter:
+        needs += [(interpreter, "its #! interpreter"),
+                  (os.path.realpath(interpreter), f"the file its #! interpreter {interpreter} links to")]
+        needs += _venv_base(interpreter)
+        if Path(interpreter).parent.parent.resolve() == Path(sys.prefix).resolve():
+            needs.append((str(Path(__file__).resolve().parents[1]), "the directory it imports mariana from"))
+    first: dict[str, str] = {}  # a path once, with its first role (a script that is no link: itself)
+    for path, role in needs:
+        first.setdefault(path, role)
+    return list(first.items())
+
+
+def _interpreter(program: str) -> str | None:
+    """The interpreter of a #! script: the #! path, env's argument as a unit's PATH finds it,
+    or the python of pip's `#!/bin/sh` form for long paths, whose exec line names it; else None."""
+    try:
+        with open(program, "rb") as f:
+            head = f.read(1024).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None  # not on this machine (a staging install): only its path is known
+    if not head or not head[0].startswith("#!") or not head[0][2:].split():
+        return None
+    words = head[0][2:].split()
+    if words[0] == "/bin/sh" and len(head) > 1 and head[1].startswith("'''exec' "):
+        return shlex.split(head[1])[1]
+    if os.path.basename(words[0]) == "env" and len(words) > 1:
+        return shutil.which(words[-1], path=SYSTEMD_PATH) or words[-1]
+    return words[0]
+
+
+def _venv_base(interpreter: str) -> list[tuple[str, str]]:
+    """A venv's python loads the standard library of the Python the venv was made from
+    (pyvenv.cfg `home`), even when it is a copy rather than a link."""
+    cfg = Path(interpreter).parent.parent / "pyvenv.cfg"
+    try:
+        lines = cfg.read_text().splitlines()
+    except OSError:
+        return []
+    homes = [v.strip() for k, _, v in (line.partition("=") for line in lines) if k.strip() == "home"]
+    if not homes:
+        return []
+    return [(homes[-1], f"pyvenv.cfg home of its venv {cfg.parent}: the Python whose standard library it loads")]
+
+
+def _check_sandbox(plan: Plan, texts: dict[str, str], units_dir: Path, mariana: str, redis_server: str) -> None:
+    """At / refuse, before anything is written, when a unit's sandbox hides what its program
+    needs; under a staging prefix put it in the plan for the report."""
+    units = {name: text + _dropins(units_dir / f"{name}.d") for name, text in texts.items()}
+    programs = dict.fromkeys(p for text in units.values() for p in exec_programs(text))
+    hidden = find_hidden(units, {p: runtime_paths(p) for p in programs})
+    fixes = {h.program: _fix(h.program, {d for n in h.units for d in hidden_dirs(units[n])}, mariana, redis_server)
+             for h in hidden}
+    if hidden and os.path.realpath(plan.prefix) == "/":
+        h = hidden[0]
+        raise MarianaError(f"the units cannot run {h.program}: {_explain(h)}; {fixes[h.program]}")
+    plan.hidden = [f"{h.program}: {_explain(h)}" for h in hidden]
+    plan.fixes = list(fixes.values())
+
+
+def _dropins(d: Path) -> str:
+    """A unit's drop-ins (UNIT.d/*.conf), in the order systemd applies them."""
+    try:
+        return "".join("\n" + p.read_text() for p in sorted(d.glob("*.conf")))
+    except OSError as e:
+        raise MarianaError(f"{d}: cannot read it: {e.strerror}") from None
+
+
+def _explain(h: Hidden) -> str:
+    subject = "it is" if not h.role else f"it needs {h.path} ({h.role}),"
+    units = h.units[0] if len(h.units) == 1 else f"{h.units[0]} and {len(h.units) - 1} more units"
+    return f"{subject} under {h.under}, which {h.option} hides from {units}"
+
+
+def _fix(program: str, dirs: set[str], mariana: str, redis_server: str) -> str:
+    ordered = sorted(dirs)
+    outside = f"{', '.join(ordered[:-1])} and {ordered[-1]}" if len(ordered) > 1 else ordered[0]
+    if program == mariana:
+        return (f"create the venv from a system Python outside {outside}, such as Debian's /usr/bin/python3: "
+                "`/usr/bin/python3 -m venv /opt/mariana/.venv && /opt/mariana/.venv/bin/pip install "
+                "torch==2.13.0 /path/to/mariana`, then run `/opt/mariana/.venv/bin/mariana deploy install`; "
+                "or pass --mariana PATH of an install laid out so (docs/operations.md)")
+    if program == redis_server:
+        return (f"use a redis-server outside {outside}: `apt-get install redis-server` and "
+                "--redis-server /usr/bin/redis-server, or a copy under /opt/mariana and --redis-server PATH")
+    return f"move {program} outside {outside}, or change the unit's setting in a drop-in"
 
 
 def _add(plan: Plan, dest: Path, text: str, replace: bool) -> None:
@@ -166,6 +353,10 @@ def report(plan: Plan, dry_run: bool) -> str:
         lines.append(f"The files are under {plan.prefix}; on the host they go to the same paths under /.")
     lines.append("Then, as root:" if not dry_run else "After installing, as root:")
     lines += [f"  {c}" for c in plan.commands]
+    if plan.hidden:  # last, where it is seen; at / the install refuses this
+        lines += ["", "WARNING: on a host laid out like this one these units will not start: their sandbox "
+                  "hides files they need (`mariana deploy install` at / refuses this).",
+                  *(f"  {line}" for line in plan.hidden), "Fix:", *(f"  {fix}" for fix in plan.fixes)]
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from services.deploy import Hidden, find_hidden, hidden_dirs, runtime_paths
 from services.runtime.config import load_cluster_config
 from services.runtime.lifecycle import DRAIN_SECONDS
 from tests.conftest import ROOT, run_cli
@@ -26,6 +27,8 @@ HARDENING = ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=yes", "
              "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectControlGroups=yes",
              "RestrictSUIDSGID=yes", "LockPersonality=yes")
 MARIANA = str(Path(sys.executable).parent / "mariana")
+SANDBOXED = ("/home", "/root", "/run/user", "/tmp", "/var/tmp")  # what ProtectHome=yes and PrivateTmp=yes hide
+RUN_MARIANA = [n for n in UNITS if "ExecStart=/opt/mariana/.venv/bin/mariana " in (DEPLOY / "systemd" / n).read_text()]
 
 
 def error_line(proc: subprocess.CompletedProcess) -> str:
@@ -185,6 +188,110 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
     line = error_line(run_cli("deploy", "install", "--prefix", broken))
     assert "cluster.toml" in line and "worker.count must be >= 1" in line
     assert not (broken / "etc/systemd").exists()  # checked before anything is written
+
+
+# ---- the sandbox hides nothing the units need -------------------------------------------------
+
+def test_hidden_dirs_follow_what_the_unit_says():
+    shipped = (DEPLOY / "systemd" / "mariana-worker@.service").read_text()
+    assert hidden_dirs(shipped) == {d: "PrivateTmp=yes" if "tmp" in d else "ProtectHome=yes" for d in SANDBOXED}
+    assert hidden_dirs(shipped + "\n[Service]\nProtectHome=read-only\nPrivateTmp=no\n") == {}  # a drop-in
+    assert hidden_dirs("ProtectHome=tmpfs\nPrivateTmp=false") == dict.fromkeys(SANDBOXED[:3], "ProtectHome=tmpfs")
+    listed = "InaccessiblePaths=/srv\nInaccessiblePaths=\nInaccessiblePaths=-/data/ /x\nTemporaryFileSystem=/var:ro"
+    assert hidden_dirs(listed) == {"/data": "InaccessiblePaths=-/data/", "/x": "InaccessiblePaths=/x",
+                                   "/var": "TemporaryFileSystem=/var:ro"}  # the empty one cleared /srv
+
+
+def unit(program: str, extra: str = "") -> str:
+    return f"[Service]\nExecStart={program} run worker\nProtectHome=yes\nPrivateTmp=yes\n{extra}"
+
+
+def test_a_venv_under_opt_from_a_system_python_is_visible():
+    opt = "/opt/mariana/.venv/bin/mariana"
+    needs = {opt: [(opt, ""), ("/opt/mariana/.venv/bin/python", "its #! interpreter"),
+                   ("/usr/bin/python3.11", "the file its #! interpreter links to"), ("/usr/bin", "pyvenv.cfg home")]}
+    assert find_hidden({"a.service": unit(opt), "b.service": unit(opt)}, needs) == []
+
+
+def test_a_venv_under_opt_from_a_python_under_root_is_not():
+    """A venv's bin/python links to the Python it was made from: pyenv's, under /root, is hidden."""
+    opt, base = "/opt/mariana/.venv/bin/mariana", "/root/.pyenv/versions/3.11.7/bin"
+    needs = {opt: [(opt, ""), ("/opt/mariana/.venv/bin/python", "its #! interpreter"),
+                   (f"{base}/python3.11", "the file its #! interpreter links to"), (base, "pyvenv.cfg home")],
+             "/tmp/redis-server": [("/tmp/redis-server", "")]}
+    units = {"a.service": unit(opt), "b.service": unit(opt, "ProtectHome=read-only\n"),  # as with a drop-in
+             "c.service": unit(opt), "redis.service": unit("/tmp/redis-server"), "d.timer": "[Timer]\nOnCalendar=daily"}
+    assert find_hidden(units, needs) == [
+        Hidden(opt, f"{base}/python3.11", "the file its #! interpreter links to", "/root", "ProtectHome=yes",
+               ("a.service", "c.service")),
+        Hidden(opt, base, "pyvenv.cfg home", "/root", "ProtectHome=yes", ("a.service", "c.service")),
+        Hidden("/tmp/redis-server", "/tmp/redis-server", "", "/tmp", "PrivateTmp=yes", ("redis.service",))]
+
+
+def test_runtime_paths_follow_the_script_its_interpreter_and_the_venv(tmp_path):
+    base, venv = tmp_path / "base" / "bin", tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    base.mkdir(parents=True)
+    (base / "python3.11").write_text("")
+    (venv / "bin" / "python").symlink_to(base / "python3.11")
+    (venv / "pyvenv.cfg").write_text(f"home = {base}\ninclude-system-site-packages = false\n")
+    script = venv / "bin" / "mariana"
+    script.write_text(f"#!{venv}/bin/python\nimport sys\n")
+    assert runtime_paths(str(script)) == [
+        (str(script), ""), (f"{venv}/bin/python", "its #! interpreter"),
+        (str(base / "python3.11"), f"the file its #! interpreter {venv}/bin/python links to"),
+        (str(base), f"pyvenv.cfg home of its venv {venv}: the Python whose standard library it loads")]
+    long = tmp_path / "long"  # pip's form for an interpreter path too long (or spaced) for #!
+    long.write_text("#!/bin/sh\n'''exec' \"/opt/a b/bin/python\" \"$0\" \"$@\"\n' '''\nimport sys\n")
+    assert runtime_paths(str(long))[1] == ("/opt/a b/bin/python", "its #! interpreter")
+    assert runtime_paths("/nowhere/bin/mariana") == [("/nowhere/bin/mariana", "")]  # another host's: its path only
+
+
+def test_install_at_root_refuses_what_the_sandbox_hides_before_writing():
+    """--dry-run at / (nothing written either way): the check runs in the plan, before any write."""
+    home = "/home/alice/mariana/.venv/bin/mariana"
+    line = error_line(run_cli("deploy", "install", "--dry-run", "--mariana", home,
+                              "--redis-server", "/usr/bin/redis-server"))
+    assert line.startswith(f"mariana: error: the units cannot run {home}: it is under /home, which ProtectHome=yes "
+                           f"hides from mariana-coordinator.service and {len(RUN_MARIANA) - 1} more units; create "
+                           "the venv from a system Python outside /home, /root, /run/user, /tmp and /var/tmp"), line
+    assert "`/usr/bin/python3 -m venv /opt/mariana/.venv && /opt/mariana/.venv/bin/pip install" in line
+    assert line.endswith("or pass --mariana PATH of an install laid out so (docs/operations.md)")
+    line = error_line(run_cli("deploy", "install", "--dry-run", "--mariana", "/opt/mariana/.venv/bin/mariana",
+                              "--redis-server", "/var/tmp/redis-server"))
+    assert line == ("mariana: error: the units cannot run /var/tmp/redis-server: it is under /var/tmp, which "
+                    "PrivateTmp=yes hides from mariana-redis.service; use a redis-server outside /home, /root, "
+                    "/run/user, /tmp and /var/tmp: `apt-get install redis-server` and --redis-server "
+                    "/usr/bin/redis-server, or a copy under /opt/mariana and --redis-server PATH")
+
+
+def test_a_staging_install_writes_and_warns(tmp_path):
+    script = tmp_path / "mariana"
+    script.write_text("#!/home/alice/.venv/bin/python\n")
+    assert f"cannot run {script}: " in error_line(run_cli("deploy", "install", "--dry-run", "--mariana", script))
+    proc = run_cli("deploy", "install", "--prefix", tmp_path / "root", "--mariana", script,
+                   "--redis-server", "/usr/bin/redis-server", check=True)
+    assert f"ExecStart={script} run loader" in (tmp_path / "root/etc/systemd/system/mariana-loader.service").read_text()
+    warning = proc.stdout[proc.stdout.index("\nWARNING: "):].splitlines()
+    assert warning[1].startswith("WARNING: on a host laid out like this one these units will not start")
+    assert (f"  {script}: it needs /home/alice/.venv/bin/python (its #! interpreter), under /home, which "
+            f"ProtectHome=yes hides from mariana-coordinator.service and {len(RUN_MARIANA) - 1} more units") in warning
+    assert warning[-2] == "Fix:" and warning[-1].startswith("  create the venv from a system Python outside /home")
+
+
+def test_drop_ins_are_read_and_a_visible_layout_warns_nothing(tmp_path):
+    opt = run_cli("deploy", "install", "--prefix", tmp_path, "--mariana", "/opt/mariana/.venv/bin/mariana",
+                  "--redis-server", "/usr/bin/redis-server", check=True)
+    assert "WARNING" not in opt.stdout
+    home = "/home/alice/.venv/bin/mariana"
+    for name in RUN_MARIANA:  # the operator's choice, in files systemd reads
+        (tmp_path / f"etc/systemd/system/{name}.d").mkdir()
+        (tmp_path / f"etc/systemd/system/{name}.d/home.conf").write_text("[Service]\nProtectHome=read-only\n")
+    args = ("deploy", "install", "--prefix", tmp_path, "--mariana", home, "--redis-server", "/usr/bin/redis-server")
+    assert "WARNING" not in run_cli(*args, check=True).stdout
+    (tmp_path / "etc/systemd/system/mariana-serve.service.d/home.conf").unlink()
+    proc = run_cli(*args, check=True)
+    assert f"  {home}: it is under /home, which ProtectHome=yes hides from mariana-serve.service\n" in proc.stdout
 
 
 # ---- the configs agree on ports --------------------------------------------------------------

@@ -423,7 +423,7 @@
                      tabindex: 0, onclick: select,
                      onkeydown: (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); select(); } }},
       el("td", {class: "job-id", title: job.id}, str(job.id)),
-      el("td", {}, stateBadge(job.state)),
+      el("td", {class: "state-cell"}, stateBadge(job.state), phaseNote(job)),
       el("td", {}, str(job.model)),
       el("td", {}, str(job.mode)),
       el("td", {}, progressCell(job)),
@@ -444,6 +444,18 @@
     return isNum(c.hits) ? `${fmtInt(c.hits)} hits, ${fmtInt(c.misses)} misses` : null;
   }
 
+  // What a running job does once its epochs are over (`phase`: "evaluating on test.tsv",
+  // "publishing v000003"...); null when the coordinator sends none. A finished job's is ignored.
+  function phaseOf(job) {
+    if (typeof job.phase !== "string" || !job.phase.trim()) return null;
+    return ["done", "failed", "cancelled"].includes(job.state) ? null : job.phase.trim();
+  }
+
+  function phaseNote(job) {
+    const phase = phaseOf(job);
+    return phase ? el("div", {class: "phase", "data-testid": "job-phase", title: phase}, phase) : null;
+  }
+
   function stateBadge(s) {
     const known = ["queued", "running", "done", "failed", "cancelled"].includes(s);
     return el("span", {class: `badge ${known ? s : ""}`, "data-testid": "job-state"}, str(s));
@@ -456,14 +468,16 @@
     const epoch = isNum(p.epoch) && isNum(p.epochs) ? `epoch ${p.epoch}/${p.epochs}` : "epoch —";
     const fill = el("div", {class: "fill"});
     if (frac !== null) fill.style.width = `${(100 * frac).toFixed(1)}%`;
+    const phase = phaseOf(job);
     const kind = ["done", "failed", "cancelled"].includes(job.state) ? job.state
-      : frac === null && job.state === "running" ? "unknown" : "";
+      : phase ? "finishing" : frac === null && job.state === "running" ? "unknown" : "";
     return el("div", {class: `progress ${kind}`, "data-testid": "job-progress", "data-rows": isNum(rows) ? rows : "",
                       "data-epoch": isNum(p.epoch) ? p.epoch : "", "data-fraction": frac === null ? "" : frac.toFixed(4),
                       role: "progressbar", "aria-valuemin": 0, "aria-valuemax": 100,
                       "aria-valuenow": frac === null ? null : Math.round(100 * frac)},
       el("div", {class: "bar"}, fill),
-      el("div", {class: "label"}, el("span", {}, epoch), el("span", {class: "pct"}, fmtPct(frac))));
+      el("div", {class: "label"}, el("span", {}, phase ? `${epoch} · finishing` : epoch),
+         el("span", {class: "pct"}, fmtPct(frac))));
   }
 
   function pin(id) {
@@ -492,11 +506,15 @@
     if (!job) {
       $("job-title").textContent = "Job";
       $("job-state-badge").replaceChildren();
+      $("job-phase").hidden = true;
       return;
     }
     $("job-title").textContent = `Job ${job.id}`;
     $("job-detail").dataset.job = job.id;
     $("job-state-badge").replaceChildren(stateBadge(job.state));
+    const phase = phaseOf(job);
+    $("job-phase").hidden = !phase;
+    $("job-phase").textContent = phase || "";
     $("job-facts").replaceChildren(...jobFacts(job));
     const err = $("job-error");
     err.hidden = !(job.error && (job.state === "failed" || job.state === "cancelled"));
@@ -537,9 +555,13 @@
     const t0 = isNum(job.started) && job.started > 0 ? job.started : (points[0] ? points[0].t : 0);
     const series = (key) => points.filter((p) => isNum(p[key]))
       .map((p) => ({x: p.t - t0, y: p[key], epoch: p.epoch}));
-    drawChart($("chart-loss"), series("loss"), {fmt: (v) => fmtFixed(v, 4), empty: emptyText(job, fromHistory)});
+    const test = testMetrics(job);
+    drawChart($("chart-loss"), series("loss"), {fmt: (v) => fmtFixed(v, 4), empty: emptyText(job, fromHistory),
+      ref: refLine(test, "logloss")});
     drawChart($("chart-auc"), series("auc"), {fmt: (v) => fmtFixed(v, 4),
-      empty: fromHistory ? emptyText(job, true) : "AUC over time needs the history endpoint"});
+      empty: fromHistory ? emptyText(job, true) : "AUC over time needs the history endpoint", ref: refLine(test, "auc")});
+    captionRef($("ref-loss"), test, "logloss");
+    captionRef($("ref-auc"), test, "auc");
     drawChart($("chart-throughput"), series("rows_per_s"), {fmt: (v) => `${fmtInt(v)} rows/s`, zero: true,
       tick: fmtCompact, empty: emptyText(job, fromHistory)});
     $("chart-source").textContent = fromHistory
@@ -548,6 +570,37 @@
         ? "This coordinator keeps no history (GET /v1/jobs/{id}/history: 404): points are the job's progress as this page saw it."
         : "No history kept for this job by this coordinator.";
     $("chart-source").dataset.source = fromHistory ? "history" : "summary";
+  }
+
+  // A finished job's metrics on its test data: {auc, logloss, rows}; {none: true} when it had
+  // no test data (the record's auc is null); null while it runs or when it has no record.
+  function testMetrics(job) {
+    const rec = isObj(job.record) ? job.record : null;
+    if (job.state !== "done" || !rec || !("auc" in rec)) return null;
+    if (!isNum(rec.auc)) return {none: true};
+    return {auc: rec.auc, logloss: isNum(rec.logloss) ? rec.logloss : null,
+            rows: isNum(rec.test_rows) ? rec.test_rows : null};
+  }
+
+  function refLine(test, key) {
+    return test && isNum(test[key]) ? {y: test[key], label: `test ${fmtFixed(test[key], 4)}`} : null;
+  }
+
+  // The caption's second line: "test AUC 0.8201" (the dashed line's legend) or "no test data".
+  function captionRef(box, test, key) {
+    const name = key === "auc" ? "AUC" : key;
+    box.dataset.value = test && isNum(test[key]) ? test[key].toFixed(4) : "";
+    if (!test) {
+      box.replaceChildren();
+      box.removeAttribute("title");
+    } else if (test.none) {
+      box.replaceChildren(el("span", {class: "none"}, "no test data"));
+      box.title = `This job had no test data: no test ${name} (only the progressive one, on training rows).`;
+    } else {
+      box.replaceChildren(el("span", {class: "swatch", "aria-hidden": "true"}), `test ${name} `,
+                          el("b", {}, fmtFixed(test[key], 4)));
+      box.title = `${name} on ${test.rows === null ? "the" : fmtInt(test.rows)} held-out test rows, after training`;
+    }
   }
 
   function emptyText(job, fromHistory) {
@@ -561,13 +614,15 @@
     const width = Math.max(240, Math.round(box.clientWidth || 320));
     const height = 180;
     const last = points[points.length - 1];
-    const sig = `${points.length}|${width}|${last ? `${last.x},${last.y}` : opts.empty}`;
+    const ref = opts.ref || null;
+    const sig = `${points.length}|${width}|${last ? `${last.x},${last.y}` : opts.empty}|${ref ? ref.y : ""}`;
     const nowEl = $(`now-${box.id.slice(6)}`);
     if (nowEl) nowEl.textContent = last ? opts.fmt(last.y) : DASH;
     if (box.dataset.sig === sig) return;
     box.dataset.sig = sig;
     const pts = thin(points, MAX_CHART_POINTS);
     box.dataset.points = String(pts.length);
+    box.dataset.ref = ref && pts.length ? String(ref.y) : "";
     const root = svg("svg", {viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none",
                              role: "img", "aria-label": `${box.id}: ${pts.length} points`});
     if (!pts.length) {
@@ -579,7 +634,7 @@
     const pad = {l: 54, r: 12, t: 10, b: 22};
     const x0 = Math.min(0, pts[0].x);
     const x1 = Math.max(x0 + 1, pts[pts.length - 1].x);
-    const ys = pts.map((p) => p.y);
+    const ys = pts.map((p) => p.y).concat(ref ? [ref.y] : []);
     let [y0, y1] = [Math.min(...ys), Math.max(...ys)];
     if (opts.zero) y0 = Math.min(0, y0);
     if (y1 - y0 < 1e-12) [y0, y1] = [y0 - (Math.abs(y0) * 0.05 || 1), y1 + (Math.abs(y1) * 0.05 || 1)];
@@ -613,7 +668,12 @@
     const end = pts[pts.length - 1];
     const cursor = svg("g", {class: "cursor", visibility: "hidden"},
                        svg("line", {y1: pad.t, y2: height - pad.b}), svg("circle", {r: 3.5, class: "dot"}));
-    root.append(grid, epochs, svg("path", {class: "area", d: area}), svg("path", {class: "line", d}),
+    const refs = svg("g", {class: "ref"});
+    if (ref) {
+      refs.append(svg("line", {x1: pad.l, x2: width - pad.r, y1: sy(ref.y), y2: sy(ref.y)}),
+                  svg("text", {x: pad.l + 6, y: sy(ref.y) + (sy(ref.y) < pad.t + 14 ? 12 : -4)}, ref.label));
+    }
+    root.append(grid, epochs, svg("path", {class: "area", d: area}), svg("path", {class: "line", d}), refs,
                 svg("circle", {class: "dot", cx: sx(end.x), cy: sy(end.y), r: 3}), axis, cursor);
     hover(root, box, pts, sx, sy, opts, cursor);
     box.replaceChildren(root);
@@ -695,16 +755,18 @@
     box.dataset.sig = sig;
     box.replaceChildren(el("h3", {}, "Finished epochs"), el("div", {class: "table-wrap"},
       el("table", {class: "table", "data-testid": "job-epochs"},
-        el("thead", {}, el("tr", {}, ["Epoch", "Seconds", "Rows", "Rows/s", "Loss", "AUC"]
-          .map((h, i) => el("th", {class: i ? "num" : null}, h)))),
+        el("thead", {}, el("tr", {}, ["Epoch", "Seconds", "Rows", "Rows/s", "Train loss", "Progressive AUC"]
+          .map((h, i) => el("th", {class: i ? "num" : null, title: i >= 4 ? PROGRESSIVE_HINT : null}, h)))),
         el("tbody", {}, rows.map(([e, s, n, loss, auc]) => el("tr", {},
           el("td", {}, str(e)), el("td", {class: "num"}, fmtFixed(s, 2)), el("td", {class: "num"}, fmtInt(n)),
           el("td", {class: "num"}, isNum(s) && isNum(n) && s > 0 ? fmtInt(n / s) : DASH),
           el("td", {class: "num"}, fmtFixed(loss, 4)), el("td", {class: "num"}, fmtFixed(auc, 4))))))));
   }
 
+  const PROGRESSIVE_HINT = "on training rows, each batch scored before the model trained on it";
+  const testValue = (v) => (isNum(v) ? v.toFixed(4) : "no test data");
   const RECORD_HIGHLIGHTS = [
-    ["auc", "AUC", (v) => fmtFixed(v, 4)], ["logloss", "Logloss", (v) => fmtFixed(v, 4)],
+    ["auc", "Test AUC", testValue], ["logloss", "Test logloss", testValue],
     ["train_loss", "Train loss", (v) => fmtFixed(v, 4)], ["rows_applied", "Rows applied", fmtInt],
     ["rows_per_s", "Rows/s", fmtInt], ["train_seconds", "Train time", fmtDuration],
     ["model_version", "Version", str], ["promoted", "Promoted", fmtValue],
@@ -724,7 +786,8 @@
     box.dataset.sig = sig;
     const open = box.querySelector("details") ? box.querySelector("details").open : false;
     const metrics = RECORD_HIGHLIGHTS.filter(([k]) => k in rec).map(([k, label, f]) =>
-      el("div", {class: "metric", "data-key": k}, el("div", {class: "k"}, label), el("div", {class: "v"}, f(rec[k]))));
+      el("div", {class: "metric", "data-key": k}, el("div", {class: "k"}, label),
+         el("div", {class: rec[k] === null ? "v none" : "v"}, f(rec[k]))));
     const rows = Object.keys(rec).sort().map((k) => el("tr", {}, el("td", {}, k), el("td", {}, fmtValue(rec[k]))));
     box.replaceChildren(
       el("h3", {}, "Record"),
@@ -865,29 +928,37 @@
     const done = state.jobs.filter((j) => isObj(j.record) && j.record.model_version);
     if (!done.length) return el("p", {class: "empty"}, "None yet.");
     return el("div", {class: "table-wrap"}, el("table", {class: "table", "data-testid": "job-versions"},
-      el("thead", {}, el("tr", {}, ["Directory", "Version", "Promoted", "AUC", "Logloss", "Job"].map((h) =>
+      el("thead", {}, el("tr", {}, ["Directory", "Version", "Job", "Promoted", "Test AUC", "Test logloss"].map((h) =>
         el("th", {}, h)))),
       el("tbody", {}, done.map((j) => el("tr", {},
         el("td", {class: "mono"}, str(j.record.model_dir)), el("td", {class: "mono"}, str(j.record.model_version)),
-        el("td", {}, fmtValue(j.record.promoted)), el("td", {}, fmtFixed(j.record.auc, 4)),
-        el("td", {}, fmtFixed(j.record.logloss, 4)), el("td", {class: "mono"}, str(j.id)))))));
+        jobCell(j.id), el("td", {}, fmtValue(j.record.promoted)), el("td", {}, fmtFixed(j.record.auc, 4)),
+        el("td", {}, fmtFixed(j.record.logloss, 4)))))));
   }
 
   function modelBlock(model) {
     const versions = Array.isArray(model.versions) ? model.versions.filter(isObj) : [];
     const decisions = Array.isArray(model.decisions) ? model.decisions.filter(isObj) : [];
     const promotions = Array.isArray(model.promotions) ? model.promotions.filter(isObj) : [];
+    const kinds = [...new Set(versions.map((v) => v.model).filter((k) => k !== null && k !== undefined))];
     return el("div", {class: "model", "data-testid": "model", "data-dir": model.dir},
       el("div", {class: "model-head"}, el("span", {class: "path"}, str(model.dir)),
+         kinds.length === 1 ? el("span", {class: "chip", title: "the model kind of every version"}, String(kinds[0]))
+           : null,
          el("span", {class: "muted"}, "serving "), el("span", {class: "badge current"}, str(model.current))),
       el("div", {class: "model-cols"},
-        el("div", {}, el("h3", {}, `Versions (${versions.length})`), versionsTable(versions)),
+        el("div", {}, el("h3", {}, `Versions (${versions.length})`), versionsTable(versions, kinds.length > 1)),
         el("div", {},
           el("h3", {}, "Retrain decisions"), eventList(decisions.slice(0, 10), decisionItem, "No retrain decision yet."),
           el("h3", {}, "Promotions"), eventList(promotions.slice(0, 10), promotionItem, "No promotion recorded."))));
   }
 
-  function versionsTable(versions) {
+  // Manifest metric names as column heads (the metrics are the test set's).
+  const METRIC_HEADS = {auc: "AUC", logloss: "Logloss", calibration: "Calib.", ne: "NE"};
+
+  // Narrow enough for a laptop beside the decisions: the job as a short link (full id in its
+  // title), a compact creation time, the model kind only when the versions differ in it.
+  function versionsTable(versions, showModel) {
     if (!versions.length) return el("p", {class: "empty"}, "No versions.");
     // AUC and logloss first, then other metrics some version has a number for (at most four columns)
     const keys = ["auc", "logloss"];
@@ -897,15 +968,47 @@
         if (!keys.includes(k) && keys.length < 4 && isNum(x) && !/rows$/.test(k)) keys.push(k);
       }
     }
-    return el("div", {class: "table-wrap"}, el("table", {class: "table", "data-testid": "model-versions"},
-      el("thead", {}, el("tr", {}, el("th", {}, "Version"), el("th", {}, "Created"), el("th", {}, "Model"),
-         keys.map((k) => el("th", {class: "num"}, k)), el("th", {class: "num"}, "Rows"), el("th", {}, "Job"))),
+    return el("div", {class: "table-wrap"}, el("table", {class: "table compact", "data-testid": "model-versions"},
+      el("thead", {}, el("tr", {}, el("th", {}, "Version"), el("th", {}, "Job"), el("th", {}, "Created"),
+         showModel ? el("th", {}, "Model") : null,
+         keys.map((k) => el("th", {class: "num", title: `${k} on the version's test data`}, METRIC_HEADS[k] || k)),
+         el("th", {class: "num", title: "rows trained"}, "Rows"))),
       el("tbody", {}, versions.slice(0, 50).map((v) => el("tr", {"data-version": v.version},
-        el("td", {class: "mono"}, str(v.version), " ", v.current ? el("span", {class: "badge current"}, "current")
+        el("td", {class: "mono"}, str(v.version), v.current ? el("span", {class: "badge current small"}, "current")
           : null),
-        el("td", {}, fmtTime(v.created)), el("td", {}, str(v.model)),
+        jobCell(v.job),
+        el("td", {title: fmtTimeTitle(v.created)}, fmtShortTime(v.created)),
+        showModel ? el("td", {}, str(v.model)) : null,
         keys.map((k) => el("td", {class: "num"}, isObj(v.metrics) ? metricText(v.metrics[k]) : DASH)),
-        el("td", {class: "num"}, fmtInt(v.rows)), el("td", {class: "mono"}, str(v.job)))))));
+        el("td", {class: "num", title: isNum(v.rows) ? fmtInt(v.rows) : null}, fmtCompact(v.rows)))))));
+  }
+
+  // A job id in a narrow cell: the coordinator's "j20250312-101500-4f9c2a" as "…4f9c2a" (its
+  // time is in the Created column), a link that selects the job; the full id in the title.
+  function jobCell(id) {
+    if (id === null || id === undefined || id === "") return el("td", {}, DASH);
+    const full = String(id);
+    const tail = /-([0-9a-f]{4,12})$/i.exec(full);
+    const short = tail ? `…${tail[1]}` : full.length > 14 ? `${full.slice(0, 6)}…${full.slice(-6)}` : full;
+    const known = state.jobs.some((j) => String(j.id) === full);
+    return el("td", {class: "mono", title: full, "data-testid": "version-job", "data-job": full},
+      known ? el("a", {href: `#job=${encodeURIComponent(full)}`, onclick: showJobDetail}, short) : short);
+  }
+
+  function showJobDetail() {  // after the link's hash change has selected the job
+    requestAnimationFrame(() => $("job-detail").scrollIntoView({behavior: "smooth", block: "start"}));
+  }
+
+  // Today "13:18", this year "12 Mar 13:18", before "12 Mar 2024".
+  function fmtShortTime(t) {
+    const unix = toUnix(t);
+    if (!isNum(unix) || unix <= 0) return DASH;
+    const d = new Date(unix * 1000);
+    const now = new Date();
+    const hm = d.toLocaleTimeString("en-GB", {hour: "2-digit", minute: "2-digit", hour12: false});
+    if (d.toDateString() === now.toDateString()) return hm;
+    const day = d.toLocaleDateString("en-GB", {day: "numeric", month: "short"});
+    return d.getFullYear() === now.getFullYear() ? `${day} ${hm}` : `${day} ${d.getFullYear()}`;
   }
 
   function metricText(x) {

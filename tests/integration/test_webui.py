@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -314,6 +315,8 @@ def test_browser_page_writes_api_strings_as_text_and_copes_with_an_older_api(chr
             page.wait_for_function("() => +document.querySelector('[data-testid=chart-loss]').dataset.points >= 3")
             expect(page.locator("[data-testid=chart-auc]")).to_have_attribute("data-points", "0")
             assert int(running.locator("[data-testid=job-progress]").get_attribute("data-rows")) >= 3000
+            expect(running.locator("[data-testid=job-phase]")).to_have_count(0)  # no phase: nothing extra
+            expect(page.locator("[data-testid=job-detail-phase]")).to_be_hidden()
             expect(page.locator("[data-testid=models]")).to_contain_text("404")
 
             failed = page.locator("[data-testid=job-row][data-state=failed]")
@@ -337,3 +340,204 @@ def test_browser_page_writes_api_strings_as_text_and_copes_with_an_older_api(chr
         finally:
             browser.close()
     assert not errors, errors
+
+
+# ---- a finished job, a finishing one and model versions, at a laptop's width ---------------------
+
+NOW = time.time()
+DONE_ID, FINISHING_ID, NO_TEST_ID = "j20250312-101500-4f9c2a", "j20250312-113000-7d1e0b", "j20250312-090000-0a0a0a"
+MODEL_DIR = "/srv/mariana/models/criteo-ctr-sparse-dnn"
+
+
+def canned_history(started: float, seconds: int = 300) -> list[dict]:
+    """A point every 2 s over 3 epochs: progressive AUC climbing to ~0.85 (above the test AUC)."""
+    return [{"t": started + s, "epoch": 1 + min(2, 3 * s // seconds), "rows_total": 400 * s,
+             "rows_per_s": 9000.0 + 600 * math.sin(s / 17), "loss": 0.56 - 0.1 * s / seconds,
+             "auc": 0.70 + 0.15 * s / seconds} for s in range(2, seconds + 1, 2)]
+
+
+def canned_job(job_id: str, state: str, started: float, **fields) -> dict:
+    return {"id": job_id, "state": state, "error": "", "submitted": started, "started": started,
+            "ended": 0 if state == "running" else started + 300, "model": "sparse_dnn", "mode": "async",
+            "data": ["/srv/data/train.tsv"], "restarts": 0,
+            "progress": {"epoch": 3, "epochs": 3, "rows": 40_000, "rows_total": 120_000, "rows_per_s": 9000.0,
+                         "loss": 0.46, "fraction": 1.0}, **fields}
+
+
+def canned_record(auc: float | None, logloss: float | None, version: str) -> dict:
+    return {"auc": auc, "logloss": logloss, "calibration": None if auc is None else 1.012,
+            "ne": None if auc is None else 0.8312, "test_rows": 0 if auc is None else 20_000,
+            "train_rows": 40_000, "rows_applied": 120_000, "epochs": 3, "epoch_seconds": [99.1, 98.7, 100.2],
+            "train_seconds": 298.0, "rows_per_s": 402.7, "train_loss": 0.4611, "model": "sparse_dnn",
+            "model_dir": MODEL_DIR, "model_version": version, "promoted": True}
+
+
+def canned_version(n: int, job: str, days_ago: float, auc: float | None) -> dict:
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(NOW - days_ago * 86400))
+    metrics = {"auc": None, "logloss": None, "calibration": None, "ne": None, "test_rows": 0} if auc is None \
+        else {"auc": auc, "logloss": 0.4432 + (0.8201 - auc), "calibration": 1.012, "ne": 0.8312, "test_rows": 20_000}
+    return {"version": f"v{n:06d}", "current": n == 3, "created": created, "model": "sparse_dnn",
+            "metrics": metrics, "rows": 1_200_000, "job": job}
+
+
+class CannedAPI:
+    """/v1/status, /v1/jobs/{id}/history and /v1/models of a coordinator with three jobs: one
+    done with a test set (test AUC 0.8201 below its progressive AUC's ~0.85), one done without,
+    and one whose epochs are over but which is still running (`phase`)."""
+
+    def __init__(self):
+        self.jobs = {
+            FINISHING_ID: canned_job(FINISHING_ID, "running", NOW - 320, phase="evaluating on test.tsv"),
+            DONE_ID: canned_job(DONE_ID, "done", NOW - 4000, phase=None,
+                                record=canned_record(0.8201, 0.4432, "v000003")),
+            NO_TEST_ID: canned_job(NO_TEST_ID, "done", NOW - 9000, record=canned_record(None, None, "v000002")),
+        }
+        self.versions = [canned_version(3, DONE_ID, 0.04, 0.8201), canned_version(2, NO_TEST_ID, 0.1, None),
+                         canned_version(1, "j20250301-235959-c0ffee", 11, 0.8017)]
+
+    def status(self) -> dict:
+        services = {f"{role}-{i}": {"role": role, "index": i, "pid": 100 + i, "alive": True,
+                                        "last_seen": time.time()}
+                    for role in ("worker", "ps") for i in range(2)}
+        return {"services": services, "counters": {}, "jobs": list(self.jobs.values())}
+
+    def models(self) -> dict:
+        decision = {"time": NOW - 3650, "verdict": "promote", "candidate": "v000003", "served": "v000002",
+                    "candidate_metrics": {"auc": 0.8201}, "served_metrics": {"auc": None},
+                    "reason": "the served version has no test AUC"}
+        promotion = {"time": NOW - 3640, "version": "v000003", "previous": "v000002", "reason": "retrain"}
+        return {"models": [{"dir": MODEL_DIR, "current": "v000003", "versions": self.versions,
+                            "decisions": [decision], "promotions": [promotion]}]}
+
+    def __call__(self, route) -> None:
+        path = urllib.parse.unquote(route.request.url.split("/v1/", 1)[1].split("?")[0])
+        body = None
+        if path == "status":
+            body = self.status()
+        elif path == "models":
+            body = self.models()
+        elif path.startswith("jobs/") and path.endswith("/history") and path[5:-8] in self.jobs:
+            job = self.jobs[path[5:-8]]
+            body = {"job": job["id"], "points": canned_history(job["started"]), "epochs": []}
+        if body is None:
+            route.fulfill(status=404, content_type="text/plain", body="404: Not Found")
+        else:
+            route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+
+
+@pytest.fixture
+def canned_page(chromium, artifacts):
+    """A factory of pages (viewport width, height) on the UI against CannedAPI; no page errors."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the dev extra installs playwright")
+    errors: list[str] = []
+    with ui_only_server() as url, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+
+        def open_page(width: int = 1280, height: int = 800, job: str | None = None):
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
+            page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
+            page.route("**/v1/**", CannedAPI())
+            page.goto(url + "/ui/" + (f"#job={job}" if job else ""))
+            return page
+
+        try:
+            yield sync_api.expect, open_page
+        finally:
+            browser.close()
+    assert not errors, errors
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_browser_labels_the_progressive_auc_and_shows_the_test_auc(canned_page, artifacts):
+    """The AUC chart is of training rows scored before each update (it reads ~0.85 here), so it
+    says so; a finished job's test AUC (0.8201) is in its caption and a dashed line on it."""
+    expect, open_page = canned_page
+    page = open_page(job=DONE_ID)
+    expect(page.locator("[data-testid=job-detail]")).to_have_attribute("data-job", DONE_ID)
+    title = page.locator("[data-testid=chart-auc-title]")
+    expect(title).to_contain_text("Progressive AUC")
+    expect(title).to_contain_text("training rows")
+    assert "before the model trained" in title.get_attribute("title")
+    expect(page.locator("[data-testid=chart-loss-title]")).to_contain_text("training rows")
+
+    auc_test = page.locator("[data-testid=chart-auc-test]")
+    expect(auc_test).to_have_text("test AUC 0.8201")
+    expect(page.locator("[data-testid=chart-loss-test]")).to_have_text("test logloss 0.4432")
+    chart = page.locator("[data-testid=chart-auc]")
+    expect(chart).to_have_attribute("data-ref", "0.8201")
+    expect(chart.locator(".ref line")).to_have_count(1)
+    expect(chart.locator(".ref text")).to_have_text("test 0.8201")
+    expect(page.locator("#now-auc")).to_have_text("0.8500")  # the progressive one, still shown
+    record = page.locator("[data-testid=job-record]")
+    expect(record.locator("[data-key=auc] .k")).to_have_text("Test AUC")
+    expect(record.locator("[data-key=auc] .v")).to_have_text("0.8201")
+    page.screenshot(path=str(artifacts / "webui-test-auc.png"), full_page=True)
+
+    page.locator(f'[data-testid=job-row][data-job="{NO_TEST_ID}"]').click()  # done, without test data
+    expect(auc_test).to_have_text("no test data")
+    expect(chart).to_have_attribute("data-ref", "")
+    expect(chart.locator(".ref line")).to_have_count(0)
+    expect(record.locator("[data-key=auc] .v")).to_have_text("no test data")
+
+    page.locator(f'[data-testid=job-row][data-job="{FINISHING_ID}"]').click()  # running: no test AUC yet
+    expect(auc_test).to_have_text("")
+    expect(page.locator("[data-testid=chart-auc]")).to_have_attribute("data-points", "150")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_browser_shows_the_phase_of_a_job_past_its_epochs(canned_page):
+    """A running job whose epochs are done says what it does now, in its row and its detail;
+    jobs without a phase (null, or no field) show nothing extra."""
+    expect, open_page = canned_page
+    page = open_page()
+    row = page.locator(f'[data-testid=job-row][data-job="{FINISHING_ID}"]')
+    expect(row).to_have_attribute("aria-selected", "true")
+    expect(row.locator(".state-cell [data-testid=job-phase]")).to_have_text("evaluating on test.tsv")
+    expect(row.locator("[data-testid=job-progress]")).to_have_class("progress finishing")
+    detail = page.locator("[data-testid=job-detail-phase]")
+    expect(detail).to_be_visible()
+    expect(detail).to_have_text("evaluating on test.tsv")
+    expect(page.locator("[data-testid=job-phase]")).to_have_count(1)  # DONE_ID's null, NO_TEST_ID's absent
+    page.locator(f'[data-testid=job-row][data-job="{DONE_ID}"]').click()
+    expect(detail).to_be_hidden()
+
+
+# every header cell's box, its scroll container's and the viewport's, in CSS pixels
+HEADER_BOXES = """(table) => {
+    const wrap = table.closest(".table-wrap");
+    const box = (r) => ({left: r.left, right: r.right, top: r.top, bottom: r.bottom});
+    return {wrap: {...box(wrap.getBoundingClientRect()), scroll: wrap.scrollWidth, client: wrap.clientWidth},
+            view: {width: document.documentElement.clientWidth, height: window.innerHeight},
+            heads: [...table.querySelectorAll("thead th")].map((th) => ({text: th.textContent,
+                    ...box(th.getBoundingClientRect())}))};
+}"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("width", [1280, 1024])
+def test_browser_versions_table_shows_every_column_on_a_laptop(canned_page, artifacts, width):
+    """No column of the model versions table (Job included) hides behind a horizontal scroll."""
+    expect, open_page = canned_page
+    page = open_page(width, 800)
+    table = page.locator("[data-testid=model-versions]")
+    expect(table.locator("tbody tr")).to_have_count(3)
+    table.scroll_into_view_if_needed()
+    boxes = table.evaluate(HEADER_BOXES)
+    heads = [h["text"] for h in boxes["heads"]]
+    assert {"Version", "Job", "Created"} <= set(heads), heads
+    wrap, view = boxes["wrap"], boxes["view"]
+    assert wrap["scroll"] <= wrap["client"], f"the table scrolls: {wrap}"
+    for h in boxes["heads"]:
+        assert wrap["left"] - 0.5 <= h["left"] and h["right"] <= wrap["right"] + 0.5, (h, wrap)
+        assert 0 <= h["left"] and h["right"] <= view["width"], (h, view)
+        assert 0 <= h["top"] and h["bottom"] <= view["height"], (h, view)
+    job = table.locator(f'[data-version="v000003"] [data-testid=version-job]')
+    expect(job).to_have_attribute("title", DONE_ID)  # shown short, the full id on hover
+    expect(job).to_have_text("…4f9c2a")
+    page.screenshot(path=str(artifacts / f"webui-versions-{width}.png"))
+    job.locator("a").click()  # selects that job
+    expect(page.locator("[data-testid=job-detail]")).to_have_attribute("data-job", DONE_ID)

@@ -25,9 +25,8 @@ $mariana down >/dev/null 2>&1 || true  # a cluster left over from an interrupted
 $mariana -q up --workers 2 --ps 2 --preprocess 1 >/dev/null
 serve_pid=""
 trap '[ -n "$serve_pid" ] && kill -TERM "$serve_pid" 2>/dev/null; wait 2>/dev/null; $mariana -q down >/dev/null' EXIT
-$mariana status
+$mariana status  # (its web UI shows the jobs, workers and models while the demo runs)
 http=$(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["http"])' "$out/cluster/cluster.json")
-echo "  web UI of jobs, workers and models while the demo runs: $http/ui/"
 
 echo "== 3/9 train logistic regression on the cluster, 2 epochs (the second from the cache)"
 $mariana train --mode cluster --data "$out/train.tsv" --test-data "$out/test.tsv" --model lr --epochs 2 \
@@ -92,3 +91,31 @@ echo "== 9/9 train a new LR version on the test rows; it is announced and the se
 $mariana -q train --data "$out/test.tsv" --model lr --out "$out/model-lr" --notify "$redis_url" >/dev/null
 ask v000002
 $mariana model list --model-dir "$out/model-lr"
+
+echo "== summary"
+.venv/bin/python - "$out" "$port" "$http" <<'PY'
+import sys
+from trainer import checkpoint
+out, port, ui = sys.argv[1], sys.argv[2], sys.argv[3] + "/ui/"
+print("models trained (AUC on the test rows):")
+for kind in ("lr", "dnn"):
+    m = checkpoint.overview(f"{out}/model-{kind}")
+    for v in reversed(m["versions"]):
+        auc = v["metrics"].get("auc")
+        how = f"test AUC {auc:.4f}" if auc is not None else "no test AUC (trained on the test rows)"
+        where = f"cluster job {v['job']}" if v.get("job") else "local"
+        print(f"  {out + '/model-' + kind:<20} {v['version']}  {v['model']:<3}  {v['rows']:>9,} rows  "
+              f"{where:<36} {how}"
+              + ("   <- CURRENT" if v["current"] else ""))
+served = checkpoint.current_version(f"{out}/model-lr")
+print(f"served: {out}/model-lr {served} on http://127.0.0.1:{port}/v1/predict (stops with the demo)")
+print(f"outputs: {out}/ (train.tsv, test.tsv, model-lr/, model-dnn/, cluster/logs/)")
+print("try next:")
+print(f"  .venv/bin/mariana up                 # a cluster that stays up (its web UI: the URL it prints)")
+print(f"  .venv/bin/mariana train --mode cluster --data {out}/train.tsv --test-data {out}/test.tsv "
+      f"--model dnn --out {out}/model-dnn")
+print(f"  .venv/bin/mariana serve --model-dir {out}/model-lr --port 8080")
+print(f"  .venv/bin/mariana evaluate --model {out}/model-dnn --data {out}/test.tsv")
+print(f"  .venv/bin/mariana down               # stop that cluster")
+print(f"the web UI at {ui} closes with the demo's cluster, now")
+PY

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -15,7 +16,7 @@ from sparse.errors import ConfigError
 from sparse.parse import Reader
 from trainer.bundle import ModelBundle
 from trainer.config import JobConfig, from_dict
-from trainer.job import check_inputs, check_out_dir
+from trainer.job import check_inputs, check_out_dir, check_trained
 from trainer.strategies.local import evaluate, peak_rss_mb
 
 MODES = ("async", "ssp", "bsp")
@@ -25,6 +26,7 @@ def check_request(body: dict) -> tuple[dict, dict]:
     """A submitted job -> (request, spec), or ConfigError/OSError naming what is wrong.
 
     body: {"data": [paths], "test_data": [paths], "out": dir, "config": {job config},
+           (every path absolute: data, test_data, out, config.images.*)
            "mode": "async" | "ssp" | "bsp", "staleness": k,
            "promote": true (default) | false (write the version without moving CURRENT)}
     """
@@ -35,12 +37,15 @@ def check_request(body: dict) -> tuple[dict, dict]:
         raise ConfigError(f"unknown job key {sorted(unknown)[0]!r} "
                           "(known: config, data, mode, out, promote, staleness, test_data)")
     config = from_dict(JobConfig, body.get("config") or {}, "config")
+    for key, path in config.paths().items():
+        _absolute(f"config.{key}", path)
     data, tests = _paths(body, "data"), _paths(body, "test_data")
     if not data:
         raise ConfigError("data: name at least one training file")
     out = body.get("out")
     if not isinstance(out, str) or not out:
         raise ConfigError("out: the model directory to publish into is required")
+    _absolute("out", out)
     mode = body.get("mode", "async")
     if mode not in MODES:
         raise ConfigError(f"mode: unknown {mode!r} (use {', '.join(MODES)})")
@@ -60,7 +65,7 @@ def check_request(body: dict) -> tuple[dict, dict]:
         creatives_dir(config.images.creatives)  # ConfigError naming the dir when it is not one
         if config.images.featurizer and not os.path.isdir(config.images.featurizer):
             raise ConfigError(f"images.featurizer {config.images.featurizer}: no such directory")
-    request = {"data": data, "test_data": tests, "out": os.path.abspath(out), "mode": mode,
+    request = {"data": data, "test_data": tests, "out": os.path.normpath(out), "mode": mode,
                "staleness": staleness, "model": config.model.kind, "promote": promote}
     return request, {"config": config.to_dict(), "schema": schema.to_dict()}
 
@@ -83,7 +88,17 @@ def _paths(body: dict, key: str) -> list[str]:
         value = [p for p in value.split(",") if p]
     if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
         raise ConfigError(f"{key}: expected a list of file paths")
-    return [os.path.abspath(p) for p in value]
+    for p in value:
+        _absolute(key, p)
+    return [os.path.normpath(p) for p in value]
+
+
+def _absolute(key: str, path: str) -> None:
+    """The coordinator runs in a directory of its own (or on another host): a relative
+    path would name a file there, not the submitter's. `mariana train` sends absolute ones."""
+    if not os.path.isabs(path):
+        raise ConfigError(f"{key}: {path!r} is a relative path; a job names files by absolute paths "
+                          "(the coordinator does not know the submitter's working directory)")
 
 
 def assemble(spec: dict, exports: list[dict[str, np.ndarray]], images=None) -> ModelBundle:
@@ -112,17 +127,23 @@ def assemble(spec: dict, exports: list[dict[str, np.ndarray]], images=None) -> M
 
 
 def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_shards: int,
-                         train_seconds: float, images=None) -> dict:
-    """Assemble, evaluate on the test files, save a version; the job's result record."""
-    bundle = assemble(spec, exports, images)
+                         train_seconds: float, images=None,
+                         on_phase: Callable[[str], None] | None = None) -> dict:
+    """Assemble, evaluate on the test files, save a version; the job's result record.
+    `on_phase(text)` hears what it is doing (evaluating, publishing). A job whose
+    training saw no rows, or whose loss is not finite, publishes nothing (MarianaError)."""
+    phase = on_phase or (lambda text: None)
     rows_per_epoch = [int(ledger.rows_done[e]) for e in range(1, ledger.epochs + 1)]
+    last = ledger.epochs
+    train_loss = ledger.loss_sum[last] / rows_per_epoch[-1] if rows_per_epoch and rows_per_epoch[-1] else None
+    check_trained(request["data"], sum(rows_per_epoch), train_loss)
+    bundle = assemble(spec, exports, images)
     bundle.rows_trained = sum(rows_per_epoch)
     bundle.steps = len(ledger.done)
     metrics, test_parse = ({}, None)
     if request["test_data"]:
+        phase(f"evaluating on {', '.join(os.path.basename(p) for p in request['test_data'])}")
         metrics, test_parse = evaluate(bundle, request["test_data"])
-    last = ledger.epochs
-    train_loss = ledger.loss_sum[last] / rows_per_epoch[-1] if rows_per_epoch and rows_per_epoch[-1] else None
     record = {
         "auc": metrics.get("auc"), "logloss": metrics.get("logloss"),
         "calibration": metrics.get("calibration"), "ne": metrics.get("ne"),
@@ -136,6 +157,7 @@ def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_s
     }
     if images is not None:
         record["images"] = cluster_image_record(spec, ledger, images)
+    phase(f"publishing a version in {request['out']}")
     version = bundle.save(request["out"], make_current=request.get("promote", True), extra={
         **({"images": record["images"]} if images is not None else {}),
         "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows")},

@@ -71,10 +71,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _job_config(args)
     if args.featurizer and not args.images:
         raise MarianaError("--featurizer goes with --images")
-    if args.mode == "cluster" and config.images.creatives:  # the coordinator reads these: no relative paths
-        for key in ("creatives", "featurizer", "mnist"):
-            if getattr(config.images, key):
-                setattr(config.images, key, os.path.abspath(getattr(config.images, key)))
     if args.mode == "cluster":
         record = _train_cluster(args, config)
     else:
@@ -106,14 +102,26 @@ def _train_cluster(args: argparse.Namespace, config) -> dict:
     if args.staleness is not None and sync != "ssp":
         raise MarianaError(f"--staleness goes with --sync ssp, not --sync {sync}")
 
+    asked = tuple(key.split(".")[0] for key in overrides)
+    return run_cluster_job(config, _paths(args.data), _paths(args.test_data), args.out, cluster,
+                           mode=sync, staleness=args.staleness, on_progress=_cluster_progress(), asked=asked)
+
+
+def _cluster_progress():
+    """A cluster job's progress line about once a second; after its epochs, what it does
+    instead (when that changes, and every 10 s while it lasts)."""
+    said = {"phase": None, "at": 0.0}
+
     def report(p: dict) -> None:
+        if p.get("phase"):
+            if p["phase"] != said["phase"] or time.monotonic() - said["at"] >= 10.0:
+                log.info("job: %s", p["phase"])
+                said.update(phase=p["phase"], at=time.monotonic())
+            return
         loss = "n/a" if p.get("loss") is None else f"{p['loss']:.5f}"
         log.info("epoch %d/%d: %s rows, %s rows/s, loss %s (%d batches ready, %d leased)", p["epoch"],
                  p["epochs"], f"{p['rows']:,}", f"{p['rows_per_s']:,.0f}", loss, p["ready"], p["leased"])
-
-    asked = tuple(key.split(".")[0] for key in overrides)
-    return run_cluster_job(config, _paths(args.data), _paths(args.test_data), args.out, cluster,
-                           mode=sync, staleness=args.staleness, on_progress=report, asked=asked)
+    return report
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -123,6 +131,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     bundle, paths = _model_and_data(args)
     t0 = time.perf_counter()
     metrics, parse = evaluate(bundle, paths)
+    if not metrics["count"]:
+        bad = f" ({parse['rows_bad']} malformed: {describe_bad(parse['first_bad'], 3)})" if parse["rows_bad"] else ""
+        raise MarianaError(f"no valid rows in {', '.join(os.path.basename(p) for p in paths)}{bad}: "
+                           "nothing to evaluate")
     if parse["rows_bad"]:
         log.warning("skipped %d malformed rows (%s)", parse["rows_bad"], describe_bad(parse["first_bad"]))
     record = {"auc": metrics["auc"], "logloss": metrics["logloss"], "calibration": metrics["calibration"],
@@ -134,19 +146,32 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    """One pCTR per input row, in order; a row that cannot be read prints `nan` (with
+    --skip-bad: nothing), so line N of the output belongs to data row N of the input."""
+    import numpy as np
+
     from sparse.parse import describe_bad
     from trainer.data import BatchStream
 
     bundle, paths = _model_and_data(args)
-    stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None)
+    stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None,
+                         slots=not args.skip_bad)
     out = sys.stdout
-    for block in stream:
-        probs = bundle.predict(block)
-        out.write("\n".join(f"{p:.9g}" for p in probs.tolist()))
-        out.write("\n")
+    for item in stream:
+        if args.skip_bad:
+            probs = bundle.predict(item)
+        else:
+            batch, (lines, slots) = item
+            probs = np.full(lines, np.nan)
+            if batch is not None:
+                probs[slots] = bundle.predict(batch)
+        if len(probs):
+            out.write("\n".join(f"{p:.9g}" for p in probs.tolist()))
+            out.write("\n")
     out.flush()
     if stream.stats.rows_bad:
-        print(f"mariana: skipped {stream.stats.rows_bad} malformed rows "
+        what = "skipped" if args.skip_bad else "printed as nan"
+        print(f"mariana: {stream.stats.rows_bad} malformed rows {what} "
               f"({describe_bad(stream.stats.to_dict()['first_bad'])})", file=sys.stderr)
     return 0
 
@@ -173,7 +198,8 @@ def cmd_up(args: argparse.Namespace) -> int:
              ("preprocess", "preprocess.count"))
     overrides = {key: getattr(args, flag) for flag, key in flags if getattr(args, flag) is not None}
     info = up(load_cluster_config(args.config, overrides=overrides))
-    print(json.dumps({"dir": info["dir"], "http": info["http"], "pids": info["pids"]}))
+    log.info("web UI of jobs, services and models: %s/ui/ (until `mariana down`)", info["http"])
+    print(json.dumps({"dir": info["dir"], "http": info["http"], "ui": info["http"] + "/ui/", "pids": info["pids"]}))
     return 0
 
 
@@ -261,10 +287,38 @@ def _print_record(record: dict, as_json: bool) -> None:
         print(json.dumps({k: None if isinstance(v, float) and v != v else v for k, v in record.items()},
                          allow_nan=False))
         return
+    lines = list(_human_lines(record))
+    width = max((len(k) for k, _ in lines), default=0)
+    for key, text in lines:
+        print(f"{key:>{width}}: {text}")
+
+
+def _human_lines(record: dict, prefix: str = ""):
+    """(key, text) per line: a nested table gets dotted keys, a table of plain values one
+    line ("read 0.484, parse 1.21"), a list its items, nothing a Python repr."""
     for key, value in record.items():
-        if isinstance(value, float):
-            value = f"{value:.6g}"
-        print(f"{key:>14}: {value}")
+        if isinstance(value, dict) and any(isinstance(v, (dict, list)) for v in value.values()):
+            yield from _human_lines(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", _human(value)
+
+
+def _human(value) -> str:
+    """
+    >>> _human({"read": 0.4841, "parse": 1.2}), _human([0.5, 2]), _human(None), _human(True)
+    ('read 0.4841, parse 1.2', '0.5, 2', 'n/a', 'yes')
+    """
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return "n/a" if value != value else f"{value:.6g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_human(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_human(v) for v in value) or "none"
+    return str(value)
 
 
 def _cluster_dir(args: argparse.Namespace) -> str:
@@ -280,6 +334,8 @@ def _print_status(st: dict) -> None:
     print(where + st["http"] + (f"  up {_ago(st['started_at'])}" if st["started_at"] else ""))
     if st["error"]:
         print(f"  {st['error']}")
+    else:
+        print(f"web UI: {st['http']}/ui/")
     print()
     _print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "LAST SEEN", "THROUGHPUT"), _service_rows(st, coord))
     jobs = coord.get("jobs") or []
@@ -288,19 +344,32 @@ def _print_status(st: dict) -> None:
         _print_table(("JOB", "STATE", "MODEL", "EPOCH", "DONE", "ROWS", "ROWS/S", "LOSS", "CACHE HITS", "ERROR"),
                      [_job_row(j) for j in jobs])
     for m in st.get("models") or []:
-        print(f"\nmodels in {m['dir']} (serving {m.get('current') or 'nothing'})")
-        _print_table(("VERSION", "", "MODEL", "CREATED", "AUC", "LOGLOSS", "ROWS", "JOB"),
-                     [(v["version"], "*" if v.get("current") else "", v.get("model"), v.get("created"),
-                       _num(v.get("metrics", {}).get("auc")), _num(v.get("metrics", {}).get("logloss")),
-                       _count(v.get("rows")), v.get("job")) for v in m["versions"][:10]])
+        print()
+        print_versions(m["dir"], m.get("current"), [
+            {**v, "auc": (v.get("metrics") or {}).get("auc"), "logloss": (v.get("metrics") or {}).get("logloss")}
+            for v in m["versions"]], most=10)
         for d in m.get("decisions", [])[:5]:
             print(f"  retrain {d.get('time')}: {d.get('verdict')} {d.get('new_version')} ({d.get('reason')})")
+
+
+def print_versions(model_dir: str, current: str | None, versions: list[dict], most: int | None = None) -> None:
+    """The versions of a model dir, newest first, as `status` and `model list` show them;
+    `versions`: dicts of version, current, model, created, auc, logloss, rows, job."""
+    print(f"models in {model_dir} (serving {current or 'nothing'})")
+    newest = sorted(versions, key=lambda v: int(v["version"][1:]), reverse=True)  # names match v\d{6,}
+    _print_table(("", "VERSION", "MODEL", "CREATED", "AUC", "LOGLOSS", "ROWS", "JOB"),
+                 [("*" if v.get("current") else "", v["version"], v.get("model"), v.get("created"),
+                   _num(v.get("auc")), _num(v.get("logloss")), _count(v.get("rows")), v.get("job") or v.get("error"))
+                  for v in newest[:most]])
+    if most is not None and len(newest) > most:
+        print(f"  ... and {len(newest) - most} older (mariana model list --model-dir {model_dir})")
 
 
 def _job_row(j: dict) -> tuple:
     p, cache = j.get("progress") or {}, j.get("cache") or {}
     frac, hits = p.get("fraction"), cache.get("hit_rate")
-    return (j.get("id"), j.get("state") + (f" ({j['restarts']} restarts)" if j.get("restarts") else ""),
+    state = j.get("state") + (f" ({j['restarts']} restarts)" if j.get("restarts") else "")
+    return (j.get("id"), state + (f": {j['phase']}" if j.get("phase") else ""),
             j.get("model"), f"{p.get('epoch')}/{p.get('epochs')}", None if frac is None else f"{100 * frac:.0f}%",
             _count(p.get("rows")), _count(p.get("rows_per_s")), _num(p.get("loss")),
             None if hits is None else f"{100 * hits:.1f}%", (j.get("error") or "")[:60] or None)
@@ -363,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gen", help="generate synthetic data with a planted click model")
     gsub = g.add_subparsers(dest="kind", required=True, metavar="KIND")
     gc = gsub.add_parser("criteo", help="Criteo-format TSV (docs/synthetic-data.md)")
-    gc.add_argument("--rows", type=int, required=True)
+    gc.add_argument("--rows", type=int, required=True, help="rows to write")
     gc.add_argument("--seed", type=int, default=0, help="seed of the rows")
     gc.add_argument("--model-seed", type=int, default=20140621, help="seed of the planted click model")
     gc.add_argument("--out", required=True, help="output file (.gz to compress)")
@@ -374,10 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", required=True, help="training file(s), comma-separated")
     t.add_argument("--test-data", help="file(s) to evaluate on after training")
     t.add_argument("--model", choices=("lr", "dnn"), help="model kind (default: lr, or the config's)")
-    t.add_argument("--epochs", type=int)
-    t.add_argument("--batch-size", type=int)
+    t.add_argument("--epochs", type=int, help="passes over the data (default 1, or the config's train.epochs)")
+    t.add_argument("--batch-size", type=int, help="rows per training step (default 4096)")
     t.add_argument("--bits", type=int, help="hash bits: the tables have 2^bits rows")
-    t.add_argument("--format", choices=FORMATS)
+    t.add_argument("--format", choices=FORMATS, help="the data's format (default criteo; csv needs [data.schema] "
+                   "in --config)")
     t.add_argument("--config", help="TOML job config ([data], [hashing], [model], [optim], [train])")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.epochs=2")
     t.add_argument("--out", required=True, help="model directory (a new version is added)")
@@ -402,15 +472,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("evaluate", help="metrics of a model on labeled data")
     e.add_argument("--model", required=True, help="model directory (its CURRENT version)")
-    e.add_argument("--data", required=True)
-    e.add_argument("--format", choices=FORMATS)
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--data", required=True, help="labeled rows, file(s) comma-separated")
+    e.add_argument("--format", choices=FORMATS, help="the rows' format (default: the model's; must match it)")
+    e.add_argument("--json", action="store_true", help="print the metrics as one JSON line")
     e.set_defaults(func=cmd_evaluate)
 
-    pr = sub.add_parser("predict", help="print one pCTR per input row")
-    pr.add_argument("--model", required=True)
-    pr.add_argument("--data", required=True, help="labeled or unlabeled rows")
-    pr.add_argument("--format", choices=FORMATS)
+    pr = sub.add_parser("predict", help="print one pCTR per input row (nan for a row that cannot be read)")
+    pr.add_argument("--model", required=True, help="model directory (its CURRENT version)")
+    pr.add_argument("--data", required=True, help="labeled or unlabeled rows, file(s) comma-separated")
+    pr.add_argument("--format", choices=FORMATS, help="the rows' format (default: the model's; must match it)")
+    pr.add_argument("--skip-bad", action="store_true",
+                    help="print nothing for a malformed row (default: nan, so output line N is input row N)")
     pr.set_defaults(func=cmd_predict)
     images_cli.add_commands(sub)
     _add_cluster_commands(sub)
@@ -440,7 +512,7 @@ def _add_cluster_commands(sub) -> None:
     s.set_defaults(func=cmd_status)
 
     r = sub.add_parser("run", help="run one service in the foreground (what systemd and `up` start)")
-    r.add_argument("role", choices=ROLES)
+    r.add_argument("role", choices=ROLES, help="the service to run")
     r.add_argument("--config", required=True, help="TOML cluster config")
     r.add_argument("--index", type=int, default=0, help="which instance of the role (default 0)")
     r.set_defaults(func=cmd_run)
@@ -464,7 +536,9 @@ def main(argv: list[str] | None = None, build=build_parser) -> int:
     from services.runtime.logs import setup_logging
 
     tune_process()
-    args = build().parse_args(argv)
+    parser = build()
+    _logging_flags_everywhere(parser)
+    args = parser.parse_args(argv)
     setup_logging(-1 if args.quiet else args.verbose)
     try:
         return args.func(args)
@@ -481,6 +555,20 @@ def main(argv: list[str] | None = None, build=build_parser) -> int:
     except KeyboardInterrupt:
         print("mariana: interrupted", file=sys.stderr)
         return 130
+
+
+def _logging_flags_everywhere(parser: argparse.ArgumentParser) -> None:
+    """-q and -v after the command too (`mariana train ... -q`): each command takes them,
+    and a flag given there overrides the one before the command."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if not any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+                    sub.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                                     help="more log output")
+                    sub.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                                     help="warnings and errors only")
+                _logging_flags_everywhere(sub)
 
 
 def _fail(message: str) -> int:

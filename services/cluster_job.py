@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -37,11 +38,13 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
                     on_progress: Callable[[dict], None] | None = None, asked: tuple[str, ...] = (),
                     promote: bool = True) -> dict:
     """`asked`: the roles whose counts the user gave; a running cluster must have those.
-    `promote=False` writes the version without moving CURRENT (a retrain's candidate)."""
+    `promote=False` writes the version without moving CURRENT (a retrain's candidate).
+    Relative paths (files, `out`, the config's path keys) are this process's: they go to
+    the coordinator absolute, and it refuses relative ones."""
     from services import launcher
 
-    body = {"data": data, "test_data": test_data, "out": out, "config": config.to_dict(), "mode": mode,
-            "promote": promote}
+    body = {"data": _absolute(data), "test_data": _absolute(test_data), "out": os.path.abspath(out),
+            "config": config.resolve_paths().to_dict(), "mode": mode, "promote": promote}
     if staleness is not None:
         body["staleness"] = staleness
     check_request(body)  # the coordinator checks it again; this fails before any process starts
@@ -71,6 +74,10 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
                 log.warning("cluster logs kept in %s/logs", cluster.cluster.dir)
 
 
+def _absolute(paths: list[str]) -> list[str]:
+    return [os.path.abspath(p) for p in paths]
+
+
 def check_sizes(wanted: ClusterConfig, info: dict, asked: tuple[str, ...]) -> None:
     """A running cluster is used as it is: asked-for sizes that differ are an error, not a surprise."""
     from services.runtime.config import load_cluster_config
@@ -88,6 +95,8 @@ def submit(info: dict, body: dict) -> str:
 
 
 def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> dict:
+    """The job's record once it is done; `on_progress` hears its progress (with "phase":
+    what it does after its epochs, or None) about once a second."""
     last = 0.0
     try:
         while True:
@@ -97,7 +106,7 @@ def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> di
             if summary["state"] in ("failed", "cancelled"):
                 raise JobFailed(f"job {job} {summary['state']}: {summary['error']}")
             if on_progress and time.monotonic() - last >= 1.0:
-                on_progress(summary["progress"])
+                on_progress({**summary["progress"], "phase": summary.get("phase")})
                 last = time.monotonic()
             time.sleep(POLL_SECONDS)
     except KeyboardInterrupt:

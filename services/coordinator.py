@@ -108,11 +108,13 @@ class JobRun:
     restarts: int = 0              # coordinator restarts this job lived through
     final: dict | None = None      # the summary's numbers when it ended (an ended job keeps no ledger)
     last_point: tuple | None = None  # (t, rows, loss_sum, hist) at the last history point
+    phase: str | None = None       # what a running job does after its epochs ("evaluating on test.tsv")
 
     def summary(self) -> dict:
         out = {"id": self.id, "state": self.state, "error": self.error, "submitted": self.submitted,
                "started": self.started, "ended": self.ended, "model": self.request.get("model"),
-               "mode": self.request.get("mode"), "data": self.request.get("data"), "restarts": self.restarts}
+               "mode": self.request.get("mode"), "data": self.request.get("data"), "restarts": self.restarts,
+               "phase": self.phase if self.state == "running" else None}
         if self.final is not None:
             out.update(progress=self.final["progress"], cache=self.final["cache"])
         else:
@@ -675,12 +677,14 @@ class Coordinator(Service):
 
     async def finish(self, run: JobRun) -> None:
         led = run.ledger
+        self.set_phase(run, f"exporting the tables of {len(self.shards)} shard(s)")
         applied = [(await self.shard_call(run, i, "ShardStats"))["rows"] for i in range(len(self.shards))]
         exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.shards))]
         images = await self.image_table(run)
         train_seconds = time.time() - run.started
         record = await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, led,
-                                         len(self.shards), train_seconds, images)
+                                         len(self.shards), train_seconds, images,
+                                         lambda text: self.set_phase(run, text))
         rows_applied = [min(int(a.get(str(e), 0)) for a in applied) for e in range(1, led.epochs + 1)]
         record.update({
             "rows_applied": sum(rows_applied),
@@ -707,6 +711,12 @@ class Coordinator(Service):
                  record["model_dir"], record["model_version"], record["rows_applied"],
                  record["rows_in_data"], led.epochs, record.get("auc"))
         await self.announce(record)
+
+    def set_phase(self, run: JobRun, text: str) -> None:
+        """What the job does once its epochs are done (status, the web UI and the CLI show it);
+        called from the publishing thread too (one attribute store)."""
+        run.phase = text
+        log.info("%s: job %s: %s", self.name, run.id, text)
 
     async def announce(self, record: dict) -> None:
         """Tell model servers (Redis pub/sub) that a version was written."""

@@ -157,7 +157,7 @@ def add_commands(sub) -> None:
     f.add_argument("--model", required=True, help="featurizer directory")
     f.add_argument("--images", required=True, help="IDX file (gz or plain) or .npy of uint8 (N, 28, 28)")
     f.add_argument("--out", required=True, help=".npy file of float32 (N, d)")
-    f.add_argument("--batch-size", type=int, default=256)
+    f.add_argument("--batch-size", type=int, default=256, help="images embedded at a time (default 256)")
     f.set_defaults(func=cmd_featurize)
 
     fc = sub.add_parser("featurize-creatives", help="cache the image features of a creatives dir in Redis "
@@ -174,7 +174,7 @@ def add_commands(sub) -> None:
     ft = fsub.add_parser("train", help="train the CNN on MNIST (8k/2k split) and export it frozen")
     ft.add_argument("--data", required=True, help="the MNIST dir")
     ft.add_argument("--out", required=True, help="featurizer directory to write (replaced)")
-    ft.add_argument("--epochs", type=int, default=5)
-    ft.add_argument("--seed", type=int, default=0)
-    ft.add_argument("--json", action="store_true")
+    ft.add_argument("--epochs", type=int, default=5, help="passes over the training images (default 5)")
+    ft.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the order (default 0)")
+    ft.add_argument("--json", action="store_true", help="print the report as one JSON line")
     ft.set_defaults(func=cmd_featurizer_train)

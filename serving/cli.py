@@ -107,17 +107,14 @@ def _versions(model_dir: str) -> list[dict]:
         rows.append({"version": v, "current": v == current, "created_at": m.get("created_at"),
                      "kind": (m.get("model") or {}).get("kind"), "auc": metrics.get("auc"),
                      "logloss": metrics.get("logloss"), "rows": train.get("rows", m.get("rows_trained")),
-                     "data": train.get("data")})
+                     "data": train.get("data"), "job": train.get("job")})
     return rows
 
 
 def _print_versions(model_dir: str, rows: list[dict]) -> None:
-    print(model_dir)
-    fmt = lambda x: "-" if x is None else (f"{x:.4f}" if isinstance(x, float) else str(x))  # noqa: E731
-    base._print_table(("", "VERSION", "CREATED", "KIND", "AUC", "LOGLOSS", "ROWS"),
-                      [("*" if r["current"] else "", r["version"], fmt(r.get("created_at")), fmt(r.get("kind")),
-                        fmt(r.get("auc")), fmt(r.get("logloss")), base._count(r.get("rows")) or "-")
-                       for r in rows])
+    current = next((r["version"] for r in rows if r["current"]), None)
+    base.print_versions(model_dir, current, [{**r, "model": r.get("kind"), "created": r.get("created_at")}
+                                             for r in rows])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,12 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("model", help="list the versions of a model directory, promote one, roll back")
-    m.add_argument("action", choices=("list", "promote", "rollback"))
+    m.add_argument("action", choices=("list", "promote", "rollback"),
+                   help="list the versions, promote VERSION to CURRENT, or roll back to the one served before")
     m.add_argument("version", nargs="?", help="promote: the version to serve")
     m.add_argument("--model-dir", help="model directory (default: serve.model_dir of --config)")
     m.add_argument("--config", help="serve config (model dir, and the Redis to announce changes on)")
     m.add_argument("--notify", metavar="REDIS_URL", help="announce the change here (servers swap at once)")
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--json", action="store_true", help="list: print one JSON object")
     m.set_defaults(func=cmd_model)
 
     r = sub.add_parser("retrain", help="train on the newest data window; promote only if not worse")

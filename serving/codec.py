@@ -70,7 +70,18 @@ def _msgpack(body: bytes):
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as e:  # truncated, extra data, nesting, ...:
-        raise bad_request(f"the body is not valid msgpack: {e or type(e).__name__}") from None
+        raise bad_request(f"the body is not valid msgpack: {_msgpack_reason(e)}") from None
+
+
+def _msgpack_reason(e: Exception) -> str:
+    """msgpack's own message, or (FormatError and StackError carry none) what it means."""
+    if str(e):
+        return str(e)
+    if isinstance(e, msgpack.FormatError):
+        return "it holds a byte that starts no msgpack value (e.g. 0xc1, which msgpack never uses)"
+    if isinstance(e, msgpack.StackError):
+        return "it nests too deeply"
+    return type(e).__name__
 
 
 def _kind(v) -> str:

@@ -97,6 +97,8 @@ class Chunk:
     labels: np.ndarray | None
     num_rows: int
     first_line: int = 1
+    lines: np.ndarray | None = None  # (num_rows,) int64 line number of each row; None: the block's
+                                      # data lines in order, none skipped
 
 
 # ---- blocks of whole lines ------------------------------------------------
@@ -328,12 +330,13 @@ class BlockParser:
             keep = pa.array(~rejected)
             cols = {c: pc.filter(a, keep) for c, a in cols.items()}
         n = table.num_rows - int(rejected.sum())
+        kept_lines = lines[~rejected] if rejected.any() else lines
         out: dict[str, object] = {c: cols[c] for c in s.categorical}
         out.update({c: _to_float(cols[c]) for c in s.numeric})
         if s.hour:
             out["hour_of_day"], out["weekday"] = _split_hour(cols[s.hour])
         labels = _labels(cols[s.label]) if s.label else None
-        return Chunk(columns=out, labels=labels, num_rows=n, first_line=first_line)
+        return Chunk(columns=out, labels=labels, num_rows=n, first_line=first_line, lines=kept_lines)
 
     def _checks(self, cols: dict) -> list[tuple[np.ndarray, str]]:
         """(bad-row mask, reason) per failed check, on the unfiltered columns."""
@@ -413,6 +416,19 @@ class BlockTask:
             _check_first_block(self.path, self.parser.schema, stats)
         return chunk, stats
 
+    def row_slots(self, chunk: Chunk) -> tuple[int, np.ndarray]:
+        """(data lines in the block (a header is not one), the slot of each of `chunk`'s rows
+        among them): what lines up one output per input line when rows were skipped.
+
+        >>> from sparse.schema import builtin
+        >>> task = BlockTask(BlockParser(builtin("avazu")), "a.csv", 1, b"", 4, skip_rows=1)
+        >>> task.row_slots(Chunk({}, None, 2, lines=np.array([2, 4])))
+        (3, array([0, 2]))
+        """
+        first = self.first_line + self.skip_rows
+        lines = chunk.lines if chunk.lines is not None else np.arange(first, first + chunk.num_rows)
+        return self.num_lines - self.skip_rows, np.asarray(lines, np.int64) - first
+
 
 class Reader:
     """Streams validated `Chunk`s from one or more files.
@@ -476,8 +492,24 @@ def _check_header(path: str, schema: Schema, block: bytes) -> None:
     got = [c.strip('"') for c in line.split(schema.delimiter)]
     if got != list(schema.columns):
         kind = f"the {schema.name} schema" + ("" if schema.label else " without a label")
-        raise DataFormatError(f"{path}: header does not match {kind}: expected "
-                              f"{','.join(schema.columns)[:120]}, got {line[:120]!r}")
+        raise DataFormatError(f"{path}: header does not match {kind}: {header_difference(schema.columns, got)}; "
+                              f"expected the {len(schema.columns)} columns {schema.delimiter.join(schema.columns)}")
+
+
+def header_difference(expected: tuple[str, ...] | list[str], got: list[str]) -> str:
+    """Where a header first differs from the expected one, in words.
+
+    >>> header_difference(["id", "click", "hour"], ["id", "clicks", "hour"])
+    "column 2 is 'clicks', expected 'click'"
+    >>> header_difference(["id", "click", "hour"], ["id", "click"])
+    "2 columns, expected 3: 'hour' is missing"
+    """
+    for i, (want, have) in enumerate(zip(expected, got), 1):
+        if want != have:
+            return f"column {i} is {have[:40]!r}, expected {want!r}"
+    if len(got) < len(expected):
+        return f"{len(got)} columns, expected {len(expected)}: {expected[len(got)]!r} is missing"
+    return f"{len(got)} columns, expected {len(expected)}: {got[len(expected)][:40]!r} is extra"
 
 
 def _check_first_block(path: str, schema: Schema, st: ParseStats) -> None:

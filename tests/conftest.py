@@ -58,10 +58,13 @@ def small_featurizer(mnist_dir, tmp_path_factory) -> Path:
     return out
 
 
-def run_cli(*args: str, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`mariana ARGS` in a real subprocess (the installed script: serving.cli, the whole CLI)."""
+def run_cli(*args: str, check: bool = False, env: dict | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`mariana ARGS` in a real subprocess (the installed script: serving.cli, the whole CLI),
+    in `cwd` (default: the checkout)."""
     proc = subprocess.run([sys.executable, "-m", "serving.cli", *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=300)
+                          text=True, cwd=cwd or ROOT, env={**os.environ, **(env or {})},
+                          timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"mariana {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
     return proc

@@ -15,7 +15,7 @@ import torch
 from featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
 from sparse.batch import SparseBatch
 from sparse.encode import Encoder
-from sparse.errors import ConfigError, ModelDirError
+from sparse.errors import ConfigError, MarianaError, ModelDirError
 from sparse.optim import AdaGrad, FTRL, SparseOptimizer
 from sparse.schema import Schema
 from sparse.table import HashedTable
@@ -82,6 +82,7 @@ class ModelBundle:
             weights[f"dense.{pname}"] = p.detach().numpy()
             for key, arr in state.items():
                 optim[f"dense.{pname}.{key}"] = arr
+        _check_finite(weights)
         image_arrays = self.images.to_arrays() if self.images is not None else {}
         weights.update(image_arrays)
         manifest = {
@@ -130,7 +131,9 @@ class ModelBundle:
             try:
                 p.data.copy_(torch.from_numpy(weights[f"dense.{pname}"]))
             except KeyError:
-                raise ModelDirError(f"{model_dir}: weights lack dense.{pname}") from None
+                raise ModelDirError(f"{model_dir}: weights lack dense.{pname}: the version was saved by a mariana "
+                                    "whose model had other parameters (e.g. an 'fm' model from before its FM term "
+                                    "became a mean over field pairs); train it again") from None
         for name, t in bundle.tables.items():
             state = {k.rsplit(".", 1)[1]: v for k, v in optim.items() if k.startswith(f"table.{name}.")}
             try:
@@ -142,6 +145,14 @@ class ModelBundle:
                 if f"dense.{pname}.{key}" in optim:
                     st[key][...] = optim[f"dense.{pname}.{key}"]
         return bundle
+
+
+def _check_finite(weights: dict[str, np.ndarray]) -> None:
+    """A model with NaN or infinite weights predicts NaN: it is never written."""
+    for name, arr in weights.items():
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise MarianaError(f"the trained model's {name} holds NaN or infinite values (training diverged): "
+                               "nothing to publish; lower the learning rates")
 
 
 def table_optimizer(config: JobConfig, role: str) -> SparseOptimizer:

@@ -120,6 +120,10 @@ class ImagesConfig:
             raise ConfigError(f"images.tower must be >= 1, got {self.tower}")
 
 
+# The keys of a job config that name files or directories ("" = not set).
+PATH_KEYS = ("images.creatives", "images.featurizer", "images.mnist")
+
+
 @dataclass
 class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
@@ -131,6 +135,29 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def paths(self) -> dict[str, str]:
+        """The set path keys and their values: {"images.creatives": "ads/", ...}."""
+        out = {}
+        for key in PATH_KEYS:
+            section, name = key.split(".")
+            value = getattr(getattr(self, section), name)
+            if value:
+                out[key] = value
+        return out
+
+    def resolve_paths(self, base: str | None = None) -> "JobConfig":
+        """Make every path key absolute against `base` (default: the working directory),
+        in place: a job submitted elsewhere (a coordinator) must not read them relative
+        to its own directory. Returns self.
+
+        >>> JobConfig(images=ImagesConfig(creatives="ads")).resolve_paths("/data").images.creatives
+        '/data/ads'
+        """
+        for key, value in self.paths().items():
+            section, name = key.split(".")
+            setattr(getattr(self, section), name, os.path.abspath(os.path.join(base or os.getcwd(), value)))
+        return self
 
 
 # ---- strict loading -----------------------------------------------------------

@@ -18,6 +18,9 @@ from sparse.parse import BlockTask, ParseStats, Reader
 class BatchStream:
     """Iterate encoded blocks of `paths` (or, with `batch_rows`, batches of that
     many rows with their unique ids found); `stats` holds the parse counts.
+    With `slots`, every block comes as (batch or None when no row of it was valid,
+    (data lines, each row's slot among them)): `BlockTask.row_slots`, for output
+    that keeps one line per input line.
 
     A reader thread reads (and gunzips) blocks, `workers` threads parse, hash
     and dedupe them while the caller trains; blocks come out in file order.
@@ -28,8 +31,10 @@ class BatchStream:
 
     def __init__(self, paths: list[str], encoder: Encoder, block_bytes: int = 8 << 20,
                  prefetch: int = 2, threads: bool = False, labeled: bool | None = True,
-                 batch_rows: int | None = None, workers: int = 2):
-        self.paths, self.encoder, self.batch_rows = list(paths), encoder, batch_rows
+                 batch_rows: int | None = None, workers: int = 2, slots: bool = False):
+        if slots and batch_rows:
+            raise ValueError("slots come per block: no batch_rows with them")
+        self.paths, self.encoder, self.batch_rows, self.slots = list(paths), encoder, batch_rows, slots
         self.block_bytes, self.prefetch, self.threads, self.labeled = block_bytes, prefetch, threads, labeled
         self.workers = max(1, workers)
         self.stats = ParseStats()
@@ -65,22 +70,25 @@ class BatchStream:
                         item.cancel()
                 feeder.join()
 
-    def _collect(self, fut: Future) -> list[SparseBatch]:
-        batches, stats = fut.result()
+    def _collect(self, fut: Future) -> list:
+        batches, stats, slots = fut.result()
         self.stats.merge(stats)
+        if self.slots:
+            return [(batches[0] if batches else None, slots)]
         return batches
 
-    def _process(self, task: BlockTask, batch_id: str) -> tuple[list[SparseBatch], ParseStats]:
+    def _process(self, task: BlockTask, batch_id: str) -> tuple[list[SparseBatch], ParseStats, tuple | None]:
         chunk, stats = task.run()
+        slots = task.row_slots(chunk) if self.slots else None
         if not chunk.num_rows:
-            return [], stats
+            return [], stats, slots
         block = self.encoder.encode(chunk, batch_id=batch_id)
         if not self.batch_rows:
-            return [block], stats
+            return [block], stats, slots
         batches = block.split(self.batch_rows)
         for b in batches:
             b.unique()
-        return batches, stats
+        return batches, stats, slots
 
 
 def _put(q: queue.Queue, item, stop: threading.Event) -> bool:

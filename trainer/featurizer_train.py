@@ -3,7 +3,7 @@ a frozen featurizer (featurizer/image.py reads it). Read top to bottom:
 
     split the 10k images 8k/2k (fixed permutation, featurizer.image.split_indices)
     for epoch: for batch of the 8k: cross-entropy, Adam step; progress ~1/s
-    accuracy on the 2k held out
+               accuracy on the 2k held out (logged)
     export: the stages up to "embed" as frozen ops, weights in safetensors,
             the output standardisation measured on the 8k
 """
@@ -66,17 +66,22 @@ def train_featurizer(data: ImageSet, cfg: FeaturizerTrainConfig = FeaturizerTrai
     model = ImageCNN(cfg.cnn)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
+    x_test = to_input(data.images[test_idx], mean, std)
     t0 = time.perf_counter()
+    log.info("featurizer: training a CNN on %d images (%d held out), %d epochs", len(train_idx), len(test_idx),
+             cfg.epochs)
     for epoch in range(1, cfg.epochs + 1):
+        t_epoch = time.perf_counter()
         train_epoch(model, opt, x_train, y_train, cfg.batch_size, gen, lambda n, loss, ips: progress and progress(
             TrainProgress(epoch, cfg.epochs, n, loss, ips)), report_every)
-    model.eval()
-    accuracy = accuracy_of(model, to_input(data.images[test_idx], mean, std), data.labels[test_idx])
+        model.eval()
+        accuracy = accuracy_of(model, x_test, data.labels[test_idx])
+        log.info("featurizer epoch %d/%d done: held-out accuracy %.4f, %.1fs", epoch, cfg.epochs, accuracy,
+                 time.perf_counter() - t_epoch)
     report = {"test_accuracy": round(accuracy, 4), "train_images": len(train_idx), "test_images": len(test_idx),
               "epochs": cfg.epochs, "batch_size": cfg.batch_size, "lr": cfg.lr, "seed": cfg.seed,
               "split_seed": SPLIT_SEED, "train_seconds": round(time.perf_counter() - t0, 2),
               "pixel_mean": mean, "pixel_std": std, "train_index": train_idx}
-    log.info("featurizer: test accuracy %.4f on %d held-out images", accuracy, len(test_idx))
     return model, report
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 from typing import Callable
 
@@ -39,15 +40,36 @@ def check_out_dir(path: str) -> None:
         raise PermissionError(errno.EACCES, "not writable", probe)
 
 
+def check_trained(train_paths: list[str], rows: int, loss: float | None) -> None:
+    """Refuse to publish a model whose training saw no rows or whose loss is not a
+    number: nothing is ever served from it (local, cluster and retrain jobs alike).
+
+    >>> check_trained(["a.tsv"], 0, None)
+    Traceback (most recent call last):
+    ...
+    sparse.errors.MarianaError: no valid training rows in a.tsv: nothing to publish
+    """
+    names = ", ".join(os.path.basename(p) for p in train_paths) or "the training data"
+    if rows <= 0:
+        raise MarianaError(f"no valid training rows in {names}: nothing to publish")
+    if loss is None or not math.isfinite(loss):
+        raise MarianaError(f"training on {names} diverged (train loss {loss}): nothing to publish; "
+                           "lower the learning rates (optim.lr, optim.embed_lr, optim.dense_lr)")
+
+
 def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,
                   on_progress: Callable[[Progress], None] | None = None, promote: bool = True) -> dict:
     """Train on `train_paths`, evaluate on `test_paths`, publish a version in `out_dir`
     (and move CURRENT to it unless `promote` is False: a candidate for a retrain gate).
 
     Returns the result record (metrics, throughput, the version written, `promoted`).
+    Relative paths are taken from the working directory; the manifest records them
+    absolute.
     """
     if not train_paths:
         raise MarianaError("no training files given")
+    train_paths, test_paths = _absolute(train_paths), _absolute(test_paths)
+    config.resolve_paths()
     schema = config.data.resolve_schema()
     check_inputs(train_paths + test_paths)
     Reader(train_paths + test_paths, schema).probe()  # a wrong format fails now, not after training
@@ -64,8 +86,7 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
     if trained.parse["rows_bad"]:
         log.warning("skipped %d malformed training rows per pass (first: %s)", trained.parse["rows_bad"],
                     describe_bad(trained.parse["first_bad"], 3))
-    if trained.train_rows == 0:
-        raise MarianaError(f"no valid training rows in {', '.join(train_paths)}: nothing to publish")
+    check_trained(train_paths, trained.train_rows, trained.train_loss)
     train_lookups = images.counts() if images else None
     metrics, test_parse = ({}, None)
     if test_paths:
@@ -117,6 +138,10 @@ def image_record(info: dict, train: dict, test: dict, kind: str) -> dict:
                     train["unknown"], test["unknown"])
     return {**info, "train_lookups": train["lookups"], "train_unknown_creative": train["unknown"],
             "test_lookups": test["lookups"], "test_unknown_creative": test["unknown"], "mode": MODES[kind]}
+
+
+def _absolute(paths: list[str]) -> list[str]:
+    return [os.path.abspath(p) for p in paths]
 
 
 def _fmt(x: float | None) -> str:

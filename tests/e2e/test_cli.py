@@ -65,10 +65,15 @@ def test_predict_prints_one_pctr_per_row_in_order(models, gen_files, tmp_path):
     data.write_text("\n".join(lines) + "\n")
     proc = run_cli("predict", "--model", models["dir"], "--data", data)
     assert proc.returncode == 0, proc.stderr
-    got = np.array([float(x) for x in proc.stdout.split()])
-    assert len(got) == 48 and ((got > 0) & (got < 1)).all()
-    assert "skipped 2 malformed rows" in proc.stderr
+    aligned = proc.stdout.splitlines()  # line N of the output is row N of the input
+    assert len(aligned) == 50 and [i for i, x in enumerate(aligned) if x == "nan"] == [10, 20], aligned
+    assert "2 malformed rows printed as nan" in proc.stderr
     assert "p.tsv:11: expected 40 fields, got 2" in proc.stderr and "p.tsv:21: I1 is not a number" in proc.stderr
+    skipped = run_cli("predict", "--model", models["dir"], "--data", data, "--skip-bad")
+    got = np.array([float(x) for x in skipped.stdout.split()])
+    assert len(got) == 48 and ((got > 0) & (got < 1)).all()
+    assert "2 malformed rows skipped" in skipped.stderr
+    assert [float(x) for x in aligned if x != "nan"] == got.tolist()
     bundle = ModelBundle.load(str(models["dir"]))
     want = np.concatenate([bundle.predict(b) for b in BatchStream([str(data)], bundle.encoder)])
     np.testing.assert_allclose(got, want, atol=1e-7)
@@ -77,6 +82,36 @@ def test_predict_prints_one_pctr_per_row_in_order(models, gen_files, tmp_path):
     unlabeled.write_text("\n".join(ln.split("\t", 1)[1] for i, ln in enumerate(lines) if i not in (10, 20)) + "\n")
     proc = run_cli("predict", "--model", models["dir"], "--data", unlabeled)
     np.testing.assert_allclose([float(x) for x in proc.stdout.split()], got, atol=1e-9)
+    # an empty line is a row that cannot be read too: still one output line per input line
+    gap = tmp_path / "g.tsv"
+    gap.write_text("\n".join(lines[:5] + [""] + lines[5:8]) + "\n")
+    out = run_cli("predict", "--model", models["dir"], "--data", gap).stdout.splitlines()
+    assert len(out) == 9 and out[5] == "nan" and out[:5] == aligned[:5] and out[6:] == aligned[5:8], out
+
+
+def test_human_output_is_for_people_and_flags_go_anywhere(models, gen_files):
+    """No Python reprs (None, True, {...}, [...]) in what a person reads; -q after the command."""
+    proc = run_cli("train", "--data", gen_files["test"], "--out", models["dir"].parent / "h", *SMALL, "-q")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # -q: no progress lines
+    for bad in ("None", "True", "False", "{", "["):
+        assert bad not in proc.stdout, proc.stdout
+    assert re.search(r"^ *auc: n/a$", proc.stdout, re.M) and re.search(r"^ *promoted: yes$", proc.stdout, re.M)
+
+
+def test_every_option_says_what_it_is_for():
+    import argparse
+
+    from serving.cli import build_parser
+
+    def silent(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from silent(sub, f"{path} {name}")
+            elif not action.help:
+                yield f"{path} {'/'.join(action.option_strings) or action.dest}"
+
+    assert list(silent(build_parser(), "mariana")) == []
 
 
 def test_epochs_config_and_env(gen_files, tmp_path):
@@ -126,6 +161,9 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
         (("train", "--data", gen_files["test"], "--out", csv), ["x.csv: exists and is not a directory"]),
         (("train", "--data", gen_files["test"], "--set", "model.slots=1", "--out", tmp_path / "o"), ["model.slots"]),
         (("evaluate", "--model", models["dir"], "--data", unlabeled), ["not in criteo format"]),
+        (("evaluate", "--model", models["dir"], "--data", empty), ["no valid rows in empty.tsv: nothing to evaluate"]),
+        (("train", "--data", gen_files["test"], "--set", "optim.lr=1e38", "--batch-size", "512",
+          "--out", tmp_path / "o"), ["training diverged in epoch 1", "nothing to publish"]),
     ]
     for args, needles in cases:
         one_line_error(run_cli(*args), *needles)

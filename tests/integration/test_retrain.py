@@ -95,6 +95,26 @@ def test_retrain_needs_a_window_and_a_recipe(days, tmp_path):
     assert no_recipe.returncode == 2 and "set retrain.job_config" in no_recipe.stderr
 
 
+def test_retrain_publishes_nothing_from_an_empty_or_diverged_training(days, tmp_path):
+    """A window with no valid rows, or a recipe that diverges, leaves no candidate version,
+    no decision and CURRENT where it was: nothing to gate, nothing to serve."""
+    model_dir = served_model(tmp_path, days)
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    cfg = retrain_config(tmp_path, model_dir, train_data=[str(empty)], eval_data=[str(days["day4"])])
+    proc = run_cli("retrain", "--config", cfg)
+    assert proc.returncode == 2 and "no valid training rows in empty.tsv: nothing to publish" in proc.stderr
+    recipe = tmp_path / "job.toml"
+    recipe.write_text("[optim]\nlr = 1e38\n[train]\nbatch_size = 512\n")
+    cfg = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"])], eval_data=[str(days["day4"])],
+                         job_config=str(recipe))
+    proc = run_cli("retrain", "--config", cfg)
+    assert proc.returncode == 2 and "training diverged" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in model_dir.glob("v*")) == ["v000001"]
+    assert (model_dir / "CURRENT").read_text().strip() == "v000001"
+    assert not (model_dir / "decisions.jsonl").exists()
+
+
 def test_retrain_over_http_behind_a_token(days, tmp_path):
     model_dir = served_model(tmp_path, days)
     retrain = {"data": str(days["day1"].parent / "day0*.tsv"), "train_files": 2, "eval_files": 1}

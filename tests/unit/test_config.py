@@ -73,6 +73,28 @@ def test_cluster_example_config_lists_every_key_with_its_default():
             assert f"\n{key} = " in text, f"{section}.{key} missing from {path.name}"
 
 
+def test_job_example_config_lists_every_key_with_its_default():
+    """deploy/config/train.example.toml says it shows every key: a key added to a config
+    dataclass and not to the example fails here (data.schema, a table, is shown commented)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "deploy/config/train.example.toml"
+    assert load_config(path, env={}) == JobConfig()
+    text = path.read_text()
+    for section, values in JobConfig().to_dict().items():
+        assert f"\n[{section}]" in text, f"[{section}] missing from {path.name}"
+        for key in values:
+            shown = f"\n{key} = " in text or (key == "schema" and "\n# [data.schema]" in text)
+            assert shown, f"{section}.{key} missing from {path.name}"
+
+
+def test_job_paths_resolve_against_a_base_dir():
+    cfg = load_config(env={}, overrides={"images.creatives": "ads", "images.mnist": "/data/mnist"})
+    assert cfg.paths() == {"images.creatives": "ads", "images.mnist": "/data/mnist"}
+    assert cfg.resolve_paths("/work").paths() == {"images.creatives": "/work/ads", "images.mnist": "/data/mnist"}
+    assert JobConfig().resolve_paths("/work").paths() == {}  # unset paths stay unset
+
+
 def test_cluster_and_job_configs_take_only_their_own_environment_sections():
     from services.runtime.config import load_cluster_config
 

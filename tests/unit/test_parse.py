@@ -125,8 +125,10 @@ def test_wrong_format_is_an_error(tmp_path):
     csv = "a,b,c\n1,2,3\n4,5,6\n"
     with pytest.raises(DataFormatError, match="not in criteo format: 3 of the first 3 rows"):
         read_all(write(tmp_path, "x.csv", csv))
-    with pytest.raises(DataFormatError, match="header does not match the avazu schema"):
+    with pytest.raises(DataFormatError, match="header does not match the avazu schema: column 1 is 'a', "
+                                              "expected 'id'") as e:
         read_all(write(tmp_path, "y.csv", csv), avazu())
+    assert "expected the 24 columns id,click,hour," in str(e.value) and str(e.value).endswith(",C20,C21")
     with pytest.raises(DataFormatError):
         read_all(write(tmp_path, "z.bin", bytes(range(256)) * 50))
 
@@ -223,3 +225,16 @@ def test_unlabeled_file_with_header(tmp_path):
     row = ",".join(["1", "14102100"] + [f"v{j}" for j in range(21)])
     chunks, stats = read_all(write(tmp_path, "t.csv", f"{header}\n{row}\n"), avazu(), labeled=None)
     assert stats.rows_ok == 1 and chunks[0].labels is None
+
+
+def test_row_slots_line_rows_up_with_input_lines_when_rows_are_skipped(tmp_path):
+    """What `mariana predict` aligns its output by: each parsed row's place among the
+    block's data lines (a header is not one), on the fast and the checked path."""
+    good = "0\t" + "\t".join(["1"] * 13 + ["a"] * 26)
+    path = write(tmp_path, "s.tsv", "\n".join([good, "1\tx", "", good, good]) + "\n")
+    task = next(Reader([str(path)], criteo()).tasks())
+    chunk, stats = task.run()
+    lines, slots = task.row_slots(chunk)
+    assert (lines, slots.tolist(), stats.rows_bad) == (5, [0, 3, 4], 2)
+    fast = next(Reader([str(write(tmp_path, "f.tsv", f"{good}\n{good}\n"))], criteo()).tasks())
+    assert [x.tolist() if hasattr(x, "tolist") else x for x in fast.row_slots(fast.run()[0])] == [2, [0, 1]]

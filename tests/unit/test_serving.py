@@ -39,9 +39,10 @@ J, M = codec.JSON, codec.MSGPACK
     (b'{"instances": {"I1": 1}}', J, 400, "'instances' must be an array of objects, got an object"),
     (b'{"instances": []}', J, 400, "'instances' is empty"),
     (b'{"instances": [' + b"{}," * 10 + b"{}]}", J, 413, "11 instances in one request; at most 10"),
-    (b"\xc1", M, 400, "not valid msgpack"),
-    (msgpack.packb({"instances": [{}]})[:-1], M, 400, "not valid msgpack"),
-    (msgpack.packb({"instances": [{}]}) + b"\x00", M, 400, "not valid msgpack"),
+    (b"\xc1", M, 400, "not valid msgpack: it holds a byte that starts no msgpack value"),
+    (msgpack.packb({"instances": [{}]})[:-1], M, 400, "not valid msgpack: Unpack failed: incomplete input"),
+    (msgpack.packb({"instances": [{}]}) + b"\x00", M, 400, "not valid msgpack: unpack(b) received extra data"),
+    (b"\x91" * 5000 + b"\xc0", M, 400, "not valid msgpack: it nests too deeply"),
     (msgpack.packb([1, 2]), M, 400, "got an array"),
 ])
 def test_bodies_that_are_refused_say_why(body, fmt, status, says):

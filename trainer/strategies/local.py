@@ -9,6 +9,7 @@ updating in-process tables, then evaluates. Read top to bottom:
 """
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
@@ -18,6 +19,7 @@ from typing import Callable
 import torch
 
 from sparse.batch import SparseBatch
+from sparse.errors import MarianaError
 from sparse.metrics import BinaryMetrics
 from trainer.bundle import ModelBundle
 from trainer.data import BatchStream
@@ -80,6 +82,10 @@ def train_local(bundle: ModelBundle, paths: list[str],
         window_rows, last_report = 0, t_epoch
         for batch in stream:
             step = local_step(bundle, batch)
+            if not math.isfinite(step.loss_sum):  # every later step would be NaN too: stop now
+                raise MarianaError(f"training diverged in epoch {epoch} after {rows:,} rows (loss "
+                                   f"{step.loss_sum / max(step.num_rows, 1)}): nothing to publish; lower the "
+                                   "learning rates (optim.lr, optim.embed_lr, optim.dense_lr)")
             rows += step.num_rows
             loss_sum += step.loss_sum
             window_loss += step.loss_sum

@@ -154,17 +154,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from trainer.data import BatchStream
 
     bundle, paths = _model_and_data(args)
-    stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None,
-                         slots=not args.skip_bad)
+    stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None, slots=True)
     out = sys.stdout
-    for item in stream:
-        if args.skip_bad:
-            probs = bundle.predict(item)
-        else:
-            batch, (lines, slots) = item
-            probs = np.full(lines, np.nan)
-            if batch is not None:
-                probs[slots] = bundle.predict(batch)
+    for batch, (lines, slots) in stream:
+        probs = bundle.predict(batch) if batch is not None else np.empty(0)
+        if not args.skip_bad:  # a nan where a row could not be read
+            probs, valid = np.full(lines, np.nan), probs
+            probs[slots] = valid
         if len(probs):
             out.write("\n".join(f"{p:.9g}" for p in probs.tolist()))
             out.write("\n")

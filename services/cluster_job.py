@@ -23,6 +23,7 @@ from services.assemble import check_request
 from services.runtime.config import ClusterConfig
 from sparse.errors import MarianaError
 from trainer.config import JobConfig
+from trainer.job import absolute_paths
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
@@ -43,7 +44,7 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
     the coordinator absolute, and it refuses relative ones."""
     from services import launcher
 
-    body = {"data": _absolute(data), "test_data": _absolute(test_data), "out": os.path.abspath(out),
+    body = {"data": absolute_paths(data), "test_data": absolute_paths(test_data), "out": os.path.abspath(out),
             "config": config.resolve_paths().to_dict(), "mode": mode, "promote": promote}
     if staleness is not None:
         body["staleness"] = staleness
@@ -72,10 +73,6 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
                 shutil.rmtree(cluster.cluster.dir, ignore_errors=True)
             else:
                 log.warning("cluster logs kept in %s/logs", cluster.cluster.dir)
-
-
-def _absolute(paths: list[str]) -> list[str]:
-    return [os.path.abspath(p) for p in paths]
 
 
 def check_sizes(wanted: ClusterConfig, info: dict, asked: tuple[str, ...]) -> None:

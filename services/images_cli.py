@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import time
 
 from sparse.errors import MarianaError
-
-log = logging.getLogger("mariana")
 
 
 def cmd_gen_ads(args: argparse.Namespace) -> int:
@@ -43,18 +40,14 @@ def cmd_gen_ads(args: argparse.Namespace) -> int:
 
 def cmd_featurizer_train(args: argparse.Namespace) -> int:
     from featurizer.image import load_mnist
-    from trainer.featurizer_train import FeaturizerTrainConfig, train_and_export
+    from trainer.featurizer_train import FeaturizerTrainConfig, progress_logger, train_and_export
 
     _need_dir(args.data, "--data")
     if args.epochs < 1:
         raise MarianaError("--epochs must be >= 1")
     data = load_mnist(args.data)
-
-    def progress(p) -> None:
-        log.info("featurizer epoch %d/%d: %s images, loss %.4f, %s images/s", p.epoch, p.epochs,
-                 f"{p.images:,}", p.loss, f"{p.images_per_s:,.0f}")
-
-    report = train_and_export(data, args.out, FeaturizerTrainConfig(epochs=args.epochs, seed=args.seed), progress)
+    report = train_and_export(data, args.out, FeaturizerTrainConfig(epochs=args.epochs, seed=args.seed),
+                              progress_logger())
     print(json.dumps(report) if args.json else
           f"featurizer written to {report['featurizer']}: test accuracy {report['test_accuracy']:.4f} "
           f"on {report['test_images']} held-out images ({report['train_seconds']} s)")

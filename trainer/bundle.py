@@ -20,7 +20,7 @@ from sparse.optim import AdaGrad, FTRL, SparseOptimizer
 from sparse.schema import Schema
 from sparse.table import HashedTable
 from trainer import checkpoint
-from trainer.config import JobConfig, from_dict
+from trainer.config import LOWER_RATES, JobConfig, from_dict
 from trainer.models.base import build_model, make_input, unique_ids
 from trainer.strategies.ps_step import DenseOptimizer
 
@@ -152,7 +152,7 @@ def _check_finite(weights: dict[str, np.ndarray]) -> None:
     for name, arr in weights.items():
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             raise MarianaError(f"the trained model's {name} holds NaN or infinite values (training diverged): "
-                               "nothing to publish; lower the learning rates")
+                               f"nothing to publish; {LOWER_RATES}")
 
 
 def table_optimizer(config: JobConfig, role: str) -> SparseOptimizer:

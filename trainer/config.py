@@ -120,6 +120,9 @@ class ImagesConfig:
             raise ConfigError(f"images.tower must be >= 1, got {self.tower}")
 
 
+# What a diverged training run's error tells the user to change.
+LOWER_RATES = "lower the learning rates (optim.lr, optim.embed_lr, optim.dense_lr)"
+
 # The keys of a job config that name files or directories ("" = not set).
 PATH_KEYS = ("images.creatives", "images.featurizer", "images.mnist")
 

@@ -52,6 +52,19 @@ class TrainProgress:
     images_per_s: float
 
 
+def progress_logger(every: float = 0.0) -> Callable[[TrainProgress], None]:
+    """A progress callback that logs a line at most every `every` seconds (epoch ends log
+    themselves, with the held-out accuracy)."""
+    last = [0.0]
+
+    def report(p: TrainProgress) -> None:
+        if time.perf_counter() - last[0] >= every:
+            last[0] = time.perf_counter()
+            log.info("featurizer epoch %d/%d: %s images, loss %.4f, %s images/s", p.epoch, p.epochs,
+                     f"{p.images:,}", p.loss, f"{p.images_per_s:,.0f}")
+    return report
+
+
 def train_featurizer(data: ImageSet, cfg: FeaturizerTrainConfig = FeaturizerTrainConfig(),
                      progress: Callable[[TrainProgress], None] | None = None,
                      report_every: float = 1.0) -> tuple[ImageCNN, dict]:

@@ -29,7 +29,7 @@ from featurizer.creatives import FALLBACK, META_FILE, CreativeFeatures, load_cre
 from featurizer.image import ImageFeaturizer, load_mnist, stack_images
 from sparse.errors import ConfigError
 from trainer.config import ImagesConfig
-from trainer.featurizer_train import FeaturizerTrainConfig, TrainProgress, train_and_export
+from trainer.featurizer_train import FeaturizerTrainConfig, TrainProgress, progress_logger, train_and_export
 
 log = logging.getLogger(__name__)
 CACHE_DIR = "featurizer"
@@ -131,20 +131,8 @@ def resolve_featurizer(cfg: ImagesConfig, cdir: Path, meta: dict,
         return cache, "cached"
     mnist = cfg.mnist or (meta.get("source") or {}).get("dir")
     log.info("no featurizer in %s: training one on %s (first use; once per creatives dir)", cache, mnist)
-    train_and_export(load_mnist(mnist), cache, FeaturizerTrainConfig(), progress or _log_progress())
+    train_and_export(load_mnist(mnist), cache, FeaturizerTrainConfig(), progress or progress_logger(10.0))
     return cache, "trained on first use"
-
-
-def _log_progress(every: float = 10.0) -> Callable[[TrainProgress], None]:
-    """The featurizer's progress in the log every `every` seconds (epoch ends log themselves)."""
-    last = [time.perf_counter()]
-
-    def report(p: TrainProgress) -> None:
-        if time.perf_counter() - last[0] >= every:
-            last[0] = time.perf_counter()
-            log.info("featurizer epoch %d/%d: %s images, loss %.4f, %s images/s", p.epoch, p.epochs,
-                     f"{p.images:,}", p.loss, f"{p.images_per_s:,.0f}")
-    return report
 
 
 def prepare_image_features(cfg: ImagesConfig,

@@ -11,7 +11,7 @@ from typing import Callable
 from sparse.errors import MarianaError
 from sparse.parse import Reader, describe_bad
 from trainer.bundle import ModelBundle
-from trainer.config import JobConfig
+from trainer.config import LOWER_RATES, JobConfig
 from trainer.strategies.local import Progress, evaluate, peak_rss_mb, train_local
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,7 @@ def check_trained(train_paths: list[str], rows: int, loss: float | None) -> None
     if rows <= 0:
         raise MarianaError(f"no valid training rows in {names}: nothing to publish")
     if loss is None or not math.isfinite(loss):
-        raise MarianaError(f"training on {names} diverged (train loss {loss}): nothing to publish; "
-                           "lower the learning rates (optim.lr, optim.embed_lr, optim.dense_lr)")
+        raise MarianaError(f"training on {names} diverged (train loss {loss}): nothing to publish; {LOWER_RATES}")
 
 
 def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,
@@ -68,7 +67,7 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
     """
     if not train_paths:
         raise MarianaError("no training files given")
-    train_paths, test_paths = _absolute(train_paths), _absolute(test_paths)
+    train_paths, test_paths = absolute_paths(train_paths), absolute_paths(test_paths)
     config.resolve_paths()
     schema = config.data.resolve_schema()
     check_inputs(train_paths + test_paths)
@@ -140,7 +139,9 @@ def image_record(info: dict, train: dict, test: dict, kind: str) -> dict:
             "test_lookups": test["lookups"], "test_unknown_creative": test["unknown"], "mode": MODES[kind]}
 
 
-def _absolute(paths: list[str]) -> list[str]:
+def absolute_paths(paths: list[str]) -> list[str]:
+    """The paths made absolute against the working directory (what manifests record, and
+    what a job sent to a coordinator must name)."""
     return [os.path.abspath(p) for p in paths]
 
 

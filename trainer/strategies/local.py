@@ -22,6 +22,7 @@ from sparse.batch import SparseBatch
 from sparse.errors import MarianaError
 from sparse.metrics import BinaryMetrics
 from trainer.bundle import ModelBundle
+from trainer.config import LOWER_RATES
 from trainer.data import BatchStream
 from trainer.models.base import unique_ids
 from trainer.strategies.ps_step import StepResult, compute_grads
@@ -84,8 +85,7 @@ def train_local(bundle: ModelBundle, paths: list[str],
             step = local_step(bundle, batch)
             if not math.isfinite(step.loss_sum):  # every later step would be NaN too: stop now
                 raise MarianaError(f"training diverged in epoch {epoch} after {rows:,} rows (loss "
-                                   f"{step.loss_sum / max(step.num_rows, 1)}): nothing to publish; lower the "
-                                   "learning rates (optim.lr, optim.embed_lr, optim.dense_lr)")
+                                   f"{step.loss_sum / max(step.num_rows, 1)}): nothing to publish; {LOWER_RATES}")
             rows += step.num_rows
             loss_sum += step.loss_sum
             window_loss += step.loss_sum

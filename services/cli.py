@@ -2,12 +2,14 @@
 script is `serving.cli:main`, which adds serve, model and retrain (services/
 never imports serving/); `python -m services.cli` is what the launcher runs.
 
-    mariana gen criteo --rows N --seed S --out FILE
+    mariana gen criteo|criteo-drift --rows N --seed S --out FILE
     mariana gen ads-with-images --rows N --seed S --images MNIST_DIR --out DIR
-    mariana train --data FILE[,FILE...] [--test-data FILE] --model {lr,dnn} --out MODEL_DIR [--json]
+    mariana train --data DATA[,DATA...] [--test-data DATA] --model {lr,dnn} --out MODEL_DIR [--json]
+                  [--epochs N|auto] [--valid-data DATA | --valid-fraction F] [--init-from MODEL_DIR[:VERSION]]
                   [--notify REDIS_URL] [--images CREATIVES_DIR [--featurizer DIR]]
                   [--mode cluster [--workers W] [--ps S] [--preprocess P] [--sync async|ssp|bsp]]
-    mariana evaluate --model MODEL_DIR --data FILE [--json]
+    mariana tune --data DATA [--valid-data DATA] [--test-data DATA] --budget SECONDS --out MODEL_DIR
+    mariana evaluate --model MODEL_DIR --data DATA [--json] [--plot FILE.png]
     mariana featurizer train --data MNIST_DIR --out DIR
     mariana featurize --model FEATURIZER_DIR --images FILE --out FILE.npy
     mariana featurize-creatives --images CREATIVES_DIR [--featurizer DIR] [--redis-url URL]
@@ -18,6 +20,7 @@ never imports serving/); `python -m services.cli` is what the launcher runs.
     mariana run {coordinator,loader,preprocess,worker,ps} --config FILE [--index N]
     mariana deploy install [--prefix DIR] [--dry-run] [--mariana PATH] [--redis-server PATH]
 
+DATA is a file (text, gzip or Parquet), a directory or a glob (sparse/inputs.py).
 User errors (a bad path, an unknown format, a file of the wrong format, a bad
 config key) print one line `mariana: error: ...` and exit with code 2.
 `mariana status` exits 1 when no cluster is up or its coordinator does not answer.
@@ -61,7 +64,13 @@ def cmd_gen(args: argparse.Namespace) -> int:
             t0[0] = time.perf_counter()
             log.info("gen: %s rows, %s rows/s", f"{done:,}", f"{done / max(seconds, 1e-9):,.0f}")
 
-    result = generate_criteo(args.out, args.rows, seed=args.seed, model_seed=args.model_seed, progress=progress)
+    if args.kind == "criteo-drift":
+        from sparse.synth_drift import generate_drift
+
+        seeds = {"seed": args.seed} | ({} if args.model_seed is None else {"model_seed": args.model_seed})
+        result = generate_drift(args.out, args.rows, progress=progress, **seeds)
+    else:
+        result = generate_criteo(args.out, args.rows, seed=args.seed, model_seed=args.model_seed, progress=progress)
     print(json.dumps(result))
     return 0
 
@@ -80,7 +89,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             if getattr(args, flag) is not None:
                 raise MarianaError(f"--{flag.replace('_', '-')} needs --mode cluster")
         record = run_local_job(config, _paths(args.data), _paths(args.test_data), args.out,
-                               on_progress=_progress_logger())
+                               on_progress=_progress_logger(), valid_paths=_paths(args.valid_data),
+                               init_from=args.init_from)
     if args.notify:
         from services import model_events
 
@@ -90,9 +100,40 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from trainer.job import run_tune_job
+
+    config = _job_config(args)
+    if args.trials is not None and args.trials < 1:
+        raise MarianaError(f"--trials must be >= 1, got {args.trials}")
+    record = run_tune_job(config, _paths(args.data), _paths(args.test_data), args.out, args.budget, args.model,
+                          _paths(args.valid_data), args.trials, args.seed)
+    if not args.json:
+        trials = record.pop("trials")
+        _print_table(("trial", "state", "valid logloss", "valid auc", "epochs", "best", "seconds", "parameters"),
+                     [(t["number"], t["state"], _num(t["value"]), _num(t["auc"]), t["epochs"], t["best_epoch"],
+                       f"{t['seconds']:.1f}", _params(t["params"])) for t in trials])
+        print()
+    _print_record(record, args.json)
+    return 0
+
+
+def _params(params: dict) -> str:
+    """{'optim.lr': 0.0123456, 'train.batch_size': 256} -> 'lr=0.0123 batch_size=256'."""
+    return " ".join(f"{k.split('.', 1)[1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.', 1)[1]}={v}"
+                    for k, v in params.items())
+
+
 def _train_cluster(args: argparse.Namespace, config) -> dict:
     from services.cluster_job import run_cluster_job
     from services.runtime.config import load_cluster_config
+
+    if args.init_from is not None:
+        raise MarianaError("--init-from runs in local mode (--mode local)")
+    if config.train.valid_fraction:
+        raise MarianaError("--valid-fraction runs in local mode; a cluster job validates on --valid-data files")
+    if config.train.auto and not args.valid_data:
+        raise MarianaError("--epochs auto in cluster mode stops on --valid-data files: name them")
 
     overrides = {key: getattr(args, flag) for flag, key in
                  (("workers", "worker.count"), ("ps", "ps.count"), ("preprocess", "preprocess.count"))
@@ -104,7 +145,8 @@ def _train_cluster(args: argparse.Namespace, config) -> dict:
 
     asked = tuple(key.split(".")[0] for key in overrides)
     return run_cluster_job(config, _paths(args.data), _paths(args.test_data), args.out, cluster,
-                           mode=sync, staleness=args.staleness, on_progress=_cluster_progress(), asked=asked)
+                           mode=sync, staleness=args.staleness, on_progress=_cluster_progress(), asked=asked,
+                           valid_data=_paths(args.valid_data))
 
 
 def _cluster_progress():
@@ -125,9 +167,12 @@ def _cluster_progress():
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from services import reliability
     from sparse.parse import describe_bad
     from trainer.strategies.local import evaluate
 
+    if args.plot:
+        reliability.check_plot_path(args.plot)  # before the work, not after it
     bundle, paths = _model_and_data(args)
     t0 = time.perf_counter()
     metrics, parse = evaluate(bundle, paths)
@@ -138,10 +183,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if parse["rows_bad"]:
         log.warning("skipped %d malformed rows (%s)", parse["rows_bad"], describe_bad(parse["first_bad"]))
     record = {"auc": metrics["auc"], "logloss": metrics["logloss"], "calibration": metrics["calibration"],
-              "ne": metrics["ne"], "rows": metrics["count"], "bad_rows": parse["rows_bad"],
+              "ne": metrics["ne"], "ece": metrics["ece"], "rows": metrics["count"], "bad_rows": parse["rows_bad"],
               "seconds": round(time.perf_counter() - t0, 3), "model_dir": os.path.abspath(args.model),
               "model_version": bundle.manifest.get("version")}
-    _print_record(record, args.json)
+    table = metrics["reliability"]
+    if args.plot:
+        reliability.plot(table, args.plot, f"{os.path.basename(record['model_dir'])} {record['model_version']}: "
+                                           f"{record['rows']:,} rows, ECE {record['ece']:.4g}")
+        record["plot"] = os.path.abspath(args.plot)
+    _print_record({**record, "reliability": table}, args.json)
     return 0
 
 
@@ -234,8 +284,23 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 # ---- helpers ----------------------------------------------------------------------
 
+def epochs_arg(text: str) -> int | str:
+    """--epochs: a number of passes or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of passes or 'auto', got {text!r}") from None
+
+
 def _paths(spec: str | None) -> list[str]:
-    return [p for p in (spec or "").split(",") if p]
+    """The files a comma-separated `--data`/`--test-data` names: files, directories (their
+    files, by name) and globs (sorted), expanded here, before any work or a cluster job's
+    submission (sparse/inputs.py); an item that names no file is an error naming it."""
+    from sparse.inputs import expand_data_paths
+
+    return expand_data_paths([p for p in (spec or "").split(",") if p])
 
 
 def _job_config(args: argparse.Namespace):
@@ -243,6 +308,7 @@ def _job_config(args: argparse.Namespace):
 
     overrides = dict(parse_set_option(item) for item in args.set or [])
     for flag, key in (("model", "model.kind"), ("epochs", "train.epochs"), ("format", "data.format"),
+                      ("valid_fraction", "train.valid_fraction"), ("patience", "train.patience"),
                       ("batch_size", "train.batch_size"), ("bits", "hashing.bits"),
                       ("images", "images.creatives"), ("featurizer", "images.featurizer")):
         value = getattr(args, flag, None)
@@ -283,18 +349,29 @@ def _print_record(record: dict, as_json: bool) -> None:
         print(json.dumps({k: None if isinstance(v, float) and v != v else v for k, v in record.items()},
                          allow_nan=False))
         return
-    lines = list(_human_lines(record))
+    table = record.get("reliability")
+    lines = list(_human_lines({k: v for k, v in record.items() if k != "reliability"}))
     width = max((len(k) for k, _ in lines), default=0)
     for key, text in lines:
         print(f"{key:>{width}}: {text}")
+    if table:
+        from services import reliability
+
+        print(f"\nreliability ({len(table)} buckets of about equal rows, by pCTR):")
+        for line in reliability.table_lines(table):
+            print(f"  {line}")
 
 
 def _human_lines(record: dict, prefix: str = ""):
     """(key, text) per line: a nested table gets dotted keys, a table of plain values one
-    line ("read 0.484, parse 1.21"), a list its items, nothing a Python repr."""
+    line ("read 0.484, parse 1.21"), a list its items, a list of tables one line per table
+    ("valid.epochs[2]: ..."), nothing a Python repr."""
     for key, value in record.items():
         if isinstance(value, dict) and any(isinstance(v, (dict, list)) for v in value.values()):
             yield from _human_lines(value, f"{prefix}{key}.")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, item in enumerate(value, 1):
+                yield f"{prefix}{key}[{i}]", _human(item)
         else:
             yield f"{prefix}{key}", _human(value)
 
@@ -433,13 +510,28 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--model-seed", type=int, default=20140621, help="seed of the planted click model")
     gc.add_argument("--out", required=True, help="output file (.gz to compress)")
     gc.set_defaults(func=cmd_gen)
+    gd = gsub.add_parser("criteo-drift", help="Criteo-format TSV in time order whose click model drifts "
+                                              "(docs/synthetic-data.md)")
+    gd.add_argument("--rows", type=int, required=True, help="rows to write (time order: split by position)")
+    gd.add_argument("--seed", type=int, default=0, help="seed of the rows")
+    gd.add_argument("--model-seed", type=int, help="seed of the planted click model (default: the generator's)")
+    gd.add_argument("--out", required=True, help="output file (.gz to compress)")
+    gd.set_defaults(func=cmd_gen)
     images_cli.add_gen_ads(gsub)
 
     t = sub.add_parser("train", help="train a click model locally and publish a version")
-    t.add_argument("--data", required=True, help="training file(s), comma-separated")
+    t.add_argument("--data", required=True, help="training data: files, directories or globs, comma-separated")
     t.add_argument("--test-data", help="file(s) to evaluate on after training")
     t.add_argument("--model", choices=("lr", "dnn"), help="model kind (default: lr, or the config's)")
-    t.add_argument("--epochs", type=int, help="passes over the data (default 1, or the config's train.epochs)")
+    t.add_argument("--epochs", type=epochs_arg, help="passes over the data, or 'auto': until the validation "
+                   "logloss stops improving, keeping the best epoch (default 1, or the config's train.epochs)")
+    t.add_argument("--valid-data", help="file(s) scored after every epoch (validation: early stopping, tuning)")
+    t.add_argument("--valid-fraction", type=float, help="hold out the last F of the training rows (file order: "
+                   "time order for a log) for validation (train.valid_fraction; 'auto' takes 0.1 when none given)")
+    t.add_argument("--init-from", metavar="MODEL_DIR[:VERSION]", help="warm start: go on from that version's "
+                   "weights and optimizer state (default version: its CURRENT); the hashing and model must match")
+    t.add_argument("--patience", type=int, help="--epochs auto: stop after this many epochs without a better "
+                   "validation logloss (train.patience, default 1)")
     t.add_argument("--batch-size", type=int, help="rows per training step (default 4096)")
     t.add_argument("--bits", type=int, help="hash bits: the tables have 2^bits rows")
     t.add_argument("--format", choices=FORMATS, help="the data's format (default criteo; csv needs [data.schema] "
@@ -466,16 +558,43 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: DIR/creatives/featurizer, trained there on first use)")
     t.set_defaults(func=cmd_train)
 
+    tu = sub.add_parser("tune", help="search hyper-parameters under a time budget (validation logloss) and "
+                        "publish the best model as a version")
+    tu.add_argument("--data", required=True, help="training data: files, directories or globs, comma-separated")
+    tu.add_argument("--valid-data", help="file(s) that score each trial (default: the last --valid-fraction of "
+                    "the training rows)")
+    tu.add_argument("--valid-fraction", type=float, help="hold out the last F of the training rows for "
+                    "validation (default 0.1 when no --valid-data)")
+    tu.add_argument("--test-data", help="file(s) the best model is scored on (never used to choose)")
+    tu.add_argument("--budget", type=float, required=True, help="seconds of wall time for the search; the trial "
+                    "under way at the end stops after its epoch")
+    tu.add_argument("--trials", type=int, help="stop after this many trials (default: only the budget)")
+    tu.add_argument("--model", choices=("lr", "dnn", "any"), default="lr",
+                    help="model kind to tune (any: the kind is searched too; default lr)")
+    tu.add_argument("--seed", type=int, default=0, help="seed of the search")
+    tu.add_argument("--format", choices=FORMATS, help="the data's format (default criteo)")
+    tu.add_argument("--bits", type=int, help="hash bits: the tables have 2^bits rows")
+    tu.add_argument("--config", help="TOML job config: the first trial and what the search does not change")
+    tu.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    tu.add_argument("--patience", type=int, help="epochs without a better validation logloss before a trial "
+                    "stops (train.patience, default 1)")
+    tu.add_argument("--out", required=True, help="model directory (the best model is a new version; the trials "
+                    "go to OUT/tune/)")
+    tu.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    tu.set_defaults(func=cmd_tune)
+
     e = sub.add_parser("evaluate", help="metrics of a model on labeled data")
     e.add_argument("--model", required=True, help="model directory (its CURRENT version)")
-    e.add_argument("--data", required=True, help="labeled rows, file(s) comma-separated")
+    e.add_argument("--data", required=True, help="labeled rows: files, directories or globs, comma-separated")
     e.add_argument("--format", choices=FORMATS, help="the rows' format (default: the model's; must match it)")
     e.add_argument("--json", action="store_true", help="print the metrics as one JSON line")
+    e.add_argument("--plot", metavar="FILE.png", help="also write a reliability plot (predicted vs observed "
+                   "CTR by bucket, with 95%% intervals and the rows per bucket); .svg and .pdf work too")
     e.set_defaults(func=cmd_evaluate)
 
     pr = sub.add_parser("predict", help="print one pCTR per input row (nan for a row that cannot be read)")
     pr.add_argument("--model", required=True, help="model directory (its CURRENT version)")
-    pr.add_argument("--data", required=True, help="labeled or unlabeled rows, file(s) comma-separated")
+    pr.add_argument("--data", required=True, help="labeled or unlabeled rows: files, directories or globs, comma-separated")
     pr.add_argument("--format", choices=FORMATS, help="the rows' format (default: the model's; must match it)")
     pr.add_argument("--skip-bad", action="store_true",
                     help="print nothing for a malformed row (default: nan, so output line N is input row N)")

@@ -37,15 +37,17 @@ class JobFailed(MarianaError):
 def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], out: str, cluster: ClusterConfig,
                     mode: str = "async", staleness: int | None = None,
                     on_progress: Callable[[dict], None] | None = None, asked: tuple[str, ...] = (),
-                    promote: bool = True) -> dict:
+                    promote: bool = True, valid_data: list[str] | None = None) -> dict:
     """`asked`: the roles whose counts the user gave; a running cluster must have those.
     `promote=False` writes the version without moving CURRENT (a retrain's candidate).
     Relative paths (files, `out`, the config's path keys) are this process's: they go to
-    the coordinator absolute, and it refuses relative ones."""
+    the coordinator absolute, and it refuses relative ones. `valid_data` is scored after
+    every epoch (and `train.epochs = "auto"` stops on it)."""
     from services import launcher
 
     body = {"data": absolute_paths(data), "test_data": absolute_paths(test_data), "out": os.path.abspath(out),
-            "config": config.resolve_paths().to_dict(), "mode": mode, "promote": promote}
+            "config": config.resolve_paths().to_dict(), "mode": mode, "promote": promote,
+            "valid_data": absolute_paths(valid_data or [])}
     if staleness is not None:
         body["staleness"] = staleness
     check_request(body)  # the coordinator checks it again; this fails before any process starts

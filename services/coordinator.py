@@ -37,7 +37,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from services import model_events, protocol, webui
-from services.assemble import assemble_and_publish, check_request
+from services.assemble import assemble_and_publish, check_request, validate_exports
 from services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from services.jobstore import JobStore
 from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step, stage_seconds_of
@@ -109,6 +109,7 @@ class JobRun:
     final: dict | None = None      # the summary's numbers when it ended (an ended job keeps no ledger)
     last_point: tuple | None = None  # (t, rows, loss_sum, hist) at the last history point
     phase: str | None = None       # what a running job does after its epochs ("evaluating on test.tsv")
+    best_export: tuple | None = None  # (epoch, valid logloss, the shards' exports) of the best epoch so far
 
     def summary(self) -> dict:
         out = {"id": self.id, "state": self.state, "error": self.error, "submitted": self.submitted,
@@ -565,7 +566,14 @@ class Coordinator(Service):
                 await self.reconcile(run)
                 log.info("%s: job %s: epoch %d done: %d rows, %.2fs", self.name, run.id, led.epoch,
                          led.rows_done[led.epoch], time.time() - led.epoch_started)
+                epoch, valid = led.epoch, None
+                if run.request.get("valid_data"):  # the workers wait: the export is of this epoch alone
+                    valid = await self.validate(run)
+                    if self.stop_early(run, valid):
+                        self.journal(run, "stop", {"epochs": epoch})
                 self.journal(run, "epoch", {"t": time.time()})
+                if valid is not None:
+                    self.journal(run, "valid", {"epoch": epoch, "metrics": valid})
                 self.pulse()
             await self.finish(run)
         except JobStopped:
@@ -675,16 +683,70 @@ class Coordinator(Service):
         cset = await asyncio.to_thread(load_creative_set, cfg.creatives)
         return await creative_table(self.cache, img["redis_key"], int(img["dim"]), cset.ids)
 
+    async def validate(self, run: JobRun) -> dict:
+        """Score the model as it stands after this epoch on the job's validation files; keep
+        the shards' export of the best epoch so far (`epochs = "auto"` publishes it)."""
+        led = run.ledger
+        names = ", ".join(os.path.basename(p) for p in run.request["valid_data"])
+        self.set_phase(run, f"validating epoch {led.epoch} on {names}")
+        exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.shards))]
+        images = await self.image_table(run)
+        metrics = await asyncio.to_thread(validate_exports, run.spec, exports, images, run.request["valid_data"])
+        run.phase = None
+        best = run.best_export
+        if metrics["logloss"] is not None and (best is None or metrics["logloss"] < best[1]):
+            run.best_export = (led.epoch, metrics["logloss"], exports)
+        log.info("%s: job %s: epoch %d: valid logloss %s, auc %s", self.name, run.id, led.epoch,
+                 metrics["logloss"], metrics["auc"])
+        return metrics
+
+    def stop_early(self, run: JobRun, valid: dict) -> bool:
+        """`epochs = "auto"`: no better validation logloss for `train.patience` epochs."""
+        train = from_dict(JobConfig, run.spec["config"]).train
+        if not train.auto:
+            return False
+        losses = [(s.get("valid") or {}).get("logloss") for s in run.ledger.epoch_summaries] + [valid["logloss"]]
+        scored = [(loss, e) for e, loss in enumerate(losses, 1) if loss is not None]
+        return bool(scored) and len(losses) - min(scored)[1] >= train.patience
+
+    def kept_export(self, run: JobRun, exports: list) -> tuple[list, dict | None]:
+        """(the exports to publish, the validation record): with `epochs = "auto"`, the best
+        epoch's, when this coordinator still holds them."""
+        led = run.ledger
+        if not run.request.get("valid_data"):
+            return exports, None
+        train = from_dict(JobConfig, run.spec["config"]).train
+        epochs = [{"epoch": s["epoch"], **s["valid"], "train_loss": s.get("loss")}
+                  for s in led.epoch_summaries if s.get("valid")]
+        scored = [(e["logloss"], e["epoch"]) for e in epochs if e.get("logloss") is not None]
+        best_epoch = min(scored)[1] if scored else 0
+        kept = "last"
+        if train.auto and best_epoch and best_epoch != led.epochs:
+            if run.best_export is not None and run.best_export[0] == best_epoch:
+                exports, kept = run.best_export[2], "best"
+            else:
+                kept = "last (the best epoch's tables were lost when the coordinator restarted)"
+        elif train.auto:
+            kept = "best"
+        stopped = "epochs" if not train.auto else (
+            f"no better valid logloss for {led.epochs - best_epoch} epoch(s)" if led.epochs < train.max_epochs
+            else f"max_epochs ({train.max_epochs})")
+        valid = {"source": ",".join(run.request["valid_data"]), "rows": epochs[-1].get("rows", 0) if epochs else 0,
+                 "epochs": epochs, "best_epoch": best_epoch, "kept": kept, "stopped": stopped}
+        return exports, valid
+
     async def finish(self, run: JobRun) -> None:
         led = run.ledger
         self.set_phase(run, f"exporting the tables of {len(self.shards)} shard(s)")
         applied = [(await self.shard_call(run, i, "ShardStats"))["rows"] for i in range(len(self.shards))]
         exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.shards))]
+        exports, valid = self.kept_export(run, exports)
+        run.best_export = None
         images = await self.image_table(run)
         train_seconds = time.time() - run.started
         record = await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, led,
                                          len(self.shards), train_seconds, images,
-                                         lambda text: self.set_phase(run, text))
+                                         lambda text: self.set_phase(run, text), valid)
         rows_applied = [min(int(a.get(str(e), 0)) for a in applied) for e in range(1, led.epochs + 1)]
         record.update({
             "rows_applied": sum(rows_applied),
@@ -916,7 +978,8 @@ class Coordinator(Service):
 def job_ledger(job: str, request: dict, spec: dict, data_bytes: int) -> JobLedger:
     """A job's empty ledger (a new job, or one a restarted coordinator replays its journal into)."""
     staleness = {"async": None, "bsp": 0, "ssp": request.get("staleness")}[request["mode"]]
-    return JobLedger(job, epochs=spec["config"]["train"]["epochs"], staleness=staleness, data_bytes=data_bytes)
+    epochs = from_dict(JobConfig, spec["config"]).train.epoch_limit  # "auto": at most max_epochs
+    return JobLedger(job, epochs=epochs, staleness=staleness, data_bytes=data_bytes)
 
 
 class JobStopped(Exception):

@@ -118,6 +118,10 @@ class JobLedger:
             return self.replay(set(d["steps"])) > 0
         elif kind == "epoch":
             self.next_epoch(float(d["t"]))
+        elif kind == "valid":
+            self.epoch_valid(int(d["epoch"]), d["metrics"])
+        elif kind == "stop":
+            self.stop_after(int(d["epochs"]))
         else:
             raise ValueError(f"unknown journal event {kind!r}")
         return True
@@ -331,6 +335,22 @@ class JobLedger:
             for step in self.epoch_steps(self.epoch):
                 chunk = parse_step(step)[1].rsplit(":", 1)[0]
                 (self.lost.add if chunk in lost_chunks else self.ready.append)(step)
+
+    def epoch_valid(self, epoch: int, metrics: dict) -> None:
+        """An epoch's validation metrics ({"logloss", "auc", ...}), kept with its summary."""
+        if not 1 <= epoch <= len(self.epoch_summaries):
+            raise ValueError(f"validation of epoch {epoch}, which has not finished")
+        self.epoch_summaries[epoch - 1]["valid"] = dict(metrics)
+
+    def stop_after(self, epochs: int) -> None:
+        """Early stopping: the job ends after `epochs` epochs (the one under way)."""
+        if not 1 <= epochs <= self.epochs:
+            raise ValueError(f"stop after {epochs} epochs of {self.epochs}")
+        self.epochs = epochs
+        if self.epoch > epochs:  # steps of an epoch that will not run
+            dropped = set(self.epoch_steps(self.epoch))
+            self.ready = deque(s for s in self.ready if s not in dropped)
+            self.lost -= dropped
 
     def expected_steps(self) -> set[str]:
         """Every step of the epochs so far."""

@@ -3,9 +3,14 @@ its optimizer state (`trainer.strategies.ps_shard.ParamShard`), answers
 pulls, applies pushes at most once per step, checkpoints on a timer and on
 SIGTERM, restores on start.
 
-    PullRows{job, dense} + ids                 -> Rows + {table: rows} (+ dense)
-    PushGrads{job, step, rows, next_dense} + ids, g.<table>, dense, next_ids
+    PullRows{job, dense} + ids (+ occ)         -> Rows + {table: rows} (+ dense) (+ admitted)
+    PushGrads{job, step, rows, next_dense} + ids, g.<table>, dense, next_ids (+ seen, seen_n, next_occ)
                                                -> Ack{applied} (+ the rows of next_ids, as Rows)
+
+With hashing.min_count > 1 a pull carries each id's occurrences in the batch
+(`occ`, uint32) and the answer says which ids are admitted (`admitted`, uint8);
+a push carries the ids that were not and their occurrences (`seen`, `seen_n`),
+which the shard counts once, with the step (trainer/strategies/ps_shard.py).
     StartJob{job, spec} / ShardStats / Export / EndJob   (from the coordinator)
 
 Checkpoints: <ps.state_dir>/shard-<i>/<job>/vNNNNNN (safetensors + JSON,
@@ -121,11 +126,18 @@ class ParamServer(Service):
     def on_PullRows(self, msg: Message) -> list:
         shard = self.shard(msg)
         ids = _array(msg, "ids", np.int64, 1)
-        return protocol.encode("Rows", msg.msg_id, self.pull(shard, shard.local_rows(ids), msg["dense"]))
+        occ = _array(msg, "occ", np.uint32, 1) if "occ" in msg.arrays else None
+        return protocol.encode("Rows", msg.msg_id, self.pull(shard, shard.local_rows(ids), msg["dense"], occ))
 
-    def pull(self, shard: ParamShard, rows: np.ndarray, dense: bool) -> dict[str, np.ndarray]:
-        """The answer to a pull of local `rows` (checked ids, `ParamShard.local_rows`)."""
-        out = shard.gather(rows)
+    def pull(self, shard: ParamShard, rows: np.ndarray, dense: bool,
+             occ: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The answer to a pull of local `rows` (checked ids, `ParamShard.local_rows`);
+        with `occ` (min_count > 1), which of them are admitted."""
+        if occ is None:
+            out = shard.gather(rows)
+        else:
+            out, admitted = shard.gather_admitted(rows, occ)
+            out["admitted"] = admitted.view(np.uint8)
         if dense:
             out["dense"] = shard.dense.copy()  # frames go out zero-copy: never the live array a push updates
         self.counters["pulls"] += 1
@@ -141,12 +153,20 @@ class ParamServer(Service):
         ids = _array(msg, "ids", np.int64, 1)
         grads = {k[2:]: _array(msg, k, np.float32, 2) for k in msg.arrays if k.startswith("g.")}
         dense = _array(msg, "dense", np.float32, 1) if "dense" in msg.arrays else None
-        next_rows = None
+        seen = None
+        if "seen" in msg.arrays or "seen_n" in msg.arrays:
+            seen = (_array(msg, "seen", np.int64, 1), _array(msg, "seen_n", np.uint32, 1))
+        next_rows = next_occ = None
         if "next_ids" in msg.arrays:
             if not isinstance(msg.get("next_dense", False), bool):
                 raise BadMessage("field", "PushGrads.next_dense must be a boolean")
             next_rows = shard.local_rows(_array(msg, "next_ids", np.int64, 1))  # refused before anything is applied
-        applied = shard.push(msg["step"], msg["rows"], ids, grads, dense)
+            if "next_occ" in msg.arrays:
+                next_occ = _array(msg, "next_occ", np.uint32, 1)
+                if next_occ.shape != next_rows.shape or shard.counts is None:
+                    raise BadMessage("arrays", "PushGrads.next_occ must have one count per next id, "
+                                     "in a job with hashing.min_count > 1")
+        applied = shard.push(msg["step"], msg["rows"], ids, grads, dense, seen)
         if applied:
             self.dirty.add(msg["job"])
             self.counters["steps_applied"] += 1
@@ -154,7 +174,7 @@ class ParamServer(Service):
         else:
             self.counters["duplicate_pushes"] += 1
             log.info("%s: step %s of job %s was applied before; ignored", self.name, msg["step"], msg["job"])
-        rows = None if next_rows is None else self.pull(shard, next_rows, msg.get("next_dense") is True)
+        rows = None if next_rows is None else self.pull(shard, next_rows, msg.get("next_dense") is True, next_occ)
         return protocol.encode("Ack", msg.msg_id, rows, applied=applied)
 
     def on_ShardStats(self, msg: Message) -> list:

@@ -41,9 +41,11 @@ from services.runtime.config import ClusterConfig
 from services.runtime.lifecycle import Service, run_service
 from services.sample_cache import SampleCache, unpack_batch
 from services.transport import Client, PeerTimeout, RemoteError
+from sparse import admission
 from sparse.batch import SparseBatch
 from sparse.encode import Encoder
 from sparse.errors import DataFormatError
+from sparse.hashing import rare_ids
 from sparse.schema import Schema
 from trainer.config import JobConfig, from_dict
 from trainer.models.base import CTRModel, build_model
@@ -68,6 +70,7 @@ class JobModel:
     model: CTRModel
     dense_size: int
     gate: asyncio.Semaphore  # steps of this job between pull and push at once (worker.steps_in_flight)
+    rare: np.ndarray | None = None  # hashing.min_count > 1: each field's rare id (sparse/admission.py)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Fetched:
     batch: SparseBatch
     seconds: float
     leased_at: float  # time.monotonic() of the Lease's answer
+    pull: tuple | None = None  # (ids, occurrences or None) the step pulls, once found (Worker.pull_ids)
 
 
 class Inbox:
@@ -289,16 +293,22 @@ class Worker(Service):
         wrong, put the next batch back."""
         work, batch = f.work, f.batch
         times = {"fetch": f.seconds, "pull": 0.0}
-        uniq, inverse = batch.unique()
-        owners = self.partition(uniq)
         if pulled is None:
             t0 = time.perf_counter()
-            pulled = self.rows_of(jm, uniq, owners, await asyncio.gather(*(
-                self.call_shard(i, "PullRows", {"ids": uniq[sel]}, job=jm.job, dense=(i == 0 and jm.dense_size > 0))
+            ids, occ = self.pull_ids(jm, f)
+            owners = self.partition(ids)
+            pulled = self.rows_of(jm, ids, owners, await asyncio.gather(*(
+                self.call_shard(i, "PullRows", _with_occ({"ids": ids[sel]}, "occ", occ, sel), job=jm.job,
+                                dense=(i == 0 and jm.dense_size > 0))
                 for i, sel in enumerate(owners))))
             times["pull"] = time.perf_counter() - t0
             self.counters["separate_pulls"] += 1  # the others ride on the previous push
-        rows, dense = pulled
+        rows, dense, admitted = pulled
+        seen = None
+        if admitted is not None:  # min_count > 1: ids not admitted read and train their field's rare row
+            batch, rows, seen = self.admit(jm, f, rows, admitted)
+        uniq, inverse = batch.unique()
+        owners = self.partition(uniq)
         t1 = time.perf_counter()
         # No await from here to the copies below: another step loop shares the model.
         if jm.dense_size:
@@ -308,13 +318,13 @@ class Worker(Service):
                       if result.dense_grads else None)
         t2 = time.perf_counter()
         nxt = None if self.stopping.is_set() else self.take(jm.job)
-        next_ids = next_owners = None
+        next_ids = next_owners = next_occ = None
         if nxt is not None:
-            next_ids = nxt.batch.unique()[0]
+            next_ids, next_occ = self.pull_ids(jm, nxt)
             next_owners = self.partition(next_ids)
         try:
             acks = await self.push(jm, work["step"], batch.num_rows, uniq, owners, result.row_grads, dense_grad,
-                                   next_ids, next_owners)
+                                   next_ids, next_owners, seen, next_occ)
         except BaseException:
             if nxt is not None:
                 self.inbox.put_back(nxt)
@@ -368,9 +378,33 @@ class Worker(Service):
         owner = uniq % s
         return [np.flatnonzero(owner == i) for i in range(s)]
 
+    def pull_ids(self, jm: JobModel, f: Fetched) -> tuple[np.ndarray, np.ndarray | None]:
+        """(ids, occurrences) a step pulls: the batch's unique ids; with min_count > 1 also
+        every field's rare id (the row of the batch's ids not admitted: which they are, the
+        pull's answer says) and each id's uint32 occurrences in the batch (0 for rare ids)."""
+        if f.pull is None:
+            uniq, inverse = f.batch.unique()
+            if jm.rare is None:
+                f.pull = (uniq, None)
+            else:
+                occ = np.bincount(inverse, minlength=len(uniq)).astype(np.uint32)
+                f.pull = (np.concatenate([uniq, jm.rare]), np.concatenate([occ, np.zeros(len(jm.rare), np.uint32)]))
+        return f.pull
+
+    def admit(self, jm: JobModel, f: Fetched, rows: dict, admitted: np.ndarray
+              ) -> tuple[SparseBatch, dict, tuple[np.ndarray, np.ndarray]]:
+        """(the batch with the entries of ids not admitted on their field's rare id, its
+        rows, (ids not admitted, occurrences)): the shards count the last with the push."""
+        uniq = f.batch.unique()[0]
+        ok = admitted[:len(uniq)]
+        batch, src = admission.redirect(f.batch, ok, jm.rare)
+        occ = self.pull_ids(jm, f)[1][:len(uniq)]
+        return batch, {name: r[src] for name, r in rows.items()}, (uniq[~ok], occ[~ok])
+
     def rows_of(self, jm: JobModel, uniq: np.ndarray, owners: list, replies: list[Message]
-                ) -> tuple[dict, np.ndarray | None]:
-        """The shards' answers to a pull as ({table: (U, dim) rows}, dense parameters)."""
+                ) -> tuple[dict, np.ndarray | None, np.ndarray | None]:
+        """The shards' answers to a pull as ({table: (U, dim) rows}, dense parameters,
+        (U,) bool admitted: min_count > 1 only)."""
         pulled = {}
         for spec in jm.model.tables:
             out = np.empty((len(uniq), spec.dim), np.float32)  # writable: autograd leaves
@@ -385,21 +419,35 @@ class Worker(Service):
             dense = np.array(replies[0].arrays.get("dense"), np.float32)
             if dense.shape != (jm.dense_size,):
                 raise BadMessage("arrays", f"dense parameters of shape {dense.shape}, expected {(jm.dense_size,)}")
-        return pulled, dense
+        admitted = None
+        if jm.rare is not None:
+            admitted = np.empty(len(uniq), bool)
+            for sel, reply in zip(owners, replies):
+                got = reply.arrays.get("admitted")
+                if got is None or got.dtype != np.uint8 or got.shape != (len(uniq[sel]),):
+                    raise BadMessage("arrays", "shard reply lacks the admitted flags of the ids or has the wrong shape")
+                admitted[sel] = got.view(bool)
+        return pulled, dense, admitted
 
     async def push(self, jm: JobModel, step: str, rows: int, uniq: np.ndarray, owners: list,
                    grads: dict[str, np.ndarray], dense_grad: np.ndarray | None,
-                   next_ids: np.ndarray | None, next_owners: list | None) -> list[Message]:
+                   next_ids: np.ndarray | None, next_owners: list | None,
+                   seen: tuple | None = None, next_occ: np.ndarray | None = None) -> list[Message]:
         """Push a step's gradients to each shard, with the pull of the next batch's ids (if
-        any) in the same message; the shards' Acks, in shard order."""
+        any) in the same message; the shards' Acks, in shard order. `seen`: (ids not
+        admitted, their occurrences), for their owners to count (min_count > 1)."""
         calls = []
+        seen_owners = self.partition(seen[0]) if seen is not None else None
         for i, sel in enumerate(owners):
             arrays = {"ids": uniq[sel], **{f"g.{name}": g[sel] for name, g in grads.items()}}
             if i == 0 and dense_grad is not None:
                 arrays["dense"] = dense_grad
+            if seen is not None:
+                arrays["seen"], arrays["seen_n"] = seen[0][seen_owners[i]], seen[1][seen_owners[i]]
             fields = {}
             if next_ids is not None:
                 arrays["next_ids"] = next_ids[next_owners[i]]
+                _with_occ(arrays, "next_occ", next_occ, next_owners[i])
                 fields["next_dense"] = i == 0 and jm.dense_size > 0
             calls.append(self.call_shard(i, "PushGrads", arrays, job=jm.job, step=step, rows=rows, **fields))
         return await asyncio.gather(*calls)
@@ -442,8 +490,9 @@ class Worker(Service):
             model = build_model(config.model, encoder.num_fields, encoder.dense_dim,
                                 image_width(spec), config.images.tower)
             in_flight = self.cfg.worker.steps_in_flight(config.model.kind)
+            rare = rare_ids(encoder.sparse_fields, config.hashing) if config.hashing.min_count > 1 else None
             jm = JobModel(job, config, model, sum(p.numel() for p in model.parameters()),
-                          asyncio.Semaphore(in_flight))
+                          asyncio.Semaphore(in_flight), rare)
             self.jobs = {job: jm}  # one job at a time: forget the previous model
             log.info("%s: job %s: %s model, %d dense parameters, %d shards, %d steps in flight", self.name, job,
                      config.model.kind, jm.dense_size, len(self.shards), in_flight)
@@ -457,6 +506,13 @@ class Worker(Service):
 
     def status(self) -> dict:
         return {**self.counters, "busy": self.busy, "in_hand": len(self.inbox)}
+
+
+def _with_occ(arrays: dict, key: str, occ: np.ndarray | None, sel) -> dict:
+    """`arrays` with the occurrences of the selected ids under `key`, when there are any."""
+    if occ is not None:
+        arrays[key] = occ[sel]
+    return arrays
 
 
 def _unpack_all(blobs: list[bytes | None]) -> list[SparseBatch | Exception | None]:

@@ -77,10 +77,13 @@ class RetrainSection:
     job_config: str = ""                # a job TOML; default: the served model's own config
     mode: str = "local"                 # or "cluster": train on the cluster that is up
     cluster_config: str = ""            # cluster mode: its TOML (default: the built-in defaults)
+    warm_start: bool = False            # go on from the served version's weights (daily incremental training)
 
     def __post_init__(self) -> None:
         if self.mode not in ("local", "cluster"):
             raise ConfigError(f"retrain.mode must be 'local' or 'cluster', got {self.mode!r}")
+        if self.warm_start and self.mode == "cluster":
+            raise ConfigError("retrain.warm_start runs in retrain.mode = 'local' (cluster jobs start from scratch)")
         if self.train_files < 1 or self.eval_files < 1:
             raise ConfigError("retrain.train_files and retrain.eval_files must be >= 1")
         if not self.auc_tolerance >= 0:

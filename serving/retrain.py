@@ -16,7 +16,6 @@ promotions.jsonl) and is announced on Redis, so servers swap to it.
 from __future__ import annotations
 
 import fcntl
-import glob
 import json
 import logging
 import math
@@ -33,6 +32,7 @@ from serving.config import ServeConfig
 from serving.errors import ServeError
 from services import model_events
 from sparse.errors import ConfigError, MarianaError, ModelDirError
+from sparse.inputs import NoDataFiles, expand_data_paths
 from trainer import checkpoint
 from trainer.bundle import ModelBundle
 from trainer.config import JobConfig, from_dict, load_config
@@ -85,7 +85,10 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         record = run_cluster_job(config, train, [], model_dir, load_cluster_config(r.cluster_config or None),
                                  promote=False)
     else:
-        record = run_local_job(config, train, [], model_dir, promote=False)
+        warm = f"{model_dir}:{served}" if r.warm_start and served else None
+        if warm:
+            log.info("retrain %s: warm start from the served version %s", model_dir, served)
+        record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
     new = record["model_version"]
     status.update(state="evaluating", new_version=new)
     scores = {"new": evaluate(ModelBundle.load(model_dir, new), evals)[0]}
@@ -98,6 +101,7 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         "metrics": {k: _round(v) for k, v in scores.items()},
         "auc_tolerance": r.auc_tolerance, "train_data": train, "eval_data": evals,
         "train_rows": record["train_rows"], "train_seconds": record["train_seconds"],
+        "warm_start": bool(r.mode == "local" and r.warm_start and served),
     }
     with open(os.path.join(model_dir, DECISIONS), "a") as f:
         f.write(json.dumps(decision) + "\n")
@@ -132,16 +136,20 @@ def gate(new: dict, served: dict | None, tolerance: float) -> tuple[str, str]:
 
 def windows(cfg: ServeConfig) -> tuple[list[str], list[str]]:
     """(files to train on, later files to score on): named outright, or the newest
-    `eval_files` of `data` (sorted by name) and the `train_files` just before them."""
+    `eval_files` of `data` (sorted by name) and the `train_files` just before them.
+    Every name is a file, a directory or a glob, as `--data` takes (sparse/inputs.py)."""
     r = cfg.retrain
     if r.train_data or r.eval_data:
         if not (r.train_data and r.eval_data):
             raise ConfigError("retrain.train_data and retrain.eval_data go together: name both windows")
-        files = r.train_data, r.eval_data
+        files = _expand("retrain.train_data", r.train_data), _expand("retrain.eval_data", r.eval_data)
     else:
         if not r.data:
             raise ConfigError("retrain.data is not set: a glob of the log files (or train_data and eval_data)")
-        found = sorted(p for p in glob.glob(r.data) if os.path.isfile(p))
+        try:
+            found = expand_data_paths([r.data])  # sorted by name
+        except NoDataFiles:
+            found = []
         need = r.train_files + r.eval_files
         if len(found) < need:
             raise ConfigError(f"retrain.data {r.data!r} matches {len(found)} file(s); a window of "
@@ -151,6 +159,13 @@ def windows(cfg: ServeConfig) -> tuple[list[str], list[str]]:
         if not os.path.isfile(p):
             raise ConfigError(f"retrain window: {p}: no such file")
     return [os.path.abspath(p) for p in files[0]], [os.path.abspath(p) for p in files[1]]
+
+
+def _expand(key: str, specs: list[str]) -> list[str]:
+    try:
+        return expand_data_paths(specs)
+    except NoDataFiles as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def job_config(cfg: ServeConfig, served: str | None) -> JobConfig:

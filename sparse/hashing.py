@@ -12,7 +12,14 @@ where, all in unsigned 64-bit arithmetic that wraps:
   `fnv1a64(value)`; an empty value is the field's missing token;
 - an integer token (a numeric bucket, an hour of day) hashes to
   `fmix64(int64_as_uint64 ^ INT_SALT)`;
-- the missing token hashes to `MISSING_SALT`.
+- the missing token hashes to `MISSING_SALT`;
+- the reserved RARE token, which stands for every id of the field not yet
+  admitted (`HashSpec.min_count`, sparse/admission.py), hashes to `RARE_SALT`.
+  Like the missing token it is no string or integer a parser makes: a 64-bit
+  constant that no integer token within +-2^62 reaches (fmix64 is a bijection;
+  its one integer preimage is 5057063046737484600) and a string would hit only
+  by a 2^-64 chance. After masking to `bits` the rare id may share a row with
+  some value's id, as any two ids may.
 
 FNV-1a (64-bit) and MurmurHash3's `fmix64` finalizer are fixed public
 algorithms, so ids are the same in every process, machine and Python version
@@ -24,6 +31,7 @@ columns; `token_id` is the plain-Python reference the tests hold them to.
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -39,12 +47,23 @@ FNV_PRIME = U64(0x100000001B3)
 FIELD_SALT = U64(0x9E3779B97F4A7C15)
 INT_SALT = U64(0xD6E8FEB86659FD93)
 MISSING_SALT = U64(0xA0761D6478BD642F)
+RARE_SALT = U64(0xE7037ED1A0B428DB)  # wyhash's second secret, as MISSING_SALT is its first
 _M1 = U64(0xFF51AFD7ED558CCD)
 _M2 = U64(0xC4CEB9FE1A85EC53)
 _S33 = U64(33)
 _MASK64 = (1 << 64) - 1
 
 NUMERIC_MODES = ("bucket", "dense", "both")
+MAX_MIN_COUNT = (1 << 16) - 1  # counts are saturating uint16
+
+
+class Reserved(enum.Enum):
+    """Tokens no record can hold; `token_id(field, RARE)` is the field's rare id."""
+
+    RARE = "rare"
+
+
+RARE = Reserved.RARE
 
 
 @dataclass(frozen=True)
@@ -54,11 +73,16 @@ class HashSpec:
     `numeric`: 'bucket' turns a number into an id of its log bucket
     (`sign(x) * floor(log1p(|x|) * bucket_scale)`); 'dense' puts
     `sign(x) * log1p(|x|)` in the dense block (0 when missing); 'both' does both.
+
+    `min_count` (K): an id gets rows of its own only once training has seen it
+    K times; until then its entries use the row of its field's RARE token
+    (sparse/admission.py). 1 = every id is admitted at once (off).
     """
 
     bits: int = 22
     numeric: str = "bucket"
     bucket_scale: float = 4.0
+    min_count: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= 32:
@@ -67,6 +91,10 @@ class HashSpec:
             raise ConfigError(f"hashing.numeric must be one of {NUMERIC_MODES}, got {self.numeric!r}")
         if not (self.bucket_scale > 0 and math.isfinite(self.bucket_scale)):
             raise ConfigError(f"hashing.bucket_scale must be a positive number, got {self.bucket_scale}")
+        if not (isinstance(self.min_count, int) and not isinstance(self.min_count, bool)
+                and 1 <= self.min_count <= MAX_MIN_COUNT):
+            raise ConfigError(f"hashing.min_count must be an integer in 1..{MAX_MIN_COUNT} (an id gets rows of "
+                              f"its own after that many occurrences; 1 = off), got {self.min_count!r}")
 
     @property
     def num_ids(self) -> int:
@@ -160,6 +188,16 @@ def _hash_plain(arr: pa.Array) -> np.ndarray:
 def to_ids(token_hashes: np.ndarray, key: np.uint64, spec: HashSpec) -> np.ndarray:
     """Field-namespaced ids in [0, 2**bits) as int64."""
     return (fmix64(token_hashes ^ key) & spec.mask).view(np.int64)
+
+
+def rare_ids(fields, spec: HashSpec) -> np.ndarray:
+    """(F,) int64: each field's id of the RARE token, in `fields` order.
+
+    >>> int(rare_ids(["C1"], HashSpec(bits=20))[0]) == token_id("C1", RARE, bits=20)
+    True
+    """
+    keys = np.array([field_key(f) for f in fields], U64)
+    return (fmix64(np.full(len(keys), RARE_SALT) ^ keys) & spec.mask).view(np.int64)
 
 
 # ---- columns -> codes ---------------------------------------------------------
@@ -275,11 +313,13 @@ def _py_fnv1a64(data: bytes) -> int:
     return h
 
 
-def token_id(field: str, value: bytes | int | None, bits: int) -> int:
+def token_id(field: str, value: bytes | int | Reserved | None, bits: int) -> int:
     """Reference id of one token: bytes (categorical; b'' = missing), int
-    (numeric bucket), or None (missing)."""
+    (numeric bucket), None (missing) or RARE (the field's shared rare id)."""
     key = _py_fmix64(_py_fnv1a64(field.encode()) ^ int(FIELD_SALT))
-    if value is None or value == b"":
+    if value is RARE:
+        tok = int(RARE_SALT)
+    elif value is None or value == b"":
         tok = int(MISSING_SALT)
     elif isinstance(value, bytes):
         tok = _py_fnv1a64(value)

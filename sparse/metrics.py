@@ -1,9 +1,11 @@
 """Binary click metrics as mergeable state: AUC (exact, tie-aware), logloss,
-calibration (mean pCTR / CTR) and normalized entropy.
+calibration (mean pCTR / CTR), normalized entropy, and a reliability table
+(predicted vs observed CTR by score bucket) with its expected calibration error.
 
-`BinaryMetrics` holds sums plus, for AUC, the positive and negative counts
-per distinct score. Workers update their own and the coordinator adds them
-up with `merge`; the result equals computing on all rows at once.
+`BinaryMetrics` holds sums plus, for AUC and the reliability table, the
+positive and negative counts per distinct score. Workers update their own and
+the coordinator adds them up with `merge`; the result equals computing on all
+rows at once.
 
 >>> m = BinaryMetrics(); m.update(np.array([1, 0, 1, 0]), np.array([.9, .1, .4, .4]))
 >>> r = m.result(); r["auc"], round(r["logloss"], 4)
@@ -16,6 +18,8 @@ import math
 import numpy as np
 
 EPS = 1e-7
+RELIABILITY_BUCKETS = 10
+Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
 
 class BinaryMetrics:
@@ -74,13 +78,39 @@ class BinaryMetrics:
         _, pos, neg = self._compact()
         return histogram_auc(pos, neg)  # each distinct score is a bin of its own
 
+    def reliability(self, buckets: int = RELIABILITY_BUCKETS) -> list[dict]:
+        """Predicted vs observed CTR in up to `buckets` equal-count buckets by score.
+
+        Buckets hold about the same number of rows whatever the CTR (a 0.5% log and a
+        36% one both get ten populated rows; fixed-width bins over [0, 1] would put
+        the first in one bin). A distinct score is never split: it goes wholly to the
+        bucket of the middle of its rank range, so ties across an edge land in one
+        bucket, and a score shared by many rows can leave a bucket empty (dropped).
+        Built from the per-distinct-score counts, so merged states give the same table.
+
+        >>> m = BinaryMetrics(); m.update(np.array([0, 0, 1, 0, 1, 1]), np.array([.1, .2, .2, .2, .6, .8]))
+        >>> [(b["rows"], b["clicks"], round(b["mean_pctr"], 3)) for b in m.reliability(buckets=3)]
+        [(1, 0, 0.1), (3, 1, 0.2), (2, 2, 0.7)]
+        """
+        scores, pos, neg = self._compact()
+        n = pos + neg
+        total = float(n.sum())
+        if total == 0:
+            return []
+        middle = np.cumsum(n) - n / 2  # the middle of each distinct score's ranks, ascending
+        bucket = np.minimum((buckets * middle / total).astype(np.int64), buckets - 1)
+        edges = np.flatnonzero(np.diff(bucket)) + 1  # where the bucket changes: contiguous score ranges
+        return [_bucket_row(scores[a:b], pos[a:b], n[a:b])
+                for a, b in zip(np.r_[0, edges], np.r_[edges, scores.size])]
+
     def result(self) -> dict:
         if self.count == 0:
             return {"count": 0, "auc": None, "logloss": None, "calibration": None, "ne": None,
-                    "ctr": None, "mean_pctr": None}
+                    "ctr": None, "mean_pctr": None, "ece": None, "reliability": []}
         ctr = self.positives / self.count
         logloss = self.sum_logloss / self.count
         base = _entropy(ctr)
+        table = self.reliability()
         return {
             "count": self.count,
             "auc": self.auc(),
@@ -89,7 +119,55 @@ class BinaryMetrics:
             "ne": logloss / base if base > 0 else None,
             "ctr": ctr,
             "mean_pctr": self.sum_pred / self.count,
+            "ece": expected_calibration_error(table),
+            "reliability": table,
         }
+
+
+def _bucket_row(scores: np.ndarray, pos: np.ndarray, n: np.ndarray) -> dict:
+    """One reliability bucket from its distinct scores (ascending) and their counts."""
+    rows, clicks = float(n.sum()), float(pos.sum())
+    lo, hi = wilson_interval(clicks, rows)
+    return {"score_min": float(scores[0]), "score_max": float(scores[-1]), "rows": int(rows),
+            "clicks": int(round(clicks)), "mean_pctr": float((scores * n).sum() / rows),
+            "ctr": clicks / rows, "ctr_lo": lo, "ctr_hi": hi}
+
+
+def expected_calibration_error(table: list[dict]) -> float | None:
+    """Rows-weighted mean of |mean pCTR - observed CTR| over reliability buckets.
+
+    >>> round(expected_calibration_error([{"rows": 3, "mean_pctr": .2, "ctr": .1},
+    ...                                   {"rows": 1, "mean_pctr": .5, "ctr": .9}]), 6)
+    0.175
+    """
+    rows = sum(b["rows"] for b in table)
+    if not rows:
+        return None
+    return float(sum(b["rows"] * abs(b["mean_pctr"] - b["ctr"]) for b in table) / rows)
+
+
+def wilson_interval(clicks: float, rows: float, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a click rate: sensible at 0 clicks and small counts.
+
+    >>> [round(x, 4) for x in wilson_interval(0, 100)], [round(x, 4) for x in wilson_interval(50, 100)]
+    ([0.0, 0.037], [0.4038, 0.5962])
+    """
+    if rows <= 0:
+        return 0.0, 1.0
+    p, z2 = clicks / rows, z * z / rows
+    center = (p + z2 / 2) / (1 + z2)
+    half = z * math.sqrt(p * (1 - p) / rows + z2 / (4 * rows)) / (1 + z2)
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def rounded(table: list[dict], digits: int = 4) -> list[dict]:
+    """A reliability table with its floats to `digits` significant digits: small enough
+    for a job record or a manifest that an HTTP API sends again and again.
+
+    >>> rounded([{"rows": 3, "ctr": 0.0123456, "ctr_lo": 0.0}])
+    [{'rows': 3, 'ctr': 0.01235, 'ctr_lo': 0.0}]
+    """
+    return [{k: float(f"{v:.{digits}g}") if isinstance(v, float) else v for k, v in b.items()} for b in table]
 
 
 # Progressive (train) AUC: each step's predictions, made before its update, are

@@ -13,6 +13,19 @@ Malformed rows are skipped and counted in `ParseStats`, which keeps the line
 numbers and reasons of the first few. Memory is bounded by the block size,
 never the file size. A file whose first block is mostly malformed is not in
 this format: `DataFormatError`.
+
+Parquet files (a `.parquet`/`.pq` name, or the magic bytes PAR1) are read by
+the same `Reader` in blocks of about `block_bytes` of rows (pyarrow's
+`iter_batches`), their columns looked up by the schema's column names and
+checked against it once per file (`check_columns`): a missing column or one of
+a type its role cannot take is one `DataFormatError` before any row is read.
+Values become what a text block's would: numbers float64 (null = missing),
+categories the bytes of their string form (integers in decimal, so a Parquet
+file hashes like the CSV it was made from), labels 0/1 from integers, booleans
+or floats. Rows are checked as text rows are (a label that is not 0 or 1 or is
+null, an infinite number, a bad hour: malformed), numbered from 1 like lines.
+For the cluster loader, `iter_spans` cuts a Parquet file into Arrow IPC blocks
+that `BlockTask` parses wherever it runs (see `iter_spans`).
 """
 from __future__ import annotations
 
@@ -27,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
 
 from sparse.errors import DataFormatError
 from sparse.schema import Schema
@@ -37,6 +51,11 @@ NUMBER_RE = r"^[ \t]*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[ \t]*
 HOUR_RE = r"^[0-9]{8}$"
 MAX_LINE_BYTES = 16 << 20
 FIRST_BAD_KEPT = 10
+PARQUET_MAGIC = b"PAR1"
+PARQUET_SUFFIXES = (".parquet", ".pq")
+ARROW_BLOCK = b"\x00mariana-arrow-ipc\x00"  # a columnar block as bytes: this, then an Arrow IPC stream
+ROWS_BITS = 20      # a Parquet span's offset is (first row << ROWS_BITS) | rows, not a byte offset
+SAMPLE_ROWS = 1024  # rows whose in-memory size sets a Parquet file's rows per block
 
 
 class BadRow(NamedTuple):
@@ -128,10 +147,19 @@ def iter_spans(stream: BinaryIO, block_bytes: int, name: str = "", offset: int =
     whose first line is number `line_no`: a reader that recorded where it got
     to resumes there. The last line gains a newline if the file lacks one.
 
+    A Parquet file (PAR1 at the start of `stream`) yields columnar spans
+    instead: Arrow IPC blocks (`to_arrow_block`) of about `block_bytes` of
+    rows, numbered by row, from row `line_no`; a span's offset is its row
+    address `first row << ROWS_BITS | rows` (what `read_span` reads again),
+    and `offset` is not used (a resumed reader's byte count means nothing here).
+
     >>> import io
     >>> [(o, n, b) for o, n, b, _ in iter_spans(io.BytesIO(b"a\\nbb\\nc"), 3)]
     [(0, 1, b'a\\n'), (2, 2, b'bb\\n'), (5, 3, b'c\\n')]
     """
+    if _is_parquet_stream(stream):
+        yield from _parquet_spans(stream, block_bytes, name, line_no)
+        return
     carry = b""
     while True:
         try:
@@ -160,7 +188,10 @@ def iter_spans(stream: BinaryIO, block_bytes: int, name: str = "", offset: int =
 
 def read_span(path: str, offset: int, length: int) -> bytes:
     """The `length` bytes of (decompressed) `path` at `offset`, as `iter_spans`
-    yielded them: a chunk read again, e.g. to refill a cache."""
+    yielded them: a chunk read again, e.g. to refill a cache. (A Parquet span is
+    found by its row address; its bytes are made again, so `length` is not checked.)"""
+    if _has_parquet_magic(path):
+        return _parquet_span(path, offset)
     with open_binary(path) as f:
         f.seek(offset)
         data = f.read(length)
@@ -320,17 +351,8 @@ class BlockParser:
         """Column-wise value checks; `lines[i]` is the line number of table row i."""
         s = self.schema
         cols = {c: table.column(c).combine_chunks() for c in self.needed}
-        checks = self._checks(cols)
-        rejected = np.zeros(table.num_rows, dtype=bool)
-        for not_ok, _ in checks:
-            rejected |= not_ok
-        if rejected.any():
-            for r in np.flatnonzero(rejected):
-                bad.append((int(lines[r]), next(why for not_ok, why in checks if not_ok[r])))
-            keep = pa.array(~rejected)
-            cols = {c: pc.filter(a, keep) for c, a in cols.items()}
-        n = table.num_rows - int(rejected.sum())
-        kept_lines = lines[~rejected] if rejected.any() else lines
+        cols, kept_lines = _drop_rejected(cols, self._checks(cols), lines, bad)
+        n = len(kept_lines)
         out: dict[str, object] = {c: cols[c] for c in s.categorical}
         out.update({c: _to_float(cols[c]) for c in s.numeric})
         if s.hour:
@@ -341,12 +363,10 @@ class BlockParser:
     def _checks(self, cols: dict) -> list[tuple[np.ndarray, str]]:
         """(bad-row mask, reason) per failed check, on the unfiltered columns."""
         s = self.schema
-        checks = []
+        checks: list = []
 
         def check(ok: pa.Array, why: str) -> None:
-            not_ok = ~np.asarray(ok.to_numpy(zero_copy_only=False), dtype=bool)
-            if not_ok.any():
-                checks.append((not_ok, why))
+            _check(checks, ok, why)
 
         if s.label:
             check(_label_ok(cols[s.label]), f"{s.label} is not 0 or 1")
@@ -356,11 +376,78 @@ class BlockParser:
             finite = pc.is_finite(pc.cast(_trimmed(pc.if_else(number, col, pa.scalar(b"0"))), pa.float64()))
             check(pc.or_(pc.equal(pc.binary_length(col), 0), pc.and_(number, finite)), f"{c} is not a number")
         if s.hour:
-            digits = pc.match_substring_regex(cols[s.hour], HOUR_RE)
-            check(digits, f"{s.hour} is not YYMMDDHH")
-            safe = pc.if_else(digits, cols[s.hour], pa.scalar(b"70010100", pa.binary()))
-            check(pc.is_valid(_parse_hour(safe)), f"{s.hour} is not a valid date and hour")
+            checks += _hour_checks(cols[s.hour], s.hour)
         return checks
+
+    def parse_table(self, table: pa.Table, first_line: int, stats: ParseStats, name: str = "") -> Chunk:
+        """Rows of a columnar block (a Parquet file's): the schema's columns by name, of
+        the types `check_columns` allows; row i is numbered `first_line + i` in reports.
+
+        Values become a text block's: numbers float64 (null -> NaN, missing), categories
+        the bytes of their string form (null -> missing), hour fields from YYMMDDHH text
+        or integers. A label that is null or not 0/1, an infinite number or a bad hour
+        makes its row malformed, counted in `stats` like a bad line.
+        """
+        check_columns(name, table.schema, self.schema)
+        s = self.schema
+        raw = {c: _plain(table.column(c)) for c in self.needed}
+        cols: dict[str, pa.Array] = {c: _as_text(raw[c]) for c in s.categorical}
+        cols.update({c: pc.cast(raw[c], pa.float64()) for c in s.numeric})
+        checks: list = []
+        if s.label:
+            cols[s.label] = pc.cast(raw[s.label], pa.float64())
+            _check(checks, pc.or_(pc.equal(cols[s.label], 0.0), pc.equal(cols[s.label], 1.0)),
+                   f"{s.label} is not 0 or 1")
+        for c in s.numeric:
+            _check(checks, pc.invert(pc.fill_null(pc.is_inf(cols[c]), False)), f"{c} is infinite")
+        if s.hour:
+            cols[s.hour] = _as_text(raw[s.hour])
+            checks += _hour_checks(cols[s.hour], s.hour)
+        lines = np.arange(first_line, first_line + table.num_rows, dtype=np.int64)
+        bad: list[tuple[int, str]] = []
+        cols, kept = _drop_rejected(cols, checks, lines, bad)
+        for line, why in bad:
+            stats.add_bad(line, why)
+        n = len(kept)
+        stats.rows_ok += n
+        out: dict[str, object] = {c: cols[c] for c in s.categorical}
+        out.update({c: cols[c].to_numpy(zero_copy_only=False) for c in s.numeric})
+        if s.hour:
+            out["hour_of_day"], out["weekday"] = _split_hour(cols[s.hour])
+        labels = cols[s.label].to_numpy(zero_copy_only=False).astype(np.float32) if s.label else None
+        return Chunk(columns=out, labels=labels, num_rows=n, first_line=first_line,
+                     lines=kept if bad else None)
+
+
+def _check(checks: list, ok: pa.Array, why: str) -> None:
+    """Add (bad-row mask, why) to `checks` when some row fails `ok` (null fails)."""
+    not_ok = ~np.asarray(pc.fill_null(ok, False).to_numpy(zero_copy_only=False), dtype=bool)
+    if not_ok.any():
+        checks.append((not_ok, why))
+
+
+def _hour_checks(col: pa.Array, name: str) -> list:
+    checks: list = []
+    digits = pc.match_substring_regex(col, HOUR_RE)
+    _check(checks, digits, f"{name} is not YYMMDDHH")
+    safe = pc.if_else(pc.fill_null(digits, False), col, pa.scalar(b"70010100", pa.binary()))
+    _check(checks, pc.is_valid(_parse_hour(safe)), f"{name} is not a valid date and hour")
+    return checks
+
+
+def _drop_rejected(cols: dict, checks: list, lines: np.ndarray,
+                   bad: list[tuple[int, str]]) -> tuple[dict, np.ndarray]:
+    """(the columns without the rows some check rejected, the kept rows' line numbers);
+    each rejected row goes to `bad` with the first reason that rejected it."""
+    rejected = np.zeros(len(lines), dtype=bool)
+    for not_ok, _ in checks:
+        rejected |= not_ok
+    if not rejected.any():
+        return cols, lines
+    for r in np.flatnonzero(rejected):
+        bad.append((int(lines[r]), next(why for not_ok, why in checks if not_ok[r])))
+    keep = pa.array(~rejected)
+    return {c: pc.filter(a, keep) for c, a in cols.items()}, lines[~rejected]
 
 
 def _label_ok(col: pa.Array) -> pa.Array:
@@ -395,23 +482,249 @@ def _split_hour(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
             pc.day_of_week(ts).to_numpy(zero_copy_only=False).astype(np.int64))
 
 
+# ---- Parquet: columnar blocks ------------------------------------------------
+
+_TEXT_TYPES = ("string", "large_string", "string_view", "binary", "large_binary", "binary_view",
+               "fixed_size_binary")
+
+
+def _is_text(t: pa.DataType) -> bool:
+    return any(getattr(pa.types, f"is_{name}", lambda _: False)(t) for name in _TEXT_TYPES)
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)
+
+
+def _is_scalar(t: pa.DataType) -> bool:
+    """A type whose values have a string form (not a list, struct, map or union)."""
+    if pa.types.is_nested(t):
+        return False
+    try:
+        pc.cast(pa.array([], t), pa.string())
+        return True
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+        return False
+
+
+# What each role takes: (a test of the Arrow type, the words for it in an error).
+ROLE_TYPES = {
+    "label": (lambda t: pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_floating(t),
+              "0/1 as integers, booleans or floats"),
+    "numeric": (lambda t: _is_number(t) or pa.types.is_null(t), "numbers (integers or floats; null = missing)"),
+    "categorical": (_is_scalar, "scalar values (strings, integers, ...; null = missing)"),
+    "hour": (lambda t: _is_text(t) or pa.types.is_integer(t), "YYMMDDHH as strings or integers"),
+}
+
+
+def _role(schema: Schema, column: str) -> str:
+    if column == schema.label:
+        return "label"
+    if column == schema.hour:
+        return "hour"
+    return "numeric" if column in schema.numeric else "categorical"
+
+
+def check_columns(name: str, columns: pa.Schema, schema: Schema) -> None:
+    """One DataFormatError naming file `name` and every column of `schema` that `columns`
+    (a Parquet file's) lacks or holds in a type its role cannot take. Columns are found by
+    name; extra columns, and the schema's ignored ones, are not read.
+
+    >>> s = Schema("ads", ("clicked", "price", "ad"), "clicked", numeric=("price",), categorical=("ad",))
+    >>> try:
+    ...     check_columns("a.pq", pa.schema([("clicked", pa.string()), ("ad", pa.int64())]), s)
+    ... except DataFormatError as e:
+    ...     for part in str(e).split("; "):
+    ...         print(part)
+    a.pq: not in the ads schema's columns: missing column 'price'
+    column 'clicked' is string, expected 0/1 as integers, booleans or floats (the file's columns: clicked, ad)
+    """
+    names = columns.names
+    missing, wrong = [], []
+    for c in schema.columns:
+        if c in schema.ignore:
+            continue
+        if c not in names:
+            missing.append(c)
+            continue
+        if names.count(c) > 1:
+            wrong.append(f"column {c!r} appears {names.count(c)} times")
+            continue
+        t = columns.field(c).type
+        ok, expected = ROLE_TYPES[_role(schema, c)]
+        if not ok(t.value_type if pa.types.is_dictionary(t) else t):
+            wrong.append(f"column {c!r} is {t}, expected {expected}")
+    if not missing and not wrong:
+        return
+    problems = []
+    if missing:
+        shown = [repr(c) for c in missing] if len(missing) <= 4 else [repr(missing[0]), "...", repr(missing[-1])]
+        problems.append(f"missing column{'s' if len(missing) > 1 else ''} {', '.join(shown)}")
+    found = ", ".join(names[:12]) + (f", ... ({len(names)} columns)" if len(names) > 12 else "")
+    kind = f"the {schema.name} schema's" + ("" if schema.label else " unlabeled")
+    raise DataFormatError(f"{name}: not in {kind} columns: {'; '.join(problems + wrong)} "
+                          f"(the file's columns: {found or 'none'})")
+
+
+def _plain(col: pa.ChunkedArray) -> pa.Array:
+    """One array of the column's values (a dictionary-encoded column decoded)."""
+    if pa.types.is_dictionary(col.type):
+        col = pc.cast(col, col.type.value_type)
+    return col.combine_chunks()
+
+
+def _as_text(col: pa.Array) -> pa.Array:
+    """A scalar column as binary, the bytes a text file would hold: strings as they are,
+    integers in decimal, floats in their shortest form, null stays null (missing).
+
+    >>> _as_text(pa.array([7, None, -12])).to_pylist()
+    [b'7', None, b'-12']
+    """
+    if _is_text(col.type):
+        return pc.cast(col, pa.binary())
+    return pc.cast(pc.cast(col, pa.string()), pa.binary())
+
+
+def is_parquet(path: str | os.PathLike) -> bool:
+    """A file to read as Parquet: named .parquet or .pq, or starting with PAR1."""
+    return os.fspath(path).lower().endswith(PARQUET_SUFFIXES) or _has_parquet_magic(path)
+
+
+def _has_parquet_magic(path: str | os.PathLike) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == PARQUET_MAGIC
+    except OSError:  # missing, a directory: the text path's open says so
+        return False
+
+
+def _is_parquet_stream(stream: BinaryIO) -> bool:
+    """Whether `stream` (at any position) is a Parquet file; it is left where it was."""
+    if isinstance(stream, gzip.GzipFile) or not stream.seekable():
+        return False
+    at = stream.tell()
+    stream.seek(0)
+    head = stream.read(4)
+    stream.seek(at)
+    return head == PARQUET_MAGIC
+
+
+def open_parquet(source, name: str = "") -> pq.ParquetFile:
+    """A Parquet file (a path or a seekable binary stream), read through a 1 MiB buffer so
+    that a big row group is not read whole; DataFormatError when it is not one."""
+    try:
+        return pq.ParquetFile(source, buffer_size=1 << 20)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise DataFormatError(f"{name or source}: not a readable Parquet file: {e}") from None
+
+
+def rows_per_block(pf: pq.ParquetFile, block_bytes: int, columns: list[str] | None = None) -> int:
+    """Rows of about `block_bytes` in memory, sized by the first rows: the same file and
+    block size are always cut the same way."""
+    total = pf.metadata.num_rows
+    if total == 0:
+        return 1
+    first = next(pf.iter_batches(batch_size=min(SAMPLE_ROWS, total), columns=columns, use_threads=False))
+    per_row = max(first.nbytes / max(first.num_rows, 1), 1.0)
+    return int(min(max(block_bytes // per_row, 1), (1 << ROWS_BITS) - 1))
+
+
+def table_blocks(pf: pq.ParquetFile, rows: int, columns: list[str] | None = None, start: int = 0,
+                 name: str = "", threads: bool = False) -> Iterator[tuple[int, pa.Table]]:
+    """(first row, table) blocks of `rows` rows (the last may be shorter) from row `start`
+    (0-based), reading only the row groups from the one holding it."""
+    meta = pf.metadata
+    group, group_start = 0, 0
+    while group < meta.num_row_groups and group_start + meta.row_group(group).num_rows <= start:
+        group_start += meta.row_group(group).num_rows
+        group += 1
+    skip, row, pending, have = start - group_start, start, [], 0
+    try:
+        for batch in pf.iter_batches(batch_size=rows, row_groups=range(group, meta.num_row_groups),
+                                     columns=columns, use_threads=threads):
+            if skip:  # rows of the first row group before `start`
+                cut = min(skip, batch.num_rows)
+                batch, skip = batch.slice(cut), skip - cut
+            if batch.num_rows:
+                pending.append(batch)
+                have += batch.num_rows
+            while have >= rows:
+                table = pa.Table.from_batches(pending)
+                yield row, table.slice(0, rows)
+                pending, have, row = table.slice(rows).to_batches(), have - rows, row + rows
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataFormatError(f"{name}: cannot read rows from {row + 1} on: {e}") from None
+    if have:
+        yield row, pa.Table.from_batches(pending)
+
+
+def to_arrow_block(table: pa.Table) -> bytes:
+    """A columnar block as bytes for the wire (ARROW_BLOCK, then an Arrow IPC stream)."""
+    sink = pa.BufferOutputStream()
+    sink.write(ARROW_BLOCK)
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table.combine_chunks())
+    return sink.getvalue().to_pybytes()
+
+
+def is_arrow_block(block) -> bool:
+    return len(block) >= len(ARROW_BLOCK) and bytes(block[:len(ARROW_BLOCK)]) == ARROW_BLOCK
+
+
+def from_arrow_block(block) -> pa.Table:
+    """The table of `to_arrow_block`'s bytes (any buffer: a received frame is read in place)."""
+    try:
+        return pa.ipc.open_stream(pa.py_buffer(block).slice(len(ARROW_BLOCK))).read_all()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataFormatError(f"a columnar block that cannot be read: {e}") from None
+
+
+def _parquet_spans(stream: BinaryIO, block_bytes: int, name: str,
+                   line_no: int) -> Iterator[tuple[int, int, bytes, int]]:
+    source = stream.name if isinstance(getattr(stream, "name", None), str) else stream  # native reads
+    with open_parquet(source, name) as pf:
+        rows = rows_per_block(pf, block_bytes)
+        for row, table in table_blocks(pf, rows, start=line_no - 1, name=name):
+            yield (row << ROWS_BITS) | table.num_rows, row + 1, to_arrow_block(table), table.num_rows
+
+
+def _parquet_span(path: str, address: int) -> bytes:
+    row, rows = address >> ROWS_BITS, address & ((1 << ROWS_BITS) - 1)
+    with open_parquet(path) as pf:
+        _, table = next(table_blocks(pf, max(rows, 1), start=row, name=path), (row, None))
+    if table is None or table.num_rows != rows:
+        raise DataFormatError(f"{path}: has changed: rows {row + 1} to {row + rows} are not all there")
+    return to_arrow_block(table)
+
+
 # ---- whole files -------------------------------------------------------------
 
 @dataclass
 class BlockTask:
-    """One block of one file, ready to parse on any thread."""
+    """One block of one file, ready to parse on any thread: whole lines of text, or a
+    columnar block (a Parquet file's rows: a table, or its `to_arrow_block` bytes as the
+    loader sends them), whose rows are numbered like lines and which has no header."""
 
     parser: BlockParser
     path: str
     first_line: int
-    block: bytes
+    block: bytes | pa.Table
     num_lines: int
     skip_rows: int = 0
     first_of_file: bool = False
 
+    def __post_init__(self) -> None:
+        self.columnar = isinstance(self.block, pa.Table) or is_arrow_block(self.block)
+        if self.columnar:
+            self.skip_rows = 0
+
     def run(self) -> tuple[Chunk, ParseStats]:
         stats = ParseStats(file=self.path)
-        chunk = self.parser.parse(self.block, self.first_line, stats, self.skip_rows, self.num_lines)
+        if self.columnar:
+            table = self.block if isinstance(self.block, pa.Table) else from_arrow_block(self.block)
+            chunk = self.parser.parse_table(table, self.first_line, stats, self.path)
+        else:
+            chunk = self.parser.parse(self.block, self.first_line, stats, self.skip_rows, self.num_lines)
         if self.first_of_file:
             _check_first_block(self.path, self.parser.schema, stats)
         return chunk, stats
@@ -431,11 +744,12 @@ class BlockTask:
 
 
 class Reader:
-    """Streams validated `Chunk`s from one or more files.
+    """Streams validated `Chunk`s from one or more files, text or Parquet, mixed.
 
     `labeled=None` (prediction) accepts files with or without the label
-    column, decided by the first data block of each file. `tasks()` yields the
-    blocks unparsed, for callers that parse them on several threads.
+    column, decided by the first data block of each text file (by the columns
+    of a Parquet file). `tasks()` yields the blocks unparsed, for callers that
+    parse them on several threads.
     """
 
     def __init__(self, paths: list[str], schema: Schema, block_bytes: int = 8 << 20,
@@ -455,8 +769,9 @@ class Reader:
                 yield chunk
 
     def probe(self) -> None:
-        """Parse the first block of every file: a missing file, a wrong format
-        or a bad header fails here, before any long work starts."""
+        """Parse the first block of every file: a missing file, a wrong format,
+        a bad header or a Parquet file's missing or mistyped column fails here,
+        before any long work starts."""
         for path in self.paths:
             first = next(Reader([path], self.schema, self.block_bytes, self.labeled).tasks(), None)
             if first is not None:
@@ -464,6 +779,9 @@ class Reader:
 
     def tasks(self) -> Iterator[BlockTask]:
         for path in self.paths:
+            if is_parquet(path):
+                yield from self._parquet_tasks(path)
+                continue
             with open_binary(path) as f:
                 parser: BlockParser | None = None
                 for first_line, block, lines in iter_blocks(f, self.block_bytes, name=path):
@@ -476,6 +794,16 @@ class Reader:
                         yield BlockTask(parser, path, first_line, block, lines, skip, first_of_file=True)
                     else:
                         yield BlockTask(parser, path, first_line, block, lines)
+
+    def _parquet_tasks(self, path: str) -> Iterator[BlockTask]:
+        with open_parquet(path) as pf:
+            columns = pf.schema_arrow
+            labeled = self.labeled if self.labeled is not None else self.schema.label in columns.names
+            parser = BlockParser(self.schema, labeled=labeled, threads=self.threads)
+            check_columns(path, columns, parser.schema)
+            rows = rows_per_block(pf, self.block_bytes, parser.needed)
+            for row, table in table_blocks(pf, rows, parser.needed, name=path, threads=self.threads):
+                yield BlockTask(parser, path, row + 1, table, table.num_rows, first_of_file=row == 0)
 
     def _pick_parser(self, block: bytes) -> BlockParser:
         if self.labeled is not None:

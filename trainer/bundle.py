@@ -7,15 +7,18 @@ row takes the same path from bytes to pCTR everywhere.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import numpy as np
 import torch
 
 from featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
+from sparse import admission
 from sparse.batch import SparseBatch
 from sparse.encode import Encoder
 from sparse.errors import ConfigError, MarianaError, ModelDirError
+from sparse.hashing import rare_ids
 from sparse.optim import AdaGrad, FTRL, SparseOptimizer
 from sparse.schema import Schema
 from sparse.table import HashedTable
@@ -48,9 +51,15 @@ class ModelBundle:
         self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,
                                                 initial_accumulator=config.optim.initial_accumulator),
                                         [p.data.numpy() for p in self.model.parameters()])
+        # hashing.min_count > 1: each field's rare id and the counts of ids not admitted yet
+        # (sparse/admission.py); None otherwise, and for versions saved before it existed.
+        k = config.hashing.min_count
+        self.rare = rare_ids(base.sparse_fields, config.hashing) if k > 1 else None
+        self.counts = admission.Counts(config.hashing.num_ids, k) if k > 1 else None
         self.rows_trained = 0
         self.steps = 0
         self.manifest: dict = {}  # of the version this bundle was loaded from
+        self.parent: dict | None = None  # the version a warm start went on from (`warm_start`)
 
     # ---- inference ------------------------------------------------------------
 
@@ -61,12 +70,34 @@ class ModelBundle:
             # distinct ids, each entry gets the same row values in the same order,
             # and a hash-based unique costs more than the duplicate lookups it saves.
             uniq, inverse = batch.ids, torch.arange(batch.nnz)
+            if self.rare is not None:  # ids never admitted (no row) read their field's rare row
+                uniq = np.where(self.touched[uniq], uniq, self.rare[batch.fields])
         else:
+            if self.rare is not None:
+                batch = admission.lookup_ids(batch, self.touched, self.rare)
             uniq, inverse = unique_ids(batch)
         rows = {name: torch.from_numpy(t.lookup(uniq)) for name, t in self.tables.items()}
         with torch.no_grad():
             logits = self.model(make_input(batch, inverse, rows))
         return torch.sigmoid(logits).numpy()
+
+    @property
+    def touched(self) -> np.ndarray:
+        """(num_ids,) bool: ids with rows (every table materializes the same ids)."""
+        return next(iter(self.tables.values())).touched
+
+    def admit(self, batch: SparseBatch) -> SparseBatch:
+        """The batch a training step trains on: with hashing.min_count > 1, the ids are
+        counted and those not admitted read and train their field's rare row."""
+        if self.counts is None:
+            return batch
+        return admission.admit(batch, self.counts, self.touched, self.rare)
+
+    def load_counts(self, arrays: dict[str, np.ndarray]) -> None:
+        """Pending counts saved in a version's optimizer state (admission.IDS_KEY /
+        COUNTS_KEY) or a shard's export; nothing when the job does not count."""
+        if self.counts is not None:
+            admission.load_arrays(self.counts, arrays)
 
     # ---- persistence ------------------------------------------------------------
 
@@ -82,6 +113,8 @@ class ModelBundle:
             weights[f"dense.{pname}"] = p.detach().numpy()
             for key, arr in state.items():
                 optim[f"dense.{pname}.{key}"] = arr
+        if self.counts is not None:  # ids seen but not admitted yet: a warm start goes on counting
+            optim.update(admission.to_arrays(self.counts, self.touched))
         _check_finite(weights)
         image_arrays = self.images.to_arrays() if self.images is not None else {}
         weights.update(image_arrays)
@@ -98,6 +131,7 @@ class ModelBundle:
             "steps": self.steps,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "torch": torch.__version__,
+            **({"parent": self.parent} if self.parent else {}),
             **(extra or {}),
         }
         if self.images is not None:  # what serving must do: look each row's creative id up in this table
@@ -144,7 +178,110 @@ class ModelBundle:
             for key in st:
                 if f"dense.{pname}.{key}" in optim:
                     st[key][...] = optim[f"dense.{pname}.{key}"]
+        bundle.load_counts(optim)  # ids counted but not admitted yet (a warm start goes on counting)
         return bundle
+
+
+def parse_init_from(spec: str) -> tuple[str, str | None]:
+    """'models' -> ('models', None): CURRENT; 'models:v000003' -> ('models', 'v000003').
+
+    >>> parse_init_from("runs/m:v000012"), parse_init_from("runs/m")
+    (('runs/m', 'v000012'), ('runs/m', None))
+    """
+    head, sep, tail = spec.rpartition(":")
+    if sep and checkpoint.VERSION_RE.match(tail):
+        return head, tail
+    return spec, None
+
+
+# What a warm start must share with its parent: the ids, the model's shape, the
+# optimizer state's meaning. Learning rates, epochs and data may change.
+WARM_START_KEYS = ("hashing", "model", "optim.linear", "images.field", "images.tower")
+INITS = ("model.init_bias", "model.init_scale", "model.seed")  # how a fresh model starts: a warm start does not
+
+
+def config_differences(parent: JobConfig, child: JobConfig, keys=WARM_START_KEYS) -> list[str]:
+    """'hashing.bits: the version has 20, this job 22' per differing key.
+
+    >>> config_differences(JobConfig(), from_dict(JobConfig, {"hashing": {"bits": 20}}))
+    ['hashing.bits: the version has 22, this job 20']
+    """
+    out = []
+    for key in keys:
+        a, b = _dotted_value(parent, key), _dotted_value(child, key)
+        if dataclasses.is_dataclass(a):
+            out += [f"{key}.{k}: the version has {v!r}, this job {getattr(b, k)!r}"
+                    for k, v in dataclasses.asdict(a).items() if v != getattr(b, k) and f"{key}.{k}" not in INITS]
+        elif a != b:
+            out.append(f"{key}: the version has {a!r}, this job {b!r}")
+    return out
+
+
+def _dotted_value(config: JobConfig, key: str):
+    value = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def warm_start(config: JobConfig, schema: Schema, spec: str) -> ModelBundle:
+    """A bundle that goes on from version `spec` ('DIR' for its CURRENT, or 'DIR:vNNNNNN'):
+    its weights, optimizer state and counts, trained further under `config` (new rates,
+    epochs and data are fine; the hashing, the model, the linear optimizer and the
+    schema must match, or the error names what differs)."""
+    model_dir, version = parse_init_from(spec)
+    version = version or checkpoint.current_version(model_dir)  # one version, even if CURRENT moves now
+    parent = ModelBundle.load(model_dir, version, with_optimizer=True)
+    diffs = config_differences(parent.config, config)
+    if parent.schema.fields != schema.fields:
+        diffs.append(f"schema fields: the version has {list(parent.schema.fields)}, this job {list(schema.fields)}")
+    if bool(parent.config.images.creatives) != bool(config.images.creatives):
+        diffs.append("images: " + ("the version has image features, this job none" if parent.images is not None
+                                   else "this job has image features, the version none"))
+    if diffs:
+        raise ConfigError(f"--init-from {spec}: the version does not match this job ({'; '.join(diffs)}): "
+                          "a warm start needs the same ids and model; train from scratch instead")
+    parent.config = config
+    parent.optimizers = {t.name: table_optimizer(config, t.role) for t in parent.model.tables}
+    parent.dense_opt.opt = AdaGrad(lr=config.optim.dense_lr, initial_accumulator=config.optim.initial_accumulator)
+    parent.parent = {"model_dir": os.path.abspath(model_dir),
+                     "version": version,
+                     "rows_trained": parent.rows_trained}
+    return parent
+
+
+class Snapshot:
+    """A bundle's trainable state at one moment (the best epoch so far): the touched
+    rows of every table with their optimizer state, and the dense parameters with
+    theirs. `restore` puts it back, rows touched since become untouched again."""
+
+    def __init__(self, bundle: ModelBundle):
+        self.tables = {}
+        for name, t in bundle.tables.items():
+            rows = t.touched_rows()
+            self.tables[name] = (rows, t.weights[rows], {k: v[rows] for k, v in t.state.items()})
+        self.dense = [p.detach().clone() for p in bundle.model.parameters()]
+        self.dense_state = [{k: v.copy() for k, v in st.items()} for st in bundle.dense_opt.state]
+        self.steps, self.rows_trained = bundle.steps, bundle.rows_trained
+        self.counts = bundle.counts.array.copy() if bundle.counts is not None else None
+
+    def restore(self, bundle: ModelBundle) -> None:
+        for name, t in bundle.tables.items():
+            rows, weights, state = self.tables[name]
+            t.weights[t.touched] = 0.0
+            for arr in t.state.values():
+                arr[t.touched] = 0.0
+            t.touched[:] = False
+            t.load_rows(rows, weights, state)
+        with torch.no_grad():
+            for p, saved in zip(bundle.model.parameters(), self.dense):
+                p.copy_(saved)
+        for st, saved in zip(bundle.dense_opt.state, self.dense_state):
+            for k, v in saved.items():
+                st[k][...] = v
+        bundle.steps, bundle.rows_trained = self.steps, self.rows_trained
+        if self.counts is not None:
+            bundle.counts.array[...] = self.counts
 
 
 def _check_finite(weights: dict[str, np.ndarray]) -> None:

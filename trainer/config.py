@@ -10,6 +10,7 @@ the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -21,6 +22,7 @@ from sparse.hashing import HashSpec
 from sparse.schema import FORMATS, Schema, builtin
 
 ENV_PREFIX = "MARIANA_"
+AUTO = "auto"  # train.epochs: stop on the validation logloss
 
 
 @dataclass
@@ -55,6 +57,8 @@ class ModelConfig:
     embed_dim: int = 8                 # dnn: embedding width per field
     hidden: list[int] = field(default_factory=lambda: [64, 32])  # dnn: MLP widths
     init_scale: float = 0.05           # dnn: embeddings start uniform in [-s, s)
+    init_bias: float | str = AUTO      # the bias's first value: a logit, or "auto": the log-odds of the
+                                       # click rate of the training data's first block (set before training)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -68,6 +72,10 @@ class ModelConfig:
             raise ConfigError(f"model.slots must be >= 2 (pairs of slots are dotted), got {self.slots}")
         if self.init_scale < 0:
             raise ConfigError(f"model.init_scale must be >= 0, got {self.init_scale}")
+        if isinstance(self.init_bias, str) and self.init_bias != AUTO:
+            raise ConfigError(f"model.init_bias must be a logit or 'auto', got {self.init_bias!r}")
+        if not isinstance(self.init_bias, str) and not math.isfinite(self.init_bias):
+            raise ConfigError(f"model.init_bias must be finite, got {self.init_bias}")
 
 
 @dataclass
@@ -85,9 +93,12 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.linear not in ("adagrad", "ftrl"):
             raise ConfigError(f"optim.linear: unknown optimizer {self.linear!r} (use 'adagrad' or 'ftrl')")
-        for name in ("lr", "embed_lr", "dense_lr", "ftrl_alpha", "initial_accumulator"):
+        for name in ("ftrl_alpha", "initial_accumulator"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"optim.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("lr", "embed_lr", "dense_lr"):  # 0 freezes that part (a warm start may tune only some)
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("ftrl_beta", "ftrl_l1", "ftrl_l2"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
@@ -95,14 +106,52 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = 1
-    batch_size: int = 4096
+    """`epochs = "auto"`: train until the validation logloss has not improved for
+    `patience` epochs (at most `max_epochs`), then keep the best epoch's weights.
+    Validation rows come from `--valid-data` or, with `valid_fraction` F > 0, the last
+    F of the training files' data lines in file order (time order for a log): those
+    rows are held out of training."""
+
+    epochs: int | str = 1              # passes over the data, or "auto" (early stopping)
+    batch_size: int | str = AUTO       # rows per step, or "auto": about rows/200, a power of 2 in 256..4096
     prefetch: int = 2                  # encoded blocks queued ahead of the trainer
     threads: int = 0                   # torch intra-op threads; 0 = auto (lr: 1, dnn: every core)
+    valid_fraction: float = 0.0        # hold out the last F of the training rows for validation
+    patience: int = 1                  # epochs = "auto": stop after this many epochs without a better valid logloss
+    max_epochs: int = 10               # epochs = "auto": the most epochs it may run
 
     def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 1 or self.prefetch < 1 or self.threads < 0:
+        if isinstance(self.epochs, str) and self.epochs != AUTO:
+            raise ConfigError(f"train.epochs must be a number of passes or 'auto', got {self.epochs!r}")
+        if isinstance(self.batch_size, str) and self.batch_size != AUTO:
+            raise ConfigError(f"train.batch_size must be a number of rows or 'auto', got {self.batch_size!r}")
+        if (self.batch_size != AUTO and self.batch_size < 1) or self.prefetch < 1 or self.threads < 0 or (
+                self.epochs != AUTO and self.epochs < 1):
             raise ConfigError("train.epochs, train.batch_size and train.prefetch must be >= 1, train.threads >= 0")
+        if not 0.0 <= self.valid_fraction < 1.0:
+            raise ConfigError(f"train.valid_fraction must be in [0, 1), got {self.valid_fraction}")
+        if self.patience < 1 or self.max_epochs < 1:
+            raise ConfigError(f"train.patience and train.max_epochs must be >= 1, got {self.patience} and "
+                              f"{self.max_epochs}")
+
+    @property
+    def auto(self) -> bool:
+        return self.epochs == AUTO
+
+    @staticmethod
+    def auto_batch_size(rows: int) -> int:
+        """About 200 steps an epoch, as a power of 2 between 256 and 4096: small logs get the
+        updates they need to converge, large ones the throughput of big batches.
+
+        >>> [TrainConfig.auto_batch_size(n) for n in (2_000, 115_000, 200_000, 1_000_000)]
+        [256, 512, 1024, 4096]
+        """
+        return 2 ** min(12, max(8, round(math.log2(max(rows, 1) / 200))))
+
+    @property
+    def epoch_limit(self) -> int:
+        """The most epochs this run may take."""
+        return self.max_epochs if self.auto else int(self.epochs)
 
 
 @dataclass
@@ -194,7 +243,15 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(args[0], value, key)
+        if len(args) == 1:
+            return _coerce(args[0], value, key)
+        for arg in args:  # the first type the value is (int | str: 3 stays 3, "auto" a string)
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError:
+                pass
+        whats = " or ".join(_SCALARS[a][1] if a in _SCALARS else a.__name__ for a in args)
+        raise ConfigError(f"{key}: expected {whats}, got {value!r}")
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):

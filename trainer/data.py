@@ -5,14 +5,117 @@ memory stays at a few blocks whatever the file size.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Iterator
+
+import numpy as np
 
 from sparse.batch import SparseBatch
 from sparse.encode import Encoder
-from sparse.parse import BlockTask, ParseStats, Reader
+from sparse.errors import ConfigError
+from sparse.parse import BlockTask, ParseStats, Reader, is_parquet, open_binary, open_parquet
+
+
+def count_data_lines(path: str, header: bool) -> int:
+    """Data rows of a file: the lines of a text file (gzip or plain) less its header line
+    (a last line without a newline counts), or a Parquet file's rows (it has no header)."""
+    if is_parquet(path):
+        with open_parquet(path) as pf:
+            return pf.metadata.num_rows
+    lines, last = 0, b"\n"
+    with open_binary(path) as f:
+        while chunk := f.read(1 << 20):
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
+    lines += last != b"\n"
+    return max(lines - int(header), 0)
+
+
+def estimate_rows(paths: list[str], schema, block_bytes: int = 4 << 20) -> int:
+    """About how many data rows `paths` hold, without reading them: a Parquet file's row
+    count; for a text file its uncompressed size (a gzip file's trailer) over the mean line
+    length of its first block."""
+    total = 0
+    for path in paths:
+        if is_parquet(path):
+            total += count_data_lines(path, False)
+            continue
+        task = next(Reader([path], schema, block_bytes).tasks(), None)
+        if task is None or not task.num_lines:
+            continue
+        size = uncompressed_size(path)
+        total += task.num_lines if size <= len(task.block) else round(size / (len(task.block) / task.num_lines))
+    return total
+
+
+def uncompressed_size(path: str) -> int:
+    """A file's size, or for gzip the size its trailer records (mod 2^32: raised to be at
+    least the compressed size)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if f.read(2) != b"\x1f\x8b" or size < 18:
+            return size
+        f.seek(-4, os.SEEK_END)
+        isize = int.from_bytes(f.read(4), "little")
+    while isize < size:
+        isize += 1 << 32
+    return isize
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Rows [start, stop) of files read in order, counted in data rows (a header line is not
+    one; a malformed line still takes its place): `split` cuts a validation tail off.
+
+    >>> train, valid = RowRange.split({"a.tsv": 80, "b.tsv": 20}, 0.25, {"a.tsv": 0, "b.tsv": 0})
+    >>> (train.start, train.stop), (valid.start, valid.stop), valid.index("b.tsv", 1)
+    ((0, 75), (75, 100), 80)
+    """
+
+    offsets: dict[str, int]   # path -> data rows of the files before it
+    start: int
+    stop: int
+    headers: dict[str, int]   # path -> its header lines (0 or 1; a Parquet file has none)
+
+    @classmethod
+    def split(cls, rows: dict[str, int], fraction: float,
+              headers: dict[str, int]) -> tuple["RowRange", "RowRange"]:
+        offsets, total = {}, 0
+        for path, n in rows.items():
+            offsets[path], total = total, total + n
+        cut = total - int(round(total * fraction))
+        return cls(offsets, 0, cut, headers), cls(offsets, cut, total, headers)
+
+    @classmethod
+    def of_files(cls, paths: list[str], fraction: float, header: bool) -> tuple["RowRange", "RowRange"]:
+        """Train and validation ranges of `paths`: the last `fraction` of their data rows."""
+        if len(set(paths)) != len(paths):
+            raise ConfigError("train.valid_fraction: a training file is named twice; name each once")
+        headers = {p: int(header and not is_parquet(p)) for p in paths}
+        return cls.split({p: count_data_lines(p, bool(headers[p])) for p in paths}, fraction, headers)
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+    def index(self, path: str, line: int | np.ndarray) -> int | np.ndarray:
+        """The stream position of `path`'s line (or Parquet row) number `line`, 1-based."""
+        return self.offsets[path] + line - 1 - self.headers[path]
+
+    def task_overlaps(self, task: BlockTask) -> bool:
+        first = self.index(task.path, task.first_line + task.skip_rows)
+        return first < self.stop and first + task.num_lines - task.skip_rows > self.start
+
+    def cut(self, task: BlockTask, chunk, block: SparseBatch) -> SparseBatch:
+        """The rows of `block` (parsed from `task`) inside the range."""
+        _, slots = task.row_slots(chunk)
+        pos = self.index(task.path, task.first_line + task.skip_rows) + slots
+        lo, hi = np.searchsorted(pos, [self.start, self.stop])
+        return block if (lo, hi) == (0, block.num_rows) else block.slice(int(lo), int(hi), block.batch_id)
 
 
 class BatchStream:
@@ -31,10 +134,12 @@ class BatchStream:
 
     def __init__(self, paths: list[str], encoder: Encoder, block_bytes: int = 8 << 20,
                  prefetch: int = 2, threads: bool = False, labeled: bool | None = True,
-                 batch_rows: int | None = None, workers: int = 2, slots: bool = False):
-        if slots and batch_rows:
-            raise ValueError("slots come per block: no batch_rows with them")
+                 batch_rows: int | None = None, workers: int = 2, slots: bool = False,
+                 rows: RowRange | None = None):
+        if slots and (batch_rows or rows):
+            raise ValueError("slots come per block: no batch_rows or rows with them")
         self.paths, self.encoder, self.batch_rows, self.slots = list(paths), encoder, batch_rows, slots
+        self.rows = rows  # only these rows of the files (a training or a validation part)
         self.block_bytes, self.prefetch, self.threads, self.labeled = block_bytes, prefetch, threads, labeled
         self.workers = max(1, workers)
         self.stats = ParseStats()
@@ -78,11 +183,17 @@ class BatchStream:
         return batches
 
     def _process(self, task: BlockTask, batch_id: str) -> tuple[list[SparseBatch], ParseStats, tuple | None]:
+        if self.rows is not None and not self.rows.task_overlaps(task):
+            return [], ParseStats(file=task.path), None  # another part's block: not even parsed
         chunk, stats = task.run()
         slots = task.row_slots(chunk) if self.slots else None
         if not chunk.num_rows:
             return [], stats, slots
         block = self.encoder.encode(chunk, batch_id=batch_id)
+        if self.rows is not None:
+            block = self.rows.cut(task, chunk, block)
+            if not block.num_rows:
+                return [], stats, slots
         if not self.batch_rows:
             return [block], stats, slots
         batches = block.split(self.batch_rows)

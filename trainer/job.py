@@ -6,13 +6,16 @@ import errno
 import logging
 import math
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 from sparse.errors import MarianaError
+from sparse.metrics import rounded
 from sparse.parse import Reader, describe_bad
-from trainer.bundle import ModelBundle
-from trainer.config import LOWER_RATES, JobConfig
-from trainer.strategies.local import Progress, evaluate, peak_rss_mb, train_local
+from trainer.bundle import ModelBundle, warm_start
+from trainer.config import AUTO, LOWER_RATES, JobConfig, TrainConfig
+from trainer.data import RowRange, estimate_rows
+from trainer.strategies.local import Progress, TrainResult, Validation, evaluate, peak_rss_mb, train_local
 
 log = logging.getLogger(__name__)
 
@@ -56,40 +59,107 @@ def check_trained(train_paths: list[str], rows: int, loss: float | None) -> None
         raise MarianaError(f"training on {names} diverged (train loss {loss}): nothing to publish; {LOWER_RATES}")
 
 
-def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,
-                  on_progress: Callable[[Progress], None] | None = None, promote: bool = True) -> dict:
-    """Train on `train_paths`, evaluate on `test_paths`, publish a version in `out_dir`
-    (and move CURRENT to it unless `promote` is False: a candidate for a retrain gate).
+@dataclass
+class JobInputs:
+    """A local job's files, checked: absolute paths, the schema, the training rows and the
+    validation rows (see `validation`)."""
 
-    Returns the result record (metrics, throughput, the version written, `promoted`).
-    Relative paths are taken from the working directory; the manifest records them
-    absolute.
-    """
+    train: list[str]
+    test: list[str]
+    schema: object
+    train_rows: RowRange | None
+    valid: Validation | None
+
+
+def prepare_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,
+                valid_paths: list[str] | None = None) -> JobInputs:
+    """Check every input before any work: the files exist and parse, the model directory
+    is writable, the validation split is possible. Relative paths are taken from the
+    working directory."""
     if not train_paths:
         raise MarianaError("no training files given")
     train_paths, test_paths = absolute_paths(train_paths), absolute_paths(test_paths)
+    valid_paths = absolute_paths(valid_paths or [])
     config.resolve_paths()
     schema = config.data.resolve_schema()
-    check_inputs(train_paths + test_paths)
-    Reader(train_paths + test_paths, schema).probe()  # a wrong format fails now, not after training
+    check_inputs(train_paths + test_paths + valid_paths)
+    Reader(train_paths + test_paths + valid_paths, schema).probe()  # a wrong format fails now, not after training
     check_out_dir(out_dir)
+    train_rows, valid = validation(config, schema, train_paths, valid_paths)
+    resolve_auto(config, schema, train_paths, train_rows.rows if train_rows else None)
+    return JobInputs(train_paths, test_paths, schema, train_rows, valid)
+
+
+def resolve_auto(config: JobConfig, schema, train_paths: list[str], rows: int | None = None) -> None:
+    """Settle the config's data-dependent defaults before training, in place: the numbers go
+    into the manifest, and into a cluster job's spec so every service uses the same ones.
+    `train.batch_size = "auto"`: `TrainConfig.auto_batch_size` of the training rows (`rows`,
+    or estimated from the files); `model.init_bias = "auto"`: see `resolve_init_bias`."""
+    if config.train.batch_size == AUTO:
+        rows = rows if rows is not None else estimate_rows(train_paths, schema, config.data.block_bytes)
+        config.train.batch_size = TrainConfig.auto_batch_size(rows)
+        log.info("train.batch_size = %d: about %s training rows", config.train.batch_size, f"{rows:,}")
+    resolve_init_bias(config, schema, train_paths)
+
+
+def resolve_init_bias(config: JobConfig, schema, train_paths: list[str]) -> None:
+    """`model.init_bias = "auto"` -> the log-odds of the click rate in the first block of the
+    first training file (smoothed: (clicks + 0.5) / (rows + 1)), in place. A model then starts
+    at the data's base rate instead of at 50 %: on a 0.5 %-CTR log, a few thousand steps of
+    AdaGrad on the bias alone would not get there."""
+    if config.model.init_bias != AUTO:
+        return
+    task = next(Reader(train_paths[:1], schema, config.data.block_bytes).tasks(), None)
+    labels = task.run()[0].labels if task is not None else None
+    if labels is None or not len(labels):
+        config.model.init_bias = 0.0
+        return
+    rate = (float(labels.sum()) + 0.5) / (len(labels) + 1.0)
+    config.model.init_bias = round(math.log(rate / (1.0 - rate)), 6)
+    log.info("model.init_bias = %.4f: the click rate %.4f%% of the first %d training rows", config.model.init_bias,
+             100 * rate, len(labels))
+
+
+def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,
+                  on_progress: Callable[[Progress], None] | None = None, promote: bool = True,
+                  valid_paths: list[str] | None = None, init_from: str | None = None) -> dict:
+    """Train on `train_paths`, evaluate on `test_paths`, publish a version in `out_dir`
+    (and move CURRENT to it unless `promote` is False: a candidate for a retrain gate).
+    Validation rows (`valid_paths`, or `train.valid_fraction` of the training rows)
+    are scored after every epoch (see `validation`). `init_from` ('DIR' or 'DIR:vNNNNNN')
+    warm-starts from that version's weights and optimizer state (`trainer.bundle.warm_start`).
+
+    Returns the result record (metrics, throughput, the version written, `promoted`).
+    The manifest records every path absolute.
+    """
+    job = prepare_job(config, train_paths, test_paths, out_dir, valid_paths)
     images, image_info = None, None
-    if config.images.creatives:
+    if config.images.creatives and not init_from:  # a warm start keeps its version's image table
         from trainer.images import prepare_image_features
 
         images, image_info = prepare_image_features(config.images)
-    bundle = ModelBundle(config, schema, images)
+    bundle = warm_start(config, job.schema, init_from) if init_from else ModelBundle(config, job.schema, images)
     log.info("training %s on %s (%d fields, %d dense, 2^%d ids)", config.model.kind,
-             ",".join(train_paths), bundle.encoder.num_fields, bundle.encoder.dense_dim, config.hashing.bits)
-    trained = train_local(bundle, train_paths, on_progress)
+             ",".join(job.train), bundle.encoder.num_fields, bundle.encoder.dense_dim, config.hashing.bits)
+    trained = train_local(bundle, job.train, on_progress, rows=job.train_rows, valid=job.valid)
+    train_lookups = images.counts() if images else None
+    return publish(bundle, job, trained, out_dir, promote, images=images, image_info=image_info,
+                   train_lookups=train_lookups)
+
+
+def publish(bundle: ModelBundle, job: JobInputs, trained: TrainResult, out_dir: str, promote: bool = True,
+            extra: dict | None = None, images=None, image_info: dict | None = None,
+            train_lookups: dict | None = None) -> dict:
+    """Refuse an untrained or diverged model, score it on the test files, save the version
+    (manifest: metrics, data, validation, `extra`); the job's result record."""
+    config = bundle.config
     if trained.parse["rows_bad"]:
         log.warning("skipped %d malformed training rows per pass (first: %s)", trained.parse["rows_bad"],
                     describe_bad(trained.parse["first_bad"], 3))
-    check_trained(train_paths, trained.train_rows, trained.train_loss)
-    train_lookups = images.counts() if images else None
+    check_trained(job.train, trained.train_rows, trained.train_loss)
     metrics, test_parse = ({}, None)
-    if test_paths:
-        metrics, test_parse = evaluate(bundle, test_paths)
+    if job.test:
+        metrics, test_parse = evaluate(bundle, job.test)
     if images:
         after = images.counts()
         image_info = image_record(image_info, train_lookups,
@@ -100,9 +170,12 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
         "calibration": metrics.get("calibration"),
         "ne": metrics.get("ne"),
         "test_rows": metrics.get("count", 0),
+        "ece": metrics.get("ece"),
+        # predicted vs observed CTR by bucket (None: no test data), as a cluster job records it
+        "reliability": rounded(metrics["reliability"]) if metrics else None,
         "train_rows": trained.train_rows,
         "rows_per_epoch": trained.rows_per_epoch,
-        "epochs": config.train.epochs,
+        "epochs": len(trained.rows_per_epoch),
         "epoch_seconds": trained.epoch_seconds,
         "train_seconds": round(trained.train_seconds, 3),
         "rows_per_s": round(trained.rows_per_s, 1),
@@ -110,18 +183,76 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
         "bad_rows": trained.parse["rows_bad"] + (test_parse["rows_bad"] if test_parse else 0),
         "model": config.model.kind,
     }
+    if trained.valid:
+        record["valid"] = trained.valid
     if image_info:
         record["images"] = image_info
     version = bundle.save(out_dir, make_current=promote, extra={
         **({"images": image_info} if image_info else {}),
-        "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows")},
-        "train": {"data": train_paths, "test_data": test_paths, "rows": trained.train_rows,
+        **({"valid": trained.valid} if trained.valid else {}),
+        **(extra or {}),
+        "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows", "ece")},
+        "reliability": record["reliability"],  # beside metrics: /v1/models lists every version's metrics
+        "train": {"data": job.train, "test_data": job.test, "rows": trained.train_rows,
                   "seconds": record["train_seconds"], "parse": trained.parse, "test_parse": test_parse},
     })
     record.update(model_dir=os.path.abspath(out_dir), model_version=version, promoted=promote,
                   peak_rss_mb=round(peak_rss_mb(), 1))
     log.info("saved %s/%s (auc=%s, logloss=%s)", out_dir, version, _fmt(record["auc"]), _fmt(record["logloss"]))
     return record
+
+
+def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,
+                 budget: float, kind: str = "lr", valid_paths: list[str] | None = None,
+                 max_trials: int | None = None, seed: int = 0, promote: bool = True) -> dict:
+    """`mariana tune`: search under `budget` seconds (trainer.tune), publish the best
+    trial's model; the record adds the trials and the chosen config."""
+    from trainer.tune import save_trials, tune
+
+    if config.images.creatives:
+        raise MarianaError("tune: jobs with image features (images.creatives) are trained with 'mariana train'")
+    if not budget > 0:
+        raise MarianaError(f"tune: --budget must be a number of seconds > 0, got {budget}")
+    config.train.epochs = "auto"  # every trial stops on its validation logloss
+    job = prepare_job(config, train_paths, test_paths, out_dir, valid_paths)
+    log.info("tuning on %s for %gs (validation: %s)", ",".join(job.train), budget, job.valid.source)
+    result = tune(config, job.schema, job.train, job.train_rows, job.valid, budget, kind, max_trials, seed)
+    meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,
+            "search": "optuna TPE sampler + successive halving pruner on the validation logloss per epoch",
+            "validation": job.valid.source, "first_trial": "the job's own config"}
+    trials_file = save_trials(out_dir, result, meta)
+    summary = {**meta, "trials": len(result.trials), "best_trial": result.best.number,
+               "best_params": result.best.params, "trials_file": trials_file}
+    record = publish(result.bundle, job, result.trained, out_dir, promote, extra={"tune": summary})
+    record["tune"] = summary
+    record["trials"] = [t.to_dict() for t in result.trials]
+    return record
+
+
+DEFAULT_VALID_FRACTION = 0.1  # epochs = "auto" with no validation rows named
+
+
+def validation(config: JobConfig, schema, train_paths: list[str],
+               valid_paths: list[str]) -> tuple[RowRange | None, Validation | None]:
+    """(the training rows, the validation rows) of a job: `valid_paths`, or the last
+    `train.valid_fraction` of the training files' lines (held out of training), or
+    none. `epochs = "auto"` with neither holds out the last 10 %."""
+    fraction = config.train.valid_fraction
+    if valid_paths and fraction:
+        raise MarianaError("give validation rows one way: --valid-data or train.valid_fraction, not both")
+    if valid_paths:
+        return None, Validation(valid_paths, source=",".join(valid_paths))
+    if not fraction and config.train.auto:
+        fraction = config.train.valid_fraction = DEFAULT_VALID_FRACTION
+        log.info("epochs = auto: holding out the last %d%% of the training rows for validation", fraction * 100)
+    if not fraction:
+        return None, None
+    train_rows, valid_rows = RowRange.of_files(train_paths, fraction, schema.header)
+    if not train_rows.rows or not valid_rows.rows:
+        raise MarianaError(f"train.valid_fraction {fraction} of {train_rows.rows + valid_rows.rows} lines leaves "
+                           "no rows to train or none to validate on")
+    return train_rows, Validation(train_paths, valid_rows,
+                                  source=f"the last {fraction:g} of the training rows ({valid_rows.rows:,} lines)")
 
 
 MODES = {"lr": "mode 1: LR over hashed ids + image features as dense values",

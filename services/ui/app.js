@@ -564,6 +564,8 @@
     captionRef($("ref-auc"), test, "auc");
     drawChart($("chart-throughput"), series("rows_per_s"), {fmt: (v) => `${fmtInt(v)} rows/s`, zero: true,
       tick: fmtCompact, empty: emptyText(job, fromHistory)});
+    renderValidation(job, fromHistory ? m.history.epochs : []);
+    renderReliability(job, test);
     $("chart-source").textContent = fromHistory
       ? `From the job's history (${points.length} points, about one a second).`
       : job.state === "running"
@@ -603,6 +605,121 @@
     }
   }
 
+  // ---- validation: each epoch's logloss on the job's valid_data ---------------------------------
+
+  // The history's epochs that were validated: [{x: epoch, y: logloss, auc}]; the best one
+  // (lowest logloss) gets the dashed line and the caption.
+  function renderValidation(job, epochs) {
+    const pts = (epochs || []).filter((e) => isObj(e.valid) && isNum(e.valid.logloss) && isNum(e.epoch))
+      .map((e) => ({x: e.epoch, y: e.valid.logloss, auc: e.valid.auc}));
+    const best = pts.reduce((b, p) => (b === null || p.y < b.y ? p : b), null);
+    const box = $("ref-valid");
+    box.dataset.epoch = best ? String(best.x) : "";
+    if (best) {
+      box.replaceChildren(el("span", {class: "swatch", "aria-hidden": "true"}), `best: epoch ${best.x}, AUC `,
+                          el("b", {}, isNum(best.auc) ? fmtFixed(best.auc, 4) : DASH));
+      box.title = `the lowest validation logloss, ${fmtFixed(best.y, 4)}, came after epoch ${best.x}`;
+    } else {
+      box.replaceChildren();
+      box.removeAttribute("title");
+    }
+    const empty = ["queued", "running"].includes(job.state) ? "scored after each epoch (with valid_data)"
+      : "no validation data (valid_data) in this job";
+    drawChart($("chart-valid"), pts, {fmt: (v) => fmtFixed(v, 4), empty, dots: true, x0: 1,
+      xfmt: (v) => `epoch ${v}`, xTicks: pts.map((p) => p.x),
+      ref: best ? {y: best.y, label: `best ${fmtFixed(best.y, 4)}`} : null});
+  }
+
+  // ---- calibration: the record's reliability table ---------------------------------------------
+
+  // {table, ece, rows} of a finished job with test data, else {why} there is no table to draw.
+  // A bucket: {score_min, score_max, rows, clicks, mean_pctr, ctr, ctr_lo, ctr_hi}.
+  function reliabilityOf(job, test) {
+    if (["queued", "running"].includes(job.state)) return {why: "measured on the test rows once the job is done"};
+    if (!test) return {why: job.state === "done" ? "no record" : "the job did not finish"};
+    if (test.none) return {why: "no test data"};
+    const rec = job.record;
+    const table = Array.isArray(rec.reliability)
+      ? rec.reliability.filter((b) => isObj(b) && isNum(b.mean_pctr) && isNum(b.ctr)) : [];
+    if (!table.length) return {why: "no reliability table in this job's record"};
+    return {table, ece: isNum(rec.ece) ? rec.ece : null, rows: test.rows};
+  }
+
+  const fmtRate = (x) => (isNum(x) ? String(+x.toPrecision(3)) : DASH);
+  const eceText = (rel) => (rel.table ? `ECE ${fmtRate(rel.ece)}` : DASH);
+
+  function renderReliability(job, test) {
+    const rel = reliabilityOf(job, test);
+    const ref = $("ref-reliability");
+    if (rel.table) {
+      const rows = rel.table.reduce((n, b) => n + (isNum(b.rows) ? b.rows : 0), 0);
+      ref.replaceChildren(`${fmtInt(rows)} test rows · ${rel.table.length} buckets`);
+      ref.title = "buckets of about equal rows by pCTR; hover a point for its numbers";
+    } else {
+      ref.replaceChildren(rel.why === "no test data" ? el("span", {class: "none"}, "no test data") : "");
+      ref.removeAttribute("title");
+    }
+    drawReliability($("chart-reliability"), rel);
+  }
+
+  // Observed CTR (y) against mean pCTR (x) per bucket with its 95% interval, on equal scales
+  // from 0 with the diagonal of a calibrated model; a bucket whose interval misses it is "off".
+  function drawReliability(box, rel) {
+    const width = Math.max(240, Math.round(box.clientWidth || 320));
+    const height = 180;
+    const table = rel.table || [];
+    const nowEl = $("now-reliability");
+    if (!box.matches(":hover")) nowEl.textContent = eceText(rel);  // not over a point's numbers
+    nowEl.dataset.value = isNum(rel.ece) ? String(rel.ece) : "";
+    const sig = `${width}|${JSON.stringify(table)}|${rel.why || ""}`;
+    if (box.dataset.sig === sig) return;
+    box.dataset.sig = sig;
+    box.dataset.points = String(table.length);
+    const root = svg("svg", {viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none", role: "img",
+                             "aria-label": `calibration: ${table.length} buckets`});
+    if (!table.length) {
+      root.append(svg("text", {x: width / 2, y: height / 2, "text-anchor": "middle", class: "placeholder"}, rel.why));
+      box.replaceChildren(root);
+      return;
+    }
+    const pad = {l: 54, r: 12, t: 10, b: 22};
+    const hi = (b) => (isNum(b.ctr_hi) ? b.ctr_hi : b.ctr);
+    const ticks = niceTicks(0, 1.05 * Math.max(1e-6, ...table.map((b) => Math.max(b.mean_pctr, hi(b)))), 4);
+    const lim = ticks[ticks.length - 1];
+    const sx = (x) => pad.l + (x / lim) * (width - pad.l - pad.r);
+    const sy = (y) => height - pad.b - (y / lim) * (height - pad.t - pad.b);
+    const grid = svg("g", {class: "grid"});
+    const axis = svg("g", {class: "axis"});
+    for (const v of ticks) {
+      grid.append(svg("line", {x1: pad.l, x2: width - pad.r, y1: sy(v), y2: sy(v)}));
+      axis.append(svg("text", {x: pad.l - 6, y: sy(v) + 3.5, "text-anchor": "end"}, formatTick(v, ticks)),
+                  svg("text", {x: sx(v), y: height - 6, "text-anchor": "middle"}, formatTick(v, ticks)));
+    }
+    const d = table.map((b, i) => `${i ? "L" : "M"}${sx(b.mean_pctr).toFixed(1)},${sy(b.ctr).toFixed(1)}`).join("");
+    const buckets = table.map((b) => bucketMark(b, sx, sy, () => { nowEl.textContent = bucketText(b); }));
+    root.append(grid, svg("line", {class: "diag", x1: sx(0), y1: sy(0), x2: sx(lim), y2: sy(lim)}),
+                svg("path", {class: "line", d}), ...buckets, axis);
+    root.addEventListener("mouseleave", () => { nowEl.textContent = eceText(rel); });
+    box.replaceChildren(root);
+  }
+
+  function bucketMark(b, sx, sy, onHover) {
+    const ranged = isNum(b.ctr_lo) && isNum(b.ctr_hi);
+    const off = ranged && (b.mean_pctr < b.ctr_lo || b.mean_pctr > b.ctr_hi);
+    const x = sx(b.mean_pctr);
+    return svg("g", {class: off ? "bucket off" : "bucket", "data-pred": b.mean_pctr, "data-obs": b.ctr,
+                     onmouseenter: onHover},
+      svg("title", {}, `pCTR ${fmtRate(b.score_min)}–${fmtRate(b.score_max)}: ${fmtInt(b.rows)} rows, ` +
+                       `${fmtInt(b.clicks)} clicks\nmean pCTR ${fmtRate(b.mean_pctr)}, observed CTR ${fmtRate(b.ctr)}` +
+                       (ranged ? ` (95%: ${fmtRate(b.ctr_lo)}–${fmtRate(b.ctr_hi)})` : "")),
+      ranged ? svg("line", {class: "whisker", x1: x, x2: x, y1: sy(b.ctr_lo), y2: sy(b.ctr_hi)}) : null,
+      svg("circle", {cx: x, cy: sy(b.ctr), r: 3.5}));
+  }
+
+  function bucketText(b) {
+    return `pCTR ${fmtRate(b.mean_pctr)} → CTR ${fmtRate(b.ctr)}`;
+  }
+
   function emptyText(job, fromHistory) {
     if (job.state === "queued") return "the job has not started";
     if (job.state === "running") return "waiting for data…";
@@ -632,7 +749,7 @@
       return;
     }
     const pad = {l: 54, r: 12, t: 10, b: 22};
-    const x0 = Math.min(0, pts[0].x);
+    const x0 = isNum(opts.x0) ? Math.min(opts.x0, pts[0].x) : Math.min(0, pts[0].x);
     const x1 = Math.max(x0 + 1, pts[pts.length - 1].x);
     const ys = pts.map((p) => p.y).concat(ref ? [ref.y] : []);
     let [y0, y1] = [Math.min(...ys), Math.max(...ys)];
@@ -650,9 +767,10 @@
       grid.append(svg("line", {x1: pad.l, x2: width - pad.r, y1: sy(v), y2: sy(v)}));
       axis.append(svg("text", {x: pad.l - 6, y: sy(v) + 3.5, "text-anchor": "end"}, tick(v)));
     }
-    for (const v of niceTicks(x0, x1, Math.max(2, Math.floor(width / 90)))) {
+    const xfmt = opts.xfmt || fmtSeconds;
+    for (const v of opts.xTicks || niceTicks(x0, x1, Math.max(2, Math.floor(width / 90)))) {
       if (v < x0 || v > x1) continue;
-      axis.append(svg("text", {x: sx(v), y: height - 6, "text-anchor": "middle"}, fmtSeconds(v)));
+      axis.append(svg("text", {x: sx(v), y: height - 6, "text-anchor": "middle"}, xfmt(v)));
     }
     const epochs = svg("g", {class: "epoch"});
     for (let i = 1; i < pts.length; i++) {
@@ -673,8 +791,9 @@
       refs.append(svg("line", {x1: pad.l, x2: width - pad.r, y1: sy(ref.y), y2: sy(ref.y)}),
                   svg("text", {x: pad.l + 6, y: sy(ref.y) + (sy(ref.y) < pad.t + 14 ? 12 : -4)}, ref.label));
     }
+    const dots = opts.dots ? pts.map((p) => svg("circle", {class: "dot", cx: sx(p.x), cy: sy(p.y), r: 3})) : [];
     root.append(grid, epochs, svg("path", {class: "area", d: area}), svg("path", {class: "line", d}), refs,
-                svg("circle", {class: "dot", cx: sx(end.x), cy: sy(end.y), r: 3}), axis, cursor);
+                ...dots, svg("circle", {class: "dot", cx: sx(end.x), cy: sy(end.y), r: 3}), axis, cursor);
     hover(root, box, pts, sx, sy, opts, cursor);
     box.replaceChildren(root);
   }
@@ -692,7 +811,7 @@
       cursor.firstChild.setAttribute("x2", sx(best.x));
       cursor.lastChild.setAttribute("cx", sx(best.x));
       cursor.lastChild.setAttribute("cy", sy(best.y));
-      if (nowEl) nowEl.textContent = `${opts.fmt(best.y)} at ${fmtSeconds(best.x)}`;
+      if (nowEl) nowEl.textContent = `${opts.fmt(best.y)} at ${(opts.xfmt || fmtSeconds)(best.x)}`;
     };
     root.addEventListener("mousemove", (e) => show(e.clientX));
     root.addEventListener("mouseleave", () => {
@@ -738,13 +857,16 @@
   function renderEpochs(job) {
     const m = memOf(job.id);
     let rows = [];
+    const valid = (e) => (isObj(e.valid) ? e.valid : {});
     if (m.history && m.history.epochs.length) {
-      rows = m.history.epochs.map((e) => [e.epoch, e.seconds, e.rows, e.loss, e.auc]);
+      rows = m.history.epochs.map((e) => [e.epoch, e.seconds, e.rows, e.loss, e.auc, valid(e).logloss,
+                                          valid(e).auc]);
     } else if (isObj(job.record) && Array.isArray(job.record.epoch_seconds)) {
       const r = job.record;
       rows = r.epoch_seconds.map((s, i) => [i + 1, s, Array.isArray(r.rows_per_epoch) ? r.rows_per_epoch[i] : null,
-                                            null, null]);
+                                            null, null, null, null]);
     }
+    const validated = rows.some((r) => isNum(r[5]));
     const box = $("job-epochs");
     if (!rows.length) {
       box.replaceChildren();
@@ -756,17 +878,23 @@
     box.replaceChildren(el("h3", {}, "Finished epochs"), el("div", {class: "table-wrap"},
       el("table", {class: "table", "data-testid": "job-epochs"},
         el("thead", {}, el("tr", {}, ["Epoch", "Seconds", "Rows", "Rows/s", "Train loss", "Progressive AUC"]
-          .map((h, i) => el("th", {class: i ? "num" : null, title: i >= 4 ? PROGRESSIVE_HINT : null}, h)))),
-        el("tbody", {}, rows.map(([e, s, n, loss, auc]) => el("tr", {},
+          .concat(validated ? ["Valid logloss", "Valid AUC"] : [])
+          .map((h, i) => el("th", {class: i ? "num" : null, title: i === 4 || i === 5 ? PROGRESSIVE_HINT : null},
+                            h)))),
+        el("tbody", {}, rows.map(([e, s, n, loss, auc, vloss, vauc]) => el("tr", {},
           el("td", {}, str(e)), el("td", {class: "num"}, fmtFixed(s, 2)), el("td", {class: "num"}, fmtInt(n)),
           el("td", {class: "num"}, isNum(s) && isNum(n) && s > 0 ? fmtInt(n / s) : DASH),
-          el("td", {class: "num"}, fmtFixed(loss, 4)), el("td", {class: "num"}, fmtFixed(auc, 4))))))));
+          el("td", {class: "num"}, fmtFixed(loss, 4)), el("td", {class: "num"}, fmtFixed(auc, 4)),
+          ...(validated ? [el("td", {class: "num"}, fmtFixed(vloss, 4)),
+                           el("td", {class: "num"}, fmtFixed(vauc, 4))] : []),
+        ))))));
   }
 
   const PROGRESSIVE_HINT = "on training rows, each batch scored before the model trained on it";
   const testValue = (v) => (isNum(v) ? v.toFixed(4) : "no test data");
   const RECORD_HIGHLIGHTS = [
     ["auc", "Test AUC", testValue], ["logloss", "Test logloss", testValue],
+    ["ece", "Test ECE", (v) => (isNum(v) ? fmtRate(v) : "no test data")],
     ["train_loss", "Train loss", (v) => fmtFixed(v, 4)], ["rows_applied", "Rows applied", fmtInt],
     ["rows_per_s", "Rows/s", fmtInt], ["train_seconds", "Train time", fmtDuration],
     ["model_version", "Version", str], ["promoted", "Promoted", fmtValue],
@@ -784,18 +912,36 @@
     const sig = `${job.id}|${JSON.stringify(rec)}`;
     if (box.dataset.sig === sig) return;
     box.dataset.sig = sig;
-    const open = box.querySelector("details") ? box.querySelector("details").open : false;
+    const wasOpen = (name) => !!box.querySelector(`details[data-name=${name}]`)?.open;
     const metrics = RECORD_HIGHLIGHTS.filter(([k]) => k in rec).map(([k, label, f]) =>
       el("div", {class: "metric", "data-key": k}, el("div", {class: "k"}, label),
          el("div", {class: rec[k] === null ? "v none" : "v"}, f(rec[k]))));
-    const rows = Object.keys(rec).sort().map((k) => el("tr", {}, el("td", {}, k), el("td", {}, fmtValue(rec[k]))));
+    const buckets = Array.isArray(rec.reliability) ? rec.reliability.filter(isObj) : [];
+    const text = (k) => (k === "reliability" && buckets.length ? `${buckets.length} buckets (the table above)`
+      : fmtValue(rec[k]));
+    const rows = Object.keys(rec).sort().map((k) => el("tr", {}, el("td", {}, k), el("td", {}, text(k))));
     box.replaceChildren(
       el("h3", {}, "Record"),
       el("div", {class: "metrics"}, metrics),
       rec.model_dir ? el("p", {class: "muted"}, "Model written to ", el("code", {}, String(rec.model_dir)),
                          rec.model_version ? ` as ${rec.model_version}` : "") : null,
-      el("details", {open: open ? "" : null}, el("summary", {}, `All ${rows.length} fields`),
-         el("table", {class: "table kv"}, el("tbody", {}, rows))));
+      buckets.length ? el("details", {"data-name": "reliability", open: wasOpen("reliability") ? "" : null},
+        el("summary", {}, `Reliability on the test rows (${buckets.length} buckets)`), reliabilityTable(buckets))
+        : null,
+      el("details", {"data-name": "fields", open: wasOpen("fields") ? "" : null},
+         el("summary", {}, `All ${rows.length} fields`), el("table", {class: "table kv"}, el("tbody", {}, rows))));
+  }
+
+  function reliabilityTable(buckets) {
+    const heads = ["pCTR range", "Rows", "Clicks", "Mean pCTR", "Observed CTR", "95% interval"];
+    return el("div", {class: "table-wrap reliability-wrap"},
+      el("table", {class: "table compact", "data-testid": "reliability-table"},
+        el("thead", {}, el("tr", {}, heads.map((h, i) => el("th", {class: i ? "num" : null}, h)))),
+        el("tbody", {}, buckets.map((b) => el("tr", {},
+          el("td", {}, `${fmtRate(b.score_min)}–${fmtRate(b.score_max)}`), el("td", {class: "num"}, fmtInt(b.rows)),
+          el("td", {class: "num"}, fmtInt(b.clicks)), el("td", {class: "num"}, fmtRate(b.mean_pctr)),
+          el("td", {class: "num"}, fmtRate(b.ctr)),
+          el("td", {class: "num"}, `${fmtRate(b.ctr_lo)}–${fmtRate(b.ctr_hi)}`))))));
   }
 
   // ---- render: services -----------------------------------------------------------------------

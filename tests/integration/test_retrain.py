@@ -84,6 +84,23 @@ def test_the_gate_refuses_a_worse_model_and_promotes_a_better_one(days, tmp_path
     assert (model_dir / "CURRENT").read_text().strip() == "v000001"
 
 
+def test_a_warm_start_retrain_goes_on_from_the_served_version(days, tmp_path):
+    """Daily incremental training: the candidate starts from the served version's weights
+    and optimizer state (its manifest names that parent) and sees only the new day."""
+    model_dir = served_model(tmp_path, days)
+    cfg = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"])], eval_data=[str(days["day4"])],
+                         warm_start=True)
+    decision = json.loads(run_cli("retrain", "--config", cfg, "--json", check=True).stdout)
+    assert decision["warm_start"] is True and decision["train_rows"] == 20_000
+    manifest = json.loads((model_dir / decision["new_version"] / "manifest.json").read_text())
+    assert manifest["parent"]["version"] == "v000001" and manifest["parent"]["model_dir"] == str(model_dir)
+    assert manifest["rows_trained"] == 3_000 + 20_000  # the parent's rows, then the day's
+    cold = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"])], eval_data=[str(days["day4"])])
+    decision = json.loads(run_cli("retrain", "--config", cold, "--json", check=True).stdout)
+    manifest = json.loads((model_dir / decision["new_version"] / "manifest.json").read_text())
+    assert decision["warm_start"] is False and "parent" not in manifest and manifest["rows_trained"] == 20_000
+
+
 def test_retrain_needs_a_window_and_a_recipe(days, tmp_path):
     model_dir = tmp_path / "empty"
     model_dir.mkdir()

@@ -356,6 +356,13 @@ def canned_history(started: float, seconds: int = 300) -> list[dict]:
              "auc": 0.70 + 0.15 * s / seconds} for s in range(2, seconds + 1, 2)]
 
 
+def canned_epochs() -> list[dict]:
+    """The history's epochs of a job with valid_data: the validation logloss is lowest after epoch 2."""
+    return [{"epoch": e, "seconds": 99.0, "rows": 40_000, "loss": 0.47 - 0.01 * e, "auc": 0.8 + 0.02 * e,
+             "valid": {"logloss": loss, "auc": auc, "calibration": 1.01, "ne": 0.83, "rows": 8_000}}
+            for e, loss, auc in ((1, 0.4521, 0.8102), (2, 0.4471, 0.8201), (3, 0.4493, 0.8188))]
+
+
 def canned_job(job_id: str, state: str, started: float, **fields) -> dict:
     return {"id": job_id, "state": state, "error": "", "submitted": started, "started": started,
             "ended": 0 if state == "running" else started + 300, "model": "sparse_dnn", "mode": "async",
@@ -364,9 +371,24 @@ def canned_job(job_id: str, state: str, started: float, **fields) -> dict:
                          "loss": 0.46, "fraction": 1.0}, **fields}
 
 
+def canned_reliability() -> list[dict]:
+    """10 buckets of 2,000 test rows; the model over-predicts the top two (their intervals
+    miss the diagonal), the other eight are within chance of it."""
+    table = []
+    for i in range(10):
+        pred = 0.05 + 0.04 * i
+        obs = pred * (0.7 if i >= 8 else 1.0) + (0.004 if i % 2 else -0.004)
+        half = 1.96 * math.sqrt(obs * (1 - obs) / 2000)
+        table.append({"score_min": round(pred - 0.015, 4), "score_max": round(pred + 0.015, 4), "rows": 2000,
+                      "clicks": round(obs * 2000), "mean_pctr": round(pred, 4), "ctr": round(obs, 4),
+                      "ctr_lo": round(obs - half, 4), "ctr_hi": round(obs + half, 4)})
+    return table
+
+
 def canned_record(auc: float | None, logloss: float | None, version: str) -> dict:
     return {"auc": auc, "logloss": logloss, "calibration": None if auc is None else 1.012,
             "ne": None if auc is None else 0.8312, "test_rows": 0 if auc is None else 20_000,
+            "ece": None if auc is None else 0.0151, "reliability": None if auc is None else canned_reliability(),
             "train_rows": 40_000, "rows_applied": 120_000, "epochs": 3, "epoch_seconds": [99.1, 98.7, 100.2],
             "train_seconds": 298.0, "rows_per_s": 402.7, "train_loss": 0.4611, "model": "sparse_dnn",
             "model_dir": MODEL_DIR, "model_version": version, "promoted": True}
@@ -418,7 +440,8 @@ class CannedAPI:
             body = self.models()
         elif path.startswith("jobs/") and path.endswith("/history") and path[5:-8] in self.jobs:
             job = self.jobs[path[5:-8]]
-            body = {"job": job["id"], "points": canned_history(job["started"]), "epochs": []}
+            body = {"job": job["id"], "points": canned_history(job["started"]),
+                    "epochs": canned_epochs() if job["id"] == DONE_ID else []}
         if body is None:
             route.fulfill(status=404, content_type="text/plain", body="404: Not Found")
         else:
@@ -484,6 +507,76 @@ def test_browser_labels_the_progressive_auc_and_shows_the_test_auc(canned_page, 
     page.locator(f'[data-testid=job-row][data-job="{FINISHING_ID}"]').click()  # running: no test AUC yet
     expect(auc_test).to_have_text("")
     expect(page.locator("[data-testid=chart-auc]")).to_have_attribute("data-points", "150")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_browser_shows_the_calibration_of_a_finished_job(canned_page, artifacts):
+    """A finished job with test data: its reliability table as a chart beside the test AUC
+    (observed vs predicted CTR, the diagonal, the buckets off it in red, ECE in the caption)
+    and as a table in its record; a job without test data or still running says why not."""
+    expect, open_page = canned_page
+    page = open_page(job=DONE_ID)
+    chart = page.locator("[data-testid=chart-reliability]")
+    expect(chart).to_have_attribute("data-points", "10")
+    expect(chart.locator(".bucket")).to_have_count(10)
+    expect(chart.locator(".bucket.off")).to_have_count(2)  # the over-predicted top two
+    expect(chart.locator(".bucket.off").first).to_have_attribute("data-pred", "0.37")
+    expect(chart.locator(".diag")).to_have_count(1)
+    expect(chart.locator(".bucket .whisker")).to_have_count(10)
+    ece = page.locator("[data-testid=chart-reliability-ece]")
+    expect(ece).to_have_text("ECE 0.0151")
+    expect(page.locator("[data-testid=chart-reliability-test]")).to_have_text("20,000 test rows · 10 buckets")
+    expect(page.locator("[data-testid=chart-reliability-title]")).to_contain_text("Calibration")
+    chart.locator(".bucket").nth(9).hover()
+    expect(ece).to_have_text("pCTR 0.41 → CTR 0.291")
+    page.mouse.move(0, 0)
+    expect(ece).to_have_text("ECE 0.0151")
+    record = page.locator("[data-testid=job-record]")
+    expect(record.locator("[data-key=ece] .v")).to_have_text("0.0151")
+    table = record.locator("[data-testid=reliability-table]")
+    expect(table).to_be_hidden()  # folded until asked for
+    record.locator("details[data-name=reliability] summary").click()
+    expect(table.locator("tbody tr")).to_have_count(10)
+    expect(table.locator("tbody tr").first).to_contain_text("0.035–0.065")
+    page.screenshot(path=str(artifacts / "webui-calibration.png"), full_page=True)
+
+    page.locator(f'[data-testid=job-row][data-job="{NO_TEST_ID}"]').click()
+    expect(chart).to_have_attribute("data-points", "0")
+    expect(chart).to_contain_text("no test data")
+    expect(ece).to_have_text("—")
+    expect(record.locator("[data-key=ece] .v")).to_have_text("no test data")
+    expect(record.locator("[data-testid=reliability-table]")).to_have_count(0)
+    page.locator(f'[data-testid=job-row][data-job="{FINISHING_ID}"]').click()
+    expect(chart).to_contain_text("once the job is done")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_browser_charts_each_epochs_validation_logloss(canned_page, artifacts):
+    """A job with valid_data: its validation logloss per epoch, the best epoch (the one an
+    `epochs = "auto"` job publishes) in the caption and as a dashed line; others say why not."""
+    expect, open_page = canned_page
+    page = open_page(job=DONE_ID)
+    chart = page.locator("[data-testid=chart-valid]")
+    expect(chart).to_have_attribute("data-points", "3")
+    expect(chart).to_have_attribute("data-ref", "0.4471")
+    expect(chart.locator("svg > circle.dot")).to_have_count(4)  # one per epoch, and the last one's again
+    best = page.locator("[data-testid=chart-valid-best]")
+    expect(best).to_have_attribute("data-epoch", "2")
+    expect(best).to_have_text("best: epoch 2, AUC 0.8201")
+    expect(chart).to_contain_text("epoch 3")
+    expect(page.locator("#now-valid")).to_have_text("0.4493")
+    epochs = page.locator("[data-testid=job-epochs]")
+    expect(epochs.locator("thead th")).to_have_count(8)
+    expect(epochs.locator("tbody tr").nth(1)).to_contain_text("0.4471")
+    page.screenshot(path=str(artifacts / "webui-validation.png"), full_page=True)
+    page.locator(f'[data-testid=job-row][data-job="{NO_TEST_ID}"]').click()
+    expect(chart).to_have_attribute("data-points", "0")
+    expect(chart).to_contain_text("no validation data")
+    expect(best).to_have_text("")
+    page.locator(f'[data-testid=job-row][data-job="{FINISHING_ID}"]').click()
+    expect(chart).to_contain_text("scored after each epoch")
 
 
 @pytest.mark.slow

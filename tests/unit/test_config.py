@@ -15,8 +15,13 @@ def test_layers_of_config(tmp_path):
 
 @pytest.mark.parametrize("tree,message", [
     ({"model.kidn": "lr"}, "unknown key 'model.kidn'"),
-    ({"train.epochs": "two"}, "train.epochs: expected an integer"),
+    ({"train.epochs": "two"}, "train.epochs must be a number of passes or 'auto', got 'two'"),
+    ({"train.epochs": 1.5}, "train.epochs: expected an integer or a string, got 1.5"),
     ({"train.epochs": 0}, "train.epochs"),
+    ({"train.batch_size": "big"}, "train.batch_size must be a number of rows or 'auto'"),
+    ({"model.init_bias": "zero"}, "model.init_bias must be a logit or 'auto'"),
+    ({"train.valid_fraction": 1.0}, r"train.valid_fraction must be in \[0, 1\)"),
+    ({"train.patience": 0}, "train.patience and train.max_epochs must be >= 1"),
     ({"hashing.bits": 99}, "hashing.bits must be in 1..32"),
     ({"model.kind": "gbdt"}, "unknown model 'gbdt'"),
     ({"data.format": "parquet"}, "unknown format 'parquet'"),

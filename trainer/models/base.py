@@ -128,6 +128,11 @@ def build_model(cfg, num_fields: int, dense_dim: int, image_dim: int = 0, image_
 
     torch.manual_seed(cfg.seed)
     if cfg.kind == "lr":
-        return LogisticRegression(dense_dim + image_dim)
-    return SparseDNN(num_fields, dense_dim, cfg.embed_dim, list(cfg.hidden), cfg.init_scale, cfg.interaction, cfg.slots,
-                     image_dim=image_dim, image_tower=image_tower)
+        model = LogisticRegression(dense_dim + image_dim)
+    else:
+        model = SparseDNN(num_fields, dense_dim, cfg.embed_dim, list(cfg.hidden), cfg.init_scale, cfg.interaction,
+                          cfg.slots, image_dim=image_dim, image_tower=image_tower)
+    if not isinstance(cfg.init_bias, str):  # "auto" is resolved before training; unresolved, it is 0
+        with torch.no_grad():
+            model.bias.fill_(cfg.init_bias)
+    return model

@@ -1,14 +1,17 @@
 """Local training: one process streams the data in blocks for N epochs,
 updating in-process tables, then evaluates. Read top to bottom:
 
-    for epoch:
+    for epoch (train.epochs of them, or until the validation logloss stops improving):
         for batch in stream(files):          # read, parsed, hashed, deduped on other threads
             local_step(bundle, batch)         # pull rows -> ps_step.compute_grads -> apply
             report progress (rows/s, loss) about once a second
+        evaluate(bundle, validation rows)     # with --valid-data / train.valid_fraction
+    epochs = "auto": put the best epoch's weights back
     evaluate(bundle, test files)
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import resource
@@ -21,11 +24,13 @@ import torch
 from sparse.batch import SparseBatch
 from sparse.errors import MarianaError
 from sparse.metrics import BinaryMetrics
-from trainer.bundle import ModelBundle
+from trainer.bundle import ModelBundle, Snapshot
 from trainer.config import LOWER_RATES
-from trainer.data import BatchStream
+from trainer.data import BatchStream, RowRange
 from trainer.models.base import unique_ids
 from trainer.strategies.ps_step import StepResult, compute_grads
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,16 +50,27 @@ class TrainResult:
     rows_per_epoch: list[int] = field(default_factory=list)
     epoch_seconds: list[float] = field(default_factory=list)
     train_seconds: float = 0.0
-    train_loss: float | None = None     # mean logloss of the last epoch
+    train_loss: float | None = None     # mean logloss of the last epoch (of the best, when it was kept)
     parse: dict = field(default_factory=dict)
+    valid: dict | None = None           # per-epoch validation metrics, the best epoch, why it stopped
 
     @property
     def rows_per_s(self) -> float:
         return self.train_rows / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
+@dataclass
+class Validation:
+    """Rows to score after every epoch: `paths` (all their rows, or `rows` of them)."""
+
+    paths: list[str]
+    rows: RowRange | None = None
+    source: str = ""                    # what the record says they were
+
+
 def local_step(bundle: ModelBundle, batch: SparseBatch) -> StepResult:
     """Pull the batch's rows from the in-process tables, compute, apply."""
+    batch = bundle.admit(batch)  # hashing.min_count > 1: ids not admitted yet -> their field's rare id
     uniq, inverse = unique_ids(batch)
     pulled = {name: t.gather(uniq) for name, t in bundle.tables.items()}
     result = compute_grads(bundle.model, batch, inverse, pulled)
@@ -68,52 +84,138 @@ def local_step(bundle: ModelBundle, batch: SparseBatch) -> StepResult:
 
 def train_local(bundle: ModelBundle, paths: list[str],
                 on_progress: Callable[[Progress], None] | None = None,
-                report_every: float = 1.0) -> TrainResult:
+                report_every: float = 1.0, rows: RowRange | None = None,
+                valid: Validation | None = None,
+                on_valid: Callable[[int, dict], None] | None = None,
+                deadline: float | None = None, log_epochs: bool = True) -> TrainResult:
+    """Train for `train.epochs` epochs on `paths` (or `rows` of them), scoring `valid`
+    after each; `epochs = "auto"` stops when the validation logloss has not improved
+    for `train.patience` epochs and puts the best epoch's weights back.
+
+    `on_valid(epoch, metrics)` sees every epoch's validation metrics (a tuner's pruner
+    may raise there); at `deadline` (a `time.perf_counter()` value) the epoch under way
+    ends early and training stops after its validation. `log_epochs=False` logs each
+    epoch's validation at DEBUG (a tuner's trials)."""
     cfg = bundle.config
     set_threads(cfg.train.threads or (1 if cfg.model.kind == "lr" else os.cpu_count() or 1))
     stream = BatchStream(paths, bundle.encoder, cfg.data.block_bytes, cfg.train.prefetch,
                          cfg.data.parse_threads, labeled=True, batch_rows=cfg.train.batch_size,
-                         workers=cfg.data.parse_workers)
+                         workers=cfg.data.parse_workers, rows=rows)
     result = TrainResult()
+    tracker = EarlyStop(cfg.train.patience) if valid else None
+    limit = cfg.train.epoch_limit
     t_start = time.perf_counter()
-    for epoch in range(1, cfg.train.epochs + 1):
-        t_epoch = time.perf_counter()
-        rows = 0
-        loss_sum = window_loss = 0.0
-        window_rows, last_report = 0, t_epoch
-        for batch in stream:
-            step = local_step(bundle, batch)
-            if not math.isfinite(step.loss_sum):  # every later step would be NaN too: stop now
-                raise MarianaError(f"training diverged in epoch {epoch} after {rows:,} rows (loss "
-                                   f"{step.loss_sum / max(step.num_rows, 1)}): nothing to publish; {LOWER_RATES}")
-            rows += step.num_rows
-            loss_sum += step.loss_sum
-            window_loss += step.loss_sum
-            window_rows += step.num_rows
-            now = time.perf_counter()
-            if on_progress and now - last_report >= report_every:
-                on_progress(Progress(epoch, cfg.train.epochs, rows, rows / (now - t_epoch),
-                                     window_loss / max(window_rows, 1), now - t_start))
-                window_loss, window_rows, last_report = 0.0, 0, now
-        seconds = time.perf_counter() - t_epoch
-        result.rows_per_epoch.append(rows)
+    for epoch in range(1, limit + 1):
+        rows_seen, loss, seconds = _epoch(bundle, stream, epoch, limit, on_progress, report_every, t_start,
+                                          deadline)
+        out_of_time = deadline is not None and time.perf_counter() >= deadline
+        result.rows_per_epoch.append(rows_seen)
         result.epoch_seconds.append(round(seconds, 3))
-        result.train_rows += rows
-        result.train_loss = loss_sum / rows if rows else None
-        if on_progress:
-            on_progress(Progress(epoch, cfg.train.epochs, rows, rows / max(seconds, 1e-9),
-                                 result.train_loss or 0.0, time.perf_counter() - t_start, done=True))
+        result.train_rows += rows_seen
+        result.train_loss = loss
+        if tracker is not None:
+            metrics, _ = evaluate(bundle, valid.paths, valid.rows)
+            improved = tracker.add(epoch, metrics, loss, bundle)
+            log.log(logging.INFO if log_epochs else logging.DEBUG, "epoch %d/%s: valid logloss %s, auc %s%s",
+                    epoch, cfg.train.epochs, _fmt(metrics.get("logloss")), _fmt(metrics.get("auc")),
+                    " (best so far)" if improved else "")
+            if on_valid:
+                on_valid(epoch, metrics)
+            if cfg.train.auto and tracker.should_stop():
+                break
+        if out_of_time:
+            if tracker is not None:
+                tracker.out_of_time = True
+            break
     result.train_seconds = time.perf_counter() - t_start
     result.parse = stream.stats.to_dict()
+    if tracker is not None:
+        if cfg.train.auto:
+            tracker.best_state.restore(bundle)
+            result.train_loss = tracker.best_train_loss
+        result.valid = tracker.record(valid, keep_best=cfg.train.auto, limit=limit)
     return result
 
 
-def evaluate(bundle: ModelBundle, paths: list[str]) -> tuple[dict, dict]:
-    """(metrics of the model on labeled files, parse counts)."""
+def _epoch(bundle: ModelBundle, stream: BatchStream, epoch: int, epochs: int,
+           on_progress: Callable[[Progress], None] | None, report_every: float,
+           t_start: float, deadline: float | None = None) -> tuple[int, float | None, float]:
+    """One pass (or the part of it before `deadline`): (rows, mean train logloss, seconds)."""
+    t_epoch = time.perf_counter()
+    rows = 0
+    loss_sum = window_loss = 0.0
+    window_rows, last_report = 0, t_epoch
+    for batch in stream:
+        step = local_step(bundle, batch)
+        if not math.isfinite(step.loss_sum):  # every later step would be NaN too: stop now
+            raise MarianaError(f"training diverged in epoch {epoch} after {rows:,} rows (loss "
+                               f"{step.loss_sum / max(step.num_rows, 1)}): nothing to publish; {LOWER_RATES}")
+        rows += step.num_rows
+        loss_sum += step.loss_sum
+        window_loss += step.loss_sum
+        window_rows += step.num_rows
+        now = time.perf_counter()
+        if on_progress and now - last_report >= report_every:
+            on_progress(Progress(epoch, epochs, rows, rows / (now - t_epoch),
+                                 window_loss / max(window_rows, 1), now - t_start))
+            window_loss, window_rows, last_report = 0.0, 0, now
+        if deadline is not None and now >= deadline:
+            break
+    seconds = time.perf_counter() - t_epoch
+    loss = loss_sum / rows if rows else None
+    if on_progress:
+        on_progress(Progress(epoch, epochs, rows, rows / max(seconds, 1e-9), loss or 0.0,
+                             time.perf_counter() - t_start, done=True))
+    return rows, loss, seconds
+
+
+class EarlyStop:
+    """Per-epoch validation metrics and the best epoch (lowest logloss) with its state."""
+
+    def __init__(self, patience: int):
+        self.patience = patience
+        self.epochs: list[dict] = []
+        self.best_epoch = 0
+        self.best_logloss = math.inf
+        self.best_state: Snapshot | None = None
+        self.best_train_loss: float | None = None
+        self.out_of_time = False
+
+    def add(self, epoch: int, metrics: dict, train_loss: float | None, bundle: ModelBundle) -> bool:
+        logloss = metrics.get("logloss")
+        self.epochs.append({"epoch": epoch, "logloss": logloss, "auc": metrics.get("auc"),
+                            "calibration": metrics.get("calibration"), "ne": metrics.get("ne"),
+                            "train_loss": train_loss, "rows": metrics.get("count", 0)})
+        if logloss is None or not logloss < self.best_logloss:
+            return False
+        self.best_epoch, self.best_logloss, self.best_train_loss = epoch, logloss, train_loss
+        self.best_state = Snapshot(bundle)
+        return True
+
+    def should_stop(self) -> bool:
+        return self.best_state is not None and len(self.epochs) - self.best_epoch >= self.patience
+
+    def record(self, valid: Validation, keep_best: bool, limit: int) -> dict:
+        last = len(self.epochs)
+        if self.out_of_time:
+            stopped = "time budget"
+        elif not keep_best:
+            stopped = "epochs"
+        elif last - self.best_epoch >= self.patience:
+            stopped = f"no better valid logloss for {last - self.best_epoch} epoch(s)"
+        else:
+            stopped = f"max_epochs ({limit})"
+        return {"source": valid.source, "rows": self.epochs[-1]["rows"] if self.epochs else 0,
+                "epochs": self.epochs, "best_epoch": self.best_epoch,
+                "kept": "best" if keep_best else "last", "stopped": stopped}
+
+
+def evaluate(bundle: ModelBundle, paths: list[str], rows: RowRange | None = None) -> tuple[dict, dict]:
+    """(metrics of the model on labeled files (or `rows` of them), parse counts)."""
     metrics = BinaryMetrics()
     data = bundle.config.data
     stream = BatchStream(paths, bundle.encoder, data.block_bytes, bundle.config.train.prefetch,
-                         data.parse_threads, labeled=True, workers=data.parse_workers)
+                         data.parse_threads, labeled=True, workers=data.parse_workers, rows=rows)
     for block in stream:
         for batch in block.split(8192):
             metrics.update(batch.labels, bundle.predict(batch))
@@ -127,3 +229,7 @@ def set_threads(n: int) -> None:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.5f}"

@@ -9,6 +9,14 @@ applied at most once per step id: a retried or replayed step is a no-op.
     rows, dense = shard.pull(ids)                    # table -> (n, dim), flat dense params
     shard.push("e1/c0:0", 4096, ids, grads, dense_grad)  # True: applied; False: seen before
     weights, manifest = shard.snapshot()               # a consistent checkpoint
+
+With `hashing.min_count` K > 1 the shard also counts, for the ids it owns, the
+occurrences of ids not admitted yet (sparse/admission.py): a pull that brings
+each id's occurrences in the batch (`gather_admitted`) learns which ids are
+admitted (a row, or count + occurrences >= K) and materializes only those; the
+push brings the occurrences of the ids that were not (`seen`) and counts them
+once per step, like its gradients. So counts are exact with any number of
+workers, and survive a checkpoint (the pending ones; an admitted id has a row).
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import re
 import numpy as np
 import torch
 
+from sparse import admission
 from sparse.encode import Encoder
 from sparse.errors import DataFormatError
 from sparse.optim import AdaGrad
@@ -57,6 +66,8 @@ class ParamShard:
                                                 initial_accumulator=config.optim.initial_accumulator),
                                         [self.dense])
         self.applied: dict[str, int] = {}  # step id -> rows, for every step applied here
+        k = config.hashing.min_count
+        self.counts = admission.Counts(local_rows, k) if k > 1 else None
 
     # ---- requests ---------------------------------------------------------------
 
@@ -79,10 +90,34 @@ class ParamShard:
         """table -> the rows at local positions `rows` (from `local_rows`)."""
         return {name: t.gather(rows) for name, t in self.tables.items()}
 
+    def gather_admitted(self, rows: np.ndarray, occ: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """(table -> rows, (n,) admitted) for local `rows` that occur `occ` times in a batch
+        (min_count > 1): the admitted ones are materialized, the others read without
+        (a rare id's row, before a push brings its first gradient). Nothing is counted."""
+        if self.counts is None:
+            raise DataFormatError("a pull with occurrences sent to a shard of a job without hashing.min_count")
+        if occ.shape != rows.shape:
+            raise DataFormatError(f"occurrences of shape {occ.shape} for {len(rows)} ids")
+        ok = self.counts.admitted(rows, occ.astype(np.int64), self.touched[rows])
+        for t in self.tables.values():
+            t.materialize(rows[ok])
+        return {name: t.lookup(rows) for name, t in self.tables.items()}, ok
+
+    @property
+    def table0(self) -> HashedTable:
+        """Any table: every table has the same rows, and materializes them alike."""
+        return next(iter(self.tables.values()))
+
+    @property
+    def touched(self) -> np.ndarray:
+        """(local rows,) bool: rows this shard has materialized."""
+        return self.table0.touched
+
     def push(self, step: str, num_rows: int, ids: np.ndarray, grads: dict[str, np.ndarray],
-             dense_grad: np.ndarray | None) -> bool:
+             dense_grad: np.ndarray | None, seen: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
         """Apply one step's gradients for unique `ids`; False (and no change) if
-        `step` was applied before."""
+        `step` was applied before. `seen`: (unique ids, occurrences) of the step's
+        ids that were not admitted, counted here (min_count > 1)."""
         if step in self.applied:
             return False
         if not STEP_RE.match(step):
@@ -96,12 +131,21 @@ class ParamShard:
                 raise DataFormatError(f"grads of {name!r} have shape {g.shape}, expected {(len(rows), table.dim)}")
         if dense_grad is not None and dense_grad.shape != self.dense.shape:
             raise DataFormatError(f"dense grads have shape {dense_grad.shape}, expected {self.dense.shape}")
+        seen_rows = None
+        if seen is not None:
+            if self.counts is None:
+                raise DataFormatError("occurrences pushed to a shard of a job without hashing.min_count")
+            seen_rows = self.local_rows(seen[0])
+            if seen[1].shape != seen_rows.shape:
+                raise DataFormatError(f"occurrences of shape {seen[1].shape} for {len(seen_rows)} seen ids")
         for name, g in grads.items():
             table = self.tables[name]
             table.materialize(rows)  # rows first touched by this push (e.g. after a restore)
             self.optimizers[name].apply(table, rows, g, unique=True)
         if dense_grad is not None and self.dense.size:
             self.dense_opt.apply([dense_grad])
+        if seen_rows is not None:
+            self.counts.add(seen_rows, seen[1].astype(np.int64))
         self.applied[step] = int(num_rows)
         return True
 
@@ -128,6 +172,8 @@ class ParamShard:
         arrays["dense"] = self.dense.copy()
         for key, st in self.dense_opt.state[0].items():
             arrays[f"dense.{key}"] = st.copy()
+        if self.counts is not None:  # global ids: an export is assembled with the other shards'
+            arrays.update(admission.to_arrays(self.counts, self.touched, self.table0.global_ids))
         manifest = {"shard": self.shard, "num_shards": self.num_shards,
                     "applied": dict(self.applied), "config": self.config.to_dict(),
                     "schema": self.schema.to_dict()}
@@ -147,4 +193,6 @@ class ParamShard:
             for key, st in self.dense_opt.state[0].items():
                 if f"dense.{key}" in arrays:
                     st[...] = arrays[f"dense.{key}"]
+        if self.counts is not None:
+            admission.load_arrays(self.counts, arrays, self.local_rows)
         self.applied = {str(k): int(v) for k, v in manifest.get("applied", {}).items()}

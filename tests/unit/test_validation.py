@@ -1,0 +1,177 @@
+"""Validation-driven training, warm starts and tuning (issue 15): early stopping stops
+and keeps the best epoch, a held-out tail is never trained on, a warm start with zero
+rates reproduces its parent exactly, a mismatched one is refused, and a tiny tuning
+budget finishes within it and publishes a valid version."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from sparse.errors import ConfigError, MarianaError
+from sparse.metrics import BinaryMetrics
+from trainer.bundle import ModelBundle
+from trainer.config import load_config
+from trainer.data import BatchStream, RowRange, count_data_lines
+from trainer.job import run_local_job, run_tune_job
+from trainer.strategies.local import evaluate
+
+
+def config(**overrides):
+    return load_config(overrides={"hashing.bits": 18, **overrides}, env={})
+
+
+def predictions(bundle: ModelBundle, path) -> np.ndarray:
+    stream = BatchStream([str(path)], bundle.encoder, labeled=True)
+    return np.concatenate([bundle.predict(b) for b in stream])
+
+
+def test_early_stopping_stops_after_patience_and_keeps_the_best_epoch(gen_files, tmp_path):
+    # Small batches and a high rate overfit 27k rows within a few epochs.
+    cfg = config(**{"train.epochs": "auto", "train.valid_fraction": 0.1, "train.batch_size": 256,
+                    "train.patience": 2, "train.max_epochs": 8, "optim.lr": 0.3})
+    record = run_local_job(cfg, [str(gen_files["train"])], [], str(tmp_path / "m"))
+    valid = record["valid"]
+    losses = [e["logloss"] for e in valid["epochs"]]
+    best = int(np.argmin(losses)) + 1
+    assert valid["best_epoch"] == best and valid["kept"] == "best"
+    assert record["epochs"] == len(losses) < 8, "it should stop before max_epochs"
+    assert len(losses) - best == 2, "it stops exactly `patience` epochs after the best one"
+    assert valid["stopped"].startswith("no better valid logloss")
+    # The saved version is the best epoch's model: its logloss on the held-out rows is the best one.
+    bundle = ModelBundle.load(str(tmp_path / "m"))
+    _, rows = RowRange.of_files([str(gen_files["train"])], 0.1, header=False)
+    metrics, _ = evaluate(bundle, [str(gen_files["train"])], rows)
+    assert metrics["logloss"] == pytest.approx(losses[best - 1], rel=1e-6)
+    assert metrics["logloss"] < losses[-1]
+    assert bundle.manifest["valid"]["best_epoch"] == best
+
+
+def test_the_validation_tail_is_held_out_of_training(gen_files, tmp_path):
+    lines = count_data_lines(str(gen_files["train"]), header=False)
+    cfg = config(**{"train.epochs": 2, "train.valid_fraction": 0.25})
+    record = run_local_job(cfg, [str(gen_files["train"])], [], str(tmp_path / "m"))
+    held = round(lines * 0.25)
+    assert record["rows_per_epoch"] == [lines - held] * 2
+    assert record["valid"]["rows"] == held and record["valid"]["kept"] == "last"
+    assert [e["epoch"] for e in record["valid"]["epochs"]] == [1, 2]
+
+
+def test_row_ranges_split_several_files_in_order(gen_files, tmp_path):
+    a, b = tmp_path / "a.tsv", tmp_path / "b.tsv"
+    text = gen_files["test"].read_text().splitlines(keepends=True)
+    a.write_text("".join(text[:5000]))
+    b.write_text("".join(text[5000:]))
+    train, valid = RowRange.of_files([str(a), str(b)], 0.5, header=False)
+    assert (train.start, train.stop, valid.start, valid.stop) == (0, 4000, 4000, 8000)
+    bundle = ModelBundle(config(), load_config(env={}).data.resolve_schema())
+    seen = {}
+    for name, rows in (("train", train), ("valid", valid)):
+        stream = BatchStream([str(a), str(b)], bundle.encoder, block_bytes=64 << 10, rows=rows)
+        seen[name] = np.concatenate([batch.labels for batch in stream])
+    labels = np.array([float(line.split("\t", 1)[0]) for line in text])
+    assert np.array_equal(seen["train"], labels[:4000]) and np.array_equal(seen["valid"], labels[4000:])
+
+
+def test_validation_is_given_one_way_and_must_leave_rows(gen_files, tmp_path):
+    with pytest.raises(MarianaError, match="one way"):
+        run_local_job(config(**{"train.valid_fraction": 0.1}), [str(gen_files["train"])], [],
+                      str(tmp_path / "m"), valid_paths=[str(gen_files["test"])])
+    tiny = tmp_path / "tiny.tsv"
+    tiny.write_text(gen_files["test"].read_text().splitlines(keepends=True)[0])
+    with pytest.raises(MarianaError, match="leaves no rows"):
+        run_local_job(config(**{"train.valid_fraction": 0.3}), [str(tiny)], [], str(tmp_path / "m"))
+    with pytest.raises(ConfigError, match="'auto'"):
+        config(**{"train.epochs": "often"})
+
+
+@pytest.mark.parametrize("kind", ["lr", "dnn"])
+def test_a_warm_start_with_zero_rates_reproduces_its_parent_exactly(kind, gen_files, tmp_path):
+    out = str(tmp_path / "m")
+    run_local_job(config(**{"model.kind": kind}), [str(gen_files["train"])], [], out)
+    parent = ModelBundle.load(out)
+    frozen = config(**{"model.kind": kind, "optim.lr": 0.0, "optim.embed_lr": 0.0, "optim.dense_lr": 0.0})
+    record = run_local_job(frozen, [str(gen_files["test"])], [], out, init_from=out + ":v000001")
+    child = ModelBundle.load(out)
+    assert record["model_version"] == "v000002"
+    assert child.manifest["parent"] == {"model_dir": out, "version": "v000001",
+                                        "rows_trained": parent.rows_trained}
+    assert child.rows_trained == parent.rows_trained + record["train_rows"]
+    assert np.array_equal(predictions(child, gen_files["test"]), predictions(parent, gen_files["test"]))
+    # With its rates, the warm start moves on from the parent (the optimizer state came along).
+    run_local_job(config(**{"model.kind": kind}), [str(gen_files["test"])], [], out, init_from=out)
+    assert not np.array_equal(predictions(ModelBundle.load(out), gen_files["test"]),
+                              predictions(parent, gen_files["test"]))
+
+
+def test_a_warm_start_keeps_the_optimizer_state(gen_files, tmp_path):
+    out = str(tmp_path / "m")
+    run_local_job(config(), [str(gen_files["train"])], [], out)
+    run_local_job(config(**{"optim.lr": 0.0}), [str(gen_files["test"])], [], out, init_from=out)
+    parent, child = ModelBundle.load(out, "v000001", with_optimizer=True), ModelBundle.load(out, with_optimizer=True)
+    (name, p), c = next(iter(parent.tables.items())), child.tables[next(iter(parent.tables))]
+    rows = p.touched_rows()
+    assert np.all(c.state["sum_sq"][rows] >= p.state["sum_sq"][rows])
+    assert np.any(c.state["sum_sq"][rows] > p.state["sum_sq"][rows]), "the accumulators went on growing"
+
+
+def test_a_mismatched_warm_start_is_refused_naming_the_difference(gen_files, tmp_path):
+    out = str(tmp_path / "m")
+    run_local_job(config(), [str(gen_files["train"])], [], out)
+    with pytest.raises(ConfigError, match="hashing.bits: the version has 18, this job 20"):
+        run_local_job(config(**{"hashing.bits": 20}), [str(gen_files["test"])], [], out, init_from=out)
+    with pytest.raises(ConfigError, match="model.kind: the version has 'lr', this job 'dnn'"):
+        run_local_job(config(**{"model.kind": "dnn"}), [str(gen_files["test"])], [], out, init_from=out)
+    with pytest.raises(ConfigError, match="optim.linear"):
+        run_local_job(config(**{"optim.linear": "ftrl"}), [str(gen_files["test"])], [], out, init_from=out)
+    assert (tmp_path / "m" / "CURRENT").read_text().strip() == "v000001"
+
+
+def test_tuning_with_a_tiny_budget_finishes_within_it_and_publishes_a_valid_version(gen_files, tmp_path):
+    out = tmp_path / "m"
+    budget = 6.0
+    t0 = time.perf_counter()
+    record = run_tune_job(config(), [str(gen_files["train"])], [str(gen_files["test"])], str(out), budget)
+    spent = record["tune"]["seconds"]
+    # the trial under way at the deadline stops after its (partial) epoch and one validation pass
+    assert spent < budget + 3.0 and time.perf_counter() - t0 < budget + 8.0
+    trials = record["trials"]
+    assert trials[0]["number"] == 0 and len(trials) >= 2
+    best = min((t for t in trials if t["value"] is not None), key=lambda t: t["value"])
+    assert record["tune"]["best_trial"] == best["number"]
+    assert record["valid"]["epochs"][record["valid"]["best_epoch"] - 1]["logloss"] == pytest.approx(best["value"])
+    bundle = ModelBundle.load(str(out))
+    assert bundle.manifest["tune"]["best_params"] == best["params"]
+    for key, value in best["params"].items():
+        section, name = key.split(".", 1)
+        assert getattr(getattr(bundle.config, section), name) == value
+    m = BinaryMetrics()
+    for batch in BatchStream([str(gen_files["test"])], bundle.encoder, labeled=True):
+        m.update(batch.labels, bundle.predict(batch))
+    assert m.result()["auc"] == pytest.approx(record["auc"]) and record["auc"] > 0.7
+    with open(record["tune"]["trials_file"]) as f:
+        saved = json.load(f)
+    assert [t["number"] for t in saved["trials"]] == [t["number"] for t in trials]
+
+
+def test_a_validation_tail_of_parquet_and_headered_csv_files(gen_files, tmp_path):
+    """Rows count from each file's first data row: a Parquet file has no header line, an
+    avazu CSV has one; the split lands on the same rows either way."""
+    from sparse.schema import builtin
+    from tests.unit.test_inputs import csv_to_parquet
+
+    schema = builtin("criteo")
+    text = gen_files["test"].read_text().splitlines(keepends=True)
+    (tmp_path / "a.tsv").write_text("".join(text[:3000]))
+    (tmp_path / "b.tsv").write_text("".join(text[3000:]))
+    csv_to_parquet(tmp_path / "b.tsv", tmp_path / "b.parquet", schema, row_group_size=1000)
+    paths = [str(tmp_path / "a.tsv"), str(tmp_path / "b.parquet")]
+    train, valid = RowRange.of_files(paths, 0.25, header=True)  # a header= schema: the Parquet file has none
+    assert (train.stop, valid.rows) == (5999, 2000)  # 2,999 + 5,000 rows: a.tsv's first line is its header
+    bundle = ModelBundle(config(), schema)
+    stream = BatchStream(paths, bundle.encoder, block_bytes=32 << 10, rows=valid)
+    got = np.concatenate([b.labels for b in stream])
+    labels = np.array([float(line.split("\t", 1)[0]) for line in text])
+    assert np.array_equal(got, labels[-2000:])

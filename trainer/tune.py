@@ -1,0 +1,205 @@
+"""`mariana tune`: search the hyper-parameters that matter under a wall-clock budget,
+scored on the validation logloss, and publish the best model as a version.
+
+Optuna does the search (TPE sampler, seeded) and the pruning: every trial trains
+with `epochs = "auto"` (early stopping on the validation rows) and reports each
+epoch's validation logloss, so a successive-halving pruner stops trials that are
+behind the others at the same epoch. The first trial is the job's own config (the
+defaults), so the tuned model is never worse on validation than the default one.
+At the deadline the trial under way stops after its epoch's validation and counts
+with its best epoch. The best trial's model is kept in memory, scored on the test
+files and saved; the trials go to `<model dir>/tune/<time>.json` and the version's
+manifest records the chosen config and the search.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from sparse.errors import MarianaError
+from trainer.bundle import ModelBundle
+from trainer.config import JobConfig, from_dict
+from trainer.data import RowRange
+from trainer.strategies.local import TrainResult, Validation, train_local
+
+log = logging.getLogger(__name__)
+
+KINDS = ("lr", "dnn", "any")
+TRIAL_MAX_EPOCHS = 30  # a trial's cap (early stopping ends most far sooner); train.max_epochs if higher
+
+
+@dataclass
+class Trial:
+    number: int
+    params: dict
+    state: str = "running"          # complete | pruned | failed | budget
+    value: float | None = None      # best validation logloss
+    auc: float | None = None        # validation AUC at the best epoch
+    epochs: int = 0                 # epochs run
+    best_epoch: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v != "" or k != "error"}
+
+
+@dataclass
+class TuneResult:
+    best: Trial
+    bundle: ModelBundle
+    config: JobConfig
+    trained: TrainResult
+    trials: list[Trial] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def search_space(trial, kind: str, base: JobConfig) -> dict:
+    """The dotted config keys a trial sets: the optimizer and its rates, L1/L2, batch size,
+    the numeric transform and, for the DNN, the interaction, widths and embedding size."""
+    p: dict = {}
+    model = base.model.kind if kind != "any" else trial.suggest_categorical("model.kind", ["lr", "dnn"])
+    p["model.kind"] = model
+    linear = trial.suggest_categorical("optim.linear", ["adagrad", "ftrl"])
+    p["optim.linear"] = linear
+    if linear == "adagrad":
+        p["optim.lr"] = trial.suggest_float("optim.lr", 0.005, 0.5, log=True)
+    else:
+        p["optim.ftrl_alpha"] = trial.suggest_float("optim.ftrl_alpha", 0.005, 0.5, log=True)
+        p["optim.ftrl_l1"] = trial.suggest_float("optim.ftrl_l1", 1e-3, 10.0, log=True)
+        p["optim.ftrl_l2"] = trial.suggest_float("optim.ftrl_l2", 1e-3, 30.0, log=True)
+    p["train.batch_size"] = trial.suggest_categorical("train.batch_size",
+                                                      sorted({256, 1024, 4096, int(base.train.batch_size)}))
+    if base.data.resolve_schema().numeric:
+        p["hashing.numeric"] = trial.suggest_categorical("hashing.numeric", ["bucket", "both"])
+        p["hashing.bucket_scale"] = trial.suggest_categorical("hashing.bucket_scale", [2.0, 4.0, 8.0])
+    if model == "dnn":
+        p["model.interaction"] = trial.suggest_categorical("model.interaction", ["proj", "dot", "fm"])
+        p["model.embed_dim"] = trial.suggest_categorical("model.embed_dim", [4, 8, 16])
+        width = trial.suggest_categorical("model.width", [32, 64, 128])
+        p["model.hidden"] = [width, width // 2]
+        p["optim.embed_lr"] = trial.suggest_float("optim.embed_lr", 0.01, 0.5, log=True)
+        p["optim.dense_lr"] = trial.suggest_float("optim.dense_lr", 0.002, 0.1, log=True)
+    return p
+
+
+def default_params(base: JobConfig, kind: str) -> dict:
+    """The first trial: the base config's own values in the search's terms."""
+    c = base
+    p = {"optim.linear": c.optim.linear, "train.batch_size": c.train.batch_size}
+    if kind == "any":
+        p["model.kind"] = c.model.kind
+    p.update({"optim.lr": c.optim.lr} if c.optim.linear == "adagrad" else
+             {"optim.ftrl_alpha": c.optim.ftrl_alpha, "optim.ftrl_l1": c.optim.ftrl_l1,
+              "optim.ftrl_l2": c.optim.ftrl_l2})
+    if c.data.resolve_schema().numeric:
+        p.update({"hashing.numeric": c.hashing.numeric, "hashing.bucket_scale": c.hashing.bucket_scale})
+    if c.model.kind == "dnn":
+        p.update({"model.interaction": c.model.interaction, "model.embed_dim": c.model.embed_dim,
+                  "model.width": c.model.hidden[0], "optim.embed_lr": c.optim.embed_lr,
+                  "optim.dense_lr": c.optim.dense_lr})
+    return p
+
+
+def apply_params(base: JobConfig, params: dict) -> JobConfig:
+    """A copy of `base` with the dotted keys of `params` set (checked like any config)."""
+    tree = copy.deepcopy(base.to_dict())
+    for dotted, value in params.items():
+        section, key = dotted.split(".", 1)
+        tree[section][key] = value
+    tree["train"].update(epochs="auto", max_epochs=max(tree["train"]["max_epochs"], TRIAL_MAX_EPOCHS))
+    return from_dict(JobConfig, tree)
+
+
+def tune(base: JobConfig, schema, train_paths: list[str], train_rows: RowRange | None, valid: Validation,
+         budget: float, kind: str = "lr", max_trials: int | None = None, seed: int = 0,
+         on_trial: Callable[[Trial], None] | None = None) -> TuneResult:
+    """Run trials until `budget` seconds are spent (or `max_trials` are done); the best
+    trial's model and config."""
+    import optuna  # imported here: every other command starts without it
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if kind not in KINDS:
+        raise MarianaError(f"tune: unknown model {kind!r} (use {', '.join(KINDS)})")
+    if kind != "any":
+        base = apply_params(base, {"model.kind": kind})
+    t0 = time.perf_counter()
+    deadline = t0 + budget
+    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed),
+                                pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3))
+    study.enqueue_trial(default_params(base, kind), skip_if_exists=True)
+    state: dict = {"best": None, "bundle": None, "config": None, "trained": None, "trials": []}
+
+    def objective(ot) -> float:
+        params = search_space(ot, kind, base)
+        trial = Trial(ot.number, params)
+        state["trials"].append(trial)
+        t = time.perf_counter()
+        try:
+            config = apply_params(base, params)
+            bundle = ModelBundle(config, schema)
+
+            def on_valid(epoch: int, metrics: dict) -> None:
+                trial.epochs = epoch
+                if trial.value is None or metrics["logloss"] < trial.value:  # a pruned trial keeps its best
+                    trial.value, trial.auc, trial.best_epoch = metrics["logloss"], metrics["auc"], epoch
+                ot.report(metrics["logloss"], epoch)
+                if ot.should_prune():
+                    raise optuna.TrialPruned()
+
+            result = train_local(bundle, train_paths, rows=train_rows, valid=valid, on_valid=on_valid,
+                                 deadline=deadline, log_epochs=False)
+        except optuna.TrialPruned:
+            trial.state, trial.seconds = "pruned", round(time.perf_counter() - t, 2)
+            _report(trial, on_trial)
+            raise
+        except MarianaError as e:  # a diverging config: a failed trial, the search goes on
+            trial.state, trial.error, trial.seconds = "failed", str(e), round(time.perf_counter() - t, 2)
+            _report(trial, on_trial)
+            return math.inf
+        v = result.valid
+        best = v["epochs"][v["best_epoch"] - 1] if v["best_epoch"] else {}
+        trial.value, trial.auc = best.get("logloss"), best.get("auc")
+        trial.epochs, trial.best_epoch = len(v["epochs"]), v["best_epoch"]  # the same as on_valid's, from the record
+        trial.state = "budget" if v["stopped"] == "time budget" else "complete"
+        trial.seconds = round(time.perf_counter() - t, 2)
+        if trial.value is not None and (state["best"] is None or trial.value < state["best"].value):
+            state.update(best=trial, bundle=bundle, config=config, trained=result)
+        _report(trial, on_trial)
+        return trial.value if trial.value is not None else math.inf
+
+    def out_of_time(study, _trial) -> None:
+        if time.perf_counter() >= deadline:
+            study.stop()
+
+    study.optimize(objective, n_trials=max_trials, callbacks=[out_of_time], catch=())
+    if state["best"] is None:
+        raise MarianaError(f"tune: no trial finished an epoch within the budget of {budget:g} s "
+                           "(raise --budget or use fewer rows)")
+    return TuneResult(state["best"], state["bundle"], state["config"], state["trained"], state["trials"],
+                      time.perf_counter() - t0)
+
+
+def _report(trial: Trial, on_trial: Callable[[Trial], None] | None) -> None:
+    log.info("trial %d %s: valid logloss %s after %d epoch(s), %.1fs", trial.number, trial.state,
+             "n/a" if trial.value is None else f"{trial.value:.5f}", trial.epochs, trial.seconds)
+    if on_trial:
+        on_trial(trial)
+
+
+def save_trials(model_dir: str, result: TuneResult, meta: dict) -> str:
+    """The trials as JSON in <model_dir>/tune/<time>.json; returns the path."""
+    path = os.path.join(os.path.abspath(model_dir), "tune", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + ".json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({**meta, "best_trial": result.best.number, "trials": [t.to_dict() for t in result.trials]},
+                  f, indent=1, allow_nan=False)
+    os.replace(path + ".tmp", path)
+    return path
+

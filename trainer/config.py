@@ -80,10 +80,12 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    linear: str = "adagrad"            # adagrad | ftrl, for the per-id linear weights
+    # The per-id linear weights: FTRL-Proximal with L1/L2 by default, chosen on three real
+    # logs and two generators (docs/benchmarks.md, "Defaults"); adagrad is the other choice.
+    linear: str = "ftrl"               # ftrl | adagrad
     lr: float = 0.1                    # adagrad on linear weights
     initial_accumulator: float = 0.1
-    ftrl_alpha: float = 0.05
+    ftrl_alpha: float = 0.2
     ftrl_beta: float = 1.0
     ftrl_l1: float = 0.5
     ftrl_l2: float = 1.0

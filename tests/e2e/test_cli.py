@@ -167,7 +167,8 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
         (("train", "--data", gen_files["test"], "--set", "model.slots=1", "--out", tmp_path / "o"), ["model.slots"]),
         (("evaluate", "--model", models["dir"], "--data", unlabeled), ["not in criteo format"]),
         (("evaluate", "--model", models["dir"], "--data", empty), ["no valid rows in empty.tsv: nothing to evaluate"]),
-        (("train", "--data", gen_files["test"], "--set", "optim.lr=1e38", "--batch-size", "512",
+        (("train", "--data", gen_files["test"], "--set", "optim.linear=adagrad", "--set", "optim.lr=1e38",
+          "--batch-size", "512",
           "--out", tmp_path / "o"), ["training diverged in epoch 1", "nothing to publish"]),
     ]
     for args, needles in cases:

@@ -43,7 +43,8 @@ from tests.integration.cluster import Cluster
 pytestmark = pytest.mark.slow
 
 MAX_BYTES = 8 << 20  # cluster.max_message_bytes here: above a 4 MiB chunk, small enough to exceed in a test
-JOB = {"hashing": {"bits": 16}, "train": {"batch_size": 1024, "epochs": 2}}
+# AdaGrad moves every row a push touches (FTRL's L1 keeps small ones at 0), which the checks below see
+JOB = {"hashing": {"bits": 16}, "train": {"batch_size": 1024, "epochs": 2}, "optim": {"linear": "adagrad"}}
 
 
 # ---- frames -------------------------------------------------------------------------

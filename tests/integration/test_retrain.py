@@ -122,7 +122,7 @@ def test_retrain_publishes_nothing_from_an_empty_or_diverged_training(days, tmp_
     proc = run_cli("retrain", "--config", cfg)
     assert proc.returncode == 2 and "no valid training rows in empty.tsv: nothing to publish" in proc.stderr
     recipe = tmp_path / "job.toml"
-    recipe.write_text("[optim]\nlr = 1e38\n[train]\nbatch_size = 512\n")
+    recipe.write_text('[optim]\nlinear = "adagrad"\nlr = 1e38\n[train]\nbatch_size = 512\n')
     cfg = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"])], eval_data=[str(days["day4"])],
                          job_config=str(recipe))
     proc = run_cli("retrain", "--config", cfg)

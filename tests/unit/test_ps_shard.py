@@ -21,7 +21,8 @@ def config():
     return load_config(overrides={"hashing.bits": 10, "model.kind": "dnn", "model.embed_dim": EMBED,
                                   "model.hidden": [4], "model.slots": 2, "model.init_scale": INIT,
                                   "model.seed": 3, "optim.lr": LR, "optim.embed_lr": EMBED_LR,
-                                  "optim.dense_lr": DENSE_LR, "optim.initial_accumulator": ACC}, env={})
+                                  "optim.dense_lr": DENSE_LR, "optim.initial_accumulator": ACC,
+                                  "optim.linear": "adagrad"}, env={})  # the AdaGrad steps checked below
 
 
 def shard(s: int = 0, n: int = 1) -> ParamShard:

@@ -93,8 +93,9 @@ def train_local(bundle: ModelBundle, paths: list[str],
     for `train.patience` epochs and puts the best epoch's weights back.
 
     `on_valid(epoch, metrics)` sees every epoch's validation metrics (a tuner's pruner
-    may raise there); at `deadline` (a `time.perf_counter()` value) the epoch under way
-    ends early and training stops after its validation. `log_epochs=False` logs each
+    may raise there); at `deadline` (a `time.perf_counter()` value, less the last
+    validation pass's time) the epoch under way ends early and training stops after its
+    validation. `log_epochs=False` logs each
     epoch's validation at DEBUG (a tuner's trials)."""
     cfg = bundle.config
     set_threads(cfg.train.threads or (1 if cfg.model.kind == "lr" else os.cpu_count() or 1))
@@ -105,16 +106,20 @@ def train_local(bundle: ModelBundle, paths: list[str],
     tracker = EarlyStop(cfg.train.patience) if valid else None
     limit = cfg.train.epoch_limit
     t_start = time.perf_counter()
+    valid_seconds = 0.0  # the last validation pass: training stops that long before the deadline
     for epoch in range(1, limit + 1):
+        stop_at = None if deadline is None else deadline - valid_seconds
         rows_seen, loss, seconds = _epoch(bundle, stream, epoch, limit, on_progress, report_every, t_start,
-                                          deadline)
-        out_of_time = deadline is not None and time.perf_counter() >= deadline
+                                          stop_at)
+        out_of_time = stop_at is not None and time.perf_counter() >= stop_at
         result.rows_per_epoch.append(rows_seen)
         result.epoch_seconds.append(round(seconds, 3))
         result.train_rows += rows_seen
         result.train_loss = loss
         if tracker is not None:
+            t_valid = time.perf_counter()
             metrics, _ = evaluate(bundle, valid.paths, valid.rows)
+            valid_seconds = time.perf_counter() - t_valid
             improved = tracker.add(epoch, metrics, loss, bundle)
             log.log(logging.INFO if log_epochs else logging.DEBUG, "epoch %d/%s: valid logloss %s, auc %s%s",
                     epoch, cfg.train.epochs, _fmt(metrics.get("logloss")), _fmt(metrics.get("auc")),

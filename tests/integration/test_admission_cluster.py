@@ -53,5 +53,5 @@ def test_one_worker_two_shards_admit_what_local_mode_admits(tmp_path):
     assert dict(zip(co[admission.IDS_KEY].tolist(), co[admission.COUNTS_KEY].tolist())) == pending
     order_l, order_c = np.argsort(lw["table.embedding.rows"]), np.argsort(cw["table.embedding.rows"])
     np.testing.assert_array_equal(lw["table.embedding.weights"][order_l], cw["table.embedding.weights"][order_c])
-    assert record["train_loss"] == local["train_loss"]
-    assert record["auc"] == local["auc"] and record["logloss"] == local["logloss"]
+    for key in ("train_loss", "auc", "logloss"):  # to float rounding: see test_pipeline's strict-order test
+        assert record[key] == pytest.approx(local[key], rel=1e-7, abs=0), key

@@ -63,44 +63,50 @@ class TuneResult:
 
 def search_space(trial, kind: str, base: JobConfig) -> dict:
     """The dotted config keys a trial sets: the optimizer and its rates, L1/L2, batch size,
-    the numeric transform and, for the DNN, the interaction, widths and embedding size."""
-    p: dict = {}
-    model = base.model.kind if kind != "any" else trial.suggest_categorical("model.kind", ["lr", "dnn"])
+    the numeric transform and, for the DNN, the interaction, widths and embedding size.
+    Every range and list of choices holds the base config's own value (the first trial)."""
+    c, p = base, {}
+
+    def pick(name: str, choices: list, current) -> object:
+        return trial.suggest_categorical(name, sorted(set(choices) | {current}, key=str))
+
+    def rate(name: str, low: float, high: float, current: float) -> float:
+        return trial.suggest_float(name, min(low, current), max(high, current), log=True)
+
+    model = c.model.kind if kind != "any" else trial.suggest_categorical("model.kind", ["lr", "dnn"])
     p["model.kind"] = model
-    linear = trial.suggest_categorical("optim.linear", ["adagrad", "ftrl"])
-    p["optim.linear"] = linear
+    p["optim.linear"] = linear = trial.suggest_categorical("optim.linear", ["adagrad", "ftrl"])
     if linear == "adagrad":
-        p["optim.lr"] = trial.suggest_float("optim.lr", 0.005, 0.5, log=True)
+        p["optim.lr"] = rate("optim.lr", 0.005, 0.5, c.optim.lr)
     else:
-        p["optim.ftrl_alpha"] = trial.suggest_float("optim.ftrl_alpha", 0.005, 0.5, log=True)
-        p["optim.ftrl_l1"] = trial.suggest_float("optim.ftrl_l1", 1e-3, 10.0, log=True)
-        p["optim.ftrl_l2"] = trial.suggest_float("optim.ftrl_l2", 1e-3, 30.0, log=True)
-    p["train.batch_size"] = trial.suggest_categorical("train.batch_size",
-                                                      sorted({256, 1024, 4096, int(base.train.batch_size)}))
-    if base.data.resolve_schema().numeric:
-        p["hashing.numeric"] = trial.suggest_categorical("hashing.numeric", ["bucket", "both"])
-        p["hashing.bucket_scale"] = trial.suggest_categorical("hashing.bucket_scale", [2.0, 4.0, 8.0])
+        p["optim.ftrl_alpha"] = rate("optim.ftrl_alpha", 0.005, 0.5, c.optim.ftrl_alpha)
+        p["optim.ftrl_l1"] = rate("optim.ftrl_l1", 1e-3, 10.0, max(c.optim.ftrl_l1, 1e-3))
+        p["optim.ftrl_l2"] = rate("optim.ftrl_l2", 1e-3, 30.0, max(c.optim.ftrl_l2, 1e-3))
+    p["train.batch_size"] = pick("train.batch_size", [256, 1024, 4096], int(c.train.batch_size))
+    if c.data.resolve_schema().numeric:
+        p["hashing.numeric"] = pick("hashing.numeric", ["bucket", "both"], c.hashing.numeric)
+        p["hashing.bucket_scale"] = pick("hashing.bucket_scale", [2.0, 4.0, 8.0], float(c.hashing.bucket_scale))
     if model == "dnn":
-        p["model.interaction"] = trial.suggest_categorical("model.interaction", ["proj", "dot", "fm"])
-        p["model.embed_dim"] = trial.suggest_categorical("model.embed_dim", [4, 8, 16])
-        width = trial.suggest_categorical("model.width", [32, 64, 128])
-        p["model.hidden"] = [width, width // 2]
-        p["optim.embed_lr"] = trial.suggest_float("optim.embed_lr", 0.01, 0.5, log=True)
-        p["optim.dense_lr"] = trial.suggest_float("optim.dense_lr", 0.002, 0.1, log=True)
+        p["model.interaction"] = pick("model.interaction", ["proj", "dot", "fm"], c.model.interaction)
+        p["model.embed_dim"] = pick("model.embed_dim", [4, 8, 16], c.model.embed_dim)
+        width = pick("model.width", [32, 64, 128], c.model.hidden[0])
+        p["model.hidden"] = [width, max(width // 2, 1)]
+        p["optim.embed_lr"] = rate("optim.embed_lr", 0.01, 0.5, c.optim.embed_lr)
+        p["optim.dense_lr"] = rate("optim.dense_lr", 0.002, 0.1, c.optim.dense_lr)
     return p
 
 
 def default_params(base: JobConfig, kind: str) -> dict:
     """The first trial: the base config's own values in the search's terms."""
     c = base
-    p = {"optim.linear": c.optim.linear, "train.batch_size": c.train.batch_size}
+    p = {"optim.linear": c.optim.linear, "train.batch_size": int(c.train.batch_size)}
     if kind == "any":
         p["model.kind"] = c.model.kind
     p.update({"optim.lr": c.optim.lr} if c.optim.linear == "adagrad" else
-             {"optim.ftrl_alpha": c.optim.ftrl_alpha, "optim.ftrl_l1": c.optim.ftrl_l1,
-              "optim.ftrl_l2": c.optim.ftrl_l2})
+             {"optim.ftrl_alpha": c.optim.ftrl_alpha, "optim.ftrl_l1": max(c.optim.ftrl_l1, 1e-3),
+              "optim.ftrl_l2": max(c.optim.ftrl_l2, 1e-3)})
     if c.data.resolve_schema().numeric:
-        p.update({"hashing.numeric": c.hashing.numeric, "hashing.bucket_scale": c.hashing.bucket_scale})
+        p.update({"hashing.numeric": c.hashing.numeric, "hashing.bucket_scale": float(c.hashing.bucket_scale)})
     if c.model.kind == "dnn":
         p.update({"model.interaction": c.model.interaction, "model.embed_dim": c.model.embed_dim,
                   "model.width": c.model.hidden[0], "optim.embed_lr": c.optim.embed_lr,

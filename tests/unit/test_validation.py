@@ -178,3 +178,13 @@ def test_a_validation_tail_of_parquet_and_headered_csv_files(gen_files, tmp_path
     got = np.concatenate([b.labels for b in stream])
     labels = np.array([float(line.split("\t", 1)[0]) for line in text])
     assert np.array_equal(got, labels[-2000:])
+
+
+def test_the_first_trial_is_the_jobs_own_config_even_outside_the_search_ranges(gen_files, tmp_path):
+    odd = config(**{"model.kind": "dnn", "model.embed_dim": 5, "model.hidden": [24, 12], "optim.embed_lr": 0.9,
+                    "optim.ftrl_l1": 0.0, "hashing.bucket_scale": 3.0, "train.batch_size": 700})
+    record = run_tune_job(odd, [str(gen_files["test"])], [], str(tmp_path / "m"), 3.0, "dnn", max_trials=1)
+    params = record["trials"][0]["params"]
+    assert params["model.embed_dim"] == 5 and params["model.hidden"] == [24, 12]
+    assert params["optim.embed_lr"] == 0.9 and params["hashing.bucket_scale"] == 3.0
+    assert params["train.batch_size"] == 700 and params["optim.ftrl_l1"] == 1e-3  # log scale: 0 -> its floor

@@ -110,12 +110,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
                           _paths(args.valid_data), args.trials, args.seed)
     if not args.json:
         trials = record.pop("trials")
+        shown = sorted(trials, key=lambda t: (t["value"] is None, t["value"] or 0.0))[:TRIALS_SHOWN]
+        print(f"the {len(shown)} best of {len(trials)} trials, by validation logloss:")
         _print_table(("trial", "state", "valid logloss", "valid auc", "epochs", "best", "seconds", "parameters"),
-                     [(t["number"], t["state"], _num(t["value"]), _num(t["auc"]), t["epochs"], t["best_epoch"],
-                       f"{t['seconds']:.1f}", _params(t["params"])) for t in trials])
+                     [(t["number"], t["state"], None if t["value"] is None else f"{t['value']:.6f}",
+                       _num(t["auc"]), t["epochs"], t["best_epoch"],
+                       f"{t['seconds']:.1f}", _params(t["params"])) for t in shown])
+        if len(trials) > len(shown):
+            print(f"(every trial: {record['tune']['trials_file']})")
         print()
     _print_record(record, args.json)
     return 0
+
+
+TRIALS_SHOWN = 15  # `tune` prints the best trials; the trials file keeps them all
 
 
 def _params(params: dict) -> str:

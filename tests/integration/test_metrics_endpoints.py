@@ -40,7 +40,13 @@ def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
     with Cluster(tmp_path / "c", workers=2, ps=1, preprocess=1) as c:
         job = c.submit([data], tmp_path / "m", config={"hashing": {"bits": 16}, "train": {"batch_size": 512}})
         assert c.wait(job)["state"] == "done", c.logs()
-        services = c.status()["services"]  # what each one last reported in its heartbeat
+
+        def reported_numbers() -> dict | None:  # a job of 5,000 rows can end before a service's next heartbeat
+            services = c.status()["services"]
+            return services if all(any(isinstance(v, (int, float)) for v in s["status"].values())
+                                   for name, s in services.items() if not name.startswith("coordinator")) else None
+
+        services = c.wait_for(reported_numbers, 10.0)  # what each one last reported in its heartbeat
         status, ctype, coord = scrape(c.cfg.coordinator.http_port)
         assert status == 200 and ctype.startswith("text/plain")
         assert coord['mariana_service_up{service="worker-1",role="worker"}'] == 1

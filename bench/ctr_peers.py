@@ -382,9 +382,12 @@ def cpu_model() -> str:
                 platform.processor())
 
 
-def machine_info() -> dict:
+PACKAGES = ("mariana", "torch", "numpy", "scipy", "pyarrow", "vowpalwabbit", "scikit-learn")
+
+
+def machine_info(packages: tuple[str, ...] = PACKAGES) -> dict:
     versions = {}
-    for package in ("mariana", "torch", "numpy", "scipy", "pyarrow", "vowpalwabbit", "scikit-learn"):
+    for package in packages:
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:

@@ -761,18 +761,6 @@ def auc_matrix(results: dict) -> str:
     return "\n".join(out)
 
 
-def versions() -> dict:
-    import importlib.metadata
-
-    out = {}
-    for package in ("mariana", "torch", "numpy", "pyarrow", "vowpalwabbit", "scikit-learn", "optuna"):
-        try:
-            out[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            out[package] = None
-    return out
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -803,7 +791,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child_dlrm:
         return child_dlrm(args.child_dlrm, args.child_out)
-    from ctr_peers import machine_info
+    from ctr_peers import PACKAGES, machine_info
 
     root = Path(args.out_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -823,7 +811,7 @@ def main(argv=None) -> int:
         results[name] = {"data": {k: str(v) if isinstance(v, Path) else v for k, v in ds.items()}, "rows": rows}
     seconds = time.perf_counter() - t0
     table, matrix = markdown(results), auc_matrix(results)
-    machine = machine_info() | {"versions": versions(), "seconds": round(seconds, 1)}
+    machine = machine_info(PACKAGES + ("optuna",)) | {"seconds": round(seconds, 1)}
     header = (f"bench/quality.py, {machine['date']}, {machine['nproc']} cores ({machine['cpu_model']}), "
               f"no GPU used; {seconds / 60:.1f} min; `{machine['command']}`")
     print(f"\n{header}\n\n{table}\n\nAUC by set:\n\n{matrix}\n")

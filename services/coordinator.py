@@ -51,6 +51,7 @@ from sparse.errors import ConfigError, MarianaError
 from sparse.metrics import histogram_auc
 from trainer import checkpoint
 from trainer.config import JobConfig, from_dict
+from trainer.strategies.local import best_epoch, valid_record
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.25
@@ -706,8 +707,8 @@ class Coordinator(Service):
         if not train.auto:
             return False
         losses = [(s.get("valid") or {}).get("logloss") for s in run.ledger.epoch_summaries] + [valid["logloss"]]
-        scored = [(loss, e) for e, loss in enumerate(losses, 1) if loss is not None]
-        return bool(scored) and len(losses) - min(scored)[1] >= train.patience
+        best = best_epoch(losses)
+        return bool(best) and len(losses) - best >= train.patience
 
     def kept_export(self, run: JobRun, exports: list) -> tuple[list, dict | None]:
         """(the exports to publish, the validation record): with `epochs = "auto"`, the best
@@ -718,22 +719,17 @@ class Coordinator(Service):
         train = from_dict(JobConfig, run.spec["config"]).train
         epochs = [{"epoch": s["epoch"], **s["valid"], "train_loss": s.get("loss")}
                   for s in led.epoch_summaries if s.get("valid")]
-        scored = [(e["logloss"], e["epoch"]) for e in epochs if e.get("logloss") is not None]
-        best_epoch = min(scored)[1] if scored else 0
+        best = best_epoch([e.get("logloss") for e in epochs])
         kept = "last"
-        if train.auto and best_epoch and best_epoch != led.epochs:
-            if run.best_export is not None and run.best_export[0] == best_epoch:
+        if train.auto and best and best != led.epochs:
+            if run.best_export is not None and run.best_export[0] == best:
                 exports, kept = run.best_export[2], "best"
             else:
                 kept = "last (the best epoch's tables were lost when the coordinator restarted)"
         elif train.auto:
             kept = "best"
-        stopped = "epochs" if not train.auto else (
-            f"no better valid logloss for {led.epochs - best_epoch} epoch(s)" if led.epochs < train.max_epochs
-            else f"max_epochs ({train.max_epochs})")
-        valid = {"source": ",".join(run.request["valid_data"]), "rows": epochs[-1].get("rows", 0) if epochs else 0,
-                 "epochs": epochs, "best_epoch": best_epoch, "kept": kept, "stopped": stopped}
-        return exports, valid
+        return exports, valid_record(",".join(run.request["valid_data"]), epochs, best, kept, train.auto,
+                                     train.patience, train.max_epochs)
 
     async def finish(self, run: JobRun) -> None:
         led = run.ledger

@@ -201,18 +201,27 @@ class EarlyStop:
         return self.best_state is not None and len(self.epochs) - self.best_epoch >= self.patience
 
     def record(self, valid: Validation, keep_best: bool, limit: int) -> dict:
-        last = len(self.epochs)
-        if self.out_of_time:
-            stopped = "time budget"
-        elif not keep_best:
-            stopped = "epochs"
-        elif last - self.best_epoch >= self.patience:
-            stopped = f"no better valid logloss for {last - self.best_epoch} epoch(s)"
-        else:
-            stopped = f"max_epochs ({limit})"
-        return {"source": valid.source, "rows": self.epochs[-1]["rows"] if self.epochs else 0,
-                "epochs": self.epochs, "best_epoch": self.best_epoch,
-                "kept": "best" if keep_best else "last", "stopped": stopped}
+        stopped = "time budget" if self.out_of_time else None
+        return valid_record(valid.source, self.epochs, self.best_epoch, "best" if keep_best else "last",
+                            keep_best, self.patience, limit, stopped)
+
+
+def best_epoch(losses: list[float | None]) -> int:
+    """The 1-based epoch of the lowest validation logloss (0: none scored)."""
+    scored = [(loss, e) for e, loss in enumerate(losses, 1) if loss is not None]
+    return min(scored)[1] if scored else 0
+
+
+def valid_record(source: str, epochs: list[dict], best: int, kept: str, auto: bool, patience: int, limit: int,
+                 stopped: str | None = None) -> dict:
+    """The `valid` entry of a job's record and manifest (local and cluster jobs alike):
+    each epoch's validation metrics, the best epoch, what was kept and why training stopped."""
+    since = len(epochs) - best
+    if stopped is None:
+        stopped = ("epochs" if not auto else f"no better valid logloss for {since} epoch(s)"
+                   if best and since >= patience else f"max_epochs ({limit})")
+    return {"source": source, "rows": epochs[-1].get("rows", 0) if epochs else 0, "epochs": epochs,
+            "best_epoch": best, "kept": kept, "stopped": stopped}
 
 
 def evaluate(bundle: ModelBundle, paths: list[str], rows: RowRange | None = None) -> tuple[dict, dict]:

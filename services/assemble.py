@@ -5,6 +5,7 @@ how a model was trained).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Callable
@@ -12,48 +13,71 @@ from typing import Callable
 import numpy as np
 import torch
 
-from sparse.errors import ConfigError
+from sparse.errors import ConfigError, ModelDirError
 from sparse.metrics import rounded
 from sparse.inputs import expand_data_paths
 from sparse.parse import Reader
-from trainer.bundle import ModelBundle
+from sparse.schema import Schema
+from trainer import checkpoint
+from trainer.bundle import INITS, ModelBundle, check_parent, parent_version, table_arrays
 from trainer.config import JobConfig, from_dict
-from trainer.job import check_inputs, check_out_dir, check_trained, resolve_auto
-from trainer.strategies.local import evaluate, peak_rss_mb
+from trainer.data import RowRange
+from trainer.job import check_inputs, check_out_dir, check_trained, resolve_auto, validation
+from trainer.strategies.local import Validation, evaluate, peak_rss_mb
 
 MODES = ("async", "ssp", "bsp")
 
 
 def check_request(body: dict) -> tuple[dict, dict]:
-    """A submitted job -> (request, spec), or ConfigError/OSError naming what is wrong.
+    """A submitted job -> (request, spec), or ConfigError/MarianaError/OSError naming what is wrong.
 
     body: {"data": [paths], "test_data": [paths], "out": dir, "config": {job config},
-           "valid_data": [paths] (scored after every epoch; needed by epochs = "auto"),
-           (every path absolute: data, test_data, valid_data, out, config.images.*)
+           "valid_data": [paths] (scored after every epoch; or config.train.valid_fraction: the
+                          last F of the data's lines, held out; epochs = "auto" holds out 0.1),
+           "init_from": "dir[:vNNNNNN]" (a warm start from that version, default its CURRENT),
+           (every path absolute: data, test_data, valid_data, out, init_from, config.images.*)
            "mode": "async" | "ssp" | "bsp", "staleness": k,
            "promote": true (default) | false (write the version without moving CURRENT)}
     """
     if not isinstance(body, dict):
         raise ConfigError("the job must be a JSON object")
-    unknown = set(body) - {"data", "test_data", "valid_data", "out", "config", "mode", "staleness", "promote"}
+    unknown = set(body) - set(JOB_KEYS)
     if unknown:
-        raise ConfigError(f"unknown job key {sorted(unknown)[0]!r} "
-                          "(known: config, data, mode, out, promote, staleness, test_data, valid_data)")
+        raise ConfigError(f"unknown job key {sorted(unknown)[0]!r} (known: {', '.join(JOB_KEYS)})")
     config = from_dict(JobConfig, body.get("config") or {}, "config")
-    if config.train.valid_fraction:
-        raise ConfigError("config.train.valid_fraction: a cluster job validates on files of their own "
-                          "(valid_data); holding out the tail of the training rows runs in local mode")
     for key, path in config.paths().items():
         _absolute(f"config.{key}", path)
     data, tests, valid = _paths(body, "data"), _paths(body, "test_data"), _paths(body, "valid_data")
     if not data:
         raise ConfigError("data: name at least one training file")
-    if config.train.auto and not valid:
-        raise ConfigError("config.train.epochs = 'auto' stops on the validation logloss: name valid_data")
     out = body.get("out")
     if not isinstance(out, str) or not out:
         raise ConfigError("out: the model directory to publish into is required")
     _absolute("out", out)
+    options = _run_options(body)
+    schema = config.data.resolve_schema()
+    check_inputs(data + tests + valid)
+    Reader(data + tests + valid, schema).probe()
+    parent = _parent(body.get("init_from"), config, schema)
+    train_rows, held = validation(config, schema, data, valid)  # local mode's split: the tail of the data
+    resolve_auto(config, schema, data, train_rows.rows if train_rows else None)  # numbers in the spec
+    check_out_dir(out)
+    _check_images(config)
+    request = {"data": data, "test_data": tests, "valid_data": valid, "out": os.path.normpath(out), **options,
+               "model": config.model.kind}
+    if train_rows is not None:
+        request["holdout"] = _holdout(data, held)
+    if parent is not None:
+        request["init_from"] = f"{parent['model_dir']}:{parent['version']}"
+    spec = {"config": config.to_dict(), "schema": schema.to_dict(), **({"init_from": parent} if parent else {})}
+    return request, spec
+
+
+JOB_KEYS = ("config", "data", "init_from", "mode", "out", "promote", "staleness", "test_data", "valid_data")
+
+
+def _run_options(body: dict) -> dict:
+    """{"mode", "staleness", "promote"} of a job, checked."""
     mode = body.get("mode", "async")
     if mode not in MODES:
         raise ConfigError(f"mode: unknown {mode!r} (use {', '.join(MODES)})")
@@ -63,20 +87,60 @@ def check_request(body: dict) -> tuple[dict, dict]:
     promote = body.get("promote", True)
     if not isinstance(promote, bool):
         raise ConfigError(f"promote must be true or false, got {promote!r}")
-    schema = config.data.resolve_schema()
-    check_inputs(data + tests + valid)
-    Reader(data + tests + valid, schema).probe()
-    resolve_auto(config, schema, data)  # numbers in the spec: every service uses the same ones
-    check_out_dir(out)
+    return {"mode": mode, "staleness": staleness, "promote": promote}
+
+
+def _parent(spec, config: JobConfig, schema) -> dict | None:
+    """The version a warm start goes on from, checked against the job as local mode checks it
+    (`trainer.bundle.check_parent`): {"model_dir", "version", "rows_trained", "steps"}, which
+    every shard loads its slice of. New rows start as the parent's would: its inits are the job's."""
+    if spec is None:
+        return None
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(f"init_from must be a model directory ('DIR' or 'DIR:vNNNNNN'), got {spec!r}")
+    _absolute("init_from", spec)
+    if config.images.creatives:
+        raise ConfigError("init_from: a warm start of a job with image features (images.creatives) runs in "
+                          "local mode, which keeps the version's creative table")
+    model_dir, version = parent_version(os.path.normpath(spec))
+    manifest = checkpoint.read_manifest(model_dir, version)
+    try:
+        parent = from_dict(JobConfig, manifest["config"])
+        parent_schema = Schema.from_dict(manifest["schema"])
+    except KeyError as e:
+        raise ModelDirError(f"{model_dir}/{version}: manifest lacks {e}") from None
+    check_parent(spec, parent, parent_schema, config, schema, flag="init_from")
+    for key in INITS:
+        section, name = key.split(".")
+        setattr(getattr(config, section), name, getattr(getattr(parent, section), name))
+    return {"model_dir": model_dir, "version": version, "rows_trained": manifest.get("rows_trained", 0),
+            "steps": manifest.get("steps", 0)}
+
+
+def _holdout(data: list[str], valid: Validation) -> dict:
+    """The request's record of a held-out tail: its rows (scored after every epoch), what the
+    record calls them, and where the loader stops: [file index, lines of that file]."""
+    path, lines = RowRange(valid.rows.offsets, 0, valid.rows.start, valid.rows.headers).end()
+    return {"rows": dataclasses.asdict(valid.rows), "source": valid.source, "until": [data.index(path), lines]}
+
+
+def _check_images(config: JobConfig) -> None:
     if config.images.creatives:
         from trainer.images import creatives_dir
 
         creatives_dir(config.images.creatives)  # ConfigError naming the dir when it is not one
         if config.images.featurizer and not os.path.isdir(config.images.featurizer):
             raise ConfigError(f"images.featurizer {config.images.featurizer}: no such directory")
-    request = {"data": data, "test_data": tests, "valid_data": valid, "out": os.path.normpath(out), "mode": mode,
-               "staleness": staleness, "model": config.model.kind, "promote": promote}
-    return request, {"config": config.to_dict(), "schema": schema.to_dict()}
+
+
+def job_validation(request: dict) -> Validation | None:
+    """The rows a job scores after every epoch: its held-out tail, its valid_data files, or none."""
+    held = request.get("holdout")
+    if held:
+        return Validation(request["data"], RowRange(**held["rows"]), held["source"])
+    if request.get("valid_data"):
+        return Validation(request["valid_data"], source=",".join(request["valid_data"]))
+    return None
 
 
 def cluster_image_record(spec: dict, ledger, images) -> dict:
@@ -113,14 +177,10 @@ def _absolute(key: str, path: str) -> None:
 def assemble(spec: dict, exports: list[dict[str, np.ndarray]], images=None) -> ModelBundle:
     """One bundle from every shard's export (tables by global id; dense from shard 0);
     `images`: the creative features table of a job with image features."""
-    from sparse.schema import Schema
-
     bundle = ModelBundle(from_dict(JobConfig, spec["config"]), Schema.from_dict(spec["schema"]), images)
     for arrays in exports:
         for name, table in bundle.tables.items():
-            state = {k.rsplit(".", 1)[1]: v for k, v in arrays.items()
-                     if k.startswith(f"table.{name}.") and k.rsplit(".", 1)[1] not in ("rows", "weights")}
-            table.load_rows(arrays[f"table.{name}.rows"], arrays[f"table.{name}.weights"], state)
+            table.load_rows(*table_arrays(arrays, name))
         bundle.load_counts(arrays)  # min_count > 1: the ids each shard counted but did not admit
     dense = exports[0]["dense"]
     params = list(bundle.model.parameters())
@@ -136,9 +196,9 @@ def assemble(spec: dict, exports: list[dict[str, np.ndarray]], images=None) -> M
     return bundle
 
 
-def validate_exports(spec: dict, exports: list, images, paths: list[str]) -> dict:
+def validate_exports(spec: dict, exports: list, images, valid: Validation) -> dict:
     """The validation metrics of the model the shards hold now (after an epoch)."""
-    metrics, _ = evaluate(assemble(spec, exports, images), paths)
+    metrics, _ = evaluate(assemble(spec, exports, images), valid.paths, valid.rows)
     return {"logloss": metrics.get("logloss"), "auc": metrics.get("auc"), "calibration": metrics.get("calibration"),
             "ne": metrics.get("ne"), "rows": metrics.get("count", 0)}
 
@@ -157,8 +217,11 @@ def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_s
         else None
     check_trained(request["data"], sum(rows_per_epoch), train_loss)
     bundle = assemble(spec, exports, images)
-    bundle.rows_trained = sum(rows_per_epoch)
-    bundle.steps = len(ledger.done)
+    parent = spec.get("init_from")  # a warm start: counts go on from the parent's, as in local mode
+    bundle.rows_trained = sum(rows_per_epoch) + (parent["rows_trained"] if parent else 0)
+    bundle.steps = len(ledger.done) + (parent["steps"] if parent else 0)
+    if parent:
+        bundle.parent = {k: parent[k] for k in ("model_dir", "version", "rows_trained")}
     metrics, test_parse = ({}, None)
     if request["test_data"]:
         phase(f"evaluating on {', '.join(os.path.basename(p) for p in request['test_data'])}")

@@ -9,6 +9,7 @@ never imports serving/); `python -m services.cli` is what the launcher runs.
                   [--notify REDIS_URL] [--images CREATIVES_DIR [--featurizer DIR]]
                   [--mode cluster [--workers W] [--ps S] [--preprocess P] [--sync async|ssp|bsp]]
     mariana tune --data DATA [--valid-data DATA] [--test-data DATA] --budget SECONDS --out MODEL_DIR
+                 [--mode cluster [--workers W] [--ps S] [--preprocess P] [--sync ...]]
     mariana evaluate --model MODEL_DIR --data DATA [--json] [--plot FILE.png]
     mariana featurizer train --data MNIST_DIR --out DIR
     mariana featurize --model FEATURIZER_DIR --images FILE --out FILE.npy
@@ -85,9 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         from trainer.job import run_local_job
 
-        for flag in ("workers", "ps", "preprocess", "sync", "staleness", "cluster_config"):
-            if getattr(args, flag) is not None:
-                raise MarianaError(f"--{flag.replace('_', '-')} needs --mode cluster")
+        _refuse_cluster_flags(args)
         record = run_local_job(config, _paths(args.data), _paths(args.test_data), args.out,
                                on_progress=_progress_logger(), valid_paths=_paths(args.valid_data),
                                init_from=args.init_from)
@@ -101,13 +100,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from trainer.job import run_tune_job
-
     config = _job_config(args)
     if args.trials is not None and args.trials < 1:
         raise MarianaError(f"--trials must be >= 1, got {args.trials}")
-    record = run_tune_job(config, _paths(args.data), _paths(args.test_data), args.out, args.budget, args.model,
-                          _paths(args.valid_data), args.trials, args.seed)
+    if args.mode == "cluster":
+        record = _tune_cluster(args, config)
+    else:
+        from trainer.job import run_tune_job
+
+        _refuse_cluster_flags(args)
+        record = run_tune_job(config, _paths(args.data), _paths(args.test_data), args.out, args.budget, args.model,
+                              _paths(args.valid_data), args.trials, args.seed)
     if not args.json:
         trials = record.pop("trials")
         shown = sorted(trials, key=lambda t: (t["value"] is None, t["value"] or 0.0))[:TRIALS_SHOWN]
@@ -126,22 +129,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
 TRIALS_SHOWN = 15  # `tune` prints the best trials; the trials file keeps them all
 
 
-def _params(params: dict) -> str:
-    """{'optim.lr': 0.0123456, 'train.batch_size': 256} -> 'lr=0.0123 batch_size=256'."""
-    return " ".join(f"{k.split('.', 1)[1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.', 1)[1]}={v}"
-                    for k, v in params.items())
+def _tune_cluster(args: argparse.Namespace, config) -> dict:
+    from services.cluster_tune import run_cluster_tune
+
+    cluster, sync, asked = _cluster_settings(args)
+    return run_cluster_tune(config, _paths(args.data), _paths(args.test_data), _paths(args.valid_data), args.out,
+                            cluster, args.budget, args.model, args.trials, args.seed, mode=sync,
+                            staleness=args.staleness, asked=asked)
 
 
-def _train_cluster(args: argparse.Namespace, config) -> dict:
-    from services.cluster_job import run_cluster_job
+def _cluster_settings(args: argparse.Namespace) -> tuple:
+    """(the cluster config, the sync mode, the roles whose counts were asked) of --mode
+    cluster's flags: --workers, --ps, --preprocess, --sync, --staleness, --cluster-config."""
     from services.runtime.config import load_cluster_config
-
-    if args.init_from is not None:
-        raise MarianaError("--init-from runs in local mode (--mode local)")
-    if config.train.valid_fraction:
-        raise MarianaError("--valid-fraction runs in local mode; a cluster job validates on --valid-data files")
-    if config.train.auto and not args.valid_data:
-        raise MarianaError("--epochs auto in cluster mode stops on --valid-data files: name them")
 
     overrides = {key: getattr(args, flag) for flag, key in
                  (("workers", "worker.count"), ("ps", "ps.count"), ("preprocess", "preprocess.count"))
@@ -150,11 +150,28 @@ def _train_cluster(args: argparse.Namespace, config) -> dict:
     sync = args.sync or ("ssp" if args.staleness is not None else "async")
     if args.staleness is not None and sync != "ssp":
         raise MarianaError(f"--staleness goes with --sync ssp, not --sync {sync}")
+    return cluster, sync, tuple(key.split(".")[0] for key in overrides)
 
-    asked = tuple(key.split(".")[0] for key in overrides)
+
+def _refuse_cluster_flags(args: argparse.Namespace) -> None:
+    for flag in ("workers", "ps", "preprocess", "sync", "staleness", "cluster_config"):
+        if getattr(args, flag) is not None:
+            raise MarianaError(f"--{flag.replace('_', '-')} needs --mode cluster")
+
+
+def _params(params: dict) -> str:
+    """{'optim.lr': 0.0123456, 'train.batch_size': 256} -> 'lr=0.0123 batch_size=256'."""
+    return " ".join(f"{k.split('.', 1)[1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.', 1)[1]}={v}"
+                    for k, v in params.items())
+
+
+def _train_cluster(args: argparse.Namespace, config) -> dict:
+    from services.cluster_job import run_cluster_job
+
+    cluster, sync, asked = _cluster_settings(args)
     return run_cluster_job(config, _paths(args.data), _paths(args.test_data), args.out, cluster,
                            mode=sync, staleness=args.staleness, on_progress=_cluster_progress(), asked=asked,
-                           valid_data=_paths(args.valid_data))
+                           valid_data=_paths(args.valid_data), init_from=args.init_from)
 
 
 def _cluster_progress():
@@ -501,6 +518,18 @@ def _count(n) -> str | None:
 
 # ---- parser --------------------------------------------------------------------------
 
+def _cluster_flags(p: argparse.ArgumentParser, mode_help: str) -> None:
+    """--mode and the flags of --mode cluster (read back by `_cluster_settings`)."""
+    p.add_argument("--mode", choices=("local", "cluster"), default="local", help=mode_help)
+    p.add_argument("--workers", type=int, help="cluster: worker processes")
+    p.add_argument("--ps", type=int, help="cluster: parameter-server shards")
+    p.add_argument("--preprocess", type=int, help="cluster: preprocess processes")
+    p.add_argument("--sync", choices=("async", "ssp", "bsp"),
+                   help="cluster: asynchronous SGD (default), bounded staleness, or a barrier per step")
+    p.add_argument("--staleness", type=int, help="cluster, --sync ssp: steps a worker may run ahead (default 2)")
+    p.add_argument("--cluster-config", help="cluster: TOML cluster config (its cluster.dir says where one is up)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from services import __version__
 
@@ -540,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "weights and optimizer state (default version: its CURRENT); the hashing and model must match")
     t.add_argument("--patience", type=int, help="--epochs auto: stop after this many epochs without a better "
                    "validation logloss (train.patience, default 1)")
-    t.add_argument("--batch-size", type=int, help="rows per training step (default 4096)")
+    t.add_argument("--batch-size", type=int,
+                   help="rows per training step (default: auto, rows/200 as a power of two in 256..4096)")
     t.add_argument("--bits", type=int, help="hash bits: the tables have 2^bits rows")
     t.add_argument("--format", choices=FORMATS, help="the data's format (default criteo; csv needs [data.schema] "
                    "in --config)")
@@ -548,16 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. train.epochs=2")
     t.add_argument("--out", required=True, help="model directory (a new version is added)")
     t.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    t.add_argument("--mode", choices=("local", "cluster"), default="local",
-                   help="local: one process; cluster: the ZeroMQ pipeline (the cluster that is up, "
-                        "or one started for this job)")
-    t.add_argument("--workers", type=int, help="cluster: worker processes")
-    t.add_argument("--ps", type=int, help="cluster: parameter-server shards")
-    t.add_argument("--preprocess", type=int, help="cluster: preprocess processes")
-    t.add_argument("--sync", choices=("async", "ssp", "bsp"),
-                   help="cluster: asynchronous SGD (default), bounded staleness, or a barrier per step")
-    t.add_argument("--staleness", type=int, help="cluster, --sync ssp: steps a worker may run ahead (default 2)")
-    t.add_argument("--cluster-config", help="cluster: TOML cluster config (its cluster.dir says where one is up)")
+    _cluster_flags(t, "local: one process; cluster: the ZeroMQ pipeline (the cluster that is up, or one "
+                      "started for this job)")
     t.add_argument("--notify", metavar="REDIS_URL",
                    help="announce the new version on this Redis (model servers subscribed to it load it)")
     t.add_argument("--images", metavar="DIR", help="creatives of 'gen ads-with-images' (its OUT dir): add each "
@@ -589,6 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--out", required=True, help="model directory (the best model is a new version; the trials "
                     "go to OUT/tune/)")
     tu.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    _cluster_flags(tu, "local: trials train in this process; cluster: every trial is a job on the cluster that "
+                       "is up, or on one started for the search")
     tu.set_defaults(func=cmd_tune)
 
     e = sub.add_parser("evaluate", help="metrics of a model on labeled data")

@@ -9,6 +9,7 @@ coordinator uses, so bad input fails before any process starts.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,11 +18,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Callable
+from typing import Callable, Iterator
 
 from services.assemble import check_request
 from services.runtime.config import ClusterConfig
 from sparse.errors import MarianaError
+from trainer.bundle import parse_init_from
 from trainer.config import JobConfig
 from trainer.job import absolute_paths
 
@@ -34,47 +36,67 @@ class JobFailed(MarianaError):
     pass
 
 
+class Unreachable(MarianaError):
+    """The coordinator did not answer (down, or the wrong address)."""
+
+
 def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], out: str, cluster: ClusterConfig,
                     mode: str = "async", staleness: int | None = None,
                     on_progress: Callable[[dict], None] | None = None, asked: tuple[str, ...] = (),
-                    promote: bool = True, valid_data: list[str] | None = None) -> dict:
+                    promote: bool = True, valid_data: list[str] | None = None, init_from: str | None = None) -> dict:
     """`asked`: the roles whose counts the user gave; a running cluster must have those.
     `promote=False` writes the version without moving CURRENT (a retrain's candidate).
     Relative paths (files, `out`, the config's path keys) are this process's: they go to
-    the coordinator absolute, and it refuses relative ones. `valid_data` is scored after
-    every epoch (and `train.epochs = "auto"` stops on it)."""
-    from services import launcher
-
+    the coordinator absolute, and it refuses relative ones. `valid_data` (or the tail of the
+    data, `train.valid_fraction`) is scored after every epoch (and `train.epochs = "auto"`
+    stops on it). `init_from` ('DIR' or 'DIR:vNNNNNN') warm-starts every shard from its
+    slice of that version."""
     body = {"data": absolute_paths(data), "test_data": absolute_paths(test_data), "out": os.path.abspath(out),
             "config": config.resolve_paths().to_dict(), "mode": mode, "promote": promote,
             "valid_data": absolute_paths(valid_data or [])}
     if staleness is not None:
         body["staleness"] = staleness
+    if init_from:
+        body["init_from"] = absolute_init_from(init_from)
     check_request(body)  # the coordinator checks it again; this fails before any process starts
-    info = launcher.cluster_info(cluster.cluster.path)
-    started = info is None
-    if info is not None:
-        check_sizes(cluster, info, asked)
-    if started:
-        cluster.cluster.dir = tempfile.mkdtemp(prefix="mariana-cluster-")
-        log.info("no cluster is up: starting one (%d workers, %d ps, %d preprocess) in %s",
-                 cluster.worker.count, cluster.ps.count, cluster.preprocess.count, cluster.cluster.dir)
-        launcher.up(cluster)
-        info = launcher.cluster_info(cluster.cluster.dir)
-    ok = False
-    try:
+    with cluster_session(cluster, asked) as info:
         job = submit(info, body)
         log.info("job %s submitted to %s", job, info["http"])
-        record = wait(info, job, on_progress)
+        return wait(info, job, on_progress)
+
+
+def absolute_init_from(spec: str) -> str:
+    """'models:v000003' -> '/abs/models:v000003': the coordinator refuses relative paths."""
+    model_dir, version = parse_init_from(spec)
+    return os.path.abspath(model_dir) + (f":{version}" if version else "")
+
+
+@contextlib.contextmanager
+def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iterator[dict]:
+    """The cluster up in `cluster`'s dir (`launcher.cluster_info`), or one started here in
+    a fresh temporary dir and stopped when the block ends (its dir removed, or kept with
+    its logs when the block failed). `asked`: the roles whose counts a running one must have."""
+    from services import launcher
+
+    info = launcher.cluster_info(cluster.cluster.path)
+    if info is not None:
+        check_sizes(cluster, info, asked)
+        yield info
+        return
+    cluster.cluster.dir = tempfile.mkdtemp(prefix="mariana-cluster-")
+    log.info("no cluster is up: starting one (%d workers, %d ps, %d preprocess) in %s",
+             cluster.worker.count, cluster.ps.count, cluster.preprocess.count, cluster.cluster.dir)
+    launcher.up(cluster)
+    ok = False
+    try:
+        yield launcher.cluster_info(cluster.cluster.dir)
         ok = True
-        return record
     finally:
-        if started:
-            launcher.down(cluster.cluster.dir)
-            if ok:
-                shutil.rmtree(cluster.cluster.dir, ignore_errors=True)
-            else:
-                log.warning("cluster logs kept in %s/logs", cluster.cluster.dir)
+        launcher.down(cluster.cluster.dir)
+        if ok:
+            shutil.rmtree(cluster.cluster.dir, ignore_errors=True)
+        else:
+            log.warning("cluster logs kept in %s/logs", cluster.cluster.dir)
 
 
 def check_sizes(wanted: ClusterConfig, info: dict, asked: tuple[str, ...]) -> None:
@@ -130,4 +152,4 @@ def _request(info: dict, method: str, path: str, body: dict | None = None) -> di
             pass
         raise MarianaError(f"coordinator at {info['http']}: {e.code}: {detail}") from None
     except (urllib.error.URLError, OSError) as e:
-        raise MarianaError(f"coordinator at {info['http']} unreachable: {e}") from None
+        raise Unreachable(f"coordinator at {info['http']} unreachable: {e}") from None

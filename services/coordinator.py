@@ -37,7 +37,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from services import model_events, protocol, webui
-from services.assemble import assemble_and_publish, check_request, validate_exports
+from services.assemble import assemble_and_publish, check_request, job_validation, validate_exports
 from services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from services.jobstore import JobStore
 from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step, stage_seconds_of
@@ -553,8 +553,10 @@ class Coordinator(Service):
             run.state, run.started = "running", time.time()
             self.journal(run, "start", {"t": run.started})
             self.save(run)
-            log.info("%s: job %s started: %s, %d epochs, mode %s, data %s", self.name, run.id,
-                     run.request["model"], led.epochs, run.request["mode"], ",".join(run.request["data"]))
+            log.info("%s: job %s started: %s, %d epochs, mode %s, data %s%s%s", self.name, run.id,
+                     run.request["model"], led.epochs, run.request["mode"], ",".join(run.request["data"]),
+                     f" (validation: {run.request['holdout']['source']})" if run.request.get("holdout") else "",
+                     f", warm start from {run.request['init_from']}" if run.request.get("init_from") else "")
         try:
             if run.spec["config"].get("images", {}).get("creatives") and "images" not in run.spec:
                 await self.prepare_images(run)  # before any shard or preprocess reads the spec
@@ -568,7 +570,7 @@ class Coordinator(Service):
                 log.info("%s: job %s: epoch %d done: %d rows, %.2fs", self.name, run.id, led.epoch,
                          led.rows_done[led.epoch], time.time() - led.epoch_started)
                 epoch, valid = led.epoch, None
-                if run.request.get("valid_data"):  # the workers wait: the export is of this epoch alone
+                if job_validation(run.request):  # the workers wait: the export is of this epoch alone
                     valid = await self.validate(run)
                     if self.stop_early(run, valid):
                         self.journal(run, "stop", {"epochs": epoch})
@@ -618,8 +620,10 @@ class Coordinator(Service):
                 delay = min(delay * 2, 2.0)
 
     async def read_source(self, run: JobRun) -> None:
+        """Tell the loader to read the job's files (but a held-out tail: `until`, where it starts)."""
+        until = {"until": run.request["holdout"]["until"]} if run.request.get("holdout") else {}
         while not await self.command("loader", "ReadSource", job=run.id, files=run.request["data"],
-                                     block_bytes=run.spec["config"]["data"]["block_bytes"]):
+                                     block_bytes=run.spec["config"]["data"]["block_bytes"], **until):
             if run.state != "running":
                 raise JobStopped()
             await asyncio.sleep(0.2)  # the loader has not registered yet
@@ -685,14 +689,15 @@ class Coordinator(Service):
         return await creative_table(self.cache, img["redis_key"], int(img["dim"]), cset.ids)
 
     async def validate(self, run: JobRun) -> dict:
-        """Score the model as it stands after this epoch on the job's validation files; keep
-        the shards' export of the best epoch so far (`epochs = "auto"` publishes it)."""
-        led = run.ledger
-        names = ", ".join(os.path.basename(p) for p in run.request["valid_data"])
+        """Score the model as it stands after this epoch on the job's validation rows (its
+        valid_data files, or the tail of its data it holds out); keep the shards' export of the
+        best epoch so far (`epochs = "auto"` publishes it)."""
+        led, valid = run.ledger, job_validation(run.request)
+        names = valid.source if valid.rows else ", ".join(os.path.basename(p) for p in valid.paths)
         self.set_phase(run, f"validating epoch {led.epoch} on {names}")
         exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.shards))]
         images = await self.image_table(run)
-        metrics = await asyncio.to_thread(validate_exports, run.spec, exports, images, run.request["valid_data"])
+        metrics = await asyncio.to_thread(validate_exports, run.spec, exports, images, valid)
         run.phase = None
         best = run.best_export
         if metrics["logloss"] is not None and (best is None or metrics["logloss"] < best[1]):
@@ -713,8 +718,8 @@ class Coordinator(Service):
     def kept_export(self, run: JobRun, exports: list) -> tuple[list, dict | None]:
         """(the exports to publish, the validation record): with `epochs = "auto"`, the best
         epoch's, when this coordinator still holds them."""
-        led = run.ledger
-        if not run.request.get("valid_data"):
+        led, valid = run.ledger, job_validation(run.request)
+        if valid is None:
             return exports, None
         train = from_dict(JobConfig, run.spec["config"]).train
         epochs = [{"epoch": s["epoch"], **s["valid"], "train_loss": s.get("loss")}
@@ -728,8 +733,8 @@ class Coordinator(Service):
                 kept = "last (the best epoch's tables were lost when the coordinator restarted)"
         elif train.auto:
             kept = "best"
-        return exports, valid_record(",".join(run.request["valid_data"]), epochs, best, kept, train.auto,
-                                     train.patience, train.max_epochs)
+        return exports, valid_record(valid.source, epochs, best, kept, train.auto, train.patience,
+                                     train.max_epochs)
 
     async def finish(self, run: JobRun) -> None:
         led = run.ledger
@@ -968,6 +973,9 @@ class Coordinator(Service):
         # gzip offsets count uncompressed bytes: no size to estimate epoch 1's progress from
         size = 0 if any(str(f).endswith(".gz") for f in request["data"]) else sum(
             os.path.getsize(f) for f in request["data"])
+        if request.get("holdout"):  # the loader reads the lines before the held-out tail
+            rows = request["holdout"]["rows"]
+            size = size * rows["start"] // max(rows["stop"], 1)
         return JobRun(job, request, spec, job_ledger(job, request, spec, size))
 
 

@@ -2,8 +2,10 @@
 sources to the preprocess instances, and records how far it got so a
 restarted loader resumes there.
 
-    ReadSource{job, files, block_bytes}   <- coordinator (a command)
+    ReadSource{job, files, block_bytes, until?}   <- coordinator (a command)
         for each chunk:  ChunkSent{...} -> coordinator, then Chunk + data -> preprocess (PUSH)
+        (until = [file, lines]: nothing past that many lines of that file, nor of later files:
+         the tail a job holds out for validation, train.valid_fraction, is never sent)
         SourceDone{job, chunks, error} -> coordinator
     Resend{job, chunk, file, offset, length, ...}  <- coordinator (a chunk lost or evicted)
 
@@ -25,7 +27,7 @@ from services.runtime.lifecycle import Service, run_service
 from services.sample_cache import SampleCache
 from services.transport import PeerTimeout, RemoteError, make_socket
 from sparse.errors import DataFormatError, MarianaError
-from sparse.parse import iter_spans, open_binary, read_span
+from sparse.parse import iter_spans, open_binary, read_span, span_head
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +75,19 @@ class Loader(Service):
             job = msg["job"]
             if job in self.reading and not self.reading[job].done():
                 return  # already streaming it (a repeated command)
+            until = _until(msg.get("until"))
             self.files[job] = [str(f) for f in msg["files"]]
-            self.reading[job] = asyncio.create_task(self.read(job, self.files[job], msg["block_bytes"]))
+            self.reading[job] = asyncio.create_task(self.read(job, self.files[job], msg["block_bytes"], until))
         elif msg.type == "Resend":
             self.spawn(self.resend(msg))
         else:
             raise BadMessage("unexpected", f"a loader does not take {msg.type}")
 
-    async def read(self, job: str, files: list[str], block_bytes: int) -> None:
+    async def read(self, job: str, files: list[str], block_bytes: int, until: tuple[int, int] | None = None) -> None:
+        """Every chunk of `files` (of those before `until` = (file, lines): the training rows of
+        a job that holds its tail out), from where a previous run of this loader got to."""
         error, chunks = "", 0
+        last = len(files) - 1 if until is None else until[0]
         try:
             at = await self.cache.get_offset(job)
             if at:
@@ -89,9 +95,10 @@ class Loader(Service):
                          at["file"], at["offset"], at["chunks"])
             file0, offset0, line0, chunks = (at.get("file", 0), at.get("offset", 0), at.get("line", 1),
                                              at.get("chunks", 0))
-            for fi in range(file0, len(files)):
+            for fi in range(file0, last + 1):
                 start = (offset0, line0) if fi == file0 else (0, 1)
-                chunks = await self.read_file(job, fi, files[fi], block_bytes, start, chunks)
+                limit = until[1] if until is not None and fi == last else None
+                chunks = await self.read_file(job, fi, files[fi], block_bytes, start, chunks, limit)
         except JobEnded:
             log.info("%s: job %s has ended; stopped reading its source", self.name, job)
             return
@@ -102,7 +109,8 @@ class Loader(Service):
         log.info("%s: job %s: source read: %d chunks%s", self.name, job, chunks, f" ({error})" if error else "")
 
     async def read_file(self, job: str, fi: int, path: str, block_bytes: int, start: tuple[int, int],
-                        chunks: int) -> int:
+                        chunks: int, limit: int | None = None) -> int:
+        """Chunks of one file from `start` (offset, line), up to its line `limit` (None: all)."""
         with open_binary(path) as f:
             if start[0]:
                 f.seek(start[0])
@@ -110,9 +118,13 @@ class Loader(Service):
             while True:
                 t0 = time.perf_counter()
                 span = await asyncio.to_thread(next, spans, None)  # reading and gunzip off the loop
-                if span is None:
+                if span is None or (limit is not None and span[1] > limit):
                     return chunks
                 offset, first_line, block, lines = span
+                if limit is not None and first_line + lines - 1 > limit:  # the chunk the held-out tail starts in
+                    lines = limit - first_line + 1
+                    offset, block = span_head(offset, block, lines)
+                    log.info("%s: job %s: %s stops at line %d (the rest is held out)", self.name, job, path, limit)
                 await self.send_chunk(job, fi, path, offset, first_line, block, lines, time.perf_counter() - t0)
                 chunks += 1
                 await self.cache.set_offset(job, {"file": fi, "offset": offset + len(block),
@@ -157,6 +169,16 @@ class Loader(Service):
             except RemoteError as e:
                 log.warning("%s: coordinator refused %s: %s", self.name, type_, e)
                 return False
+
+
+def _until(value) -> tuple[int, int] | None:
+    """ReadSource.until: [file index, lines], or absent."""
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+        raise BadMessage("field", f"ReadSource.until must be [file, lines] (integers >= 0), got {value!r:.60}")
+    return value[0], value[1]
 
 
 def main(cfg: ClusterConfig, index: int) -> int:

@@ -13,6 +13,9 @@ a push carries the ids that were not and their occurrences (`seen`, `seen_n`),
 which the shard counts once, with the step (trainer/strategies/ps_shard.py).
     StartJob{job, spec} / ShardStats / Export / EndJob   (from the coordinator)
 
+A warm start's spec names the version it goes on from (`init_from`): the shard reads that
+version from its model directory and starts from its slice of it, not from the init.
+
 Checkpoints: <ps.state_dir>/shard-<i>/<job>/vNNNNNN (safetensors + JSON,
 the applied step ids included, so a restored shard knows what to ignore and
 the coordinator knows what to replay).
@@ -20,6 +23,7 @@ the coordinator knows what to replay).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -33,7 +37,7 @@ from services.protocol import BadMessage, Message
 from services.runtime.config import ClusterConfig
 from services.runtime.lifecycle import Service, run_service
 from services.transport import Server
-from sparse.errors import MarianaError
+from sparse.errors import MarianaError, ModelDirError
 from sparse.schema import Schema
 from trainer import checkpoint
 from trainer.config import JobConfig, from_dict
@@ -116,12 +120,32 @@ class ParamServer(Service):
                 raise BadMessage("spec", f"job spec lacks {e}") from None
             except MarianaError as e:  # an unknown key, a bad schema
                 raise BadMessage("spec", f"bad job spec: {e}") from None
-            self.jobs[job] = ParamShard(config, schema, self.index, self.cfg.ps.count, image_width(spec))
+            new = functools.partial(ParamShard, config, schema, self.index, self.cfg.ps.count, image_width(spec))
+            # its checkpoint of the job (a restarted shard), else the job's start: the init or a warm start
+            shard = self.restore(job, new) or self.warm_start(job, new(), spec.get("init_from"))
+            self.jobs[job] = shard
             self.ended.discard(job)
-            self.restore(job)  # a restarted shard picks up its checkpoint of the job, if any
             log.info("%s: job %s: %s tables %s", self.name, job, config.model.kind,
-                     ", ".join(f"{n}[{t.num_rows}x{t.dim}]" for n, t in self.jobs[job].tables.items()))
+                     ", ".join(f"{n}[{t.num_rows}x{t.dim}]" for n, t in shard.tables.items()))
         return protocol.encode("Ok", msg.msg_id, steps=len(self.jobs[job].applied))
+
+    def warm_start(self, job: str, shard: ParamShard, parent: dict | None) -> ParamShard:
+        """The job's new shard; with a warm start, from its slice of the version the job goes on
+        from (spec["init_from"]: {"model_dir", "version", ...}), read here (ModelDirError if it
+        cannot be: the coordinator fails the job)."""
+        if not parent:
+            return shard
+        if not (isinstance(parent, dict) and all(isinstance(parent.get(k), str) for k in ("model_dir", "version"))):
+            raise BadMessage("spec", "spec.init_from must be a map with model_dir and version")
+        where = f"{parent['model_dir']}/{parent['version']}"
+        _, weights, optim = checkpoint.load_version(parent["model_dir"], parent["version"], with_optimizer=True)
+        try:
+            shard.warm_start(weights, optim)
+        except KeyError as e:
+            raise ModelDirError(f"{where}: the version lacks {e}: it cannot warm-start this job") from None
+        log.info("%s: job %s starts from %s: %s rows of its tables", self.name, job, where,
+                 "/".join(str(len(t.touched_rows())) for t in shard.tables.values()))
+        return shard
 
     def on_PullRows(self, msg: Message) -> list:
         shard = self.shard(msg)
@@ -224,23 +248,24 @@ class ParamServer(Service):
             shutil.rmtree(os.path.join(d, old), ignore_errors=True)
         return version
 
-    def restore(self, job: str) -> None:
-        """Load the job's last checkpoint into its fresh shard. Lazily, on StartJob: a
-        checkpoint of a job no coordinator runs any more costs disk, not memory."""
+    def restore(self, job: str, new) -> ParamShard | None:
+        """The job's shard (`new()`) with its last checkpoint loaded; None when there is none or
+        it cannot be read (the job starts again, and the coordinator replays its steps). Lazily,
+        on StartJob: a checkpoint of a job no coordinator runs any more costs disk, not memory."""
         if not os.path.isdir(self.job_dir(job)):
-            return
-        shard = self.jobs[job]
+            return None
+        shard = new()
         try:
             manifest, arrays, _ = checkpoint.load_version(self.job_dir(job))
             shard.restore(arrays, manifest)
         except (MarianaError, KeyError) as e:
-            log.warning("%s: cannot restore job %s from %s: %s; starting it fresh", self.name, job,
+            log.warning("%s: cannot restore job %s from %s: %s; starting it again", self.name, job,
                         self.job_dir(job), e)
-            self.jobs[job] = ParamShard(shard.config, shard.schema, self.index, self.cfg.ps.count)
-            return
+            return None
         self.counters["restored_jobs"] += 1
         log.info("%s: restored job %s from %s (%d steps applied)", self.name, job,
                  manifest.get("version"), len(shard.applied))
+        return shard
 
 
 def _array(msg: Message, name: str, dtype, ndim: int) -> np.ndarray:

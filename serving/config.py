@@ -82,8 +82,6 @@ class RetrainSection:
     def __post_init__(self) -> None:
         if self.mode not in ("local", "cluster"):
             raise ConfigError(f"retrain.mode must be 'local' or 'cluster', got {self.mode!r}")
-        if self.warm_start and self.mode == "cluster":
-            raise ConfigError("retrain.warm_start runs in retrain.mode = 'local' (cluster jobs start from scratch)")
         if self.train_files < 1 or self.eval_files < 1:
             raise ConfigError("retrain.train_files and retrain.eval_files must be >= 1")
         if not self.auc_tolerance >= 0:

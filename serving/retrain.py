@@ -78,16 +78,16 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     log.info("retrain %s: training %s on %d file(s) (%s ... %s); served: %s", model_dir, config.model.kind,
              len(train), os.path.basename(train[0]), os.path.basename(train[-1]), served or "nothing")
     status.update(state="training", train_data=train, eval_data=evals, served_version=served)
+    warm = f"{model_dir}:{served}" if r.warm_start and served else None
+    if warm:
+        log.info("retrain %s: warm start from the served version %s (%s mode)", model_dir, served, r.mode)
     if r.mode == "cluster":
         from services.cluster_job import run_cluster_job
         from services.runtime.config import load_cluster_config
 
         record = run_cluster_job(config, train, [], model_dir, load_cluster_config(r.cluster_config or None),
-                                 promote=False)
+                                 promote=False, init_from=warm)
     else:
-        warm = f"{model_dir}:{served}" if r.warm_start and served else None
-        if warm:
-            log.info("retrain %s: warm start from the served version %s", model_dir, served)
         record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
     new = record["model_version"]
     status.update(state="evaluating", new_version=new)
@@ -101,7 +101,7 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         "metrics": {k: _round(v) for k, v in scores.items()},
         "auc_tolerance": r.auc_tolerance, "train_data": train, "eval_data": evals,
         "train_rows": record["train_rows"], "train_seconds": record["train_seconds"],
-        "warm_start": bool(r.mode == "local" and r.warm_start and served),
+        "warm_start": warm is not None,
     }
     with open(os.path.join(model_dir, DECISIONS), "a") as f:
         f.write(json.dumps(decision) + "\n")

@@ -202,6 +202,20 @@ def read_span(path: str, offset: int, length: int) -> bytes:
     return data
 
 
+def span_head(offset: int, block: bytes, lines: int) -> tuple[int, bytes]:
+    """(offset, bytes) of the first `lines` lines (or rows) of a span of `iter_spans`: what
+    `read_span` reads again from that offset (a Parquet span's row address says its rows).
+
+    >>> span_head(7, b"a\\nbb\\nc\\n", 2)
+    (7, b'a\\nbb\\n')
+    """
+    if is_arrow_block(block):
+        first = offset >> ROWS_BITS
+        return (first << ROWS_BITS) | lines, to_arrow_block(from_arrow_block(block).slice(0, lines))
+    ends = np.flatnonzero(np.frombuffer(block, np.uint8) == ord("\n"))
+    return offset, block[:ends[lines - 1] + 1]
+
+
 # ---- one block -> validated columns ------------------------------------------
 
 def count_fields(line: bytes, schema: Schema) -> int:

@@ -168,10 +168,10 @@ class ModelBundle:
                 raise ModelDirError(f"{model_dir}: weights lack dense.{pname}: the version was saved by a mariana "
                                     "whose model had other parameters (e.g. an 'fm' model from before its FM term "
                                     "became a mean over field pairs); train it again") from None
+        arrays = {**weights, **optim}
         for name, t in bundle.tables.items():
-            state = {k.rsplit(".", 1)[1]: v for k, v in optim.items() if k.startswith(f"table.{name}.")}
             try:
-                t.load_rows(weights[f"table.{name}.rows"], weights[f"table.{name}.weights"], state)
+                t.load_rows(*table_arrays(arrays, name))
             except KeyError as e:
                 raise ModelDirError(f"{model_dir}: weights lack {e}") from None
         for (pname, _), st in zip(bundle.model.named_parameters(), bundle.dense_opt.state):
@@ -180,6 +180,34 @@ class ModelBundle:
                     st[key][...] = optim[f"dense.{pname}.{key}"]
         bundle.load_counts(optim)  # ids counted but not admitted yet (a warm start goes on counting)
         return bundle
+
+
+def table_arrays(arrays: dict[str, np.ndarray], name: str) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """(ids, weights, optimizer state by key) of table `name` in a version's arrays (weights and
+    optimizer state together) or a shard's export: `table.<name>.rows`, `.weights`, `.<key>`."""
+    prefix = f"table.{name}."
+    state = {k[len(prefix):]: v for k, v in arrays.items()
+             if k.startswith(prefix) and k[len(prefix):] not in ("rows", "weights")}
+    return arrays[prefix + "rows"], arrays[prefix + "weights"], state
+
+
+def version_export(weights: dict[str, np.ndarray], optim: dict[str, np.ndarray], dense_names: list[str],
+                   dense_keys: list[str]) -> dict[str, np.ndarray]:
+    """A saved version's arrays in the layout of a shard's export (`ParamShard.snapshot`, which
+    `services.assemble.assemble` reads): the tables by global id with their optimizer state
+    and the pending counts as they are; the dense parameters (`dense_names`, in `parameters()`
+    order) and each of their optimizer states (`dense_keys`) as one flat vector."""
+    out = {k: v for k, v in {**weights, **optim}.items() if k.startswith(("table.", "admission."))}
+    out["dense"] = _flat([weights[f"dense.{n}"] for n in dense_names])
+    for key in dense_keys:
+        if all(f"dense.{n}.{key}" in optim for n in dense_names):  # as `load`: a state not saved starts fresh
+            out[f"dense.{key}"] = _flat([optim[f"dense.{n}.{key}"] for n in dense_names])
+    return out
+
+
+def _flat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([a.reshape(-1) for a in arrays]).astype(np.float32, copy=False) if arrays \
+        else np.zeros(0, np.float32)
 
 
 def parse_init_from(spec: str) -> tuple[str, str | None]:
@@ -224,23 +252,42 @@ def _dotted_value(config: JobConfig, key: str):
     return value
 
 
+def parent_version(spec: str) -> tuple[str, str]:
+    """(model dir, version) a warm start `spec` names: 'DIR:vNNNNNN', or 'DIR' for the version
+    CURRENT names now (one version, even if CURRENT moves later)."""
+    model_dir, version = parse_init_from(spec)
+    if version is None:
+        return model_dir, checkpoint.current_version(model_dir)
+    if not os.path.isdir(os.path.join(model_dir, version)):
+        have = ", ".join(checkpoint.list_versions(model_dir)) or "none"
+        raise ModelDirError(f"{model_dir}: no version {version} to warm-start from (versions: {have})")
+    return model_dir, version
+
+
+def check_parent(spec: str, parent: JobConfig, parent_schema: Schema, config: JobConfig, schema: Schema,
+                 flag: str = "--init-from") -> None:
+    """ConfigError naming every difference that rules out going on from the version `spec`
+    (`flag`: what the user called it) with `config`: the hashing, the model, the linear
+    optimizer, the schema and whether there are image features must be the same."""
+    diffs = config_differences(parent, config)
+    if parent_schema.fields != schema.fields:
+        diffs.append(f"schema fields: the version has {list(parent_schema.fields)}, this job {list(schema.fields)}")
+    if bool(parent.images.creatives) != bool(config.images.creatives):
+        diffs.append("images: " + ("the version has image features, this job none" if parent.images.creatives
+                                   else "this job has image features, the version none"))
+    if diffs:
+        raise ConfigError(f"{flag} {spec}: the version does not match this job ({'; '.join(diffs)}): "
+                          "a warm start needs the same ids and model; train from scratch instead")
+
+
 def warm_start(config: JobConfig, schema: Schema, spec: str) -> ModelBundle:
     """A bundle that goes on from version `spec` ('DIR' for its CURRENT, or 'DIR:vNNNNNN'):
     its weights, optimizer state and counts, trained further under `config` (new rates,
     epochs and data are fine; the hashing, the model, the linear optimizer and the
-    schema must match, or the error names what differs)."""
-    model_dir, version = parse_init_from(spec)
-    version = version or checkpoint.current_version(model_dir)  # one version, even if CURRENT moves now
+    schema must match, or the error names what differs: `check_parent`)."""
+    model_dir, version = parent_version(spec)
     parent = ModelBundle.load(model_dir, version, with_optimizer=True)
-    diffs = config_differences(parent.config, config)
-    if parent.schema.fields != schema.fields:
-        diffs.append(f"schema fields: the version has {list(parent.schema.fields)}, this job {list(schema.fields)}")
-    if bool(parent.config.images.creatives) != bool(config.images.creatives):
-        diffs.append("images: " + ("the version has image features, this job none" if parent.images is not None
-                                   else "this job has image features, the version none"))
-    if diffs:
-        raise ConfigError(f"--init-from {spec}: the version does not match this job ({'; '.join(diffs)}): "
-                          "a warm start needs the same ids and model; train from scratch instead")
+    check_parent(spec, parent.config, parent.schema, config, schema)
     parent.config = config
     parent.optimizers = {t.name: table_optimizer(config, t.role) for t in parent.model.tables}
     parent.dense_opt.opt = AdaGrad(lr=config.optim.dense_lr, initial_accumulator=config.optim.initial_accumulator)

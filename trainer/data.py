@@ -102,6 +102,17 @@ class RowRange:
     def rows(self) -> int:
         return self.stop - self.start
 
+    def end(self) -> tuple[str, int]:
+        """(the last file holding rows before `stop`, its lines up to there, a header line
+        included): where a reader of the files' rows before `stop` stops (a cluster's loader).
+
+        >>> r = RowRange({"a.tsv": 0, "b.tsv": 80}, 0, 75, {"a.tsv": 0, "b.tsv": 1})
+        >>> r.end(), RowRange(r.offsets, 0, 80, r.headers).end(), RowRange(r.offsets, 0, 90, r.headers).end()
+        (('a.tsv', 75), ('a.tsv', 80), ('b.tsv', 11))
+        """
+        path = [p for p, first in self.offsets.items() if first < self.stop][-1]
+        return path, self.stop - self.offsets[path] + self.headers[path]
+
     def index(self, path: str, line: int | np.ndarray) -> int | np.ndarray:
         """The stream position of `path`'s line (or Parquet row) number `line`, 1-based."""
         return self.offsets[path] + line - 1 - self.headers[path]

@@ -207,23 +207,20 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
                  max_trials: int | None = None, seed: int = 0, promote: bool = True) -> dict:
     """`mariana tune`: search under `budget` seconds (trainer.tune), publish the best
     trial's model; the record adds the trials and the chosen config."""
-    from trainer.tune import save_trials, tune
+    from trainer.tune import SEARCH, LocalTrials, check_search, save_trials, summarize, tune
 
-    if config.images.creatives:
-        raise MarianaError("tune: jobs with image features (images.creatives) are trained with 'mariana train'")
-    if not budget > 0:
-        raise MarianaError(f"tune: --budget must be a number of seconds > 0, got {budget}")
+    check_search(config, budget)
     config.train.epochs = "auto"  # every trial stops on its validation logloss
     job = prepare_job(config, train_paths, test_paths, out_dir, valid_paths)
     log.info("tuning on %s for %gs (validation: %s)", ",".join(job.train), budget, job.valid.source)
-    result = tune(config, job.schema, job.train, job.train_rows, job.valid, budget, kind, max_trials, seed)
+    runner = LocalTrials(job.schema, job.train, job.train_rows, job.valid)
+    result = tune(config, runner, budget, kind, max_trials, seed)
+    bundle, trained = result.kept
     meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,
-            "search": "optuna TPE sampler + successive halving pruner on the validation logloss per epoch",
-            "validation": job.valid.source, "first_trial": "the job's own config"}
+            "search": SEARCH, "validation": job.valid.source, "first_trial": "the job's own config"}
     trials_file = save_trials(out_dir, result, meta)
-    summary = {**meta, "trials": len(result.trials), "best_trial": result.best.number,
-               "best_params": result.best.params, "trials_file": trials_file}
-    record = publish(result.bundle, job, result.trained, out_dir, promote, extra={"tune": summary})
+    summary = summarize(result, meta, trials_file)
+    record = publish(bundle, job, trained, out_dir, promote, extra={"tune": summary})
     record["tune"] = summary
     record["trials"] = [t.to_dict() for t in result.trials]
     return record

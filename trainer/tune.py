@@ -10,6 +10,10 @@ At the deadline the trial under way stops after its epoch's validation and count
 with its best epoch. The best trial's model is kept in memory, scored on the test
 files and saved; the trials go to `<model dir>/tune/<time>.json` and the version's
 manifest records the chosen config and the search.
+
+The search is one loop whatever trains a trial: a `TrialRunner` runs one config and
+hands back its validation record. `LocalTrials` trains in this process
+(`train_local`); services.cluster_tune submits each trial as a cluster job.
 """
 from __future__ import annotations
 
@@ -21,17 +25,18 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from sparse.errors import MarianaError
 from trainer.bundle import ModelBundle
 from trainer.config import JobConfig, from_dict
 from trainer.data import RowRange
-from trainer.strategies.local import TrainResult, Validation, train_local
+from trainer.strategies.local import Validation, train_local
 
 log = logging.getLogger(__name__)
 
 KINDS = ("lr", "dnn", "any")
+SEARCH = "optuna TPE sampler + successive halving pruner on the validation logloss per epoch"
 TRIAL_MAX_EPOCHS = 30  # a trial's cap (early stopping ends most far sooner); train.max_epochs if higher
 
 
@@ -46,17 +51,64 @@ class Trial:
     best_epoch: int = 0
     seconds: float = 0.0
     error: str = ""
+    job: str = ""                   # cluster mode: the trial's job
+    version: str = ""               # cluster mode: the version its job wrote (in the trials' scratch dir)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v != "" or k != "error"}
+        return {k: v for k, v in self.__dict__.items() if v != ""}  # the empty strings: not set
+
+
+@dataclass
+class TrialRun:
+    """A trial's outcome as its runner reports it: the validation record (`valid_record`:
+    each epoch's metrics, `best_epoch`, `stopped`) and what publishing the trial takes
+    (`kept`; None when nothing can be published, e.g. a job cancelled at the deadline)."""
+    valid: dict
+    kept: object = None
+
+
+class TrialRunner(Protocol):
+    """How a trial trains: here (`LocalTrials`) or as a cluster job (services.cluster_tune)."""
+
+    def run(self, trial: Trial, config: JobConfig, on_valid: Callable[[int, dict], None],
+            deadline: float) -> TrialRun:
+        """Train `config` with `epochs = "auto"`, calling `on_valid(epoch, metrics)` after each
+        epoch's validation; when it raises (the pruner), stop the trial, free what it holds and
+        let the exception through. `deadline`: a time.perf_counter() value. A MarianaError is a
+        failed trial (the search goes on), a SearchFailed ends the search."""
+
+    def discard(self, run: TrialRun) -> None:
+        """A finished trial that is not, or no longer, the best: free what it keeps."""
+
+
+class SearchFailed(MarianaError):
+    """No trial can run any more (e.g. the cluster is gone): the search ends with this error."""
+
+
+@dataclass
+class LocalTrials:
+    """Trials trained in this process; a trial keeps (its ModelBundle, its TrainResult)."""
+    schema: object
+    train_paths: list[str]
+    train_rows: RowRange | None
+    valid: Validation
+
+    def run(self, trial: Trial, config: JobConfig, on_valid: Callable[[int, dict], None],
+            deadline: float) -> TrialRun:
+        bundle = ModelBundle(config, self.schema)
+        result = train_local(bundle, self.train_paths, rows=self.train_rows, valid=self.valid, on_valid=on_valid,
+                             deadline=deadline, log_epochs=False)
+        return TrialRun(result.valid, (bundle, result))
+
+    def discard(self, run: TrialRun) -> None:
+        pass  # the bundle goes with its last reference (tune collects after every trial)
 
 
 @dataclass
 class TuneResult:
     best: Trial
-    bundle: ModelBundle
+    kept: object                    # the best trial's TrialRun.kept (local: (ModelBundle, TrainResult))
     config: JobConfig
-    trained: TrainResult
     trials: list[Trial] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -124,11 +176,22 @@ def apply_params(base: JobConfig, params: dict) -> JobConfig:
     return from_dict(JobConfig, tree)
 
 
-def tune(base: JobConfig, schema, train_paths: list[str], train_rows: RowRange | None, valid: Validation,
-         budget: float, kind: str = "lr", max_trials: int | None = None, seed: int = 0,
-         on_trial: Callable[[Trial], None] | None = None) -> TuneResult:
-    """Run trials until `budget` seconds are spent (or `max_trials` are done); the best
-    trial's model and config."""
+def check_search(config: JobConfig, budget: float) -> None:
+    """What a search refuses before any work, local or cluster."""
+    if config.images.creatives:
+        raise MarianaError("tune: jobs with image features (images.creatives) are trained with 'mariana train'")
+    if not budget > 0:
+        raise MarianaError(f"tune: --budget must be a number of seconds > 0, got {budget}")
+
+
+def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", max_trials: int | None = None,
+         seed: int = 0, on_trial: Callable[[Trial], None] | None = None) -> TuneResult:
+    """Run trials through `runner` until `budget` seconds are spent (or `max_trials` are
+    done); the best trial: the lowest validation logloss of a trial that kept a model.
+
+        result = tune(config, LocalTrials(schema, ["train.tsv"], None, Validation(["valid.tsv"])), 60.0)
+        result.best.params  # {"optim.linear": "ftrl", "optim.ftrl_alpha": 0.05, ...}
+    """
     import optuna  # imported here: every other command starts without it
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -142,44 +205,33 @@ def tune(base: JobConfig, schema, train_paths: list[str], train_rows: RowRange |
     study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed),
                                 pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3))
     study.enqueue_trial(default_params(base, kind), skip_if_exists=True)
-    state: dict = {"best": None, "bundle": None, "config": None, "trained": None, "trials": []}
+    state: dict = {"best": None, "run": None, "config": None, "trials": []}
 
     def objective(ot) -> float:
-        params = search_space(ot, kind, base)
-        trial = Trial(ot.number, params)
+        trial = Trial(ot.number, search_space(ot, kind, base))
         state["trials"].append(trial)
         t = time.perf_counter()
         try:
-            config = apply_params(base, params)
-            bundle = ModelBundle(config, schema)
-
-            def on_valid(epoch: int, metrics: dict) -> None:
-                trial.epochs = epoch
-                if trial.value is None or metrics["logloss"] < trial.value:  # a pruned trial keeps its best
-                    trial.value, trial.auc, trial.best_epoch = metrics["logloss"], metrics["auc"], epoch
-                ot.report(metrics["logloss"], epoch)
-                if ot.should_prune():
-                    raise optuna.TrialPruned()
-
-            result = train_local(bundle, train_paths, rows=train_rows, valid=valid, on_valid=on_valid,
-                                 deadline=deadline, log_epochs=False)
+            config = apply_params(base, trial.params)
+            run = runner.run(trial, config, _pruning(ot, trial), deadline)
         except optuna.TrialPruned:
-            trial.state, trial.seconds = "pruned", round(time.perf_counter() - t, 2)
-            _report(trial, on_trial)
+            _end(trial, "pruned", t, on_trial)
+            raise
+        except SearchFailed:
             raise
         except MarianaError as e:  # a diverging config: a failed trial, the search goes on
-            trial.state, trial.error, trial.seconds = "failed", str(e), round(time.perf_counter() - t, 2)
-            _report(trial, on_trial)
+            trial.error = str(e)
+            _end(trial, "failed", t, on_trial)
             return math.inf
-        v = result.valid
-        best = v["epochs"][v["best_epoch"] - 1] if v["best_epoch"] else {}
-        trial.value, trial.auc = best.get("logloss"), best.get("auc")
-        trial.epochs, trial.best_epoch = len(v["epochs"]), v["best_epoch"]  # the same as on_valid's, from the record
-        trial.state = "budget" if v["stopped"] == "time budget" else "complete"
-        trial.seconds = round(time.perf_counter() - t, 2)
-        if trial.value is not None and (state["best"] is None or trial.value < state["best"].value):
-            state.update(best=trial, bundle=bundle, config=config, trained=result)
-        _report(trial, on_trial)
+        _settle(trial, run.valid)
+        best = state["best"]
+        if run.kept is not None and trial.value is not None and (best is None or trial.value < best.value):
+            if state["run"] is not None:
+                runner.discard(state["run"])
+            state.update(best=trial, run=run, config=config)
+        elif run.kept is not None:
+            runner.discard(run)
+        _end(trial, trial.state, t, on_trial)
         return trial.value if trial.value is not None else math.inf
 
     def out_of_time(study, _trial) -> None:
@@ -189,10 +241,38 @@ def tune(base: JobConfig, schema, train_paths: list[str], train_rows: RowRange |
 
     study.optimize(objective, n_trials=max_trials, callbacks=[out_of_time], catch=())
     if state["best"] is None:
-        raise MarianaError(f"tune: no trial finished an epoch within the budget of {budget:g} s "
+        raise MarianaError(f"tune: no trial finished within the budget of {budget:g} s "
                            "(raise --budget or use fewer rows)")
-    return TuneResult(state["best"], state["bundle"], state["config"], state["trained"], state["trials"],
+    return TuneResult(state["best"], state["run"].kept, state["config"], state["trials"],
                       time.perf_counter() - t0)
+
+
+def _pruning(ot, trial: Trial) -> Callable[[int, dict], None]:
+    """A trial's `on_valid`: note the epoch (a pruned trial keeps its best), tell the
+    pruner, raise optuna.TrialPruned when it says so."""
+    import optuna
+
+    def on_valid(epoch: int, metrics: dict) -> None:
+        trial.epochs = epoch
+        if trial.value is None or metrics["logloss"] < trial.value:
+            trial.value, trial.auc, trial.best_epoch = metrics["logloss"], metrics["auc"], epoch
+        ot.report(metrics["logloss"], epoch)
+        if ot.should_prune():
+            raise optuna.TrialPruned()
+    return on_valid
+
+
+def _settle(trial: Trial, valid: dict) -> None:
+    """A finished trial's numbers from its validation record (the same as on_valid's)."""
+    best = valid["epochs"][valid["best_epoch"] - 1] if valid["best_epoch"] else {}
+    trial.value, trial.auc = best.get("logloss"), best.get("auc")
+    trial.epochs, trial.best_epoch = len(valid["epochs"]), valid["best_epoch"]
+    trial.state = "budget" if valid["stopped"] == "time budget" else "complete"
+
+
+def _end(trial: Trial, state: str, started: float, on_trial: Callable[[Trial], None] | None) -> None:
+    trial.state, trial.seconds = state, round(time.perf_counter() - started, 2)
+    _report(trial, on_trial)
 
 
 def _return_freed_memory() -> None:
@@ -210,15 +290,27 @@ def _return_freed_memory() -> None:
 
 
 def _report(trial: Trial, on_trial: Callable[[Trial], None] | None) -> None:
-    log.info("trial %d %s: valid logloss %s after %d epoch(s), %.1fs", trial.number, trial.state,
-             "n/a" if trial.value is None else f"{trial.value:.5f}", trial.epochs, trial.seconds)
+    log.info("trial %d %s: valid logloss %s after %d epoch(s), %.1fs%s", trial.number, trial.state,
+             "n/a" if trial.value is None else f"{trial.value:.5f}", trial.epochs, trial.seconds,
+             f" (job {trial.job})" if trial.job else "")
     if on_trial:
         on_trial(trial)
 
 
-def save_trials(model_dir: str, result: TuneResult, meta: dict) -> str:
-    """The trials as JSON in <model_dir>/tune/<time>.json; returns the path."""
-    path = os.path.join(os.path.abspath(model_dir), "tune", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + ".json")
+def summarize(result: TuneResult, meta: dict, trials_file: str) -> dict:
+    """The `tune` entry of the record and the version's manifest."""
+    return {**meta, "trials": len(result.trials), "best_trial": result.best.number,
+            "best_params": result.best.params, "trials_file": trials_file}
+
+
+def trials_path(model_dir: str) -> str:
+    """<model_dir>/tune/<time>.json: where a search's trials go."""
+    return os.path.join(os.path.abspath(model_dir), "tune", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + ".json")
+
+
+def save_trials(model_dir: str, result: TuneResult, meta: dict, path: str | None = None) -> str:
+    """The trials as JSON in `path` (default: `trials_path(model_dir)`); returns the path."""
+    path = path or trials_path(model_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump({**meta, "best_trial": result.best.number, "trials": [t.to_dict() for t in result.trials]},

@@ -189,6 +189,15 @@ class Cluster:
         return "\n".join(out)
 
 
+def nested(settings: dict) -> dict:
+    """{"hashing.bits": 18} -> {"hashing": {"bits": 18}}: a job request's config."""
+    out: dict = {}
+    for key, value in settings.items():
+        section, name = key.split(".")
+        out.setdefault(section, {})[name] = value
+    return out
+
+
 def _zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -510,7 +510,8 @@ def test_loader_survives_bad_commands(redis_server, tmp_path):
             coord.send([head(v=1, type="ReadSource", msg_id=0, job="j", files=str(data), block_bytes=4096)])
             coord.send(protocol.encode("Lease", 0, worker="w"))  # a command a loader does not take
             coord.send(protocol.encode("Error", 0, code="x", error="an error as a command"))
-            coord.wait_status("bad_messages", 5)
+            coord.send(protocol.encode("ReadSource", 0, job="j", files=[str(data)], block_bytes=4096, until=[0]))
+            coord.wait_status("bad_messages", 6)
             # commands it takes but cannot carry out are reported, not fatal
             coord.send(protocol.encode("ReadSource", 0, job="j1", files=[str(tmp_path / "missing.tsv")],
                                        block_bytes=4096))
@@ -536,6 +537,18 @@ def test_loader_survives_bad_commands(redis_server, tmp_path):
             chunks = [protocol.decode(pull.recv_multipart()) for _ in sent]
             assert sum(c["lines"] for c in chunks) == 300
             assert b"".join(bytes(c.arrays["data"]) for c in chunks) == data.read_bytes()
+            # a job holding a tail out: nothing past `until` (file 0, 123 lines), the last chunk cut
+            coord.send(protocol.encode("ReadSource", 0, job="j3", files=[str(data)], block_bytes=4096,
+                                       until=[0, 123]))
+            sent = []
+            while (msg := coord.next()).type == "ChunkSent":
+                coord.reply(msg, "Ok")
+                sent.append(msg)
+            coord.reply(msg, "Ok")
+            chunks = [protocol.decode(pull.recv_multipart()) for _ in sent]
+            assert msg["error"] == "" and sum(c["lines"] for c in chunks) == sum(c["lines"] for c in sent) == 123
+            first_lines = b"".join(data.read_bytes().splitlines(keepends=True)[:123])
+            assert b"".join(bytes(c.arrays["data"]) for c in chunks) == first_lines
             assert sigterm(proc, log) == 0
         coord.sock.close()
         pull.close()

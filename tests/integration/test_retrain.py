@@ -101,6 +101,24 @@ def test_a_warm_start_retrain_goes_on_from_the_served_version(days, tmp_path):
     assert decision["warm_start"] is False and "parent" not in manifest and manifest["rows_trained"] == 20_000
 
 
+@pytest.mark.timeout(300)
+def test_a_cluster_retrain_warm_starts_from_the_served_version(days, tmp_path):
+    """retrain.mode = "cluster" with warm_start: the job (on a cluster started for it) goes on
+    from the served version, every shard from its slice of it; the manifest names the parent."""
+    model_dir = served_model(tmp_path, days)
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\n[worker]\ncount = 1\n[ps]\ncount = 2\n')
+    cfg = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"])], eval_data=[str(days["day4"])],
+                         warm_start=True, mode="cluster", cluster_config=str(cluster))
+    decision = json.loads(run_cli("retrain", "--config", cfg, "--json", check=True).stdout)
+    assert decision["warm_start"] is True and decision["train_rows"] == 20_000
+    manifest = json.loads((model_dir / decision["new_version"] / "manifest.json").read_text())
+    assert manifest["train"]["mode"].startswith("cluster/") and manifest["train"]["shards"] == 2
+    assert manifest["parent"] == {"model_dir": str(model_dir), "version": "v000001", "rows_trained": 3_000}
+    assert manifest["rows_trained"] == 3_000 + 20_000
+    assert decision["metrics"]["new"]["auc"] > decision["metrics"]["served"]["auc"]  # a day more than 3,000 rows
+
+
 def test_retrain_needs_a_window_and_a_recipe(days, tmp_path):
     model_dir = tmp_path / "empty"
     model_dir.mkdir()

@@ -238,3 +238,19 @@ def test_row_slots_line_rows_up_with_input_lines_when_rows_are_skipped(tmp_path)
     assert (lines, slots.tolist(), stats.rows_bad) == (5, [0, 3, 4], 2)
     fast = next(Reader([str(write(tmp_path, "f.tsv", f"{good}\n{good}\n"))], criteo()).tasks())
     assert [x.tolist() if hasattr(x, "tolist") else x for x in fast.row_slots(fast.run()[0])] == [2, [0, 1]]
+
+
+def test_the_head_of_a_parquet_span_is_what_reading_its_address_again_gives(gen_files, tmp_path):
+    """A cluster job that holds a tail out sends the head of the span the cut falls in: a
+    Parquet span's first rows, under a row address that `read_span` (a refill) reads again."""
+    from sparse.parse import from_arrow_block, iter_spans, read_span, span_head
+    from tests.unit.test_inputs import csv_to_parquet
+
+    path = csv_to_parquet(gen_files["test"], tmp_path / "t.parquet", criteo(), row_group_size=1000)
+    with open(path, "rb") as f:
+        offset, first, block, rows = list(iter_spans(f, 64 << 10, name=path))[1]
+    address, head = span_head(offset, block, 7)
+    table = from_arrow_block(head)
+    assert table.num_rows == 7 and table.equals(from_arrow_block(block).slice(0, 7))
+    assert (address >> 20, address & ((1 << 20) - 1)) == (first - 1, 7) and rows > 7
+    assert from_arrow_block(read_span(path, address, len(head))).equals(table)

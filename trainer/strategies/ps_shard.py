@@ -6,6 +6,7 @@ and their optimizer state; shard 0 also owns the dense parameters. A push is
 applied at most once per step id: a retried or replayed step is a no-op.
 
     shard = ParamShard(config, schema, shard=0, num_shards=1)
+    shard.warm_start(weights, optim)                 # a warm start: its slice of a saved version
     rows, dense = shard.pull(ids)                    # table -> (n, dim), flat dense params
     shard.push("e1/c0:0", 4096, ids, grads, dense_grad)  # True: applied; False: seen before
     weights, manifest = shard.snapshot()               # a consistent checkpoint
@@ -31,7 +32,7 @@ from sparse.errors import DataFormatError
 from sparse.optim import AdaGrad
 from sparse.schema import Schema
 from sparse.table import HashedTable
-from trainer.bundle import table_optimizer
+from trainer.bundle import table_arrays, table_optimizer, version_export
 from trainer.config import JobConfig
 from trainer.models.base import build_model
 from trainer.strategies.ps_step import DenseOptimizer
@@ -55,6 +56,7 @@ class ParamShard:
         encoder = Encoder(schema, config.hashing)
         model = build_model(config.model, encoder.num_fields, encoder.dense_dim, image_width, config.images.tower)
         self.specs = {t.name: t for t in model.tables}
+        self.dense_names = [name for name, _ in model.named_parameters()]  # the flat vector's parts, in order
         num_ids = config.hashing.num_ids
         local_rows = (num_ids - shard + num_shards - 1) // num_shards
         self.tables = {t.name: HashedTable(t.name, local_rows, t.dim, t.init_scale, seed=config.model.seed,
@@ -183,11 +185,32 @@ class ParamShard:
         if (manifest.get("shard"), manifest.get("num_shards")) != (self.shard, self.num_shards):
             raise DataFormatError(f"checkpoint of shard {manifest.get('shard')}/{manifest.get('num_shards')} "
                                   f"loaded into shard {self.shard}/{self.num_shards}")
+        self.load(arrays)
+        self.applied = {str(k): int(v) for k, v in manifest.get("applied", {}).items()}
+
+    def warm_start(self, weights: dict[str, np.ndarray], optim: dict[str, np.ndarray]) -> None:
+        """Start from a saved version (`ModelBundle.save`'s weights and optimizer state) instead
+        of the init: this shard's slice of its tables, optimizer state and pending counts, and
+        on shard 0 its dense parameters with their state. KeyError names an array it lacks."""
+        self.load(self.own(version_export(weights, optim, self.dense_names, list(self.dense_opt.state[0]))))
+
+    def own(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The part of a whole model's export (every shard's ids) that this shard owns."""
+        out = {k: v for k, v in arrays.items() if k == "dense" or k.startswith("dense.")}
+        for name in self.tables:
+            mine = arrays[f"table.{name}.rows"] % self.num_shards == self.shard
+            out.update({k: v[mine] for k, v in arrays.items() if k.startswith(f"table.{name}.")})
+        if admission.IDS_KEY in arrays:
+            mine = arrays[admission.IDS_KEY] % self.num_shards == self.shard
+            out.update({k: arrays[k][mine] for k in (admission.IDS_KEY, admission.COUNTS_KEY)})
+        return out
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        """Rows, optimizer state and pending counts of this shard's ids (global), and the dense
+        parameters with their state (used on shard 0), in the layout `snapshot` writes."""
         for name, t in self.tables.items():
-            ids = arrays[f"table.{name}.rows"]
-            state = {k.rsplit(".", 1)[1]: v for k, v in arrays.items()
-                     if k.startswith(f"table.{name}.") and k.rsplit(".", 1)[1] not in ("rows", "weights")}
-            t.load_rows(self.local_rows(ids), arrays[f"table.{name}.weights"], state)
+            ids, weights, state = table_arrays(arrays, name)
+            t.load_rows(self.local_rows(ids), weights, state)
         if self.dense.size:
             self.dense[...] = arrays["dense"]
             for key, st in self.dense_opt.state[0].items():
@@ -195,4 +218,3 @@ class ParamShard:
                     st[...] = arrays[f"dense.{key}"]
         if self.counts is not None:
             admission.load_arrays(self.counts, arrays, self.local_rows)
-        self.applied = {str(k): int(v) for k, v in manifest.get("applied", {}).items()}

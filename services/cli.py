@@ -110,7 +110,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         _refuse_cluster_flags(args)
         record = run_tune_job(config, _paths(args.data), _paths(args.test_data), args.out, args.budget, args.model,
-                              _paths(args.valid_data), args.trials, args.seed)
+                              _paths(args.valid_data), args.trials, args.seed, refit=not args.no_refit)
     if not args.json:
         trials = record.pop("trials")
         shown = sorted(trials, key=lambda t: (t["value"] is None, t["value"] or 0.0))[:TRIALS_SHOWN]
@@ -135,7 +135,7 @@ def _tune_cluster(args: argparse.Namespace, config) -> dict:
     cluster, sync, asked = _cluster_settings(args)
     return run_cluster_tune(config, _paths(args.data), _paths(args.test_data), _paths(args.valid_data), args.out,
                             cluster, args.budget, args.model, args.trials, args.seed, mode=sync,
-                            staleness=args.staleness, asked=asked)
+                            staleness=args.staleness, asked=asked, refit=not args.no_refit)
 
 
 def _cluster_settings(args: argparse.Namespace) -> tuple:
@@ -602,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--model", choices=("lr", "dnn", "any"), default="lr",
                     help="model kind to tune (any: the kind is searched too; default lr)")
     tu.add_argument("--seed", type=int, default=0, help="seed of the search")
+    tu.add_argument("--no-refit", action="store_true", help="publish the best trial's model as it is (default, "
+                    "when validating on the held-out tail: leave time in the budget to train the best config on "
+                    "every row, the tail included, for its best epoch count, and publish that)")
     tu.add_argument("--format", choices=FORMATS, help="the data's format (default criteo)")
     tu.add_argument("--bits", type=int, help="hash bits: the tables have 2^bits rows")
     tu.add_argument("--config", help="TOML job config: the first trial and what the search does not change")

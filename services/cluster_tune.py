@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 from services.assemble import check_request
-from services.cluster_job import JobFailed, Unreachable, _request, cluster_session, submit
+from services.cluster_job import JobFailed, Unreachable, _request, cluster_session, submit, wait
 from services.runtime.config import ClusterConfig
 from sparse.errors import MarianaError
 from trainer import checkpoint
 from trainer.config import JobConfig, from_dict
 from trainer.job import absolute_paths
 from trainer.strategies.local import best_epoch, valid_record
-from trainer.tune import (SEARCH, SearchFailed, Trial, TrialRun, check_search, save_trials, summarize,
-                          trials_path, tune)
+from trainer.tune import (SEARCH, SearchFailed, Trial, TrialRun, check_search, refit_config, refit_seconds,
+                          save_trials, summarize, trials_path, tune)
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # how late the pruner hears an epoch, and the deadline is noticed
@@ -108,29 +108,56 @@ class ClusterTrials:
 def run_cluster_tune(config: JobConfig, data: list[str], test_data: list[str], valid_data: list[str], out: str,
                      cluster: ClusterConfig, budget: float, kind: str = "lr", max_trials: int | None = None,
                      seed: int = 0, mode: str = "async", staleness: int | None = None,
-                     asked: tuple[str, ...] = (), promote: bool = True) -> dict:
+                     asked: tuple[str, ...] = (), promote: bool = True, refit: bool = True) -> dict:
     """Search under `budget` seconds with every trial a job on the cluster up in `cluster`'s
     dir (or one started for the search), publish the best trial's version in `out`; the
-    record of its job, adding `tune` and the trials (as trainer.job.run_tune_job's)."""
+    record of its job, adding `tune` and the trials (as trainer.job.run_tune_job's). With
+    `refit` and the held-out tail, the best config is trained again on every row (one more
+    job; see trainer.job.run_tune_job) and that version is the one published."""
     check_search(config, budget)
+    t0 = time.perf_counter()
     config.train.epochs = "auto"  # every trial stops on its validation logloss
     path = trials_path(out)
     body, config, source = trial_body(config, data, test_data, valid_data, path.removesuffix(".json") + "-trials",
                                       mode, staleness)
+    fraction = config.train.valid_fraction if refit and not body["valid_data"] else 0.0
+    reserve = (lambda best: refit_seconds(best, fraction)) if fraction else None
     try:
         with cluster_session(cluster, asked) as info:
             log.info("tuning on %s for %gs, every trial a job on %s (validation: %s)", ",".join(body["data"]),
                      budget, info["http"], source)
-            result = tune(config, ClusterTrials(info, body, source), budget, kind, max_trials, seed)
-        meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,
-                "search": SEARCH, "validation": source,
-                "first_trial": "the job's own config", "mode": f"cluster/{mode}", "trials_dir": body["out"]}
+            result = tune(config, ClusterTrials(info, body, source), budget, kind, max_trials, seed, reserve=reserve)
+            meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,
+                    "search": SEARCH, "validation": source,
+                    "first_trial": "the job's own config", "mode": f"cluster/{mode}", "trials_dir": body["out"]}
+            kept = result.kept
+            if fraction:
+                kept, meta["refit"] = refit_job(info, body, result, fraction, t0 + budget)
         summary = summarize(result, meta, path)
-        record = publish_best(result.kept, out, promote, summary)
+        record = publish_best(kept, out, promote, summary)
     finally:  # after the session: a cluster started for the search has stopped writing into it
         shutil.rmtree(body["out"], ignore_errors=True)
     save_trials(out, result, {**meta, "model_version": record["model_version"]}, path)
     return {**record, "tune": summary, "trials": [t.to_dict() for t in result.trials]}
+
+
+def refit_job(info: dict, body: dict, result, fraction: float, deadline: float) -> tuple[dict, dict]:
+    """(the record of the version to publish, what was done): a job training the best
+    trial's config on every row for its best epoch count, or the trial's own version when
+    that would not end by `deadline` (trainer.job.refit_best in cluster mode)."""
+    best = result.best
+    estimate = refit_seconds(best, fraction)
+    if time.perf_counter() + estimate > deadline:
+        log.info("tune: no refit (about %.1fs needed, %.1fs of the budget left): the best trial's version is kept",
+                 estimate, deadline - time.perf_counter())
+        return result.kept, {"done": False, "why": f"about {estimate:.1f}s needed, not left in the budget"}
+    config = refit_config(result.config, best.best_epoch)
+    job = submit(info, {**body, "config": config.to_dict()})
+    log.info("tune: refit of trial %d on every row (the held-out %g too) for %d epoch(s): job %s", best.number,
+             fraction, config.train.epochs, job)
+    record = wait(info, job, None)
+    return record, {"done": True, "epochs": config.train.epochs, "rows": record["train_rows"],
+                    "seconds": record["train_seconds"], "job": job}
 
 
 def trial_body(config: JobConfig, data: list[str], test_data: list[str], valid_data: list[str], scratch: str,

@@ -6,6 +6,7 @@ import errno
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -204,26 +205,55 @@ def publish(bundle: ModelBundle, job: JobInputs, trained: TrainResult, out_dir: 
 
 def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,
                  budget: float, kind: str = "lr", valid_paths: list[str] | None = None,
-                 max_trials: int | None = None, seed: int = 0, promote: bool = True) -> dict:
+                 max_trials: int | None = None, seed: int = 0, promote: bool = True, refit: bool = True) -> dict:
     """`mariana tune`: search under `budget` seconds (trainer.tune), publish the best
-    trial's model; the record adds the trials and the chosen config."""
-    from trainer.tune import SEARCH, LocalTrials, check_search, save_trials, summarize, tune
+    trial's model; the record adds the trials and the chosen config. With `refit` and a
+    held-out tail (no `valid_paths`), the search leaves time to train the best config on
+    every row, the tail included, for its best epoch count, and publishes that model (as
+    a grid search's refit does; for a log the tail is its newest rows)."""
+    from trainer.tune import SEARCH, LocalTrials, check_search, refit_seconds, save_trials, summarize, tune
 
     check_search(config, budget)
+    t0 = time.perf_counter()
     config.train.epochs = "auto"  # every trial stops on its validation logloss
     job = prepare_job(config, train_paths, test_paths, out_dir, valid_paths)
+    fraction = config.train.valid_fraction if job.train_rows is not None and refit else 0.0
     log.info("tuning on %s for %gs (validation: %s)", ",".join(job.train), budget, job.valid.source)
     runner = LocalTrials(job.schema, job.train, job.train_rows, job.valid)
-    result = tune(config, runner, budget, kind, max_trials, seed)
+    reserve = (lambda best: refit_seconds(best, fraction)) if fraction else None
+    result = tune(config, runner, budget, kind, max_trials, seed, reserve=reserve)
     bundle, trained = result.kept
     meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,
             "search": SEARCH, "validation": job.valid.source, "first_trial": "the job's own config"}
+    if fraction:
+        bundle, trained, meta["refit"] = refit_best(result, job, t0 + budget)
     trials_file = save_trials(out_dir, result, meta)
     summary = summarize(result, meta, trials_file)
     record = publish(bundle, job, trained, out_dir, promote, extra={"tune": summary})
     record["tune"] = summary
     record["trials"] = [t.to_dict() for t in result.trials]
     return record
+
+
+def refit_best(result, job: JobInputs, deadline: float) -> tuple[ModelBundle, TrainResult, dict]:
+    """(bundle, training, what was done) of the best trial's config trained on every row for
+    its best epoch count; the trial's own model when that would not end by `deadline`."""
+    from trainer.tune import refit_config, refit_seconds
+
+    best, (bundle, trained) = result.best, result.kept
+    fraction = bundle.config.train.valid_fraction
+    estimate = refit_seconds(best, fraction)
+    if time.perf_counter() + estimate > deadline:
+        log.info("tune: no refit (about %.1fs needed, %.1fs of the budget left): the best trial's model is kept",
+                 estimate, deadline - time.perf_counter())
+        return bundle, trained, {"done": False, "why": f"about {estimate:.1f}s needed, not left in the budget"}
+    config = refit_config(bundle.config, best.best_epoch)
+    refit = ModelBundle(config, job.schema)
+    log.info("tune: refit of trial %d on every row (the held-out %g too) for %d epoch(s)", best.number, fraction,
+             config.train.epochs)
+    done = train_local(refit, job.train, log_epochs=False)
+    return refit, done, {"done": True, "epochs": config.train.epochs, "rows": done.train_rows,
+                         "seconds": round(done.train_seconds, 2)}
 
 
 DEFAULT_VALID_FRACTION = 0.1  # epochs = "auto" with no validation rows named

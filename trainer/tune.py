@@ -176,6 +176,24 @@ def apply_params(base: JobConfig, params: dict) -> JobConfig:
     return from_dict(JobConfig, tree)
 
 
+def refit_seconds(trial: Trial, fraction: float) -> float:
+    """About how long training `trial`'s config on all the rows for its best epoch count
+    takes: its seconds per epoch (validation included: an over-estimate) over 1 - the
+    held-out fraction.
+
+    >>> refit_seconds(Trial(0, {}, epochs=4, best_epoch=3, seconds=8.0), 0.2)
+    7.5
+    """
+    return trial.seconds / max(trial.epochs, 1) * max(trial.best_epoch, 1) / (1.0 - fraction)
+
+
+def refit_config(config: JobConfig, epochs: int) -> JobConfig:
+    """The best trial's config for training on every row: its best epoch count, nothing held out."""
+    tree = copy.deepcopy(config.to_dict())
+    tree["train"].update(epochs=max(epochs, 1), valid_fraction=0.0)
+    return from_dict(JobConfig, tree)
+
+
 def check_search(config: JobConfig, budget: float) -> None:
     """What a search refuses before any work, local or cluster."""
     if config.images.creatives:
@@ -185,9 +203,12 @@ def check_search(config: JobConfig, budget: float) -> None:
 
 
 def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", max_trials: int | None = None,
-         seed: int = 0, on_trial: Callable[[Trial], None] | None = None) -> TuneResult:
+         seed: int = 0, on_trial: Callable[[Trial], None] | None = None,
+         reserve: Callable[[Trial], float] | None = None) -> TuneResult:
     """Run trials through `runner` until `budget` seconds are spent (or `max_trials` are
     done); the best trial: the lowest validation logloss of a trial that kept a model.
+    `reserve(best trial so far)`: seconds to leave at the end of the budget (a refit's);
+    trials stop that much before it.
 
         result = tune(config, LocalTrials(schema, ["train.tsv"], None, Validation(["valid.tsv"])), 60.0)
         result.best.params  # {"optim.linear": "ftrl", "optim.ftrl_alpha": 0.05, ...}
@@ -213,7 +234,7 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
         t = time.perf_counter()
         try:
             config = apply_params(base, trial.params)
-            run = runner.run(trial, config, _pruning(ot, trial), deadline)
+            run = runner.run(trial, config, _pruning(ot, trial), search_deadline())
         except optuna.TrialPruned:
             _end(trial, "pruned", t, on_trial)
             raise
@@ -234,9 +255,13 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
         _end(trial, trial.state, t, on_trial)
         return trial.value if trial.value is not None else math.inf
 
+    def search_deadline() -> float:
+        best = state["best"]
+        return deadline - (reserve(best) if reserve and best else 0.0)
+
     def out_of_time(study, _trial) -> None:
         gc.collect()  # the trial's bundle (a pruned one's is held by its traceback until now)
-        if time.perf_counter() >= deadline:
+        if time.perf_counter() >= search_deadline():
             study.stop()
 
     study.optimize(objective, n_trials=max_trials, callbacks=[out_of_time], catch=())

@@ -70,7 +70,7 @@ def test_a_cluster_search_publishes_its_best_trial_and_cancels_the_pruned_jobs(g
 
 
 @pytest.mark.timeout(120)
-def test_a_cluster_search_without_valid_files_validates_on_the_held_out_tail_and_prunes_by_cancelling(gen_files, tmp_path):
+def test_a_cluster_search_on_the_held_out_tail_prunes_by_cancelling_and_refits_on_every_row(gen_files, tmp_path):
     out = tmp_path / "m"
     with Cluster(tmp_path / "c") as c:
         run_cli("tune", "--mode", "cluster", "--cluster-config", c.info["config"], "--data", gen_files["train"],
@@ -79,7 +79,7 @@ def test_a_cluster_search_without_valid_files_validates_on_the_held_out_tail_and
         manifest = checkpoint.read_manifest(out, checkpoint.current_version(out))
         saved = json.loads(Path(manifest["tune"]["trials_file"]).read_text())
         jobs = [c.job(t["job"]) for t in saved["trials"]]
-    assert manifest["tune"]["validation"] == "the last 0.2 of the training rows (6,000 lines)" == manifest["valid"]["source"]
+    assert manifest["tune"]["validation"] == "the last 0.2 of the training rows (6,000 lines)"
     # the successive-halving pruner stopped trials by cancelling their jobs
     states = [t["state"] for t in saved["trials"]]
     assert states[0] == "complete" and "pruned" in states and set(states) <= {"complete", "pruned"}, states
@@ -88,3 +88,9 @@ def test_a_cluster_search_without_valid_files_validates_on_the_held_out_tail_and
     # the loader never sent the tail: every epoch trained on the first 80% of the lines
     lines = Path(gen_files["train"]).read_bytes().count(b"\n")
     assert set(jobs[0]["record"]["rows_per_epoch"]) == {lines - lines // 5}, jobs[0]["record"]["rows_per_epoch"]
+    # the published version: the best config trained again on every line, for its best epoch count
+    best = next(t for t in saved["trials"] if t["number"] == saved["best_trial"])
+    refit = manifest["tune"]["refit"]
+    assert refit["done"] and refit["epochs"] == best["best_epoch"] and refit["rows"] == lines * best["best_epoch"]
+    assert refit["job"] == manifest["train"]["job"] and manifest["config"]["train"]["valid_fraction"] == 0.0
+    assert "valid" not in manifest and manifest["tune"]["best_params"] == best["params"]

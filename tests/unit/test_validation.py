@@ -136,7 +136,8 @@ def test_tuning_with_a_tiny_budget_finishes_within_it_and_publishes_a_valid_vers
     out = tmp_path / "m"
     budget = 6.0
     t0 = time.perf_counter()
-    record = run_tune_job(config(), [str(gen_files["train"])], [str(gen_files["test"])], str(out), budget)
+    record = run_tune_job(config(), [str(gen_files["train"])], [str(gen_files["test"])], str(out), budget,
+                          refit=False)  # the best trial's own model is published (its validation record)
     spent = record["tune"]["seconds"]
     # the trial under way at the deadline stops after its (partial) epoch and one validation pass
     assert spent < budget + 3.0 and time.perf_counter() - t0 < budget + 8.0
@@ -157,6 +158,26 @@ def test_tuning_with_a_tiny_budget_finishes_within_it_and_publishes_a_valid_vers
     with open(record["tune"]["trials_file"]) as f:
         saved = json.load(f)
     assert [t["number"] for t in saved["trials"]] == [t["number"] for t in trials]
+
+
+def test_tuning_refits_the_best_config_on_every_row_for_its_best_epoch_count(gen_files, tmp_path):
+    """With a held-out tail, the published model is the best trial's config trained on all
+    the rows (the tail too) for its best epoch count: exactly what `mariana train` with that
+    config makes."""
+    train, test = [str(gen_files["train"])], [str(gen_files["test"])]
+    record = run_tune_job(config(), train, test, str(tmp_path / "m"), 120.0, max_trials=3)
+    refit, trials = record["tune"]["refit"], record["trials"]
+    best = next(t for t in trials if t["number"] == record["tune"]["best_trial"])
+    lines = count_data_lines(train[0], header=False)
+    assert refit["done"] and refit["epochs"] == best["best_epoch"] >= 1 and refit["rows"] == lines * best["best_epoch"]
+    assert record["rows_per_epoch"] == [lines] * best["best_epoch"] and "valid" not in record
+    bundle = ModelBundle.load(str(tmp_path / "m"))
+    assert bundle.config.train.epochs == best["best_epoch"] and bundle.config.train.valid_fraction == 0.0
+    assert bundle.manifest["tune"]["refit"] == refit and bundle.manifest["tune"]["best_params"] == best["params"]
+    same = run_local_job(bundle.config, train, test, str(tmp_path / "again"))
+    assert np.array_equal(predictions(bundle, gen_files["test"]),
+                          predictions(ModelBundle.load(str(tmp_path / "again")), gen_files["test"]))
+    assert same["auc"] == record["auc"]
 
 
 def test_a_validation_tail_of_parquet_and_headered_csv_files(gen_files, tmp_path):

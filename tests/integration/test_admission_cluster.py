@@ -52,6 +52,9 @@ def test_one_worker_two_shards_admit_what_local_mode_admits(tmp_path):
     assert len(pending) > len(admitted) / 2 and set(pending.values()) <= set(range(1, K))
     assert dict(zip(co[admission.IDS_KEY].tolist(), co[admission.COUNTS_KEY].tolist())) == pending
     order_l, order_c = np.argsort(lw["table.embedding.rows"]), np.argsort(cw["table.embedding.rows"])
-    np.testing.assert_array_equal(lw["table.embedding.weights"][order_l], cw["table.embedding.weights"][order_c])
+    # the admitted rows and counts above are exact; their weights agree to float rounding (test_pipeline's
+    # strict-order test says why not to the bit; with dense_lr 0.01 the widest gap after 2 epochs is 5e-6)
+    np.testing.assert_allclose(lw["table.embedding.weights"][order_l], cw["table.embedding.weights"][order_c],
+                               rtol=0, atol=2e-5)
     for key in ("train_loss", "auc", "logloss"):  # to float rounding: see test_pipeline's strict-order test
         assert record[key] == pytest.approx(local[key], rel=1e-7, abs=0), key

@@ -744,7 +744,20 @@ def markdown(results: dict) -> str:
                            f"{fmt(r['calibration'], '.3f')} | {fmt(r.get('train_seconds'), '.1f')} | "
                            f"{fmt(r.get('process_seconds'), '.1f')} | {r.get('detail', '')} |")
             label = ""
+        share = gap_closed(entry["rows"])
+        if share is not None:
+            out.append(f"| | mariana-dnn's share of the way from mariana-lr's AUC to the oracle's | "
+                       f"{share:.1%} | | | | | issue 15's target: 80% |")
     return "\n".join(out)
+
+
+def gap_closed(rows: list[dict]) -> float | None:
+    """(DNN AUC - LR AUC) / (oracle AUC - LR AUC) on a generated set, else None."""
+    auc = {r["system"]: r.get("auc") for r in rows}
+    lr, dnn, oracle = auc.get("mariana-lr"), auc.get("mariana-dnn"), auc.get("planted model (oracle)")
+    if None in (lr, dnn, oracle) or oracle <= lr:
+        return None
+    return (dnn - lr) / (oracle - lr)
 
 
 def auc_matrix(results: dict) -> str:
@@ -808,7 +821,8 @@ def main(argv=None) -> int:
             results[name] = {"skipped": ds}
             continue
         rows = bench_set(name, ds, args, root, tune_why)
-        results[name] = {"data": {k: str(v) if isinstance(v, Path) else v for k, v in ds.items()}, "rows": rows}
+        results[name] = {"data": {k: str(v) if isinstance(v, Path) else v for k, v in ds.items()}, "rows": rows,
+                         "dnn_gap_closed": gap_closed(rows)}
     seconds = time.perf_counter() - t0
     table, matrix = markdown(results), auc_matrix(results)
     machine = machine_info(PACKAGES + ("optuna",)) | {"seconds": round(seconds, 1)}

@@ -28,8 +28,8 @@ from trainer import checkpoint
 from trainer.config import JobConfig, from_dict
 from trainer.job import absolute_paths
 from trainer.strategies.local import best_epoch, valid_record
-from trainer.tune import (SEARCH, SearchFailed, Trial, TrialRun, check_search, refit_config, refit_seconds,
-                          save_trials, summarize, trials_path, tune)
+from trainer.tune import (SEARCH, SearchFailed, Trial, TrialRun, check_search, refit_config, refit_reserve,
+                          refit_seconds, save_trials, summarize, trials_path, tune)
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # how late the pruner hears an epoch, and the deadline is noticed
@@ -121,7 +121,7 @@ def run_cluster_tune(config: JobConfig, data: list[str], test_data: list[str], v
     body, config, source = trial_body(config, data, test_data, valid_data, path.removesuffix(".json") + "-trials",
                                       mode, staleness)
     fraction = config.train.valid_fraction if refit and not body["valid_data"] else 0.0
-    reserve = (lambda best: refit_seconds(best, fraction)) if fraction else None
+    reserve = (lambda best: refit_reserve(best, fraction)) if fraction else None
     try:
         with cluster_session(cluster, asked) as info:
             log.info("tuning on %s for %gs, every trial a job on %s (validation: %s)", ",".join(body["data"]),

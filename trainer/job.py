@@ -211,7 +211,7 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
     held-out tail (no `valid_paths`), the search leaves time to train the best config on
     every row, the tail included, for its best epoch count, and publishes that model (as
     a grid search's refit does; for a log the tail is its newest rows)."""
-    from trainer.tune import SEARCH, LocalTrials, check_search, refit_seconds, save_trials, summarize, tune
+    from trainer.tune import SEARCH, LocalTrials, check_search, refit_reserve, save_trials, summarize, tune
 
     check_search(config, budget)
     t0 = time.perf_counter()
@@ -220,7 +220,7 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
     fraction = config.train.valid_fraction if job.train_rows is not None and refit else 0.0
     log.info("tuning on %s for %gs (validation: %s)", ",".join(job.train), budget, job.valid.source)
     runner = LocalTrials(job.schema, job.train, job.train_rows, job.valid)
-    reserve = (lambda best: refit_seconds(best, fraction)) if fraction else None
+    reserve = (lambda best: refit_reserve(best, fraction)) if fraction else None
     result = tune(config, runner, budget, kind, max_trials, seed, reserve=reserve)
     bundle, trained = result.kept
     meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,

@@ -187,6 +187,13 @@ def refit_seconds(trial: Trial, fraction: float) -> float:
     return trial.seconds / max(trial.epochs, 1) * max(trial.best_epoch, 1) / (1.0 - fraction)
 
 
+def refit_reserve(trial: Trial, fraction: float) -> float:
+    """The seconds a search keeps free for the refit of `trial` (the best so far): its estimate
+    and half as much again plus half a second, for what a search does after its deadline (the
+    last validation pass, the study's bookkeeping) before the refit starts."""
+    return 1.5 * refit_seconds(trial, fraction) + 0.5
+
+
 def refit_config(config: JobConfig, epochs: int) -> JobConfig:
     """The best trial's config for training on every row: its best epoch count, nothing held out."""
     tree = copy.deepcopy(config.to_dict())
@@ -207,8 +214,8 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
          reserve: Callable[[Trial], float] | None = None) -> TuneResult:
     """Run trials through `runner` until `budget` seconds are spent (or `max_trials` are
     done); the best trial: the lowest validation logloss of a trial that kept a model.
-    `reserve(best trial so far)`: seconds to leave at the end of the budget (a refit's);
-    trials stop that much before it.
+    `reserve(trial)`: seconds to leave at the end of the budget for that trial's refit; trials
+    stop the most any finished trial needs before it (any of them may turn out the best).
 
         result = tune(config, LocalTrials(schema, ["train.tsv"], None, Validation(["valid.tsv"])), 60.0)
         result.best.params  # {"optim.linear": "ftrl", "optim.ftrl_alpha": 0.05, ...}
@@ -256,8 +263,8 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
         return trial.value if trial.value is not None else math.inf
 
     def search_deadline() -> float:
-        best = state["best"]
-        return deadline - (reserve(best) if reserve and best else 0.0)
+        finished = [t for t in state["trials"] if t.value is not None and t.state in ("complete", "budget")]
+        return deadline - (max(map(reserve, finished)) if reserve and finished else 0.0)
 
     def out_of_time(study, _trial) -> None:
         gc.collect()  # the trial's bundle (a pruned one's is held by its traceback until now)

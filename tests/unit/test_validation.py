@@ -180,6 +180,17 @@ def test_tuning_refits_the_best_config_on_every_row_for_its_best_epoch_count(gen
     assert same["auc"] == record["auc"]
 
 
+def test_a_search_bound_by_its_budget_leaves_time_for_the_refit(gen_files, tmp_path):
+    """The search stops early enough (the refit estimate of every finished trial, with
+    slack) that the refit still ends inside the budget."""
+    budget = 8.0
+    t0 = time.perf_counter()
+    record = run_tune_job(config(), [str(gen_files["train"])], [], str(tmp_path / "m"), budget)
+    refit = record["tune"]["refit"]
+    assert refit["done"], refit
+    assert record["tune"]["seconds"] + refit["seconds"] < budget and time.perf_counter() - t0 < budget + 3.0
+
+
 def test_a_validation_tail_of_parquet_and_headered_csv_files(gen_files, tmp_path):
     """Rows count from each file's first data row: a Parquet file has no header line, an
     avazu CSV has one; the split lands on the same rows either way."""

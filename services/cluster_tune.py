@@ -121,7 +121,7 @@ def run_cluster_tune(config: JobConfig, data: list[str], test_data: list[str], v
     body, config, source = trial_body(config, data, test_data, valid_data, path.removesuffix(".json") + "-trials",
                                       mode, staleness)
     fraction = config.train.valid_fraction if refit and not body["valid_data"] else 0.0
-    reserve = (lambda best: refit_reserve(best, fraction)) if fraction else None
+    reserve = (lambda trial: refit_reserve(trial, fraction)) if fraction else None
     try:
         with cluster_session(cluster, asked) as info:
             log.info("tuning on %s for %gs, every trial a job on %s (validation: %s)", ",".join(body["data"]),

@@ -220,7 +220,7 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
     fraction = config.train.valid_fraction if job.train_rows is not None and refit else 0.0
     log.info("tuning on %s for %gs (validation: %s)", ",".join(job.train), budget, job.valid.source)
     runner = LocalTrials(job.schema, job.train, job.train_rows, job.valid)
-    reserve = (lambda best: refit_reserve(best, fraction)) if fraction else None
+    reserve = (lambda trial: refit_reserve(trial, fraction)) if fraction else None
     result = tune(config, runner, budget, kind, max_trials, seed, reserve=reserve)
     bundle, trained = result.kept
     meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,

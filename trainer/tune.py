@@ -188,7 +188,7 @@ def refit_seconds(trial: Trial, fraction: float) -> float:
 
 
 def refit_reserve(trial: Trial, fraction: float) -> float:
-    """The seconds a search keeps free for the refit of `trial` (the best so far): its estimate
+    """The seconds a search keeps free for the refit of `trial` (any finished one): its estimate
     and half as much again plus half a second, for what a search does after its deadline (the
     last validation pass, the study's bookkeeping) before the refit starts."""
     return 1.5 * refit_seconds(trial, fraction) + 0.5

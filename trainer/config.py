@@ -97,8 +97,8 @@ class OptimConfig:
     ftrl_l2: float = 1.0
     embed_lr: float = 0.05             # adagrad on embedding rows (0.1: -0.01..0.02 AUC on the generators)
     # adagrad on dense (MLP) parameters. 0.01 gains 0.002-0.0035 mean AUC over 8 seeds in local
-    # mode but loses 0.0066 with two asynchronous cluster workers (stale dense gradients), so
-    # 0.005 stays; 0.02: up to -0.01 AUC (docs/benchmarks.md).
+    # mode and showed no gain with two asynchronous cluster workers, so 0.005 stays; 0.02: up
+    # to -0.01 AUC (docs/benchmarks.md).
     dense_lr: float = 0.005
 
     def __post_init__(self) -> None:

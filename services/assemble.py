@@ -66,7 +66,7 @@ def check_request(body: dict) -> tuple[dict, dict]:
     request = {"data": data, "test_data": tests, "valid_data": valid, "out": os.path.normpath(out), **options,
                "model": config.model.kind}
     if train_rows is not None:
-        request["holdout"] = _holdout(data, held)
+        request["holdout"] = _holdout(data, train_rows, held)
     if parent is not None:
         request["init_from"] = f"{parent['model_dir']}:{parent['version']}"
     spec = {"config": config.to_dict(), "schema": schema.to_dict(), **({"init_from": parent} if parent else {})}
@@ -117,10 +117,11 @@ def _parent(spec, config: JobConfig, schema) -> dict | None:
             "steps": manifest.get("steps", 0)}
 
 
-def _holdout(data: list[str], valid: Validation) -> dict:
+def _holdout(data: list[str], train_rows: RowRange, valid: Validation) -> dict:
     """The request's record of a held-out tail: its rows (scored after every epoch), what the
-    record calls them, and where the loader stops: [file index, lines of that file]."""
-    path, lines = RowRange(valid.rows.offsets, 0, valid.rows.start, valid.rows.headers).end()
+    record calls them, and where the loader stops, the end of the training rows: [file index,
+    lines of that file]."""
+    path, lines = train_rows.end()
     return {"rows": dataclasses.asdict(valid.rows), "source": valid.source, "until": [data.index(path), lines]}
 
 

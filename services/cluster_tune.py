@@ -28,8 +28,8 @@ from trainer import checkpoint
 from trainer.config import JobConfig, from_dict
 from trainer.job import absolute_paths
 from trainer.strategies.local import best_epoch, valid_record
-from trainer.tune import (SEARCH, SearchFailed, Trial, TrialRun, check_search, refit_config, refit_reserve,
-                          refit_seconds, save_trials, summarize, trials_path, tune)
+from trainer.tune import (SEARCH, SearchFailed, Trial, TrialRun, check_search, refit_plan, refit_reserve,
+                          save_trials, summarize, trials_path, tune)
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # how late the pruner hears an epoch, and the deadline is noticed
@@ -143,21 +143,15 @@ def run_cluster_tune(config: JobConfig, data: list[str], test_data: list[str], v
 
 def refit_job(info: dict, body: dict, result, fraction: float, deadline: float) -> tuple[dict, dict]:
     """(the record of the version to publish, what was done): a job training the best
-    trial's config on every row for its best epoch count, or the trial's own version when
-    that would not end by `deadline` (trainer.job.refit_best in cluster mode)."""
-    best = result.best
-    estimate = refit_seconds(best, fraction)
-    if time.perf_counter() + estimate > deadline:
-        log.info("tune: no refit (about %.1fs needed, %.1fs of the budget left): the best trial's version is kept",
-                 estimate, deadline - time.perf_counter())
-        return result.kept, {"done": False, "why": f"about {estimate:.1f}s needed, not left in the budget"}
-    config = refit_config(result.config, best.best_epoch)
+    trial's config on every row for its best epoch count (`trainer.tune.refit_plan`), or the
+    trial's own version when that would not end by `deadline`."""
+    config, done = refit_plan(result, fraction, deadline)
+    if config is None:
+        return result.kept, done
     job = submit(info, {**body, "config": config.to_dict()})
-    log.info("tune: refit of trial %d on every row (the held-out %g too) for %d epoch(s): job %s", best.number,
-             fraction, config.train.epochs, job)
+    log.info("tune: refit job %s submitted", job)
     record = wait(info, job, None)
-    return record, {"done": True, "epochs": config.train.epochs, "rows": record["train_rows"],
-                    "seconds": record["train_seconds"], "job": job}
+    return record, {**done, "rows": record["train_rows"], "seconds": record["train_seconds"], "job": job}
 
 
 def trial_body(config: JobConfig, data: list[str], test_data: list[str], valid_data: list[str], scratch: str,

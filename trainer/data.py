@@ -5,6 +5,7 @@ memory stays at a few blocks whatever the file size.
 """
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -22,17 +23,25 @@ from sparse.parse import BlockTask, ParseStats, Reader, is_parquet, open_binary,
 
 def count_data_lines(path: str, header: bool) -> int:
     """Data rows of a file: the lines of a text file (gzip or plain) less its header line
-    (a last line without a newline counts), or a Parquet file's rows (it has no header)."""
+    (a last line without a newline counts), or a Parquet file's rows (it has no header).
+    A text file is read once per process while its size and mtime stay the same: a
+    coordinator checks every job of a search (`mariana tune --mode cluster`) on the same files."""
     if is_parquet(path):
         with open_parquet(path) as pf:
             return pf.metadata.num_rows
+    st = os.stat(path)
+    return max(_text_lines(os.path.abspath(path), st.st_size, st.st_mtime_ns) - int(header), 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _text_lines(path: str, size: int, mtime_ns: int) -> int:
+    """Lines of a text file (gzip or plain); `size` and `mtime_ns` key the cache."""
     lines, last = 0, b"\n"
     with open_binary(path) as f:
         while chunk := f.read(1 << 20):
             lines += chunk.count(b"\n")
             last = chunk[-1:]
-    lines += last != b"\n"
-    return max(lines - int(header), 0)
+    return lines + (last != b"\n")
 
 
 def estimate_rows(paths: list[str], schema, block_bytes: int = 4 << 20) -> int:

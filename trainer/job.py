@@ -226,7 +226,7 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
     meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,
             "search": SEARCH, "validation": job.valid.source, "first_trial": "the job's own config"}
     if fraction:
-        bundle, trained, meta["refit"] = refit_best(result, job, t0 + budget)
+        bundle, trained, meta["refit"] = refit_best(result, job, fraction, t0 + budget)
     trials_file = save_trials(out_dir, result, meta)
     summary = summarize(result, meta, trials_file)
     record = publish(bundle, job, trained, out_dir, promote, extra={"tune": summary})
@@ -235,25 +235,19 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
     return record
 
 
-def refit_best(result, job: JobInputs, deadline: float) -> tuple[ModelBundle, TrainResult, dict]:
+def refit_best(result, job: JobInputs, fraction: float,
+               deadline: float) -> tuple[ModelBundle, TrainResult, dict]:
     """(bundle, training, what was done) of the best trial's config trained on every row for
-    its best epoch count; the trial's own model when that would not end by `deadline`."""
-    from trainer.tune import refit_config, refit_seconds
+    its best epoch count (`trainer.tune.refit_plan`); the trial's own model when that would
+    not end by `deadline`."""
+    from trainer.tune import refit_plan
 
-    best, (bundle, trained) = result.best, result.kept
-    fraction = bundle.config.train.valid_fraction
-    estimate = refit_seconds(best, fraction)
-    if time.perf_counter() + estimate > deadline:
-        log.info("tune: no refit (about %.1fs needed, %.1fs of the budget left): the best trial's model is kept",
-                 estimate, deadline - time.perf_counter())
-        return bundle, trained, {"done": False, "why": f"about {estimate:.1f}s needed, not left in the budget"}
-    config = refit_config(bundle.config, best.best_epoch)
+    config, done = refit_plan(result, fraction, deadline)
+    if config is None:
+        return *result.kept, done
     refit = ModelBundle(config, job.schema)
-    log.info("tune: refit of trial %d on every row (the held-out %g too) for %d epoch(s)", best.number, fraction,
-             config.train.epochs)
-    done = train_local(refit, job.train, log_epochs=False)
-    return refit, done, {"done": True, "epochs": config.train.epochs, "rows": done.train_rows,
-                         "seconds": round(done.train_seconds, 2)}
+    trained = train_local(refit, job.train, log_epochs=False)
+    return refit, trained, {**done, "rows": trained.train_rows, "seconds": round(trained.train_seconds, 2)}
 
 
 DEFAULT_VALID_FRACTION = 0.1  # epochs = "auto" with no validation rows named

@@ -194,11 +194,23 @@ def refit_reserve(trial: Trial, fraction: float) -> float:
     return 1.5 * refit_seconds(trial, fraction) + 0.5
 
 
-def refit_config(config: JobConfig, epochs: int) -> JobConfig:
-    """The best trial's config for training on every row: its best epoch count, nothing held out."""
-    tree = copy.deepcopy(config.to_dict())
-    tree["train"].update(epochs=max(epochs, 1), valid_fraction=0.0)
-    return from_dict(JobConfig, tree)
+def refit_plan(result: "TuneResult", fraction: float, deadline: float) -> tuple[JobConfig | None, dict]:
+    """(the best trial's config for training on every row: its best epoch count, nothing held
+    out; what is done, for `tune.refit`), or (None, why not) when the refit would not end by
+    `deadline` (a time.perf_counter() value). Local and cluster searches alike."""
+    best = result.best
+    estimate = refit_seconds(best, fraction)
+    left = deadline - time.perf_counter()
+    if estimate > left:
+        log.info("tune: no refit (about %.1fs needed, %.1fs of the budget left): the best trial's model is kept",
+                 estimate, left)
+        return None, {"done": False, "why": f"about {estimate:.1f}s needed, not left in the budget"}
+    tree = copy.deepcopy(result.config.to_dict())
+    tree["train"].update(epochs=max(best.best_epoch, 1), valid_fraction=0.0)
+    config = from_dict(JobConfig, tree)
+    log.info("tune: refit of trial %d on every row (the held-out %g too) for %d epoch(s)", best.number, fraction,
+             config.train.epochs)
+    return config, {"done": True, "epochs": config.train.epochs}
 
 
 def check_search(config: JobConfig, budget: float) -> None:

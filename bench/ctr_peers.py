@@ -73,7 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC  # noqa: E402  (plain tuples, no heavy imports)
+from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC  # noqa: E402  (plain tuples, no heavy imports)
 
 SYSTEMS = {"lr": "mariana-lr", "dnn": "mariana-dnn", "vw": "vw", "sklearn": "sklearn"}
 PEER_PACKAGES = {"vw": "vowpalwabbit", "sklearn": "sklearn"}
@@ -161,7 +161,7 @@ def token_columns(table) -> list:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from sparse.hashing import HashSpec, log_bucket
+    from mariana.sparse.hashing import HashSpec, log_bucket
 
     scale = HashSpec().bucket_scale
     columns = []
@@ -204,7 +204,7 @@ def peak_rss_mb() -> float:
 
 
 def scored(labels, probs) -> dict:
-    from sparse.metrics import BinaryMetrics
+    from mariana.sparse.metrics import BinaryMetrics
 
     m = BinaryMetrics()
     m.update(labels, probs)
@@ -275,7 +275,7 @@ def run_child(args: argparse.Namespace) -> int:
 
 def system_command(system: str, data: dict, bits: int, work: Path) -> list[str]:
     if system in ("lr", "dnn"):
-        return [sys.executable, "-m", "services.cli", "-q", "train", "--data", str(data["train"]),
+        return [sys.executable, "-m", "mariana.services.cli", "-q", "train", "--data", str(data["train"]),
                 "--test-data", str(data["test"]), "--model", system, "--bits", str(bits),
                 "--out", str(work), "--json"]
     train, test = (data["train_vw"], data["test_vw"]) if system == "vw" else (data["train"], data["test"])

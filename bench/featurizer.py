@@ -44,12 +44,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from ctr_peers import machine_info  # noqa: E402  (bench/ is on sys.path when run as a script)
-from featurizer.creatives import CreativeFeatures, ImageFeatureEncoder  # noqa: E402
-from featurizer.image import ImageFeaturizer, load_mnist, mnist_dir, to_input  # noqa: E402
-from sparse.encode import Encoder  # noqa: E402
-from sparse.hashing import HashSpec  # noqa: E402
-from sparse.parse import Reader  # noqa: E402
-from sparse.schema import criteo  # noqa: E402
+from mariana.featurizer.creatives import CreativeFeatures, ImageFeatureEncoder  # noqa: E402
+from mariana.featurizer.image import ImageFeaturizer, load_mnist, mnist_dir, to_input  # noqa: E402
+from mariana.sparse.encode import Encoder  # noqa: E402
+from mariana.sparse.hashing import HashSpec  # noqa: E402
+from mariana.sparse.parse import Reader  # noqa: E402
+from mariana.sparse.schema import criteo  # noqa: E402
 
 
 def note(msg: str) -> None:
@@ -106,7 +106,7 @@ def _conv3x3(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, pad: int) -> n
 # ---- 1. throughput --------------------------------------------------------------------------
 
 def throughput(f: ImageFeaturizer, images: np.ndarray, seconds: float, repeat: int) -> dict:
-    from trainer.models.image_cnn import ImageCNN, ImageCNNConfig
+    from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig
 
     batch = images[:256]
     module = ImageCNN(ImageCNNConfig.from_dict(f.manifest["cnn"])).eval()
@@ -166,9 +166,9 @@ def lookup_overhead(train_tsv: Path, table: CreativeFeatures, field: str, block_
 # ---- setup and report --------------------------------------------------------------------------
 
 def prepare(args) -> tuple[Path, ImageFeaturizer, CreativeFeatures, Path]:
-    from featurizer.ads import AdsSpec, generate_ads_with_images
-    from trainer.config import ImagesConfig
-    from trainer.images import load_creative_set, open_featurizer
+    from mariana.featurizer.ads import AdsSpec, generate_ads_with_images
+    from mariana.trainer.config import ImagesConfig
+    from mariana.trainer.images import load_creative_set, open_featurizer
 
     data = Path(args.out_dir) / f"ads-{args.rows}"
     if not (data / "train.tsv").exists():
@@ -186,7 +186,7 @@ def pipeline_stage(data: Path, featurizer: str, out_dir: Path) -> dict:
     for label, extra in (("without_images", []), ("with_images", ["--images", str(data), "--featurizer", featurizer])):
         model = out_dir / f"model-{label}"
         shutil.rmtree(model, ignore_errors=True)  # a fresh version 1, not one more in an old dir
-        cmd = [sys.executable, "-m", "services.cli", "-q", "train", "--data", str(data / "train.tsv"), "--model", "lr",
+        cmd = [sys.executable, "-m", "mariana.services.cli", "-q", "train", "--data", str(data / "train.tsv"), "--model", "lr",
                "--out", str(model), "--json", "--mode", "cluster", "--workers", "1", "--ps", "1", "--preprocess", "1",
                *extra]
         note(f"pipeline: {label}")

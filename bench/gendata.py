@@ -24,7 +24,7 @@ def synthetic_file(out_dir: Path, kind: str, rows: int, seed: int, note=lambda m
         return path
     note(f"generating {path.name} ({rows:,} rows, seed {seed})")
     partial = path.with_suffix(".partial.tsv")
-    subprocess.run([sys.executable, "-m", "services.cli", "-q", "gen", "criteo", "--rows", str(rows),
+    subprocess.run([sys.executable, "-m", "mariana.services.cli", "-q", "gen", "criteo", "--rows", str(rows),
                     "--seed", str(seed), "--out", str(partial)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     partial.replace(path)
     return path

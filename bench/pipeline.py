@@ -70,7 +70,7 @@ def config_label(cluster: tuple[int, int, int] | None) -> str:
 
 
 def train_command(args: argparse.Namespace, data: dict, cluster: tuple | None, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "services.cli", "-q", "train", "--data", str(data["train"]),
+    cmd = [sys.executable, "-m", "mariana.services.cli", "-q", "train", "--data", str(data["train"]),
            "--test-data", str(data["test"]), "--model", args.model, "--epochs", str(args.epochs),
            "--out", str(out), "--json"]
     if cluster is not None:

@@ -32,8 +32,8 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from sparse import synth  # noqa: E402
-from sparse.metrics import BinaryMetrics  # noqa: E402
+from mariana.sparse import synth  # noqa: E402
+from mariana.sparse.metrics import BinaryMetrics  # noqa: E402
 
 BATCH, LR, BUCKETS = 1024, 0.01, 62
 

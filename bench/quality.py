@@ -107,7 +107,7 @@ def hanley_mcneil(auc: float | None, n_pos: int, n_neg: int) -> tuple[float, flo
 def score(labels, probs) -> dict:
     import numpy as np
 
-    from sparse.metrics import BinaryMetrics
+    from mariana.sparse.metrics import BinaryMetrics
 
     probs = np.asarray(probs, np.float64)
     if probs.shape != labels.shape or not np.isfinite(probs).all():
@@ -203,7 +203,7 @@ def set_synth(out: Path, args) -> dict | str:
 
 
 def set_drift(out: Path, args) -> dict | str:
-    from sparse.synth_drift import DEFAULT_MODEL_SEED, generate_drift
+    from mariana.sparse.synth_drift import DEFAULT_MODEL_SEED, generate_drift
 
     rows = args.rows * 5 // 4
     full = out / f"drift_{rows}.tsv"
@@ -231,7 +231,7 @@ def criteo_tokens(path: Path):
     import pyarrow as pa
 
     from ctr_peers import read_tsv_chunks, token_columns
-    from sparse.schema import CRITEO_NUMERIC
+    from mariana.sparse.schema import CRITEO_NUMERIC
 
     tables = list(read_tsv_chunks(path))
     table = pa.concat_tables(tables) if tables else None
@@ -283,7 +283,7 @@ def load_tokens(ds: dict) -> dict:
 
 def mariana_cmd() -> list[str]:
     script = Path(sys.executable).parent / "mariana"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "serving.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mariana.serving.cli"]
 
 
 def rss_gib(pid: int) -> float:
@@ -614,8 +614,8 @@ def synth_oracle(test: Path):
     import numpy as np
 
     from ctr_peers import read_tsv_chunks
-    from sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
-    from sparse.synth import PAIRS, make_world
+    from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
+    from mariana.sparse.synth import PAIRS, make_world
 
     world = make_world()
     logits = []
@@ -650,7 +650,7 @@ def reference_rows(ds: dict, tok: dict) -> list[dict]:
         rows.insert(0, {"system": "planted model (oracle)", **score(tok["y_te"], synth_oracle(ds["test"])),
                         "train_seconds": None, "detail": "sparse/synth.py's own probabilities"})
     elif ds.get("generated") == "drift":
-        from sparse.synth_drift import planted_probabilities
+        from mariana.sparse.synth_drift import planted_probabilities
 
         d = ds["drift"]
         y, p = planted_probabilities(d["rows"], d["seed"], d["model_seed"], start=d["cut"])

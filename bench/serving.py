@@ -329,7 +329,7 @@ def server_for(system: str, args, models: dict, port: int, config: Path | None =
     log = args.out_dir / "logs" / f"{SYSTEMS[system]}{tag}.log"
     common = ["--host", "127.0.0.1", "--port", port, "--workers", args.workers]
     if system in ("lr", "dnn"):
-        cmd = [sys.executable, "-m", "serving.cli", "serve", "--model-dir", models[system], *common]
+        cmd = [sys.executable, "-m", "mariana.serving.cli", "serve", "--model-dir", models[system], *common]
         if config is not None:
             cmd += ["--config", config]
         return Server(system, cmd, port, args.workers, log, "healthz")
@@ -485,7 +485,7 @@ def child_train_sklearn(args) -> int:
     from sklearn.linear_model import SGDClassifier
 
     from ctr_peers import read_tsv_chunks, token_columns
-    from sparse.hashing import HashSpec
+    from mariana.sparse.hashing import HashSpec
 
     scale = HashSpec().bucket_scale
     hasher = FeatureHasher(n_features=1 << args.bits, input_type="string", alternate_sign=False)
@@ -570,7 +570,7 @@ def train_models(args, data: dict, systems: list[str]) -> tuple[dict, dict]:
         shutil.rmtree(model_dir, ignore_errors=True)  # mariana would add versions to an old dir
         records[kind] = []
         for _ in range(3):  # v000001..v000003 (CURRENT): the swap phase cycles through them
-            cmd = [sys.executable, "-m", "serving.cli", "-q", "train", "--data", data["train"], "--model", kind,
+            cmd = [sys.executable, "-m", "mariana.serving.cli", "-q", "train", "--data", data["train"], "--model", kind,
                    "--out", model_dir, "--json"]
             proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -806,7 +806,7 @@ class Promoter:
     def __call__(self, elapsed: float) -> None:
         if elapsed < self.next_at or elapsed > self.stop:
             return
-        from trainer import checkpoint
+        from mariana.trainer import checkpoint
 
         # The version after CURRENT, in a cycle of three: never the one a worker just swapped
         # out (which it keeps loaded), so every promotion makes every worker load a version.
@@ -814,7 +814,7 @@ class Promoter:
         target = self.versions[(self.versions.index(current) + 1) % len(self.versions)]
         t0 = time.perf_counter()
         if self.cli:
-            subprocess.run([sys.executable, "-m", "serving.cli", "model", "promote", target, "--model-dir",
+            subprocess.run([sys.executable, "-m", "mariana.serving.cli", "model", "promote", target, "--model-dir",
                             str(self.model_dir)], cwd=REPO, check=True, capture_output=True)
         else:
             checkpoint.set_current(self.model_dir, target, reason="promoted")
@@ -832,7 +832,7 @@ def swap_run(args, system: str, models: dict) -> tuple[dict, dict]:
     model_dir = models[system]
     config = args.out_dir / f"serve-swap-{system}.toml"
     config.write_text("[serve]\nwatch_seconds = 0.2\n")
-    from trainer import checkpoint
+    from mariana.trainer import checkpoint
 
     versions = checkpoint.list_versions(model_dir)[:3]
     if len(versions) < 3:
@@ -874,7 +874,7 @@ def _swapping(args, server: Server, system: str, model_dir: Path, versions: list
         after["model_load_failures"] - before["model_load_failures"])
     r.update(promotions=promoter.done, promotions_count=len(promoter.done), worker_swaps=swaps,
              load_failures=failures, versions_seen=sorted(r["versions"]), watch_seconds=0.2,
-             promote="mariana model promote (CLI)" if args.promote_cli else "trainer.checkpoint.set_current")
+             promote="mariana model promote (CLI)" if args.promote_cli else "mariana.trainer.checkpoint.set_current")
     note(f"{SYSTEMS[system]} swap at {rate:,}/s: {len(promoter.done)} promotions, {swaps} worker swaps, "
          f"versions seen {r['versions']}, errors {r['error_count']}")
     return r

@@ -41,9 +41,9 @@ import zmq.asyncio
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services import protocol  # noqa: E402
-from services.launcher import free_port  # noqa: E402
-from services.transport import Client, Server  # noqa: E402
+from mariana.services import protocol  # noqa: E402
+from mariana.services.launcher import free_port  # noqa: E402
+from mariana.services.transport import Client, Server  # noqa: E402
 
 SYSTEMS = ("mariana", "pyzmq-asyncio", "pyzmq-sync")
 PAYLOADS = ("small", "pull")

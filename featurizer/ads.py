@@ -29,11 +29,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 
-from featurizer.creatives import IMAGES_FILE, META_FILE
-from featurizer.image import load_mnist, split_indices
-from sparse.hashing import fmix64
-from sparse.metrics import BinaryMetrics
-from sparse.synth import World, _draw, _table, ctr_shift, make_world
+from mariana.featurizer.creatives import IMAGES_FILE, META_FILE
+from mariana.featurizer.image import load_mnist, split_indices
+from mariana.sparse.hashing import fmix64
+from mariana.sparse.metrics import BinaryMetrics
+from mariana.sparse.synth import World, _draw, _table, ctr_shift, make_world
 
 CREATIVE_FIELD = "C26"
 SEGMENT_FIELD = "C17"           # 10 values, never missing: the "user segment"

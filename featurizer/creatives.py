@@ -22,10 +22,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparse.batch import SparseBatch
-from sparse.encode import Encoder
-from sparse.errors import DataFormatError
-from sparse.parse import Chunk
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.encode import Encoder
+from mariana.sparse.errors import DataFormatError
+from mariana.sparse.parse import Chunk
 
 IMAGES_FILE = "creatives.npy"
 META_FILE = "creatives.json"

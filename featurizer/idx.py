@@ -21,8 +21,8 @@ import zlib
 
 import numpy as np
 
-from sparse.errors import DataFormatError
-from sparse.parse import open_binary
+from mariana.sparse.errors import DataFormatError
+from mariana.sparse.parse import open_binary
 
 UBYTE = 0x08
 MAX_DIMS = 4

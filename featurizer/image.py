@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from featurizer.idx import IdxFormatError, read_idx
-from sparse.errors import DataFormatError, ModelDirError
+from mariana.featurizer.idx import IdxFormatError, read_idx
+from mariana.sparse.errors import DataFormatError, ModelDirError
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def decode_image(raw, name: str, size: int = 28) -> np.ndarray:
     (28, 28)
     >>> decode_image(bytes(10), "creative 7")
     Traceback (most recent call last):
-    featurizer.image.BadImage: creative 7: 10 bytes, expected 784 (a 28x28 uint8 image)
+    mariana.featurizer.image.BadImage: creative 7: 10 bytes, expected 784 (a 28x28 uint8 image)
     """
     if isinstance(raw, (bytes, bytearray, memoryview)):
         if len(raw) != size * size:

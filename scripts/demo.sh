@@ -59,7 +59,7 @@ serve_pid=$!
 ask() {  # POST the sample rows to /v1/predict; print the answer
   .venv/bin/python - "$port" "$out/sample.tsv" "$1" <<'PY'
 import json, sys, time, urllib.request
-from sparse.schema import criteo
+from mariana.sparse.schema import criteo
 port, sample, wait_for = sys.argv[1], sys.argv[2], sys.argv[3]
 base = f"http://127.0.0.1:{port}"
 deadline = time.monotonic() + 60
@@ -95,7 +95,7 @@ $mariana model list --model-dir "$out/model-lr"
 echo "== summary"
 .venv/bin/python - "$out" "$port" "$http" <<'PY'
 import sys
-from trainer import checkpoint
+from mariana.trainer import checkpoint
 out, port, ui = sys.argv[1], sys.argv[2], sys.argv[3] + "/ui/"
 print("models trained (AUC on the test rows):")
 for kind in ("lr", "dnn"):

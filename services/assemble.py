@@ -13,17 +13,17 @@ from typing import Callable
 import numpy as np
 import torch
 
-from sparse.errors import ConfigError, ModelDirError
-from sparse.metrics import rounded
-from sparse.inputs import expand_data_paths
-from sparse.parse import Reader
-from sparse.schema import Schema
-from trainer import checkpoint
-from trainer.bundle import INITS, ModelBundle, check_parent, parent_version, table_arrays
-from trainer.config import JobConfig, from_dict
-from trainer.data import RowRange
-from trainer.job import check_inputs, check_out_dir, check_trained, resolve_auto, validation
-from trainer.strategies.local import Validation, evaluate, peak_rss_mb
+from mariana.sparse.errors import ConfigError, ModelDirError
+from mariana.sparse.metrics import rounded
+from mariana.sparse.inputs import expand_data_paths
+from mariana.sparse.parse import Reader
+from mariana.sparse.schema import Schema
+from mariana.trainer import checkpoint
+from mariana.trainer.bundle import INITS, ModelBundle, check_parent, parent_version, table_arrays
+from mariana.trainer.config import JobConfig, from_dict
+from mariana.trainer.data import RowRange
+from mariana.trainer.job import check_inputs, check_out_dir, check_trained, resolve_auto, validation
+from mariana.trainer.strategies.local import Validation, evaluate, peak_rss_mb
 
 MODES = ("async", "ssp", "bsp")
 
@@ -127,7 +127,7 @@ def _holdout(data: list[str], train_rows: RowRange, valid: Validation) -> dict:
 
 def _check_images(config: JobConfig) -> None:
     if config.images.creatives:
-        from trainer.images import creatives_dir
+        from mariana.trainer.images import creatives_dir
 
         creatives_dir(config.images.creatives)  # ConfigError naming the dir when it is not one
         if config.images.featurizer and not os.path.isdir(config.images.featurizer):
@@ -148,8 +148,8 @@ def cluster_image_record(spec: dict, ledger, images) -> dict:
     """Local mode's record of the image features (trainer.job.image_record); training rows
     were looked up by preprocess once, in the pass over the source, and the table was
     fresh for the evaluation."""
-    from trainer.images import features_sha
-    from trainer.job import image_record
+    from mariana.trainer.images import features_sha
+    from mariana.trainer.job import image_record
 
     info = {**spec["images"]["info"], "model_creatives": len(images.ids), "features_sha256": features_sha(images.features)}
     train = {"lookups": int(ledger.counters["creative_lookups"]), "unknown": int(ledger.counters["creatives_unknown"])}

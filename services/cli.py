@@ -1,6 +1,6 @@
 """The `mariana` command line: the pipeline's commands. The installed `mariana`
 script is `serving.cli:main`, which adds serve, model and retrain (services/
-never imports serving/); `python -m services.cli` is what the launcher runs.
+never imports serving/); `python -m mariana.services.cli` is what the launcher runs.
 
     mariana gen criteo|criteo-drift --rows N --seed S --out FILE
     mariana gen ads-with-images --rows N --seed S --images MNIST_DIR --out DIR
@@ -35,10 +35,10 @@ import os
 import sys
 import time
 
-from services import images_cli
-from services.runtime.tuning import freeze_imports, tune_process
-from sparse.errors import MarianaError
-from sparse.schema import FORMATS  # light: no numpy before tune_process() sets its thread count
+from mariana.services import images_cli
+from mariana.services.runtime.tuning import freeze_imports, tune_process
+from mariana.sparse.errors import MarianaError
+from mariana.sparse.schema import FORMATS  # light: no numpy before tune_process() sets its thread count
 
 log = logging.getLogger("mariana")
 EXIT_USAGE = 2
@@ -49,7 +49,7 @@ ROLES = ("coordinator", "loader", "preprocess", "worker", "ps")
 # ---- commands -------------------------------------------------------------------
 
 def cmd_gen(args: argparse.Namespace) -> int:
-    from sparse.synth import generate_criteo
+    from mariana.sparse.synth import generate_criteo
 
     if args.rows < 0:
         raise MarianaError("--rows must be >= 0")
@@ -66,7 +66,7 @@ def cmd_gen(args: argparse.Namespace) -> int:
             log.info("gen: %s rows, %s rows/s", f"{done:,}", f"{done / max(seconds, 1e-9):,.0f}")
 
     if args.kind == "criteo-drift":
-        from sparse.synth_drift import generate_drift
+        from mariana.sparse.synth_drift import generate_drift
 
         seeds = {"seed": args.seed} | ({} if args.model_seed is None else {"model_seed": args.model_seed})
         result = generate_drift(args.out, args.rows, progress=progress, **seeds)
@@ -84,14 +84,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.mode == "cluster":
         record = _train_cluster(args, config)
     else:
-        from trainer.job import run_local_job
+        from mariana.trainer.job import run_local_job
 
         _refuse_cluster_flags(args)
         record = run_local_job(config, _paths(args.data), _paths(args.test_data), args.out,
                                on_progress=_progress_logger(), valid_paths=_paths(args.valid_data),
                                init_from=args.init_from)
     if args.notify:
-        from services import model_events
+        from mariana.services import model_events
 
         model_events.publish(args.notify, "trained", record["model_dir"], record["model_version"],
                              record["model_version"])
@@ -106,7 +106,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.mode == "cluster":
         record = _tune_cluster(args, config)
     else:
-        from trainer.job import run_tune_job
+        from mariana.trainer.job import run_tune_job
 
         _refuse_cluster_flags(args)
         record = run_tune_job(config, _paths(args.data), _paths(args.test_data), args.out, args.budget, args.model,
@@ -130,7 +130,7 @@ TRIALS_SHOWN = 15  # `tune` prints the best trials; the trials file keeps them a
 
 
 def _tune_cluster(args: argparse.Namespace, config) -> dict:
-    from services.cluster_tune import run_cluster_tune
+    from mariana.services.cluster_tune import run_cluster_tune
 
     cluster, sync, asked = _cluster_settings(args)
     return run_cluster_tune(config, _paths(args.data), _paths(args.test_data), _paths(args.valid_data), args.out,
@@ -141,7 +141,7 @@ def _tune_cluster(args: argparse.Namespace, config) -> dict:
 def _cluster_settings(args: argparse.Namespace) -> tuple:
     """(the cluster config, the sync mode, the roles whose counts were asked) of --mode
     cluster's flags: --workers, --ps, --preprocess, --sync, --staleness, --cluster-config."""
-    from services.runtime.config import load_cluster_config
+    from mariana.services.runtime.config import load_cluster_config
 
     overrides = {key: getattr(args, flag) for flag, key in
                  (("workers", "worker.count"), ("ps", "ps.count"), ("preprocess", "preprocess.count"))
@@ -166,7 +166,7 @@ def _params(params: dict) -> str:
 
 
 def _train_cluster(args: argparse.Namespace, config) -> dict:
-    from services.cluster_job import run_cluster_job
+    from mariana.services.cluster_job import run_cluster_job
 
     cluster, sync, asked = _cluster_settings(args)
     return run_cluster_job(config, _paths(args.data), _paths(args.test_data), args.out, cluster,
@@ -192,9 +192,9 @@ def _cluster_progress():
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from services import reliability
-    from sparse.parse import describe_bad
-    from trainer.strategies.local import evaluate
+    from mariana.services import reliability
+    from mariana.sparse.parse import describe_bad
+    from mariana.trainer.strategies.local import evaluate
 
     if args.plot:
         reliability.check_plot_path(args.plot)  # before the work, not after it
@@ -225,8 +225,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     --skip-bad: nothing), so line N of the output belongs to data row N of the input."""
     import numpy as np
 
-    from sparse.parse import describe_bad
-    from trainer.data import BatchStream
+    from mariana.sparse.parse import describe_bad
+    from mariana.trainer.data import BatchStream
 
     bundle, paths = _model_and_data(args)
     stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None, slots=True)
@@ -250,7 +250,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import importlib
 
-    from services.runtime.config import load_cluster_config
+    from mariana.services.runtime.config import load_cluster_config
 
     cfg = load_cluster_config(args.config)
     count = cfg.count(args.role)
@@ -258,12 +258,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise MarianaError(f"--index {args.index}: {args.config} has {count} {args.role} instance(s), "
                            f"so --index must be in 0..{count - 1}")
     cfg.require_endpoints()
-    return importlib.import_module(f"services.{args.role}").main(cfg, args.index)
+    return importlib.import_module(f"mariana.services.{args.role}").main(cfg, args.index)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.launcher import up
-    from services.runtime.config import load_cluster_config
+    from mariana.services.launcher import up
+    from mariana.services.runtime.config import load_cluster_config
 
     flags = (("dir", "cluster.dir"), ("workers", "worker.count"), ("ps", "ps.count"),
              ("preprocess", "preprocess.count"))
@@ -275,14 +275,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from services.launcher import down
+    from mariana.services.launcher import down
 
     print(json.dumps(down(_cluster_dir(args), timeout=args.timeout)))
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from services.launcher import ClusterNotUp, remote_status, status
+    from mariana.services.launcher import ClusterNotUp, remote_status, status
 
     if args.url:  # a cluster this shell did not start (systemd, another machine)
         st = {"dir": None, "http": args.url.rstrip("/"), "started_at": None, "processes": {},
@@ -301,7 +301,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from services.deploy import install
+    from mariana.services.deploy import install
 
     print(install(args.prefix, dry_run=args.dry_run, mariana=args.mariana, redis_server=args.redis_server))
     return 0
@@ -323,13 +323,13 @@ def _paths(spec: str | None) -> list[str]:
     """The files a comma-separated `--data`/`--test-data` names: files, directories (their
     files, by name) and globs (sorted), expanded here, before any work or a cluster job's
     submission (sparse/inputs.py); an item that names no file is an error naming it."""
-    from sparse.inputs import expand_data_paths
+    from mariana.sparse.inputs import expand_data_paths
 
     return expand_data_paths([p for p in (spec or "").split(",") if p])
 
 
 def _job_config(args: argparse.Namespace):
-    from trainer.config import load_config, parse_set_option
+    from mariana.trainer.config import load_config, parse_set_option
 
     overrides = dict(parse_set_option(item) for item in args.set or [])
     for flag, key in (("model", "model.kind"), ("epochs", "train.epochs"), ("format", "data.format"),
@@ -344,9 +344,9 @@ def _job_config(args: argparse.Namespace):
 
 def _model_and_data(args: argparse.Namespace):
     """(the CURRENT version of --model, the --data paths), checked before any work."""
-    from sparse.parse import Reader
-    from trainer.bundle import ModelBundle
-    from trainer.job import check_inputs
+    from mariana.sparse.parse import Reader
+    from mariana.trainer.bundle import ModelBundle
+    from mariana.trainer.job import check_inputs
 
     paths = _paths(args.data)
     if not paths:
@@ -380,7 +380,7 @@ def _print_record(record: dict, as_json: bool) -> None:
     for key, text in lines:
         print(f"{key:>{width}}: {text}")
     if table:
-        from services import reliability
+        from mariana.services import reliability
 
         print(f"\nreliability ({len(table)} buckets of about equal rows, by pCTR):")
         for line in reliability.table_lines(table):
@@ -420,7 +420,7 @@ def _human(value) -> str:
 
 
 def _cluster_dir(args: argparse.Namespace) -> str:
-    from services.runtime.config import load_cluster_config
+    from mariana.services.runtime.config import load_cluster_config
 
     return args.dir or load_cluster_config(args.config).cluster.path
 
@@ -531,7 +531,7 @@ def _cluster_flags(p: argparse.ArgumentParser, mode_help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services import __version__
+    from mariana.services import __version__
 
     p = argparse.ArgumentParser(prog="mariana", description="CTR training and serving platform")
     p.add_argument("--version", action="version", version=f"mariana {__version__}")
@@ -683,7 +683,7 @@ def _add_cluster_commands(sub) -> None:
 
 def main(argv: list[str] | None = None, build=build_parser) -> int:
     """Run one command; `build` makes the parser (serving.cli adds its commands to ours)."""
-    from services.runtime.logs import setup_logging
+    from mariana.services.runtime.logs import setup_logging
 
     tune_process()
     parser = build()

@@ -20,12 +20,12 @@ import urllib.error
 import urllib.request
 from typing import Callable, Iterator
 
-from services.assemble import check_request
-from services.runtime.config import ClusterConfig
-from sparse.errors import MarianaError
-from trainer.bundle import parse_init_from
-from trainer.config import JobConfig
-from trainer.job import absolute_paths
+from mariana.services.assemble import check_request
+from mariana.services.runtime.config import ClusterConfig
+from mariana.sparse.errors import MarianaError
+from mariana.trainer.bundle import parse_init_from
+from mariana.trainer.config import JobConfig
+from mariana.trainer.job import absolute_paths
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
@@ -76,7 +76,7 @@ def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iter
     """The cluster up in `cluster`'s dir (`launcher.cluster_info`), or one started here in
     a fresh temporary dir and stopped when the block ends (its dir removed, or kept with
     its logs when the block failed). `asked`: the roles whose counts a running one must have."""
-    from services import launcher
+    from mariana.services import launcher
 
     info = launcher.cluster_info(cluster.cluster.path)
     if info is not None:
@@ -101,7 +101,7 @@ def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iter
 
 def check_sizes(wanted: ClusterConfig, info: dict, asked: tuple[str, ...]) -> None:
     """A running cluster is used as it is: asked-for sizes that differ are an error, not a surprise."""
-    from services.runtime.config import load_cluster_config
+    from mariana.services.runtime.config import load_cluster_config
 
     running = load_cluster_config(info["config"], env={})
     for role in asked:

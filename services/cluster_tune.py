@@ -20,15 +20,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from services.assemble import check_request
-from services.cluster_job import JobFailed, Unreachable, _request, cluster_session, submit, wait
-from services.runtime.config import ClusterConfig
-from sparse.errors import MarianaError
-from trainer import checkpoint
-from trainer.config import JobConfig, from_dict
-from trainer.job import absolute_paths
-from trainer.strategies.local import best_epoch, valid_record
-from trainer.tune import (SEARCH, SearchFailed, Trial, TrialRun, check_search, refit_plan, refit_reserve,
+from mariana.services.assemble import check_request
+from mariana.services.cluster_job import JobFailed, Unreachable, _request, cluster_session, submit, wait
+from mariana.services.runtime.config import ClusterConfig
+from mariana.sparse.errors import MarianaError
+from mariana.trainer import checkpoint
+from mariana.trainer.config import JobConfig, from_dict
+from mariana.trainer.job import absolute_paths
+from mariana.trainer.strategies.local import best_epoch, valid_record
+from mariana.trainer.tune import (SEARCH, SearchFailed, Trial, TrialRun, check_search, refit_plan, refit_reserve,
                           save_trials, summarize, trials_path, tune)
 
 log = logging.getLogger(__name__)

@@ -36,22 +36,22 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from services import model_events, protocol, webui
-from services.assemble import assemble_and_publish, check_request, job_validation, validate_exports
-from services.creative_cache import creative_table, ensure_cached, featurize_creatives
-from services.jobstore import JobStore
-from services.ledger import STAGES, ChunkInfo, JobLedger, parse_step, stage_seconds_of
-from services.protocol import BadMessage, Message
-from services.runtime.config import ROLES, ClusterConfig
-from services.runtime.exporter import render_service
-from services.runtime.lifecycle import Service, run_service
-from services.sample_cache import SampleCache, batch_key
-from services.transport import Client, PeerTimeout, RemoteError, Server
-from sparse.errors import ConfigError, MarianaError
-from sparse.metrics import histogram_auc
-from trainer import checkpoint
-from trainer.config import JobConfig, from_dict
-from trainer.strategies.local import best_epoch, valid_record
+from mariana.services import model_events, protocol, webui
+from mariana.services.assemble import assemble_and_publish, check_request, job_validation, validate_exports
+from mariana.services.creative_cache import creative_table, ensure_cached, featurize_creatives
+from mariana.services.jobstore import JobStore
+from mariana.services.ledger import STAGES, ChunkInfo, JobLedger, parse_step, stage_seconds_of
+from mariana.services.protocol import BadMessage, Message
+from mariana.services.runtime.config import ROLES, ClusterConfig
+from mariana.services.runtime.exporter import render_service
+from mariana.services.runtime.lifecycle import Service, run_service
+from mariana.services.sample_cache import SampleCache, batch_key
+from mariana.services.transport import Client, PeerTimeout, RemoteError, Server
+from mariana.sparse.errors import ConfigError, MarianaError
+from mariana.sparse.metrics import histogram_auc
+from mariana.trainer import checkpoint
+from mariana.trainer.config import JobConfig, from_dict
+from mariana.trainer.strategies.local import best_epoch, valid_record
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.25
@@ -681,7 +681,7 @@ class Coordinator(Service):
         """The job's creatives that have cached features: the table its model version stores."""
         if "images" not in run.spec:
             return None
-        from trainer.images import load_creative_set
+        from mariana.trainer.images import load_creative_set
 
         img, cfg = run.spec["images"], from_dict(JobConfig, run.spec["config"]).images
         await ensure_cached(self.cache, cfg, img["redis_key"], img["set"], self.counters)  # Redis may have restarted

@@ -26,9 +26,9 @@ from collections import Counter
 
 import numpy as np
 
-from featurizer.creatives import FALLBACK, CreativeFeatures
-from services.sample_cache import PREFIX, SampleCache
-from trainer.config import ImagesConfig
+from mariana.featurizer.creatives import FALLBACK, CreativeFeatures
+from mariana.services.sample_cache import PREFIX, SampleCache
+from mariana.trainer.config import ImagesConfig
 
 log = logging.getLogger(__name__)
 TAG = 8
@@ -79,7 +79,7 @@ async def featurize_creatives(cache: SampleCache, cfg: ImagesConfig, counters: C
     cached yet (or whose image changed) and cache them. Returns what the job record
     shows: the featurizer, the Redis key, how many were embedded now and how many
     were cached already, and the corrupt uploads skipped."""
-    from trainer.images import featurizer_info, load_creative_set, open_featurizer
+    from mariana.trainer.images import featurizer_info, load_creative_set, open_featurizer
 
     cset = await asyncio.to_thread(load_creative_set, cfg.creatives)
     featurizer, fdir, how = await asyncio.to_thread(open_featurizer, cfg, cset)

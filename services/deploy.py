@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparse.errors import MarianaError
+from mariana.sparse.errors import MarianaError
 
 # What the shipped units run; replaced by the paths of this install.
 UNIT_MARIANA = "/opt/mariana/.venv/bin/mariana"
@@ -92,7 +92,7 @@ def default_mariana() -> str:
 
 
 def default_redis_server() -> str:
-    from services.launcher import find_redis_server
+    from mariana.services.launcher import find_redis_server
 
     try:
         return find_redis_server()
@@ -293,7 +293,7 @@ def _add(plan: Plan, dest: Path, text: str, replace: bool) -> None:
 def _commands(plan: Plan, cluster_toml: Path) -> list[str]:
     """useradd, daemon-reload, enable: the unit instances follow the counts of the cluster
     config that will be in place (the kept one when there is one)."""
-    from services.runtime.config import load_cluster_config
+    from mariana.services.runtime.config import load_cluster_config
 
     config = cluster_toml if cluster_toml in plan.kept + plan.unchanged else plan.source / "config/cluster.systemd.toml"
     try:

@@ -17,11 +17,11 @@ import json
 import os
 import time
 
-from sparse.errors import MarianaError
+from mariana.sparse.errors import MarianaError
 
 
 def cmd_gen_ads(args: argparse.Namespace) -> int:
-    from featurizer.ads import AdsSpec, generate_ads_with_images
+    from mariana.featurizer.ads import AdsSpec, generate_ads_with_images
 
     if args.rows < 1 or (args.test_rows is not None and args.test_rows < 0):
         raise MarianaError("--rows must be >= 1 and --test-rows >= 0")
@@ -39,8 +39,8 @@ def cmd_gen_ads(args: argparse.Namespace) -> int:
 
 
 def cmd_featurizer_train(args: argparse.Namespace) -> int:
-    from featurizer.image import load_mnist
-    from trainer.featurizer_train import FeaturizerTrainConfig, progress_logger, train_and_export
+    from mariana.featurizer.image import load_mnist
+    from mariana.trainer.featurizer_train import FeaturizerTrainConfig, progress_logger, train_and_export
 
     _need_dir(args.data, "--data")
     if args.epochs < 1:
@@ -57,7 +57,7 @@ def cmd_featurizer_train(args: argparse.Namespace) -> int:
 def cmd_featurize(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from featurizer.image import ImageFeaturizer
+    from mariana.featurizer.image import ImageFeaturizer
 
     if not args.out.endswith(".npy"):
         raise MarianaError(f"--out {args.out}: the output is a .npy file")
@@ -78,11 +78,11 @@ def cmd_featurize_creatives(args: argparse.Namespace) -> int:
     import asyncio
     from collections import Counter
 
-    from services import launcher
-    from services.creative_cache import featurize_creatives
-    from services.runtime.config import load_cluster_config
-    from services.sample_cache import SampleCache
-    from trainer.config import ImagesConfig
+    from mariana.services import launcher
+    from mariana.services.creative_cache import featurize_creatives
+    from mariana.services.runtime.config import load_cluster_config
+    from mariana.services.sample_cache import SampleCache
+    from mariana.trainer.config import ImagesConfig
 
     _need_dir(args.images, "--images")
     cfg = load_cluster_config(args.config)
@@ -112,8 +112,8 @@ def read_images(path: str):
     """uint8 (N, S, S) from an IDX file or a .npy (never pickled objects)."""
     import numpy as np
 
-    from featurizer.idx import read_idx
-    from featurizer.image import check_images
+    from mariana.featurizer.idx import read_idx
+    from mariana.featurizer.image import check_images
 
     if not os.path.isfile(path):
         raise FileNotFoundError(2, "no such file", path)

@@ -29,7 +29,7 @@ import os
 import sqlite3
 from collections.abc import Iterator
 
-from sparse.errors import MarianaError
+from mariana.sparse.errors import MarianaError
 
 FILE = "jobs.sqlite"
 SCHEMA = """

@@ -30,9 +30,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from services.runtime.config import ClusterConfig, to_toml
-from services.runtime.sdnotify import child_env
-from sparse.errors import MarianaError
+from mariana.services.runtime.config import ClusterConfig, to_toml
+from mariana.services.runtime.sdnotify import child_env
+from mariana.sparse.errors import MarianaError
 
 log = logging.getLogger(__name__)
 
@@ -462,7 +462,7 @@ def _child_env() -> dict:
 
 def _spawn(role: str, index: int, state: dict, env: dict) -> dict:
     name = f"{role}-{index}"
-    cmd = [sys.executable, "-m", "services.cli", "run", role, "--config", state["config"], "--index", str(index)]
+    cmd = [sys.executable, "-m", "mariana.services.cli", "run", role, "--config", state["config"], "--index", str(index)]
     log_path = os.path.join(state["dir"], "logs", f"{name}.log")
     proc = _popen(cmd, log_path, env)
     log.info("started %s: pid %d, log %s", name, proc.pid, log_path)

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from sparse.metrics import HIST_BINS, histogram_auc
+from mariana.sparse.metrics import HIST_BINS, histogram_auc
 
 STAGES = ("read", "parse", "image", "hash", "cache", "fetch", "pull", "compute", "push")
 

@@ -20,14 +20,14 @@ import time
 import numpy as np
 import zmq
 
-from services import protocol
-from services.protocol import BadMessage, Message
-from services.runtime.config import ClusterConfig
-from services.runtime.lifecycle import Service, run_service
-from services.sample_cache import SampleCache
-from services.transport import PeerTimeout, RemoteError, make_socket
-from sparse.errors import DataFormatError, MarianaError
-from sparse.parse import iter_spans, open_binary, read_span, span_head
+from mariana.services import protocol
+from mariana.services.protocol import BadMessage, Message
+from mariana.services.runtime.config import ClusterConfig
+from mariana.services.runtime.lifecycle import Service, run_service
+from mariana.services.sample_cache import SampleCache
+from mariana.services.transport import PeerTimeout, RemoteError, make_socket
+from mariana.sparse.errors import DataFormatError, MarianaError
+from mariana.sparse.parse import iter_spans, open_binary, read_span, span_head
 
 log = logging.getLogger(__name__)
 

@@ -26,19 +26,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import zmq
 
-from featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
-from services import protocol
-from services.creative_cache import CreativeLookup
-from services.protocol import BadMessage, Message
-from services.runtime.config import ClusterConfig
-from services.runtime.lifecycle import Service, run_service
-from services.sample_cache import CacheUnavailable, SampleCache, pack_batch
-from services.transport import PeerTimeout, RemoteError, make_socket
-from sparse.encode import Encoder
-from sparse.errors import MarianaError
-from sparse.parse import BlockParser, BlockTask, Chunk, ParseStats
-from sparse.schema import Schema
-from trainer.config import JobConfig, from_dict
+from mariana.featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
+from mariana.services import protocol
+from mariana.services.creative_cache import CreativeLookup
+from mariana.services.protocol import BadMessage, Message
+from mariana.services.runtime.config import ClusterConfig
+from mariana.services.runtime.lifecycle import Service, run_service
+from mariana.services.sample_cache import CacheUnavailable, SampleCache, pack_batch
+from mariana.services.transport import PeerTimeout, RemoteError, make_socket
+from mariana.sparse.encode import Encoder
+from mariana.sparse.errors import MarianaError
+from mariana.sparse.parse import BlockParser, BlockTask, Chunk, ParseStats
+from mariana.sparse.schema import Schema
+from mariana.trainer.config import JobConfig, from_dict
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from sparse.errors import MarianaError
+from mariana.sparse.errors import MarianaError
 
 VERSION = 1
 MAX_FRAMES = 256

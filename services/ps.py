@@ -31,17 +31,17 @@ import time
 
 import numpy as np
 
-from services import protocol
-from services.creative_cache import image_width
-from services.protocol import BadMessage, Message
-from services.runtime.config import ClusterConfig
-from services.runtime.lifecycle import Service, run_service
-from services.transport import Server
-from sparse.errors import MarianaError, ModelDirError
-from sparse.schema import Schema
-from trainer import checkpoint
-from trainer.config import JobConfig, from_dict
-from trainer.strategies.ps_shard import ParamShard
+from mariana.services import protocol
+from mariana.services.creative_cache import image_width
+from mariana.services.protocol import BadMessage, Message
+from mariana.services.runtime.config import ClusterConfig
+from mariana.services.runtime.lifecycle import Service, run_service
+from mariana.services.transport import Server
+from mariana.sparse.errors import MarianaError, ModelDirError
+from mariana.sparse.schema import Schema
+from mariana.trainer import checkpoint
+from mariana.trainer.config import JobConfig, from_dict
+from mariana.trainer.strategies.ps_shard import ParamShard
 
 log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2

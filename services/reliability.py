@@ -9,7 +9,7 @@ import math
 import os
 import tempfile
 
-from sparse.errors import MarianaError
+from mariana.sparse.errors import MarianaError
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 

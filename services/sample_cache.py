@@ -25,10 +25,10 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import BusyLoadingError, ConnectionError as RedisConnectionError, TimeoutError as RedisTimeout
 
-from services import protocol
-from services.runtime.config import ClusterConfig
-from sparse.batch import SparseBatch
-from sparse.errors import MarianaError
+from mariana.services import protocol
+from mariana.services.runtime.config import ClusterConfig
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.errors import MarianaError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -26,9 +26,9 @@ from typing import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from services import protocol
-from services.protocol import BadMessage, Message
-from sparse.errors import DataFormatError, MarianaError
+from mariana.services import protocol
+from mariana.services.protocol import BadMessage, Message
+from mariana.sparse.errors import DataFormatError, MarianaError
 
 log = logging.getLogger(__name__)
 DRAIN_BATCH = 64  # messages read per reader callback before other callbacks get a turn

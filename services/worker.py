@@ -34,22 +34,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services import protocol
-from services.creative_cache import image_width
-from services.protocol import BadMessage, Message
-from services.runtime.config import ClusterConfig
-from services.runtime.lifecycle import Service, run_service
-from services.sample_cache import SampleCache, unpack_batch
-from services.transport import Client, PeerTimeout, RemoteError
-from sparse import admission
-from sparse.batch import SparseBatch
-from sparse.encode import Encoder
-from sparse.errors import DataFormatError
-from sparse.hashing import rare_ids
-from sparse.schema import Schema
-from trainer.config import JobConfig, from_dict
-from trainer.models.base import CTRModel, build_model
-from trainer.strategies.ps_step import compute_grads
+from mariana.services import protocol
+from mariana.services.creative_cache import image_width
+from mariana.services.protocol import BadMessage, Message
+from mariana.services.runtime.config import ClusterConfig
+from mariana.services.runtime.lifecycle import Service, run_service
+from mariana.services.sample_cache import SampleCache, unpack_batch
+from mariana.services.transport import Client, PeerTimeout, RemoteError
+from mariana.sparse import admission
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.encode import Encoder
+from mariana.sparse.errors import DataFormatError
+from mariana.sparse.hashing import rare_ids
+from mariana.sparse.schema import Schema
+from mariana.trainer.config import JobConfig, from_dict
+from mariana.trainer.models.base import CTRModel, build_model
+from mariana.trainer.strategies.ps_step import compute_grads
 
 log = logging.getLogger(__name__)
 

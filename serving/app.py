@@ -27,14 +27,14 @@ import time
 
 from aiohttp import web
 
-from serving import codec
-from serving.config import ServeConfig
-from serving.dataplane import Batcher, ModelHolder, error_answer
-from serving.errors import ServeError
-from serving.openapi import OPENAPI
-from serving.retrain import RetrainRunner
-from serving.watch import VersionWatcher
-from services.runtime.metrics import Metrics, merge, render
+from mariana.serving import codec
+from mariana.serving.config import ServeConfig
+from mariana.serving.dataplane import Batcher, ModelHolder, error_answer
+from mariana.serving.errors import ServeError
+from mariana.serving.openapi import OPENAPI
+from mariana.serving.retrain import RetrainRunner
+from mariana.serving.watch import VersionWatcher
+from mariana.services.runtime.metrics import Metrics, merge, render
 
 log = logging.getLogger(__name__)
 SNAPSHOT_SECONDS = 1.0

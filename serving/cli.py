@@ -17,12 +17,12 @@ import json
 import os
 import sys
 
-from services import cli as base
-from sparse.errors import MarianaError
+from mariana.services import cli as base
+from mariana.sparse.errors import MarianaError
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from serving.server import run_worker, serve
+    from mariana.serving.server import run_worker, serve
 
     cfg = _config(args, **{"serve.host": args.host, "serve.port": args.port, "serve.workers": args.workers,
                            "serve.redis_url": args.redis_url})
@@ -36,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from trainer import checkpoint
+    from mariana.trainer import checkpoint
 
     cfg = _config(args)
     model_dir = cfg.serve.model_dir
@@ -59,14 +59,14 @@ def cmd_model(args: argparse.Namespace) -> int:
     print(json.dumps({"model_dir": model_dir, "current": target, "previous": before, "reason": reason}))
     url = args.notify or cfg.serve.redis_url
     if url:
-        from services import model_events
+        from mariana.services import model_events
 
         model_events.publish(url, reason, model_dir, target, target, cfg.serve.channel)
     return 0
 
 
 def cmd_retrain(args: argparse.Namespace) -> int:
-    from serving.retrain import run_retrain
+    from mariana.serving.retrain import run_retrain
 
     decision = run_retrain(_config(args), args.status_file)
     base._print_record(decision, args.json)
@@ -76,7 +76,7 @@ def cmd_retrain(args: argparse.Namespace) -> int:
 # ---- helpers -----------------------------------------------------------------------------
 
 def _config(args: argparse.Namespace, **overrides):
-    from serving.config import load_serve_config
+    from mariana.serving.config import load_serve_config
 
     if getattr(args, "model_dir", None):
         overrides["serve.model_dir"] = os.path.abspath(args.model_dir)
@@ -88,7 +88,7 @@ def _config(args: argparse.Namespace, **overrides):
 
 
 def _versions(model_dir: str) -> list[dict]:
-    from trainer import checkpoint
+    from mariana.trainer import checkpoint
 
     if not os.path.isdir(model_dir):
         raise MarianaError(f"{model_dir}: no such model directory")

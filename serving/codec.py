@@ -11,7 +11,7 @@ import json
 
 import msgpack
 
-from serving.errors import bad_request, too_large
+from mariana.serving.errors import bad_request, too_large
 
 JSON, MSGPACK = "application/json", "application/msgpack"
 _MSGPACK_TYPES = {"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"}

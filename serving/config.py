@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from services.model_events import CHANNEL
-from sparse.errors import ConfigError
-from trainer.config import load_config
+from mariana.services.model_events import CHANNEL
+from mariana.sparse.errors import ConfigError
+from mariana.trainer.config import load_config
 
 
 @dataclass

@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from serving import codec
-from serving.errors import ServeError
-from serving.predictor import Predictor
+from mariana.serving import codec
+from mariana.serving.errors import ServeError
+from mariana.serving.predictor import Predictor
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 mapped to a response once, in the app's middleware."""
 from __future__ import annotations
 
-from sparse.errors import MarianaError
+from mariana.sparse.errors import MarianaError
 
 
 class ServeError(MarianaError):

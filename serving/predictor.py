@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from serving.errors import ServeError, bad_request
-from sparse.records import concat_chunks, parse_records
-from trainer import checkpoint
-from trainer.bundle import ModelBundle
+from mariana.serving.errors import ServeError, bad_request
+from mariana.sparse.records import concat_chunks, parse_records
+from mariana.trainer import checkpoint
+from mariana.trainer.bundle import ModelBundle
 
 SHOWN_BAD = 5  # bad instances named in one error message
 
@@ -92,7 +92,7 @@ class Predictor:
         featurized since by the same featurizer); ids it has are left as trained. Returns
         how many were added. The table is replaced, not changed: a request being encoded
         keeps the one it started with."""
-        from featurizer.creatives import CreativeFeatures
+        from mariana.featurizer.creatives import CreativeFeatures
 
         table = self.bundle.images
         have = set(table.ids)

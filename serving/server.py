@@ -30,10 +30,10 @@ import sys
 import tempfile
 import time
 
-from serving.config import ServeConfig
-from services.runtime import sdnotify
-from services.runtime.config import to_toml
-from sparse.errors import MarianaError
+from mariana.serving.config import ServeConfig
+from mariana.services.runtime import sdnotify
+from mariana.services.runtime.config import to_toml
+from mariana.sparse.errors import MarianaError
 
 log = logging.getLogger(__name__)
 READY_SECONDS = 120.0       # how long the supervisor waits for every worker to listen
@@ -59,8 +59,8 @@ def run_worker(cfg: ServeConfig, index: int = 0, run_dir: str | None = None, con
 async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path: str | None) -> int:
     from aiohttp import web
 
-    from serving.app import METRICS, create_app
-    from services.runtime.tuning import freeze_imports
+    from mariana.serving.app import METRICS, create_app
+    from mariana.services.runtime.tuning import freeze_imports
 
     s = cfg.serve
     app = create_app(cfg, index, run_dir, config_path)
@@ -200,7 +200,7 @@ class _Supervisor:
         self.stopping = True
 
     def _start(self, i: int) -> None:
-        cmd = [sys.executable, "-m", "serving.cli", *self.verbosity, "serve", "--config", self.resolved,
+        cmd = [sys.executable, "-m", "mariana.serving.cli", *self.verbosity, "serve", "--config", self.resolved,
                "--worker-index", str(i), "--run-dir", self.run_dir]
         self.children[i] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=sdnotify.child_env())
         self.started[i] = time.monotonic()

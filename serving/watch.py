@@ -17,12 +17,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from serving.config import ServeSection
-from serving.dataplane import ModelHolder
-from serving.predictor import Predictor
-from services import model_events
-from sparse.errors import MarianaError
-from trainer import checkpoint
+from mariana.serving.config import ServeSection
+from mariana.serving.dataplane import ModelHolder
+from mariana.serving.predictor import Predictor
+from mariana.services import model_events
+from mariana.sparse.errors import MarianaError
+from mariana.trainer import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class VersionWatcher:
         import redis
         import redis.asyncio as aioredis
 
-        from services.creative_cache import namespace_of, read_all
+        from mariana.services.creative_cache import namespace_of, read_all
 
         client, warned = aioredis.Redis.from_url(self.cfg.redis_url, socket_connect_timeout=2), False
         seen: tuple = ()  # (version, creatives cached) at the last read: nothing new, nothing to read

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparse.batch import SparseBatch
-from sparse.hashing import MAX_MIN_COUNT
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.hashing import MAX_MIN_COUNT
 
 # Keys of the pending counts in a saved version's optimizer state and in a PS
 # checkpoint: ids (global, int64) not admitted yet with a count > 0, and their counts.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.sparse as sp
 
-from sparse.errors import DataFormatError
+from mariana.sparse.errors import DataFormatError
 
 
 @dataclass

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sparse.batch import SparseBatch
-from sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key, fmix64,
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key, fmix64,
                             fnv1a64, int_codes, log_bucket, log_dense)
-from sparse.parse import Chunk
-from sparse.schema import HOUR_FIELDS, Schema
+from mariana.sparse.parse import Chunk
+from mariana.sparse.schema import HOUR_FIELDS, Schema
 
 
 class Encoder:

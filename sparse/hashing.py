@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparse.errors import ConfigError
+from mariana.sparse.errors import ConfigError
 
 U64 = np.uint64
 FNV_OFFSET = U64(0xCBF29CE484222325)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import glob
 import os
 
-from sparse.errors import MarianaError
+from mariana.sparse.errors import MarianaError
 
 HIDDEN = (".", "_")
 GLOB_CHARS = "*?["
@@ -59,11 +59,11 @@ def expand_data_paths(specs: list[str]) -> list[str]:
     >>> expand_data_paths(["no/such/day01.tsv"])
     Traceback (most recent call last):
     ...
-    sparse.inputs.NoDataFiles: no/such/day01.tsv: no such file or directory
+    mariana.sparse.inputs.NoDataFiles: no/such/day01.tsv: no such file or directory
     >>> expand_data_paths(["no/such/day-*.tsv"])
     Traceback (most recent call last):
     ...
-    sparse.inputs.NoDataFiles: no/such/day-*.tsv: the pattern matches no files
+    mariana.sparse.inputs.NoDataFiles: no/such/day-*.tsv: the pattern matches no files
     """
     return [path for item in specs for path in _expand_item(item)]
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from sparse.table import HashedTable
+from mariana.sparse.table import HashedTable
 
 
 def coalesce(rows: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

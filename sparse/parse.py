@@ -42,8 +42,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from sparse.errors import DataFormatError
-from sparse.schema import Schema
+from mariana.sparse.errors import DataFormatError
+from mariana.sparse.schema import Schema
 
 GZIP_MAGIC = b"\x1f\x8b"
 # What pyarrow's float parser accepts, less nan/inf: the fast and checked paths agree.

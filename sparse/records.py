@@ -31,8 +31,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparse.parse import HOUR_RE, NUMBER_RE, Chunk, _parse_hour, _split_hour
-from sparse.schema import Schema
+from mariana.sparse.parse import HOUR_RE, NUMBER_RE, Chunk, _parse_hour, _split_hour
+from mariana.sparse.schema import Schema
 
 # The parser's patterns, anchored for re.fullmatch ('$' would also match before a final newline).
 _NUMBER = re.compile(NUMBER_RE.removeprefix("^").removesuffix("$"))

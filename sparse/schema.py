@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparse.errors import ConfigError
+from mariana.sparse.errors import ConfigError
 
 FORMATS = ("criteo", "avazu", "csv")  # csv: any CSV/TSV described by a Schema in the config
 CRITEO_NUMERIC = tuple(f"I{i}" for i in range(1, 14))

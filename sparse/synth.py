@@ -34,8 +34,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 
-from sparse.hashing import fmix64
-from sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
+from mariana.sparse.hashing import fmix64
+from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
 
 CARDINALITIES = (1_000, 500, 100_000, 50_000, 200, 20, 10_000, 400, 3, 30_000, 4_000, 80_000,
                  2_000, 25, 9_000, 60_000, 10, 3_000, 1_500, 4, 70_000, 15, 12, 40_000, 100, 200_000)

@@ -50,9 +50,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
-from sparse.hashing import fmix64
-from sparse.metrics import BinaryMetrics
-from sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
+from mariana.sparse.hashing import fmix64
+from mariana.sparse.metrics import BinaryMetrics
+from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
 
 DEFAULT_MODEL_SEED = 1515
 CHUNK_ROWS = 100_000        # fixed: each chunk has its own generator, so a row range can be redrawn alone

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparse.hashing import fmix64
+from mariana.sparse.hashing import fmix64
 
 _INIT_SALT = np.uint64(0x2545F4914F6CDD1D)
 

@@ -27,7 +27,7 @@ def criteo_sample() -> Path:
 @pytest.fixture(scope="session")
 def gen_files(tmp_path_factory) -> dict[str, Path]:
     """A small planted-model train/test pair, generated once per session."""
-    from sparse.synth import generate_criteo
+    from mariana.sparse.synth import generate_criteo
 
     d = tmp_path_factory.mktemp("gen")
     generate_criteo(d / "train.tsv", 30_000, seed=1)
@@ -38,7 +38,7 @@ def gen_files(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
     d = data_dir() / "mnist"
-    from featurizer.image import MNIST_IMAGES
+    from mariana.featurizer.image import MNIST_IMAGES
 
     if not (d / MNIST_IMAGES).exists():
         pytest.skip(f"MNIST not found at {d} (set MARIANA_DATA to the shared data dir)")
@@ -48,8 +48,8 @@ def mnist_dir() -> Path:
 @pytest.fixture(scope="session")
 def small_featurizer(mnist_dir, tmp_path_factory) -> Path:
     """A featurizer trained in ~2 s (1 epoch on 2,000 images): tests need determinism, not accuracy."""
-    from featurizer.image import load_mnist
-    from trainer.featurizer_train import FeaturizerTrainConfig, train_and_export
+    from mariana.featurizer.image import load_mnist
+    from mariana.trainer.featurizer_train import FeaturizerTrainConfig, train_and_export
 
     out = tmp_path_factory.mktemp("featurizer") / "f"
     report = train_and_export(load_mnist(mnist_dir), out, FeaturizerTrainConfig(epochs=1, train_limit=2000,
@@ -62,7 +62,7 @@ def run_cli(*args: str, check: bool = False, env: dict | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`mariana ARGS` in a real subprocess (the installed script: serving.cli, the whole CLI),
     in `cwd` (default: the checkout)."""
-    proc = subprocess.run([sys.executable, "-m", "serving.cli", *map(str, args)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mariana.serving.cli", *map(str, args)], capture_output=True,
                           text=True, cwd=cwd or ROOT, env={**os.environ, **(env or {})},
                           timeout=300)
     if check and proc.returncode != 0:

@@ -13,19 +13,19 @@ import time
 import numpy as np
 import torch
 
-from featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
-from sparse import admission
-from sparse.batch import SparseBatch
-from sparse.encode import Encoder
-from sparse.errors import ConfigError, MarianaError, ModelDirError
-from sparse.hashing import rare_ids
-from sparse.optim import AdaGrad, FTRL, SparseOptimizer
-from sparse.schema import Schema
-from sparse.table import HashedTable
-from trainer import checkpoint
-from trainer.config import LOWER_RATES, JobConfig, from_dict
-from trainer.models.base import build_model, make_input, unique_ids
-from trainer.strategies.ps_step import DenseOptimizer
+from mariana.featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
+from mariana.sparse import admission
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.encode import Encoder
+from mariana.sparse.errors import ConfigError, MarianaError, ModelDirError
+from mariana.sparse.hashing import rare_ids
+from mariana.sparse.optim import AdaGrad, FTRL, SparseOptimizer
+from mariana.sparse.schema import Schema
+from mariana.sparse.table import HashedTable
+from mariana.trainer import checkpoint
+from mariana.trainer.config import LOWER_RATES, JobConfig, from_dict
+from mariana.trainer.models.base import build_model, make_input, unique_ids
+from mariana.trainer.strategies.ps_step import DenseOptimizer
 
 
 FEW_ENTRIES = 4096  # up to ~100 Criteo rows: predicted without deduplicating ids

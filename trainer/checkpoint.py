@@ -28,7 +28,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from sparse.errors import ModelDirError
+from mariana.sparse.errors import ModelDirError
 
 FORMAT = "mariana-model/1"
 VERSION_RE = re.compile(r"^v(\d{6,})$")

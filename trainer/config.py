@@ -17,9 +17,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from sparse.errors import ConfigError
-from sparse.hashing import HashSpec
-from sparse.schema import FORMATS, Schema, builtin
+from mariana.sparse.errors import ConfigError
+from mariana.sparse.hashing import HashSpec
+from mariana.sparse.schema import FORMATS, Schema, builtin
 
 ENV_PREFIX = "MARIANA_"
 AUTO = "auto"  # train.epochs: stop on the validation logloss

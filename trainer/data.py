@@ -15,10 +15,10 @@ from typing import Iterator
 
 import numpy as np
 
-from sparse.batch import SparseBatch
-from sparse.encode import Encoder
-from sparse.errors import ConfigError
-from sparse.parse import BlockTask, ParseStats, Reader, is_parquet, open_binary, open_parquet
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.encode import Encoder
+from mariana.sparse.errors import ConfigError
+from mariana.sparse.parse import BlockTask, ParseStats, Reader, is_parquet, open_binary, open_parquet
 
 
 def count_data_lines(path: str, header: bool) -> int:

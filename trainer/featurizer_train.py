@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from featurizer.image import (FORMAT, MANIFEST, SPLIT_SEED, TEST_IMAGES, WEIGHTS, ImageFeaturizer, ImageSet,
+from mariana.featurizer.image import (FORMAT, MANIFEST, SPLIT_SEED, TEST_IMAGES, WEIGHTS, ImageFeaturizer, ImageSet,
                               file_sha256, pixel_stats, split_indices, to_input)
-from trainer.checkpoint import _fsync_dir, _fsync_file, _publishable
-from trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops
+from mariana.trainer.checkpoint import _fsync_dir, _fsync_file, _publishable
+from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops
 
 log = logging.getLogger(__name__)
 

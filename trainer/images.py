@@ -25,11 +25,11 @@ from typing import Callable
 
 import numpy as np
 
-from featurizer.creatives import FALLBACK, META_FILE, CreativeFeatures, load_creatives
-from featurizer.image import ImageFeaturizer, load_mnist, stack_images
-from sparse.errors import ConfigError
-from trainer.config import ImagesConfig
-from trainer.featurizer_train import FeaturizerTrainConfig, TrainProgress, progress_logger, train_and_export
+from mariana.featurizer.creatives import FALLBACK, META_FILE, CreativeFeatures, load_creatives
+from mariana.featurizer.image import ImageFeaturizer, load_mnist, stack_images
+from mariana.sparse.errors import ConfigError
+from mariana.trainer.config import ImagesConfig
+from mariana.trainer.featurizer_train import FeaturizerTrainConfig, TrainProgress, progress_logger, train_and_export
 
 log = logging.getLogger(__name__)
 CACHE_DIR = "featurizer"

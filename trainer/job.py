@@ -10,13 +10,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from sparse.errors import MarianaError
-from sparse.metrics import rounded
-from sparse.parse import Reader, describe_bad
-from trainer.bundle import ModelBundle, warm_start
-from trainer.config import AUTO, LOWER_RATES, JobConfig, TrainConfig
-from trainer.data import RowRange, estimate_rows
-from trainer.strategies.local import Progress, TrainResult, Validation, evaluate, peak_rss_mb, train_local
+from mariana.sparse.errors import MarianaError
+from mariana.sparse.metrics import rounded
+from mariana.sparse.parse import Reader, describe_bad
+from mariana.trainer.bundle import ModelBundle, warm_start
+from mariana.trainer.config import AUTO, LOWER_RATES, JobConfig, TrainConfig
+from mariana.trainer.data import RowRange, estimate_rows
+from mariana.trainer.strategies.local import Progress, TrainResult, Validation, evaluate, peak_rss_mb, train_local
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def check_trained(train_paths: list[str], rows: int, loss: float | None) -> None
     >>> check_trained(["a.tsv"], 0, None)
     Traceback (most recent call last):
     ...
-    sparse.errors.MarianaError: no valid training rows in a.tsv: nothing to publish
+    mariana.sparse.errors.MarianaError: no valid training rows in a.tsv: nothing to publish
     """
     names = ", ".join(os.path.basename(p) for p in train_paths) or "the training data"
     if rows <= 0:
@@ -136,7 +136,7 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
     job = prepare_job(config, train_paths, test_paths, out_dir, valid_paths)
     images, image_info = None, None
     if config.images.creatives and not init_from:  # a warm start keeps its version's image table
-        from trainer.images import prepare_image_features
+        from mariana.trainer.images import prepare_image_features
 
         images, image_info = prepare_image_features(config.images)
     bundle = warm_start(config, job.schema, init_from) if init_from else ModelBundle(config, job.schema, images)
@@ -211,7 +211,7 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
     held-out tail (no `valid_paths`), the search leaves time to train the best config on
     every row, the tail included, for its best epoch count, and publishes that model (as
     a grid search's refit does; for a log the tail is its newest rows)."""
-    from trainer.tune import SEARCH, LocalTrials, check_search, refit_reserve, save_trials, summarize, tune
+    from mariana.trainer.tune import SEARCH, LocalTrials, check_search, refit_reserve, save_trials, summarize, tune
 
     check_search(config, budget)
     t0 = time.perf_counter()
@@ -240,7 +240,7 @@ def refit_best(result, job: JobInputs, fraction: float,
     """(bundle, training, what was done) of the best trial's config trained on every row for
     its best epoch count (`trainer.tune.refit_plan`); the trial's own model when that would
     not end by `deadline`."""
-    from trainer.tune import refit_plan
+    from mariana.trainer.tune import refit_plan
 
     config, done = refit_plan(result, fraction, deadline)
     if config is None:

@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from sparse.errors import MarianaError
-from trainer.bundle import ModelBundle
-from trainer.config import JobConfig, from_dict
-from trainer.data import RowRange
-from trainer.strategies.local import Validation, train_local
+from mariana.sparse.errors import MarianaError
+from mariana.trainer.bundle import ModelBundle
+from mariana.trainer.config import JobConfig, from_dict
+from mariana.trainer.data import RowRange
+from mariana.trainer.strategies.local import Validation, train_local
 
 log = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from services.protocol import MAX_LEASE
-from sparse.errors import ConfigError
-from trainer.config import load_config
+from mariana.services.protocol import MAX_LEASE
+from mariana.sparse.errors import ConfigError
+from mariana.trainer.config import load_config
 
 ROLES = ("coordinator", "loader", "preprocess", "worker", "ps")
 # Offsets from cluster.base_port of the /metrics port of each role's instance 0.

@@ -27,7 +27,7 @@ from typing import Mapping
 
 from aiohttp import web
 
-from services.runtime.metrics import Metrics, render
+from mariana.services.runtime.metrics import Metrics, render
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -24,10 +24,10 @@ from collections import Counter
 
 import zmq.asyncio
 
-from services.runtime import sdnotify
-from services.runtime.config import ClusterConfig
-from services.runtime.exporter import start_metrics
-from services.transport import Client, PeerTimeout, RemoteError
+from mariana.services.runtime import sdnotify
+from mariana.services.runtime.config import ClusterConfig
+from mariana.services.runtime.exporter import start_metrics
+from mariana.services.transport import Client, PeerTimeout, RemoteError
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def run_service(service: Service) -> int:
 
     With MARIANA_PROFILE=DIR set, a cProfile of the whole run goes to DIR/<name>.prof.
     """
-    from sparse.errors import MarianaError
+    from mariana.sparse.errors import MarianaError
 
     try:
         if os.environ.get("MARIANA_PROFILE"):

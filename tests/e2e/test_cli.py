@@ -55,8 +55,8 @@ def test_evaluate_agrees_with_train(models, gen_files):
 
 
 def test_predict_prints_one_pctr_per_row_in_order(models, gen_files, tmp_path):
-    from trainer.bundle import ModelBundle
-    from trainer.data import BatchStream
+    from mariana.trainer.bundle import ModelBundle
+    from mariana.trainer.data import BatchStream
 
     lines = gen_files["test"].read_text().splitlines()[:50]
     lines[10] = "1\tnot enough fields"
@@ -104,7 +104,7 @@ def test_human_output_is_for_people_and_flags_go_anywhere(models, gen_files):
 def test_every_option_says_what_it_is_for():
     import argparse
 
-    from serving.cli import build_parser
+    from mariana.serving.cli import build_parser
 
     def silent(parser, path):
         for action in parser._actions:

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services import reliability
-from sparse.metrics import BinaryMetrics
+from mariana.services import reliability
+from mariana.sparse.metrics import BinaryMetrics
 from tests.conftest import ROOT, run_cli
 
 PNG = b"\x89PNG\r\n\x1a\n"

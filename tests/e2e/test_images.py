@@ -13,7 +13,7 @@ from tests.e2e.test_cli import last_json, one_line_error
 @pytest.fixture(scope="module")
 def ads(mnist_dir, small_featurizer, tmp_path_factory):
     """20k training rows, 5k test rows (2,000 creatives, 600 of them only in test) and a featurizer."""
-    from featurizer.ads import AdsSpec, generate_ads_with_images
+    from mariana.featurizer.ads import AdsSpec, generate_ads_with_images
 
     d = tmp_path_factory.mktemp("ads")
     generate_ads_with_images(d / "data", AdsSpec(rows=20_000, seed=1), mnist_dir)
@@ -22,8 +22,8 @@ def ads(mnist_dir, small_featurizer, tmp_path_factory):
 
 
 def in_process(ads, out, kind: str, **overrides) -> dict:
-    from trainer.config import load_config
-    from trainer.job import run_local_job
+    from mariana.trainer.config import load_config
+    from mariana.trainer.job import run_local_job
 
     cfg = load_config(overrides={"model.kind": kind, "images.creatives": str(ads / "data"),
                                  "images.featurizer": str(ads / "featurizer"), **overrides}, env={})
@@ -37,7 +37,7 @@ def train(ads, out, *extra):
 
 
 def test_baseline_mode1_mode2_train_and_record_their_images(ads, tmp_path):
-    from trainer.bundle import ModelBundle
+    from mariana.trainer.bundle import ModelBundle
 
     base = train(ads, tmp_path / "base", "--model", "lr")
     assert "images" not in base
@@ -61,8 +61,8 @@ def test_unknown_creatives_fall_back_and_are_counted(ads, tmp_path):
     odd = tmp_path / "odd.tsv"
     odd.write_text("".join(line.rsplit("\t", 1)[0] + "\tdeadbeef\n" if i % 4 == 0 else line + "\n"
                            for i, line in enumerate(lines)))
-    from trainer.config import load_config
-    from trainer.job import run_local_job
+    from mariana.trainer.config import load_config
+    from mariana.trainer.job import run_local_job
 
     cfg = load_config(overrides={"images.creatives": str(ads / "data"), "images.featurizer": str(ads / "featurizer")},
                       env={})
@@ -71,10 +71,10 @@ def test_unknown_creatives_fall_back_and_are_counted(ads, tmp_path):
 
 
 def test_featurize_command_and_its_errors(ads, tmp_path):
-    from featurizer.creatives import load_creatives
-    from featurizer.idx import write_idx
-    from featurizer.image import ImageFeaturizer
-    from services.images_cli import read_images
+    from mariana.featurizer.creatives import load_creatives
+    from mariana.featurizer.idx import write_idx
+    from mariana.featurizer.image import ImageFeaturizer
+    from mariana.services.images_cli import read_images
 
     _, images, _ = load_creatives(ads / "data" / "creatives")
     write_idx(tmp_path / "c.idx.gz", images[:100])

@@ -8,8 +8,8 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
 
-from sparse.schema import criteo
-from sparse.synth import generate_criteo
+from mariana.sparse.schema import criteo
+from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli
 
 SMALL = ("--bits", "16", "--model", "lr")

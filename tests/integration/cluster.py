@@ -12,8 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services import launcher
-from services.runtime.config import load_cluster_config
+from mariana.services import launcher
+from mariana.services.runtime.config import load_cluster_config
 
 FAST = {  # short timers so failures are noticed in seconds, not minutes
     "coordinator.lease_seconds": 3.0,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgpack
 
-from services.launcher import free_port
+from mariana.services.launcher import free_port
 from tests.conftest import ROOT
 
 
@@ -44,7 +44,7 @@ class Server:
     def start(self, ready: bool = False, timeout: float = 90.0) -> None:
         """Start it and return once every worker listens (and, with `ready`, has a model)."""
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--config", str(self.config)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "mariana.serving.cli", "serve", "--config", str(self.config)],
                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:
@@ -136,7 +136,7 @@ class Server:
 def tsv_instances(path: Path, n: int, numbers: bool = False) -> list[dict]:
     """The first n rows of a Criteo TSV as instances: field -> the file's text (or, with
     `numbers`, numeric fields as JSON numbers and empty ones left out)."""
-    from sparse.schema import criteo
+    from mariana.sparse.schema import criteo
 
     cols = criteo().columns[1:]
     out = []

@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from sparse import admission
-from sparse.synth import generate_criteo
+from mariana.sparse import admission
+from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli
 from tests.integration.cluster import Cluster
 from tests.integration.test_pipeline import assert_exactly_once, done_record
-from trainer import checkpoint
+from mariana.trainer import checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -28,15 +28,15 @@ import pytest
 import redis
 import zmq
 
-from services import protocol
-from services.assemble import check_request
-from services.launcher import RedisServer, free_port
-from services.protocol import Message
-from services.runtime.config import load_cluster_config, to_toml
-from services.runtime.lifecycle import DRAIN_SECONDS
-from services.sample_cache import pack_batch
-from sparse.batch import SparseBatch
-from sparse.synth import generate_criteo
+from mariana.services import protocol
+from mariana.services.assemble import check_request
+from mariana.services.launcher import RedisServer, free_port
+from mariana.services.protocol import Message
+from mariana.services.runtime.config import load_cluster_config, to_toml
+from mariana.services.runtime.lifecycle import DRAIN_SECONDS
+from mariana.services.sample_cache import pack_batch
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.synth import generate_criteo
 from tests.conftest import ROOT
 from tests.integration.cluster import Cluster
 
@@ -420,7 +420,7 @@ def service_config(path: Path, coordinator: str, redis_url: str, preprocess: str
 @contextmanager
 def service(role: str, config: Path, log: Path, index: int = 0):
     """`mariana run ROLE --config FILE` as its own process; killed if the test leaves it running."""
-    cmd = [sys.executable, "-m", "services.cli", "run", role, "--config", str(config), "--index", str(index)]
+    cmd = [sys.executable, "-m", "mariana.services.cli", "run", role, "--config", str(config), "--index", str(index)]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
                                 start_new_session=True)

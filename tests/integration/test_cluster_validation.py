@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from sparse.synth import generate_criteo
+from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli
 from tests.integration.cluster import Cluster, nested
 

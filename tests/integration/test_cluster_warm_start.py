@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from sparse.synth import generate_criteo
+from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli
 from tests.integration.cluster import Cluster, nested
-from trainer.bundle import ModelBundle
-from trainer.data import BatchStream
+from mariana.trainer.bundle import ModelBundle
+from mariana.trainer.data import BatchStream
 
 pytestmark = pytest.mark.slow
 

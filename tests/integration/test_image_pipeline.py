@@ -27,8 +27,8 @@ CONFIG = {"model": {"kind": "dnn", "embed_dim": 4, "hidden": [16]}, "hashing": {
 @pytest.fixture(scope="module")
 def ads(mnist_dir, small_featurizer, tmp_path_factory):
     """8k training rows; 50 name a creative nobody has, 30 a corrupt upload, 20 a good upload."""
-    from featurizer.ads import AdsSpec, generate_ads_with_images
-    from featurizer.image import load_mnist
+    from mariana.featurizer.ads import AdsSpec, generate_ads_with_images
+    from mariana.featurizer.image import load_mnist
 
     d = tmp_path_factory.mktemp("image-pipeline")
     generate_ads_with_images(d / "data", AdsSpec(rows=8_000, seed=3, test_rows=2_000), mnist_dir)
@@ -54,11 +54,11 @@ def job_config(ads) -> dict:
 
 @pytest.mark.timeout(300)
 def test_featurizer_stage_is_local_mode_exactly_and_serving_looks_up_alike(ads, tmp_path):
-    from featurizer.image import ImageFeaturizer
-    from trainer.bundle import ModelBundle
-    from trainer.config import JobConfig, from_dict
-    from trainer.images import load_creative_set
-    from trainer.job import run_local_job
+    from mariana.featurizer.image import ImageFeaturizer
+    from mariana.trainer.bundle import ModelBundle
+    from mariana.trainer.config import JobConfig, from_dict
+    from mariana.trainer.images import load_creative_set
+    from mariana.trainer.job import run_local_job
 
     data, test = ads["dir"] / "train.tsv", ads["dir"] / "test.tsv"
     local = run_local_job(from_dict(JobConfig, job_config(ads)), [str(data)], [str(test)], str(tmp_path / "local"))
@@ -118,7 +118,7 @@ def serve_and_add_a_creative(ads, tmp_path, redis_url: str, data) -> dict:
     """`mariana serve` on the job's model; predict rows 40-99 of the training file (10 name the
     unknown creative, 30 the corrupt upload, 20 the good one); then upload the unknown one's
     image, cache it with `mariana featurize-creatives`, and predict them again."""
-    from sparse.schema import criteo
+    from mariana.sparse.schema import criteo
 
     cols = criteo().columns[1:]
     instances = [dict(zip(cols, line.split("\t")[1:])) for line in data.read_text().splitlines()[40:100]]
@@ -127,7 +127,7 @@ def serve_and_add_a_creative(ads, tmp_path, redis_url: str, data) -> dict:
         status, body = srv.predict(instances)
         assert status == 200, body
         out["before"] = {"pctr": body["pctr"], "unknown": srv.metric("mariana_serve_unknown_creatives_total")}
-        from featurizer.image import load_mnist
+        from mariana.featurizer.image import load_mnist
 
         image = load_mnist(mnist_dir_of(ads)).images[11]
         upload = ads["dir"] / "creatives" / "uploads" / f"{UNKNOWN.decode()}.raw"
@@ -154,7 +154,7 @@ def mnist_dir_of(ads) -> str:
 
 
 def _chunk(bundle, instances):
-    from sparse.records import parse_records
+    from mariana.sparse.records import parse_records
 
     chunk, bad, _ = parse_records(bundle.schema, instances)
     assert not bad

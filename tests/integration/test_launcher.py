@@ -15,10 +15,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services import cli
-from services.launcher import RedisServer, _start_time, find_redis_server, free_port, resolve
-from services.runtime.config import ROLES, load_cluster_config, to_toml
-from sparse.errors import MarianaError
+from mariana.services import cli
+from mariana.services.launcher import RedisServer, _start_time, find_redis_server, free_port, resolve
+from mariana.services.runtime.config import ROLES, load_cluster_config, to_toml
+from mariana.sparse.errors import MarianaError
 from tests.conftest import run_cli
 
 # A process that ignores SIGTERM, so only SIGKILL stops it; it says when it is ready.

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from sparse.synth import generate_criteo
+from mariana.sparse.synth import generate_criteo
 from tests.integration.cluster import Cluster
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ import time
 import pytest
 import redis
 
-from services import model_events
-from sparse.synth import generate_criteo
+from mariana.services import model_events
+from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli
 from tests.integration.cluster import Cluster
 

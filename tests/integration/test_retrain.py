@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sparse.synth import generate_criteo
+from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli
 from tests.integration.serving import Server
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from services.launcher import resolve
-from services.runtime.config import load_cluster_config, to_toml
+from mariana.services.launcher import resolve
+from mariana.services.runtime.config import load_cluster_config, to_toml
 from tests.conftest import ROOT
 from tests.integration.serving import Server
 
@@ -78,7 +78,7 @@ def test_a_cluster_service_notifies_ready_watchdog_and_stopping(notifications, t
     path.write_text(to_toml(cfg))
     log_path = tmp_path / "coordinator.log"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "run", "coordinator", "--config", str(path)],
+        proc = subprocess.Popen([sys.executable, "-m", "mariana.services.cli", "run", "coordinator", "--config", str(path)],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, **notifications.env()})
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from services.launcher import RedisServer, free_port
+from mariana.services.launcher import RedisServer, free_port
 from tests.conftest import run_cli
 from tests.integration.serving import Server, tsv_instances
 
@@ -329,4 +329,4 @@ def test_serve_refuses_a_missing_model_dir_and_a_taken_port(tmp_path, models):
 def _cli() -> list[str]:
     import sys
 
-    return [sys.executable, "-m", "serving.cli"]
+    return [sys.executable, "-m", "mariana.serving.cli"]

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparse.schema import avazu, criteo
+from mariana.sparse.schema import avazu, criteo
 from tests.conftest import run_cli
 from tests.integration.serving import Server
 

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from services import launcher
-from services.runtime.lifecycle import DRAIN_SECONDS
-from sparse.synth import generate_criteo
+from mariana.services import launcher
+from mariana.services.runtime.lifecycle import DRAIN_SECONDS
+from mariana.sparse.synth import generate_criteo
 from tests.integration.cluster import Cluster
-from trainer import checkpoint
+from mariana.trainer import checkpoint
 
 pytestmark = pytest.mark.slow
 

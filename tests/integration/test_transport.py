@@ -11,11 +11,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from services import protocol
-from services.launcher import free_port
-from services.protocol import BadMessage
-from services.transport import DRAIN_BATCH, Client, PeerTimeout, RemoteError, Server, _Channel
-from sparse.errors import DataFormatError, MarianaError
+from mariana.services import protocol
+from mariana.services.launcher import free_port
+from mariana.services.protocol import BadMessage
+from mariana.services.transport import DRAIN_BATCH, Client, PeerTimeout, RemoteError, Server, _Channel
+from mariana.sparse.errors import DataFormatError, MarianaError
 
 
 def endpoint() -> str:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from sparse.synth import generate_criteo
+from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli
 from tests.integration.cluster import Cluster
-from trainer import checkpoint
-from trainer.bundle import ModelBundle
-from trainer.strategies.local import evaluate
+from mariana.trainer import checkpoint
+from mariana.trainer.bundle import ModelBundle
+from mariana.trainer.strategies.local import evaluate
 
 pytestmark = pytest.mark.slow
 

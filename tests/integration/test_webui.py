@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from services import webui
-from sparse.synth import generate_criteo
+from mariana.services import webui
+from mariana.sparse.synth import generate_criteo
 from tests.conftest import ROOT
 from tests.integration.cluster import Cluster
 
@@ -96,7 +96,7 @@ async def test_ui_serves_nothing_outside_its_directory(ui_server, path):
 def test_the_ui_files_ship_with_the_package():
     """pyproject.toml's package-data lists them (an installed wheel has no source tree)."""
     text = (ROOT / "pyproject.toml").read_text()
-    assert '[tool.setuptools.package-data]' in text and 'services = ["ui/*"]' in text
+    assert '[tool.setuptools.package-data]' in text and '"mariana.services" = ["ui/*"]' in text
     assert {"index.html", "app.js", "style.css"} <= set(webui.ui_files())
 
 

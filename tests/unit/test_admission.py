@@ -9,20 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from serving.predictor import Predictor
-from sparse import admission
-from sparse.batch import SparseBatch
-from sparse.errors import ConfigError, DataFormatError
-from sparse.hashing import INT_SALT, MISSING_SALT, RARE, RARE_SALT, HashSpec, rare_ids, token_id
-from sparse.schema import Schema
-from trainer import checkpoint
-from trainer.bundle import ModelBundle
-from trainer.config import load_config
-from trainer.data import BatchStream
-from trainer.models.base import unique_ids
-from trainer.strategies.local import local_step
-from trainer.strategies.ps_shard import ParamShard
-from trainer.strategies.ps_step import compute_grads
+from mariana.serving.predictor import Predictor
+from mariana.sparse import admission
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.errors import ConfigError, DataFormatError
+from mariana.sparse.hashing import INT_SALT, MISSING_SALT, RARE, RARE_SALT, HashSpec, rare_ids, token_id
+from mariana.sparse.schema import Schema
+from mariana.trainer import checkpoint
+from mariana.trainer.bundle import ModelBundle
+from mariana.trainer.config import load_config
+from mariana.trainer.data import BatchStream
+from mariana.trainer.models.base import unique_ids
+from mariana.trainer.strategies.local import local_step
+from mariana.trainer.strategies.ps_shard import ParamShard
+from mariana.trainer.strategies.ps_step import compute_grads
 
 BITS = 12
 SCHEMA = Schema.from_dict({"name": "t", "columns": ["y", "a", "b"], "label": "y", "categorical": ["a", "b"],

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from sparse.batch import SparseBatch, concat
-from sparse.errors import DataFormatError
+from mariana.sparse.batch import SparseBatch, concat
+from mariana.sparse.errors import DataFormatError
 
 
 def make(rows=5, fields=3, num_ids=50, seed=0) -> SparseBatch:

@@ -3,12 +3,12 @@ import json
 import numpy as np
 import pytest
 
-from sparse.errors import ModelDirError
-from trainer import checkpoint
-from trainer.bundle import ModelBundle
-from trainer.config import load_config
-from trainer.data import BatchStream
-from trainer.strategies.local import train_local
+from mariana.sparse.errors import ModelDirError
+from mariana.trainer import checkpoint
+from mariana.trainer.bundle import ModelBundle
+from mariana.trainer.config import load_config
+from mariana.trainer.data import BatchStream
+from mariana.trainer.strategies.local import train_local
 
 
 def trained(kind, train_file, **over):

@@ -1,7 +1,7 @@
 import pytest
 
-from sparse.errors import ConfigError
-from trainer.config import JobConfig, load_config, parse_set_option
+from mariana.sparse.errors import ConfigError
+from mariana.trainer.config import JobConfig, load_config, parse_set_option
 
 
 def test_layers_of_config(tmp_path):
@@ -67,7 +67,7 @@ def test_csv_schema_from_config():
 def test_cluster_example_config_lists_every_key_with_its_default():
     from pathlib import Path
 
-    from services.runtime.config import ClusterConfig, load_cluster_config
+    from mariana.services.runtime.config import ClusterConfig, load_cluster_config
 
     path = Path(__file__).resolve().parents[2] / "deploy/config/cluster.example.toml"
     assert load_cluster_config(path, env={}) == ClusterConfig()
@@ -101,7 +101,7 @@ def test_job_paths_resolve_against_a_base_dir():
 
 
 def test_cluster_and_job_configs_take_only_their_own_environment_sections():
-    from services.runtime.config import load_cluster_config
+    from mariana.services.runtime.config import load_cluster_config
 
     env = {"MARIANA_WORKER__COUNT": "3", "MARIANA_TRAIN__EPOCHS": "4"}
     assert load_cluster_config(env=env).worker.count == 3
@@ -109,8 +109,8 @@ def test_cluster_and_job_configs_take_only_their_own_environment_sections():
 
 
 def test_metrics_ports_follow_base_port_and_are_checked_against_counts():
-    from services.launcher import resolve
-    from services.runtime.config import load_cluster_config
+    from mariana.services.launcher import resolve
+    from mariana.services.runtime.config import load_cluster_config
 
     cfg = load_cluster_config(overrides={"cluster.base_port": 5700, "worker.count": 3, "ps.count": 2}, env={})
     assert [cfg.metrics_port("worker", i) for i in range(3)] == [6100, 6101, 6102]
@@ -128,7 +128,7 @@ def test_metrics_ports_follow_base_port_and_are_checked_against_counts():
 
 def test_a_lone_worker_overlaps_lr_steps_only_unless_told():
     """Two steps in flight keep one worker busy, but cost a DNN AUC (docs/pipeline.md)."""
-    from services.runtime.config import WorkerConfig
+    from mariana.services.runtime.config import WorkerConfig
 
     assert WorkerConfig().steps_in_flight("lr") == 2 and WorkerConfig().steps_in_flight("dnn") == 1
     assert WorkerConfig(count=2).steps_in_flight("lr") == 1

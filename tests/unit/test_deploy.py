@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from services.deploy import Hidden, find_hidden, hidden_dirs, runtime_paths
-from services.runtime.config import load_cluster_config
-from services.runtime.lifecycle import DRAIN_SECONDS
+from mariana.services.deploy import Hidden, find_hidden, hidden_dirs, runtime_paths
+from mariana.services.runtime.config import load_cluster_config
+from mariana.services.runtime.lifecycle import DRAIN_SECONDS
 from tests.conftest import ROOT, run_cli
 
 DEPLOY = ROOT / "deploy"
@@ -78,7 +78,7 @@ def test_long_running_units_notify_restart_and_are_sandboxed(name):
     assert (one["Type"], one["NotifyAccess"], one["Restart"]) == ("notify", "main", "on-failure"), name
     assert 0 < seconds(one["WatchdogSec"]) <= 60 and seconds(one["RestartSec"]) > 0
     if name == "mariana-serve.service":  # the supervisor waits drain_seconds + 10 s for its workers
-        from serving.config import load_serve_config
+        from mariana.serving.config import load_serve_config
 
         assert seconds(one["TimeoutStopSec"]) > load_serve_config(None, {}).serve.drain_seconds + 10
     else:  # drain, then the main task's bounded cleanup, then close (a shard's checkpoint)
@@ -297,7 +297,7 @@ def test_drop_ins_are_read_and_a_visible_layout_warns_nothing(tmp_path):
 # ---- the configs agree on ports --------------------------------------------------------------
 
 def test_systemd_configs_redis_and_prometheus_agree_on_ports():
-    from serving.config import load_serve_config
+    from mariana.serving.config import load_serve_config
 
     cfg = load_cluster_config(DEPLOY / "config/cluster.systemd.toml", env={})
     assert cfg.cluster.base_port and not cfg.redis.embedded and cfg.cluster.host == "127.0.0.1"

@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from sparse.encode import Encoder
-from sparse.hashing import HashSpec, token_id
-from sparse.parse import Reader
-from sparse.schema import avazu, criteo
+from mariana.sparse.encode import Encoder
+from mariana.sparse.hashing import HashSpec, token_id
+from mariana.sparse.parse import Reader
+from mariana.sparse.schema import avazu, criteo
 
 ROW = "1\t5\t\t-3\t" + "\t".join(["7"] * 10) + "\t" + "\t".join(f"{i:08x}" for i in range(25)) + "\t"
 

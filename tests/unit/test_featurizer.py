@@ -9,19 +9,19 @@ import pyarrow as pa
 import pytest
 import torch
 
-from featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
-from featurizer.idx import IdxFormatError, read_idx, write_idx
-from featurizer.image import BadImage, ImageFeaturizer, decode_image, stack_images
-from sparse.encode import Encoder
-from sparse.errors import ModelDirError
-from sparse.hashing import HashSpec
-from sparse.parse import Chunk
-from sparse.schema import criteo
+from mariana.featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
+from mariana.featurizer.idx import IdxFormatError, read_idx, write_idx
+from mariana.featurizer.image import BadImage, ImageFeaturizer, decode_image, stack_images
+from mariana.sparse.encode import Encoder
+from mariana.sparse.errors import ModelDirError
+from mariana.sparse.hashing import HashSpec
+from mariana.sparse.parse import Chunk
+from mariana.sparse.schema import criteo
 
 
 @pytest.fixture(scope="session")
 def mnist(mnist_dir):
-    from featurizer.image import load_mnist
+    from mariana.featurizer.image import load_mnist
 
     return load_mnist(mnist_dir)
 
@@ -102,8 +102,8 @@ def test_embed_is_deterministic_across_calls_and_batch_sizes(featurizer_dir, mni
 
 def test_frozen_ops_compute_what_the_module_computes(featurizer_dir, mnist):
     """The exported op list and trainer/models/image_cnn.py are the same network."""
-    from featurizer.image import to_input
-    from trainer.models.image_cnn import ImageCNN, ImageCNNConfig
+    from mariana.featurizer.image import to_input
+    from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig
 
     f = ImageFeaturizer.load(featurizer_dir)
     model = ImageCNN(ImageCNNConfig.from_dict(f.manifest["cnn"])).eval()
@@ -148,8 +148,8 @@ def test_encoder_puts_creative_features_in_the_dense_block():
 # ---- ads-with-images data ---------------------------------------------------------------------
 
 def test_gen_ads_with_images_is_deterministic_for_a_seed(mnist, tmp_path):
-    from featurizer.ads import AdsSpec, generate_ads_with_images
-    from featurizer.creatives import load_creatives
+    from mariana.featurizer.ads import AdsSpec, generate_ads_with_images
+    from mariana.featurizer.creatives import load_creatives
 
     spec = AdsSpec(rows=3000, seed=4, creatives=300)
     a = generate_ads_with_images(tmp_path / "a", spec, mnist.source["dir"])

@@ -7,8 +7,8 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sparse.errors import ConfigError
-from sparse.hashing import (HashSpec, _py_fnv1a64, binary_ids, bucket_codes, field_key, fmix64, fnv1a64, int_ids,
+from mariana.sparse.errors import ConfigError
+from mariana.sparse.hashing import (HashSpec, _py_fnv1a64, binary_ids, bucket_codes, field_key, fmix64, fnv1a64, int_ids,
                             log_bucket, token_id)
 
 SPEC20 = HashSpec(bits=20)

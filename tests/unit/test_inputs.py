@@ -9,13 +9,13 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
 
-from sparse.encode import Encoder
-from sparse.errors import ConfigError, DataFormatError
-from sparse.hashing import HashSpec
-from sparse.inputs import NoDataFiles, expand_data_paths
-from sparse.parse import BlockParser, BlockTask, Reader, iter_spans, read_span, to_arrow_block
-from sparse.schema import Schema, avazu, criteo
-from sparse.synth import generate_criteo
+from mariana.sparse.encode import Encoder
+from mariana.sparse.errors import ConfigError, DataFormatError
+from mariana.sparse.hashing import HashSpec
+from mariana.sparse.inputs import NoDataFiles, expand_data_paths
+from mariana.sparse.parse import BlockParser, BlockTask, Reader, iter_spans, read_span, to_arrow_block
+from mariana.sparse.schema import Schema, avazu, criteo
+from mariana.sparse.synth import generate_criteo
 
 
 def touch(path, text="x\n"):
@@ -82,8 +82,8 @@ def test_an_item_that_names_no_file_is_an_error_naming_it(tmp_path, monkeypatch,
 
 
 def test_retrain_windows_take_directories_and_globs(tmp_path):
-    from serving.config import load_serve_config
-    from serving.retrain import windows
+    from mariana.serving.config import load_serve_config
+    from mariana.serving.retrain import windows
 
     for day in ("day1", "day2", "day3"):
         touch(tmp_path / "logs" / f"{day}.tsv")

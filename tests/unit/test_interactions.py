@@ -19,12 +19,12 @@ import math
 import numpy as np
 import pytest
 
-from sparse.errors import ModelDirError
-from trainer import checkpoint
-from trainer.bundle import ModelBundle
-from trainer.config import load_config
-from trainer.job import resolve_auto
-from trainer.strategies.local import evaluate, train_local
+from mariana.sparse.errors import ModelDirError
+from mariana.trainer import checkpoint
+from mariana.trainer.bundle import ModelBundle
+from mariana.trainer.config import load_config
+from mariana.trainer.job import resolve_auto
+from mariana.trainer.strategies.local import evaluate, train_local
 
 AUC_MARGIN = 0.01
 

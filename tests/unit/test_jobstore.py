@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from services.jobstore import JobStore, JobStoreError
+from mariana.services.jobstore import JobStore, JobStoreError
 
 
 def test_jobs_journal_and_points_survive_reopening(tmp_path):

@@ -14,14 +14,20 @@ RULES = {
 }
 
 
+def layer(module: str) -> str:
+    """The top name an import reaches: `mariana.sparse.x` -> `sparse`, `zmq.asyncio` -> `zmq`."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "mariana" and len(parts) > 1 else parts[0]
+
+
 def imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), str(path))
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {layer(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+            found.add(layer(node.module))
     return found
 
 

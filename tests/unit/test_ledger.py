@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.ledger import ChunkInfo, JobLedger, parse_step, step_id
+from mariana.services.ledger import ChunkInfo, JobLedger, parse_step, step_id
 
 
 def chunk(cid: str = "f0o0", file: int = 0, offset: int = 0, lines: int = 10) -> ChunkInfo:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sparse.metrics import BinaryMetrics
+from mariana.sparse.metrics import BinaryMetrics
 
 
 def brute_force_auc(y, p):

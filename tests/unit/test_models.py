@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse.batch import SparseBatch
-from trainer.config import ModelConfig
-from trainer.models.base import build_model, make_input
-from trainer.strategies.ps_step import compute_grads
+from mariana.sparse.batch import SparseBatch
+from mariana.trainer.config import ModelConfig
+from mariana.trainer.models.base import build_model, make_input
+from mariana.trainer.strategies.ps_step import compute_grads
 
 NUM_IDS, FIELDS, DENSE = 40, 5, 3
 
@@ -91,7 +91,7 @@ def test_fixed_and_csr_forms_give_the_same_logits():
 
 def test_linear_table_take_matches_index_select_and_its_gradient():
     """The dim-1 fast path (numpy take, scatter_add backward) against torch's index_select."""
-    from trainer.models.base import _Take
+    from mariana.trainer.models.base import _Take
 
     g = torch.Generator().manual_seed(3)
     weights = torch.randn(50, 1, generator=g)

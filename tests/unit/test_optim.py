@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from sparse.optim import FTRL, AdaGrad, coalesce
-from sparse.table import HashedTable, init_rows
+from mariana.sparse.optim import FTRL, AdaGrad, coalesce
+from mariana.sparse.table import HashedTable, init_rows
 
 
 def table(dim=1, init=0.0):

@@ -4,9 +4,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sparse.errors import DataFormatError
-from sparse.parse import BlockParser, ParseStats, Reader
-from sparse.schema import Schema, avazu, criteo
+from mariana.sparse.errors import DataFormatError
+from mariana.sparse.parse import BlockParser, ParseStats, Reader
+from mariana.sparse.schema import Schema, avazu, criteo
 
 GOOD = "1\t5\t\t3\t" + "\t".join(["7"] * 10) + "\t" + "\t".join(f"{i:08x}" for i in range(26))
 GOOD0 = "0" + GOOD[1:]
@@ -134,7 +134,7 @@ def test_wrong_format_is_an_error(tmp_path):
 
 
 def test_overlong_line_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr("sparse.parse.MAX_LINE_BYTES", 4096)
+    monkeypatch.setattr("mariana.sparse.parse.MAX_LINE_BYTES", 4096)
     with pytest.raises(DataFormatError, match="longer than"):
         read_all(write(tmp_path, "long.tsv", "1" * 10000), block_bytes=1024)
 
@@ -243,7 +243,7 @@ def test_row_slots_line_rows_up_with_input_lines_when_rows_are_skipped(tmp_path)
 def test_the_head_of_a_parquet_span_is_what_reading_its_address_again_gives(gen_files, tmp_path):
     """A cluster job that holds a tail out sends the head of the span the cut falls in: a
     Parquet span's first rows, under a row address that `read_span` (a refill) reads again."""
-    from sparse.parse import from_arrow_block, iter_spans, read_span, span_head
+    from mariana.sparse.parse import from_arrow_block, iter_spans, read_span, span_head
     from tests.unit.test_inputs import csv_to_parquet
 
     path = csv_to_parquet(gen_files["test"], tmp_path / "t.parquet", criteo(), row_group_size=1000)

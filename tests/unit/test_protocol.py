@@ -8,11 +8,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from services import protocol
-from services.protocol import BadMessage, decode, encode, pack, unpack
-from services.sample_cache import pack_batch, unpack_batch
-from sparse.batch import SparseBatch
-from sparse.errors import DataFormatError
+from mariana.services import protocol
+from mariana.services.protocol import BadMessage, decode, encode, pack, unpack
+from mariana.services.sample_cache import pack_batch, unpack_batch
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.errors import DataFormatError
 
 # One valid set of required fields per message type, written out by hand.
 VALID = {

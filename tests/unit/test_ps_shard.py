@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparse.errors import DataFormatError
-from sparse.schema import criteo
-from sparse.table import init_rows
-from trainer.config import load_config
-from trainer.strategies.ps_shard import ParamShard
+from mariana.sparse.errors import DataFormatError
+from mariana.sparse.schema import criteo
+from mariana.sparse.table import init_rows
+from mariana.trainer.config import load_config
+from mariana.trainer.strategies.ps_shard import ParamShard
 
 NUM_IDS = 1 << 10
 EMBED = 2
@@ -316,10 +316,10 @@ def test_shards_warm_started_from_a_version_hold_that_version_exactly(num_shards
     Exported and put back together, the shards are that version, to the bit."""
     import torch
 
-    from services.assemble import assemble
-    from trainer import checkpoint
-    from trainer.bundle import ModelBundle
-    from trainer.job import run_local_job
+    from mariana.services.assemble import assemble
+    from mariana.trainer import checkpoint
+    from mariana.trainer.bundle import ModelBundle
+    from mariana.trainer.job import run_local_job
 
     cfg = load_config(overrides={"hashing.bits": 16, "model.kind": "dnn", "hashing.min_count": 2,
                                  "train.batch_size": 512}, env={})

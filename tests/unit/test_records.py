@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparse.encode import Encoder
-from sparse.hashing import HashSpec, token_id
-from sparse.parse import BlockParser, ParseStats
-from sparse.records import parse_records
-from sparse.schema import Schema, avazu, criteo
+from mariana.sparse.encode import Encoder
+from mariana.sparse.hashing import HashSpec, token_id
+from mariana.sparse.parse import BlockParser, ParseStats
+from mariana.sparse.records import parse_records
+from mariana.sparse.schema import Schema, avazu, criteo
 
 SPECS = [HashSpec(bits=20, numeric="bucket"), HashSpec(bits=18, numeric="both", bucket_scale=2.5)]
 

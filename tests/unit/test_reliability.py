@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from sparse.metrics import BinaryMetrics, rounded, wilson_interval
+from mariana.sparse.metrics import BinaryMetrics, rounded, wilson_interval
 
 
 def metrics_of(labels, scores) -> BinaryMetrics:

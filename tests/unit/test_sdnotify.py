@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from services.runtime import sdnotify
+from mariana.services.runtime import sdnotify
 
 
 @pytest.fixture

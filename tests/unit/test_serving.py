@@ -9,17 +9,17 @@ import msgpack
 import numpy as np
 import pytest
 
-from serving import codec
-from serving.config import load_serve_config
-from serving.dataplane import answer_batch
-from serving.errors import ServeError
-from serving.predictor import Predictor, describe_bad
-from serving.retrain import gate, windows
-from sparse.errors import ConfigError, ModelDirError
-from sparse.schema import criteo
-from trainer import checkpoint
-from trainer.bundle import ModelBundle
-from trainer.config import load_config
+from mariana.serving import codec
+from mariana.serving.config import load_serve_config
+from mariana.serving.dataplane import answer_batch
+from mariana.serving.errors import ServeError
+from mariana.serving.predictor import Predictor, describe_bad
+from mariana.serving.retrain import gate, windows
+from mariana.sparse.errors import ConfigError, ModelDirError
+from mariana.sparse.schema import criteo
+from mariana.trainer import checkpoint
+from mariana.trainer.bundle import ModelBundle
+from mariana.trainer.config import load_config
 
 J, M = codec.JSON, codec.MSGPACK
 
@@ -220,7 +220,7 @@ async def test_the_batcher_answers_on_the_loop_or_the_thread_alike(predictor, in
     both give what the predictor gives."""
     import asyncio
 
-    from serving.dataplane import Batcher
+    from mariana.serving.dataplane import Batcher
 
     seen = []
     batcher = Batcher(max_requests=8, max_instances=100, inline_bytes=inline_bytes,

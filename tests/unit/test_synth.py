@@ -1,8 +1,8 @@
 import numpy as np
 
-from sparse.parse import Reader
-from sparse.schema import criteo
-from sparse.synth import generate_criteo
+from mariana.sparse.parse import Reader
+from mariana.sparse.schema import criteo
+from mariana.sparse.synth import generate_criteo
 
 
 def test_generator_is_deterministic_and_parses_cleanly(tmp_path):

@@ -5,11 +5,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
-from sparse.hashing import log_bucket
-from sparse.metrics import BinaryMetrics
-from sparse.parse import Reader
-from sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC, criteo
-from sparse.synth_drift import generate_drift, planted_probabilities
+from mariana.sparse.hashing import log_bucket
+from mariana.sparse.metrics import BinaryMetrics
+from mariana.sparse.parse import Reader
+from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC, criteo
+from mariana.sparse.synth_drift import generate_drift, planted_probabilities
 
 ROWS = 60_000
 C = {name: 13 + i for i, name in enumerate(CRITEO_CATEGORICAL)}  # column of Ck in `codes`
@@ -98,7 +98,7 @@ def test_a_time_split_is_harder_than_a_random_split(tmp_path):
 
 
 def test_cli_gen_criteo_drift_writes_the_same_file(tmp_path, capsys):
-    from services.cli import build_parser
+    from mariana.services.cli import build_parser
 
     out = tmp_path / "cli.tsv"
     args = build_parser().parse_args(["gen", "criteo-drift", "--rows", "3000", "--seed", "7", "--out", str(out)])

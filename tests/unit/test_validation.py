@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from sparse.errors import ConfigError, MarianaError
-from sparse.metrics import BinaryMetrics
-from trainer.bundle import ModelBundle
-from trainer.config import load_config
-from trainer.data import BatchStream, RowRange, count_data_lines
-from trainer.job import run_local_job, run_tune_job
-from trainer.strategies.local import evaluate
+from mariana.sparse.errors import ConfigError, MarianaError
+from mariana.sparse.metrics import BinaryMetrics
+from mariana.trainer.bundle import ModelBundle
+from mariana.trainer.config import load_config
+from mariana.trainer.data import BatchStream, RowRange, count_data_lines
+from mariana.trainer.job import run_local_job, run_tune_job
+from mariana.trainer.strategies.local import evaluate
 
 
 def config(**overrides):
@@ -194,7 +194,7 @@ def test_a_search_bound_by_its_budget_leaves_time_for_the_refit(gen_files, tmp_p
 def test_a_validation_tail_of_parquet_and_headered_csv_files(gen_files, tmp_path):
     """Rows count from each file's first data row: a Parquet file has no header line, an
     avazu CSV has one; the split lands on the same rows either way."""
-    from sparse.schema import builtin
+    from mariana.sparse.schema import builtin
     from tests.unit.test_inputs import csv_to_parquet
 
     schema = builtin("criteo")

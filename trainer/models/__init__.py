@@ -1,4 +1,4 @@
 """CTR models with one interface: `forward(x: ModelInput) -> logits (B,)`."""
-from trainer.models.base import CTRModel, ModelInput, TableSpec, build_model
+from mariana.trainer.models.base import CTRModel, ModelInput, TableSpec, build_model
 
 __all__ = ["CTRModel", "ModelInput", "TableSpec", "build_model"]

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sparse.batch import SparseBatch
+from mariana.sparse.batch import SparseBatch
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,8 @@ def build_model(cfg, num_fields: int, dense_dim: int, image_dim: int = 0, image_
     in the dense block: LR weighs them like any dense value (mode 1), the DNN
     gives them a tower of their own (mode 2).
     """
-    from trainer.models.lr import LogisticRegression
-    from trainer.models.sparse_dnn import SparseDNN
+    from mariana.trainer.models.lr import LogisticRegression
+    from mariana.trainer.models.sparse_dnn import SparseDNN
 
     torch.manual_seed(cfg.seed)
     if cfg.kind == "lr":

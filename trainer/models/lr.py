@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields
+from mariana.trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields
 
 
 class LogisticRegression(CTRModel):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields
+from mariana.trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:

@@ -21,14 +21,14 @@ from typing import Callable
 
 import torch
 
-from sparse.batch import SparseBatch
-from sparse.errors import MarianaError
-from sparse.metrics import BinaryMetrics
-from trainer.bundle import ModelBundle, Snapshot
-from trainer.config import LOWER_RATES
-from trainer.data import BatchStream, RowRange
-from trainer.models.base import unique_ids
-from trainer.strategies.ps_step import StepResult, compute_grads
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.errors import MarianaError
+from mariana.sparse.metrics import BinaryMetrics
+from mariana.trainer.bundle import ModelBundle, Snapshot
+from mariana.trainer.config import LOWER_RATES
+from mariana.trainer.data import BatchStream, RowRange
+from mariana.trainer.models.base import unique_ids
+from mariana.trainer.strategies.ps_step import StepResult, compute_grads
 
 log = logging.getLogger(__name__)
 

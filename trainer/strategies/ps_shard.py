@@ -26,16 +26,16 @@ import re
 import numpy as np
 import torch
 
-from sparse import admission
-from sparse.encode import Encoder
-from sparse.errors import DataFormatError
-from sparse.optim import AdaGrad
-from sparse.schema import Schema
-from sparse.table import HashedTable
-from trainer.bundle import table_arrays, table_optimizer, version_export
-from trainer.config import JobConfig
-from trainer.models.base import build_model
-from trainer.strategies.ps_step import DenseOptimizer
+from mariana.sparse import admission
+from mariana.sparse.encode import Encoder
+from mariana.sparse.errors import DataFormatError
+from mariana.sparse.optim import AdaGrad
+from mariana.sparse.schema import Schema
+from mariana.sparse.table import HashedTable
+from mariana.trainer.bundle import table_arrays, table_optimizer, version_export
+from mariana.trainer.config import JobConfig
+from mariana.trainer.models.base import build_model
+from mariana.trainer.strategies.ps_step import DenseOptimizer
 
 
 STEP_RE = re.compile(r"^e(\d+)/.+")

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sparse.batch import SparseBatch
-from sparse.metrics import score_histogram
-from sparse.optim import SparseOptimizer
-from trainer.models.base import CTRModel, make_input
+from mariana.sparse.batch import SparseBatch
+from mariana.sparse.metrics import score_histogram
+from mariana.sparse.optim import SparseOptimizer
+from mariana.trainer.models.base import CTRModel, make_input
 
 
 @dataclass

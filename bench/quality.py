@@ -118,7 +118,42 @@ def score(labels, probs) -> dict:
     r = m.result()
     pos = int(labels.sum())
     return {"auc": r["auc"], "auc_ci95": hanley_mcneil(r["auc"], pos, labels.size - pos),
-            "logloss": r["logloss"], "calibration": r["calibration"], "ne": r["ne"], "test_rows": r["count"]}
+            "logloss": r["logloss"], "calibration": r["calibration"], "ne": r["ne"], "test_rows": r["count"],
+            PROBS: probs}  # for the paired tests; left out of results.json
+
+
+PROBS = "_probs"
+# (a, b) pairs tested on the same test rows: issue 15's targets compare these
+PAIRS = (("mariana-lr", "vw (defaults, 1 pass)"), ("mariana-dnn", "vw (defaults, 1 pass)"),
+         ("mariana-dnn", "mariana-lr"),
+         ("mariana-tuned (lr)", "vw grid, picked on valid"), ("mariana-tuned (lr)", "sklearn grid, picked on valid"),
+         ("mariana-tuned (dnn)", "vw grid, picked on valid"), ("mariana-tuned (dnn)", "sklearn grid, picked on valid"),
+         ("mariana-dnn", "torchrec DLRM"))
+
+
+def paired(rows: list[dict], labels) -> list[dict]:
+    """DeLong's paired AUC test and a paired logloss interval for each pair in PAIRS that ran:
+    the two models scored the same rows, so their difference is far tighter than two intervals."""
+    from mariana.sparse.metrics import paired_auc_test, paired_logloss_test
+
+    probs = {r["system"]: r[PROBS] for r in rows if PROBS in r}
+    out = []
+    for a, b in PAIRS:
+        if a in probs and b in probs:
+            auc = paired_auc_test(labels, probs[a], probs[b])
+            ll = paired_logloss_test(labels, probs[a], probs[b])
+            out.append({"a": a, "b": b, "auc_delta": auc["delta"], "auc_ci95": auc["ci95"], "auc_p": auc["p"],
+                        "logloss_delta": ll["delta"], "logloss_ci95": ll["ci95"]})
+    return out
+
+
+def without_probs(value):
+    """`value` with the prediction arrays taken out (results.json keeps the numbers only)."""
+    if isinstance(value, dict):
+        return {k: without_probs(v) for k, v in value.items() if k != PROBS}
+    if isinstance(value, list):
+        return [without_probs(v) for v in value]
+    return value
 
 
 # ---- data sets --------------------------------------------------------------------------
@@ -677,7 +712,8 @@ def attempt(name: str, fn) -> list[dict]:
     return rows
 
 
-def bench_set(name: str, ds: dict, args, root: Path, tune_why: str | None) -> list[dict]:
+def bench_set(name: str, ds: dict, args, root: Path, tune_why: str | None) -> tuple[list[dict], list[dict]]:
+    """(the table's rows, the paired tests) of one data set."""
     work = root / name / "models"
     work.mkdir(parents=True, exist_ok=True)
     tok = load_tokens(ds)
@@ -710,7 +746,7 @@ def bench_set(name: str, ds: dict, args, root: Path, tune_why: str | None) -> li
                 continue
             got = attempt("torchrec DLRM", lambda: run_dlrm(root, tok, work / "dlrm"))
         rows += got
-    return rows
+    return rows, paired(rows, tok["y_te"])
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -758,6 +794,32 @@ def gap_closed(rows: list[dict]) -> float | None:
     if None in (lr, dnn, oracle) or oracle <= lr:
         return None
     return (dnn - lr) / (oracle - lr)
+
+
+def paired_markdown(results: dict) -> str:
+    """One row per tested pair: the differences a - b with their 95% intervals, and what they say."""
+    out = ["| set | a - b | AUC a - b [95% CI] | p (DeLong) | logloss a - b [95% CI] | reading |",
+           "|---|---|---|---:|---|---|"]
+    for name, entry in results.items():
+        for r in entry.get("paired", []):
+            lo, hi = r["auc_ci95"]
+            llo, lhi = r["logloss_ci95"]
+            out.append(f"| {name} | {r['a']} - {r['b']} | {r['auc_delta']:+.4f} [{lo:+.4f}, {hi:+.4f}] | "
+                       f"{r['auc_p']:.3f} | {r['logloss_delta']:+.5f} [{llo:+.5f}, {lhi:+.5f}] | {reading(r)} |")
+    return "\n".join(out)
+
+
+def reading(r: dict) -> str:
+    """What a pair's intervals say: who is better in AUC and in logloss, or a tie (0 inside)."""
+    def side(lo, hi, better_when_positive):
+        if lo > 0:
+            return "a" if better_when_positive else "b"
+        return ("b" if better_when_positive else "a") if hi < 0 else None
+
+    auc, ll = side(*r["auc_ci95"], True), side(*r["logloss_ci95"], False)
+    parts = [f"AUC: {'tie' if auc is None else ('a' if auc == 'a' else 'b') + ' better'}",
+             f"logloss: {'tie' if ll is None else ('a' if ll == 'a' else 'b') + ' better'}"]
+    return ", ".join(parts)
 
 
 def auc_matrix(results: dict) -> str:
@@ -810,7 +872,7 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     # imports from a cold disk cache would count in the first mariana run, and so in the tune budget
-    subprocess.run([sys.executable, "-c", "import torch, pyarrow, trainer.job, services.cli"], cwd=REPO)
+    subprocess.run([sys.executable, "-c", "import torch, pyarrow, mariana.trainer.job, mariana.services.cli"], cwd=REPO)
     tune_why = tune_available() if {"tuned", "tuned-dnn"} & set(args.systems) else None
     results = {}
     for name in args.sets:
@@ -820,16 +882,17 @@ def main(argv=None) -> int:
             note(f"skipping {name}: {ds}")
             results[name] = {"skipped": ds}
             continue
-        rows = bench_set(name, ds, args, root, tune_why)
-        results[name] = {"data": {k: str(v) if isinstance(v, Path) else v for k, v in ds.items()}, "rows": rows,
-                         "dnn_gap_closed": gap_closed(rows)}
+        rows, pairs = bench_set(name, ds, args, root, tune_why)
+        results[name] = {"data": {k: str(v) if isinstance(v, Path) else v for k, v in ds.items()},
+                         "rows": without_probs(rows), "dnn_gap_closed": gap_closed(rows),
+                         "paired": pairs}
     seconds = time.perf_counter() - t0
-    table, matrix = markdown(results), auc_matrix(results)
+    table, matrix, pairs = markdown(results), auc_matrix(results), paired_markdown(results)
     machine = machine_info(PACKAGES + ("optuna",)) | {"seconds": round(seconds, 1)}
     header = (f"bench/quality.py, {machine['date']}, {machine['nproc']} cores ({machine['cpu_model']}), "
               f"no GPU used; {seconds / 60:.1f} min; `{machine['command']}`")
-    print(f"\n{header}\n\n{table}\n\nAUC by set:\n\n{matrix}\n")
-    (root / "results.md").write_text(f"{header}\n\n{table}\n\n{matrix}\n")
+    print(f"\n{header}\n\n{table}\n\nAUC by set:\n\n{matrix}\n\nPaired on the same test rows:\n\n{pairs}\n")
+    (root / "results.md").write_text(f"{header}\n\n{table}\n\n{matrix}\n\n{pairs}\n")
     settings = {"sets": args.sets, "systems": args.systems, "rows": args.rows, "quick": args.quick,
                 "vw_grid": args.vw_grid, "vw_bits": VW_BITS, "sklearn_grid": list(args.sk_grid),
                 "tune_factor": TUNE_FACTOR}

@@ -76,9 +76,9 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
         before = None
     tmp = d / f".CURRENT.{os.getpid()}"
     tmp.write_text(version + "\n")
-    _fsync_file(tmp)
+    fsync_file(tmp)
     os.replace(tmp, d / "CURRENT")
-    _fsync_dir(d)
+    fsync_dir(d)
     if reason is not None and before != version:
         line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": before, "to": version,
                 "reason": reason}
@@ -191,16 +191,8 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
             version = f"v{(int(existing[-1][1:]) + 1) if existing else 1:06d}"
             body = dict(manifest, format=FORMAT, version=version)
             (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
-            for f in tmp.iterdir():
-                _fsync_file(f)
-            _publishable(tmp)
-            try:
-                os.rename(tmp, d / version)  # fails if another writer took the name
+            if publish_dir(tmp, d / version):  # False: another writer took the name
                 break
-            except OSError:
-                if not (d / version).exists():
-                    raise
-        _fsync_dir(d)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -225,6 +217,34 @@ def load_version(model_dir: str | os.PathLike, version: str | None = None,
     return manifest, weights, opt
 
 
+def publish_dir(tmp: Path, final: Path, replace: bool = False) -> bool:
+    """Put the finished temp dir `tmp` in place as `final`, all of it or nothing: its files
+    fsynced, its modes the umask's, one rename, the parent dir fsynced. False (and `tmp`
+    left as it is) when `final` exists: another writer put its own there first.
+
+    `replace`: an existing `final` is renamed aside just before (and removed after), so a
+    reader finds the old dir or the new one, never part of one; only between the two
+    renames, a moment, neither."""
+    for f in tmp.iterdir():
+        fsync_file(f)
+    _publishable(tmp)
+    aside = final.with_name(f".old-{final.name}-{os.getpid()}")
+    try:
+        if replace and final.exists():
+            os.rename(final, aside)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.exists():
+                raise
+            return False
+        fsync_dir(final.parent)
+        return True
+    finally:
+        if aside.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+
+
 def _publishable(vdir: Path) -> None:
     """mkdtemp makes 0700 dirs: give the version the modes of the process umask
     (default 755/644), so a server running as another user can read it."""
@@ -235,12 +255,12 @@ def _publishable(vdir: Path) -> None:
         os.chmod(f, 0o666 & ~umask)
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -1,7 +1,8 @@
 """Job configuration: one dataclass per concern, loaded from defaults, then a
 TOML file, then `MARIANA_<SECTION>__<KEY>` environment variables, then
-command-line overrides. Unknown keys and wrong types are errors that name
-the key.
+command-line overrides (sparse/settings.py). Unknown keys and wrong types are
+errors that name the key. `JobConfig` is a CTR job's; `DenseJobConfig` a dense
+model's (trainer/dense.py trains it).
 
 >>> cfg = load_config(overrides={"model.kind": "dnn", "train.epochs": 2}, env={})
 >>> cfg.model.kind, cfg.train.epochs, cfg.hashing.bits
@@ -12,16 +13,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import tomllib
-import typing
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from mariana.sparse.errors import ConfigError
 from mariana.sparse.hashing import HashSpec
 from mariana.sparse.schema import FORMATS, Schema, builtin
+# from_dict and parse_set_option are sparse.settings' and imported from there; they stay
+# importable here until the services and serving modules that take them from here do so too.
+from mariana.sparse.settings import from_dict, load_settings, parse_set_option  # noqa: F401
 
-ENV_PREFIX = "MARIANA_"
 AUTO = "auto"  # train.epochs: stop on the validation logloss
 
 
@@ -223,138 +225,75 @@ class JobConfig:
         return self
 
 
-# ---- strict loading -----------------------------------------------------------
+# ---- dense jobs (the speech DNN, the image CNN) ----------------------------------
 
-def from_dict(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
-    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"{where or 'config'}: unknown key {_dotted(where, unknown[0])!r} "
-                          f"(known: {', '.join(sorted(names))})")
-    kwargs = {k: _coerce(hints[k], v, _dotted(where, k)) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{where or 'config'}: {e}") from None
+DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
+BACKENDS = ("gloo", "nccl", "auto")
+LOSSES = ("cross_entropy", "bce", "mse")     # trainer/dense.py's loss_fn makes them
+OPTIMIZERS = ("sgd", "adam", "adagrad")      # trainer/dense.py's make_optimizer makes them
 
 
-def _dotted(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
+@dataclass
+class DenseConfig:
+    """How a dense model trains: where, in how many processes, with which loss and optimizer.
+    "auto": the device is CUDA when there is one, the backend nccl on CUDA and gloo on
+    the CPU (trainer/dense.py resolves them).
 
-
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, key)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        if len(args) == 1:
-            return _coerce(args[0], value, key)
-        for arg in args:  # the first type the value is (int | str: 3 stays 3, "auto" a string)
-            try:
-                return _coerce(arg, value, key)
-            except ConfigError:
-                pass
-        whats = " or ".join(_SCALARS[a][1] if a in _SCALARS else a.__name__ for a in args)
-        raise ConfigError(f"{key}: expected {whats}, got {value!r}")
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is dict or origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a table, got {value!r}")
-        return dict(value)
-    if tp in _SCALARS:
-        accepted, what = _SCALARS[tp]
-        # bool is an int subclass in Python, but `epochs = true` is a mistake
-        if not isinstance(value, accepted) or (tp is not bool and isinstance(value, bool)):
-            raise ConfigError(f"{key}: expected {what}, got {value!r}")
-        return tp(value)
-    return value
-
-
-_SCALARS = {bool: (bool, "true or false"), int: (int, "an integer"),
-            float: ((int, float), "a number"), str: (str, "a string")}
-
-
-def _parse_scalar(raw: str) -> Any:
-    """A TOML value if it parses as one (3, 0.5, true, [1, 2], "x"), else the raw string."""
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{dotted}: {p} is not a table")
-    node[parts[-1]] = value
-
-
-def _merge(base: dict, top: Mapping) -> dict:
-    for k, v in top.items():
-        if isinstance(v, Mapping) and isinstance(base.get(k), dict) and k != "schema":
-            _merge(base[k], v)
-        else:
-            base[k] = v
-    return base
-
-
-def read_toml(path: str | os.PathLike) -> dict:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, not a config file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-
-
-def env_overrides(env: Mapping[str, str], sections: set[str] | None = None) -> dict:
-    """`MARIANA_TRAIN__EPOCHS=3` -> {"train": {"epochs": 3}} (double underscore nests).
-
-    With `sections`, only variables of those top-level sections count: the
-    job config and the cluster config share the prefix, not their sections.
+    >>> DenseConfig(device="cuda:1", optimizer="sgd", momentum=0.9).backend
+    'auto'
+    >>> DenseConfig(device="cpu", backend="nccl")
+    Traceback (most recent call last):
+    ...
+    mariana.sparse.errors.ConfigError: dense.backend = 'nccl' needs a CUDA device, not dense.device = 'cpu'
     """
-    tree: dict = {}
-    for name, raw in env.items():
-        if name.startswith(ENV_PREFIX) and "__" in name:
-            dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
-            if sections is None or dotted.split(".", 1)[0] in sections:
-                _set_dotted(tree, dotted, _parse_scalar(raw))
-    return tree
+
+    device: str = "auto"          # cpu | cuda | cuda:N | auto
+    world_size: int = 1           # processes of synchronous data parallel training; 1: one process
+    backend: str = "auto"         # torch.distributed's: gloo | nccl | auto
+    loss: str = "cross_entropy"   # cross_entropy (class ids) | bce (0/1 targets, on logits) | mse
+    optimizer: str = "adam"       # sgd | adam | adagrad
+    lr: float = 1e-3
+    momentum: float = 0.0         # sgd only
+    weight_decay: float = 0.0     # L2 on every parameter, as torch.optim's weight_decay
+    batch_size: int = 64          # rows per step of one process
+    epochs: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not DEVICE_RE.match(self.device):
+            raise ConfigError(f"dense.device: unknown device {self.device!r} (use 'cpu', 'cuda', 'cuda:N' or 'auto')")
+        for key, known in (("backend", BACKENDS), ("loss", LOSSES), ("optimizer", OPTIMIZERS)):
+            if getattr(self, key) not in known:
+                raise ConfigError(f"dense.{key}: unknown {key} {getattr(self, key)!r} (use one of {list(known)})")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ConfigError("dense.backend = 'nccl' needs a CUDA device, not dense.device = 'cpu'")
+        for key in ("world_size", "batch_size", "epochs"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"dense.{key} must be >= 1, got {getattr(self, key)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"dense.lr must be a positive number, got {self.lr}")
+        for key in ("momentum", "weight_decay"):
+            if not (getattr(self, key) >= 0 and math.isfinite(getattr(self, key))):
+                raise ConfigError(f"dense.{key} must be >= 0, got {getattr(self, key)}")
+        if self.momentum and self.optimizer != "sgd":
+            raise ConfigError(f"dense.momentum is for optimizer 'sgd', not {self.optimizer!r}")
+
+
+@dataclass
+class DenseJobConfig:
+    """A dense job's config file: its [dense] table, loaded like every config
+    (sparse.settings: TOML <- `MARIANA_DENSE__LR=...` <- overrides).
+
+    >>> cfg = load_settings(DenseJobConfig, env={"MARIANA_DENSE__LR": "0.01"}, overrides={"dense.device": "cpu"})
+    >>> cfg.dense.lr, cfg.dense.device, cfg.dense.optimizer
+    (0.01, 'cpu', 'adam')
+    """
+
+    dense: DenseConfig = field(default_factory=DenseConfig)
 
 
 def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
                 overrides: Mapping[str, Any] | None = None, cls: type = JobConfig) -> Any:
-    """Defaults <- TOML file <- environment <- overrides ({"train.epochs": 2, ...})."""
-    tree: dict = {}
-    if path:
-        _merge(tree, read_toml(path))
-    sections = {f.name for f in dataclasses.fields(cls)}
-    _merge(tree, env_overrides(os.environ if env is None else env, sections))
-    for dotted, value in (overrides or {}).items():
-        _set_dotted(tree, dotted, value)
-    return from_dict(cls, tree)
-
-
-def parse_set_option(item: str) -> tuple[str, Any]:
-    """'train.epochs=3' -> ('train.epochs', 3), for --set flags."""
-    if "=" not in item:
-        raise ConfigError(f"--set expects key=value, got {item!r}")
-    key, raw = item.split("=", 1)
-    return key.strip(), _parse_scalar(raw.strip())
+    """A JobConfig: defaults <- TOML file <- environment <- overrides ({"train.epochs": 2, ...}).
+    `cls`: another config loaded the same way (sparse.settings.load_settings)."""
+    return load_settings(cls, path, env, overrides)

@@ -2,8 +2,9 @@
 a frozen featurizer (featurizer/image.py reads it). Read top to bottom:
 
     split the 10k images 8k/2k (fixed permutation, featurizer.image.split_indices)
-    for epoch: for batch of the 8k: cross-entropy, Adam step; progress ~1/s
-               accuracy on the 2k held out (logged)
+    for epoch: train_dense over the 8k in a random order: cross-entropy, Adam step;
+               progress ~1/s (trainer/dense.py, on the CPU)
+               evaluate_dense: accuracy on the 2k held out (logged)
     export: the stages up to "embed" as frozen ops, weights in safetensors,
             the output standardisation measured on the 8k
 """
@@ -21,12 +22,12 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from mariana.featurizer.image import (FORMAT, MANIFEST, SPLIT_SEED, TEST_IMAGES, WEIGHTS, ImageFeaturizer, ImageSet,
                               file_sha256, pixel_stats, split_indices, to_input)
-from mariana.trainer.checkpoint import _fsync_dir, _fsync_file, _publishable
+from mariana.trainer.checkpoint import publish_dir
+from mariana.trainer.dense import DenseProgress, evaluate_dense, loss_fn, tensor_batches, train_dense
 from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops
 
 log = logging.getLogger(__name__)
@@ -80,15 +81,16 @@ def train_featurizer(data: ImageSet, cfg: FeaturizerTrainConfig = FeaturizerTrai
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     x_test = to_input(data.images[test_idx], mean, std)
+    y_test = torch.from_numpy(data.labels[test_idx].astype(np.int64))
+    loss, cpu = loss_fn("cross_entropy"), torch.device("cpu")  # the CPU: the same featurizer on every machine
     t0 = time.perf_counter()
     log.info("featurizer: training a CNN on %d images (%d held out), %d epochs", len(train_idx), len(test_idx),
              cfg.epochs)
     for epoch in range(1, cfg.epochs + 1):
         t_epoch = time.perf_counter()
-        train_epoch(model, opt, x_train, y_train, cfg.batch_size, gen, lambda n, loss, ips: progress and progress(
-            TrainProgress(epoch, cfg.epochs, n, loss, ips)), report_every)
-        model.eval()
-        accuracy = accuracy_of(model, x_test, data.labels[test_idx])
+        train_dense(model, tensor_batches(x_train, y_train, cfg.batch_size, gen), loss, opt, cpu,
+                    _epoch_progress(progress, epoch, cfg.epochs), report_every)
+        accuracy = evaluate_dense(model, tensor_batches(x_test, y_test, 512), loss, cpu).accuracy
         log.info("featurizer epoch %d/%d done: held-out accuracy %.4f, %.1fs", epoch, cfg.epochs, accuracy,
                  time.perf_counter() - t_epoch)
     report = {"test_accuracy": round(accuracy, 4), "train_images": len(train_idx), "test_images": len(test_idx),
@@ -98,31 +100,11 @@ def train_featurizer(data: ImageSet, cfg: FeaturizerTrainConfig = FeaturizerTrai
     return model, report
 
 
-def train_epoch(model: ImageCNN, opt, x: torch.Tensor, y: torch.Tensor, batch_size: int, gen: torch.Generator,
-                report: Callable[[int, float, float], None], report_every: float) -> None:
-    """One pass in a random order; report(images seen, mean loss of the window, images/s)."""
-    model.train()
-    order = torch.randperm(len(x), generator=gen)
-    t_epoch = last = time.perf_counter()
-    window_loss, window_n, seen = 0.0, 0, 0
-    for start in range(0, len(x), batch_size):
-        idx = order[start:start + batch_size]
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        seen += len(idx)
-        window_loss, window_n = window_loss + float(loss.detach()) * len(idx), window_n + len(idx)
-        now = time.perf_counter()
-        if now - last >= report_every or seen == len(x):
-            report(seen, window_loss / window_n, seen / max(now - t_epoch, 1e-9))
-            window_loss, window_n, last = 0.0, 0, now
-
-
-def accuracy_of(model: ImageCNN, x: torch.Tensor, labels: np.ndarray) -> float:
-    with torch.inference_mode():
-        pred = torch.cat([model(x[i:i + 512]).argmax(1) for i in range(0, len(x), 512)])
-    return float((pred.numpy() == labels).mean())
+def _epoch_progress(progress: Callable[[TrainProgress], None] | None, epoch: int,
+                    epochs: int) -> Callable[[DenseProgress], None] | None:
+    if progress is None:
+        return None
+    return lambda p: progress(TrainProgress(epoch, epochs, p.rows, p.loss, p.rows_per_s))
 
 
 def export_featurizer(model: ImageCNN, report: dict, data: ImageSet, out_dir: str | Path) -> Path:
@@ -154,34 +136,22 @@ def train_and_export(data: ImageSet, out_dir: str | Path, cfg: FeaturizerTrainCo
 
 
 def write_featurizer(out_dir: str | os.PathLike, manifest: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write DIR/weights.safetensors and DIR/manifest.json, replacing DIR: built and fsynced
-    in a temp dir beside it with the umask's modes (as model versions are, trainer.checkpoint),
-    then two renames a moment apart (the old DIR aside, the new one in), so a reader finds the
-    old featurizer or the new one, never part of one. When another writer puts its DIR in
-    place first, that one stays and this one is dropped."""
+    """Write DIR/weights.safetensors and DIR/manifest.json, replacing DIR: built in a temp dir
+    beside it, then published as model versions are (trainer.checkpoint.publish_dir: fsynced,
+    the umask's modes, two renames a moment apart, the old DIR aside and the new one in), so a
+    reader finds the old featurizer or the new one, never part of one. When another writer
+    puts its DIR in place first, that one stays and this one is dropped."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-featurizer-", dir=out.parent))
-    old = out.with_name(f".old-{out.name}-{os.getpid()}")
     try:
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
         body = {**manifest, "format": FORMAT, "weights_sha256": file_sha256(tmp / WEIGHTS), "torch": torch.__version__,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
-        for f in tmp.iterdir():
-            _fsync_file(f)
-        _publishable(tmp)
-        if out.exists():
-            os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / MANIFEST).exists():
-                raise
+        if not publish_dir(tmp, out, replace=True):
             log.info("%s: another writer put a featurizer there first; keeping it", out)
-        _fsync_dir(out.parent)
     finally:
-        for d in (tmp, old):
-            if d.exists():
-                shutil.rmtree(d, ignore_errors=True)
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return out

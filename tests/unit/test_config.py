@@ -1,7 +1,8 @@
 import pytest
 
 from mariana.sparse.errors import ConfigError
-from mariana.trainer.config import JobConfig, load_config, parse_set_option
+from mariana.sparse.settings import parse_set_option
+from mariana.trainer.config import JobConfig, load_config
 
 
 def test_layers_of_config(tmp_path):
@@ -133,3 +134,14 @@ def test_a_lone_worker_overlaps_lr_steps_only_unless_told():
     assert WorkerConfig().steps_in_flight("lr") == 2 and WorkerConfig().steps_in_flight("dnn") == 1
     assert WorkerConfig(count=2).steps_in_flight("lr") == 1
     assert WorkerConfig(pipeline=3).steps_in_flight("dnn") == 3
+
+
+def test_env_merges_into_a_section_key_by_key_but_replaces_a_free_form_table(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[data]\nformat = "csv"\nblock_bytes = 4096\n'
+                    '[data.schema]\ncolumns = ["y", "a"]\nlabel = "y"\nnumeric = ["a"]\n')
+    env = {"MARIANA_DATA__BLOCK_BYTES": "8192", "MARIANA_DATA__SCHEMA__COLUMNS": '["y", "b"]'}
+    cfg = load_config(path, env=env)
+    assert (cfg.data.format, cfg.data.block_bytes) == ("csv", 8192)
+    assert cfg.data.schema == {"columns": ["y", "b"]}  # the environment's table, not mixed with the file's
+

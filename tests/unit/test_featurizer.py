@@ -166,3 +166,30 @@ def test_gen_ads_with_images_is_deterministic_for_a_seed(mnist, tmp_path):
     new = {i for i, n in zip(ids, meta["new"]) if n}
     assert not new & {line.split("\t")[-1].encode() for line in lines}   # new creatives: test rows only
     assert a["test"]["rows_with_new_creative"] > 0 and 0.15 < a["train"]["ctr"] < 0.3
+
+
+# ---- export -----------------------------------------------------------------------------------
+
+def test_write_featurizer_replaces_the_dir_whole_and_leaves_nothing_beside_it(tmp_path):
+    from mariana.trainer.featurizer_train import write_featurizer
+
+    out = tmp_path / "f"
+    write_featurizer(out, {"dim": 1}, {"w": torch.zeros(2)})
+    write_featurizer(out, {"dim": 2}, {"w": torch.ones(3)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # no temp dir, no old one set aside
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "weights.safetensors"]
+    assert '"dim": 2' in (out / "manifest.json").read_text()
+
+
+def test_publish_dir_leaves_a_dir_that_another_writer_put_there_first(tmp_path):
+    from mariana.trainer.checkpoint import publish_dir
+
+    mine, theirs = tmp_path / ".tmp-mine", tmp_path / "v1"
+    for d, text in ((mine, "mine"), (theirs, "theirs")):
+        d.mkdir()
+        (d / "a").write_text(text)
+    assert not publish_dir(mine, theirs)
+    assert (theirs / "a").read_text() == "theirs" and (mine / "a").read_text() == "mine"
+    assert publish_dir(mine, tmp_path / "v2") and (tmp_path / "v2" / "a").read_text() == "mine"
+    assert publish_dir(tmp_path / "v2", theirs, replace=True) and (theirs / "a").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]

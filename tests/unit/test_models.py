@@ -1,12 +1,18 @@
-"""The step's sparse gradients equal autograd on a full dense table."""
+"""The step's sparse gradients equal autograd on a full dense table; the model registry."""
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mariana.sparse.batch import SparseBatch
+from mariana.sparse.errors import ConfigError
 from mariana.trainer.config import ModelConfig
-from mariana.trainer.models.base import build_model, make_input
+from mariana.trainer.dense import loss_fn
+from mariana.trainer.models import MODELS, build_model
+from mariana.trainer.models.base import make_input
 from mariana.trainer.strategies.ps_step import compute_grads
 
 NUM_IDS, FIELDS, DENSE = 40, 5, 3
@@ -61,6 +67,49 @@ def test_step_gradients_equal_autograd_on_full_tables(kind, interaction, fixed):
         assert not ref_rows[n][untouched].any()
     for got, want in zip(step.dense_grads, ref_dense):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_step_takes_another_loss():
+    """compute_grads with a summed MSE on the logits: autograd's gradients on full tables."""
+    model = build_model(ModelConfig(kind="dnn", embed_dim=4, hidden=[8], slots=4), FIELDS, DENSE)
+    b = batch(fixed=False)
+    tables = full_tables(model)
+    leaves = {n: t.clone().requires_grad_() for n, t in tables.items()}
+    loss = F.mse_loss(model(make_input(b, torch.from_numpy(b.ids), leaves)), torch.from_numpy(b.labels),
+                      reduction="sum")
+    model.zero_grad()
+    loss.backward()
+    uniq, inverse = b.unique()
+    step = compute_grads(model, b, torch.from_numpy(inverse), {n: t.numpy()[uniq] for n, t in tables.items()},
+                         loss=loss_fn("mse", "sum"))
+    assert step.loss_sum == pytest.approx(loss.item(), rel=1e-5)
+    for n, leaf in leaves.items():
+        np.testing.assert_allclose(step.row_grads[n], leaf.grad.numpy()[uniq], rtol=1e-4, atol=1e-6)
+
+
+def test_model_kinds_come_from_the_registry():
+    assert {"lr", "dnn"} <= set(MODELS)
+    with pytest.raises(ConfigError, match=r"model.kind: unknown model 'gbdt' \(known: dnn, lr\)"):
+        build_model(SimpleNamespace(kind="gbdt", seed=0, init_bias=0.0), FIELDS, DENSE)
+
+
+def test_base_imports_no_model_module():
+    """The registry breaks the old cycle: base.py (what models share) imports none of them."""
+    import ast
+
+    from mariana.trainer.models import base
+
+    tree = ast.parse(Path(base.__file__).read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not [m for m in names if m.startswith("mariana.trainer.models")], names
+
+
+def test_build_model_seeds_and_sets_the_bias():
+    cfg = ModelConfig(kind="dnn", embed_dim=4, hidden=[8], slots=4, seed=3, init_bias=-1.5)
+    a, b = build_model(cfg, FIELDS, DENSE), build_model(cfg, FIELDS, DENSE)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert a.bias.item() == -1.5 and build_model(ModelConfig(kind="lr"), FIELDS, DENSE).bias.item() == 0.0
 
 
 def test_lr_gradient_by_hand():

@@ -1,8 +1,10 @@
 import numpy as np
 import pytest
+import torch
 
 from mariana.sparse.optim import FTRL, AdaGrad, coalesce
 from mariana.sparse.table import HashedTable, init_rows
+from mariana.trainer.strategies.ps_step import DenseOptimizer
 
 
 def table(dim=1, init=0.0):
@@ -73,3 +75,62 @@ def test_initial_rows_depend_only_on_seed_and_id():
     assert not whole.touched.any()  # lookup does not materialize
     np.testing.assert_array_equal(whole.gather(np.array([5])), whole.lookup(np.array([5])))
     assert whole.touched[5]
+
+
+def test_dense_optimizer_steps_as_adagrad_does_on_rows():
+    """Torch ops on the parameters' own tensors, the numbers of AdaGrad.step (numpy) to the
+    bit: float32 throughout and a correctly rounded sqrt. Shapes below and above one
+    vector register (16 floats), gradients from 1e-6 to 1."""
+    rng = np.random.default_rng(1)
+    shapes = [(3,), (16,), (32, 50), (1,), (17, 5)]
+    opt = AdaGrad(lr=0.005, initial_accumulator=1e-8)
+    ref = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    params = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in ref]
+    ref_state = [{"sum_sq": np.zeros_like(p)} for p in ref]
+    dense = DenseOptimizer(opt, params)
+    for step in range(50):
+        grads = [(rng.standard_normal(s) * 10.0 ** rng.integers(-6, 1)).astype(np.float32) for s in shapes]
+        for p, st, g in zip(ref, ref_state, grads):
+            opt.step(p, st, g)
+        dense.apply(grads if step % 2 else [torch.from_numpy(g) for g in grads])  # arrays or tensors
+    for p, want in zip(params, ref):
+        assert np.array_equal(p.detach().numpy(), want)
+    for st, want in zip(dense.state, ref_state):
+        assert np.array_equal(st["sum_sq"], want["sum_sq"])
+
+
+def test_dense_optimizer_updates_arrays_in_place_and_its_state_writes_through():
+    flat = np.zeros(4, np.float32)  # a PS shard's dense vector
+    dense = DenseOptimizer(AdaGrad(lr=0.1, initial_accumulator=0.1), [flat])
+    dense.apply([np.array([0.5, 0, 0, -2.0], np.float32)])
+    assert flat[0] == pytest.approx(-0.1 * 0.5 / np.sqrt(0.35), rel=1e-6) and flat[3] > 0
+    dense.state[0]["sum_sq"][...] = 3.9  # a checkpoint's state put back
+    dense.apply([np.array([0, 0, 0, 1.0], np.float32)])
+    assert dense.sums[0][3].item() == pytest.approx(4.9) and flat[3] == pytest.approx(
+        0.1 * 2.0 / np.sqrt(4.1) - 0.1 / np.sqrt(5.0), rel=1e-6)
+    with pytest.raises(TypeError, match="AdaGrad, not FTRL"):
+        DenseOptimizer(FTRL(), [flat])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_dense_optimizer_steps_on_the_parameters_device():
+    rng = np.random.default_rng(2)
+    p = rng.standard_normal((64, 33)).astype(np.float32)
+    on_cpu, on_gpu = torch.from_numpy(p.copy()), torch.from_numpy(p.copy()).cuda()
+    a = DenseOptimizer(AdaGrad(lr=0.01, initial_accumulator=1e-8), [on_cpu])
+    b = DenseOptimizer(AdaGrad(lr=0.01, initial_accumulator=1e-8), [on_gpu])
+    for _ in range(20):
+        g = rng.standard_normal(p.shape).astype(np.float32)
+        a.apply([g])
+        b.apply([torch.from_numpy(g).cuda()])
+    assert b.sums[0].device == on_gpu.device
+    np.testing.assert_allclose(on_gpu.cpu().numpy(), on_cpu.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_dense_optimizer_keeps_the_callers_thread_count_and_wants_one_dtype():
+    threads = torch.get_num_threads()
+    DenseOptimizer(AdaGrad(), [torch.zeros(3)]).apply([np.ones(3, np.float32)])
+    assert torch.get_num_threads() == threads
+    with pytest.raises(ValueError, match="one device and of one dtype"):
+        DenseOptimizer(AdaGrad(), [torch.zeros(2), torch.zeros(2, dtype=torch.float64)])
+    DenseOptimizer(AdaGrad(), [np.zeros(0, np.float32)]).apply([np.zeros(0, np.float32)])  # a PS shard > 0

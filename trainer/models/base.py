@@ -1,4 +1,5 @@
-"""What every CTR model shares: its hashed tables, the model input, pooling.
+"""What every CTR model shares: its hashed tables, the model input, pooling,
+and the registry of model kinds that `build_model` reads.
 
 A model does not own its hashed tables (they may be far larger than memory
 of one process, and live on parameter-server shards). The trainer pulls the
@@ -9,12 +10,14 @@ duplicates.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from mariana.sparse.batch import SparseBatch
+from mariana.sparse.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -116,22 +119,33 @@ class CTRModel(nn.Module):
         raise NotImplementedError
 
 
+# kind -> builder(cfg, num_fields, dense_dim, image_dim, image_tower) -> CTRModel. Each model
+# module registers its own; importing `mariana.trainer.models` imports them all.
+MODELS: dict[str, Callable[..., CTRModel]] = {}
+
+
+def register(kind: str) -> Callable:
+    """Decorator: the builder of model kind `kind` (`@register("lr")`)."""
+    def add(builder: Callable[..., CTRModel]) -> Callable[..., CTRModel]:
+        if MODELS.setdefault(kind, builder) is not builder:
+            raise ValueError(f"model kind {kind!r} registered twice ({MODELS[kind].__module__}, {builder.__module__})")
+        return builder
+    return add
+
+
 def build_model(cfg, num_fields: int, dense_dim: int, image_dim: int = 0, image_tower: int = 32) -> CTRModel:
-    """The model of `cfg.kind` ('lr' or 'dnn') for a schema's field layout.
+    """The model of `cfg.kind` (a ModelConfig's) for a schema's field layout, its
+    parameters drawn after `torch.manual_seed(cfg.seed)`.
 
     `image_dim` columns of creative features follow the `dense_dim` numeric ones
     in the dense block: LR weighs them like any dense value (mode 1), the DNN
     gives them a tower of their own (mode 2).
     """
-    from mariana.trainer.models.lr import LogisticRegression
-    from mariana.trainer.models.sparse_dnn import SparseDNN
-
+    builder = MODELS.get(cfg.kind)
+    if builder is None:
+        raise ConfigError(f"model.kind: unknown model {cfg.kind!r} (known: {', '.join(sorted(MODELS))})")
     torch.manual_seed(cfg.seed)
-    if cfg.kind == "lr":
-        model = LogisticRegression(dense_dim + image_dim)
-    else:
-        model = SparseDNN(num_fields, dense_dim, cfg.embed_dim, list(cfg.hidden), cfg.init_scale, cfg.interaction,
-                          cfg.slots, image_dim=image_dim, image_tower=image_tower)
+    model = builder(cfg, num_fields, dense_dim, image_dim, image_tower)
     if not isinstance(cfg.init_bias, str):  # "auto" is resolved before training; unresolved, it is 0
         with torch.no_grad():
             model.bias.fill_(cfg.init_bias)

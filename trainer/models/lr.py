@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mariana.trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields
+from mariana.trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields, register
 
 
 class LogisticRegression(CTRModel):
@@ -24,3 +24,9 @@ class LogisticRegression(CTRModel):
         if self.dense is not None:
             logit = logit + self.dense(x.dense).squeeze(1)
         return logit
+
+
+@register("lr")
+def build_lr(cfg, num_fields: int, dense_dim: int, image_dim: int, image_tower: int) -> LogisticRegression:
+    """Image features (mode 1) are dense values like the others."""
+    return LogisticRegression(dense_dim + image_dim)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mariana.trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields
+from mariana.trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields, register
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
@@ -190,3 +190,9 @@ class SparseDNN(CTRModel):
         else:
             deep = self.over_arch(torch.cat([self.dot(emb), *towers], dim=1)).squeeze(1)
         return wide + deep + self.bias
+
+
+@register("dnn")
+def build_dnn(cfg, num_fields: int, dense_dim: int, image_dim: int, image_tower: int) -> SparseDNN:
+    return SparseDNN(num_fields, dense_dim, cfg.embed_dim, list(cfg.hidden), cfg.init_scale, cfg.interaction,
+                     cfg.slots, image_dim=image_dim, image_tower=image_tower)

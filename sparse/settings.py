@@ -1,0 +1,175 @@
+"""Settings for every layer: a dataclass of sections, loaded from its defaults, then
+a TOML file, then `MARIANA_<SECTION>__<KEY>` environment variables, then dotted
+overrides (`--set train.epochs=3`). Unknown keys and wrong types are errors that
+name the key. The job, cluster and serving configs are all loaded here.
+
+>>> from dataclasses import dataclass, field
+>>> @dataclass
+... class Train:
+...     epochs: int = 1
+...     rate: float = 0.1
+>>> @dataclass
+... class Job:
+...     train: Train = field(default_factory=Train)
+>>> load_settings(Job, env={"MARIANA_TRAIN__EPOCHS": "3"}, overrides={"train.rate": 0.5})
+Job(train=Train(epochs=3, rate=0.5))
+>>> load_settings(Job, env={}, overrides={"train.epoch": 2})
+Traceback (most recent call last):
+...
+mariana.sparse.errors.ConfigError: train: unknown key 'train.epoch' (known: epochs, rate)
+"""
+# No `from __future__ import annotations`: the doctest's dataclasses would get string
+# annotations, which `typing.get_type_hints` resolves in this module, not the doctest.
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from typing import Any, Mapping
+
+from mariana.sparse.errors import ConfigError
+
+ENV_PREFIX = "MARIANA_"
+
+
+def load_settings(cls: type, path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> Any:
+    """Defaults <- TOML file <- environment (default: os.environ) <- overrides ({"train.epochs": 2, ...})."""
+    tree: dict = {}
+    if path:
+        _merge(tree, read_toml(path), cls)
+    sections = {f.name for f in dataclasses.fields(cls)}
+    _merge(tree, env_overrides(os.environ if env is None else env, sections), cls)
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(tree, dotted, value)
+    return from_dict(cls, tree)
+
+
+def from_dict(cls: type, data: Mapping[str, Any], where: str = "") -> Any:
+    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or 'config'}: expected a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown key {_dotted(where, unknown[0])!r} "
+                          f"(known: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(hints[k], v, _dotted(where, k)) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{where or 'config'}: {e}") from None
+
+
+def read_toml(path: str | os.PathLike) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def env_overrides(env: Mapping[str, str], sections: set[str] | None = None) -> dict:
+    """`MARIANA_TRAIN__EPOCHS=3` -> {"train": {"epochs": 3}} (double underscore nests).
+
+    With `sections`, only variables of those top-level sections count: the
+    job config and the cluster config share the prefix, not their sections.
+
+    >>> env_overrides({"MARIANA_TRAIN__EPOCHS": "3", "MARIANA_PS__COUNT": "2", "HOME": "/"}, {"train"})
+    {'train': {'epochs': 3}}
+    """
+    tree: dict = {}
+    for name, raw in env.items():
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            dotted = name[len(ENV_PREFIX):].lower().replace("__", ".")
+            if sections is None or dotted.split(".", 1)[0] in sections:
+                _set_dotted(tree, dotted, _parse_scalar(raw))
+    return tree
+
+
+def parse_set_option(item: str) -> tuple[str, Any]:
+    """'train.epochs=3' -> ('train.epochs', 3), for --set flags."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {item!r}")
+    key, raw = item.split("=", 1)
+    return key.strip(), _parse_scalar(raw.strip())
+
+
+def _dotted(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        if len(args) == 1:
+            return _coerce(args[0], value, key)
+        for arg in args:  # the first type the value is (int | str: 3 stays 3, "auto" a string)
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError:
+                pass
+        whats = " or ".join(_SCALARS[a][1] if a in _SCALARS else a.__name__ for a in args)
+        raise ConfigError(f"{key}: expected {whats}, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return dict(value)
+    if tp in _SCALARS:
+        accepted, what = _SCALARS[tp]
+        # bool is an int subclass in Python, but `epochs = true` is a mistake
+        if not isinstance(value, accepted) or (tp is not bool and isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected {what}, got {value!r}")
+        return tp(value)
+    return value
+
+
+_SCALARS = {bool: (bool, "true or false"), int: (int, "an integer"),
+            float: ((int, float), "a number"), str: (str, "a string")}
+
+
+def _parse_scalar(raw: str) -> Any:
+    """A TOML value if it parses as one (3, 0.5, true, [1, 2], "x"), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a table")
+    node[parts[-1]] = value
+
+
+def _merge(base: dict, top: Mapping, cls: type) -> dict:
+    """`top` over `base`, in place. A section (a field of `cls` that is a dataclass) merges
+    key by key; any other value replaces, a free-form table too (`data.schema`: the
+    environment's columns are not mixed into the file's)."""
+    hints = typing.get_type_hints(cls)
+    for k, v in top.items():
+        section = hints.get(k)
+        if isinstance(v, Mapping) and isinstance(base.get(k), dict) and dataclasses.is_dataclass(section):
+            _merge(base[k], v, section)
+        else:
+            base[k] = v
+    return base

@@ -10,20 +10,18 @@ import os
 import time
 from typing import Callable
 
-import numpy as np
-import torch
-
+from mariana.services.jobspec import JobSpec
 from mariana.sparse.errors import ConfigError, ModelDirError
-from mariana.sparse.metrics import rounded
 from mariana.sparse.inputs import expand_data_paths
 from mariana.sparse.parse import Reader
 from mariana.sparse.schema import Schema
 from mariana.trainer import checkpoint
-from mariana.trainer.bundle import INITS, ModelBundle, check_parent, parent_version, table_arrays
+from mariana.trainer.bundle import INITS, ModelBundle, check_parent, parent_version
 from mariana.trainer.config import JobConfig, from_dict
 from mariana.trainer.data import RowRange
-from mariana.trainer.job import check_inputs, check_out_dir, check_trained, resolve_auto, validation
-from mariana.trainer.strategies.local import Validation, evaluate, peak_rss_mb
+from mariana.trainer.job import (TrainSummary, check_inputs, check_out_dir, check_trained, image_record,
+                                 publish_version, resolve_auto, validation)
+from mariana.trainer.strategies.local import Validation, evaluate
 
 MODES = ("async", "ssp", "bsp")
 
@@ -69,8 +67,7 @@ def check_request(body: dict) -> tuple[dict, dict]:
         request["holdout"] = _holdout(data, train_rows, held)
     if parent is not None:
         request["init_from"] = f"{parent['model_dir']}:{parent['version']}"
-    spec = {"config": config.to_dict(), "schema": schema.to_dict(), **({"init_from": parent} if parent else {})}
-    return request, spec
+    return request, JobSpec(config, schema, init_from=parent).to_dict()
 
 
 JOB_KEYS = ("config", "data", "init_from", "mode", "out", "promote", "staleness", "test_data", "valid_data")
@@ -144,16 +141,15 @@ def job_validation(request: dict) -> Validation | None:
     return None
 
 
-def cluster_image_record(spec: dict, ledger, images) -> dict:
+def cluster_image_record(job: JobSpec, ledger, images) -> dict:
     """Local mode's record of the image features (trainer.job.image_record); training rows
     were looked up by preprocess once, in the pass over the source, and the table was
     fresh for the evaluation."""
     from mariana.trainer.images import features_sha
-    from mariana.trainer.job import image_record
 
-    info = {**spec["images"]["info"], "model_creatives": len(images.ids), "features_sha256": features_sha(images.features)}
+    info = {**job.images["info"], "model_creatives": len(images.ids), "features_sha256": features_sha(images.features)}
     train = {"lookups": int(ledger.counters["creative_lookups"]), "unknown": int(ledger.counters["creatives_unknown"])}
-    return image_record(info, train, images.counts(), spec["config"]["model"]["kind"])
+    return image_record(info, train, images.counts(), job.config.model.kind)
 
 
 def _paths(body: dict, key: str) -> list[str]:
@@ -175,31 +171,11 @@ def _absolute(key: str, path: str) -> None:
                           "(the coordinator does not know the submitter's working directory)")
 
 
-def assemble(spec: dict, exports: list[dict[str, np.ndarray]], images=None) -> ModelBundle:
-    """One bundle from every shard's export (tables by global id; dense from shard 0);
-    `images`: the creative features table of a job with image features."""
-    bundle = ModelBundle(from_dict(JobConfig, spec["config"]), Schema.from_dict(spec["schema"]), images)
-    for arrays in exports:
-        for name, table in bundle.tables.items():
-            table.load_rows(*table_arrays(arrays, name))
-        bundle.load_counts(arrays)  # min_count > 1: the ids each shard counted but did not admit
-    dense = exports[0]["dense"]
-    params = list(bundle.model.parameters())
-    if params:
-        torch.nn.utils.vector_to_parameters(torch.from_numpy(np.array(dense)), params)
-        offset = 0
-        for p, state in zip(params, bundle.dense_opt.state):
-            n = p.numel()
-            for key, arr in state.items():
-                if f"dense.{key}" in exports[0]:
-                    arr[...] = exports[0][f"dense.{key}"][offset:offset + n].reshape(arr.shape)
-            offset += n
-    return bundle
-
-
 def validate_exports(spec: dict, exports: list, images, valid: Validation) -> dict:
     """The validation metrics of the model the shards hold now (after an epoch)."""
-    metrics, _ = evaluate(assemble(spec, exports, images), valid.paths, valid.rows)
+    job = JobSpec.from_dict(spec)
+    bundle = ModelBundle.from_shard_exports(job.config, job.schema, exports, images)
+    metrics, _ = evaluate(bundle, valid.paths, valid.rows)
     return {"logloss": metrics.get("logloss"), "auc": metrics.get("auc"), "calibration": metrics.get("calibration"),
             "ne": metrics.get("ne"), "rows": metrics.get("count", 0)}
 
@@ -212,50 +188,28 @@ def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_s
     training saw no rows, or whose loss is not finite, publishes nothing (MarianaError).
     `valid`: the per-epoch validation record (the exports are of its kept epoch)."""
     phase = on_phase or (lambda text: None)
+    job = JobSpec.from_dict(spec)
     rows_per_epoch = [int(ledger.rows_done[e]) for e in range(1, ledger.epochs + 1)]
     last = valid["best_epoch"] if valid and valid["kept"] == "best" and valid["best_epoch"] else ledger.epochs
     train_loss = ledger.loss_sum[last] / rows_per_epoch[last - 1] if rows_per_epoch and rows_per_epoch[last - 1] \
         else None
     check_trained(request["data"], sum(rows_per_epoch), train_loss)
-    bundle = assemble(spec, exports, images)
-    parent = spec.get("init_from")  # a warm start: counts go on from the parent's, as in local mode
+    bundle = ModelBundle.from_shard_exports(job.config, job.schema, exports, images)
+    parent = job.init_from  # a warm start: counts go on from the parent's, as in local mode
     bundle.rows_trained = sum(rows_per_epoch) + (parent["rows_trained"] if parent else 0)
     bundle.steps = len(ledger.done) + (parent["steps"] if parent else 0)
     if parent:
         bundle.parent = {k: parent[k] for k in ("model_dir", "version", "rows_trained")}
-    metrics, test_parse = ({}, None)
+    tested = ({}, None)
     if request["test_data"]:
         phase(f"evaluating on {', '.join(os.path.basename(p) for p in request['test_data'])}")
-        metrics, test_parse = evaluate(bundle, request["test_data"])
-    record = {
-        "auc": metrics.get("auc"), "logloss": metrics.get("logloss"),
-        "calibration": metrics.get("calibration"), "ne": metrics.get("ne"),
-        "test_rows": metrics.get("count", 0), "ece": metrics.get("ece"),
-        # predicted vs observed CTR by bucket (None: no test data); 4 significant digits, for
-        # the job store and /v1/status send every job's record again and again
-        "reliability": rounded(metrics["reliability"]) if metrics else None,
-        "train_rows": sum(rows_per_epoch), "rows_per_epoch": rows_per_epoch, "epochs": ledger.epochs,
-        "epoch_seconds": ledger.epoch_seconds, "train_seconds": round(train_seconds, 3),
-        "rows_per_s": round(sum(rows_per_epoch) / max(sum(ledger.epoch_seconds), 1e-9), 1),
-        "train_loss": train_loss,
-        "bad_rows": ledger.counters["bad_rows"] + (test_parse["rows_bad"] if test_parse else 0),
-        "model": request["model"],
-    }
-    if valid:
-        record["valid"] = valid
-    if images is not None:
-        record["images"] = cluster_image_record(spec, ledger, images)
+        tested = evaluate(bundle, request["test_data"])
+    summary = TrainSummary(request["data"], rows_per_epoch, ledger.epoch_seconds, train_seconds,
+                           sum(rows_per_epoch) / max(sum(ledger.epoch_seconds), 1e-9), train_loss,
+                           ledger.counters["bad_rows"], valid,
+                           run={"mode": "cluster/" + request["mode"], "shards": num_shards, "job": ledger.job,
+                                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    image_info = cluster_image_record(job, ledger, images) if images is not None else None
     phase(f"publishing a version in {request['out']}")
-    version = bundle.save(request["out"], make_current=request.get("promote", True), extra={
-        **({"images": record["images"]} if images is not None else {}),
-        **({"valid": valid} if valid else {}),
-        "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows", "ece")},
-        "reliability": record["reliability"],  # beside metrics: /v1/models lists every version's metrics
-        "train": {"data": request["data"], "test_data": request["test_data"], "rows": record["train_rows"],
-                  "seconds": record["train_seconds"], "mode": "cluster/" + request["mode"],
-                  "shards": num_shards, "job": ledger.job, "test_parse": test_parse,
-                  "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-    })
-    record.update(model_dir=request["out"], model_version=version, promoted=request.get("promote", True),
-                  peak_rss_mb=round(peak_rss_mb(), 1))
-    return record
+    return publish_version(bundle, request["out"], summary, request["test_data"], tested,
+                           request.get("promote", True), images=image_info)

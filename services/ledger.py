@@ -68,8 +68,45 @@ class Lease:
     deadline: float
 
 
+class LedgerReport:
+    """What a `JobLedger` reports of its job (status, /metrics, epoch summaries): read
+    from its state, changing nothing."""
+
+    def train_auc(self, epoch: int) -> float | None:
+        """Progressive AUC of an epoch: every prediction made before its step's update."""
+        h = self.hist.get(epoch)
+        return None if h is None else histogram_auc(h[0], h[1])
+
+    def fraction(self) -> float:
+        """How much of the job is done, 0..1; during epoch 1 an estimate from the bytes cached."""
+        if self.epoch > self.epochs:
+            return 1.0
+        total = self.counters["rows_in_data"]
+        if not self.source_done and total:
+            seen = sum(c.length for c in self.chunks.values() if c.batches and c.length > 0)
+            if seen and self.data_bytes > seen:
+                total = total * self.data_bytes / seen
+        part = min(1.0, self.rows_done[self.epoch] / total) if total else 0.0
+        return round((self.epoch - 1 + part) / self.epochs, 4)
+
+    def progress(self) -> dict:
+        e = min(self.epoch, self.epochs)
+        finished = self.epoch > self.epochs
+        seconds = self.epoch_seconds[-1] if finished and self.epoch_seconds else time.time() - self.epoch_started
+        rows = self.rows_done[e]
+        return {"epoch": e, "epochs": self.epochs, "rows": rows, "rows_per_s": round(rows / max(seconds, 1e-9), 1),
+                "loss": self.loss_sum[e] / rows if rows else None, "ready": len(self.ready),
+                "leased": len(self.leased), "chunks": len(self.chunks), "batches": len(self.batches),
+                "source_done": self.source_done, "fraction": self.fraction(),
+                "rows_total": sum(self.rows_done.values())}
+
+    def cache_stats(self) -> dict:
+        hits, misses = self.counters["cache_hits"], self.counters["cache_misses"]
+        return {"hits": hits, "misses": misses, "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}
+
+
 @dataclass
-class JobLedger:
+class JobLedger(LedgerReport):
     job: str
     epochs: int
     staleness: int | None = None    # None: asynchronous; 0: BSP; k: bounded staleness
@@ -355,38 +392,6 @@ class JobLedger:
     def expected_steps(self) -> set[str]:
         """Every step of the epochs so far."""
         return {step_id(e, b) for e in range(1, min(self.epoch, self.epochs) + 1) for b in self.batches}
-
-    def train_auc(self, epoch: int) -> float | None:
-        """Progressive AUC of an epoch: every prediction made before its step's update."""
-        h = self.hist.get(epoch)
-        return None if h is None else histogram_auc(h[0], h[1])
-
-    def fraction(self) -> float:
-        """How much of the job is done, 0..1; during epoch 1 an estimate from the bytes cached."""
-        if self.epoch > self.epochs:
-            return 1.0
-        total = self.counters["rows_in_data"]
-        if not self.source_done and total:
-            seen = sum(c.length for c in self.chunks.values() if c.batches and c.length > 0)
-            if seen and self.data_bytes > seen:
-                total = total * self.data_bytes / seen
-        part = min(1.0, self.rows_done[self.epoch] / total) if total else 0.0
-        return round((self.epoch - 1 + part) / self.epochs, 4)
-
-    def progress(self) -> dict:
-        e = min(self.epoch, self.epochs)
-        finished = self.epoch > self.epochs
-        seconds = self.epoch_seconds[-1] if finished and self.epoch_seconds else time.time() - self.epoch_started
-        rows = self.rows_done[e]
-        return {"epoch": e, "epochs": self.epochs, "rows": rows, "rows_per_s": round(rows / max(seconds, 1e-9), 1),
-                "loss": self.loss_sum[e] / rows if rows else None, "ready": len(self.ready),
-                "leased": len(self.leased), "chunks": len(self.chunks), "batches": len(self.batches),
-                "source_done": self.source_done, "fraction": self.fraction(),
-                "rows_total": sum(self.rows_done.values())}
-
-    def cache_stats(self) -> dict:
-        hits, misses = self.counters["cache_hits"], self.counters["cache_misses"]
-        return {"hits": hits, "misses": misses, "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}
 
 
 def stage_seconds_of(times) -> dict[str, float]:

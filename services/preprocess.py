@@ -29,6 +29,7 @@ import zmq
 from mariana.featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
 from mariana.services import protocol
 from mariana.services.creative_cache import CreativeLookup
+from mariana.services.jobspec import JobSpec
 from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
@@ -37,8 +38,6 @@ from mariana.services.transport import PeerTimeout, RemoteError, make_socket
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.parse import BlockParser, BlockTask, Chunk, ParseStats
-from mariana.sparse.schema import Schema
-from mariana.trainer.config import JobConfig, from_dict
 
 log = logging.getLogger(__name__)
 
@@ -205,23 +204,21 @@ class Preprocess(Service):
         codec = self.jobs.get(job)
         if codec is None:
             try:
-                spec = (await self.coordinator.call("GetJob", job=job))["spec"]
-                config = from_dict(JobConfig, spec["config"])
-                schema = Schema.from_dict(spec["schema"])
-            except (PeerTimeout, RemoteError, KeyError, MarianaError) as e:
+                spec = JobSpec.from_dict((await self.coordinator.call("GetJob", job=job)).get("spec"))
+            except (PeerTimeout, RemoteError, BadMessage) as e:
                 self.counters["unknown_jobs"] += 1
                 log.warning("%s: dropping a chunk of job %s: %s", self.name, job, e)
                 return None
+            config, schema, images = spec.config, spec.schema, spec.images
             codec = JobCodec(Encoder(schema, config.hashing),
                              BlockParser(schema, labeled=True, threads=config.data.parse_threads),
                              config.train.batch_size)
-            images = spec.get("images")
             if config.images.creatives:
                 if not images:  # the coordinator sets it before any chunk is read
                     self.counters["unknown_jobs"] += 1
                     log.warning("%s: job %s has image features but no creative cache in its spec", self.name, job)
                     return None
-                codec.creatives = CreativeLookup(self.cache, config.images, images["redis_key"], int(images["dim"]),
+                codec.creatives = CreativeLookup(self.cache, config.images, images["redis_key"], images["dim"],
                                                  images["set"], self.counters)
                 codec.field = config.images.field
             self.jobs = {job: codec}

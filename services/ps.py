@@ -32,15 +32,13 @@ import time
 import numpy as np
 
 from mariana.services import protocol
-from mariana.services.creative_cache import image_width
+from mariana.services.jobspec import JobSpec
 from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
 from mariana.services.transport import Server
 from mariana.sparse.errors import MarianaError, ModelDirError
-from mariana.sparse.schema import Schema
 from mariana.trainer import checkpoint
-from mariana.trainer.config import JobConfig, from_dict
 from mariana.trainer.strategies.ps_shard import ParamShard
 
 log = logging.getLogger(__name__)
@@ -112,31 +110,23 @@ class ParamServer(Service):
     def on_StartJob(self, msg: Message) -> list:
         job = msg["job"]
         if job not in self.jobs:
-            spec = msg["spec"]
-            try:
-                config = from_dict(JobConfig, spec["config"])
-                schema = Schema.from_dict(spec["schema"])
-            except (KeyError, TypeError) as e:
-                raise BadMessage("spec", f"job spec lacks {e}") from None
-            except MarianaError as e:  # an unknown key, a bad schema
-                raise BadMessage("spec", f"bad job spec: {e}") from None
-            new = functools.partial(ParamShard, config, schema, self.index, self.cfg.ps.count, image_width(spec))
+            spec = JobSpec.from_dict(msg["spec"])  # BadMessage("spec", ...): answered with an Error
+            new = functools.partial(ParamShard, spec.config, spec.schema, self.index, self.cfg.ps.count,
+                                    spec.image_width)
             # its checkpoint of the job (a restarted shard), else the job's start: the init or a warm start
-            shard = self.restore(job, new) or self.warm_start(job, new(), spec.get("init_from"))
+            shard = self.restore(job, new) or self.warm_start(job, new(), spec.init_from)
             self.jobs[job] = shard
             self.ended.discard(job)
-            log.info("%s: job %s: %s tables %s", self.name, job, config.model.kind,
+            log.info("%s: job %s: %s tables %s", self.name, job, spec.config.model.kind,
                      ", ".join(f"{n}[{t.num_rows}x{t.dim}]" for n, t in shard.tables.items()))
         return protocol.encode("Ok", msg.msg_id, steps=len(self.jobs[job].applied))
 
     def warm_start(self, job: str, shard: ParamShard, parent: dict | None) -> ParamShard:
         """The job's new shard; with a warm start, from its slice of the version the job goes on
-        from (spec["init_from"]: {"model_dir", "version", ...}), read here (ModelDirError if it
+        from (`JobSpec.init_from`: {"model_dir", "version", ...}), read here (ModelDirError if it
         cannot be: the coordinator fails the job)."""
-        if not parent:
+        if parent is None:
             return shard
-        if not (isinstance(parent, dict) and all(isinstance(parent.get(k), str) for k in ("model_dir", "version"))):
-            raise BadMessage("spec", "spec.init_from must be a map with model_dir and version")
         where = f"{parent['model_dir']}/{parent['version']}"
         _, weights, optim = checkpoint.load_version(parent["model_dir"], parent["version"], with_optimizer=True)
         try:

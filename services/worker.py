@@ -21,6 +21,11 @@ are read while these train. A shard that does not answer is retried until it
 does (a restarted shard restores its checkpoint and the coordinator replays
 what it lost). A stopping worker finishes the steps it is on, reports them
 and hands the rest back.
+
+    Feed       the coordinator side: Lease, the cache read, Miss, Done (the inbox)
+    Shards     the parameter servers: who owns an id, PullRows, PushGrads, retries
+    JobModels  the model of the job being trained, from its spec (GetJob)
+    Worker     the service: step loops that train the batches in the inbox
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import numpy as np
 import torch
 
 from mariana.services import protocol
-from mariana.services.creative_cache import image_width
+from mariana.services.jobspec import JobSpec
 from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
@@ -46,9 +51,8 @@ from mariana.sparse.batch import SparseBatch
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import DataFormatError
 from mariana.sparse.hashing import rare_ids
-from mariana.sparse.schema import Schema
-from mariana.trainer.config import JobConfig, from_dict
-from mariana.trainer.models.base import CTRModel, build_model
+from mariana.trainer.config import JobConfig
+from mariana.trainer.models import CTRModel, build_model
 from mariana.trainer.strategies.ps_step import compute_grads
 
 log = logging.getLogger(__name__)
@@ -114,40 +118,34 @@ class Inbox:
         return None
 
 
-class Worker(Service):
-    role = "worker"
+class Feed:
+    """The coordinator side of a worker: leases batches a few at a time into the inbox and
+    reads them from the sample cache; sends the reports of the steps done (with the next
+    Lease, or in a Done of their own while a Lease is held) and the steps handed back."""
 
-    def __init__(self, cfg: ClusterConfig, index: int = 0):
-        super().__init__(cfg, index)
-        self.jobs: dict[str, JobModel] = {}
-        self.shards: list[Client] = []
+    def __init__(self, svc: Service):
+        self.svc = svc  # its config, name, counters, coordinator and `stopping`
         self.cache: SampleCache | None = None
-        self.busy = 0  # steps being trained
         self.inbox = Inbox()
         self.room = asyncio.Event()  # the inbox ran low: lease more
         self.leasing = False         # a Lease is out (the coordinator may hold it)
         self.reports: list[dict] = []  # steps done, for the next Lease
         self.feeder: asyncio.Task | None = None
-        self.job_lock = asyncio.Lock()
         self.reporting: set[asyncio.Task] = set()
 
-    async def start(self) -> None:
-        self.connect_coordinator()
-        self.coordinator.timeout = 30.0
-        self.shards = [Client(self.ctx, ep, self.counters, timeout=self.cfg.worker.rpc_seconds)
-                       for ep in self.cfg.ps.endpoints]
-        self.cache = SampleCache(self.cfg, self.counters)
-        await self.register()
+    def open(self) -> None:
+        self.cache = SampleCache(self.svc.cfg, self.svc.counters)
 
     async def close(self) -> None:
-        for c in self.shards:
-            c.close()
         if self.cache:
             await self.cache.close()
 
+    def start(self) -> asyncio.Task:
+        self.feeder = asyncio.create_task(self.run())
+        return self.feeder
+
     async def drain(self) -> None:
-        while self.busy:  # finish the steps being trained; hand the others back
-            await asyncio.sleep(0.05)
+        """Hand back the batches in hand; send the reports waiting."""
         self.room.set()  # a feeder waiting for room sees `stopping`; one leasing hands back what it gets
         if self.feeder is not None:
             await asyncio.wait([self.feeder], timeout=2.0)  # a coordinator holds a Lease up to 1 s
@@ -157,70 +155,29 @@ class Worker(Service):
         if self.reporting:
             await asyncio.wait(set(self.reporting), timeout=5.0)
 
-    # ---- the loop ---------------------------------------------------------------------
-
-    async def main(self) -> None:
-        # `worker.pipeline` step loops: one computes while another waits on the shards.
-        # A job may allow fewer at once (JobModel.gate).
-        loops = [self.step_loop() for _ in range(self.cfg.worker.steps_in_flight("lr"))]
-        self.feeder = asyncio.create_task(self.feed())
-        await asyncio.gather(self.feeder, *loops)
-
-    async def step_loop(self) -> None:
-        """Train a run of steps of one job: each step's push also pulls the rows of the
-        next batch in hand (one round trip a step); the run ends when none is, or the
-        next belongs to another job. The gate is held for the whole run, so a job that
-        allows one step at a time has exactly one between pull and push."""
-        while not self.stopping.is_set():
-            job = await self.inbox.next_job()
-            jm = await self.job_model(job)
-            if jm is None:  # hand the batch back: the coordinator issues it again
-                f = self.take(job)
-                self.flush([f.work["step"]] if f else [])
-                await asyncio.sleep(0.5)
-                continue
-            async with jm.gate:  # before taking a batch: a loop waiting here holds none
-                f = None if self.stopping.is_set() else self.take(job)  # (drain hands it back)
-                if f is None:
-                    continue
-                pulled = None
-                while f is not None:
-                    self.busy += 1
-                    try:
-                        f, pulled = await self.train_step(jm, f, pulled)
-                    except (BadMessage, DataFormatError) as e:  # counted; the lease lapses, the step is re-issued
-                        self.counters["bad_messages"] += 1
-                        log.warning("%s: step %s failed: %s", self.name, f.work["step"], e)
-                        f = None
-                    except (RemoteError, StepAbandoned) as e:  # the job ended, or a shard stayed away
-                        self.counters["steps_abandoned"] += 1
-                        log.info("%s: step %s dropped: %s", self.name, f.work["step"], e)
-                        f = None
-                    finally:
-                        self.busy -= 1
-
     def take(self, job: str) -> Fetched | None:
         """The next batch of `job` in hand, if any. One held so long that its lease has
         (nearly) lapsed is skipped: the coordinator issues it again, maybe to another worker.
         Tells the feeder when the inbox runs low."""
-        stale = LEASE_MARGIN * self.cfg.coordinator.lease_seconds
+        stale = LEASE_MARGIN * self.svc.cfg.coordinator.lease_seconds
         while (f := self.inbox.take_now(job)) is not None and time.monotonic() - f.leased_at > stale:
-            self.counters["lapsed_in_hand"] += 1
-        if len(self.inbox) < self.cfg.worker.lease_batches:
+            self.svc.counters["lapsed_in_hand"] += 1
+        if len(self.inbox) < self.svc.cfg.worker.lease_batches:
             self.room.set()
         return f
 
-    async def feed(self) -> None:
+    async def run(self) -> None:
         """Keep `lease_batches` to twice that many batches in the inbox."""
-        k = self.cfg.worker.lease_batches
-        while not self.stopping.is_set():
+        k = self.svc.cfg.worker.lease_batches
+        stopping = self.svc.stopping
+        while not stopping.is_set():
             if len(self.inbox) >= k:
                 self.room.clear()
                 await self.room.wait()
                 continue
             works = await self.lease(k)
-            fetched = await self.fetch(works) if not self.stopping.is_set() else []
-            if self.stopping.is_set():  # stopping meanwhile: hand back what came
+            fetched = await self.fetch(works) if not stopping.is_set() else []
+            if stopping.is_set():  # stopping meanwhile: hand back what came
                 self.flush([w["step"] for w in works])
                 return
             for f in fetched:
@@ -232,11 +189,11 @@ class Worker(Service):
         done, self.reports = self.reports, []
         self.leasing = True
         try:
-            reply = await self.coordinator.call("Lease", worker=self.name, want=want, done=done, timeout=30.0)
+            reply = await self.svc.coordinator.call("Lease", worker=self.svc.name, want=want, done=done, timeout=30.0)
         except (PeerTimeout, RemoteError) as e:
             if isinstance(e, PeerTimeout):  # maybe never delivered: the reports go with the next request
                 self.reports[:0] = done
-            log.info("%s: lease: %s; asking again", self.name, e)
+            log.info("%s: lease: %s; asking again", self.svc.name, e)
             await asyncio.sleep(0.5)
             return []
         finally:
@@ -252,8 +209,8 @@ class Worker(Service):
                 raise BadMessage("field", "Work.more must be a list")
             extra = [protocol.check_record("Work", w, f"Work.more[{i}]") for i, w in enumerate(more)]
         except BadMessage as e:  # the leases lapse and the coordinator issues them again
-            self.counters["bad_messages"] += 1
-            log.warning("%s: bad Work from the coordinator: %s", self.name, e)
+            self.svc.counters["bad_messages"] += 1
+            log.warning("%s: bad Work from the coordinator: %s", self.svc.name, e)
             return []
         first = {k: v for k, v in reply.fields.items() if k != "more"}
         return [first, *extra]
@@ -273,82 +230,24 @@ class Worker(Service):
                 out.append(Fetched(work, batch, seconds, leased_at))
                 continue
             if blob is None:
-                self.counters["cache_misses"] += 1
+                self.svc.counters["cache_misses"] += 1
             else:  # a corrupt value: count it and refill from the source
-                self.counters["bad_messages"] += 1
-                log.warning("%s: cached batch %s is corrupt: %s", self.name, work["key"], batch)
+                self.svc.counters["bad_messages"] += 1
+                log.warning("%s: cached batch %s is corrupt: %s", self.svc.name, work["key"], batch)
             await self.report_miss(work)
         return out
 
     async def report_miss(self, work: dict) -> None:
         try:
-            await self.coordinator.call("Miss", job=work["job"], step=work["step"], key=work["key"])
+            await self.svc.coordinator.call("Miss", job=work["job"], step=work["step"], key=work["key"])
         except (PeerTimeout, RemoteError) as e:  # the lease lapses and the batch is issued again
-            log.warning("%s: could not report a cache miss for %s: %s", self.name, work["step"], e)
+            log.warning("%s: could not report a cache miss for %s: %s", self.svc.name, work["step"], e)
 
-    async def train_step(self, jm: JobModel, f: Fetched,
-                         pulled: tuple | None) -> tuple[Fetched | None, tuple | None]:
-        """One step, its rows pulled already or not; returns the next batch of the run and
-        its rows (None, None: the run ends). A failed push, or next rows that come back
-        wrong, put the next batch back."""
-        work, batch = f.work, f.batch
-        times = {"fetch": f.seconds, "pull": 0.0}
-        if pulled is None:
-            t0 = time.perf_counter()
-            ids, occ = self.pull_ids(jm, f)
-            owners = self.partition(ids)
-            pulled = self.rows_of(jm, ids, owners, await asyncio.gather(*(
-                self.call_shard(i, "PullRows", _with_occ({"ids": ids[sel]}, "occ", occ, sel), job=jm.job,
-                                dense=(i == 0 and jm.dense_size > 0))
-                for i, sel in enumerate(owners))))
-            times["pull"] = time.perf_counter() - t0
-            self.counters["separate_pulls"] += 1  # the others ride on the previous push
-        rows, dense, admitted = pulled
-        seen = None
-        if admitted is not None:  # min_count > 1: ids not admitted read and train their field's rare row
-            batch, rows, seen = self.admit(jm, f, rows, admitted)
-        uniq, inverse = batch.unique()
-        owners = self.partition(uniq)
-        t1 = time.perf_counter()
-        # No await from here to the copies below: another step loop shares the model.
-        if jm.dense_size:
-            torch.nn.utils.vector_to_parameters(torch.from_numpy(dense), jm.model.parameters())
-        result = compute_grads(jm.model, batch, torch.from_numpy(inverse), rows)
-        dense_grad = (np.concatenate([g.reshape(-1) for g in result.dense_grads]).astype(np.float32)
-                      if result.dense_grads else None)
-        t2 = time.perf_counter()
-        nxt = None if self.stopping.is_set() else self.take(jm.job)
-        next_ids = next_owners = next_occ = None
-        if nxt is not None:
-            next_ids, next_occ = self.pull_ids(jm, nxt)
-            next_owners = self.partition(next_ids)
-        try:
-            acks = await self.push(jm, work["step"], batch.num_rows, uniq, owners, result.row_grads, dense_grad,
-                                   next_ids, next_owners, seen, next_occ)
-        except BaseException:
-            if nxt is not None:
-                self.inbox.put_back(nxt)
-            raise
-        times.update(compute=t2 - t1, push=time.perf_counter() - t2)
-        applied, next_rows = sum(bool(a["applied"]) for a in acks), None
-        if nxt is not None:
-            try:
-                next_rows = self.rows_of(jm, next_ids, next_owners, acks)
-            except BadMessage as e:  # this step is applied and reported; the next one pulls on its own
-                self.counters["bad_messages"] += 1
-                log.warning("%s: rows for step %s came back wrong: %s", self.name, nxt.work["step"], e)
-                self.inbox.put_back(nxt)
-                nxt = None
-        self.counters["steps"] += 1
-        self.counters["rows"] += batch.num_rows
-        # The next step need not wait for the coordinator: the shards have the update.
-        self.reports.append({"job": work["job"], "step": work["step"], "rows": batch.num_rows,
-                             "loss_sum": result.loss_sum,
-                             "stats": {"times": times, "applied": applied, "worker": self.name,
-                                       "hist": [h.tolist() for h in result.score_hist]}})
-        if self.leasing:  # a held Lease would sit on the report: send it now
+    def report(self, done: dict) -> None:
+        """A step done (a `Report` record), for the next Lease; sent now while a Lease is held."""
+        self.reports.append(done)
+        if self.leasing:  # a held Lease would sit on the report
             self.flush()
-        return nxt, next_rows
 
     def flush(self, released: list[str] = ()) -> None:
         """Send the reports waiting (and steps handed back) in a Done of their own."""
@@ -361,22 +260,47 @@ class Worker(Service):
 
     async def send_done(self, reports: list[dict], released: list[str]) -> None:
         try:
-            await self.coordinator.call("Done", worker=self.name, reports=reports, released=released)
+            await self.svc.coordinator.call("Done", worker=self.svc.name, reports=reports, released=released)
         except PeerTimeout as e:  # the next Lease carries them (a duplicate report is ignored)
             self.reports[:0] = reports
-            log.warning("%s: %d reports not delivered: %s", self.name, len(reports), e)
+            log.warning("%s: %d reports not delivered: %s", self.svc.name, len(reports), e)
         except RemoteError as e:  # the leases lapse; the re-issued steps are no-ops on the shards
-            log.warning("%s: %d reports refused: %s", self.name, len(reports), e)
+            log.warning("%s: %d reports refused: %s", self.svc.name, len(reports), e)
 
-    # ---- shards ----------------------------------------------------------------------
+
+class Shards:
+    """The parameter servers as a worker sees them: which shard owns an id (id % S), what
+    a step pulls, the rows of their answers, and the pushes; each request retried while
+    its shard may be restarting."""
+
+    def __init__(self, svc: Service):
+        self.svc = svc  # its config, name, counters and zmq context
+        self.clients: list[Client] = []
+
+    def open(self) -> None:
+        self.clients = [Client(self.svc.ctx, ep, self.svc.counters, timeout=self.svc.cfg.worker.rpc_seconds)
+                        for ep in self.svc.cfg.ps.endpoints]
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
 
     def partition(self, uniq: np.ndarray) -> list[np.ndarray | slice]:
         """For each shard, the positions in `uniq` of the ids it owns (id % S)."""
-        s = len(self.shards)
+        s = len(self.clients)
         if s == 1:
             return [slice(None)]
         owner = uniq % s
         return [np.flatnonzero(owner == i) for i in range(s)]
+
+    async def pull(self, jm: JobModel, f: Fetched) -> tuple[dict, np.ndarray | None, np.ndarray | None]:
+        """The rows of a step whose pull did not ride on the previous push (see `rows_of`)."""
+        ids, occ = self.pull_ids(jm, f)
+        owners = self.partition(ids)
+        return self.rows_of(jm, ids, owners, await asyncio.gather(*(
+            self.call(i, "PullRows", _with_occ({"ids": ids[sel]}, "occ", occ, sel), job=jm.job,
+                      dense=(i == 0 and jm.dense_size > 0))
+            for i, sel in enumerate(owners))))
 
     def pull_ids(self, jm: JobModel, f: Fetched) -> tuple[np.ndarray, np.ndarray | None]:
         """(ids, occurrences) a step pulls: the batch's unique ids; with min_count > 1 also
@@ -449,63 +373,196 @@ class Worker(Service):
                 arrays["next_ids"] = next_ids[next_owners[i]]
                 _with_occ(arrays, "next_occ", next_occ, next_owners[i])
                 fields["next_dense"] = i == 0 and jm.dense_size > 0
-            calls.append(self.call_shard(i, "PushGrads", arrays, job=jm.job, step=step, rows=rows, **fields))
+            calls.append(self.call(i, "PushGrads", arrays, job=jm.job, step=step, rows=rows, **fields))
         return await asyncio.gather(*calls)
 
-    async def call_shard(self, i: int, type_: str, arrays: dict, **fields) -> Message:
+    async def call(self, i: int, type_: str, arrays: dict, **fields) -> Message:
         """A request to shard i, retried while it may be restarting, up to about as long
         as a lease lasts: by then the coordinator has issued the step again anyway."""
-        delay, give_up = 0.1, time.monotonic() + 2 * max(self.cfg.coordinator.lease_seconds,
-                                                          self.cfg.worker.rpc_seconds)
+        cfg = self.svc.cfg
+        delay, give_up = 0.1, time.monotonic() + 2 * max(cfg.coordinator.lease_seconds, cfg.worker.rpc_seconds)
         while True:
             try:
-                return await self.shards[i].call(type_, arrays, **fields)
+                return await self.clients[i].call(type_, arrays, **fields)
             except (PeerTimeout, RemoteError) as e:
                 if isinstance(e, RemoteError) and e.code != "UnknownJob":
                     raise  # JobEnded, or a refusal: this step is over for this worker
                 if time.monotonic() > give_up:
                     raise StepAbandoned(f"shard {i} did not serve {type_} in time: {e}") from None
-                self.counters["shard_retries"] += 1
-                log.warning("%s: shard %d: %s; retrying in %.1fs", self.name, i, e, delay)
+                self.svc.counters["shard_retries"] += 1
+                log.warning("%s: shard %d: %s; retrying in %.1fs", self.svc.name, i, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    # ---- jobs --------------------------------------------------------------------------
 
-    async def job_model(self, job: str) -> JobModel | None:
-        async with self.job_lock:  # the step loops ask at once when a job starts: build one model, not two
-            return await self._job_model(job)
+class JobModels:
+    """The model of the job a worker trains (one job at a time), built from its spec the
+    first time a batch of it comes."""
 
-    async def _job_model(self, job: str) -> JobModel | None:
-        jm = self.jobs.get(job)
-        if jm is None:
-            try:
-                spec = (await self.coordinator.call("GetJob", job=job))["spec"]
-                config = from_dict(JobConfig, spec["config"])
-                encoder = Encoder(Schema.from_dict(spec["schema"]), config.hashing)
-            except (PeerTimeout, RemoteError, KeyError) as e:
-                log.warning("%s: cannot get job %s: %s", self.name, job, e)
-                return None
-            self.set_threads(config)
-            model = build_model(config.model, encoder.num_fields, encoder.dense_dim,
-                                image_width(spec), config.images.tower)
-            in_flight = self.cfg.worker.steps_in_flight(config.model.kind)
-            rare = rare_ids(encoder.sparse_fields, config.hashing) if config.hashing.min_count > 1 else None
-            jm = JobModel(job, config, model, sum(p.numel() for p in model.parameters()),
-                          asyncio.Semaphore(in_flight), rare)
-            self.jobs = {job: jm}  # one job at a time: forget the previous model
-            log.info("%s: job %s: %s model, %d dense parameters, %d shards, %d steps in flight", self.name, job,
-                     config.model.kind, jm.dense_size, len(self.shards), in_flight)
+    def __init__(self, svc: Service):
+        self.svc = svc  # its config, name, counters and coordinator
+        self.jobs: dict[str, JobModel] = {}
+        self.lock = asyncio.Lock()
+
+    async def get(self, job: str) -> JobModel | None:
+        async with self.lock:  # the step loops ask at once when a job starts: build one model, not two
+            return self.jobs.get(job) or await self.build(job)
+
+    async def build(self, job: str) -> JobModel | None:
+        try:
+            spec = JobSpec.from_dict((await self.svc.coordinator.call("GetJob", job=job)).get("spec"))
+        except (PeerTimeout, RemoteError, BadMessage) as e:
+            if isinstance(e, BadMessage):  # a spec that does not decode: counted as any bad message
+                self.svc.counters["bad_messages"] += 1
+            log.warning("%s: cannot get job %s: %s", self.svc.name, job, e)
+            return None
+        config, cfg = spec.config, self.svc.cfg
+        encoder = Encoder(spec.schema, config.hashing)
+        self.set_threads(config)
+        model = build_model(config.model, encoder.num_fields, encoder.dense_dim, spec.image_width, config.images.tower)
+        in_flight = cfg.worker.steps_in_flight(config.model.kind)
+        rare = rare_ids(encoder.sparse_fields, config.hashing) if config.hashing.min_count > 1 else None
+        jm = JobModel(job, config, model, sum(p.numel() for p in model.parameters()),
+                      asyncio.Semaphore(in_flight), rare)
+        self.jobs = {job: jm}  # one job at a time: forget the previous model
+        log.info("%s: job %s: %s model, %d dense parameters, %d shards, %d steps in flight", self.svc.name, job,
+                 config.model.kind, jm.dense_size, len(cfg.ps.endpoints), in_flight)
         return jm
 
     def set_threads(self, config: JobConfig) -> None:
-        n = self.cfg.worker.threads or config.train.threads
+        cfg = self.svc.cfg
+        n = cfg.worker.threads or config.train.threads
         if not n:
-            n = 1 if config.model.kind == "lr" else max(1, (os.cpu_count() or 1) // self.cfg.worker.count)
+            n = 1 if config.model.kind == "lr" else max(1, (os.cpu_count() or 1) // cfg.worker.count)
         torch.set_num_threads(n)
 
+
+class Worker(Service):
+    role = "worker"
+
+    def __init__(self, cfg: ClusterConfig, index: int = 0):
+        super().__init__(cfg, index)
+        self.feed = Feed(self)
+        self.shards = Shards(self)
+        self.models = JobModels(self)
+        self.busy = 0  # steps being trained
+
+    async def start(self) -> None:
+        self.connect_coordinator()
+        self.coordinator.timeout = 30.0
+        self.shards.open()
+        self.feed.open()
+        await self.register()
+
+    async def close(self) -> None:
+        self.shards.close()
+        await self.feed.close()
+
+    async def drain(self) -> None:
+        while self.busy:  # finish the steps being trained; hand the others back
+            await asyncio.sleep(0.05)
+        await self.feed.drain()
+
     def status(self) -> dict:
-        return {**self.counters, "busy": self.busy, "in_hand": len(self.inbox)}
+        return {**self.counters, "busy": self.busy, "in_hand": len(self.feed.inbox)}
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    async def main(self) -> None:
+        # `worker.pipeline` step loops: one computes while another waits on the shards.
+        # A job may allow fewer at once (JobModel.gate).
+        loops = [self.step_loop() for _ in range(self.cfg.worker.steps_in_flight("lr"))]
+        await asyncio.gather(self.feed.start(), *loops)
+
+    async def step_loop(self) -> None:
+        """Train a run of steps of one job: each step's push also pulls the rows of the
+        next batch in hand (one round trip a step); the run ends when none is, or the
+        next belongs to another job. The gate is held for the whole run, so a job that
+        allows one step at a time has exactly one between pull and push."""
+        while not self.stopping.is_set():
+            job = await self.feed.inbox.next_job()
+            jm = await self.models.get(job)
+            if jm is None:  # hand the batch back: the coordinator issues it again
+                f = self.feed.take(job)
+                self.feed.flush([f.work["step"]] if f else [])
+                await asyncio.sleep(0.5)
+                continue
+            async with jm.gate:  # before taking a batch: a loop waiting here holds none
+                f = None if self.stopping.is_set() else self.feed.take(job)  # (drain hands it back)
+                if f is None:
+                    continue
+                pulled = None
+                while f is not None:
+                    self.busy += 1
+                    try:
+                        f, pulled = await self.train_step(jm, f, pulled)
+                    except (BadMessage, DataFormatError) as e:  # counted; the lease lapses, the step is re-issued
+                        self.counters["bad_messages"] += 1
+                        log.warning("%s: step %s failed: %s", self.name, f.work["step"], e)
+                        f = None
+                    except (RemoteError, StepAbandoned) as e:  # the job ended, or a shard stayed away
+                        self.counters["steps_abandoned"] += 1
+                        log.info("%s: step %s dropped: %s", self.name, f.work["step"], e)
+                        f = None
+                    finally:
+                        self.busy -= 1
+
+    async def train_step(self, jm: JobModel, f: Fetched,
+                         pulled: tuple | None) -> tuple[Fetched | None, tuple | None]:
+        """One step, its rows pulled already or not; returns the next batch of the run and
+        its rows (None, None: the run ends). A failed push, or next rows that come back
+        wrong, put the next batch back."""
+        work, batch = f.work, f.batch
+        times = {"fetch": f.seconds, "pull": 0.0}
+        if pulled is None:
+            t0 = time.perf_counter()
+            pulled = await self.shards.pull(jm, f)
+            times["pull"] = time.perf_counter() - t0
+            self.counters["separate_pulls"] += 1  # the others ride on the previous push
+        rows, dense, admitted = pulled
+        seen = None
+        if admitted is not None:  # min_count > 1: ids not admitted read and train their field's rare row
+            batch, rows, seen = self.shards.admit(jm, f, rows, admitted)
+        uniq, inverse = batch.unique()
+        owners = self.shards.partition(uniq)
+        t1 = time.perf_counter()
+        # No await from here to the copies below: another step loop shares the model.
+        if jm.dense_size:
+            torch.nn.utils.vector_to_parameters(torch.from_numpy(dense), jm.model.parameters())
+        result = compute_grads(jm.model, batch, torch.from_numpy(inverse), rows)
+        dense_grad = (np.concatenate([g.reshape(-1) for g in result.dense_grads]).astype(np.float32)
+                      if result.dense_grads else None)
+        t2 = time.perf_counter()
+        nxt = None if self.stopping.is_set() else self.feed.take(jm.job)
+        next_ids = next_owners = next_occ = None
+        if nxt is not None:
+            next_ids, next_occ = self.shards.pull_ids(jm, nxt)
+            next_owners = self.shards.partition(next_ids)
+        try:
+            acks = await self.shards.push(jm, work["step"], batch.num_rows, uniq, owners, result.row_grads,
+                                          dense_grad, next_ids, next_owners, seen, next_occ)
+        except BaseException:
+            if nxt is not None:
+                self.feed.inbox.put_back(nxt)
+            raise
+        times.update(compute=t2 - t1, push=time.perf_counter() - t2)
+        applied, next_rows = sum(bool(a["applied"]) for a in acks), None
+        if nxt is not None:
+            try:
+                next_rows = self.shards.rows_of(jm, next_ids, next_owners, acks)
+            except BadMessage as e:  # this step is applied and reported; the next one pulls on its own
+                self.counters["bad_messages"] += 1
+                log.warning("%s: rows for step %s came back wrong: %s", self.name, nxt.work["step"], e)
+                self.feed.inbox.put_back(nxt)
+                nxt = None
+        self.counters["steps"] += 1
+        self.counters["rows"] += batch.num_rows
+        # The next step need not wait for the coordinator: the shards have the update.
+        self.feed.report({"job": work["job"], "step": work["step"], "rows": batch.num_rows,
+                          "loss_sum": result.loss_sum,
+                          "stats": {"times": times, "applied": applied, "worker": self.name,
+                                    "hist": [h.tolist() for h in result.score_hist]}})
+        return nxt, next_rows
 
 
 def _with_occ(arrays: dict, key: str, occ: np.ndarray | None, sel) -> dict:

@@ -24,7 +24,8 @@ from mariana.sparse.schema import Schema
 from mariana.sparse.table import HashedTable
 from mariana.trainer import checkpoint
 from mariana.trainer.config import LOWER_RATES, JobConfig, from_dict
-from mariana.trainer.models.base import build_model, make_input, unique_ids
+from mariana.trainer.models import build_model
+from mariana.trainer.models.base import make_input, unique_ids
 from mariana.trainer.strategies.ps_step import DenseOptimizer
 
 
@@ -102,13 +103,13 @@ class ModelBundle:
     # ---- persistence ------------------------------------------------------------
 
     def save(self, model_dir: str, extra: dict | None = None, make_current: bool = True) -> str:
-        weights, optim = {}, {}
+        weights, optim, table_rows = {}, {}, {}
         for name, t in self.tables.items():
             rows = t.touched_rows()
-            weights[f"table.{name}.rows"] = rows
-            weights[f"table.{name}.weights"] = t.weights[rows]
-            for key, arr in t.state.items():
-                optim[f"table.{name}.{key}"] = arr[rows]
+            w, o = table_export(name, rows, t.weights[rows], {key: arr[rows] for key, arr in t.state.items()})
+            weights.update(w)
+            optim.update(o)
+            table_rows[name] = int(len(rows))
         for (pname, p), state in zip(self.model.named_parameters(), self.dense_opt.state):
             weights[f"dense.{pname}"] = p.detach().numpy()
             for key, arr in state.items():
@@ -126,7 +127,7 @@ class ModelBundle:
             "model": {"kind": self.config.model.kind,
                       "tables": [dataclasses.asdict(t) for t in self.model.tables],
                       "dense_parameters": sum(p.numel() for p in self.model.parameters()),
-                      "table_rows": {n: int(len(weights[f"table.{n}.rows"])) for n in self.tables}},
+                      "table_rows": table_rows},
             "rows_trained": self.rows_trained,
             "steps": self.steps,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -141,6 +142,29 @@ class ModelBundle:
                                   "dense_layout": "numeric dense, then image features, then unknown flag"}
         return checkpoint.save_version(model_dir, manifest, weights, optim, make_current=make_current,
                                        reason="trained")
+
+    @classmethod
+    def from_shard_exports(cls, config: JobConfig, schema: Schema, exports: list[dict[str, np.ndarray]],
+                           images: CreativeFeatures | None = None) -> "ModelBundle":
+        """One bundle from every parameter-server shard's export (`ParamShard.snapshot`: its
+        tables by global id in the `table_export` layout, pending counts; the dense parameters
+        and their optimizer state as flat vectors, from shard 0)."""
+        bundle = cls(config, schema, images)
+        for arrays in exports:
+            for name, table in bundle.tables.items():
+                table.load_rows(*table_arrays(arrays, name))
+            bundle.load_counts(arrays)  # min_count > 1: the ids each shard counted but did not admit
+        dense, params = exports[0]["dense"], list(bundle.model.parameters())
+        if params:
+            torch.nn.utils.vector_to_parameters(torch.from_numpy(np.array(dense)), params)
+            offset = 0
+            for p, state in zip(params, bundle.dense_opt.state):
+                n = p.numel()
+                for key, arr in state.items():
+                    if f"dense.{key}" in exports[0]:
+                        arr[...] = exports[0][f"dense.{key}"][offset:offset + n].reshape(arr.shape)
+                offset += n
+        return bundle
 
     @classmethod
     def load(cls, model_dir: str, version: str | None = None, with_optimizer: bool = False) -> "ModelBundle":
@@ -182,10 +206,28 @@ class ModelBundle:
         return bundle
 
 
+TABLE_PREFIX = "table."  # a table's arrays, in a saved version and in a shard's export
+
+
+def table_export(name: str, ids: np.ndarray, weights: np.ndarray, state: dict[str, np.ndarray]
+                 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The arrays of table `name`'s rows `ids` (with their weights and optimizer state by key)
+    as a version's weights and optimizer state hold them: ({table.<name>.rows, .weights},
+    {table.<name>.<key>}). A shard's export holds both in one map. Inverse of `table_arrays`.
+
+    >>> w, o = table_export("linear", np.array([3]), np.ones((1, 1)), {"acc": np.zeros((1, 1))})
+    >>> sorted(w), sorted(o), table_arrays({**w, **o}, "linear")[0].tolist()
+    (['table.linear.rows', 'table.linear.weights'], ['table.linear.acc'], [3])
+    """
+    prefix = f"{TABLE_PREFIX}{name}."
+    return ({prefix + "rows": ids, prefix + "weights": weights},
+            {prefix + key: arr for key, arr in state.items()})
+
+
 def table_arrays(arrays: dict[str, np.ndarray], name: str) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """(ids, weights, optimizer state by key) of table `name` in a version's arrays (weights and
     optimizer state together) or a shard's export: `table.<name>.rows`, `.weights`, `.<key>`."""
-    prefix = f"table.{name}."
+    prefix = f"{TABLE_PREFIX}{name}."
     state = {k[len(prefix):]: v for k, v in arrays.items()
              if k.startswith(prefix) and k[len(prefix):] not in ("rows", "weights")}
     return arrays[prefix + "rows"], arrays[prefix + "weights"], state
@@ -194,10 +236,10 @@ def table_arrays(arrays: dict[str, np.ndarray], name: str) -> tuple[np.ndarray, 
 def version_export(weights: dict[str, np.ndarray], optim: dict[str, np.ndarray], dense_names: list[str],
                    dense_keys: list[str]) -> dict[str, np.ndarray]:
     """A saved version's arrays in the layout of a shard's export (`ParamShard.snapshot`, which
-    `services.assemble.assemble` reads): the tables by global id with their optimizer state
+    `ModelBundle.from_shard_exports` reads): the tables by global id with their optimizer state
     and the pending counts as they are; the dense parameters (`dense_names`, in `parameters()`
     order) and each of their optimizer states (`dense_keys`) as one flat vector."""
-    out = {k: v for k, v in {**weights, **optim}.items() if k.startswith(("table.", "admission."))}
+    out = {k: v for k, v in {**weights, **optim}.items() if k.startswith((TABLE_PREFIX, "admission."))}
     out["dense"] = _flat([weights[f"dense.{n}"] for n in dense_names])
     for key in dense_keys:
         if all(f"dense.{n}.{key}" in optim for n in dense_names):  # as `load`: a state not saved starts fresh

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from mariana.sparse.errors import MarianaError
@@ -153,18 +153,51 @@ def publish(bundle: ModelBundle, job: JobInputs, trained: TrainResult, out_dir: 
             train_lookups: dict | None = None) -> dict:
     """Refuse an untrained or diverged model, score it on the test files, save the version
     (manifest: metrics, data, validation, `extra`); the job's result record."""
-    config = bundle.config
     if trained.parse["rows_bad"]:
         log.warning("skipped %d malformed training rows per pass (first: %s)", trained.parse["rows_bad"],
                     describe_bad(trained.parse["first_bad"], 3))
     check_trained(job.train, trained.train_rows, trained.train_loss)
-    metrics, test_parse = ({}, None)
-    if job.test:
-        metrics, test_parse = evaluate(bundle, job.test)
+    tested = evaluate(bundle, job.test) if job.test else ({}, None)
     if images:
         after = images.counts()
         image_info = image_record(image_info, train_lookups,
-                                  {k: after[k] - train_lookups[k] for k in after}, config.model.kind)
+                                  {k: after[k] - train_lookups[k] for k in after}, bundle.config.model.kind)
+    summary = TrainSummary(job.train, trained.rows_per_epoch, trained.epoch_seconds, trained.train_seconds,
+                           trained.rows_per_s, trained.train_loss, trained.parse["rows_bad"], trained.valid,
+                           run={"parse": trained.parse})
+    record = publish_version(bundle, out_dir, summary, job.test, tested, promote, extra, image_info)
+    log.info("saved %s/%s (auc=%s, logloss=%s)", out_dir, record["model_version"], _fmt(record["auc"]),
+             _fmt(record["logloss"]))
+    return record
+
+
+@dataclass
+class TrainSummary:
+    """What a job's result record and its version's manifest say of its training, however
+    it ran (local: `train_local`'s `TrainResult`; cluster: the coordinator's ledger)."""
+
+    data: list[str]              # the training files
+    rows_per_epoch: list[int]
+    epoch_seconds: list[float]
+    seconds: float               # all of training, wall clock
+    rows_per_s: float
+    loss: float | None           # mean logloss of the last epoch (of the best, when it was kept)
+    bad_rows: int                # malformed training rows skipped
+    valid: dict | None = None    # per-epoch validation metrics, the best epoch, why it stopped
+    run: dict = field(default_factory=dict)  # how it ran, added to the manifest's "train" record
+
+
+METRICS = ("auc", "logloss", "calibration", "ne", "test_rows", "ece")  # the manifest's "metrics"
+
+
+def publish_version(bundle: ModelBundle, out_dir: str, trained: TrainSummary, test: list[str],
+                    tested: tuple[dict, dict | None], promote: bool = True, extra: dict | None = None,
+                    images: dict | None = None) -> dict:
+    """Save `bundle` as a version in `out_dir` (CURRENT moves to it if `promote`); the job's
+    result record, whose numbers the manifest records too. `tested`: (metrics, parse stats)
+    of `evaluate` on the `test` files, ({}, None) without any; `images`: the image features
+    record (`image_record`); `extra`: more for the manifest. Local and cluster jobs alike."""
+    metrics, test_parse = tested
     record = {
         "auc": metrics.get("auc"),
         "logloss": metrics.get("logloss"),
@@ -172,34 +205,34 @@ def publish(bundle: ModelBundle, job: JobInputs, trained: TrainResult, out_dir: 
         "ne": metrics.get("ne"),
         "test_rows": metrics.get("count", 0),
         "ece": metrics.get("ece"),
-        # predicted vs observed CTR by bucket (None: no test data), as a cluster job records it
+        # predicted vs observed CTR by bucket (None: no test data); 4 significant digits, for
+        # the job store and /v1/status send every job's record again and again
         "reliability": rounded(metrics["reliability"]) if metrics else None,
-        "train_rows": trained.train_rows,
+        "train_rows": sum(trained.rows_per_epoch),
         "rows_per_epoch": trained.rows_per_epoch,
         "epochs": len(trained.rows_per_epoch),
         "epoch_seconds": trained.epoch_seconds,
-        "train_seconds": round(trained.train_seconds, 3),
+        "train_seconds": round(trained.seconds, 3),
         "rows_per_s": round(trained.rows_per_s, 1),
-        "train_loss": trained.train_loss,
-        "bad_rows": trained.parse["rows_bad"] + (test_parse["rows_bad"] if test_parse else 0),
-        "model": config.model.kind,
+        "train_loss": trained.loss,
+        "bad_rows": trained.bad_rows + (test_parse["rows_bad"] if test_parse else 0),
+        "model": bundle.config.model.kind,
     }
     if trained.valid:
         record["valid"] = trained.valid
-    if image_info:
-        record["images"] = image_info
+    if images:
+        record["images"] = images
     version = bundle.save(out_dir, make_current=promote, extra={
-        **({"images": image_info} if image_info else {}),
+        **({"images": images} if images else {}),
         **({"valid": trained.valid} if trained.valid else {}),
         **(extra or {}),
-        "metrics": {k: record[k] for k in ("auc", "logloss", "calibration", "ne", "test_rows", "ece")},
+        "metrics": {k: record[k] for k in METRICS},
         "reliability": record["reliability"],  # beside metrics: /v1/models lists every version's metrics
-        "train": {"data": job.train, "test_data": job.test, "rows": trained.train_rows,
-                  "seconds": record["train_seconds"], "parse": trained.parse, "test_parse": test_parse},
+        "train": {"data": trained.data, "test_data": test, "rows": record["train_rows"],
+                  "seconds": record["train_seconds"], **trained.run, "test_parse": test_parse},
     })
     record.update(model_dir=os.path.abspath(out_dir), model_version=version, promoted=promote,
                   peak_rss_mb=round(peak_rss_mb(), 1))
-    log.info("saved %s/%s (auc=%s, logloss=%s)", out_dir, version, _fmt(record["auc"]), _fmt(record["logloss"]))
     return record
 
 

@@ -316,7 +316,6 @@ def test_shards_warm_started_from_a_version_hold_that_version_exactly(num_shards
     Exported and put back together, the shards are that version, to the bit."""
     import torch
 
-    from mariana.services.assemble import assemble
     from mariana.trainer import checkpoint
     from mariana.trainer.bundle import ModelBundle
     from mariana.trainer.job import run_local_job
@@ -331,8 +330,7 @@ def test_shards_warm_started_from_a_version_hold_that_version_exactly(num_shards
     for s in shards:
         s.warm_start(weights, optim)
     assert sum(len(s.table0.touched_rows()) for s in shards) == len(parent.touched.nonzero()[0])
-    spec = {"config": parent.config.to_dict(), "schema": parent.schema.to_dict()}
-    back = assemble(spec, [s.snapshot()[0] for s in shards])
+    back = ModelBundle.from_shard_exports(parent.config, parent.schema, [s.snapshot()[0] for s in shards])
     for name, t in parent.tables.items():
         rows = t.touched_rows()
         assert np.array_equal(back.tables[name].touched_rows(), rows), name

@@ -32,9 +32,9 @@ from mariana.sparse.errors import DataFormatError
 from mariana.sparse.optim import AdaGrad
 from mariana.sparse.schema import Schema
 from mariana.sparse.table import HashedTable
-from mariana.trainer.bundle import table_arrays, table_optimizer, version_export
+from mariana.trainer.bundle import TABLE_PREFIX, table_arrays, table_export, table_optimizer, version_export
 from mariana.trainer.config import JobConfig
-from mariana.trainer.models.base import build_model
+from mariana.trainer.models import build_model
 from mariana.trainer.strategies.ps_step import DenseOptimizer
 
 
@@ -167,10 +167,9 @@ class ParamShard:
         arrays: dict[str, np.ndarray] = {}
         for name, t in self.tables.items():
             rows = t.touched_rows()
-            arrays[f"table.{name}.rows"] = t.global_ids(rows)
-            arrays[f"table.{name}.weights"] = t.weights[rows]
-            for key, st in t.state.items():
-                arrays[f"table.{name}.{key}"] = st[rows]
+            for part in table_export(name, t.global_ids(rows), t.weights[rows],
+                                     {key: st[rows] for key, st in t.state.items()}):
+                arrays.update(part)
         arrays["dense"] = self.dense.copy()
         for key, st in self.dense_opt.state[0].items():
             arrays[f"dense.{key}"] = st.copy()
@@ -198,8 +197,8 @@ class ParamShard:
         """The part of a whole model's export (every shard's ids) that this shard owns."""
         out = {k: v for k, v in arrays.items() if k == "dense" or k.startswith("dense.")}
         for name in self.tables:
-            mine = arrays[f"table.{name}.rows"] % self.num_shards == self.shard
-            out.update({k: v[mine] for k, v in arrays.items() if k.startswith(f"table.{name}.")})
+            mine = table_arrays(arrays, name)[0] % self.num_shards == self.shard
+            out.update({k: v[mine] for k, v in arrays.items() if k.startswith(f"{TABLE_PREFIX}{name}.")})
         if admission.IDS_KEY in arrays:
             mine = arrays[admission.IDS_KEY] % self.num_shards == self.shard
             out.update({k: arrays[k][mine] for k in (admission.IDS_KEY, admission.COUNTS_KEY)})

@@ -16,7 +16,8 @@ LAYERS = ("sparse", "featurizer", "trainer", "services", "serving")
 
 
 def module_names() -> list[str]:
-    names = ["mariana"]
+    names = ["mariana"] + [f"mariana.{m.name}" for m in pkgutil.iter_modules(mariana.__path__)
+                           if m.name not in LAYERS and m.name != "__main__"]  # the API and the CLI
     for layer in LAYERS:
         package = importlib.import_module(f"mariana.{layer}")
         names.append(package.__name__)
@@ -35,7 +36,7 @@ def collect() -> list:
 
 def test_every_module_is_found_and_imports():
     names = module_names()
-    assert {"mariana.sparse.hashing", "mariana.services.coordinator", "mariana.serving.app"} <= set(names)
+    assert {"mariana.api", "mariana.sparse.hashing", "mariana.services.coordinator", "mariana.serving.app"} <= set(names)
     for name in names:
         importlib.import_module(name)
 

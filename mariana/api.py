@@ -1,0 +1,368 @@
+"""The Python API behind `mariana.train`, `mariana.load` and `mariana.load_config`
+(mariana/__init__.py shows them; docs/python-api.md walks through them).
+
+Every call goes through the code the CLI runs, so a notebook and a shell get the
+same model and the same numbers:
+
+- `train` -> `trainer.job.run_local_job` (`mariana train`);
+- `Model.predict(path)` -> `trainer.data.BatchStream` + `ModelBundle.predict`
+  (`mariana predict`); `Model.predict(rows)` -> `sparse.records.parse_records` +
+  `Encoder.encode_rows` + `ModelBundle.predict` (what the HTTP endpoint does);
+- `Model.evaluate` -> `trainer.strategies.local.evaluate` (`mariana evaluate`);
+- `load_config` -> `trainer.config.load_config` (`--config`, `MARIANA_...`, `--set`).
+
+Torch loads on the first `train` or `load`, not on `import mariana`. Bad input
+raises the CLI's errors (`MarianaError` subclasses, with the CLI's messages); a
+filesystem failure (an unwritable `out`) stays the `OSError` it is.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
+
+import numpy as np
+
+from mariana.sparse.errors import ConfigError, DataFormatError, MarianaError, ModelDirError
+from mariana.trainer.config import JobConfig, from_dict
+from mariana.trainer.config import load_config as _load_job_config
+
+if TYPE_CHECKING:
+    from mariana.sparse.schema import Schema
+    from mariana.trainer.bundle import ModelBundle
+
+log = logging.getLogger(__name__)
+
+PathLike = Union[str, os.PathLike]
+Data = Union[PathLike, Sequence[PathLike]]
+# Keyword shortcuts for config keys: the CLI's flags of `mariana train` (services/cli.py, _job_config).
+SHORTCUTS = {"model": "model.kind", "epochs": "train.epochs", "format": "data.format",
+             "valid_fraction": "train.valid_fraction", "patience": "train.patience",
+             "batch_size": "train.batch_size", "bits": "hashing.bits", "images": "images.creatives",
+             "featurizer": "images.featurizer"}
+CHUNK_ROWS = 65_536  # dict rows parsed and scored at a time: bounds memory for a big DataFrame
+SHOWN_BAD = 5        # bad rows named in one error message
+
+
+# ---- config ---------------------------------------------------------------------
+
+def load_config(path: PathLike | None = None, **overrides: Any) -> JobConfig:
+    """A job config loaded as `mariana train` loads it: defaults <- the TOML file at
+    `path` <- `MARIANA_<SECTION>__<KEY>` environment variables <- `overrides`.
+
+    An override is a dotted key (`**{"train.epochs": 2}`, as `--set` takes it), the
+    same with `__` (`train__epochs=2`, as the environment spells it) or one of the
+    CLI's flags (`epochs`, `bits`, `model`, ...: `SHORTCUTS`); a None value leaves
+    the key as loaded. Unknown keys and wrong types raise ConfigError naming the key.
+
+    >>> cfg = load_config(train__epochs=2, bits=18, model="dnn")
+    >>> cfg.train.epochs, cfg.hashing.bits, cfg.model.kind
+    (2, 18, 'dnn')
+    >>> load_config(**{"train.epoch": 2})
+    Traceback (most recent call last):
+    ...
+    mariana.sparse.errors.ConfigError: train: unknown key 'train.epoch' (known: batch_size, epochs, ...)
+    """
+    return _load_job_config(path, overrides=dotted_overrides(overrides))
+
+
+def dotted_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword overrides as the dotted keys `--set` takes.
+
+    >>> dotted_overrides({"train.epochs": 2, "optim__lr": 0.05, "bits": 20, "patience": None})
+    {'train.epochs': 2, 'optim.lr': 0.05, 'hashing.bits': 20}
+    """
+    out = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if "." not in key and "__" not in key and key not in SHORTCUTS:
+            raise ConfigError(f"unknown override {key!r}: name a config key as section.key "
+                              f"(**{{'train.epochs': 2}} or train__epochs=2) or use one of {', '.join(SHORTCUTS)}")
+        out[SHORTCUTS.get(key, key.replace("__", "."))] = value
+    return out
+
+
+def job_config(config: JobConfig | PathLike | Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> JobConfig:
+    """The config a job trains with: `config` (a JobConfig, taken as it is; a TOML path or
+    None, loaded as the CLI loads them; a dict of dotted keys, as overrides) and then
+    `overrides`. Always a new object: a job settles its "auto" values in place."""
+    if isinstance(config, JobConfig):
+        tree = config.to_dict()
+        for key, value in dotted_overrides(overrides).items():
+            _set_dotted(tree, key, value)
+        return from_dict(JobConfig, tree)
+    if config is None or isinstance(config, (str, os.PathLike)):
+        return load_config(config, **overrides)
+    if isinstance(config, Mapping):
+        return load_config(None, **{**config, **overrides})
+    raise TypeError(f"config: expected a mariana.Config, a TOML path or a dict of dotted keys, "
+                    f"got {type(config).__name__}")
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    *sections, name = key.split(".")
+    node = tree
+    for part in sections:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {part} is not a table")
+    node[name] = value
+
+
+# ---- train ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Result:
+    """What `train` did: the numbers of `mariana train --json` that matter, and `record`,
+    its whole record (the same keys; NaN stays NaN where the CLI prints null).
+    `temporary`: `model_dir` is a fresh temporary directory (train's `out=None`),
+    which is never removed for you."""
+
+    model_dir: str
+    version: str
+    kind: str                      # "lr" | "dnn"
+    auc: float | None              # on test_data (None without it)
+    logloss: float | None
+    calibration: float | None      # mean pCTR / CTR on test_data
+    rows: int                      # training rows, every epoch counted
+    test_rows: int
+    epochs: int
+    train_seconds: float
+    temporary: bool = False
+    record: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, record: dict, temporary: bool = False) -> "Result":
+        return cls(record["model_dir"], record["model_version"], record["model"], record["auc"],
+                   record["logloss"], record["calibration"], record["train_rows"], record["test_rows"],
+                   record["epochs"], record["train_seconds"], temporary, record)
+
+    def load(self) -> "Model":
+        """The version this job published (even after CURRENT has moved on)."""
+        return load(self.model_dir, self.version)
+
+
+def train(data: Data, model: str | None = None, config: JobConfig | PathLike | Mapping[str, Any] | None = None,
+          out: PathLike | None = None, *, test_data: Data | None = None, valid_data: Data | None = None,
+          init_from: str | None = None, **overrides: Any) -> Result:
+    """Train in this process and publish a version, as `mariana train` (local mode) does.
+
+    `data`, `test_data`, `valid_data`: a file, directory or glob, a comma-separated
+    string of them (as `--data`), or a list. `model`: "lr" or "dnn" (None: the
+    config's, lr by default). `config`: see `job_config`; `overrides` as in
+    `load_config`. `out`: the model directory (a version is added; CURRENT moves to
+    it); None makes a fresh temporary directory (`Result.temporary`). `init_from`:
+    warm start from 'DIR' (its CURRENT) or 'DIR:vNNNNNN', as `--init-from`.
+    """
+    from mariana.trainer.job import run_local_job
+
+    cfg = job_config(config, {**overrides, "model": model})
+    train_paths, test_paths, valid_paths = data_paths(data), data_paths(test_data), data_paths(valid_data)
+    temporary = out is None
+    out_dir = tempfile.mkdtemp(prefix="mariana-model-") if temporary else os.fspath(out)
+    record = run_local_job(cfg, train_paths, test_paths, out_dir, valid_paths=valid_paths,
+                           init_from=None if init_from is None else os.fspath(init_from))
+    return Result.of(record, temporary)
+
+
+def data_paths(data: Data | None) -> list[str]:
+    """The files `data` names, expanded as the CLI expands `--data` (sparse/inputs.py);
+    NoDataFiles (a MarianaError) names an item that names no file."""
+    from mariana.sparse.inputs import expand_data_paths
+
+    if data is None:
+        return []
+    if isinstance(data, str):
+        items = [p for p in data.split(",") if p]
+    elif isinstance(data, os.PathLike):
+        items = [os.fspath(data)]
+    else:
+        items = [os.fspath(p) for p in data]
+    return expand_data_paths(items)
+
+
+# ---- load, predict, evaluate --------------------------------------------------------
+
+def load(model_dir: PathLike, version: str | None = None) -> "Model":
+    """A published version of `model_dir` (default: the one CURRENT names), loaded as
+    `mariana predict` and the server load it. ModelDirError when there is none."""
+    from mariana.trainer import checkpoint
+    from mariana.trainer.bundle import ModelBundle
+
+    model_dir = os.fspath(model_dir)
+    if version is None:
+        version = checkpoint.current_version(model_dir)
+    elif version not in checkpoint.list_versions(model_dir):
+        have = ", ".join(checkpoint.list_versions(model_dir)) or "none"
+        raise ModelDirError(f"{model_dir}: no version {version!r} (versions: {have})")
+    return Model(ModelBundle.load(model_dir, version), model_dir, version)
+
+
+class Model:
+    """One loaded version. `predict` takes a data file (in the model's format), a list
+    of dicts (field -> value, as the HTTP endpoint takes them) or a DataFrame (columns
+    named as the schema's fields); `evaluate` takes labeled data files."""
+
+    def __init__(self, bundle: ModelBundle, model_dir: str, version: str):
+        self.bundle, self.model_dir, self.version = bundle, os.path.abspath(model_dir), version
+
+    @property
+    def config(self) -> JobConfig:
+        """The job config the version was trained with (as its manifest records it)."""
+        return self.bundle.config
+
+    @property
+    def kind(self) -> str:
+        return self.bundle.config.model.kind
+
+    @property
+    def schema(self) -> Schema:
+        """The rows' layout (`sparse.schema.Schema`): `.numeric`, `.categorical`, `.label`."""
+        return self.bundle.schema
+
+    @property
+    def manifest(self) -> dict:
+        """The version's manifest: config, metrics, training data, parent."""
+        return self.bundle.manifest
+
+    def __repr__(self) -> str:
+        return f"Model({self.model_dir!r}, version={self.version!r}, kind={self.kind!r})"
+
+    def predict(self, rows: Any) -> np.ndarray:
+        """(n,) float64 pCTR, one per row in order.
+
+        - a path (file, directory, glob, comma-separated or a list of paths): the
+          rows of `mariana predict`, with NaN for a line that cannot be read;
+        - a list of dicts: the instances of a `/v1/predict` request; a bad one
+          raises DataFormatError naming it;
+        - a DataFrame (anything with `.to_dict("records")`): its rows as dicts, with
+          NaN/None/NA as missing and numpy scalars as Python numbers (an integer
+          column with gaps comes as floats: a whole float in a categorical field is
+          taken as that integer).
+        """
+        if isinstance(rows, (str, os.PathLike)) or _is_path_list(rows):
+            return self._predict_files(data_paths(rows))
+        if hasattr(rows, "to_dict") and hasattr(rows, "columns"):
+            return self._predict_records(frame_records(rows, self.bundle.schema.categorical))
+        if isinstance(rows, Mapping):
+            raise TypeError("rows: a dict is one row; pass a list of them")
+        if isinstance(rows, Iterable) and not isinstance(rows, (bytes, np.ndarray)):
+            return self._predict_records(list(rows))
+        raise TypeError(f"rows: expected a data path, a list of dicts or a DataFrame, got {type(rows).__name__}")
+
+    def _predict_files(self, paths: list[str]) -> np.ndarray:
+        """`mariana predict`'s loop (services/cli.py, cmd_predict): NaN where a line is unreadable."""
+        from mariana.sparse.parse import describe_bad
+        from mariana.trainer.data import BatchStream
+
+        self._check_data(paths, labeled=None)
+        stream = BatchStream(paths, self.bundle.encoder, self.bundle.config.data.block_bytes, labeled=None,
+                             slots=True)
+        parts = []
+        for batch, (lines, slots) in stream:
+            probs = np.full(lines, np.nan)
+            if batch is not None:
+                probs[slots] = self.bundle.predict(batch)
+            parts.append(probs)
+        if stream.stats.rows_bad:
+            log.warning("%d malformed rows predicted as nan (%s)", stream.stats.rows_bad,
+                        describe_bad(stream.stats.to_dict()["first_bad"]))
+        return np.concatenate(parts) if parts else np.empty(0)
+
+    def _predict_records(self, records: list) -> np.ndarray:
+        """The HTTP endpoint's path (serving/predictor.py) without HTTP: every row checked by
+        the parser's rules, hashed as a file row is, scored by the same bundle."""
+        from mariana.sparse.records import parse_records
+
+        out, bad = [], []
+        for start in range(0, len(records), CHUNK_ROWS):
+            chunk, wrong, _ = parse_records(self.bundle.schema, records[start:start + CHUNK_ROWS])
+            bad += [(start + i, why) for i, why in wrong]
+            if not bad and chunk.num_rows:
+                out.append(self.bundle.predict(self.bundle.encoder.encode_rows(chunk)).astype(np.float64))
+        if bad:
+            shown = "; ".join(f"rows[{i}]: {why}" for i, why in bad[:SHOWN_BAD])
+            more = f" (and {len(bad) - SHOWN_BAD} more)" if len(bad) > SHOWN_BAD else ""
+            raise DataFormatError(f"{len(bad)} of {len(records)} rows cannot be scored: {shown}{more}")
+        return np.concatenate(out) if out else np.empty(0)
+
+    def evaluate(self, data: Data) -> dict:
+        """The record of `mariana evaluate --json` on labeled `data` (services/cli.py,
+        cmd_evaluate): auc, logloss, calibration, ne, ece, rows, bad_rows, seconds,
+        model_dir, model_version, reliability."""
+        from mariana.sparse.parse import describe_bad
+        from mariana.trainer.strategies.local import evaluate
+
+        paths = data_paths(data)
+        self._check_data(paths, labeled=True)
+        t0 = time.perf_counter()
+        metrics, parse = evaluate(self.bundle, paths)
+        if not metrics["count"]:
+            bad = (f" ({parse['rows_bad']} malformed: {describe_bad(parse['first_bad'], 3)})"
+                   if parse["rows_bad"] else "")
+            raise MarianaError(f"no valid rows in {', '.join(os.path.basename(p) for p in paths)}{bad}: "
+                               "nothing to evaluate")
+        if parse["rows_bad"]:
+            log.warning("skipped %d malformed rows (%s)", parse["rows_bad"], describe_bad(parse["first_bad"]))
+        return {"auc": metrics["auc"], "logloss": metrics["logloss"], "calibration": metrics["calibration"],
+                "ne": metrics["ne"], "ece": metrics["ece"], "rows": metrics["count"], "bad_rows": parse["rows_bad"],
+                "seconds": round(time.perf_counter() - t0, 3), "model_dir": self.model_dir,
+                "model_version": self.bundle.manifest.get("version"), "reliability": metrics["reliability"]}
+
+    def _check_data(self, paths: list[str], labeled: bool | None) -> None:
+        """The CLI's checks before any work (services/cli.py, _model_and_data): files that
+        exist and parse as the model's format."""
+        from mariana.sparse.parse import Reader
+        from mariana.trainer.job import check_inputs
+
+        if not paths:
+            raise MarianaError("data names no files")
+        check_inputs(paths)
+        Reader(paths, self.bundle.schema, labeled=labeled).probe()
+
+
+def _is_path_list(rows: Any) -> bool:
+    return isinstance(rows, (list, tuple)) and bool(rows) and all(isinstance(r, (str, os.PathLike)) for r in rows)
+
+
+def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
+    """A DataFrame's rows as the dicts `parse_records` takes: missing values (NaN, None,
+    pandas' NA and NaT) left out, numpy scalars as Python numbers, and a whole float in
+    a `categorical` field as its integer (an integer column with gaps is float64).
+
+    >>> class Frame:  # what pandas gives for a frame with gaps
+    ...     columns = ["I1", "C1"]
+    ...     def to_dict(self, orient):
+    ...         return [{"I1": np.float64(3.0), "C1": np.float64(7.0)}, {"I1": float("nan"), "C1": None}]
+    >>> frame_records(Frame(), categorical=["C1"])
+    [{'I1': 3.0, 'C1': 7}, {}]
+    """
+    cats = set(categorical)
+    out = []
+    for rec in frame.to_dict("records"):
+        row = {}
+        for key, value in rec.items():
+            value = _plain(value)
+            if value is None:
+                continue
+            if key in cats and isinstance(value, float) and value.is_integer():
+                value = int(value)
+            row[key] = value
+        out.append(row)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A DataFrame cell as a plain Python value; None for a missing one."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or type(value).__name__ in ("NAType", "NaTType"):
+        return None
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value

@@ -1,0 +1,223 @@
+"""The Python API (mariana/api.py): the CLI's numbers from a notebook, the CLI's
+errors as exceptions, and an `import mariana` that loads no torch."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+import mariana
+from mariana import api
+from mariana.sparse.errors import ConfigError, DataFormatError, MarianaError, ModelDirError
+from mariana.sparse.inputs import NoDataFiles
+from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
+from tests.conftest import run_cli
+
+BITS = 18  # 2^18-row tables: a quick job, the same for the API and the CLI
+
+
+@pytest.fixture(scope="module")
+def trained(gen_files, tmp_path_factory):
+    """(Result, Model) of one LR job on the generated pair."""
+    out = tmp_path_factory.mktemp("api") / "m"
+    result = mariana.train(gen_files["train"], model="lr", out=out, test_data=gen_files["test"], bits=BITS)
+    return result, mariana.load(out)
+
+
+@pytest.fixture(scope="module")
+def rows_file(gen_files, tmp_path_factory):
+    """300 test rows with a malformed line at index 100 and one with a bad number at 200."""
+    lines = gen_files["test"].read_text().splitlines()[:300]
+    lines[100] = "not\ta\tcriteo\trow"
+    cells = lines[200].split("\t")
+    cells[1] = "x7"  # I1
+    lines[200] = "\t".join(cells)
+    path = tmp_path_factory.mktemp("rows") / "rows.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def criteo_dicts(path, n: int) -> list[dict]:
+    """The first n rows of a Criteo TSV as the instances the HTTP endpoint takes (no label;
+    empty cells left out, integers as ints)."""
+    out = []
+    for line in path.read_text().splitlines()[:n]:
+        cells = line.split("\t")[1:]
+        row = {f: int(v) for f, v in zip(CRITEO_NUMERIC, cells) if v}
+        row.update({f: v for f, v in zip(CRITEO_CATEGORICAL, cells[len(CRITEO_NUMERIC):]) if v})
+        out.append(row)
+    return out
+
+
+class Frame:
+    """What pandas hands over for these rows: a column per field, float64 with NaN where
+    an integer column has gaps, None for a missing text cell, numpy scalars."""
+
+    def __init__(self, dicts: list[dict]):
+        self.columns = list(CRITEO_NUMERIC + CRITEO_CATEGORICAL)
+        self.dicts = dicts
+
+    def to_dict(self, orient: str) -> list[dict]:
+        assert orient == "records"
+        return [{**{f: np.float64(d.get(f, math.nan)) for f in CRITEO_NUMERIC},
+                 **{f: d.get(f) for f in CRITEO_CATEGORICAL}} for d in self.dicts]
+
+
+# ---- the CLI's numbers --------------------------------------------------------------
+
+def test_train_gives_the_cli_record(trained, gen_files, tmp_path):
+    result, _ = trained
+    proc = run_cli("train", "--data", gen_files["train"], "--test-data", gen_files["test"], "--model", "lr",
+                   "--bits", BITS, "--out", tmp_path / "m", "--json", check=True)
+    cli = json.loads(proc.stdout)
+    assert set(result.record) == set(cli)
+    for key in ("auc", "logloss", "calibration", "ne", "ece", "train_rows", "test_rows", "epochs", "model",
+                "model_version", "train_loss", "bad_rows"):
+        assert result.record[key] == pytest.approx(cli[key], abs=1e-9), key
+    assert (result.version, result.kind, result.rows, result.test_rows) == ("v000001", "lr", 30_000, 8_000)
+    assert result.auc == result.record["auc"] and not result.temporary
+
+
+def test_predict_on_a_file_prints_what_mariana_predict_prints(trained, rows_file):
+    result, model = trained
+    ours = model.predict(rows_file)
+    proc = run_cli("predict", "--model", result.model_dir, "--data", rows_file, check=True)
+    cli = np.array([float(x) for x in proc.stdout.split()])
+    assert ours.dtype == np.float64 and ours.shape == cli.shape == (300,)
+    assert np.isnan(ours[100]) and np.isnan(ours[200])
+    np.testing.assert_allclose(ours, cli, rtol=0, atol=1e-6)  # nan where the CLI prints nan
+
+
+def test_evaluate_gives_the_cli_record(trained, gen_files):
+    result, model = trained
+    ours = model.evaluate(gen_files["test"])
+    cli = json.loads(run_cli("evaluate", "--model", result.model_dir, "--data", gen_files["test"], "--json",
+                             check=True).stdout)
+    assert set(ours) == set(cli)
+    for key in ("auc", "logloss", "calibration", "ne", "ece", "rows", "bad_rows", "model_dir", "model_version"):
+        assert ours[key] == pytest.approx(cli[key], abs=1e-12), key
+    assert len(ours["reliability"]) == len(cli["reliability"]) > 1
+    for a, b in zip(ours["reliability"], cli["reliability"]):
+        assert a == pytest.approx(b)
+    assert ours["auc"] == pytest.approx(result.auc, abs=1e-12)  # the test metrics of the job itself
+
+
+def test_dicts_and_frames_score_as_the_file_does(trained, gen_files):
+    _, model = trained
+    dicts = criteo_dicts(gen_files["test"], 500)
+    from_file = model.predict(gen_files["test"])[:500]
+    np.testing.assert_allclose(model.predict(dicts), from_file, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(model.predict(Frame(dicts)), from_file, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(model.predict(iter(dicts[:3])), from_file[:3], rtol=0, atol=1e-6)
+    assert model.predict([]).shape == (0,)
+
+
+def test_a_real_dataframe_scores_as_the_file_does(trained, gen_files):
+    pd = pytest.importorskip("pandas", reason="pandas is not a dependency; Frame above stands in for it")
+    _, model = trained
+    names = [model.schema.label, *model.schema.numeric, *model.schema.categorical]
+    df = pd.read_csv(gen_files["test"], sep="\t", header=None, names=names, nrows=500,
+                     dtype={c: "string" for c in model.schema.categorical})
+    np.testing.assert_allclose(model.predict(df), model.predict(gen_files["test"])[:500], rtol=0, atol=1e-6)
+
+
+# ---- loading, configs, warm start -----------------------------------------------------
+
+def test_result_loads_its_own_version_and_out_none_is_a_kept_temp_dir(gen_files):
+    result = mariana.train(str(gen_files["test"]), bits=BITS)  # lr: the config's kind
+    try:
+        assert result.temporary and result.model_dir.startswith(os.path.realpath(tempfile.gettempdir()))
+        model = result.load()
+        assert (model.version, model.kind, model.config.hashing.bits) == ("v000001", "lr", BITS)
+        assert model.model_dir == result.model_dir and model.predict([{}]).shape == (1,)
+    finally:
+        shutil.rmtree(result.model_dir)
+
+
+def test_configs_load_as_the_cli_loads_them(tmp_path, monkeypatch):
+    toml = tmp_path / "job.toml"
+    toml.write_text("[train]\nepochs = 3\n[hashing]\nbits = 20\n")
+    monkeypatch.setenv("MARIANA_OPTIM__LR", "0.05")
+    cfg = mariana.load_config(toml, bits=19)  # file <- environment <- keyword
+    assert (cfg.train.epochs, cfg.hashing.bits, cfg.optim.lr) == (3, 19, 0.05)
+    assert isinstance(cfg, mariana.Config)
+    base = mariana.Config()
+    job = api.job_config(base, {"train.epochs": 2, "model": "dnn"})
+    assert (job.train.epochs, job.model.kind) == (2, "dnn") and (base.train.epochs, base.model.kind) == (1, "lr")
+    assert api.job_config({"train.epochs": 4}, {"bits": 16}).train.epochs == 4
+
+
+def test_warm_start_goes_on_from_a_version(trained, gen_files, tmp_path):
+    first, _ = trained
+    result = mariana.train(gen_files["test"], out=tmp_path / "warm", bits=BITS, init_from=first.model_dir)
+    parent = result.load().manifest["parent"]
+    assert (parent["model_dir"], parent["version"]) == (first.model_dir, first.version)
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+def cli_error(*args: str) -> str:
+    proc = run_cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    return proc.stderr.strip().removeprefix("mariana: error: ")
+
+
+def test_bad_input_raises_the_error_the_cli_prints(trained, tmp_path):
+    result, _ = trained
+    missing = str(tmp_path / "nope.tsv")
+    with pytest.raises(NoDataFiles) as e:
+        mariana.train(missing, out=tmp_path / "m")
+    assert str(e.value) == cli_error("train", "--data", missing, "--out", tmp_path / "m")
+    with pytest.raises(ModelDirError) as e:
+        mariana.load(tmp_path / "none")
+    assert str(e.value) == cli_error("predict", "--model", tmp_path / "none", "--data", __file__)
+    with pytest.raises(ConfigError) as e:
+        mariana.train(missing, out=tmp_path / "m", **{"train.epoch": 2})
+    assert str(e.value) == cli_error("train", "--data", missing, "--out", tmp_path / "m", "--set", "train.epoch=2")
+
+
+@pytest.mark.parametrize("call,error,says", [
+    (lambda: mariana.train(__file__, model="xgb"), ConfigError, "model.kind: unknown model 'xgb'"),
+    (lambda: mariana.train(__file__, epochs_=2), ConfigError, "unknown override 'epochs_'"),
+    (lambda: mariana.load_config(hashing__bits=99), ConfigError, "hashing.bits must be in 1..32"),
+    (lambda: mariana.load_config("/no/such.toml"), ConfigError, "config file not found"),
+])
+def test_bad_arguments_name_what_is_wrong(call, error, says):
+    with pytest.raises(error, match=says):
+        call()
+
+
+def test_bad_rows_and_versions_are_named(trained, tmp_path):
+    result, model = trained
+    with pytest.raises(DataFormatError, match=r"1 of 2 rows cannot be scored: rows\[1\]: I1 is not a number"):
+        model.predict([{"I1": 1}, {"I1": "x"}])
+    with pytest.raises(ModelDirError, match=r"no version 'v000009' \(versions: v000001\)"):
+        mariana.load(result.model_dir, "v000009")
+    with pytest.raises(TypeError, match="pass a list of them"):
+        model.predict({"I1": 1})
+    with pytest.raises(MarianaError, match="wrong.tsv"):
+        model.evaluate(tmp_path / "wrong.tsv")
+    unlabeled = tmp_path / "u.tsv"
+    unlabeled.write_text("1\t2\n")
+    with pytest.raises(DataFormatError):
+        model.evaluate(unlabeled)
+
+
+# ---- the package -----------------------------------------------------------------------
+
+def test_import_mariana_loads_no_torch():
+    code = ("import sys, mariana; assert mariana.__version__; mariana.load_config; "
+            "print(sorted(m for m in ('torch', 'numpy', 'mariana.api') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["['mariana.api',", "'numpy']"]  # load_config needs numpy (hashing), never torch
+    bare = subprocess.run([sys.executable, "-c", "import sys, mariana; print('torch' in sys.modules, "
+                           "'numpy' in sys.modules)"], capture_output=True, text=True, check=True).stdout
+    assert bare.split() == ["False", "False"]
+

@@ -318,7 +318,7 @@ def load_tokens(ds: dict) -> dict:
 
 def mariana_cmd() -> list[str]:
     script = Path(sys.executable).parent / "mariana"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "mariana.serving.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mariana"]
 
 
 def rss_gib(pid: int) -> float:

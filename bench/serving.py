@@ -329,7 +329,7 @@ def server_for(system: str, args, models: dict, port: int, config: Path | None =
     log = args.out_dir / "logs" / f"{SYSTEMS[system]}{tag}.log"
     common = ["--host", "127.0.0.1", "--port", port, "--workers", args.workers]
     if system in ("lr", "dnn"):
-        cmd = [sys.executable, "-m", "mariana.serving.cli", "serve", "--model-dir", models[system], *common]
+        cmd = [sys.executable, "-m", "mariana", "serve", "--model-dir", models[system], *common]
         if config is not None:
             cmd += ["--config", config]
         return Server(system, cmd, port, args.workers, log, "healthz")
@@ -570,7 +570,7 @@ def train_models(args, data: dict, systems: list[str]) -> tuple[dict, dict]:
         shutil.rmtree(model_dir, ignore_errors=True)  # mariana would add versions to an old dir
         records[kind] = []
         for _ in range(3):  # v000001..v000003 (CURRENT): the swap phase cycles through them
-            cmd = [sys.executable, "-m", "mariana.serving.cli", "-q", "train", "--data", data["train"], "--model", kind,
+            cmd = [sys.executable, "-m", "mariana", "-q", "train", "--data", data["train"], "--model", kind,
                    "--out", model_dir, "--json"]
             proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -814,7 +814,7 @@ class Promoter:
         target = self.versions[(self.versions.index(current) + 1) % len(self.versions)]
         t0 = time.perf_counter()
         if self.cli:
-            subprocess.run([sys.executable, "-m", "mariana.serving.cli", "model", "promote", target, "--model-dir",
+            subprocess.run([sys.executable, "-m", "mariana", "model", "promote", target, "--model-dir",
                             str(self.model_dir)], cwd=REPO, check=True, capture_output=True)
         else:
             checkpoint.set_current(self.model_dir, target, reason="promoted")

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
 import numpy as np
 
 from mariana.sparse.errors import ConfigError, DataFormatError, MarianaError, ModelDirError
-from mariana.trainer.config import JobConfig, from_dict
+from mariana.sparse.settings import from_dict
+from mariana.trainer.config import JobConfig
 from mariana.trainer.config import load_config as _load_job_config
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ from mariana.sparse.parse import Reader
 from mariana.sparse.schema import Schema
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import INITS, ModelBundle, check_parent, parent_version
-from mariana.trainer.config import JobConfig, from_dict
+from mariana.sparse.settings import from_dict
+from mariana.trainer.config import JobConfig
 from mariana.trainer.data import RowRange
 from mariana.trainer.job import (TrainSummary, check_inputs, check_out_dir, check_trained, image_record,
                                  publish_version, resolve_auto, validation)

@@ -1,5 +1,5 @@
 """The `mariana` command line: the pipeline's commands. The installed `mariana`
-script is `serving.cli:main`, which adds serve, model and retrain (services/
+script is `mariana.cli:main`, which adds serving's serve, model and retrain (services/
 never imports serving/); `python -m mariana.services.cli` is what the launcher runs.
 
     mariana gen criteo|criteo-drift --rows N --seed S --out FILE
@@ -36,6 +36,7 @@ import sys
 import time
 
 from mariana.services import images_cli
+from mariana.services.runtime import report
 from mariana.services.runtime.tuning import freeze_imports, tune_process
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.schema import FORMATS  # light: no numpy before tune_process() sets its thread count
@@ -91,11 +92,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                                on_progress=_progress_logger(), valid_paths=_paths(args.valid_data),
                                init_from=args.init_from)
     if args.notify:
-        from mariana.services import model_events
+        from mariana.services.runtime import model_events
 
         model_events.publish(args.notify, "trained", record["model_dir"], record["model_version"],
                              record["model_version"])
-    _print_record(record, args.json)
+    report.print_record(record, args.json)
     return 0
 
 
@@ -115,14 +116,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
         trials = record.pop("trials")
         shown = sorted(trials, key=lambda t: (t["value"] is None, t["value"] or 0.0))[:TRIALS_SHOWN]
         print(f"the {len(shown)} best of {len(trials)} trials, by validation logloss:")
-        _print_table(("trial", "state", "valid logloss", "valid auc", "epochs", "best", "seconds", "parameters"),
-                     [(t["number"], t["state"], None if t["value"] is None else f"{t['value']:.6f}",
-                       _num(t["auc"]), t["epochs"], t["best_epoch"],
-                       f"{t['seconds']:.1f}", _params(t["params"])) for t in shown])
+        report.print_table(("trial", "state", "valid logloss", "valid auc", "epochs", "best", "seconds", "parameters"),
+                           [(t["number"], t["state"], None if t["value"] is None else f"{t['value']:.6f}",
+                             report.num(t["auc"]), t["epochs"], t["best_epoch"],
+                             f"{t['seconds']:.1f}", _params(t["params"])) for t in shown])
         if len(trials) > len(shown):
             print(f"(every trial: {record['tune']['trials_file']})")
         print()
-    _print_record(record, args.json)
+    report.print_record(record, args.json)
     return 0
 
 
@@ -166,7 +167,7 @@ def _params(params: dict) -> str:
 
 
 def _train_cluster(args: argparse.Namespace, config) -> dict:
-    from mariana.services.cluster_job import run_cluster_job
+    from mariana.services.runtime.cluster_job import run_cluster_job
 
     cluster, sync, asked = _cluster_settings(args)
     return run_cluster_job(config, _paths(args.data), _paths(args.test_data), args.out, cluster,
@@ -192,7 +193,7 @@ def _cluster_progress():
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from mariana.services import reliability
+    from mariana.services.runtime import reliability
     from mariana.sparse.parse import describe_bad
     from mariana.trainer.strategies.local import evaluate
 
@@ -216,7 +217,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         reliability.plot(table, args.plot, f"{os.path.basename(record['model_dir'])} {record['model_version']}: "
                                            f"{record['rows']:,} rows, ECE {record['ece']:.4g}")
         record["plot"] = os.path.abspath(args.plot)
-    _print_record({**record, "reliability": table}, args.json)
+    report.print_record({**record, "reliability": table}, args.json)
     return 0
 
 
@@ -329,7 +330,8 @@ def _paths(spec: str | None) -> list[str]:
 
 
 def _job_config(args: argparse.Namespace):
-    from mariana.trainer.config import load_config, parse_set_option
+    from mariana.sparse.settings import parse_set_option
+    from mariana.trainer.config import load_config
 
     overrides = dict(parse_set_option(item) for item in args.set or [])
     for flag, key in (("model", "model.kind"), ("epochs", "train.epochs"), ("format", "data.format"),
@@ -369,56 +371,6 @@ def _progress_logger():
     return report
 
 
-def _print_record(record: dict, as_json: bool) -> None:
-    if as_json:  # NaN is not JSON: report it as null
-        print(json.dumps({k: None if isinstance(v, float) and v != v else v for k, v in record.items()},
-                         allow_nan=False))
-        return
-    table = record.get("reliability")
-    lines = list(_human_lines({k: v for k, v in record.items() if k != "reliability"}))
-    width = max((len(k) for k, _ in lines), default=0)
-    for key, text in lines:
-        print(f"{key:>{width}}: {text}")
-    if table:
-        from mariana.services import reliability
-
-        print(f"\nreliability ({len(table)} buckets of about equal rows, by pCTR):")
-        for line in reliability.table_lines(table):
-            print(f"  {line}")
-
-
-def _human_lines(record: dict, prefix: str = ""):
-    """(key, text) per line: a nested table gets dotted keys, a table of plain values one
-    line ("read 0.484, parse 1.21"), a list its items, a list of tables one line per table
-    ("valid.epochs[2]: ..."), nothing a Python repr."""
-    for key, value in record.items():
-        if isinstance(value, dict) and any(isinstance(v, (dict, list)) for v in value.values()):
-            yield from _human_lines(value, f"{prefix}{key}.")
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            for i, item in enumerate(value, 1):
-                yield f"{prefix}{key}[{i}]", _human(item)
-        else:
-            yield f"{prefix}{key}", _human(value)
-
-
-def _human(value) -> str:
-    """
-    >>> _human({"read": 0.4841, "parse": 1.2}), _human([0.5, 2]), _human(None), _human(True)
-    ('read 0.4841, parse 1.2', '0.5, 2', 'n/a', 'yes')
-    """
-    if value is None:
-        return "n/a"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, float):
-        return "n/a" if value != value else f"{value:.6g}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {_human(v)}" for k, v in value.items()) or "none"
-    if isinstance(value, (list, tuple)):
-        return ", ".join(_human(v) for v in value) or "none"
-    return str(value)
-
-
 def _cluster_dir(args: argparse.Namespace) -> str:
     from mariana.services.runtime.config import load_cluster_config
 
@@ -435,32 +387,19 @@ def _print_status(st: dict) -> None:
     else:
         print(f"web UI: {st['http']}/ui/")
     print()
-    _print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "LAST SEEN", "THROUGHPUT"), _service_rows(st, coord))
+    report.print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "LAST SEEN", "THROUGHPUT"), _service_rows(st, coord))
     jobs = coord.get("jobs") or []
     if jobs:
         print()
-        _print_table(("JOB", "STATE", "MODEL", "EPOCH", "DONE", "ROWS", "ROWS/S", "LOSS", "CACHE HITS", "ERROR"),
-                     [_job_row(j) for j in jobs])
+        report.print_table(("JOB", "STATE", "MODEL", "EPOCH", "DONE", "ROWS", "ROWS/S", "LOSS", "CACHE HITS", "ERROR"),
+                           [_job_row(j) for j in jobs])
     for m in st.get("models") or []:
         print()
-        print_versions(m["dir"], m.get("current"), [
+        report.print_versions(m["dir"], m.get("current"), [
             {**v, "auc": (v.get("metrics") or {}).get("auc"), "logloss": (v.get("metrics") or {}).get("logloss")}
             for v in m["versions"]], most=10)
         for d in m.get("decisions", [])[:5]:
             print(f"  retrain {d.get('time')}: {d.get('verdict')} {d.get('new_version')} ({d.get('reason')})")
-
-
-def print_versions(model_dir: str, current: str | None, versions: list[dict], most: int | None = None) -> None:
-    """The versions of a model dir, newest first, as `status` and `model list` show them;
-    `versions`: dicts of version, current, model, created, auc, logloss, rows, job."""
-    print(f"models in {model_dir} (serving {current or 'nothing'})")
-    newest = sorted(versions, key=lambda v: int(v["version"][1:]), reverse=True)  # names match v\d{6,}
-    _print_table(("", "VERSION", "MODEL", "CREATED", "AUC", "LOGLOSS", "ROWS", "JOB"),
-                 [("*" if v.get("current") else "", v["version"], v.get("model"), v.get("created"),
-                   _num(v.get("auc")), _num(v.get("logloss")), _count(v.get("rows")), v.get("job") or v.get("error"))
-                  for v in newest[:most]])
-    if most is not None and len(newest) > most:
-        print(f"  ... and {len(newest) - most} older (mariana model list --model-dir {model_dir})")
 
 
 def _job_row(j: dict) -> tuple:
@@ -469,12 +408,8 @@ def _job_row(j: dict) -> tuple:
     state = j.get("state") + (f" ({j['restarts']} restarts)" if j.get("restarts") else "")
     return (j.get("id"), state + (f": {j['phase']}" if j.get("phase") else ""),
             j.get("model"), f"{p.get('epoch')}/{p.get('epochs')}", None if frac is None else f"{100 * frac:.0f}%",
-            _count(p.get("rows")), _count(p.get("rows_per_s")), _num(p.get("loss")),
+            report.count(p.get("rows")), report.count(p.get("rows_per_s")), report.num(p.get("loss")),
             None if hits is None else f"{100 * hits:.1f}%", (j.get("error") or "")[:60] or None)
-
-
-def _num(x) -> str | None:
-    return f"{x:.4f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _service_rows(st: dict, coord: dict) -> list[tuple]:
@@ -493,13 +428,6 @@ def _service_rows(st: dict, coord: dict) -> list[tuple]:
     return rows
 
 
-def _print_table(header: tuple, rows: list[tuple]) -> None:
-    cells = [tuple("-" if c is None else str(c) for c in row) for row in [header, *rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    for row in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-
-
 def _ago(unix_time: float) -> str:
     s = max(0.0, time.time() - unix_time)
     if s < 60:
@@ -507,13 +435,6 @@ def _ago(unix_time: float) -> str:
     if s < 3600:
         return f"{int(s // 60)}m{int(s % 60):02d}s"
     return f"{s / 3600:.1f}h"
-
-
-def _count(n) -> str | None:
-    """12345.6 -> '12,346'; None stays None (shown as '-')."""
-    if isinstance(n, (int, float)) and not isinstance(n, bool):
-        return f"{n:,.0f}"
-    return None if n is None else str(n)
 
 
 # ---- parser --------------------------------------------------------------------------
@@ -682,7 +603,7 @@ def _add_cluster_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None, build=build_parser) -> int:
-    """Run one command; `build` makes the parser (serving.cli adds its commands to ours)."""
+    """Run one command; `build` makes the parser (mariana/cli.py adds serving's commands to ours)."""
     from mariana.services.runtime.logs import setup_logging
 
     tune_process()

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mariana.services.assemble import check_request
-from mariana.services.cluster_job import JobFailed, Unreachable, _request, cluster_session, submit, wait
+from mariana.services.runtime.cluster_job import JobFailed, Unreachable, _request, cluster_session, submit, wait
 from mariana.services.runtime.config import ClusterConfig
 from mariana.sparse.errors import MarianaError
 from mariana.trainer import checkpoint
-from mariana.trainer.config import JobConfig, from_dict
+from mariana.sparse.settings import from_dict
+from mariana.trainer.config import JobConfig
 from mariana.trainer.job import absolute_paths
 from mariana.trainer.strategies.local import best_epoch, valid_record
 from mariana.trainer.tune import (SEARCH, SearchFailed, Trial, TrialRun, check_search, refit_plan, refit_reserve,

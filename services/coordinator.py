@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from mariana.services import model_events, protocol, webui
+from mariana.services import protocol, webui
+from mariana.services.runtime import model_events
 from mariana.services.assemble import assemble_and_publish, check_request, job_validation, validate_exports
 from mariana.services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from mariana.services.jobstore import JobStore

@@ -27,43 +27,11 @@ from collections import Counter
 import numpy as np
 
 from mariana.featurizer.creatives import FALLBACK, CreativeFeatures
-from mariana.services.sample_cache import PREFIX, SampleCache
+from mariana.services.runtime.creatives import CHUNK, TAG, namespace_of, split_value, stack_features, valid_features
+from mariana.services.sample_cache import SampleCache
 from mariana.trainer.config import ImagesConfig
 
 log = logging.getLogger(__name__)
-TAG = 8
-CHUNK = 1000  # ids per HMGET / HSET
-
-
-def image_width(spec: dict) -> int:
-    """Dense columns a job's image features add (d features + the unknown flag; 0 without images)."""
-    images = spec.get("images") or {}
-    return int(images["dim"]) + 1 if images else 0
-
-
-def namespace_of(featurizer_sha: str) -> str:
-    return f"{PREFIX}:creatives:{featurizer_sha[:16]}"
-
-
-def _split(value: bytes | None, dim: int) -> tuple[bytes, np.ndarray] | None:
-    if value is None or len(value) != TAG + 4 * dim:
-        return None
-    return value[:TAG], np.frombuffer(value, np.float32, offset=TAG)
-
-
-def _stack(rows: list[np.ndarray], dim: int) -> np.ndarray:
-    return np.stack(rows) if rows else np.zeros((0, dim), np.float32)
-
-
-def _valid(pairs, dim: int) -> tuple[list[bytes], np.ndarray]:
-    """(ids, features) of the (id, cached value) pairs whose value is well formed."""
-    ids, rows = [], []
-    for cid, value in pairs:
-        split = _split(value, dim)
-        if split is not None:
-            ids.append(cid)
-            rows.append(split[1])
-    return ids, _stack(rows, dim)
 
 
 async def read_values(cache: SampleCache, key: str, ids: list[bytes]) -> list[bytes | None]:
@@ -87,7 +55,7 @@ async def featurize_creatives(cache: SampleCache, cfg: ImagesConfig, counters: C
     key, dim = namespace_of(info["featurizer_sha256"] or "unversioned"), featurizer.dim
     tags = cset.tags()
     have = await read_values(cache, key, cset.ids)
-    todo = [i for i, (v, tag) in enumerate(zip(have, tags)) if (s := _split(v, dim)) is None or s[0] != tag]
+    todo = [i for i, (v, tag) in enumerate(zip(have, tags)) if (s := split_value(v, dim)) is None or s[0] != tag]
     seconds = 0.0
     if todo:
         t0 = time.perf_counter()
@@ -121,13 +89,7 @@ async def ensure_cached(cache: SampleCache, cfg: ImagesConfig, key: str, digest:
 
 async def creative_table(cache: SampleCache, key: str, dim: int, ids: list[bytes]) -> CreativeFeatures:
     """The features of `ids` that are cached, as the table a model version stores."""
-    return CreativeFeatures(*_valid(zip(ids, await read_values(cache, key, ids)), dim))
-
-
-async def read_all(redis, featurizer_sha: str, dim: int) -> tuple[list[bytes], np.ndarray]:
-    """Every creative cached for a featurizer: (ids, (n, dim) features); values of the
-    wrong length are skipped. `redis`: a redis.asyncio client (serving has no SampleCache)."""
-    return _valid([pair async for pair in redis.hscan_iter(namespace_of(featurizer_sha), count=CHUNK)], dim)
+    return CreativeFeatures(*valid_features(zip(ids, await read_values(cache, key, ids)), dim))
 
 
 class CreativeLookup:
@@ -155,7 +117,7 @@ class CreativeLookup:
                                                           self.counters):
                     values = await read_values(self.cache, self.key, new)
                 for cid, value in zip(new, values):
-                    split = _split(value, self.dim)
+                    split = split_value(value, self.dim)
                     if split is None:
                         if value is not None:
                             self.counters["creative_values_bad"] += 1
@@ -166,5 +128,5 @@ class CreativeLookup:
                         self.known[cid] = split[1]
                 self._table = None
         if self._table is None:
-            self._table = CreativeFeatures(list(self.known), _stack(list(self.known.values()), self.dim))
+            self._table = CreativeFeatures(list(self.known), stack_features(list(self.known.values()), self.dim))
         return self._table

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from mariana.services.protocol import BadMessage
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.schema import Schema
-from mariana.trainer.config import JobConfig, from_dict
+from mariana.sparse.settings import from_dict
+from mariana.trainer.config import JobConfig
 
 IMAGES_KEYS = {"redis_key": str, "dim": int, "set": str}      # what preprocess and the model read
 INIT_FROM_KEYS = {"model_dir": str, "version": str}          # the version a warm start goes on from

@@ -1,4 +1,4 @@
-"""The `mariana` command: the pipeline's commands (services/cli.py) plus serving.
+"""Serving's commands of `mariana` (mariana/cli.py adds them to the pipeline's, services/cli.py).
 
     mariana serve --model-dir DIR [--config FILE] [--host 127.0.0.1] [--port 8080] [--workers N]
                   [--redis-url URL]
@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-from mariana.services import cli as base
+from mariana.services.runtime import report
 from mariana.sparse.errors import MarianaError
 
 
@@ -59,7 +58,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     print(json.dumps({"model_dir": model_dir, "current": target, "previous": before, "reason": reason}))
     url = args.notify or cfg.serve.redis_url
     if url:
-        from mariana.services import model_events
+        from mariana.services.runtime import model_events
 
         model_events.publish(url, reason, model_dir, target, target, cfg.serve.channel)
     return 0
@@ -69,7 +68,7 @@ def cmd_retrain(args: argparse.Namespace) -> int:
     from mariana.serving.retrain import run_retrain
 
     decision = run_retrain(_config(args), args.status_file)
-    base._print_record(decision, args.json)
+    report.print_record(decision, args.json)
     return 0
 
 
@@ -113,14 +112,12 @@ def _versions(model_dir: str) -> list[dict]:
 
 def _print_versions(model_dir: str, rows: list[dict]) -> None:
     current = next((r["version"] for r in rows if r["current"]), None)
-    base.print_versions(model_dir, current, [{**r, "model": r.get("kind"), "created": r.get("created_at")}
-                                             for r in rows])
+    report.print_versions(model_dir, current, [{**r, "model": r.get("kind"), "created": r.get("created_at")}
+                                               for r in rows])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = base.build_parser()
-    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
-
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """`serve`, `model` and `retrain`, added to the `mariana` command's subcommands."""
     s = sub.add_parser("serve", help="serve pCTR over HTTP from a model directory (hot-swaps new versions)")
     s.add_argument("--model-dir", help="model directory: its CURRENT version is served")
     s.add_argument("--config", help="TOML with [serve] (and [retrain] for POST /v1/retrain)")
@@ -147,12 +144,3 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print the decision as one JSON line")
     r.add_argument("--status-file", help=argparse.SUPPRESS)  # kept up to date for POST /v1/retrain
     r.set_defaults(func=cmd_retrain)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    return base.main(argv, build=build_parser)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from mariana.services.model_events import CHANNEL
+from mariana.services.runtime.model_events import CHANNEL
 from mariana.sparse.errors import ConfigError
-from mariana.trainer.config import load_config
+from mariana.sparse.settings import load_settings
 
 
 @dataclass
@@ -96,7 +96,7 @@ class ServeConfig:
 
 def load_serve_config(path: str | None = None, overrides: dict | None = None,
                       env: dict | None = None) -> ServeConfig:
-    cfg = load_config(path, env, {k: v for k, v in (overrides or {}).items() if v is not None}, cls=ServeConfig)
+    cfg = load_settings(ServeConfig, path, env, {k: v for k, v in (overrides or {}).items() if v is not None})
     if path:
         base = os.path.dirname(os.path.abspath(path))  # relative paths in the file are relative to it
         cfg.serve.model_dir = _relative_to(base, cfg.serve.model_dir)

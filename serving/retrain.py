@@ -30,12 +30,13 @@ from pathlib import Path
 
 from mariana.serving.config import ServeConfig
 from mariana.serving.errors import ServeError
-from mariana.services import model_events
+from mariana.services.runtime import model_events
 from mariana.sparse.errors import ConfigError, MarianaError, ModelDirError
 from mariana.sparse.inputs import NoDataFiles, expand_data_paths
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
-from mariana.trainer.config import JobConfig, from_dict, load_config
+from mariana.sparse.settings import from_dict
+from mariana.trainer.config import JobConfig, load_config
 
 log = logging.getLogger(__name__)
 DECISIONS = checkpoint.DECISIONS
@@ -82,7 +83,7 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     if warm:
         log.info("retrain %s: warm start from the served version %s (%s mode)", model_dir, served, r.mode)
     if r.mode == "cluster":
-        from mariana.services.cluster_job import run_cluster_job
+        from mariana.services.runtime.cluster_job import run_cluster_job
         from mariana.services.runtime.config import load_cluster_config
 
         record = run_cluster_job(config, train, [], model_dir, load_cluster_config(r.cluster_config or None),
@@ -276,7 +277,7 @@ class RetrainRunner:
         _Status(status).update(id=run, state="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         with open(os.path.join(runs, f"{run}.log"), "ab") as out:
             self.children.append(subprocess.Popen(
-                [sys.executable, "-m", "mariana.serving.cli", "retrain", "--config", self.config_path,
+                [sys.executable, "-m", "mariana", "retrain", "--config", self.config_path,
                  "--status-file", status], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True))
         log.info("retrain %s started for %s (log: %s/%s.log)", run, model_dir, runs, run)

@@ -200,7 +200,7 @@ class _Supervisor:
         self.stopping = True
 
     def _start(self, i: int) -> None:
-        cmd = [sys.executable, "-m", "mariana.serving.cli", *self.verbosity, "serve", "--config", self.resolved,
+        cmd = [sys.executable, "-m", "mariana", *self.verbosity, "serve", "--config", self.resolved,
                "--worker-index", str(i), "--run-dir", self.run_dir]
         self.children[i] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=sdnotify.child_env())
         self.started[i] = time.monotonic()

@@ -1,5 +1,5 @@
 """Learning of new versions: the model directory's CURRENT is the truth; a
-Redis pub/sub message (services/model_events.py) makes the server look at it
+Redis pub/sub message (services/runtime/model_events.py) makes the server look at it
 at once, and a poll every `serve.watch_seconds` catches what a message
 missed (Redis down, no Redis configured, a version promoted by hand).
 
@@ -20,7 +20,7 @@ from typing import Callable
 from mariana.serving.config import ServeSection
 from mariana.serving.dataplane import ModelHolder
 from mariana.serving.predictor import Predictor
-from mariana.services import model_events
+from mariana.services.runtime import model_events
 from mariana.sparse.errors import MarianaError
 from mariana.trainer import checkpoint
 
@@ -96,7 +96,7 @@ class VersionWatcher:
         import redis
         import redis.asyncio as aioredis
 
-        from mariana.services.creative_cache import namespace_of, read_all
+        from mariana.services.runtime.creatives import namespace_of, read_all
 
         client, warned = aioredis.Redis.from_url(self.cfg.redis_url, socket_connect_timeout=2), False
         seen: tuple = ()  # (version, creatives cached) at the last read: nothing new, nothing to read

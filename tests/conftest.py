@@ -60,9 +60,9 @@ def small_featurizer(mnist_dir, tmp_path_factory) -> Path:
 
 def run_cli(*args: str, check: bool = False, env: dict | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`mariana ARGS` in a real subprocess (the installed script: serving.cli, the whole CLI),
+    """`mariana ARGS` in a real subprocess (`python -m mariana`: the whole CLI, as the installed script),
     in `cwd` (default: the checkout)."""
-    proc = subprocess.run([sys.executable, "-m", "mariana.serving.cli", *map(str, args)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mariana", *map(str, args)], capture_output=True,
                           text=True, cwd=cwd or ROOT, env={**os.environ, **(env or {})},
                           timeout=300)
     if check and proc.returncode != 0:

@@ -23,7 +23,8 @@ from mariana.sparse.optim import AdaGrad, FTRL, SparseOptimizer
 from mariana.sparse.schema import Schema
 from mariana.sparse.table import HashedTable
 from mariana.trainer import checkpoint
-from mariana.trainer.config import LOWER_RATES, JobConfig, from_dict
+from mariana.sparse.settings import from_dict
+from mariana.trainer.config import LOWER_RATES, JobConfig
 from mariana.trainer.models import build_model
 from mariana.trainer.models.base import make_input, unique_ids
 from mariana.trainer.strategies.ps_step import DenseOptimizer

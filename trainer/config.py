@@ -293,7 +293,6 @@ class DenseJobConfig:
 
 
 def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Any] | None = None, cls: type = JobConfig) -> Any:
-    """A JobConfig: defaults <- TOML file <- environment <- overrides ({"train.epochs": 2, ...}).
-    `cls`: another config loaded the same way (sparse.settings.load_settings)."""
-    return load_settings(cls, path, env, overrides)
+                overrides: Mapping[str, Any] | None = None) -> JobConfig:
+    """A JobConfig: defaults <- TOML file <- environment <- overrides ({"train.epochs": 2, ...})."""
+    return load_settings(JobConfig, path, env, overrides)

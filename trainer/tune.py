@@ -29,7 +29,8 @@ from typing import Callable, Protocol
 
 from mariana.sparse.errors import MarianaError
 from mariana.trainer.bundle import ModelBundle
-from mariana.trainer.config import JobConfig, from_dict
+from mariana.sparse.settings import from_dict
+from mariana.trainer.config import JobConfig
 from mariana.trainer.data import RowRange
 from mariana.trainer.strategies.local import Validation, train_local
 

@@ -35,7 +35,7 @@ from typing import Any, Mapping
 
 from mariana.services.protocol import MAX_LEASE
 from mariana.sparse.errors import ConfigError
-from mariana.trainer.config import load_config
+from mariana.sparse.settings import load_settings
 
 ROLES = ("coordinator", "loader", "preprocess", "worker", "ps")
 # Offsets from cluster.base_port of the /metrics port of each role's instance 0.
@@ -211,7 +211,7 @@ class ClusterConfig:
 
 def load_cluster_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
                         overrides: Mapping[str, Any] | None = None) -> ClusterConfig:
-    return load_config(path, env, overrides, cls=ClusterConfig)
+    return load_settings(ClusterConfig, path, env, overrides)
 
 
 def to_toml(cfg) -> str:

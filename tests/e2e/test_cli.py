@@ -104,7 +104,7 @@ def test_human_output_is_for_people_and_flags_go_anywhere(models, gen_files):
 def test_every_option_says_what_it_is_for():
     import argparse
 
-    from mariana.serving.cli import build_parser
+    from mariana.cli import build_parser
 
     def silent(parser, path):
         for action in parser._actions:

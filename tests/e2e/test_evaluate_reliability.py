@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mariana.services import reliability
+from mariana.services.runtime import reliability
 from mariana.sparse.metrics import BinaryMetrics
 from tests.conftest import ROOT, run_cli
 

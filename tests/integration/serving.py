@@ -44,7 +44,7 @@ class Server:
     def start(self, ready: bool = False, timeout: float = 90.0) -> None:
         """Start it and return once every worker listens (and, with `ready`, has a model)."""
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "mariana.serving.cli", "serve", "--config", str(self.config)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "mariana", "serve", "--config", str(self.config)],
                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:

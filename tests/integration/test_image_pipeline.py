@@ -56,7 +56,8 @@ def job_config(ads) -> dict:
 def test_featurizer_stage_is_local_mode_exactly_and_serving_looks_up_alike(ads, tmp_path):
     from mariana.featurizer.image import ImageFeaturizer
     from mariana.trainer.bundle import ModelBundle
-    from mariana.trainer.config import JobConfig, from_dict
+    from mariana.sparse.settings import from_dict
+    from mariana.trainer.config import JobConfig
     from mariana.trainer.images import load_creative_set
     from mariana.trainer.job import run_local_job
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from mariana.services import model_events
+from mariana.services.runtime import model_events
 from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli
 from tests.integration.cluster import Cluster

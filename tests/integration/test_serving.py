@@ -329,4 +329,4 @@ def test_serve_refuses_a_missing_model_dir_and_a_taken_port(tmp_path, models):
 def _cli() -> list[str]:
     import sys
 
-    return [sys.executable, "-m", "mariana.serving.cli"]
+    return [sys.executable, "-m", "mariana"]

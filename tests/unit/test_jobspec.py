@@ -10,7 +10,8 @@ from mariana.services.jobspec import JobSpec
 from mariana.services.protocol import BadMessage
 from mariana.sparse.schema import criteo
 from mariana.sparse.synth import generate_criteo
-from mariana.trainer.config import JobConfig, from_dict
+from mariana.sparse.settings import from_dict
+from mariana.trainer.config import JobConfig
 
 CONFIG = from_dict(JobConfig, {"hashing": {"bits": 12}, "train": {"batch_size": 64}}).to_dict()
 SCHEMA = criteo().to_dict()

@@ -6,11 +6,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 IO = {"zmq", "redis", "aiohttp", "msgpack", "asyncio", "socket"}
+TOP = {"mariana", "api", "cli"}  # the package's own modules (mariana/): above every layer
 RULES = {
-    "sparse": IO | {"trainer", "services", "serving", "featurizer"},
-    "featurizer": IO | {"trainer", "services", "serving"},
-    "trainer": IO | {"services", "serving"},
-    "services": {"serving"},
+    "sparse": IO | TOP | {"trainer", "services", "serving", "featurizer"},
+    "featurizer": IO | TOP | {"trainer", "services", "serving"},
+    "trainer": IO | TOP | {"services", "serving"},
+    "services": TOP | {"serving"},
+    "serving": TOP,
 }
 
 
@@ -39,6 +41,36 @@ def test_imports_point_down(package):
         if wrong:
             bad[str(path.relative_to(ROOT))] = sorted(wrong)
     assert not bad, f"layer rule broken (DESIGN.md): {bad}"
+
+
+def full_imports(path: Path) -> set[str]:
+    """Every module path `path` imports (absolute imports)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_serving_reaches_services_runtime_only():
+    """Serving shares the runtime (config, logs, metrics, model events, the cluster client),
+    not the pipeline's services: it must run on a host that runs none of them."""
+    bad = {}
+    for path in (ROOT / "serving").rglob("*.py"):
+        wrong = sorted(m for m in full_imports(path)
+                       if m.startswith("mariana.services.") and not m.startswith("mariana.services.runtime."))
+        if wrong:
+            bad[str(path.relative_to(ROOT))] = wrong
+    assert not bad, f"serving imports services beyond services/runtime: {bad}"
+
+
+def test_the_layer_walk_sees_imports():
+    """The rules above would pass vacuously if the walk found nothing."""
+    assert {"numpy", "sparse"} <= imports(ROOT / "trainer" / "bundle.py")
+    assert "mariana.services.runtime.report.print_record" not in full_imports(ROOT / "serving" / "cli.py")
+    assert "mariana.services.runtime.report" in full_imports(ROOT / "serving" / "cli.py")
 
 
 def test_no_pickle_anywhere():

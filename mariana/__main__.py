@@ -1,0 +1,6 @@
+"""`python -m mariana ...`: the `mariana` command."""
+import sys
+
+from mariana.cli import main
+
+sys.exit(main())

@@ -1,0 +1,85 @@
+"""How the CLIs print a record, a table and a model dir's versions: shared by the pipeline's
+commands (services/cli.py) and serving's (serving/cli.py)."""
+from __future__ import annotations
+
+import json
+
+def print_record(record: dict, as_json: bool) -> None:
+    if as_json:  # NaN is not JSON: report it as null
+        print(json.dumps({k: None if isinstance(v, float) and v != v else v for k, v in record.items()},
+                         allow_nan=False))
+        return
+    table = record.get("reliability")
+    lines = list(human_lines({k: v for k, v in record.items() if k != "reliability"}))
+    width = max((len(k) for k, _ in lines), default=0)
+    for key, text in lines:
+        print(f"{key:>{width}}: {text}")
+    if table:
+        from mariana.services.runtime import reliability
+
+        print(f"\nreliability ({len(table)} buckets of about equal rows, by pCTR):")
+        for line in reliability.table_lines(table):
+            print(f"  {line}")
+
+
+def human_lines(record: dict, prefix: str = ""):
+    """(key, text) per line: a nested table gets dotted keys, a table of plain values one
+    line ("read 0.484, parse 1.21"), a list its items, a list of tables one line per table
+    ("valid.epochs[2]: ..."), nothing a Python repr."""
+    for key, value in record.items():
+        if isinstance(value, dict) and any(isinstance(v, (dict, list)) for v in value.values()):
+            yield from human_lines(value, f"{prefix}{key}.")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, item in enumerate(value, 1):
+                yield f"{prefix}{key}[{i}]", human(item)
+        else:
+            yield f"{prefix}{key}", human(value)
+
+
+def human(value) -> str:
+    """
+    >>> human({"read": 0.4841, "parse": 1.2}), human([0.5, 2]), human(None), human(True)
+    ('read 0.4841, parse 1.2', '0.5, 2', 'n/a', 'yes')
+    """
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return "n/a" if value != value else f"{value:.6g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {human(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(human(v) for v in value) or "none"
+    return str(value)
+
+
+def print_versions(model_dir: str, current: str | None, versions: list[dict], most: int | None = None) -> None:
+    """The versions of a model dir, newest first, as `status` and `model list` show them;
+    `versions`: dicts of version, current, model, created, auc, logloss, rows, job."""
+    print(f"models in {model_dir} (serving {current or 'nothing'})")
+    newest = sorted(versions, key=lambda v: int(v["version"][1:]), reverse=True)  # names match v\d{6,}
+    print_table(("", "VERSION", "MODEL", "CREATED", "AUC", "LOGLOSS", "ROWS", "JOB"),
+                [("*" if v.get("current") else "", v["version"], v.get("model"), v.get("created"),
+                  num(v.get("auc")), num(v.get("logloss")), count(v.get("rows")), v.get("job") or v.get("error"))
+                 for v in newest[:most]])
+    if most is not None and len(newest) > most:
+        print(f"  ... and {len(newest) - most} older (mariana model list --model-dir {model_dir})")
+
+
+def print_table(header: tuple, rows: list[tuple]) -> None:
+    cells = [tuple("-" if c is None else str(c) for c in row) for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def num(x) -> str | None:
+    return f"{x:.4f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def count(n) -> str | None:
+    """12345.6 -> '12,346'; None stays None (shown as '-')."""
+    if isinstance(n, (int, float)) and not isinstance(n, bool):
+        return f"{n:,.0f}"
+    return None if n is None else str(n)

@@ -20,9 +20,7 @@ from typing import Any, Mapping
 from mariana.sparse.errors import ConfigError
 from mariana.sparse.hashing import HashSpec
 from mariana.sparse.schema import FORMATS, Schema, builtin
-# from_dict and parse_set_option are sparse.settings' and imported from there; they stay
-# importable here until the services and serving modules that take them from here do so too.
-from mariana.sparse.settings import from_dict, load_settings, parse_set_option  # noqa: F401
+from mariana.sparse.settings import load_settings
 
 AUTO = "auto"  # train.epochs: stop on the validation logloss
 

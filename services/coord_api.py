@@ -1,0 +1,174 @@
+"""The coordinator's HTTP API: status, jobs, history, models, metrics, the web UI; submit and
+cancel behind the token. Reads the coordinator's state; a job it accepts goes to the coordinator."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections import Counter
+
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from mariana.services import webui
+from mariana.services.coord_state import REDIS_STATS_SECONDS, JobRun, bad_request
+from mariana.services.runtime.exporter import render_service
+from mariana.sparse.errors import ConfigError, MarianaError
+from mariana.trainer import checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorAPI:
+    """The HTTP API (routes in `http_app`): reads the coordinator's state; submit and cancel
+    need the token; a job it accepts is queued on the coordinator."""
+
+    def __init__(self, coord):
+        self.coord = coord
+
+    def http_app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_get("/healthz", lambda r: web.json_response({"ok": True}))
+        app.router.add_get("/v1/status", self.http_status)
+        app.router.add_get("/v1/jobs", self.http_jobs)
+        app.router.add_get("/v1/jobs/{id}", self.http_job)
+        app.router.add_get("/v1/jobs/{id}/history", self.http_history)
+        app.router.add_get("/v1/models", self.http_models)
+        app.router.add_post("/v1/jobs", self.http_submit)
+        app.router.add_post("/v1/jobs/{id}/cancel", self.http_cancel)
+        app.router.add_get("/metrics", self.http_metrics)
+        webui.add_routes(app)  # GET / and /ui/: the web UI of jobs and models
+        return app
+
+    def status_dict(self) -> dict:
+        self.coord.services[self.coord.name].last_seen = time.time()
+        self.coord.services[self.coord.name].status = dict(self.coord.counters)
+        within = self.coord.cfg.coordinator.heartbeat_seconds
+        return {"services": {n: {"role": s.role, "index": s.index, "pid": s.pid, "alive": s.alive(within),
+                                 "last_seen": s.last_seen, "status": s.status,
+                                 "rate": s.rate if s.alive(within) else None}
+                             for n, s in sorted(self.coord.services.items())},
+                "jobs": self.job_summaries(),
+                "counters": dict(self.coord.counters)}
+
+    def job_summaries(self) -> list[dict]:
+        """Newest first."""
+        return [r.summary() for r in sorted(self.coord.jobs.values(), key=lambda r: (r.submitted, r.id), reverse=True)]
+
+    async def http_status(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.status_dict(), "redis": await self.redis_stats()})
+
+    async def redis_stats(self) -> dict:
+        """The sample cache's Redis as its INFO says: hit rate of reads, memory, keys.
+        Asked at most every REDIS_STATS_SECONDS: each open web UI polls /v1/status every second."""
+        at, stats = self.coord._redis_stats
+        if time.monotonic() - at < REDIS_STATS_SECONDS:
+            return stats
+        stats = await self._read_redis_stats()
+        self.coord._redis_stats = (time.monotonic(), stats)
+        return stats
+
+    async def _read_redis_stats(self) -> dict:
+        try:
+            info = await asyncio.wait_for(self.coord.cache.redis.info(), 1.0)
+        except (asyncio.TimeoutError, OSError, RedisError) as e:
+            return {"up": False, "error": str(e) or type(e).__name__}
+        hits, misses = info.get("keyspace_hits", 0), info.get("keyspace_misses", 0)
+        return {"up": True, "hits": hits, "misses": misses,
+                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+                "used_memory": info.get("used_memory"), "keys": sum(
+                    v.get("keys", 0) for k, v in info.items() if k.startswith("db") and isinstance(v, dict))}
+
+    async def http_jobs(self, request: web.Request) -> web.Response:
+        return web.json_response({"jobs": self.job_summaries()})
+
+    def job_or_404(self, request: web.Request) -> JobRun:
+        run = self.coord.jobs.get(request.match_info["id"])
+        if run is None:
+            raise web.HTTPNotFound(text=json.dumps({"error": f"no job {request.match_info['id']!r}"}),
+                                   content_type="application/json")
+        return run
+
+    async def http_job(self, request: web.Request) -> web.Response:
+        return web.json_response(self.job_or_404(request).summary())
+
+    async def http_history(self, request: web.Request) -> web.Response:
+        run = self.job_or_404(request)
+        try:
+            since = float(request.query.get("since", 0))
+        except ValueError:
+            return bad_request(f"since must be a number (unix seconds), got {request.query['since']!r}")
+        return web.json_response({"job": run.id, "points": self.coord.store.points(run.id, since),
+                                  "epochs": run.epochs()})
+
+    async def http_models(self, request: web.Request) -> web.Response:
+        dirs = list(dict.fromkeys([*self.coord.cfg.coordinator.model_dirs,
+                                   *(r.record.get("model_dir") or r.request.get("out") for r in self.coord.jobs.values())]))
+        models = await asyncio.to_thread(lambda: [checkpoint.overview(d) for d in dirs if d])
+        return web.json_response({"models": [m for m in models if m is not None]})
+
+    def authorize(self, request: web.Request) -> None:
+        token = self.coord.cfg.coordinator.token
+        if not token:
+            return
+        got = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            raise web.HTTPUnauthorized(text=json.dumps({"error": "a valid bearer token is required"}),
+                                       content_type="application/json")
+
+    async def http_submit(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return bad_request("the body must be a JSON object")
+        try:
+            run = await asyncio.to_thread(self.coord.book.new_job, body)  # probes the files: off the loop
+        except (ConfigError, MarianaError, OSError) as e:
+            return bad_request(str(e) if not isinstance(e, OSError) else f"{e.filename}: {e.strerror}")
+        self.coord.jobs[run.id] = run
+        self.coord.book.save(run)
+        self.coord.queue.put_nowait(run.id)
+        log.info("%s: job %s submitted (%s, %d epochs)", self.coord.name, run.id, run.request["model"], run.ledger.epochs)
+        return web.json_response({"job": run.id, "state": run.state}, status=201)
+
+    async def http_cancel(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        run = self.coord.jobs.get(request.match_info["id"])
+        if run is None:
+            raise web.HTTPNotFound(text=json.dumps({"error": "no such job"}), content_type="application/json")
+        if run.state in ("queued", "running"):
+            run.state, run.ended, run.error = "cancelled", time.time(), "cancelled by request"
+            log.info("%s: job %s cancelled", self.coord.name, run.id)
+            self.coord.book.ended(run)
+            self.coord.pulse()
+        return web.json_response(run.summary())
+
+    async def http_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.prometheus(), content_type="text/plain")
+
+    def prometheus(self) -> str:
+        """Its own counters as every service renders them (role and index labels), then the
+        cluster's: which services are up, jobs by state, the active job's progress."""
+        own = render_service(self.coord.role, self.coord.index, self.coord.counters, {}, self.coord.boot)
+        lines = []
+        within = self.coord.cfg.coordinator.heartbeat_seconds
+        lines.append("# TYPE mariana_service_up gauge")
+        for n, s in sorted(self.coord.services.items()):
+            lines.append(f'mariana_service_up{{service="{n}",role="{s.role}"}} {int(s.alive(within))}')
+        lines.append("# TYPE mariana_jobs gauge")
+        states = Counter(r.state for r in self.coord.jobs.values())
+        for state in ("queued", "running", "done", "failed", "cancelled"):
+            lines.append(f'mariana_jobs{{state="{state}"}} {states[state]}')
+        run = self.coord.active()
+        if run is not None:
+            p = run.ledger.progress()
+            lines += ["# TYPE mariana_job_rows_per_second gauge",
+                      f'mariana_job_rows_per_second{{job="{run.id}"}} {p["rows_per_s"]}',
+                      "# TYPE mariana_job_epoch gauge", f'mariana_job_epoch{{job="{run.id}"}} {p["epoch"]}']
+            for key in ("batches_reissued", "cache_hits", "cache_misses", "batches_replayed"):
+                lines += [f"# TYPE mariana_job_{key}_total counter",
+                          f'mariana_job_{key}_total{{job="{run.id}"}} {run.ledger.counters[key]}']
+        return own + "\n".join(lines) + "\n"

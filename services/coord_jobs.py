@@ -1,0 +1,444 @@
+"""How the coordinator runs a job (`JobRunner.run_job`, read top to bottom in
+services/coordinator.py's docstring) and scores it after each epoch (`EpochValidation`)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+
+from mariana.services import protocol
+from mariana.services.assemble import assemble_and_publish, check_request, job_validation, validate_exports
+from mariana.services.coord_state import (MAX_RECONCILE_ROUNDS, MAX_RESENDS, POINT_SECONDS, TICK_SECONDS, JobRun,
+                                          JobStopped, job_ledger)
+from mariana.services.creative_cache import creative_table, ensure_cached, featurize_creatives
+from mariana.services.ledger import STAGES, ChunkInfo, parse_step
+from mariana.services.protocol import Message
+from mariana.services.runtime import model_events
+from mariana.services.transport import PeerTimeout, RemoteError
+from mariana.sparse.errors import MarianaError
+from mariana.sparse.metrics import histogram_auc
+from mariana.sparse.settings import from_dict
+from mariana.trainer.config import JobConfig
+from mariana.trainer.strategies.local import best_epoch, valid_record
+
+log = logging.getLogger(__name__)
+
+
+class JobRunner:
+    """Runs the coordinator's jobs one at a time: start the shards, stream the source, lease
+    steps epoch by epoch, reconcile, validate, export and publish (`run_job`); the periodic
+    tick and history points; a job's phase and failure. State stays on the coordinator."""
+
+    def __init__(self, coord):
+        self.coord = coord
+
+    async def tick(self) -> None:
+        last_point = 0.0
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            run = self.coord.active()
+            if run is None:
+                continue
+            try:
+                await self.tick_job(run)
+                if time.monotonic() - last_point >= POINT_SECONDS:
+                    last_point = time.monotonic()
+                    self.add_point(run)
+                    self.coord.book.save(run)
+            except Exception:  # a bug here must not stop leases from lapsing for good
+                log.exception("%s: job %s: periodic check failed", self.coord.name, run.id)
+
+    def add_point(self, run: JobRun) -> None:
+        """A history point: rows, rows/s, and the loss and progressive AUC of the steps
+        done since the previous point."""
+        led, now = run.ledger, time.time()
+        rows = sum(led.rows_done.values())
+        loss = sum(led.loss_sum.values())
+        hist = sum(led.hist.values()) if led.hist else None
+        t0, rows0, loss0, hist0 = run.last_point or (run.started or now, 0, 0.0, None)
+        run.last_point = (now, rows, loss, hist)
+        if rows == rows0 and run.state == "running":
+            return  # nothing new: no flat stretch of points while the job waits
+        d_hist = None if hist is None else hist - (0 if hist0 is None else hist0)
+        d_rows = rows - rows0
+        self.coord.store.add_point(run.id, {
+            "t": round(now, 3), "epoch": min(led.epoch, led.epochs), "rows_total": rows,
+            "rows_per_s": round(d_rows / max(now - t0, 1e-9), 1),
+            "loss": (loss - loss0) / d_rows if d_rows > 0 else None,
+            "auc": histogram_auc(d_hist[0], d_hist[1]) if d_hist is not None and d_rows > 0 else None})
+
+    async def tick_job(self, run: JobRun) -> None:
+        for step, worker in run.ledger.expire_leases():
+            log.warning("%s: job %s: lease of %s by %s lapsed; issuing it again", self.coord.name, run.id,
+                        step, worker)
+            self.coord.pulse()
+        for c in run.ledger.chunks_overdue(self.coord.cfg.coordinator.chunk_seconds):
+            if c.resends >= MAX_RESENDS:
+                self.coord.book.journal(run, "lost", {"chunk": c.id})
+                log.error("%s: job %s: chunk %s never cached after %d tries; lost", self.coord.name, run.id,
+                          c.id, c.resends)
+                await self.pump_refills(run)
+                self.coord.pulse()
+                continue
+            log.warning("%s: job %s: chunk %s not cached after %.0fs; reading it again", self.coord.name,
+                        run.id, c.id, self.coord.cfg.coordinator.chunk_seconds)
+            await self.resend(run, c)
+
+    async def run_job(self, run: JobRun) -> None:
+        led = run.ledger
+        run.baseline = self.bad_message_counts()
+        if run.state == "running":  # restored from the journal after a restart
+            log.info("%s: job %s goes on at epoch %d (restart %d)", self.coord.name, run.id, led.epoch, run.restarts)
+        else:
+            run.state, run.started = "running", time.time()
+            self.coord.book.journal(run, "start", {"t": run.started})
+            self.coord.book.save(run)
+            log.info("%s: job %s started: %s, %d epochs, mode %s, data %s%s%s", self.coord.name, run.id,
+                     run.request["model"], led.epochs, run.request["mode"], ",".join(run.request["data"]),
+                     f" (validation: {run.request['holdout']['source']})" if run.request.get("holdout") else "",
+                     f", warm start from {run.request['init_from']}" if run.request.get("init_from") else "")
+        try:
+            if run.spec["config"].get("images", {}).get("creatives") and "images" not in run.spec:
+                await self.prepare_images(run)  # before any shard or preprocess reads the spec
+            for i in range(len(self.coord.shards)):
+                await self.start_shard(run, i)
+            if not led.source_done:
+                await self.read_source(run)  # a loader that is reading it already goes on
+            while led.epoch <= led.epochs:
+                await self.until(run, led.epoch_complete)
+                await self.reconcile(run)
+                log.info("%s: job %s: epoch %d done: %d rows, %.2fs", self.coord.name, run.id, led.epoch,
+                         led.rows_done[led.epoch], time.time() - led.epoch_started)
+                epoch, valid = led.epoch, None
+                if job_validation(run.request):  # the workers wait: the export is of this epoch alone
+                    valid = await self.coord.validation.validate(run)
+                    if self.coord.validation.stop_early(run, valid):
+                        self.coord.book.journal(run, "stop", {"epochs": epoch})
+                self.coord.book.journal(run, "epoch", {"t": time.time()})
+                if valid is not None:
+                    self.coord.book.journal(run, "valid", {"epoch": epoch, "metrics": valid})
+                self.coord.pulse()
+            await self.finish(run)
+        except JobStopped:
+            pass
+        except (MarianaError, OSError) as e:
+            self.fail(run, str(e))
+        except asyncio.CancelledError:
+            if not self.coord.stopping.is_set():
+                self.fail(run, "the coordinator stopped")
+            else:  # left running in the job store: it goes on when the coordinator starts again
+                log.info("%s: job %s left running at epoch %d; it resumes when the coordinator starts",
+                         self.coord.name, run.id, led.epoch)
+            raise
+        except Exception as e:  # a bug: the job fails visibly instead of staying "running"
+            log.exception("%s: job %s: unexpected error", self.coord.name, run.id)
+            self.fail(run, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            if run.state != "done" and run.state != "running":
+                await self.cleanup(run)
+
+    async def until(self, run: JobRun, cond) -> None:
+        while not cond():
+            if run.state != "running":
+                raise JobStopped()
+            try:
+                await asyncio.wait_for(self.coord.wake.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    async def start_shard(self, run: JobRun, i: int) -> None:
+        delay = 0.2
+        while run.state == "running":
+            try:
+                await self.coord.shards[i].call("StartJob", job=run.id, spec=run.spec, timeout=10.0)
+                return
+            except RemoteError as e:  # the shard is up and refuses the job: retrying will not help
+                raise MarianaError(f"shard {i} cannot start the job: {e}") from None
+            except PeerTimeout as e:
+                log.warning("%s: job %s: shard %d not ready: %s", self.coord.name, run.id, i, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def read_source(self, run: JobRun) -> None:
+        """Tell the loader to read the job's files (but a held-out tail: `until`, where it starts)."""
+        until = {"until": run.request["holdout"]["until"]} if run.request.get("holdout") else {}
+        while not await self.coord.command("loader", "ReadSource", job=run.id, files=run.request["data"],
+                                     block_bytes=run.spec["config"]["data"]["block_bytes"], **until):
+            if run.state != "running":
+                raise JobStopped()
+            await asyncio.sleep(0.2)  # the loader has not registered yet
+
+    async def reconcile(self, run: JobRun) -> None:
+        """Every shard must have applied every step so far; replay what one lacks."""
+        led = run.ledger
+        for _ in range(MAX_RECONCILE_ROUNDS):
+            expected = led.expected_steps() - led.lost
+            missing: set[str] = set()
+            for i in range(len(self.coord.shards)):
+                stats = await self.shard_call(run, i, "ShardStats")
+                if "applied" not in stats.arrays:
+                    raise MarianaError(f"shard {i} answered ShardStats without its applied steps")
+                missing |= expected - set(protocol.array_names(stats.arrays["applied"]))
+            if not missing:
+                return
+            n = len(missing & led.done)
+            self.coord.book.journal(run, "replay", {"steps": sorted(missing)})
+            log.warning("%s: job %s: shards lack %d steps (restored from a checkpoint); replaying",
+                        self.coord.name, run.id, n)
+            self.coord.pulse()
+            await self.until(run, led.epoch_complete)
+        raise MarianaError(f"job {run.id}: shards still lack steps after {MAX_RECONCILE_ROUNDS} replays")
+
+    async def shard_call(self, run: JobRun, i: int, type_: str, **fields) -> Message:
+        """A request to shard i for this job, retried while the shard restarts."""
+        delay = 0.2
+        while True:
+            if run.state != "running":
+                raise JobStopped()
+            try:
+                return await self.coord.shards[i].call(type_, job=run.id, **fields, timeout=60.0)
+            except (PeerTimeout, RemoteError) as e:
+                log.warning("%s: job %s: shard %d: %s: %s", self.coord.name, run.id, i, type_, e)
+                if isinstance(e, RemoteError):
+                    if e.code != "UnknownJob":
+                        raise MarianaError(f"shard {i} refused {type_}: {e}") from None
+                    await self.start_shard(run, i)  # it restarted: give it the job (it restores)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def prepare_images(self, run: JobRun) -> None:
+        """The featurizer stage's batch job: embed the creatives not cached in Redis yet,
+        and name their cache in the spec that preprocess, workers and shards read."""
+        cfg = from_dict(JobConfig, run.spec["config"]).images
+        log.info("%s: job %s: image features of %s", self.coord.name, run.id, cfg.creatives)
+        info = await featurize_creatives(self.coord.cache, cfg, self.coord.counters)
+        info.pop("ids")
+        run.spec["images"] = {"redis_key": info["redis_key"], "dim": info["dim"], "field": cfg.field,
+                              "set": info["set"], "info": info}
+        self.coord.book.save(run)
+
+    async def image_table(self, run: JobRun):
+        """The job's creatives that have cached features: the table its model version stores."""
+        if "images" not in run.spec:
+            return None
+        from mariana.trainer.images import load_creative_set
+
+        img, cfg = run.spec["images"], from_dict(JobConfig, run.spec["config"]).images
+        await ensure_cached(self.coord.cache, cfg, img["redis_key"], img["set"], self.coord.counters)  # Redis may have restarted
+        cset = await asyncio.to_thread(load_creative_set, cfg.creatives)
+        return await creative_table(self.coord.cache, img["redis_key"], int(img["dim"]), cset.ids)
+
+    async def finish(self, run: JobRun) -> None:
+        led = run.ledger
+        self.set_phase(run, f"exporting the tables of {len(self.coord.shards)} shard(s)")
+        applied = [(await self.shard_call(run, i, "ShardStats"))["rows"] for i in range(len(self.coord.shards))]
+        exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
+        exports, valid = self.coord.validation.kept_export(run, exports)
+        run.best_export = None
+        images = await self.image_table(run)
+        train_seconds = time.time() - run.started
+        record = await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, led,
+                                         len(self.coord.shards), train_seconds, images,
+                                         lambda text: self.set_phase(run, text), valid)
+        rows_applied = [min(int(a.get(str(e), 0)) for a in applied) for e in range(1, led.epochs + 1)]
+        record.update({
+            "rows_applied": sum(rows_applied),
+            "rows_applied_per_epoch": rows_applied,
+            "rows_in_data": led.counters["rows_in_data"],
+            "rows_lost": sum(led.batch_rows.get(parse_step(s)[1], 0) for s in led.lost),
+            "lines_lost": led.counters["lines_lost"],
+            "batches_reissued": led.counters["batches_reissued"],
+            "batches_replayed": led.counters["batches_replayed"],
+            "cache_hits": led.counters["cache_hits"],
+            "cache_misses": led.counters["cache_misses"],
+            "bad_messages": self.bad_messages_since(run.baseline),
+            "stage_seconds": {s: round(led.stage_seconds[s], 3) for s in STAGES},
+            "mode": run.request["mode"], "staleness": led.staleness,
+            "workers": self.coord.cfg.worker.count, "ps": self.coord.cfg.ps.count,
+            "preprocess": self.coord.cfg.preprocess.count, "job": run.id,
+        })
+        if run.state != "running":  # cancelled while the model was being assembled
+            raise JobStopped()
+        await self.cleanup(run)  # a job reported done holds nothing any more (shards, cached batches)
+        run.record, run.state, run.ended = record, "done", time.time()
+        self.coord.book.ended(run)
+        log.info("%s: job %s done: %s/%s, %d rows applied of %d x %d epochs, auc %s", self.coord.name, run.id,
+                 record["model_dir"], record["model_version"], record["rows_applied"],
+                 record["rows_in_data"], led.epochs, record.get("auc"))
+        await self.announce(record)
+
+    async def announce(self, record: dict) -> None:
+        """Tell model servers (Redis pub/sub) that a version was written."""
+        promoted = record.get("promoted", True)
+        await model_events.publish_async(self.coord.cache.redis, "trained" if promoted else "candidate",
+                                         record["model_dir"], record["model_version"],
+                                         record["model_version"] if promoted else None)
+
+    async def cleanup(self, run: JobRun) -> None:
+        timeout = 2.0 if self.coord.stopping.is_set() else 10.0  # shutting down: do not outwait the drain
+        for i, shard in enumerate(self.coord.shards):
+            try:
+                await shard.call("EndJob", job=run.id, timeout=timeout)
+            except (PeerTimeout, RemoteError) as e:
+                log.warning("%s: job %s: EndJob on shard %d: %s", self.coord.name, run.id, i, e)
+        try:
+            await self.coord.cache.drop_job(run.id)
+        except MarianaError as e:
+            log.warning("%s: job %s: could not drop cached batches: %s", self.coord.name, run.id, e)
+        self.coord.pulse()
+
+    def set_phase(self, run: JobRun, text: str) -> None:
+        """What the job does once its epochs are done (status, the web UI and the CLI show it);
+        called from the publishing thread too (one attribute store)."""
+        run.phase = text
+        log.info("%s: job %s: %s", self.coord.name, run.id, text)
+
+    def fail(self, run: JobRun, error: str) -> None:
+        if run.state in ("done", "failed", "cancelled"):
+            return
+        run.state, run.error, run.ended = "failed", error, time.time()
+        log.error("%s: job %s failed: %s", self.coord.name, run.id, error)
+        self.coord.book.ended(run)
+        self.coord.pulse()
+
+    def bad_message_counts(self) -> dict:
+        counts = {n: int(s.status.get("bad_messages", 0)) for n, s in self.coord.services.items() if n != self.coord.name}
+        counts[self.coord.name] = self.coord.counters["bad_messages"]
+        return counts
+
+    def bad_messages_since(self, baseline: dict) -> int:
+        now = self.bad_message_counts()
+        # a restarted service counts from zero again: never subtract more than it has
+        return sum(max(0, n - baseline.get(name, 0)) if n >= baseline.get(name, 0) else n
+                   for name, n in now.items())
+
+    async def pump_refills(self, run: JobRun) -> None:
+        """Read missed chunks again, a few at a time (two per preprocess instance)."""
+        for c in run.ledger.next_refills(2 * self.coord.cfg.preprocess.count):
+            await self.send_resend(run, c)
+
+    async def resend(self, run: JobRun, c: ChunkInfo) -> None:
+        run.ledger.chunk_resent(c)
+        await self.send_resend(run, c)
+
+    async def send_resend(self, run: JobRun, c: ChunkInfo) -> None:
+        await self.coord.command("loader", "Resend", job=run.id, chunk=c.id, file=c.file, offset=c.offset,
+                           length=c.length, first_line=c.first_line, lines=c.lines, files=run.request["data"])
+
+
+class EpochValidation:
+    """After each epoch: score the model on the job's validation rows, stop early, and pick
+    the export a job with `epochs = "auto"` publishes."""
+
+    def __init__(self, coord):
+        self.coord = coord
+
+    async def validate(self, run: JobRun) -> dict:
+        """Score the model as it stands after this epoch on the job's validation rows (its
+        valid_data files, or the tail of its data it holds out); keep the shards' export of the
+        best epoch so far (`epochs = "auto"` publishes it)."""
+        led, valid = run.ledger, job_validation(run.request)
+        names = valid.source if valid.rows else ", ".join(os.path.basename(p) for p in valid.paths)
+        self.coord.job_runner.set_phase(run, f"validating epoch {led.epoch} on {names}")
+        exports = [(await self.coord.job_runner.shard_call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
+        images = await self.coord.job_runner.image_table(run)
+        metrics = await asyncio.to_thread(validate_exports, run.spec, exports, images, valid)
+        run.phase = None
+        best = run.best_export
+        if metrics["logloss"] is not None and (best is None or metrics["logloss"] < best[1]):
+            run.best_export = (led.epoch, metrics["logloss"], exports)
+        log.info("%s: job %s: epoch %d: valid logloss %s, auc %s", self.coord.name, run.id, led.epoch,
+                 metrics["logloss"], metrics["auc"])
+        return metrics
+
+    def stop_early(self, run: JobRun, valid: dict) -> bool:
+        """`epochs = "auto"`: no better validation logloss for `train.patience` epochs."""
+        train = from_dict(JobConfig, run.spec["config"]).train
+        if not train.auto:
+            return False
+        losses = [(s.get("valid") or {}).get("logloss") for s in run.ledger.epoch_summaries] + [valid["logloss"]]
+        best = best_epoch(losses)
+        return bool(best) and len(losses) - best >= train.patience
+
+    def kept_export(self, run: JobRun, exports: list) -> tuple[list, dict | None]:
+        """(the exports to publish, the validation record): with `epochs = "auto"`, the best
+        epoch's, when this coordinator still holds them."""
+        led, valid = run.ledger, job_validation(run.request)
+        if valid is None:
+            return exports, None
+        train = from_dict(JobConfig, run.spec["config"]).train
+        epochs = [{"epoch": s["epoch"], **s["valid"], "train_loss": s.get("loss")}
+                  for s in led.epoch_summaries if s.get("valid")]
+        best = best_epoch([e.get("logloss") for e in epochs])
+        kept = "last"
+        if train.auto and best and best != led.epochs:
+            if run.best_export is not None and run.best_export[0] == best:
+                exports, kept = run.best_export[2], "best"
+            else:
+                kept = "last (the best epoch's tables were lost when the coordinator restarted)"
+        elif train.auto:
+            kept = "best"
+        return exports, valid_record(valid.source, epochs, best, kept, train.auto, train.patience,
+                                     train.max_epochs)
+
+
+class JobJournal:
+    """Jobs in the coordinator's job store: a new job, the journal of ledger changes written
+    before they are acknowledged, a job saved and ended, and all of it read back at start."""
+
+    def __init__(self, coord):
+        self.coord = coord
+
+    def restore(self) -> None:
+        """Jobs from the job store: ended ones as they were, queued ones queued again, and a
+        running one rebuilt from its journal, to go on where it was."""
+        for saved in self.coord.store.load_jobs():
+            run = JobRun.from_saved(saved)
+            self.coord.jobs[run.id] = run
+            if run.state == "running":
+                run.restarts += 1
+                events = 0
+                for kind, data in self.coord.store.events(run.id):
+                    run.ledger.apply(kind, data)
+                    events += 1
+                led = run.ledger
+                log.info("%s: job %s resumed from %d journal events: epoch %d/%d, %d steps done, source %s",
+                         self.coord.name, run.id, events, led.epoch, led.epochs, len(led.done),
+                         "read" if led.source_done else "being read")
+                self.save(run)
+            if run.state in ("queued", "running"):
+                self.coord.queue.put_nowait(run.id)
+        if self.coord.jobs:
+            log.info("%s: %d jobs in %s", self.coord.name, len(self.coord.jobs), self.coord.store.path)
+
+    def journal(self, run: JobRun, kind: str, data: dict):
+        """A ledger change, recorded before it is acknowledged; returns what the ledger did
+        (False: nothing new). Raises ValueError for a bad event, changing nothing."""
+        changed = run.ledger.apply(kind, data)
+        if changed is not False:
+            self.coord.store.append(run.id, kind, data)
+        return changed
+
+    def save(self, run: JobRun) -> None:
+        self.coord.store.save_job(run.id, run.to_saved(), run.submitted)
+
+    def ended(self, run: JobRun) -> None:
+        """A job reached done, failed or cancelled: freeze its numbers, keep its history,
+        drop its journal."""
+        self.coord.job_runner.add_point(run)
+        run.final = run.to_saved()["final"]
+        self.save(run)
+        self.coord.store.drop_events(run.id)
+
+    def new_job(self, body: dict) -> JobRun:
+        request, spec = check_request(body)
+        job = time.strftime("j%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
+        # gzip offsets count uncompressed bytes: no size to estimate epoch 1's progress from
+        size = 0 if any(str(f).endswith(".gz") for f in request["data"]) else sum(
+            os.path.getsize(f) for f in request["data"])
+        if request.get("holdout"):  # the loader reads the lines before the held-out tail
+            rows = request["holdout"]["rows"]
+            size = size * rows["start"] // max(rows["stop"], 1)
+        return JobRun(job, request, spec, job_ledger(job, request, spec, size))

@@ -1,0 +1,128 @@
+"""The coordinator's records: a service it has heard from, a job it runs (with its ledger), and
+the constants its parts share (services/coordinator.py, coord_jobs.py, coord_api.py)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from mariana.services.ledger import JobLedger
+from mariana.sparse.settings import from_dict
+from mariana.trainer.config import JobConfig
+
+log = logging.getLogger(__name__)
+TICK_SECONDS = 0.25
+POINT_SECONDS = 1.0      # a history point of the running job this often
+REDIS_STATS_SECONDS = 2.0  # /v1/status's Redis INFO is at most this old
+ENDED = ("done", "failed", "cancelled")
+# The counter of each role's heartbeat status shown as its throughput: (counter, unit, scale).
+RATES = {"worker": ("rows", "rows/s", 1.0), "ps": ("rows_applied", "rows/s", 1.0),
+         "preprocess": ("batches", "batches/s", 1.0), "loader": ("bytes_sent", "MB/s", 1e-6)}
+MAX_RESENDS = 5
+MAX_RECONCILE_ROUNDS = 10
+
+
+@dataclass
+class ServiceInfo:
+    role: str
+    index: int
+    pid: int = 0
+    boot: float = 0.0
+    peer: bytes = b""
+    last_seen: float = 0.0
+    status: dict = field(default_factory=dict)
+    rate: dict | None = None           # {"value", "unit"}: its throughput between two heartbeats
+    sampled: tuple = ()                # (time, counter) of the last heartbeat; last_seen moves with any request
+
+    def alive(self, within: float) -> bool:
+        return time.time() - self.last_seen <= within
+
+    def update(self, status: dict, now: float) -> None:
+        """A heartbeat's numbers; the throughput from the change of the role's counter."""
+        counter, unit, scale = RATES.get(self.role, (None, "", 1.0))
+        value = status.get(counter) if counter else None
+        if isinstance(value, (int, float)):
+            if self.sampled and now - self.sampled[0] > 0.1 and value >= self.sampled[1]:
+                self.rate = {"value": round((value - self.sampled[1]) * scale / (now - self.sampled[0]), 2),
+                             "unit": unit}
+            self.sampled = (now, value)
+        self.status, self.last_seen = status, now
+
+
+@dataclass
+class JobRun:
+    id: str
+    request: dict                  # what was submitted (files, out, epochs, mode, ...)
+    spec: dict                     # what services need: {"config": ..., "schema": ...}
+    ledger: JobLedger
+    state: str = "queued"          # queued -> running -> done | failed | cancelled
+    error: str = ""
+    submitted: float = field(default_factory=time.time)
+    started: float = 0.0
+    ended: float = 0.0
+    record: dict = field(default_factory=dict)
+    baseline: dict = field(default_factory=dict)  # services' bad_messages when the job started
+    task: asyncio.Task | None = None
+    restarts: int = 0              # coordinator restarts this job lived through
+    final: dict | None = None      # the summary's numbers when it ended (an ended job keeps no ledger)
+    last_point: tuple | None = None  # (t, rows, loss_sum, hist) at the last history point
+    phase: str | None = None       # what a running job does after its epochs ("evaluating on test.tsv")
+    best_export: tuple | None = None  # (epoch, valid logloss, the shards' exports) of the best epoch so far
+
+    def summary(self) -> dict:
+        out = {"id": self.id, "state": self.state, "error": self.error, "submitted": self.submitted,
+               "started": self.started, "ended": self.ended, "model": self.request.get("model"),
+               "mode": self.request.get("mode"), "data": self.request.get("data"), "restarts": self.restarts,
+               "phase": self.phase if self.state == "running" else None}
+        if self.final is not None:
+            out.update(progress=self.final["progress"], cache=self.final["cache"])
+        else:
+            out.update(progress=self.ledger.progress(), cache=self.ledger.cache_stats())
+        if self.record:
+            out["record"] = self.record
+        return out
+
+    def epochs(self) -> list[dict]:
+        return self.final["epochs"] if self.final is not None else self.ledger.epoch_summaries
+
+    def to_saved(self) -> dict:
+        """What the job store keeps of the job (the ledger is its journal)."""
+        s = self.summary()
+        return {"id": self.id, "request": self.request, "spec": self.spec, "state": self.state,
+                "error": self.error, "submitted": self.submitted, "started": self.started, "ended": self.ended,
+                "record": self.record, "restarts": self.restarts, "data_bytes": self.ledger.data_bytes,
+                "final": {"progress": s["progress"], "cache": s["cache"], "epochs": self.epochs()}}
+
+    @classmethod
+    def from_saved(cls, d: dict) -> "JobRun":
+        spec, request = d["spec"], d["request"]
+        ledger = job_ledger(d["id"], request, spec, d.get("data_bytes", 0))
+        run = cls(d["id"], request, spec, ledger, state=d["state"], error=d["error"], submitted=d["submitted"],
+                  started=d["started"], ended=d["ended"], record=d.get("record") or {},
+                  restarts=d.get("restarts", 0))
+        if run.state in ENDED:
+            run.final = d["final"]
+        return run
+
+
+def job_ledger(job: str, request: dict, spec: dict, data_bytes: int) -> JobLedger:
+    """A job's empty ledger (a new job, or one a restarted coordinator replays its journal into)."""
+    staleness = {"async": None, "bsp": 0, "ssp": request.get("staleness")}[request["mode"]]
+    epochs = from_dict(JobConfig, spec["config"]).train.epoch_limit  # "auto": at most max_epochs
+    return JobLedger(job, epochs=epochs, staleness=staleness, data_bytes=data_bytes)
+
+
+class JobStopped(Exception):
+    """The job was cancelled or failed while the coordinator waited for it."""
+
+
+def numbers(stats: dict) -> dict:
+    """The numbers of a Cached report's stats (what the ledger reads), for the journal."""
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+
+
+def bad_request(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)

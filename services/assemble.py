@@ -27,7 +27,7 @@ from mariana.trainer.strategies.local import Validation, evaluate
 MODES = ("async", "ssp", "bsp")
 
 
-def check_request(body: dict) -> tuple[dict, dict]:
+def check_request(body: dict) -> tuple[dict, JobSpec]:
     """A submitted job -> (request, spec), or ConfigError/MarianaError/OSError naming what is wrong.
 
     body: {"data": [paths], "test_data": [paths], "out": dir, "config": {job config},
@@ -68,7 +68,7 @@ def check_request(body: dict) -> tuple[dict, dict]:
         request["holdout"] = _holdout(data, train_rows, held)
     if parent is not None:
         request["init_from"] = f"{parent['model_dir']}:{parent['version']}"
-    return request, JobSpec(config, schema, init_from=parent).to_dict()
+    return request, JobSpec(config, schema, init_from=parent)
 
 
 JOB_KEYS = ("config", "data", "init_from", "mode", "out", "promote", "staleness", "test_data", "valid_data")
@@ -172,16 +172,15 @@ def _absolute(key: str, path: str) -> None:
                           "(the coordinator does not know the submitter's working directory)")
 
 
-def validate_exports(spec: dict, exports: list, images, valid: Validation) -> dict:
+def validate_exports(job: JobSpec, exports: list, images, valid: Validation) -> dict:
     """The validation metrics of the model the shards hold now (after an epoch)."""
-    job = JobSpec.from_dict(spec)
     bundle = ModelBundle.from_shard_exports(job.config, job.schema, exports, images)
     metrics, _ = evaluate(bundle, valid.paths, valid.rows)
     return {"logloss": metrics.get("logloss"), "auc": metrics.get("auc"), "calibration": metrics.get("calibration"),
             "ne": metrics.get("ne"), "rows": metrics.get("count", 0)}
 
 
-def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_shards: int,
+def assemble_and_publish(request: dict, job: JobSpec, exports: list, ledger, num_shards: int,
                          train_seconds: float, images=None,
                          on_phase: Callable[[str], None] | None = None, valid: dict | None = None) -> dict:
     """Assemble, evaluate on the test files, save a version; the job's result record.
@@ -189,7 +188,6 @@ def assemble_and_publish(request: dict, spec: dict, exports: list, ledger, num_s
     training saw no rows, or whose loss is not finite, publishes nothing (MarianaError).
     `valid`: the per-epoch validation record (the exports are of its kept epoch)."""
     phase = on_phase or (lambda text: None)
-    job = JobSpec.from_dict(spec)
     rows_per_epoch = [int(ledger.rows_done[e]) for e in range(1, ledger.epochs + 1)]
     last = valid["best_epoch"] if valid and valid["kept"] == "best" and valid["best_epoch"] else ledger.epochs
     train_loss = ledger.loss_sum[last] / rows_per_epoch[last - 1] if rows_per_epoch and rows_per_epoch[last - 1] \

@@ -25,7 +25,6 @@ from mariana.services.runtime.cluster_job import JobFailed, Unreachable, _reques
 from mariana.services.runtime.config import ClusterConfig
 from mariana.sparse.errors import MarianaError
 from mariana.trainer import checkpoint
-from mariana.sparse.settings import from_dict
 from mariana.trainer.config import JobConfig
 from mariana.trainer.job import absolute_paths
 from mariana.trainer.strategies.local import best_epoch, valid_record
@@ -167,7 +166,7 @@ def trial_body(config: JobConfig, data: list[str], test_data: list[str], valid_d
             **({"staleness": staleness} if staleness is not None else {})}
     request, spec = check_request({**body, "config": config.resolve_paths().to_dict()})
     source = request["holdout"]["source"] if request.get("holdout") else ",".join(body["valid_data"])
-    return body, from_dict(JobConfig, spec["config"]), source
+    return body, spec.config, source
 
 
 def publish_best(record: dict, out: str, promote: bool, summary: dict) -> dict:

@@ -3,6 +3,7 @@ services/coordinator.py's docstring) and scores it after each epoch (`EpochValid
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -19,8 +20,6 @@ from mariana.services.runtime import model_events
 from mariana.services.transport import PeerTimeout, RemoteError
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.metrics import histogram_auc
-from mariana.sparse.settings import from_dict
-from mariana.trainer.config import JobConfig
 from mariana.trainer.strategies.local import best_epoch, valid_record
 
 log = logging.getLogger(__name__)
@@ -100,7 +99,7 @@ class JobRunner:
                      f" (validation: {run.request['holdout']['source']})" if run.request.get("holdout") else "",
                      f", warm start from {run.request['init_from']}" if run.request.get("init_from") else "")
         try:
-            if run.spec["config"].get("images", {}).get("creatives") and "images" not in run.spec:
+            if run.spec.config.images.creatives and run.spec.images is None:
                 await self.prepare_images(run)  # before any shard or preprocess reads the spec
             for i in range(len(self.coord.shards)):
                 await self.start_shard(run, i)
@@ -152,7 +151,7 @@ class JobRunner:
         delay = 0.2
         while run.state == "running":
             try:
-                await self.coord.shards[i].call("StartJob", job=run.id, spec=run.spec, timeout=10.0)
+                await self.coord.shards[i].call("StartJob", job=run.id, spec=run.spec.to_dict(), timeout=10.0)
                 return
             except RemoteError as e:  # the shard is up and refuses the job: retrying will not help
                 raise MarianaError(f"shard {i} cannot start the job: {e}") from None
@@ -165,7 +164,7 @@ class JobRunner:
         """Tell the loader to read the job's files (but a held-out tail: `until`, where it starts)."""
         until = {"until": run.request["holdout"]["until"]} if run.request.get("holdout") else {}
         while not await self.coord.command("loader", "ReadSource", job=run.id, files=run.request["data"],
-                                     block_bytes=run.spec["config"]["data"]["block_bytes"], **until):
+                                     block_bytes=run.spec.config.data.block_bytes, **until):
             if run.state != "running":
                 raise JobStopped()
             await asyncio.sleep(0.2)  # the loader has not registered yet
@@ -211,21 +210,21 @@ class JobRunner:
     async def prepare_images(self, run: JobRun) -> None:
         """The featurizer stage's batch job: embed the creatives not cached in Redis yet,
         and name their cache in the spec that preprocess, workers and shards read."""
-        cfg = from_dict(JobConfig, run.spec["config"]).images
+        cfg = run.spec.config.images
         log.info("%s: job %s: image features of %s", self.coord.name, run.id, cfg.creatives)
         info = await featurize_creatives(self.coord.cache, cfg, self.coord.counters)
         info.pop("ids")
-        run.spec["images"] = {"redis_key": info["redis_key"], "dim": info["dim"], "field": cfg.field,
-                              "set": info["set"], "info": info}
+        run.spec = dataclasses.replace(run.spec, images={"redis_key": info["redis_key"], "dim": info["dim"],
+                                                         "field": cfg.field, "set": info["set"], "info": info})
         self.coord.book.save(run)
 
     async def image_table(self, run: JobRun):
         """The job's creatives that have cached features: the table its model version stores."""
-        if "images" not in run.spec:
+        if run.spec.images is None:
             return None
         from mariana.trainer.images import load_creative_set
 
-        img, cfg = run.spec["images"], from_dict(JobConfig, run.spec["config"]).images
+        img, cfg = run.spec.images, run.spec.config.images
         await ensure_cached(self.coord.cache, cfg, img["redis_key"], img["set"], self.coord.counters)  # Redis may have restarted
         cset = await asyncio.to_thread(load_creative_set, cfg.creatives)
         return await creative_table(self.coord.cache, img["redis_key"], int(img["dim"]), cset.ids)
@@ -355,7 +354,7 @@ class EpochValidation:
 
     def stop_early(self, run: JobRun, valid: dict) -> bool:
         """`epochs = "auto"`: no better validation logloss for `train.patience` epochs."""
-        train = from_dict(JobConfig, run.spec["config"]).train
+        train = run.spec.config.train
         if not train.auto:
             return False
         losses = [(s.get("valid") or {}).get("logloss") for s in run.ledger.epoch_summaries] + [valid["logloss"]]
@@ -368,7 +367,7 @@ class EpochValidation:
         led, valid = run.ledger, job_validation(run.request)
         if valid is None:
             return exports, None
-        train = from_dict(JobConfig, run.spec["config"]).train
+        train = run.spec.config.train
         epochs = [{"epoch": s["epoch"], **s["valid"], "train_loss": s.get("loss")}
                   for s in led.epoch_summaries if s.get("valid")]
         best = best_epoch([e.get("logloss") for e in epochs])

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from mariana.services.jobspec import JobSpec
 from mariana.services.ledger import JobLedger
-from mariana.sparse.settings import from_dict
-from mariana.trainer.config import JobConfig
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.25
@@ -56,7 +55,7 @@ class ServiceInfo:
 class JobRun:
     id: str
     request: dict                  # what was submitted (files, out, epochs, mode, ...)
-    spec: dict                     # what services need: {"config": ..., "schema": ...}
+    spec: JobSpec                  # what services need: config, schema, images, init_from
     ledger: JobLedger
     state: str = "queued"          # queued -> running -> done | failed | cancelled
     error: str = ""
@@ -91,14 +90,14 @@ class JobRun:
     def to_saved(self) -> dict:
         """What the job store keeps of the job (the ledger is its journal)."""
         s = self.summary()
-        return {"id": self.id, "request": self.request, "spec": self.spec, "state": self.state,
+        return {"id": self.id, "request": self.request, "spec": self.spec.to_dict(), "state": self.state,
                 "error": self.error, "submitted": self.submitted, "started": self.started, "ended": self.ended,
                 "record": self.record, "restarts": self.restarts, "data_bytes": self.ledger.data_bytes,
                 "final": {"progress": s["progress"], "cache": s["cache"], "epochs": self.epochs()}}
 
     @classmethod
     def from_saved(cls, d: dict) -> "JobRun":
-        spec, request = d["spec"], d["request"]
+        spec, request = JobSpec.from_dict(d["spec"]), d["request"]
         ledger = job_ledger(d["id"], request, spec, d.get("data_bytes", 0))
         run = cls(d["id"], request, spec, ledger, state=d["state"], error=d["error"], submitted=d["submitted"],
                   started=d["started"], ended=d["ended"], record=d.get("record") or {},
@@ -108,10 +107,10 @@ class JobRun:
         return run
 
 
-def job_ledger(job: str, request: dict, spec: dict, data_bytes: int) -> JobLedger:
+def job_ledger(job: str, request: dict, spec: JobSpec, data_bytes: int) -> JobLedger:
     """A job's empty ledger (a new job, or one a restarted coordinator replays its journal into)."""
     staleness = {"async": None, "bsp": 0, "ssp": request.get("staleness")}[request["mode"]]
-    epochs = from_dict(JobConfig, spec["config"]).train.epoch_limit  # "auto": at most max_epochs
+    epochs = spec.config.train.epoch_limit  # "auto": at most max_epochs
     return JobLedger(job, epochs=epochs, staleness=staleness, data_bytes=data_bytes)
 
 

@@ -240,7 +240,7 @@ class Coordinator(Service):
 
     async def on_GetJob(self, peer: bytes, msg: Message) -> list:
         run = self.job_of(msg, running=False)
-        return protocol.encode("JobSpec", msg.msg_id, job=run.id, spec=run.spec)
+        return protocol.encode("JobSpec", msg.msg_id, job=run.id, spec=run.spec.to_dict())
 
     async def on_ChunkSent(self, peer: bytes, msg: Message) -> list:
         run = self.job_of(msg)

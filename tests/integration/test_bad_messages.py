@@ -206,7 +206,7 @@ def test_coordinator_answers_bad_messages_and_keeps_serving(cluster):
 @pytest.fixture
 def ps_job(cluster, train_file, tmp_path):
     """A job started on shard 0 with the spec the coordinator would send; ended afterwards."""
-    _, spec = check_request({"data": [str(train_file)], "out": str(tmp_path / "m"), "config": JOB})
+    spec = check_request({"data": [str(train_file)], "out": str(tmp_path / "m"), "config": JOB})[1].to_dict()
     job = f"probe-{os.getpid()}-{time.monotonic_ns()}"
     with zmq_context() as ctx:
         sock = dealer(ctx, cluster.cfg.ps.endpoints[0])
@@ -560,7 +560,7 @@ def test_loader_survives_bad_commands(redis_server, tmp_path):
 def test_ps_shard_of_two_refuses_ids_of_the_other_shard(redis_server, train_file, tmp_path):
     """Shard 1 of 2 owns the odd ids: even ones are refused, and what it applied is checkpointed on SIGTERM."""
     log = tmp_path / "ps-1.log"
-    _, spec = check_request({"data": [str(train_file)], "out": str(tmp_path / "m"), "config": JOB})
+    spec = check_request({"data": [str(train_file)], "out": str(tmp_path / "m"), "config": JOB})[1].to_dict()
     with zmq_context() as ctx:
         coord = FakeCoordinator(ctx)
         endpoints = [free_endpoint(), free_endpoint()]

@@ -39,9 +39,10 @@ def test_the_spec_of_a_submitted_job_round_trips(tmp_path):
     """What the coordinator sends is `check_request`'s spec: decoded and encoded again, it is unchanged."""
     data = tmp_path / "train.tsv"
     generate_criteo(data, 200, seed=3)
-    _, d = check_request({"data": [str(data)], "out": str(tmp_path / "m"), "config": {"hashing": {"bits": 12}}})
-    assert set(d) == {"config", "schema"}
-    assert JobSpec.from_dict(d).to_dict() == d
+    _, spec = check_request({"data": [str(data)], "out": str(tmp_path / "m"), "config": {"hashing": {"bits": 12}}})
+    d = spec.to_dict()
+    assert set(d) == {"config", "schema"} and spec.config.hashing.bits == 12
+    assert JobSpec.from_dict(d) == spec and JobSpec.from_dict(d).to_dict() == d
 
 
 BAD = [

@@ -387,7 +387,8 @@ def _print_status(st: dict) -> None:
     else:
         print(f"web UI: {st['http']}/ui/")
     print()
-    report.print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "LAST SEEN", "THROUGHPUT"), _service_rows(st, coord))
+    report.print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "LAST SEEN", "THROUGHPUT"),
+                       _service_rows(st, coord))
     jobs = coord.get("jobs") or []
     if jobs:
         print()

@@ -104,8 +104,8 @@ class CoordinatorAPI:
                                   "epochs": run.epochs()})
 
     async def http_models(self, request: web.Request) -> web.Response:
-        dirs = list(dict.fromkeys([*self.coord.cfg.coordinator.model_dirs,
-                                   *(r.record.get("model_dir") or r.request.get("out") for r in self.coord.jobs.values())]))
+        outs = (r.record.get("model_dir") or r.request.get("out") for r in self.coord.jobs.values())
+        dirs = list(dict.fromkeys([*self.coord.cfg.coordinator.model_dirs, *outs]))
         models = await asyncio.to_thread(lambda: [checkpoint.overview(d) for d in dirs if d])
         return web.json_response({"models": [m for m in models if m is not None]})
 
@@ -131,7 +131,8 @@ class CoordinatorAPI:
         self.coord.jobs[run.id] = run
         self.coord.book.save(run)
         self.coord.queue.put_nowait(run.id)
-        log.info("%s: job %s submitted (%s, %d epochs)", self.coord.name, run.id, run.request["model"], run.ledger.epochs)
+        log.info("%s: job %s submitted (%s, %d epochs)", self.coord.name, run.id, run.request["model"],
+                 run.ledger.epochs)
         return web.json_response({"job": run.id, "state": run.state}, status=201)
 
     async def http_cancel(self, request: web.Request) -> web.Response:

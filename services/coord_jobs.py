@@ -87,7 +87,7 @@ class JobRunner:
 
     async def run_job(self, run: JobRun) -> None:
         led = run.ledger
-        run.baseline = self.bad_message_counts()
+        run.baseline = self.coord.bad_message_counts()
         if run.state == "running":  # restored from the journal after a restart
             log.info("%s: job %s goes on at epoch %d (restart %d)", self.coord.name, run.id, led.epoch, run.restarts)
         else:
@@ -225,7 +225,8 @@ class JobRunner:
         from mariana.trainer.images import load_creative_set
 
         img, cfg = run.spec.images, run.spec.config.images
-        await ensure_cached(self.coord.cache, cfg, img["redis_key"], img["set"], self.coord.counters)  # Redis may have restarted
+        # Redis may have restarted
+        await ensure_cached(self.coord.cache, cfg, img["redis_key"], img["set"], self.coord.counters)
         cset = await asyncio.to_thread(load_creative_set, cfg.creatives)
         return await creative_table(self.coord.cache, img["redis_key"], int(img["dim"]), cset.ids)
 
@@ -252,7 +253,7 @@ class JobRunner:
             "batches_replayed": led.counters["batches_replayed"],
             "cache_hits": led.counters["cache_hits"],
             "cache_misses": led.counters["cache_misses"],
-            "bad_messages": self.bad_messages_since(run.baseline),
+            "bad_messages": self.coord.bad_messages_since(run.baseline),
             "stage_seconds": {s: round(led.stage_seconds[s], 3) for s in STAGES},
             "mode": run.request["mode"], "staleness": led.staleness,
             "workers": self.coord.cfg.worker.count, "ps": self.coord.cfg.ps.count,
@@ -302,17 +303,6 @@ class JobRunner:
         self.coord.book.ended(run)
         self.coord.pulse()
 
-    def bad_message_counts(self) -> dict:
-        counts = {n: int(s.status.get("bad_messages", 0)) for n, s in self.coord.services.items() if n != self.coord.name}
-        counts[self.coord.name] = self.coord.counters["bad_messages"]
-        return counts
-
-    def bad_messages_since(self, baseline: dict) -> int:
-        now = self.bad_message_counts()
-        # a restarted service counts from zero again: never subtract more than it has
-        return sum(max(0, n - baseline.get(name, 0)) if n >= baseline.get(name, 0) else n
-                   for name, n in now.items())
-
     async def pump_refills(self, run: JobRun) -> None:
         """Read missed chunks again, a few at a time (two per preprocess instance)."""
         for c in run.ledger.next_refills(2 * self.coord.cfg.preprocess.count):
@@ -341,7 +331,8 @@ class EpochValidation:
         led, valid = run.ledger, job_validation(run.request)
         names = valid.source if valid.rows else ", ".join(os.path.basename(p) for p in valid.paths)
         self.coord.job_runner.set_phase(run, f"validating epoch {led.epoch} on {names}")
-        exports = [(await self.coord.job_runner.shard_call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
+        call = self.coord.job_runner.shard_call
+        exports = [(await call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
         images = await self.coord.job_runner.image_table(run)
         metrics = await asyncio.to_thread(validate_exports, run.spec, exports, images, valid)
         run.phase = None

@@ -334,6 +334,17 @@ class Coordinator(Service):
         elif info.role == "loader" and not run.ledger.source_done and run.ledger.epoch == 1:
             await self.job_runner.read_source(run)
 
+    def bad_message_counts(self) -> dict:
+        counts = {n: int(s.status.get("bad_messages", 0)) for n, s in self.services.items() if n != self.name}
+        counts[self.name] = self.counters["bad_messages"]
+        return counts
+
+    def bad_messages_since(self, baseline: dict) -> int:
+        now = self.bad_message_counts()
+        # a restarted service counts from zero again: never subtract more than it has
+        return sum(max(0, n - baseline.get(name, 0)) if n >= baseline.get(name, 0) else n
+                   for name, n in now.items())
+
 
 def main(cfg: ClusterConfig, index: int) -> int:
     return run_service(Coordinator(cfg, index))

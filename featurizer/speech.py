@@ -1,0 +1,486 @@
+"""The speech front-end: spoken-digit recordings -> log-mel frames in context
+windows, and the frozen recognizer that serving and the pipeline run.
+
+    read_archive(fsdd_recordings.tar.gz)     tarfile + wave, no extraction; each wav checked:
+                                             mono, 16-bit, 8,000 Hz, else BadAudio naming it
+    log_mel(samples, FrontEnd())             (T, 40): pre-emphasis, 25 ms Hamming windows every
+                                             10 ms, |rfft|^2, 40 mel filters, log, minus the
+                                             utterance's mean per bin (mean normalisation)
+    context_windows(frames, K)               (T, (2K+1) * 40): each frame with K either side
+                                             (the edge frames repeated)
+    split_utterances(utts, "official")       index 0-4 test (300), 5-49 train (2,700);
+                     "speaker:theo"          one speaker's 500 held out
+    load_features(archive, fe, cache_dir)    every utterance's frames, cached on disk keyed by
+                                             the archive's sha256 and the front-end parameters
+
+    SpeechRecognizer.load(MODEL_DIR)         the frozen model of `mariana train speech`: the
+      .posteriors(samples) -> (10,)          front-end parameters from the manifest and the
+      .classify(samples)   -> digit          DNN as plain ops (linear, relu) over its weights,
+      .embed(samples)      -> (d,)           like the image featurizer; no training code
+
+The front-end is numpy only (no torch), so it gives the same frames wherever it runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import tarfile
+import tempfile
+import wave
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mariana.sparse.errors import DataFormatError, MarianaError, ModelDirError
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 8000
+ARCHIVE = "fsdd_recordings.tar.gz"
+DIGITS = 10
+NAME_RE = re.compile(r"(?:^|/)(\d)_([A-Za-z]+)_(\d+)\.wav$")
+CACHE_FORMAT = "mariana-speech-features/1"
+MODEL_KIND = "speech_dnn"  # a version manifest's "kind" for `mariana train speech`
+OFFICIAL_TEST_INDEX = 5  # FSDD's README: recordings with index 0-4 are the test set
+
+
+class BadAudio(DataFormatError):
+    """A recording that is not mono 16-bit PCM at the front-end's rate, or not a wav at all."""
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    """The front-end's parameters; a version's manifest records them (`to_dict`), and the
+    feature cache is keyed by them.
+
+    >>> fe = FrontEnd()
+    >>> fe.win, fe.hop, fe.n_fft, fe.input_dim
+    (200, 80, 256, 440)
+    """
+
+    sample_rate: int = SAMPLE_RATE
+    n_mels: int = 40
+    win_ms: float = 25.0
+    hop_ms: float = 10.0
+    context: int = 5             # K: frames either side of the centre one
+    preemphasis: float = 0.97
+    fmin: float = 0.0
+    fmax: float = 4000.0         # at most sample_rate / 2
+
+    def __post_init__(self) -> None:
+        if self.n_mels < 1 or self.context < 0 or self.win_ms <= 0 or self.hop_ms <= 0:
+            raise MarianaError(f"speech front-end: n_mels >= 1, context >= 0, win_ms and hop_ms > 0; got {self}")
+        if not 0 <= self.fmin < self.fmax <= self.sample_rate / 2:
+            raise MarianaError(f"speech front-end: need 0 <= fmin < fmax <= sample_rate/2, got {self.fmin}, "
+                               f"{self.fmax}")
+
+    @property
+    def win(self) -> int:
+        return int(round(self.sample_rate * self.win_ms / 1000))
+
+    @property
+    def hop(self) -> int:
+        return int(round(self.sample_rate * self.hop_ms / 1000))
+
+    @property
+    def n_fft(self) -> int:
+        return 1 << (self.win - 1).bit_length()
+
+    @property
+    def input_dim(self) -> int:
+        return (2 * self.context + 1) * self.n_mels
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FrontEnd":
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        return cls(**known)
+
+    def key(self) -> str:
+        """A short hash of the parameters (the cache's key)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass
+class Utterance:
+    name: str          # recordings/{digit}_{speaker}_{index}.wav
+    digit: int
+    speaker: str
+    index: int
+    samples: np.ndarray  # int16 (n,)
+
+
+# ---- reading -----------------------------------------------------------------------
+
+def fsdd_archive(root: str | os.PathLike | None = None) -> Path:
+    """The FSDD archive: `root` (the archive, or a dir holding it), else
+    $MARIANA_DATA/fsdd, else ../shared/data/fsdd beside the checkout."""
+    if root is None:
+        data = os.environ.get("MARIANA_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
+        root = Path(data) / "fsdd"
+    p = Path(root)
+    if p.is_dir():
+        p = p / ARCHIVE
+    if not p.is_file():
+        raise DataFormatError(f"{p}: no such file (the FSDD archive {ARCHIVE}; set MARIANA_DATA or pass its path)")
+    return p
+
+
+def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """The int16 samples of a mono 16-bit PCM wav at `sample_rate`, or BadAudio saying what it is.
+
+    >>> buf = io.BytesIO()
+    >>> with wave.open(buf, "wb") as w:
+    ...     w.setnchannels(1); w.setsampwidth(2); w.setframerate(16000); w.writeframes(b"\\0\\0" * 400)
+    >>> read_wav(buf.getvalue(), "x.wav")
+    Traceback (most recent call last):
+    ...
+    mariana.featurizer.speech.BadAudio: x.wav: sample rate 16000 Hz, expected 8000 Hz (mono, 16-bit PCM)
+    """
+    try:
+        with wave.open(io.BytesIO(raw), "rb") as w:
+            channels, width, rate, n = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
+            frames = w.readframes(n)
+    except (wave.Error, EOFError) as e:
+        raise BadAudio(f"{name}: not a PCM wav file ({e})") from None
+    want = f"expected {sample_rate} Hz (mono, 16-bit PCM)"
+    if rate != sample_rate:
+        raise BadAudio(f"{name}: sample rate {rate} Hz, {want}")
+    if width != 2:
+        raise BadAudio(f"{name}: {8 * width}-bit samples, {want}")
+    if channels != 1:
+        raise BadAudio(f"{name}: {channels} channels, {want}")
+    if len(frames) != 2 * n:
+        raise BadAudio(f"{name}: truncated ({len(frames) // 2} of {n} samples)")
+    if n == 0:
+        raise BadAudio(f"{name}: no samples")
+    return np.frombuffer(frames, dtype="<i2").astype(np.int16)
+
+
+def read_archive(path: str | os.PathLike, sample_rate: int = SAMPLE_RATE) -> list[Utterance]:
+    """Every `{digit}_{speaker}_{index}.wav` in a .tar.gz, read in place, sorted by name.
+    A damaged archive or a wav that is not mono 16-bit at `sample_rate` is a DataFormatError
+    naming the file; other members are ignored."""
+    path = Path(path)
+    out = []
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            for member in tar:
+                m = NAME_RE.search(member.name)
+                if not member.isfile() or not m:
+                    continue
+                f = tar.extractfile(member)
+                samples = read_wav(f.read(), f"{path.name}:{member.name}", sample_rate)
+                out.append(Utterance(member.name, int(m.group(1)), m.group(2), int(m.group(3)), samples))
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        if isinstance(e, FileNotFoundError):
+            raise DataFormatError(f"{path}: no such file (the FSDD archive {ARCHIVE})") from None
+        why = " ".join(str(e).split())  # tarfile's message may span lines: one line here
+        raise DataFormatError(f"{path}: not a readable .tar.gz of wav files ({why})") from None
+    if not out:
+        raise DataFormatError(f"{path}: no recordings named {{digit}}_{{speaker}}_{{index}}.wav in the archive")
+    out.sort(key=lambda u: u.name)
+    return out
+
+
+def split_utterances(utts: list[Utterance], split: str = "official") -> tuple[list[Utterance], list[Utterance]]:
+    """(train, test): "official" holds out recording indices 0-4; "speaker:NAME" one speaker.
+
+    >>> u = [Utterance(f"{d}_{s}_{i}.wav", d, s, i, None) for d in (0, 1) for s in ("a", "b") for i in (0, 7)]
+    >>> [len(p) for p in split_utterances(u)], [len(p) for p in split_utterances(u, "speaker:b")]
+    ([4, 4], [4, 4])
+    >>> split_utterances(u, "speaker:zed")
+    Traceback (most recent call last):
+    ...
+    mariana.sparse.errors.MarianaError: --split speaker:zed: no such speaker (the data has a, b)
+    """
+    if split == "official":
+        test = [u.index < OFFICIAL_TEST_INDEX for u in utts]
+    elif split.startswith("speaker:"):
+        who = split.split(":", 1)[1]
+        speakers = sorted({u.speaker for u in utts})
+        if who not in speakers:
+            raise MarianaError(f"--split {split}: no such speaker (the data has {', '.join(speakers)})")
+        test = [u.speaker == who for u in utts]
+    else:
+        raise MarianaError(f"--split {split!r}: use 'official' or 'speaker:NAME'")
+    return [u for u, t in zip(utts, test) if not t], [u for u, t in zip(utts, test) if t]
+
+
+# ---- the front-end -------------------------------------------------------------------
+
+def mel_filters(fe: FrontEnd) -> np.ndarray:
+    """(n_fft // 2 + 1, n_mels) triangular filters on the HTK mel scale, float64."""
+    def mel(f):
+        return 2595.0 * np.log10(1.0 + np.asarray(f) / 700.0)
+
+    def hz(m):
+        return 700.0 * (10.0 ** (np.asarray(m) / 2595.0) - 1.0)
+    edges = hz(np.linspace(mel(fe.fmin), mel(fe.fmax), fe.n_mels + 2))
+    freqs = np.arange(fe.n_fft // 2 + 1) * fe.sample_rate / fe.n_fft
+    lo, mid, hi = edges[:-2, None], edges[1:-1, None], edges[2:, None]
+    up = (freqs[None, :] - lo) / (mid - lo)
+    down = (hi - freqs[None, :]) / (hi - mid)
+    return np.maximum(0.0, np.minimum(up, down)).T
+
+
+def log_mel(samples: np.ndarray, fe: FrontEnd = FrontEnd()) -> np.ndarray:
+    """(T, n_mels) float32 log-mel energies minus their mean over the utterance; T >= 1
+    (a recording shorter than a window is zero-padded to one).
+
+    >>> t = np.arange(8000) / 8000
+    >>> f = log_mel((8000 * np.sin(2 * np.pi * 440 * t)).astype(np.int16))
+    >>> f.shape, f.dtype, bool(abs(f.mean(0)).max() < 1e-4)
+    ((98, 40), dtype('float32'), True)
+    """
+    x = np.asarray(samples, dtype=np.float64) / 32768.0
+    if fe.preemphasis:
+        x = np.append(x[:1], x[1:] - fe.preemphasis * x[:-1])
+    if len(x) < fe.win:
+        x = np.pad(x, (0, fe.win - len(x)))
+    n = 1 + (len(x) - fe.win) // fe.hop
+    idx = np.arange(fe.win)[None, :] + fe.hop * np.arange(n)[:, None]
+    frames = x[idx] * np.hamming(fe.win)[None, :]
+    power = np.abs(np.fft.rfft(frames, fe.n_fft, axis=1)) ** 2
+    feats = np.log(np.maximum(power @ mel_filters(fe), 1e-10))
+    return (feats - feats.mean(0, keepdims=True)).astype(np.float32)
+
+
+def context_windows(frames: np.ndarray, k: int) -> np.ndarray:
+    """(T, D) -> (T, (2k+1) D): row t is frames t-k .. t+k, the first and last frames
+    repeated past the edges.
+
+    >>> context_windows(np.arange(3, dtype=np.float32)[:, None], 1).tolist()
+    [[0.0, 0.0, 1.0], [0.0, 1.0, 2.0], [1.0, 2.0, 2.0]]
+    """
+    if k == 0:
+        return frames
+    t = len(frames)
+    idx = np.clip(np.arange(t)[:, None] + np.arange(-k, k + 1)[None, :], 0, t - 1)
+    return frames[idx].reshape(t, -1)
+
+
+# ---- the feature set and its cache ---------------------------------------------------
+
+@dataclass
+class SpeechFeatures:
+    """Every utterance's log-mel frames, concatenated: utterance i is
+    frames[offsets[i]:offsets[i+1]] (context windows are cut from them when a batch needs
+    them, so the cache holds each frame once)."""
+
+    frames: np.ndarray     # (total T, n_mels) float32
+    offsets: np.ndarray    # (U + 1,) int64
+    names: list[str]
+    digits: np.ndarray     # (U,) int64
+    speakers: list[str]
+    indices: np.ndarray    # (U,) int64: the recording index in its name
+    front_end: FrontEnd
+    archive_sha256: str
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def utterance(self, i: int) -> np.ndarray:
+        return self.frames[self.offsets[i]:self.offsets[i + 1]]
+
+    def select(self, which: list[int]) -> "SpeechFeatures":
+        parts = [self.utterance(i) for i in which]
+        offsets = np.zeros(len(which) + 1, np.int64)
+        offsets[1:] = np.cumsum([len(p) for p in parts])
+        return SpeechFeatures(np.concatenate(parts) if parts else self.frames[:0], offsets,
+                              [self.names[i] for i in which], self.digits[which], [self.speakers[i] for i in which],
+                              self.indices[which], self.front_end, self.archive_sha256)
+
+    def split(self, split: str = "official") -> tuple["SpeechFeatures", "SpeechFeatures"]:
+        """(train, test) as `split_utterances` cuts them."""
+        utts = [Utterance(n, int(d), s, int(i), None)
+                for n, d, s, i in zip(self.names, self.digits, self.speakers, self.indices)]
+        train, test = split_utterances(utts, split)
+        pos = {n: i for i, n in enumerate(self.names)}
+        return self.select([pos[u.name] for u in train]), self.select([pos[u.name] for u in test])
+
+    def windows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(inputs (total T, input_dim) float32, frame labels (total T,) int64, the utterance of
+        each frame (total T,) int64)."""
+        k = self.front_end.context
+        x = np.concatenate([context_windows(self.utterance(i), k) for i in range(len(self))]) if len(self) \
+            else np.zeros((0, self.front_end.input_dim), np.float32)
+        counts = np.diff(self.offsets)
+        utt = np.repeat(np.arange(len(self)), counts)
+        return x, self.digits[utt], utt
+
+
+def cache_root() -> Path:
+    """$MARIANA_CACHE/speech, else ~/.cache/mariana/speech."""
+    base = os.environ.get("MARIANA_CACHE") or Path.home() / ".cache" / "mariana"
+    return Path(base) / "speech"
+
+
+def load_features(archive: str | os.PathLike | None = None, fe: FrontEnd = FrontEnd(),
+                  cache_dir: str | os.PathLike | None = None) -> SpeechFeatures:
+    """The front-end's frames for every recording of the archive: from the cache when it has
+    them (keyed by the archive's sha256 and `fe.key()`), else computed and cached (.npy and
+    JSON, written to a temp dir and renamed, so a reader never sees half a cache entry)."""
+    path = fsdd_archive(archive)
+    sha = _sha256(path)
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    entry = root / f"{sha[:16]}-{fe.key()}"
+    cached = _read_cache(entry, fe, sha)
+    if cached is not None:
+        return cached
+    utts = read_archive(path, fe.sample_rate)
+    parts = [log_mel(u.samples, fe) for u in utts]
+    offsets = np.zeros(len(parts) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(p) for p in parts])
+    feats = SpeechFeatures(np.concatenate(parts), offsets, [u.name for u in utts],
+                           np.array([u.digit for u in utts], np.int64), [u.speaker for u in utts],
+                           np.array([u.index for u in utts], np.int64), fe, sha)
+    log.info("speech: %d recordings -> %s frames of %d log-mel bins (%s)", len(utts), f"{offsets[-1]:,}",
+             fe.n_mels, path.name)
+    try:
+        _write_cache(entry, feats)
+    except OSError as e:  # a read-only home: go on without the cache
+        log.warning("speech: cannot cache features in %s: %s", entry, e)
+    return feats
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_cache(entry: Path, f: SpeechFeatures) -> None:
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
+    try:
+        np.save(tmp / "frames.npy", f.frames)
+        np.save(tmp / "offsets.npy", f.offsets)
+        meta = {"format": CACHE_FORMAT, "archive_sha256": f.archive_sha256, "front_end": f.front_end.to_dict(),
+                "names": f.names, "digits": f.digits.tolist(), "speakers": f.speakers,
+                "indices": f.indices.tolist()}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        os.rename(tmp, entry)
+    except OSError:
+        if entry.exists():  # another process cached it first
+            return
+        raise
+    finally:
+        if tmp.exists():
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_cache(entry: Path, fe: FrontEnd, sha: str) -> SpeechFeatures | None:
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        frames = np.load(entry / "frames.npy", allow_pickle=False)
+        offsets = np.load(entry / "offsets.npy", allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    if meta.get("format") != CACHE_FORMAT or meta.get("archive_sha256") != sha or \
+            meta.get("front_end") != fe.to_dict() or offsets[-1] != len(frames):
+        return None
+    return SpeechFeatures(frames, offsets, meta["names"], np.array(meta["digits"], np.int64), meta["speakers"],
+                          np.array(meta["indices"], np.int64), fe, sha)
+
+
+# ---- the frozen recognizer -------------------------------------------------------------
+
+def is_speech_model(model_dir: str | os.PathLike) -> bool:
+    """Whether a model directory's CURRENT version is a speech model (False when unreadable)."""
+    try:
+        return _version_manifest(Path(model_dir))[1].get("kind") == MODEL_KIND
+    except (MarianaError, OSError):
+        return False
+
+
+def _version_manifest(model_dir: Path, version: str | None = None) -> tuple[Path, dict]:
+    if version is None:
+        try:
+            version = (model_dir / "CURRENT").read_text().strip()
+        except OSError:
+            raise ModelDirError(f"{model_dir}: not a model directory (no CURRENT)") from None
+    vdir = model_dir / version
+    try:
+        return vdir, json.loads((vdir / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelDirError(f"{vdir}: no readable manifest.json ({e})") from None
+
+
+class SpeechRecognizer:
+    """A version of `mariana train speech`, frozen: int16 samples -> digit posteriors.
+
+    The front-end's parameters come from the manifest and its DNN runs as the plain ops
+    (standardise, linear, relu) that trainer/models/speech_dnn.frozen_ops wrote, over the
+    version's weights: serving and the pipeline need no training code and load no pickle.
+    """
+
+    def __init__(self, manifest: dict, weights: dict, where: str = "speech model"):
+        import torch
+        if manifest.get("kind") != MODEL_KIND:
+            raise ModelDirError(f"{where}: not a speech model (kind {manifest.get('kind')!r})")
+        self.manifest = manifest
+        self.front_end = FrontEnd.from_dict(manifest["front_end"])
+        self.ops = manifest["ops"]
+        self.weights = weights
+        known = {"standardise", "linear", "relu"}
+        unknown = sorted({op.get("op") for op in self.ops} - known, key=str)
+        missing = sorted({op[k] for op in self.ops for k in ("weight", "bias", "mean", "std") if k in op} - set(weights))
+        if unknown or missing:
+            raise ModelDirError(f"{where}: unknown ops {unknown} or missing weights {missing}")
+        self._torch = torch
+
+    @classmethod
+    def load(cls, model_dir: str | os.PathLike, version: str | None = None) -> "SpeechRecognizer":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+        vdir, manifest = _version_manifest(Path(model_dir), version)
+        try:
+            weights = load_file(str(vdir / "weights.safetensors"))
+        except (OSError, SafetensorError) as e:
+            raise ModelDirError(f"{vdir}: cannot read weights.safetensors: {e}") from None
+        return cls(manifest, weights, str(vdir))
+
+    def frames(self, samples: np.ndarray) -> np.ndarray:
+        """(T, input_dim): the front-end's context windows of one recording."""
+        return context_windows(log_mel(samples, self.front_end), self.front_end.context)
+
+    def logits(self, frames: np.ndarray):
+        torch, F = self._torch, self._torch.nn.functional
+        x = torch.from_numpy(np.ascontiguousarray(frames, dtype=np.float32))
+        w = self.weights
+        with torch.inference_mode():
+            for op in self.ops:
+                if op["op"] == "standardise":
+                    x = (x - w[op["mean"]]) / w[op["std"]]
+                elif op["op"] == "linear":
+                    x = F.linear(x, w[op["weight"]], w[op["bias"]])
+                else:
+                    x = F.relu(x)
+        return x
+
+    def posteriors(self, samples: np.ndarray) -> np.ndarray:
+        """(classes,) float64: softmax over the digits of the summed frame log-posteriors."""
+        torch = self._torch
+        score = torch.log_softmax(self.logits(self.frames(samples)).double(), 1).sum(0)
+        return torch.softmax(score, 0).numpy()
+
+    def classify(self, samples: np.ndarray) -> int:
+        return int(np.argmax(self.posteriors(samples)))
+
+    def predict_wav(self, raw: bytes, name: str = "wav") -> dict:
+        """A wav file's bytes -> {"digit", "posteriors"}; BadAudio when it is not mono 16-bit
+        at the model's sample rate."""
+        p = self.posteriors(read_wav(raw, name, self.front_end.sample_rate))
+        return {"digit": int(np.argmax(p)), "posteriors": [round(float(v), 6) for v in p]}

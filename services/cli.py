@@ -10,6 +10,7 @@ never imports serving/); `python -m mariana.services.cli` is what the launcher r
                   [--mode cluster [--workers W] [--ps S] [--preprocess P] [--sync async|ssp|bsp]]
     mariana tune --data DATA [--valid-data DATA] [--test-data DATA] --budget SECONDS --out MODEL_DIR
                  [--mode cluster [--workers W] [--ps S] [--preprocess P] [--sync ...]]
+    mariana train speech [--data FSDD] [--split S] [--nproc N] [--exchange E] --out MODEL_DIR (services/speech_cli.py)
     mariana evaluate --model MODEL_DIR --data DATA [--json] [--plot FILE.png]
     mariana featurizer train --data MNIST_DIR --out DIR
     mariana featurize --model FEATURIZER_DIR --images FILE --out FILE.npy
@@ -197,6 +198,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from mariana.sparse.parse import describe_bad
     from mariana.trainer.strategies.local import evaluate
 
+    if _speech_model(args.model):
+        from mariana.services import speech_cli
+        return speech_cli.cmd_evaluate(args)
+    if args.split:
+        raise MarianaError(f"--split is for speech models; {args.model} holds a click model")
     if args.plot:
         reliability.check_plot_path(args.plot)  # before the work, not after it
     bundle, paths = _model_and_data(args)
@@ -229,6 +235,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from mariana.sparse.parse import describe_bad
     from mariana.trainer.data import BatchStream
 
+    if _speech_model(args.model):
+        from mariana.services import speech_cli
+        return speech_cli.cmd_predict(args)
     bundle, paths = _model_and_data(args)
     stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None, slots=True)
     out = sys.stdout
@@ -238,7 +247,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             probs, valid = np.full(lines, np.nan), probs
             probs[slots] = valid
         if len(probs):
-            out.write("\n".join(f"{p:.9g}" for p in probs.tolist()))
+            out.write("\n".join("null" if args.json and p != p else f"{p:.9g}" for p in probs.tolist()))
             out.write("\n")
     out.flush()
     if stream.stats.rows_bad:
@@ -246,6 +255,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"mariana: {stream.stats.rows_bad} malformed rows {what} "
               f"({describe_bad(stream.stats.to_dict()['first_bad'])})", file=sys.stderr)
     return 0
+
+
+def _speech_model(model_dir: str) -> bool:
+    from mariana.featurizer.speech import is_speech_model
+    return is_speech_model(model_dir)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -478,7 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     gd.set_defaults(func=cmd_gen)
     images_cli.add_gen_ads(gsub)
 
-    t = sub.add_parser("train", help="train a click model locally and publish a version")
+    t = sub.add_parser("train", help="train a click model locally and publish a version (`train speech`: the "
+                                     "speech DNN)", epilog="modes: " + "; ".join(f"train {m}: {h}" for m, (h, _)
+                                                                              in TRAIN_MODES.items()))
     t.add_argument("--data", required=True, help="training data: files, directories or globs, comma-separated")
     t.add_argument("--test-data", help="file(s) to evaluate on after training")
     t.add_argument("--model", choices=("lr", "dnn"), help="model kind (default: lr, or the config's)")
@@ -545,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", required=True, help="labeled rows: files, directories or globs, comma-separated")
     e.add_argument("--format", choices=FORMATS, help="the rows' format (default: the model's; must match it)")
     e.add_argument("--json", action="store_true", help="print the metrics as one JSON line")
+    e.add_argument("--split", help="a speech model: whose recordings to score (official | speaker:NAME; default: "
+                   "the split it was trained with)")
     e.add_argument("--plot", metavar="FILE.png", help="also write a reliability plot (predicted vs observed "
                    "CTR by bucket, with 95%% intervals and the rows per bucket); .svg and .pdf work too")
     e.set_defaults(func=cmd_evaluate)
@@ -555,6 +573,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--format", choices=FORMATS, help="the rows' format (default: the model's; must match it)")
     pr.add_argument("--skip-bad", action="store_true",
                     help="print nothing for a malformed row (default: nan, so output line N is input row N)")
+    pr.add_argument("--json", action="store_true", help="JSON lines: a number per row (null for nan); for a "
+                    "speech model, an object per wav file (file, digit, posteriors, or error)")
     pr.set_defaults(func=cmd_predict)
     images_cli.add_commands(sub)
     _add_cluster_commands(sub)
@@ -608,12 +628,20 @@ def main(argv: list[str] | None = None, build=build_parser) -> int:
     from mariana.services.runtime.logs import setup_logging
 
     tune_process()
+    mode = _train_mode(sys.argv[1:] if argv is None else argv)
+    if mode is not None:  # `mariana train speech ...`: a parser of its own
+        return _guarded(lambda: TRAIN_MODES[mode][1](_mode_argv(sys.argv[1:] if argv is None else argv)))
     parser = build()
     _logging_flags_everywhere(parser)
     args = parser.parse_args(argv)
     setup_logging(-1 if args.quiet else args.verbose)
+    return _guarded(lambda: args.func(args))
+
+
+def _guarded(run) -> int:
+    """`run()`'s exit code; a user's error as one line `mariana: error: ...` and exit code 2."""
     try:
-        return args.func(args)
+        return run()
     except MarianaError as e:
         return _fail(str(e))
     except MemoryError:
@@ -627,6 +655,31 @@ def main(argv: list[str] | None = None, build=build_parser) -> int:
     except KeyboardInterrupt:
         print("mariana: interrupted", file=sys.stderr)
         return 130
+
+
+def _train_mode(argv: list[str]) -> str | None:
+    """"speech" for `mariana [-v|-q] train speech ...`, else None."""
+    words = [a for a in argv if a not in ("-q", "--quiet") and not (a.startswith("-v") and set(a[1:]) <= {"v"})
+             and a != "--verbose"]
+    if len(words) >= 2 and words[0] == "train" and words[1] in TRAIN_MODES:
+        return words[1]
+    return None
+
+
+def _mode_argv(argv: list[str]) -> list[str]:
+    """The arguments after `train MODE`, with -v/-q given before `train` kept."""
+    at = argv.index("train")
+    return argv[:at] + argv[at + 2:]
+
+
+def _speech_train(argv: list[str]) -> int:
+    from mariana.services import speech_cli
+    return speech_cli.train_main(argv)
+
+
+# `mariana train MODE ...`: (help, main(argv)) of the training modes beside the CTR models
+TRAIN_MODES = {"speech": ("the speech DNN on spoken digits, data parallel (mariana train speech -h)",
+                          _speech_train)}
 
 
 def _logging_flags_everywhere(parser: argparse.ArgumentParser) -> None:

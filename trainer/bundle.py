@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from mariana.featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
+from mariana.featurizer.speech import MODEL_KIND as SPEECH_KIND
 from mariana.sparse import admission
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.encode import Encoder
@@ -170,6 +171,9 @@ class ModelBundle:
     @classmethod
     def load(cls, model_dir: str, version: str | None = None, with_optimizer: bool = False) -> "ModelBundle":
         manifest, weights, optim = checkpoint.load_version(model_dir, version, with_optimizer)
+        if manifest.get("kind") == SPEECH_KIND:
+            raise ModelDirError(f"{model_dir}: {manifest.get('version')} is a speech model (mariana train speech), "
+                                "not a click model: `mariana evaluate` and `predict` take it, serving does not")
         try:
             config = from_dict(JobConfig, manifest["config"])
             schema = Schema.from_dict(manifest["schema"])

@@ -1,0 +1,191 @@
+"""Speech mode of `mariana` (issue 17): `mariana train speech` and the speech
+branch of `evaluate` and `predict` (services/cli.py routes to them):
+
+    mariana train speech [--data FSDD] [--split official|speaker:NAME] [--nproc N]
+                         [--exchange exact|fp16|powersgd:R|onebit|approx] [--device cpu|cuda]
+                         --out MODEL_DIR [--json]
+    torchrun --nproc-per-node N -m mariana train speech ...      (the same job under torchrun)
+    mariana evaluate --model MODEL_DIR --data FSDD [--split ...]  (a speech version: utterance accuracy)
+    mariana predict --model MODEL_DIR --data FILE.wav[,...]      (the digit and its posteriors per file)
+
+FSDD is the archive fsdd_recordings.tar.gz or the directory holding it (default
+$MARIANA_DATA/fsdd, else ../shared/data/fsdd). With --nproc N > 1 this process
+starts N ranks of itself (trainer/strategies/data_parallel.run_ranks) and prints
+rank 0's result. Bad input is one line and exit code 2 (cli.main).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from mariana.sparse.errors import MarianaError
+
+
+def build_train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mariana train speech",
+                                description="train the frame-level speech DNN on spoken digits (FSDD), in one "
+                                            "process or N with synchronous data parallel")
+    p.add_argument("--data", help="fsdd_recordings.tar.gz or its directory (default: $MARIANA_DATA/fsdd, "
+                                  "else ../shared/data/fsdd)")
+    p.add_argument("--split", default="official", help="official (recording index 0-4 held out: 2,700 / 300) "
+                                                       "or speaker:NAME (one speaker held out)")
+    p.add_argument("--nproc", type=int, default=1, help="ranks of synchronous data parallel on this machine "
+                                                        "(at most its cores, or its GPUs with --device cuda)")
+    p.add_argument("--exchange", default="exact", help="how gradients are exchanged: exact (fp32 all-reduce), "
+                   "fp16, powersgd:R, onebit, or approx (the default approximate one: powersgd:1)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
+    p.add_argument("--epochs", type=int, default=6, help="passes over the training frames (default 6)")
+    p.add_argument("--batch-size", type=int, default=2048, help="frames per step over all ranks (default 2048)")
+    p.add_argument("--optimizer", choices=("adam", "adagrad", "sgd"), default="adam",
+                   help="fed the exchanged gradient on every rank; its state is never sent (default adam)")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the global batch order")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds any collective may wait: a lost rank fails the job after at most this")
+    p.add_argument("--out", required=True, help="model directory (rank 0 adds a version)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    return p
+
+
+def train_main(argv: list[str]) -> int:
+    """`mariana train speech ARGV`: one rank (under torchrun or run_ranks), one process, or N ranks."""
+    from mariana.services.runtime import report
+    from mariana.services.runtime.logs import setup_logging
+    from mariana.trainer.strategies import data_parallel as dp
+
+    args = build_train_parser().parse_args(argv)
+    ctx = dp.DistContext.from_env()
+    setup_logging(-1 if args.quiet or ctx.rank > 0 else args.verbose)
+    cfg = _config(args)
+    if ctx.distributed:  # a rank: of torchrun, or of run_ranks below
+        try:
+            result = _train(cfg, args, ctx, os.environ.get("MARIANA_DIST_INIT"))
+        except RuntimeError as e:  # gloo / NCCL: a peer gone, a collective timed out
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise MarianaError(f"rank {ctx.rank} of {ctx.world_size}: a collective failed ({first[:300]})") from None
+        target = os.environ.get("MARIANA_DIST_RESULT")
+        if ctx.rank == 0 and target:
+            with open(target, "w") as f:
+                json.dump(result, f)
+        elif ctx.rank == 0:
+            report.print_record(_shown(result, args.json), args.json)
+        return 0
+    _check_nproc(args.nproc, cfg.device)
+    if args.nproc == 1:
+        result = _train(cfg, args, ctx, None)
+    else:
+        from mariana.featurizer.speech import fsdd_archive, load_features
+        # fill the cache once, not in every rank, and check the data and the split before starting them
+        load_features(fsdd_archive(args.data), cfg.front_end).split(cfg.split)
+        with tempfile.TemporaryDirectory(prefix="mariana-ranks-") as tmp:
+            target = os.path.join(tmp, "result.json")
+            dp.run_ranks(["train", "speech", *argv], args.nproc, tmp, {"MARIANA_DIST_RESULT": target})
+            with open(target) as f:
+                result = json.load(f)
+    report.print_record(_shown(result, args.json), args.json)
+    return 0
+
+
+def _config(args: argparse.Namespace):
+    from mariana.trainer.speech import SpeechConfig
+
+    return SpeechConfig(split=args.split, epochs=args.epochs, batch_size=args.batch_size, optimizer=args.optimizer,
+                        lr=args.lr, seed=args.seed, exchange=args.exchange, device=args.device,
+                        threads=args.threads, timeout_s=args.timeout)
+
+
+def _train(cfg, args: argparse.Namespace, ctx, init_method: str | None) -> dict:
+    from mariana.trainer.speech import train_speech
+
+    return train_speech(cfg, args.data, args.out, ctx, init_method, _progress_logger() if ctx.rank == 0 else None)
+
+
+def _check_nproc(nproc: int, device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        allowed, what = torch.cuda.device_count(), "CUDA devices"
+    else:
+        allowed, what = os.cpu_count() or 1, "CPU cores"
+    if not 1 <= nproc <= allowed:
+        raise MarianaError(f"--nproc {nproc}: must be between 1 and {allowed} (this machine's {what}: one rank each)")
+
+
+def _progress_logger():
+    import logging
+    import time
+
+    log = logging.getLogger("mariana")
+    last = [0.0]
+
+    def report(p) -> None:
+        if time.perf_counter() - last[0] >= 1.0:
+            last[0] = time.perf_counter()
+            log.info("speech epoch %d/%d: %s frames, loss %.4f, %s frames/s", p.epoch, p.epochs, f"{p.frames:,}",
+                     p.loss, f"{p.frames_per_s:,.0f}")
+    return report
+
+
+def _shown(result: dict, as_json: bool) -> dict:
+    return result if as_json else {k: v for k, v in result.items() if k != "per_epoch"}
+
+
+# ---- evaluate and predict on a speech version ------------------------------------------
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Utterance accuracy of the model's CURRENT version on the held-out recordings of --split
+    (default: the split it was trained with)."""
+    import time
+
+    import numpy as np
+
+    from mariana.featurizer.speech import SpeechRecognizer, fsdd_archive, read_archive, split_utterances
+    from mariana.services.runtime import report
+
+    if getattr(args, "plot", None):
+        raise MarianaError("--plot draws a click model's reliability; a speech model reports accuracy and "
+                           "confusion (--json)")
+    rec = SpeechRecognizer.load(args.model)
+    split = getattr(args, "split", None) or rec.manifest.get("train", {}).get("split", "official")
+    t0 = time.perf_counter()
+    _, test = split_utterances(read_archive(fsdd_archive(args.data), rec.front_end.sample_rate), split)
+    guesses = np.array([rec.classify(u.samples) for u in test])
+    digits = np.array([u.digit for u in test])
+    confusion = np.zeros((10, 10), np.int64)
+    np.add.at(confusion, (digits, guesses), 1)
+    record = {"accuracy": round(float((guesses == digits).mean()), 4), "errors": int((guesses != digits).sum()),
+              "utterances": len(test), "split": split, "seconds": round(time.perf_counter() - t0, 3),
+              "model_dir": os.path.abspath(args.model), "model_version": rec.manifest.get("version"),
+              "confusion": confusion.tolist() if args.json else None}
+    report.print_record({k: v for k, v in record.items() if v is not None}, args.json)
+    return 0
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Per wav file: the digit and the posteriors (text: FILE DIGIT p0 .. p9; a file that
+    cannot be read: FILE nan, and a count on stderr)."""
+    from mariana.featurizer.speech import BadAudio, SpeechRecognizer
+
+    rec = SpeechRecognizer.load(args.model)
+    bad = []
+    for path in [p for p in args.data.split(",") if p]:
+        try:
+            with open(path, "rb") as f:
+                out = rec.predict_wav(f.read(), path)
+        except (BadAudio, OSError) as e:
+            bad.append(f"{path}: {e.strerror.lower() if isinstance(e, OSError) and e.strerror else e}")
+            print(json.dumps({"file": path, "error": bad[-1]}) if args.json else f"{path}\tnan")
+            continue
+        print(json.dumps({"file": path, **out}) if args.json else
+              f"{path}\t{out['digit']}\t" + " ".join(f"{p:.6f}" for p in out["posteriors"]))
+    sys.stdout.flush()
+    if bad:
+        print(f"mariana: {len(bad)} file(s) could not be read ({bad[0]})", file=sys.stderr)
+        return 2
+    return 0

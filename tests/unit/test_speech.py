@@ -1,0 +1,148 @@
+"""The speech front-end (featurizer/speech.py), the speech DNN, and the speech CLI's
+answers to bad input: the archive read in place, log-mel frames, context windows,
+splits, the feature cache, and one clear error line (exit 2) for what a user gets wrong."""
+from __future__ import annotations
+
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from mariana.featurizer import speech
+from mariana.featurizer.speech import BadAudio, FrontEnd, load_features, read_archive, read_wav
+from mariana.sparse.errors import DataFormatError, MarianaError
+from mariana.trainer.models.speech_dnn import SpeechDNN, SpeechDNNConfig, utterance_scores
+from tests.conftest import data_dir, run_cli
+from tests.speechdata import tone, wav_bytes, write_archive
+
+
+@pytest.fixture()
+def tones(tmp_path):
+    return write_archive(tmp_path / "fsdd_recordings.tar.gz")
+
+
+@pytest.fixture()
+def fsdd():
+    path = data_dir() / "fsdd" / "fsdd_recordings.tar.gz"
+    if not path.exists():
+        pytest.skip(f"FSDD not found at {path} (set MARIANA_DATA to the shared data dir)")
+    return path
+
+
+def test_the_real_archive_reads_in_place_with_the_official_and_speaker_splits(fsdd):
+    utts = read_archive(fsdd)
+    assert len(utts) == 3000 and {u.speaker for u in utts} == {"george", "jackson", "lucas", "nicolas", "theo",
+                                                                "yweweler"}
+    train, test = speech.split_utterances(utts, "official")
+    assert (len(train), len(test)) == (2700, 300) and all(u.index < 5 for u in test)
+    train, test = speech.split_utterances(utts, "speaker:theo")
+    assert (len(train), len(test)) == (2500, 500) and {u.speaker for u in test} == {"theo"}
+
+
+def test_log_mel_frames_are_mean_normalised_and_context_windows_repeat_the_edges():
+    fe = FrontEnd(context=2)
+    frames = speech.log_mel(tone(3, 0, 0), fe)
+    assert frames.shape[1] == 40 and np.abs(frames.mean(0)).max() < 1e-4
+    assert len(frames) == 1 + (len(tone(3, 0, 0)) - 200) // 80   # 25 ms windows every 10 ms
+    win = speech.context_windows(frames, 2)
+    assert win.shape == (len(frames), 200)
+    assert np.array_equal(win[0, :40], frames[0]) and np.array_equal(win[0, 80:120], frames[0])
+    assert np.array_equal(win[5, 120:160], frames[6])
+    short = speech.log_mel(np.zeros(50, np.int16), fe)  # shorter than a window: one frame
+    assert short.shape == (1, 40) and np.isfinite(short).all()
+
+
+def test_the_feature_cache_is_keyed_by_the_archive_and_the_front_end(tmp_path, tones):
+    cache = tmp_path / "cache"
+    first = load_features(tones, FrontEnd(), cache)
+    entries = sorted(p.name for p in cache.iterdir())
+    assert len(entries) == 1 and len(first) == 200
+    again = load_features(tones, FrontEnd(), cache)
+    assert np.array_equal(again.frames, first.frames) and again.names == first.names
+    other = load_features(tones, FrontEnd(n_mels=24), cache)
+    assert other.frames.shape[1] == 24 and len(list(cache.iterdir())) == 2
+    write_archive(tones, indices=range(8))  # the archive changed: a new entry, not the stale one
+    assert len(load_features(tones, FrontEnd(), cache)) == 160
+    train, test = first.split("official")
+    x, y, utt = train.windows()
+    assert len(train) == len(test) == 100 and x.shape == (len(y), 440) and utt.max() == 99
+
+
+def test_a_bad_wav_names_the_file_and_what_is_wrong(tmp_path):
+    assert read_wav(wav_bytes(tone(1, 0, 0))).dtype == np.int16
+    for raw, what in ((wav_bytes(tone(1, 0, 0), rate=16000), "sample rate 16000 Hz"),
+                      (wav_bytes(tone(1, 0, 0), width=1), "8-bit samples"),
+                      (wav_bytes(tone(1, 0, 0), channels=2), "2 channels"),
+                      (b"RIFF\x00\x00junk", "not a PCM wav")):
+        with pytest.raises(BadAudio, match=what):
+            read_wav(raw, "x.wav")
+    bad = write_archive(tmp_path / "a.tar.gz", extra={"recordings/3_zed_1.wav": wav_bytes(tone(3, 0, 1), 16000)})
+    with pytest.raises(BadAudio, match="a.tar.gz:recordings/3_zed_1.wav: sample rate 16000 Hz"):
+        read_archive(bad)
+    junk = tmp_path / "junk.tar.gz"
+    junk.write_bytes(b"\x1f\x8b" + bytes(100))
+    with pytest.raises(DataFormatError, match="not a readable .tar.gz"):
+        read_archive(junk)
+    empty = tmp_path / "empty.tar.gz"
+    with tarfile.open(empty, "w:gz"):
+        pass
+    with pytest.raises(DataFormatError, match="no recordings"):
+        read_archive(empty)
+    with pytest.raises(MarianaError, match="no such speaker"):
+        speech.split_utterances(read_archive(write_archive(tmp_path / "b.tar.gz")), "speaker:carol")
+
+
+def test_utterance_scores_sum_frame_log_posteriors():
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [0.0, 3.0]])
+    scores = utterance_scores(logits, torch.tensor([0, 0, 1]), 2)
+    expect = torch.log_softmax(logits.double(), 1)
+    assert torch.allclose(scores[0], expect[0] + expect[1]) and torch.allclose(scores[1], expect[2])
+    m = SpeechDNN(SpeechDNNConfig(input_dim=4, hidden=(3,)))
+    m.set_input_stats(torch.tensor([[1.0, 2.0, 3.0, 5.0], [3.0, 2.0, 5.0, 9.0]]))
+    assert m.input_std[1] == 1.0 and m.input_mean[0] == 2.0  # a constant dimension keeps std 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "{tmp}/missing"], "no such file (the FSDD archive"),
+    (["--data", "{junk}"], "not a readable .tar.gz"),
+    (["--data", "{bad}"], "sample rate 16000 Hz, expected 8000 Hz"),
+    (["--data", "{good}", "--nproc", "99"], "--nproc 99: must be between 1 and"),
+    (["--data", "{good}", "--exchange", "gzip"], "--exchange 'gzip': use exact, fp16, powersgd:R"),
+    (["--data", "{good}", "--split", "speaker:carol"], "no such speaker (the data has ann, bob)"),
+    (["--data", "{good}", "--epochs", "0"], "--epochs must be >= 1"),
+])
+def test_bad_input_to_train_speech_is_one_error_line_and_exit_2(tmp_path, args, message):
+    junk = tmp_path / "junk.tar.gz"
+    junk.write_bytes(b"not gzip at all")
+    paths = {"tmp": tmp_path, "junk": junk, "good": write_archive(tmp_path / "good.tar.gz"),
+             "bad": write_archive(tmp_path / "bad.tar.gz", extra={"recordings/3_zed_1.wav":
+                                                                  wav_bytes(tone(3, 0, 1), 16000)})}
+    proc = run_cli("train", "speech", *[a.format(**paths) for a in args], "--out", tmp_path / "m",
+                   env={"MARIANA_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("mariana: error: ") and message in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "m" / "CURRENT").exists()
+
+
+def test_train_speech_in_one_process_publishes_a_version_the_recognizer_runs(tmp_path, tones):
+    proc = run_cli("train", "speech", "--data", tones, "--epochs", "3", "--batch-size", "128", "--out",
+                   tmp_path / "m", "--json", env={"MARIANA_CACHE": str(tmp_path / "cache")}, check=True)
+    result = json.loads(proc.stdout)
+    assert result["nproc"] == 1 and result["bytes_per_step"] == 0 and len(result["per_epoch"]) == 3
+    manifest = json.loads((tmp_path / "m" / "v000001" / "manifest.json").read_text())
+    assert manifest["kind"] == "speech_dnn" and manifest["front_end"] == FrontEnd().to_dict()
+    assert manifest["metrics"]["test_accuracy"] == result["test_accuracy"] >= 0.9
+    assert (tmp_path / "m" / "v000001" / "optimizer.safetensors").exists()
+    rec = speech.SpeechRecognizer.load(tmp_path / "m")
+    assert rec.classify(tone(4, 1, 3)) == 4
+    assert speech.is_speech_model(tmp_path / "m") and not speech.is_speech_model(tmp_path)
+    from mariana.sparse.errors import ModelDirError
+    from mariana.trainer.bundle import ModelBundle
+    with pytest.raises(ModelDirError, match="v000001 is a speech model .* serving does not"):
+        ModelBundle.load(str(tmp_path / "m"))  # what serving loads: a clear refusal, not a KeyError
+    listed = run_cli("model", "list", "--model-dir", tmp_path / "m", check=True).stdout
+    assert "v000001  speech_dnn" in listed

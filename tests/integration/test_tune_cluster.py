@@ -58,9 +58,9 @@ def test_a_cluster_search_publishes_its_best_trial_and_cancels_the_pruned_jobs(g
         manifest["tune"]["trials_file"].rsplit("/", 1)[1]]
     # the deadline cancelled the job under way (the pruner's are checked below: how many trials
     # fit in 8 s depends on the machine's load)
+    # (a job the deadline cancels may finish before the cancel reaches it: "done" then, as a pruned one)
     for t in trials:
-        assert jobs[t["number"]] in PRUNED_JOB if t["state"] == "pruned" else (
-            jobs[t["number"]] == {"complete": "done", "budget": "cancelled"}[t["state"]]), t
+        assert jobs[t["number"]] in {"pruned": PRUNED_JOB, "budget": PRUNED_JOB, "complete": ("done",)}[t["state"]], t
     # the published version is the best trial's model: its test metrics are the job's
     metrics, _ = evaluate(ModelBundle.load(str(out)), [str(gen_files["test"])])
     assert metrics["auc"] == pytest.approx(manifest["metrics"]["auc"]) and metrics["auc"] > 0.7

@@ -3,6 +3,7 @@
 
     mariana gen ads-with-images --rows N --seed S --images MNIST_DIR --out DIR
                                 [--test-rows N] [--creatives C] [--model-seed M]
+    mariana gen images --rows N [--seed S] [--size 64] --out DIR   (drawn shapes, MNIST-named IDX files)
     mariana featurizer train --data MNIST_DIR --out DIR [--epochs E] [--json]
     mariana featurize --model FEATURIZER_DIR --images FILE --out FILE.npy
     mariana featurize-creatives --images CREATIVES_DIR [--featurizer DIR] [--redis-url URL | --config FILE]
@@ -18,6 +19,19 @@ import os
 import time
 
 from mariana.sparse.errors import MarianaError
+
+
+def cmd_gen_images(args: argparse.Namespace) -> int:
+    from mariana.featurizer.shapes import generate_images
+
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise MarianaError(f"{args.out}: exists and is not a directory; --out names the directory to write")
+    try:
+        result = generate_images(args.out, args.rows, args.seed, args.size)
+    except ValueError as e:
+        raise MarianaError(str(e)) from None
+    print(json.dumps(result))
+    return 0
 
 
 def cmd_gen_ads(args: argparse.Namespace) -> int:
@@ -143,6 +157,13 @@ def add_gen_ads(gsub) -> None:
     ga.add_argument("--images", required=True, help="the MNIST dir (t10k-images/labels IDX files)")
     ga.add_argument("--out", required=True, help="directory: train.tsv, test.tsv, creatives/, planted.json")
     ga.set_defaults(func=cmd_gen_ads)
+    gi = gsub.add_parser("images", help="a deterministic synthetic image set: 10 classes of drawn shapes "
+                                        "(featurizer/shapes.py), as MNIST-named IDX files")
+    gi.add_argument("--rows", type=int, required=True, help="images to write")
+    gi.add_argument("--seed", type=int, default=0, help="seed of the images")
+    gi.add_argument("--size", type=int, default=64, help="side in pixels (default 64: the wide CNN's input)")
+    gi.add_argument("--out", required=True, help="directory: t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz")
+    gi.set_defaults(func=cmd_gen_images)
 
 
 def add_commands(sub) -> None:

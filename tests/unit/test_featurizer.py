@@ -3,6 +3,7 @@ determinism, creative lookups with their fallback, and the ads-with-images data.
 from __future__ import annotations
 
 import gzip
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -193,3 +194,45 @@ def test_publish_dir_leaves_a_dir_that_another_writer_put_there_first(tmp_path):
     assert publish_dir(mine, tmp_path / "v2") and (tmp_path / "v2" / "a").read_text() == "mine"
     assert publish_dir(tmp_path / "v2", theirs, replace=True) and (theirs / "a").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
+
+
+def test_the_cnn_takes_any_number_of_blocks_and_keeps_the_featurizers_names():
+    from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops
+
+    # the MNIST featurizer's layout, pinned: exported featurizers name these weights and ops
+    default = ImageCNN(ImageCNNConfig())
+    assert {k: tuple(v.shape) for k, v in default.state_dict().items()} == {
+        "conv1.0.weight": (16, 1, 3, 3), "conv1.0.bias": (16,), "conv2.0.weight": (32, 16, 3, 3),
+        "conv2.0.bias": (32,), "embed.1.weight": (32, 1568), "embed.1.bias": (32,), "head.weight": (10, 32),
+        "head.bias": (10,)}
+    assert frozen_ops(default)[0] == {"op": "conv2d", "weight": "conv1.0.weight", "bias": "conv1.0.bias",
+                                      "stride": [1, 1], "padding": [1, 1]}
+    wide = ImageCNNConfig.wide()
+    assert ImageCNNConfig.from_dict(wide.to_dict()) == wide and wide.side == 1
+    model = ImageCNN(wide)
+    assert [n for n, _ in model.stages()] == [f"conv{i}" for i in range(1, 7)] + ["embed", "head"]
+    assert sum(p.numel() for p in model.parameters()) > 1_000_000
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ImageCNNConfig(size=48, channels=wide.channels)
+
+
+def test_gen_images_is_deterministic_balanced_and_reads_as_mnist(tmp_path):
+    from mariana.featurizer.image import load_mnist
+    from tests.conftest import run_cli
+
+    first = json.loads(run_cli("gen", "images", "--rows", "300", "--seed", "3", "--out", tmp_path / "a",
+                               check=True).stdout)
+    again = json.loads(run_cli("gen", "images", "--rows", "300", "--seed", "3", "--out", tmp_path / "b",
+                               check=True).stdout)
+    other = json.loads(run_cli("gen", "images", "--rows", "300", "--seed", "4", "--out", tmp_path / "c",
+                               check=True).stdout)
+    assert first["content_sha256"] == again["content_sha256"] != other["content_sha256"]
+    assert min(first["per_class"]) > 15 and sum(first["per_class"]) == 300
+    data = load_mnist(tmp_path / "a")
+    assert data.images.shape == (300, 64, 64) and data.images.dtype == np.uint8
+    small = load_mnist(tmp_path / "a").images[:100]
+    from mariana.featurizer.shapes import generate_images
+    generate_images(tmp_path / "d", 100, 3)  # image i depends only on (seed, i)
+    assert np.array_equal(load_mnist(tmp_path / "d").images, small)
+    bad = run_cli("gen", "images", "--rows", "0", "--out", tmp_path / "e")
+    assert bad.returncode == 2 and "--rows >= 1" in bad.stderr

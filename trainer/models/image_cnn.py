@@ -1,19 +1,21 @@
 """The image CNN: the one definition that the image featurizer trains and
-exports (featurizer/image.py) and that the image GPU mode (model parallel +
-data parallel) will split into partitions.
+exports (featurizer/image.py) and that the image mode (model parallel + data
+parallel) splits into partitions.
 
-    pixels  (B, 1, 28, 28)  float32, normalised
-    conv1   3x3 conv 1->c1, ReLU, 2x2 max pool     (B, c1, 14, 14)
-    conv2   3x3 conv c1->c2, ReLU, 2x2 max pool    (B, c2, 7, 7)
-    embed   flatten, linear c2*7*7 -> d, ReLU      (B, d)        the featurizer's output
+    pixels  (B, 1, S, S)    float32, normalised
+    conv1   3x3 conv 1->c1, ReLU, 2x2 max pool     (B, c1, S/2, S/2)
+    ...     one block per entry of `channels`      (B, ck, S/2^k, S/2^k)
+    embed   flatten, linear -> d, ReLU             (B, d)        the featurizer's output
     head    linear d -> classes                    (B, classes)  logits
 
-The parts are named and kept in order in `stages()`, so a partitioner can cut
-the list anywhere (each stage's output is the next one's only input).
-`frozen_ops` writes the stages as a list of plain ops (conv2d, relu, ...) over
-named weights: the exported featurizer (featurizer/image.py) runs that list,
-so serving and preprocess need no training code and this file stays the one
-definition of the network.
+The default (2 blocks of 16 and 32 channels on 28x28) is the MNIST featurizer;
+`ImageCNNConfig.wide()` (6 blocks, 64-256 channels, 64x64 inputs) is big enough
+that memory and speed of the parallel modes matter. The parts are named and kept
+in order in `stages()`, so a partitioner can cut the list anywhere (each stage's
+output is the next one's only input). `frozen_ops` writes the stages as a list of
+plain ops (conv2d, relu, ...) over named weights: the exported featurizer
+(featurizer/image.py) runs that list, so serving and preprocess need no training
+code and this file stays the one definition of the network.
 
 >>> m = ImageCNN(ImageCNNConfig(embed_dim=8))
 >>> [name for name, _ in m.stages()]
@@ -22,6 +24,9 @@ definition of the network.
 ['conv2d', 'relu', 'max_pool2d', 'conv2d', 'relu', 'max_pool2d', 'flatten', 'linear', 'relu']
 >>> m(torch.zeros(2, 1, 28, 28)).shape, m.embed_features(torch.zeros(2, 1, 28, 28)).shape
 (torch.Size([2, 10]), torch.Size([2, 8]))
+>>> w = ImageCNN(ImageCNNConfig.wide())
+>>> len(w.stages()), w(torch.zeros(1, 1, 64, 64)).shape
+(8, torch.Size([1, 10]))
 """
 from __future__ import annotations
 
@@ -34,9 +39,26 @@ from torch import nn
 @dataclass(frozen=True)
 class ImageCNNConfig:
     size: int = 28            # square input, one channel
-    channels: tuple[int, int] = (16, 32)
+    channels: tuple[int, ...] = (16, 32)   # one conv block per entry
     embed_dim: int = 32       # d: the width of the featurizer's output
     classes: int = 10
+
+    def __post_init__(self) -> None:
+        if not self.channels or any(c < 1 for c in self.channels):
+            raise ValueError(f"image CNN: at least one conv block, each with >= 1 channel, got {self.channels}")
+        if self.size < 1 or self.size % (1 << len(self.channels)):
+            raise ValueError(f"image size must be a multiple of {1 << len(self.channels)} "
+                             f"({len(self.channels)} 2x2 pools), got {self.size}")
+
+    @classmethod
+    def wide(cls) -> "ImageCNNConfig":
+        """The preset for the parallel modes: 6 blocks of 64-256 channels on 64x64 inputs."""
+        return cls(size=64, channels=(64, 96, 128, 160, 192, 256), embed_dim=256, classes=10)
+
+    @property
+    def side(self) -> int:
+        """The feature map's side after the last block."""
+        return self.size >> len(self.channels)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "channels": list(self.channels)}
@@ -55,23 +77,24 @@ def conv_block(c_in: int, c_out: int) -> nn.Sequential:
 class ImageCNN(nn.Module):
     def __init__(self, cfg: ImageCNNConfig = ImageCNNConfig()):
         super().__init__()
-        if cfg.size % 4:
-            raise ValueError(f"image size must be a multiple of 4 (two 2x2 pools), got {cfg.size}")
         self.cfg = cfg
-        c1, c2 = cfg.channels
-        side = cfg.size // 4
-        self.conv1 = conv_block(1, c1)
-        self.conv2 = conv_block(c1, c2)
-        self.embed = nn.Sequential(nn.Flatten(), nn.Linear(c2 * side * side, cfg.embed_dim), nn.ReLU())
+        c_in = 1
+        for i, c in enumerate(cfg.channels, 1):  # conv1, conv2, ...: the featurizer's weight names
+            setattr(self, f"conv{i}", conv_block(c_in, c))
+            c_in = c
+        self.embed = nn.Sequential(nn.Flatten(), nn.Linear(c_in * cfg.side * cfg.side, cfg.embed_dim), nn.ReLU())
         self.head = nn.Linear(cfg.embed_dim, cfg.classes)
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         """(name, module) in forward order: pixels -> ... -> logits."""
-        return [("conv1", self.conv1), ("conv2", self.conv2), ("embed", self.embed), ("head", self.head)]
+        convs = [(f"conv{i}", getattr(self, f"conv{i}")) for i in range(1, len(self.cfg.channels) + 1)]
+        return convs + [("embed", self.embed), ("head", self.head)]
 
     def embed_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, 1, S, S) normalised pixels -> (B, d) features (every stage before the head)."""
-        return self.embed(self.conv2(self.conv1(x)))
+        for _, stage in self.stages()[:-1]:
+            x = stage(x)
+        return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.embed_features(x))  # (B, classes)

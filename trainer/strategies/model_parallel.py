@@ -1,0 +1,179 @@
+"""Model parallel x data parallel, as the seed's CNN framework: the ranks form a
+(G, P) mesh, G data-parallel groups of P model partitions. Inside a group the
+model's stages are cut into P partitions that pass activations forward and
+gradients back (a pipeline of M micro-batches, 1F1B or GPipe); across groups,
+each partition exchanges its gradients only with the same partition of the
+other groups (DDP over its `dp` group). Read top to bottom:
+
+    layout = Layout(groups=G, partitions=P); g, p = layout.coords(rank)
+    cuts = balance(stage_costs, P)           contiguous partitions, the largest cost minimised
+    part = Partition(model.stages()[cut p])  the stages of partition p (recomputed in ~sqrt(k)
+                                             segments with `recompute`)
+    step = PipelineStep(part, layout, ...)   PipelineStage + Schedule1F1B / ScheduleGPipe over the
+                                             group's `pp` ranks, DDP over the partition's `dp` ranks
+    for global batch: group g takes its contiguous share; stage 0 feeds the images, the last
+    stage the labels; the schedule runs M micro-batches and averages their gradients; DDP
+    averages over the G groups: the gradient of the global batch's mean loss, as one process.
+
+Parameter names stay the model's (`Partition.model_state` strips nothing but adds nothing),
+so the partitions of group 0 put together are the model's state_dict.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mariana.sparse.errors import ConfigError
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """G data-parallel groups x P partitions; rank r is partition r % P of group r // P.
+
+    >>> Layout(groups=2, partitions=2).coords(3), Layout(2, 2).pp_ranks(1), Layout(2, 2).dp_ranks(0)
+    ((1, 1), [2, 3], [0, 2])
+    """
+
+    groups: int = 1
+    partitions: int = 1
+
+    def __post_init__(self) -> None:
+        if self.groups < 1 or self.partitions < 1:
+            raise ConfigError(f"--groups and --partitions must be >= 1, got {self.groups}, {self.partitions}")
+
+    @property
+    def world_size(self) -> int:
+        return self.groups * self.partitions
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.partitions)
+
+    def pp_ranks(self, group: int) -> list[int]:
+        return [group * self.partitions + p for p in range(self.partitions)]
+
+    def dp_ranks(self, partition: int) -> list[int]:
+        return [g * self.partitions + partition for g in range(self.groups)]
+
+
+def balance(costs: list[float], parts: int) -> list[tuple[int, int]]:
+    """Cut `costs` (one per stage, in order) into `parts` contiguous non-empty runs whose
+    largest sum is as small as it can be; returns each run's [start, stop).
+
+    >>> balance([4, 1, 1, 1, 1], 2)
+    [(0, 1), (1, 5)]
+    >>> balance([1, 1, 1, 1], 3)
+    [(0, 2), (2, 3), (3, 4)]
+    """
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise ConfigError(f"--partitions {parts}: the model has {n} stages, so 1 to {n} partitions")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: the smallest largest-run over cutting the first i stages into k runs
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    runs, i = [], n
+    for k in range(parts, 0, -1):
+        runs.append((cut[k][i], i))
+        i = cut[k][i]
+    return runs[::-1]
+
+
+class Partition(nn.Module):
+    """Consecutive stages of a model, run in order. With `recompute`, the stages run in about
+    sqrt(k) segments whose inner activations are not kept but recomputed in the backward
+    (activation checkpointing). `named` keeps the model's own parameter names."""
+
+    def __init__(self, stages: list[tuple[str, nn.Module]], recompute: bool = False):
+        super().__init__()
+        self.names = [name for name, _ in stages]
+        for name, module in stages:
+            self.add_module(name, module)
+        self.recompute = recompute
+        k = len(stages)
+        size = max(1, round(math.sqrt(k))) if recompute else k
+        self.segments = [self.names[i:i + size] for i in range(0, k, size)]
+
+    def _run(self, names: list[str], x: torch.Tensor) -> torch.Tensor:
+        for name in names:
+            x = getattr(self, name)(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for names in self.segments:
+            if self.recompute and torch.is_grad_enabled():
+                x = checkpoint(self._run, names, x, use_reentrant=False)
+            else:
+                x = self._run(names, x)
+        return x
+
+
+class PipelineStep:
+    """One rank's part of a (G, P) job: its partition, in a pipeline over its group's ranks
+    (P > 1) and in DDP over the same partition of the other groups (G > 1).
+    `step(x, y)` trains on this group's rows of a global batch (stage 0 reads x, the last
+    stage y) and returns the mean loss on the last stage (None elsewhere)."""
+
+    def __init__(self, partition: Partition, layout: Layout, rank: int, microbatches: int, schedule: str,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device):
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule {schedule!r}: use one of {list(SCHEDULES)}")
+        if microbatches < 1:
+            raise ConfigError(f"--microbatches must be >= 1, got {microbatches}")
+        self.layout, self.rank, self.loss_fn = layout, rank, loss_fn
+        self.group, self.part = layout.coords(rank)
+        self.first, self.last = self.part == 0, self.part == layout.partitions - 1
+        self.module = partition.to(device)
+        self.dp_group = self.pp_group = None
+        if dist.is_initialized() and layout.world_size > 1:
+            # every rank creates every group, in the same order (new_group is collective)
+            dp = [dist.new_group(layout.dp_ranks(p)) for p in range(layout.partitions)]
+            pp = [dist.new_group(layout.pp_ranks(g)) for g in range(layout.groups)]
+            self.dp_group, self.pp_group = dp[self.part], pp[self.group]
+        net: nn.Module = self.module
+        if layout.groups > 1:
+            net = nn.parallel.DistributedDataParallel(self.module, process_group=self.dp_group,
+                                                      device_ids=[device.index] if device.type == "cuda" else None)
+        self.net = net
+        self.schedule = None
+        if layout.partitions > 1:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            stage = PipelineStage(net, self.part, layout.partitions, device, group=self.pp_group)
+            kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            self.schedule = kind(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+        self.microbatches = microbatches
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
+        """Forward and backward of this group's rows; the caller steps its optimizer after."""
+        if self.schedule is None:  # the whole model here: micro-batches as gradient accumulation
+            losses = []
+            for xb, yb in zip(x.tensor_split(self.microbatches), y.tensor_split(self.microbatches)):
+                loss = self.loss_fn(self.net(xb), yb) / self.microbatches
+                loss.backward()
+                losses.append(loss.detach())
+            return torch.stack(losses).sum()
+        losses: list[torch.Tensor] = []
+        if self.first:
+            self.schedule.step(x)
+        elif self.last:
+            self.schedule.step(target=y, losses=losses)
+        else:
+            self.schedule.step()
+        return torch.stack(losses).mean() if self.last else None

@@ -69,8 +69,8 @@ def balance(costs: list[float], parts: int) -> list[tuple[int, int]]:
 
     >>> balance([4, 1, 1, 1, 1], 2)
     [(0, 1), (1, 5)]
-    >>> balance([1, 1, 1, 1], 3)
-    [(0, 2), (2, 3), (3, 4)]
+    >>> balance([1, 2, 3, 4, 5], 2)   # 6 | 9: no cut does better than 9
+    [(0, 3), (3, 5)]
     """
     n = len(costs)
     if not 1 <= parts <= n:

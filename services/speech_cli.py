@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 from mariana.sparse.errors import MarianaError
 
@@ -33,7 +32,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="official", help="official (recording index 0-4 held out: 2,700 / 300) "
                                                        "or speaker:NAME (one speaker held out)")
     p.add_argument("--nproc", type=int, default=1, help="ranks of synchronous data parallel on this machine "
-                                                        "(at most its cores, or its GPUs with --device cuda)")
+                                                        "(one per GPU with --device cuda; on the CPU up to 4 per core)")
     p.add_argument("--exchange", default="exact", help="how gradients are exchanged: exact (fp32 all-reduce), "
                    "fp16, powersgd:R, onebit, or approx (the default approximate one: powersgd:1)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
@@ -55,40 +54,24 @@ def build_train_parser() -> argparse.ArgumentParser:
 
 def train_main(argv: list[str]) -> int:
     """`mariana train speech ARGV`: one rank (under torchrun or run_ranks), one process, or N ranks."""
+    from mariana.services.ranks import check_nproc, run_job
     from mariana.services.runtime import report
     from mariana.services.runtime.logs import setup_logging
     from mariana.trainer.strategies import data_parallel as dp
 
     args = build_train_parser().parse_args(argv)
-    ctx = dp.DistContext.from_env()
-    setup_logging(-1 if args.quiet or ctx.rank > 0 else args.verbose)
+    setup_logging(-1 if args.quiet or dp.DistContext.from_env().rank > 0 else args.verbose)
     cfg = _config(args)
-    if ctx.distributed:  # a rank: of torchrun, or of run_ranks below
-        try:
-            result = _train(cfg, args, ctx, os.environ.get("MARIANA_DIST_INIT"))
-        except RuntimeError as e:  # gloo / NCCL: a peer gone, a collective timed out
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise MarianaError(f"rank {ctx.rank} of {ctx.world_size}: a collective failed ({first[:300]})") from None
-        target = os.environ.get("MARIANA_DIST_RESULT")
-        if ctx.rank == 0 and target:
-            with open(target, "w") as f:
-                json.dump(result, f)
-        elif ctx.rank == 0:
-            report.print_record(_shown(result, args.json), args.json)
-        return 0
-    _check_nproc(args.nproc, cfg.device)
-    if args.nproc == 1:
-        result = _train(cfg, args, ctx, None)
-    else:
+    if not dp.DistContext.from_env().distributed:
+        check_nproc(args.nproc, cfg.device)
+
+    def check() -> None:  # fill the feature cache once, not in every rank, and check the split
         from mariana.featurizer.speech import fsdd_archive, load_features
-        # fill the cache once, not in every rank, and check the data and the split before starting them
         load_features(fsdd_archive(args.data), cfg.front_end).split(cfg.split)
-        with tempfile.TemporaryDirectory(prefix="mariana-ranks-") as tmp:
-            target = os.path.join(tmp, "result.json")
-            dp.run_ranks(["train", "speech", *argv], args.nproc, tmp, {"MARIANA_DIST_RESULT": target})
-            with open(target) as f:
-                result = json.load(f)
-    report.print_record(_shown(result, args.json), args.json)
+
+    result = run_job(["train", "speech"], argv, args.nproc, lambda ctx, init: _train(cfg, args, ctx, init), check)
+    if result is not None:
+        report.print_record(_shown(result, args.json), args.json)
     return 0
 
 
@@ -104,17 +87,6 @@ def _train(cfg, args: argparse.Namespace, ctx, init_method: str | None) -> dict:
     from mariana.trainer.speech import train_speech
 
     return train_speech(cfg, args.data, args.out, ctx, init_method, _progress_logger() if ctx.rank == 0 else None)
-
-
-def _check_nproc(nproc: int, device: str) -> None:
-    import torch
-
-    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
-        allowed, what = torch.cuda.device_count(), "CUDA devices"
-    else:
-        allowed, what = os.cpu_count() or 1, "CPU cores"
-    if not 1 <= nproc <= allowed:
-        raise MarianaError(f"--nproc {nproc}: must be between 1 and {allowed} (this machine's {what}: one rank each)")
 
 
 def _progress_logger():

@@ -54,7 +54,7 @@ def one(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("groups,parts,schedule", [(1, 2, "1f1b"), (1, 2, "gpipe"), (2, 1, "1f1b"),
-                                                    (2, 2, "1f1b")])
+                                                    (2, 2, "1f1b"), (2, 2, "gpipe")])
 def test_partitions_and_groups_match_one_process(tmp_path, one, groups, parts, schedule):
     got = run(tmp_path, groups, parts, schedule=schedule)
     assert close(got, one, "grad.") <= 1e-6

@@ -3,7 +3,7 @@
 model's stages are cut into P partitions that pass activations forward and
 gradients back (a pipeline of M micro-batches, 1F1B or GPipe); across groups,
 each partition exchanges its gradients only with the same partition of the
-other groups (DDP over its `dp` group). Read top to bottom:
+other groups (an all-reduce over its `dp` group). Read top to bottom:
 
     layout = Layout(groups=G, partitions=P); g, p = layout.coords(rank)
     cuts = balance(stage_costs, P)           contiguous partitions, the largest cost minimised
@@ -146,34 +146,50 @@ class PipelineStep:
             dp = [dist.new_group(layout.dp_ranks(p)) for p in range(layout.partitions)]
             pp = [dist.new_group(layout.pp_ranks(g)) for g in range(layout.groups)]
             self.dp_group, self.pp_group = dp[self.part], pp[self.group]
-        net: nn.Module = self.module
-        if layout.groups > 1:
-            net = nn.parallel.DistributedDataParallel(self.module, process_group=self.dp_group,
-                                                      device_ids=[device.index] if device.type == "cuda" else None)
-        self.net = net
+        self.net = self.module
         self.schedule = None
         if layout.partitions > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-            stage = PipelineStage(net, self.part, layout.partitions, device, group=self.pp_group)
+            stage = PipelineStage(self.module, self.part, layout.partitions, device, group=self.pp_group)
             kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
             self.schedule = kind(stage, n_microbatches=microbatches, loss_fn=loss_fn)
         self.microbatches = microbatches
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
-        """Forward and backward of this group's rows; the caller steps its optimizer after."""
+        """Forward and backward of this group's rows, then the exchange of this partition's
+        gradients with its replicas; the caller steps its optimizer after."""
         if self.schedule is None:  # the whole model here: micro-batches as gradient accumulation
             losses = []
             for xb, yb in zip(x.tensor_split(self.microbatches), y.tensor_split(self.microbatches)):
                 loss = self.loss_fn(self.net(xb), yb) / self.microbatches
                 loss.backward()
                 losses.append(loss.detach())
-            return torch.stack(losses).sum()
-        losses: list[torch.Tensor] = []
-        if self.first:
-            self.schedule.step(x)
-        elif self.last:
-            self.schedule.step(target=y, losses=losses)
+            out = torch.stack(losses).sum()
         else:
-            self.schedule.step()
-        return torch.stack(losses).mean() if self.last else None
+            losses: list[torch.Tensor] = []
+            if self.first:
+                self.schedule.step(x)
+            elif self.last:
+                self.schedule.step(target=y, losses=losses)
+            else:
+                self.schedule.step()
+            out = torch.stack([loss.detach() for loss in losses]).mean() if self.last else None
+        if self.layout.groups > 1:
+            self.average_gradients()
+        return out
+
+    def average_gradients(self) -> None:
+        """The mean of this partition's gradients over the G groups: one flat fp32 all-reduce
+        over the partition's `dp` ranks, after the schedule (through dist.all_reduce, so
+        data_parallel.CollectiveBytes counts it). Not DDP: in torch 2.13 DDP under a GPipe
+        schedule fails its first-step bucket rebuild (it counts each micro-batch's backward),
+        and with static_graph=True the replicas drifted apart."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat.div_(self.layout.groups)
+        at = 0
+        for g in grads:
+            g.copy_(flat[at:at + g.numel()].view_as(g))
+            at += g.numel()

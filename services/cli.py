@@ -677,9 +677,14 @@ def _speech_train(argv: list[str]) -> int:
     return speech_cli.train_main(argv)
 
 
+def _image_train(argv: list[str]) -> int:
+    return images_cli.train_image_main(argv)
+
+
 # `mariana train MODE ...`: (help, main(argv)) of the training modes beside the CTR models
 TRAIN_MODES = {"speech": ("the speech DNN on spoken digits, data parallel (mariana train speech -h)",
-                          _speech_train)}
+                          _speech_train),
+               "image": ("the image CNN, model parallel x data parallel (mariana train image -h)", _image_train)}
 
 
 def _logging_flags_everywhere(parser: argparse.ArgumentParser) -> None:

@@ -192,3 +192,91 @@ def add_commands(sub) -> None:
     ft.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the order (default 0)")
     ft.add_argument("--json", action="store_true", help="print the report as one JSON line")
     ft.set_defaults(func=cmd_featurizer_train)
+
+
+# ---- mariana train image (issue 18) -------------------------------------------------------
+
+def build_train_image_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mariana train image",
+                                description="train the image CNN as G data-parallel groups of P pipelined "
+                                            "partitions (G x P processes) and export it as a featurizer")
+    p.add_argument("--data", help="a dir of MNIST-named IDX files: MNIST or `mariana gen images` (default: "
+                                  "$MARIANA_DATA/mnist, else ../shared/data/mnist)")
+    p.add_argument("--preset", default=None, help="small | mnist (32/64 channels) | wide (6 blocks, 64x64); "
+                                                  "default: mnist for 28x28 images, wide for 64x64")
+    p.add_argument("--partitions", type=int, default=1, help="P: model partitions per group (pipeline stages)")
+    p.add_argument("--groups", type=int, default=1, help="G: data-parallel groups")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
+    p.add_argument("--microbatches", type=int, default=4, help="M: micro-batches per global batch and group")
+    p.add_argument("--recompute", action="store_true", help="recompute activations in ~sqrt(blocks) segments "
+                                                            "per partition instead of keeping them")
+    p.add_argument("--prefetch", type=int, default=2, help="batches prepared ahead in a background thread (0: off)")
+    p.add_argument("--shift", type=int, default=2, help="augmentation: random shifts up to this many pixels")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=128, help="images per step over all groups")
+    p.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--test-images", type=int, default=2000, help="images held out (a fixed permutation's last N)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait")
+    p.add_argument("--out", required=True, help="featurizer directory to write (rank 0)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    return p
+
+
+def train_image_main(argv: list[str]) -> int:
+    import logging
+
+    from mariana.featurizer.image import load_mnist, mnist_dir
+    from mariana.services.ranks import check_nproc, run_job
+    from mariana.services.runtime import report
+    from mariana.services.runtime.logs import setup_logging
+    from mariana.trainer.strategies import data_parallel as dp
+
+    args = build_train_image_parser().parse_args(argv)
+    ctx = dp.DistContext.from_env()
+    setup_logging(-1 if args.quiet or ctx.rank > 0 else args.verbose)
+    data = load_mnist(mnist_dir(args.data))
+    from mariana.trainer.image import ImageConfig
+
+    preset = args.preset or ("wide" if data.images.shape[1] == 64 else "mnist" if data.images.shape[1] == 28
+                             else None)
+    if preset is None:
+        raise MarianaError(f"{args.data}: {data.images.shape[1]}x{data.images.shape[2]} images; give --preset")
+    cfg = ImageConfig(preset=preset, partitions=args.partitions, groups=args.groups, schedule=args.schedule,
+                      microbatches=args.microbatches, recompute=args.recompute, prefetch=args.prefetch,
+                      shift=args.shift, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                      test_images=args.test_images, device=args.device, threads=args.threads, timeout_s=args.timeout)
+    if not 0 < cfg.test_images < len(data.images):
+        raise MarianaError(f"--test-images {cfg.test_images}: must be between 1 and {len(data.images) - 1} "
+                           f"({len(data.images)} images)")
+    if data.images.shape[1] != cfg.cnn.size:
+        raise MarianaError(f"{args.data}: {data.images.shape[1]}x{data.images.shape[2]} images, but preset "
+                           f"{preset!r} takes {cfg.cnn.size}x{cfg.cnn.size}")
+    nproc = args.partitions * args.groups
+    if not ctx.distributed:
+        check_nproc(nproc, cfg.device)
+    log = logging.getLogger("mariana")
+
+    def progress(rec: dict) -> None:
+        log.info("image epoch %d/%d: loss %s, %s images/s, waiting for input %.1f%% of the time", rec["epoch"],
+                 cfg.epochs, rec["loss"], f"{rec['images_per_s']:,.0f}", 100 * rec["input_wait_share"])
+
+    def train_rank(ctx, init_method):
+        from mariana.trainer.featurizer_train import export_featurizer
+        from mariana.trainer.image import train_image
+
+        model, record = train_image(cfg, data, ctx, init_method, progress)
+        if model is None:
+            return None
+        out = export_featurizer(model, record, data, args.out)
+        return {"featurizer": str(out), **{k: v for k, v in record.items() if k != "train_index"}}
+
+    result = run_job(["train", "image"], argv, nproc, train_rank)
+    if result is not None:
+        report.print_record(result if args.json else {k: v for k, v in result.items()
+                                                      if k not in ("per_epoch", "config")}, args.json)
+    return 0

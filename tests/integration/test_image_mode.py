@@ -1,0 +1,60 @@
+"""`mariana train image`: the image CNN as G groups of P pipelined partitions, end to end in
+real processes: the same weights in any layout, an exported featurizer, bad input refused."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shapes28")
+    run_cli("gen", "images", "--rows", "640", "--size", "28", "--seed", "1", "--out", d, check=True)
+    return d
+
+
+def train(shapes, out, *extra: str) -> dict:
+    proc = run_cli("train", "image", "--data", shapes, "--epochs", "2", "--batch-size", "64", "--test-images", "128",
+                   "--out", out, "--json", *extra, check=True)
+    return json.loads(proc.stdout)
+
+
+def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, shapes):
+    one = train(shapes, tmp_path / "p1")
+    two = train(shapes, tmp_path / "p2", "--partitions", "2")
+    grid = train(shapes, tmp_path / "p2g2", "--partitions", "2", "--groups", "2", "--schedule", "gpipe")
+    assert two["cuts"] == [["conv1", "conv2"], ["embed", "head"]] and grid["groups"] == 2
+    w1 = load_file(str(tmp_path / "p1" / "weights.safetensors"))
+    for other in ("p2", "p2g2"):
+        w = load_file(str(tmp_path / other / "weights.safetensors"))
+        assert w.keys() == w1.keys()
+        assert max(float(np.abs(w[k] - w1[k]).max()) for k in w1) < 1e-4, other
+    assert abs(two["test_accuracy"] - one["test_accuracy"]) <= 1 / 128 and one["test_accuracy"] > 0.2
+    assert [e["loss"] for e in two["per_epoch"]] == pytest.approx([e["loss"] for e in one["per_epoch"]], abs=1e-4)
+    from mariana.featurizer.image import ImageFeaturizer, load_mnist, split_indices
+    f = ImageFeaturizer.load(tmp_path / "p2")
+    data = load_mnist(shapes)
+    _, test = split_indices(len(data.images), 128)
+    assert float((f.classify(data.images[test]) == data.labels[test]).mean()) == pytest.approx(two["test_accuracy"],
+                                                                                                abs=1e-4)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--groups", "1000", "--batch-size", "4000"], "1000 ranks: must be between 1 and"),
+    (["--batch-size", "30"], "--batch-size 30 must split evenly into --groups 1 x --microbatches 4"),
+    (["--preset", "wide"], "but preset 'wide' takes 64x64"),
+    (["--test-images", "900"], "--test-images 900: must be between 1 and 639"),  # the last one given counts
+    (["--partitions", "9", "--groups", "0"], "--groups and --partitions must be >= 1"),
+])
+def test_bad_input_to_train_image_is_one_error_line(tmp_path, shapes, args, message):
+    proc = run_cli("train", "image", "--data", shapes, "--out", tmp_path / "f", "--test-images", "128", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("mariana: error: ") and message in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,274 @@
+"""Image mode: the image CNN (trainer/models/image_cnn.py) trained as G data-parallel
+groups of P pipelined partitions (trainer/strategies/model_parallel.py). Read top
+to bottom:
+
+    data = load_mnist(DIR)                      MNIST, or `mariana gen images` (same files)
+    split 8k/2k (featurizer.image.split_indices), pixel stats of the training images
+    model = ImageCNN(preset), seeded; stages cut into P partitions by `balance`
+            (cost: parameter and optimizer bytes + the stage's activations in flight)
+    step = PipelineStep(my partition, Layout(G, P), ...)
+    batches: one seeded global order; each global batch augmented (random +-shift px,
+             drawn from (seed, epoch, step): the same in any layout), prepared by a
+             background thread `prefetch` batches ahead; group g takes its share
+    rank 0 gathers the partitions (point-to-point), evaluates on the held-out 2k and
+    exports the weights as a frozen featurizer (trainer/featurizer_train.export_featurizer)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mariana.featurizer.image import ImageSet, pixel_stats, split_indices, to_input
+from mariana.sparse.errors import ConfigError
+from mariana.trainer.dense import evaluate_dense, loss_fn, resolve_backend, resolve_device, tensor_batches
+from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig
+from mariana.trainer.strategies import data_parallel as dp
+from mariana.trainer.strategies.model_parallel import Layout, Partition, PipelineStep, balance
+
+log = logging.getLogger(__name__)
+
+PRESETS = {"small": ImageCNNConfig(), "mnist": ImageCNNConfig(channels=(32, 64), embed_dim=128),
+           "wide": ImageCNNConfig.wide()}
+
+
+@dataclass
+class ImageConfig:
+    """An image job. `batch_size` is the global batch (images per step over all groups)."""
+
+    preset: str = "mnist"         # small (the featurizer's) | mnist (32/64 channels) | wide (6 blocks, 64x64)
+    partitions: int = 1
+    groups: int = 1
+    schedule: str = "1f1b"        # 1f1b | gpipe
+    microbatches: int = 4
+    recompute: bool = False
+    prefetch: int = 2             # batches prepared ahead by a background thread; 0: none
+    shift: int = 2                # augmentation: random shifts of up to this many pixels
+    epochs: int = 10
+    batch_size: int = 128
+    lr: float = 2e-3
+    seed: int = 0
+    test_images: int = 2000
+    device: str = "cpu"
+    threads: int = 0
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ConfigError(f"--preset {self.preset!r}: use one of {list(PRESETS)}")
+        Layout(self.groups, self.partitions)
+        for key in ("epochs", "batch_size", "microbatches"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
+        if self.batch_size % (self.groups * self.microbatches):
+            raise ConfigError(f"--batch-size {self.batch_size} must split evenly into --groups {self.groups} x "
+                              f"--microbatches {self.microbatches}")
+        if self.prefetch < 0 or self.shift < 0 or not self.lr > 0:
+            raise ConfigError("--prefetch and --shift must be >= 0 and --lr > 0")
+
+    @property
+    def cnn(self) -> ImageCNNConfig:
+        return PRESETS[self.preset]
+
+
+def augment(x: torch.Tensor, shift: int, seed: int) -> torch.Tensor:
+    """Each image moved by a random (dy, dx) in [-shift, shift], zeros coming in; the draws
+    come from `seed` alone, so any layout augments a global batch alike.
+
+    >>> augment(torch.ones(2, 1, 4, 4), 0, 0).sum().item()
+    32.0
+    """
+    if shift == 0:
+        return x
+    g = torch.Generator().manual_seed(seed)
+    n, _, h, w = x.shape
+    d = torch.randint(-shift, shift + 1, (n, 2), generator=g)
+    padded = F.pad(x, (shift, shift, shift, shift))
+    out = torch.empty_like(x)
+    for i, (dy, dx) in enumerate(d.tolist()):
+        out[i] = padded[i, :, shift + dy:shift + dy + h, shift + dx:shift + dx + w]
+    return out
+
+
+def batches(x: torch.Tensor, y: torch.Tensor, cfg: ImageConfig, epoch: int, augment_them: bool):
+    """(global batch of images or None, labels, step) of an epoch in the seeded order; a last
+    batch smaller than the others is left out (a pipeline's stages keep one shape)."""
+    for step, idx in enumerate(dp.global_batches(len(x), cfg.batch_size, cfg.seed, epoch)):
+        if len(idx) < cfg.batch_size:
+            continue
+        xb = augment(x[idx], cfg.shift, cfg.seed * 1_000_003 + epoch * 10_007 + step) if augment_them else None
+        yield xb, y[idx], step
+
+
+def prefetched(items, depth: int):
+    """`items` produced by a background thread up to `depth` ahead (0: in this thread)."""
+    if depth == 0:
+        yield from items
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                q.put(item)
+        finally:
+            q.put(done)
+    threading.Thread(target=produce, daemon=True, name="prefetch").start()
+    while (item := q.get()) is not done:
+        yield item
+
+
+def stage_costs(model: ImageCNN, rows_in_flight: int) -> list[float]:
+    """Bytes per stage: parameters with their gradients and Adam's two moments (16 per
+    parameter), plus its output for the rows in flight (what the backward keeps)."""
+    costs = []
+    x = torch.zeros(1, 1, model.cfg.size, model.cfg.size)
+    with torch.no_grad():
+        for _, stage in model.stages():
+            x = stage(x)
+            costs.append(16.0 * sum(p.numel() for p in stage.parameters()) + 4.0 * x.numel() * rows_in_flight)
+    return costs
+
+
+def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistContext(),
+                init_method: str | None = None,
+                progress: Callable[[dict], None] | None = None) -> tuple[ImageCNN | None, dict]:
+    """Train as rank `ctx.rank`; returns (the whole model on rank 0, else None; the record)."""
+    layout = Layout(cfg.groups, cfg.partitions)
+    if ctx.world_size != layout.world_size:
+        raise ConfigError(f"--groups {cfg.groups} x --partitions {cfg.partitions} needs {layout.world_size} "
+                          f"processes, not {ctx.world_size}")
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and ctx.distributed:
+        device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // ctx.world_size))
+    if data.images.shape[1] != cfg.cnn.size:
+        raise ConfigError(f"the images are {data.images.shape[1]}x{data.images.shape[2]}; preset {cfg.preset!r} "
+                          f"takes {cfg.cnn.size}x{cfg.cnn.size}")
+    dp.init_distributed(ctx, resolve_backend("auto", device), init_method, cfg.timeout_s)
+    train_idx, test_idx = split_indices(len(data.images), cfg.test_images)
+    mean, std = pixel_stats(data.images[train_idx])
+    x = to_input(data.images[train_idx], mean, std)
+    y = torch.from_numpy(data.labels[train_idx].astype(np.int64))
+    torch.manual_seed(cfg.seed)
+    model = ImageCNN(cfg.cnn)
+    stages = model.stages()
+    in_flight = cfg.batch_size // (cfg.groups * cfg.microbatches) * min(cfg.microbatches, cfg.partitions)
+    cuts = balance(stage_costs(model, in_flight), cfg.partitions)
+    g, p = layout.coords(ctx.rank)
+    part = Partition(stages[cuts[p][0]:cuts[p][1]], cfg.recompute)
+    step = PipelineStep(part, layout, ctx.rank, cfg.microbatches, cfg.schedule, F.cross_entropy, device)
+    opt = torch.optim.Adam(part.parameters(), lr=cfg.lr)
+    if ctx.rank == 0:
+        log.info("image: %d train / %d test images, preset %s, %d group(s) x %d partition(s) %s, schedule %s x%d, "
+                 "recompute %s, prefetch %d", len(train_idx), len(test_idx), cfg.preset, cfg.groups, cfg.partitions,
+                 [names for names in (part_names(stages, c) for c in cuts)], cfg.schedule, cfg.microbatches,
+                 cfg.recompute, cfg.prefetch)
+    per_epoch, seconds, images = [], 0.0, 0
+    try:
+        for epoch in range(cfg.epochs):
+            t0 = time.perf_counter()
+            losses, wait = [], 0.0
+            source = prefetched(batches(x, y, cfg, epoch, step.first), cfg.prefetch)
+            while True:
+                t_wait = time.perf_counter()
+                item = next(source, None)
+                wait += time.perf_counter() - t_wait
+                if item is None:
+                    break
+                xb, yb, _ = item
+                share = lambda t: None if t is None else t.tensor_split(cfg.groups)[g].to(device)  # noqa: E731
+                opt.zero_grad(set_to_none=True)
+                loss = step.step(share(xb), share(yb))
+                opt.step()
+                images += len(yb)
+                if loss is not None:
+                    losses.append(float(loss))
+            took = time.perf_counter() - t0
+            seconds += took
+            rec = {"epoch": epoch + 1, "seconds": round(took, 3), "images_per_s": round(len(y) / took, 1),
+                   "input_wait_share": round(wait / took, 4),
+                   "loss": round(sum(losses) / len(losses), 5) if losses else None}
+            per_epoch.append(rec)
+            if progress and step.last and g == 0:
+                progress(rec)
+        last_stage = step.last
+        step = None  # the DDP and pipeline objects go before the group does
+        losses_to_rank0(per_epoch, layout, ctx, last_stage and g == 0)
+        whole = gather_model(model, cuts, layout, ctx)
+    finally:
+        dp.shutdown_distributed()
+    record = {"mode": "image", "preset": cfg.preset, "groups": cfg.groups, "partitions": cfg.partitions,
+              "schedule": cfg.schedule, "microbatches": cfg.microbatches, "recompute": cfg.recompute,
+              "prefetch": cfg.prefetch, "cuts": [part_names(stages, c) for c in cuts], "epochs": cfg.epochs,
+              "train_images": len(train_idx), "test_images": len(test_idx), "train_seconds": round(seconds, 3),
+              "images_per_s": round(images / seconds, 1) if seconds else None, "per_epoch": per_epoch,
+              "config": asdict(cfg), "pixel_mean": mean, "pixel_std": std, "train_index": train_idx}
+    if whole is not None:
+        x_test = to_input(data.images[test_idx], mean, std)
+        y_test = torch.from_numpy(data.labels[test_idx].astype(np.int64))
+        cpu = torch.device("cpu")
+        record["test_accuracy"] = round(evaluate_dense(whole.to(cpu), tensor_batches(x_test, y_test, 512),
+                                                       loss_fn("cross_entropy"), cpu).accuracy, 4)
+        whole.eval()
+    return whole, record
+
+
+def losses_to_rank0(per_epoch: list[dict], layout: Layout, ctx: dp.DistContext, sender: bool) -> None:
+    """The per-epoch losses live on the last stage: group 0's last stage sends them to rank 0."""
+    last = layout.partitions - 1
+    if not ctx.distributed or last == 0 or ctx.rank not in (0, last):
+        return
+    buf = torch.tensor([r["loss"] if r["loss"] is not None else float("nan") for r in per_epoch], dtype=torch.float64)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else buf.device
+    buf = buf.to(device)
+    if sender:
+        dist.send(buf, dst=0)
+    else:
+        dist.recv(buf, src=last)
+        for r, value in zip(per_epoch, buf.tolist()):
+            r["loss"] = round(value, 5)
+
+
+def part_names(stages: list, cut: tuple[int, int]) -> list[str]:
+    return [name for name, _ in stages[cut[0]:cut[1]]]
+
+
+def gather_model(model: ImageCNN, cuts: list[tuple[int, int]], layout: Layout,
+                 ctx: dp.DistContext) -> ImageCNN | None:
+    """Rank 0 receives the other partitions of group 0 (point to point, in the model's parameter
+    order: a partition's modules are the model's own, so their names are the model's) and
+    returns the whole model; the other ranks send theirs and get None."""
+    if not ctx.distributed:
+        return model
+    stages = model.stages()
+
+    def owned(partition: int) -> list[tuple[str, torch.nn.Parameter]]:
+        prefixes = tuple(f"{name}." for name in part_names(stages, cuts[partition]))
+        return [(n, q) for n, q in model.named_parameters() if n.startswith(prefixes)]
+    g, p = layout.coords(ctx.rank)
+    if ctx.rank == 0:
+        for other in range(1, layout.partitions):
+            for _, param in owned(other):
+                buf = torch.empty_like(param.data, device=_comm_device(param))
+                dist.recv(buf, src=other)
+                param.data.copy_(buf.to(param.device))
+    elif g == 0:
+        for _, param in owned(p):
+            dist.send(param.data.to(_comm_device(param)).contiguous(), dst=0)
+    dist.barrier()
+    return model if ctx.rank == 0 else None
+
+
+def _comm_device(param: torch.Tensor) -> torch.device:
+    return param.device if dist.get_backend() == "nccl" else torch.device("cpu")

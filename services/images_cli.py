@@ -211,8 +211,8 @@ def build_train_image_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", action="store_true", help="recompute activations in ~sqrt(blocks) segments "
                                                             "per partition instead of keeping them")
     p.add_argument("--prefetch", type=int, default=2, help="batches prepared ahead in a background thread (0: off)")
-    p.add_argument("--shift", type=int, default=2, help="augmentation: random shifts up to this many pixels")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--shift", type=int, default=3, help="augmentation: random shifts up to this many pixels")
+    p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=128, help="images per step over all groups")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate")
     p.add_argument("--seed", type=int, default=0)

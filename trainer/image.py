@@ -52,8 +52,8 @@ class ImageConfig:
     microbatches: int = 4
     recompute: bool = False
     prefetch: int = 2             # batches prepared ahead by a background thread; 0: none
-    shift: int = 2                # augmentation: random shifts of up to this many pixels
-    epochs: int = 10
+    shift: int = 3                # augmentation: random shifts of up to this many pixels
+    epochs: int = 20
     batch_size: int = 128
     lr: float = 2e-3
     seed: int = 0

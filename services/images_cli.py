@@ -197,6 +197,8 @@ def add_commands(sub) -> None:
 # ---- mariana train image (issue 18) -------------------------------------------------------
 
 def build_train_image_parser() -> argparse.ArgumentParser:
+    from mariana.services.ranks import add_rank_flags
+
     p = argparse.ArgumentParser(prog="mariana train image",
                                 description="train the image CNN as G data-parallel groups of P pipelined "
                                             "partitions (G x P processes) and export it as a featurizer")
@@ -217,13 +219,7 @@ def build_train_image_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--test-images", type=int, default=2000, help="images held out (a fixed permutation's last N)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait")
-    p.add_argument("--out", required=True, help="featurizer directory to write (rank 0)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
-    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    add_rank_flags(p, "featurizer directory to write (rank 0)")
     return p
 
 

@@ -18,6 +18,18 @@ from typing import Callable
 from mariana.sparse.errors import MarianaError
 
 
+def add_rank_flags(p, out_help: str) -> None:
+    """The flags every rank-launching training command takes, after its own."""
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds any collective may wait: a lost rank fails the job after at most this")
+    p.add_argument("--out", required=True, help=out_help)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+
+
 def run_job(mode_argv: list[str], argv: list[str], nproc: int, train_rank: Callable, check: Callable | None = None
             ) -> dict | None:
     """The record to print (None: this process is a rank that is not to print)."""

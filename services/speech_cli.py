@@ -24,6 +24,8 @@ from mariana.sparse.errors import MarianaError
 
 
 def build_train_parser() -> argparse.ArgumentParser:
+    from mariana.services.ranks import add_rank_flags
+
     p = argparse.ArgumentParser(prog="mariana train speech",
                                 description="train the frame-level speech DNN on spoken digits (FSDD), in one "
                                             "process or N with synchronous data parallel")
@@ -35,20 +37,13 @@ def build_train_parser() -> argparse.ArgumentParser:
                                                         "(one per GPU with --device cuda; on the CPU up to 4 per core)")
     p.add_argument("--exchange", default="exact", help="how gradients are exchanged: exact (fp32 all-reduce), "
                    "fp16, powersgd:R, onebit, or approx (the default approximate one: powersgd:1)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     p.add_argument("--epochs", type=int, default=6, help="passes over the training frames (default 6)")
     p.add_argument("--batch-size", type=int, default=2048, help="frames per step over all ranks (default 2048)")
     p.add_argument("--optimizer", choices=("adam", "adagrad", "sgd"), default="adam",
                    help="fed the exchanged gradient on every rank; its state is never sent (default adam)")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the global batch order")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds any collective may wait: a lost rank fails the job after at most this")
-    p.add_argument("--out", required=True, help="model directory (rank 0 adds a version)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
-    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    add_rank_flags(p, "model directory (rank 0 adds a version)")
     return p
 
 

@@ -172,7 +172,7 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
     if ctx.rank == 0:
         log.info("image: %d train / %d test images, preset %s, %d group(s) x %d partition(s) %s, schedule %s x%d, "
                  "recompute %s, prefetch %d", len(train_idx), len(test_idx), cfg.preset, cfg.groups, cfg.partitions,
-                 [names for names in (part_names(stages, c) for c in cuts)], cfg.schedule, cfg.microbatches,
+                 [part_names(stages, c) for c in cuts], cfg.schedule, cfg.microbatches,
                  cfg.recompute, cfg.prefetch)
     per_epoch, seconds, images = [], 0.0, 0
     try:

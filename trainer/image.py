@@ -15,6 +15,7 @@ to bottom:
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -203,7 +204,8 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
             if progress and step.last and g == 0:
                 progress(rec)
         last_stage = step.last
-        step = None  # the DDP and pipeline objects go before the group does
+        step = None  # the pipeline objects go before the group does
+        gc.collect()
         losses_to_rank0(per_epoch, layout, ctx, last_stage and g == 0)
         whole = gather_model(model, cuts, layout, ctx)
     finally:

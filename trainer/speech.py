@@ -16,6 +16,7 @@ spoken digits, in one process or in N with synchronous data parallel
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -111,6 +112,7 @@ def train_speech(cfg: SpeechConfig, data: str | os.PathLike | None, out: str | o
     try:
         fit = _fit(model, opt, exchange, counter, (x, y), (xt, ut, test), cfg, ctx, device, progress)
         identical = replicas_identical(model) if ctx.distributed else True
+        gc.collect()  # the DDP wrapper of _fit (its reducer, the hooks' state) goes before the group
         if ctx.distributed:
             dist.barrier()  # every rank is done with the group before any leaves it
     finally:

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tarfile
 import tempfile
 import wave
@@ -330,7 +331,9 @@ def load_features(archive: str | os.PathLike | None = None, fe: FrontEnd = Front
     them (keyed by the archive's sha256 and `fe.key()`), else computed and cached (.npy and
     JSON, written to a temp dir and renamed, so a reader never sees half a cache entry)."""
     path = fsdd_archive(archive)
-    sha = _sha256(path)
+    from mariana.featurizer.image import file_sha256  # torch comes with it: imported only to load features
+
+    sha = file_sha256(path)
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     entry = root / f"{sha[:16]}-{fe.key()}"
     cached = _read_cache(entry, fe, sha)
@@ -352,14 +355,6 @@ def load_features(archive: str | os.PathLike | None = None, fe: FrontEnd = Front
     return feats
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _write_cache(entry: Path, f: SpeechFeatures) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
@@ -377,7 +372,6 @@ def _write_cache(entry: Path, f: SpeechFeatures) -> None:
         raise
     finally:
         if tmp.exists():
-            import shutil
             shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -227,7 +227,7 @@ def train_image_main(argv: list[str]) -> int:
     import logging
 
     from mariana.featurizer.image import load_mnist, mnist_dir
-    from mariana.services.ranks import check_nproc, run_job
+    from mariana.services.ranks import run_job
     from mariana.services.runtime import report
     from mariana.services.runtime.logs import setup_logging
     from mariana.trainer.strategies import data_parallel as dp
@@ -253,8 +253,6 @@ def train_image_main(argv: list[str]) -> int:
         raise MarianaError(f"{args.data}: {data.images.shape[1]}x{data.images.shape[2]} images, but preset "
                            f"{preset!r} takes {cfg.cnn.size}x{cfg.cnn.size}")
     nproc = args.partitions * args.groups
-    if not ctx.distributed:
-        check_nproc(nproc, cfg.device)
     log = logging.getLogger("mariana")
 
     def progress(rec: dict) -> None:
@@ -271,7 +269,7 @@ def train_image_main(argv: list[str]) -> int:
         out = export_featurizer(model, record, data, args.out)
         return {"featurizer": str(out), **{k: v for k, v in record.items() if k != "train_index"}}
 
-    result = run_job(["train", "image"], argv, nproc, train_rank)
+    result = run_job(["train", "image"], argv, nproc, cfg.device, train_rank)
     if result is not None:
         report.print_record(result if args.json else {k: v for k, v in result.items()
                                                       if k not in ("per_epoch", "config")}, args.json)

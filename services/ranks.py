@@ -1,6 +1,6 @@
 """Running a training command as N ranks (services/speech_cli.py, services/images_cli.py):
 
-    run_job(mode_argv, argv, nproc, train_rank)
+    run_job(mode_argv, argv, nproc, device, train_rank)
       under torchrun, or as a rank that run_ranks started (RANK / WORLD_SIZE set):
           train_rank(ctx, init_method) -> record; rank 0 prints it, or writes it where
           MARIANA_DIST_RESULT says; a failed collective is one error line
@@ -30,9 +30,10 @@ def add_rank_flags(p, out_help: str) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
 
 
-def run_job(mode_argv: list[str], argv: list[str], nproc: int, train_rank: Callable, check: Callable | None = None
-            ) -> dict | None:
-    """The record to print (None: this process is a rank that is not to print)."""
+def run_job(mode_argv: list[str], argv: list[str], nproc: int, device: str, train_rank: Callable,
+            check: Callable | None = None) -> dict | None:
+    """The record to print (None: this process is a rank that is not to print). `nproc` is
+    checked against the machine (check_nproc) unless this process is already a rank."""
     from mariana.trainer.strategies import data_parallel as dp
 
     ctx = dp.DistContext.from_env()
@@ -48,6 +49,7 @@ def run_job(mode_argv: list[str], argv: list[str], nproc: int, train_rank: Calla
                 json.dump(record, f)
             return None
         return record if ctx.rank == 0 else None
+    check_nproc(nproc, device)
     if nproc == 1:
         return train_rank(ctx, None)
     if check is not None:

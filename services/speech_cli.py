@@ -49,7 +49,7 @@ def build_train_parser() -> argparse.ArgumentParser:
 
 def train_main(argv: list[str]) -> int:
     """`mariana train speech ARGV`: one rank (under torchrun or run_ranks), one process, or N ranks."""
-    from mariana.services.ranks import check_nproc, run_job
+    from mariana.services.ranks import run_job
     from mariana.services.runtime import report
     from mariana.services.runtime.logs import setup_logging
     from mariana.trainer.strategies import data_parallel as dp
@@ -57,14 +57,13 @@ def train_main(argv: list[str]) -> int:
     args = build_train_parser().parse_args(argv)
     setup_logging(-1 if args.quiet or dp.DistContext.from_env().rank > 0 else args.verbose)
     cfg = _config(args)
-    if not dp.DistContext.from_env().distributed:
-        check_nproc(args.nproc, cfg.device)
 
     def check() -> None:  # fill the feature cache once, not in every rank, and check the split
         from mariana.featurizer.speech import fsdd_archive, load_features
         load_features(fsdd_archive(args.data), cfg.front_end).split(cfg.split)
 
-    result = run_job(["train", "speech"], argv, args.nproc, lambda ctx, init: _train(cfg, args, ctx, init), check)
+    result = run_job(["train", "speech"], argv, args.nproc, cfg.device, lambda ctx, init: _train(cfg, args, ctx, init),
+                     check)
     if result is not None:
         report.print_record(_shown(result, args.json), args.json)
     return 0

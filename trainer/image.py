@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import queue
 import threading
 import time
@@ -149,10 +148,7 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
     if ctx.world_size != layout.world_size:
         raise ConfigError(f"--groups {cfg.groups} x --partitions {cfg.partitions} needs {layout.world_size} "
                           f"processes, not {ctx.world_size}")
-    device = resolve_device(cfg.device)
-    if device.type == "cuda" and ctx.distributed:
-        device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // ctx.world_size))
+    device, _ = dp.place_rank(resolve_device(cfg.device), cfg.threads, ctx)
     if data.images.shape[1] != cfg.cnn.size:
         raise ConfigError(f"the images are {data.images.shape[1]}x{data.images.shape[2]}; preset {cfg.preset!r} "
                           f"takes {cfg.cnn.size}x{cfg.cnn.size}")

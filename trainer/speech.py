@@ -87,13 +87,8 @@ def train_speech(cfg: SpeechConfig, data: str | os.PathLike | None, out: str | o
                  progress: Callable[[SpeechProgress], None] | None = None) -> dict:
     """Train as rank `ctx.rank` of `ctx.world_size` (joining the process group when there are
     several) and return the result record; rank 0 publishes a version to `out` (None: not)."""
-    device = resolve_device(cfg.device)
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // ctx.world_size)
-    torch.set_num_threads(threads)
-    if ctx.distributed:
-        if ctx.world_size > 1 and device.type == "cuda":
-            device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
-        dp.init_distributed(ctx, resolve_backend("auto", device), init_method, cfg.timeout_s)
+    device, threads = dp.place_rank(resolve_device(cfg.device), cfg.threads, ctx)
+    dp.init_distributed(ctx, resolve_backend("auto", device), init_method, cfg.timeout_s)
     archive = fsdd_archive(data)
     feats = load_features(archive, cfg.front_end)
     train, test = feats.split(cfg.split)

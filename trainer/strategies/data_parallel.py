@@ -127,6 +127,16 @@ class DistContext:
         return self.world_size > 1
 
 
+def place_rank(device: torch.device, threads: int, ctx: DistContext) -> tuple[torch.device, int]:
+    """This rank's device (CUDA: GPU LOCAL_RANK when there are several ranks) and torch threads
+    (`threads`, or 0: the cores shared out among the ranks), which it sets."""
+    if device.type == "cuda" and ctx.distributed:
+        device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
+    threads = threads or max(1, (os.cpu_count() or 1) // ctx.world_size)
+    torch.set_num_threads(threads)
+    return device, threads
+
+
 def init_distributed(ctx: DistContext, backend: str, init_method: str | None = None,
                      timeout_s: float = 60.0) -> None:
     """Join the process group. Every collective after this times out after `timeout_s`, so a
@@ -193,8 +203,6 @@ class CollectiveBytes:
 
     payload: int = 0        # bytes of the tensors handed to all_reduce / all_gather
     sent: int = 0           # bytes this rank sends for them (ring all-reduce, ring all-gather)
-    calls: int = 0
-    by_op: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, op: str, payload: int, world: int) -> None:
@@ -202,12 +210,10 @@ class CollectiveBytes:
         with self.lock:
             self.payload += payload
             self.sent += sent
-            self.calls += 1
-            self.by_op[op] = self.by_op.get(op, 0) + sent
 
     def snapshot(self) -> dict:
         with self.lock:
-            return {"payload": self.payload, "sent": self.sent, "calls": self.calls, "by_op": dict(self.by_op)}
+            return {"payload": self.payload, "sent": self.sent}
 
 
 _COUNTERS: list[CollectiveBytes] = []

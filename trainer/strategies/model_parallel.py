@@ -146,7 +146,6 @@ class PipelineStep:
             dp = [dist.new_group(layout.dp_ranks(p)) for p in range(layout.partitions)]
             pp = [dist.new_group(layout.pp_ranks(g)) for g in range(layout.groups)]
             self.dp_group, self.pp_group = dp[self.part], pp[self.group]
-        self.net = self.module
         self.schedule = None
         if layout.partitions > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -162,7 +161,7 @@ class PipelineStep:
         if self.schedule is None:  # the whole model here: micro-batches as gradient accumulation
             losses = []
             for xb, yb in zip(x.tensor_split(self.microbatches), y.tensor_split(self.microbatches)):
-                loss = self.loss_fn(self.net(xb), yb) / self.microbatches
+                loss = self.loss_fn(self.module(xb), yb) / self.microbatches
                 loss.backward()
                 losses.append(loss.detach())
             out = torch.stack(losses).sum()

@@ -212,7 +212,15 @@ def build_train_image_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=4, help="M: micro-batches per global batch and group")
     p.add_argument("--recompute", action="store_true", help="recompute activations in ~sqrt(blocks) segments "
                                                             "per partition instead of keeping them")
+    p.add_argument("--balance", choices=("memory", "time"), default="memory", help="cut the stages so the largest "
+                   "partition's memory (state + activations in flight) or its time per micro-batch is least")
+    p.add_argument("--memory", action="store_true", help="measure each rank's memory by component (parameters, "
+                   "gradients, optimizer state, saved activations) on the first steps; in the record's `ranks`")
+    p.add_argument("--profile-memory", action="store_true", help="with --memory: also torch's profiler over one "
+                   "step (a cross-check; slow)")
     p.add_argument("--prefetch", type=int, default=2, help="batches prepared ahead in a background thread (0: off)")
+    p.add_argument("--augment", choices=("shift", "elastic"), default="shift", help="augmentation: random shifts, "
+                   "or elastic distortions with a random affine map (Simard et al. 2003; ~10x the CPU)")
     p.add_argument("--shift", type=int, default=3, help="augmentation: random shifts up to this many pixels")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=128, help="images per step over all groups")
@@ -243,9 +251,10 @@ def train_image_main(argv: list[str]) -> int:
     if preset is None:
         raise MarianaError(f"{args.data}: {data.images.shape[1]}x{data.images.shape[2]} images; give --preset")
     cfg = ImageConfig(preset=preset, partitions=args.partitions, groups=args.groups, schedule=args.schedule,
-                      microbatches=args.microbatches, recompute=args.recompute, prefetch=args.prefetch,
-                      shift=args.shift, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                      test_images=args.test_images, device=args.device, threads=args.threads, timeout_s=args.timeout)
+                      microbatches=args.microbatches, recompute=args.recompute, balance=args.balance, prefetch=args.prefetch,
+                      augment=args.augment, shift=args.shift, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                      test_images=args.test_images, device=args.device, threads=args.threads, timeout_s=args.timeout,
+                      memory=args.memory or args.profile_memory, profile_memory=args.profile_memory)
     if not 0 < cfg.test_images < len(data.images):
         raise MarianaError(f"--test-images {cfg.test_images}: must be between 1 and {len(data.images) - 1} "
                            f"({len(data.images)} images)")

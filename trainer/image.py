@@ -4,14 +4,17 @@ to bottom:
 
     data = load_mnist(DIR)                      MNIST, or `mariana gen images` (same files)
     split 8k/2k (featurizer.image.split_indices), pixel stats of the training images
-    model = ImageCNN(preset), seeded; stages cut into P partitions by `balance`
-            (cost: parameter and optimizer bytes + the stage's activations in flight)
+    model = ImageCNN(preset), seeded; each stage measured on one micro-batch and the stages
+            cut into P partitions (`balance` memory: state bytes + saved activations x the
+            micro-batches the partition holds in flight; or time)
     step = PipelineStep(my partition, Layout(G, P), ...)
     batches: one seeded global order; each global batch augmented (random +-shift px,
              drawn from (seed, epoch, step): the same in any layout), prepared by a
              background thread `prefetch` batches ahead; group g takes its share
-    rank 0 gathers the partitions (point-to-point), evaluates on the held-out 2k and
-    exports the weights as a frozen featurizer (trainer/featurizer_train.export_featurizer)
+    every rank counts the bytes its gradient exchange hands to all-reduce (and, with
+    `memory`, measures its memory by component on the first steps: trainer/memory.py);
+    rank 0 gathers these, and the partitions (point-to-point), evaluates on the held-out 2k
+    and exports the weights as a frozen featurizer (trainer/featurizer_train.export_featurizer)
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -28,12 +31,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mariana.featurizer.augment import KINDS as AUGMENTS
+from mariana.featurizer.augment import augment
 from mariana.featurizer.image import ImageSet, pixel_stats, split_indices, to_input
 from mariana.sparse.errors import ConfigError
+from mariana.trainer import memory
 from mariana.trainer.dense import evaluate_dense, loss_fn, resolve_backend, resolve_device, tensor_batches
 from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig
 from mariana.trainer.strategies import data_parallel as dp
-from mariana.trainer.strategies.model_parallel import Layout, Partition, PipelineStep, balance
+from mariana.trainer.strategies.model_parallel import (Layout, Partition, PipelineStep, StageCost, cut_partitions,
+                                                       probe_stages)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +58,9 @@ class ImageConfig:
     schedule: str = "1f1b"        # 1f1b | gpipe
     microbatches: int = 4
     recompute: bool = False
+    balance: str = "memory"       # cut the stages so the largest partition's memory (or time) is least
     prefetch: int = 2             # batches prepared ahead by a background thread; 0: none
+    augment: str = "shift"        # shift | elastic (featurizer/augment.py)
     shift: int = 3                # augmentation: random shifts of up to this many pixels
     epochs: int = 20
     batch_size: int = 128
@@ -61,6 +70,8 @@ class ImageConfig:
     device: str = "cpu"
     threads: int = 0
     timeout_s: float = 120.0
+    memory: bool = False          # each rank's memory by component (trainer/memory.py), steps 1-2
+    profile_memory: bool = False  # and torch's profiler over step 3, as a cross-check
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -72,6 +83,10 @@ class ImageConfig:
         if self.batch_size % (self.groups * self.microbatches):
             raise ConfigError(f"--batch-size {self.batch_size} must split evenly into --groups {self.groups} x "
                               f"--microbatches {self.microbatches}")
+        if self.augment not in AUGMENTS:
+            raise ConfigError(f"--augment {self.augment!r}: use one of {list(AUGMENTS)}")
+        if self.balance not in ("memory", "time"):
+            raise ConfigError(f"--balance {self.balance!r}: use memory or time")
         if self.prefetch < 0 or self.shift < 0 or not self.lr > 0:
             raise ConfigError("--prefetch and --shift must be >= 0 and --lr > 0")
 
@@ -80,32 +95,14 @@ class ImageConfig:
         return PRESETS[self.preset]
 
 
-def augment(x: torch.Tensor, shift: int, seed: int) -> torch.Tensor:
-    """Each image moved by a random (dy, dx) in [-shift, shift], zeros coming in; the draws
-    come from `seed` alone, so any layout augments a global batch alike.
-
-    >>> augment(torch.ones(2, 1, 4, 4), 0, 0).sum().item()
-    32.0
-    """
-    if shift == 0:
-        return x
-    g = torch.Generator().manual_seed(seed)
-    n, _, h, w = x.shape
-    d = torch.randint(-shift, shift + 1, (n, 2), generator=g)
-    padded = F.pad(x, (shift, shift, shift, shift))
-    out = torch.empty_like(x)
-    for i, (dy, dx) in enumerate(d.tolist()):
-        out[i] = padded[i, :, shift + dy:shift + dy + h, shift + dx:shift + dx + w]
-    return out
-
-
 def batches(x: torch.Tensor, y: torch.Tensor, cfg: ImageConfig, epoch: int, augment_them: bool):
     """(global batch of images or None, labels, step) of an epoch in the seeded order; a last
     batch smaller than the others is left out (a pipeline's stages keep one shape)."""
     for step, idx in enumerate(dp.global_batches(len(x), cfg.batch_size, cfg.seed, epoch)):
         if len(idx) < cfg.batch_size:
             continue
-        xb = augment(x[idx], cfg.shift, cfg.seed * 1_000_003 + epoch * 10_007 + step) if augment_them else None
+        seed = cfg.seed * 1_000_003 + epoch * 10_007 + step
+        xb = augment(x[idx], cfg.augment, cfg.shift, seed) if augment_them else None
         yield xb, y[idx], step
 
 
@@ -128,16 +125,19 @@ def prefetched(items, depth: int):
         yield item
 
 
-def stage_costs(model: ImageCNN, rows_in_flight: int) -> list[float]:
-    """Bytes per stage: parameters with their gradients and Adam's two moments (16 per
-    parameter), plus its output for the rows in flight (what the backward keeps)."""
-    costs = []
-    x = torch.zeros(1, 1, model.cfg.size, model.cfg.size)
-    with torch.no_grad():
-        for _, stage in model.stages():
-            x = stage(x)
-            costs.append(16.0 * sum(p.numel() for p in stage.parameters()) + 4.0 * x.numel() * rows_in_flight)
-    return costs
+def plan_partitions(model: ImageCNN, sample: torch.Tensor, cfg: ImageConfig,
+                    ctx: dp.DistContext) -> tuple[list[tuple[int, int]], list[StageCost]]:
+    """The cuts of the model's stages into `cfg.partitions`, by `cfg.balance`, from each stage
+    measured on one micro-batch (`sample`). Every rank must cut alike: bytes are the same
+    everywhere, and measured times are averaged over the ranks first."""
+    costs = probe_stages(model.stages(), sample)
+    if cfg.balance == "time" and ctx.distributed:
+        seconds = torch.tensor([c.seconds for c in costs], dtype=torch.float64)
+        comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else seconds.device
+        seconds = seconds.to(comm)
+        dist.all_reduce(seconds)
+        costs = [replace(c, seconds=s / ctx.world_size) for c, s in zip(costs, seconds.tolist())]
+    return cut_partitions(costs, cfg.partitions, cfg.balance, cfg.schedule, cfg.microbatches, cfg.recompute), costs
 
 
 def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistContext(),
@@ -158,12 +158,12 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
     x = to_input(data.images[train_idx], mean, std)
     y = torch.from_numpy(data.labels[train_idx].astype(np.int64))
     torch.manual_seed(cfg.seed)
-    model = ImageCNN(cfg.cnn)
+    model = ImageCNN(cfg.cnn).to(device)
     stages = model.stages()
-    in_flight = cfg.batch_size // (cfg.groups * cfg.microbatches) * min(cfg.microbatches, cfg.partitions)
-    cuts = balance(stage_costs(model, in_flight), cfg.partitions)
+    cuts, costs = plan_partitions(model, x[:cfg.batch_size // (cfg.groups * cfg.microbatches)].to(device), cfg, ctx)
     g, p = layout.coords(ctx.rank)
-    part = Partition(stages[cuts[p][0]:cuts[p][1]], cfg.recompute)
+    part = Partition(stages[cuts[p][0]:cuts[p][1]], cfg.recompute,
+                     [c.activation_bytes for c in costs[cuts[p][0]:cuts[p][1]]], last=p == cfg.partitions - 1)
     step = PipelineStep(part, layout, ctx.rank, cfg.microbatches, cfg.schedule, F.cross_entropy, device)
     opt = torch.optim.Adam(part.parameters(), lr=cfg.lr)
     if ctx.rank == 0:
@@ -171,7 +171,10 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
                  "recompute %s, prefetch %d", len(train_idx), len(test_idx), cfg.preset, cfg.groups, cfg.partitions,
                  [part_names(stages, c) for c in cuts], cfg.schedule, cfg.microbatches,
                  cfg.recompute, cfg.prefetch)
-    per_epoch, seconds, images = [], 0.0, 0
+    per_epoch, seconds, images, steps, measured = [], 0.0, 0, 0, {}
+    counter = dp.CollectiveBytes()
+    dp.count_collectives(counter)
+    io_before = dp.io_written()
     try:
         for epoch in range(cfg.epochs):
             t0 = time.perf_counter()
@@ -185,9 +188,14 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
                     break
                 xb, yb, _ = item
                 share = lambda t: None if t is None else t.tensor_split(cfg.groups)[g].to(device)  # noqa: E731
-                opt.zero_grad(set_to_none=True)
-                loss = step.step(share(xb), share(yb))
-                opt.step()
+
+                def one_step():
+                    opt.zero_grad(set_to_none=True)
+                    out = step.step(share(xb), share(yb))
+                    opt.step()
+                    return out
+                loss = measure(steps, one_step, part, opt, device, cfg, measured)
+                steps += 1
                 images += len(yb)
                 if loss is not None:
                     losses.append(float(loss))
@@ -199,18 +207,31 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
             per_epoch.append(rec)
             if progress and step.last and g == 0:
                 progress(rec)
+        io_after = dp.io_written()
+        dp.stop_counting(counter)
         last_stage = step.last
         step = None  # the pipeline objects go before the group does
         gc.collect()
         losses_to_rank0(per_epoch, layout, ctx, last_stage and g == 0)
+        mine = {"rank": ctx.rank, "group": g, "partition": p,
+                "gradient_bytes": sum(q.numel() * q.element_size() for q in part.parameters()),
+                "allreduce_sent_per_step": counter.snapshot()["sent"] / max(steps, 1),
+                "allreduce_payload_per_step": counter.snapshot()["payload"] / max(steps, 1),
+                "io_written_per_step": (io_after - io_before) / max(steps, 1) if io_before is not None else None,
+                **measured}
+        ranks = stats_to_rank0(mine, ctx)
         whole = gather_model(model, cuts, layout, ctx)
     finally:
+        dp.stop_counting(counter)
         dp.shutdown_distributed()
     record = {"mode": "image", "preset": cfg.preset, "groups": cfg.groups, "partitions": cfg.partitions,
               "schedule": cfg.schedule, "microbatches": cfg.microbatches, "recompute": cfg.recompute,
-              "prefetch": cfg.prefetch, "cuts": [part_names(stages, c) for c in cuts], "epochs": cfg.epochs,
+              "prefetch": cfg.prefetch, "cuts": [part_names(stages, c) for c in cuts], "balance": cfg.balance,
+              "stage_costs": [{"stage": c.name, "state_bytes": c.state_bytes, "activation_bytes": c.activation_bytes,
+                               "ms": round(c.seconds * 1e3, 2)} for c in costs], "epochs": cfg.epochs,
               "train_images": len(train_idx), "test_images": len(test_idx), "train_seconds": round(seconds, 3),
               "images_per_s": round(images / seconds, 1) if seconds else None, "per_epoch": per_epoch,
+              "ranks": ranks,
               "config": asdict(cfg), "pixel_mean": mean, "pixel_std": std, "train_index": train_idx}
     if whole is not None:
         x_test = to_input(data.images[test_idx], mean, std)
@@ -220,6 +241,52 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
                                                        loss_fn("cross_entropy"), cpu).accuracy, 4)
         whole.eval()
     return whole, record
+
+
+def measure(k: int, run: Callable[[], torch.Tensor | None], part: Partition, opt: torch.optim.Optimizer,
+            device: torch.device, cfg: ImageConfig, into: dict) -> torch.Tensor | None:
+    """Step `k` of the job, measured when `cfg.memory` asks: the first step by the rise of the
+    process's peak RSS (nothing to reuse yet; CUDA: max_memory_allocated), the second by
+    trainer/memory's components, the third under torch's profiler (`cfg.profile_memory`)."""
+    if not cfg.memory or k > 2 or (k == 2 and not cfg.profile_memory):
+        return run()
+    out: list = []
+    if k == 0:
+        into["rss_first_step"] = (memory.cuda_peak(device, lambda: out.append(run())) if device.type == "cuda"
+                                  else memory.rss_step(lambda: out.append(run())))
+    elif k == 1:
+        into.update(memory.measure_step(lambda: out.append(run()), part, opt).to_dict())
+    else:
+        prof = memory.profile_step(lambda: out.append(run()), device)
+        into["profiler_peak"] = prof["peak"]
+        into["profiler_activations"] = prof["by_category"]["activation"] + prof["by_category"]["input"]
+    return out[0]
+
+
+STAT_KEYS = ("rank", "group", "partition", "gradient_bytes", "allreduce_sent_per_step", "allreduce_payload_per_step",
+             "io_written_per_step", "rss_first_step", "parameters", "gradients", "optimizer", "activations", "total",
+             "profiler_peak", "profiler_activations")
+
+
+def stats_to_rank0(mine: dict, ctx: dp.DistContext) -> list[dict] | None:
+    """Every rank's figures (`STAT_KEYS`, numbers or None) in rank order on rank 0, gathered as
+    one float64 tensor per rank; None on the others."""
+    values = torch.tensor([float("nan") if mine.get(k) is None else float(mine[k]) for k in STAT_KEYS],
+                          dtype=torch.float64)
+    if not ctx.distributed:
+        rows = [values]
+    else:
+        comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else values.device
+        rows = [torch.empty_like(values, device=comm) for _ in range(ctx.world_size)]
+        dist.all_gather(rows, values.to(comm))
+    if ctx.rank != 0:
+        return None
+    out = []
+    for row in rows:
+        rec = {k: (None if v != v else round(v, 1) if k.endswith("_per_step") else int(v))
+               for k, v in zip(STAT_KEYS, row.tolist())}
+        out.append({k: v for k, v in rec.items() if v is not None})
+    return out
 
 
 def losses_to_rank0(per_epoch: list[dict], layout: Layout, ctx: dp.DistContext, sender: bool) -> None:

@@ -3,12 +3,17 @@ real processes: the same weights in any layout, an exported featurizer, bad inpu
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,9 +33,20 @@ def train(shapes, out, *extra: str) -> dict:
 
 def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, shapes):
     one = train(shapes, tmp_path / "p1")
-    two = train(shapes, tmp_path / "p2", "--partitions", "2")
+    two = train(shapes, tmp_path / "p2", "--partitions", "2", "--memory")  # measuring changes no number
     grid = train(shapes, tmp_path / "p2g2", "--partitions", "2", "--groups", "2", "--schedule", "gpipe")
     assert two["cuts"] == [["conv1", "conv2"], ["embed", "head"]] and grid["groups"] == 2
+    # each rank's memory by component, its own partition's only; activations held by 1F1B
+    n = {r["rank"]: r for r in two["ranks"]}
+    sizes = [sum(c["state_bytes"] for c in two["stage_costs"] if c["stage"] in cut) // 4 for cut in two["cuts"]]
+    assert [n[0]["parameters"], n[1]["parameters"]] == sizes and n[0]["optimizer"] > 2 * sizes[0]
+    assert n[0]["activations"] > n[1]["activations"] > 0
+    # each rank hands its gradient all-reduce its own partition's gradient bytes per step, no more
+    assert len(grid["ranks"]) == 4
+    for r in grid["ranks"]:
+        assert r["allreduce_payload_per_step"] == r["gradient_bytes"] and r["partition"] == r["rank"] % 2
+    assert grid["ranks"][0]["gradient_bytes"] + grid["ranks"][1]["gradient_bytes"] == 4 * sum(
+        c["state_bytes"] for c in grid["stage_costs"]) // 16
     w1 = load_file(str(tmp_path / "p1" / "weights.safetensors"))
     for other in ("p2", "p2g2"):
         w = load_file(str(tmp_path / other / "weights.safetensors"))
@@ -58,3 +74,28 @@ def test_bad_input_to_train_image_is_one_error_line(tmp_path, shapes, args, mess
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("mariana: error: ") and message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_killed_partition_fails_the_job_with_a_clear_error(tmp_path, shapes):
+    """Rank 1 holds the second partition: rank 0 waits on it inside the pipeline and must
+    not hang there."""
+    from tests.integration.test_data_parallel import _children, _wait_for_rank
+
+    parent = subprocess.Popen([sys.executable, "-m", "mariana", "train", "image", "--data", str(shapes), "--partitions",
+                               "2", "--epochs", "100000", "--batch-size", "64", "--test-images", "128", "--timeout",
+                               "30", "--out", str(tmp_path / "f")], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        victim = _wait_for_rank(parent.pid, 1)
+        time.sleep(2.0)  # into the steps
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = parent.communicate(timeout=60)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert time.monotonic() - t0 < 40           # an error, not a hang
+    assert parent.returncode == 2, err
+    assert "mariana: error: rank 1 of 2 was killed by SIGKILL" in err
+    assert not (tmp_path / "f").exists()
+    assert not _children(parent.pid)

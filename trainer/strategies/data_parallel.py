@@ -231,11 +231,13 @@ def count_collectives(counter: CollectiveBytes) -> None:
             _ORIGINAL.update(all_reduce=dist.all_reduce, all_gather=dist.all_gather)
 
             def all_reduce(tensor, *args, **kwargs):
-                _tally("all_reduce", tensor.numel() * tensor.element_size())
+                group = kwargs.get("group", args[1] if len(args) > 1 else None)
+                _tally("all_reduce", tensor.numel() * tensor.element_size(), group)
                 return _ORIGINAL["all_reduce"](tensor, *args, **kwargs)
 
             def all_gather(tensor_list, tensor, *args, **kwargs):
-                _tally("all_gather", tensor.numel() * tensor.element_size())
+                group = kwargs.get("group", args[0] if args else None)
+                _tally("all_gather", tensor.numel() * tensor.element_size(), group)
                 return _ORIGINAL["all_gather"](tensor_list, tensor, *args, **kwargs)
             dist.all_reduce, dist.all_gather = all_reduce, all_gather
         _COUNTERS.append(counter)
@@ -250,8 +252,9 @@ def stop_counting(counter: CollectiveBytes) -> None:
             _ORIGINAL.clear()
 
 
-def _tally(op: str, payload: int) -> None:
-    world = dist.get_world_size() if dist.is_initialized() else 1
+def _tally(op: str, payload: int, group=None) -> None:
+    """`group`: the process group the collective runs over (None: the default, all ranks)."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     for c in list(_COUNTERS):
         c.add(op, payload, world)
 

@@ -6,9 +6,11 @@ each partition exchanges its gradients only with the same partition of the
 other groups (an all-reduce over its `dp` group). Read top to bottom:
 
     layout = Layout(groups=G, partitions=P); g, p = layout.coords(rank)
-    cuts = balance(stage_costs, P)           contiguous partitions, the largest cost minimised
+    costs = probe_stages(stages, micro-batch)  each stage's state bytes, saved activations, seconds
+    cuts = cut_partitions(costs, P, by)      contiguous partitions, the largest (memory: state +
+                                             activations x micro-batches in flight; or time) minimised
     part = Partition(model.stages()[cut p])  the stages of partition p (recomputed in ~sqrt(k)
-                                             segments with `recompute`)
+                                             segments with `recompute`, balanced by bytes)
     step = PipelineStep(part, layout, ...)   PipelineStage + Schedule1F1B / ScheduleGPipe over the
                                              group's `pp` ranks, DDP over the partition's `dp` ranks
     for global batch: group g takes its contiguous share; stage 0 feeds the images, the last
@@ -21,6 +23,7 @@ so the partitions of group 0 put together are the model's state_dict.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mariana.sparse.errors import ConfigError
+from mariana.trainer.memory import SavedActivations, recomputation
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -63,14 +67,19 @@ class Layout:
         return [g * self.partitions + partition for g in range(self.groups)]
 
 
-def balance(costs: list[float], parts: int) -> list[tuple[int, int]]:
+def balance(costs: list[float], parts: int,
+            price: Callable[[int, int, int], float] | None = None) -> list[tuple[int, int]]:
     """Cut `costs` (one per stage, in order) into `parts` contiguous non-empty runs whose
-    largest sum is as small as it can be; returns each run's [start, stop).
+    largest sum is as small as it can be; returns each run's [start, stop). `price(k, start,
+    stop)`, when given, is the cost of stages [start, stop) as partition k instead of their sum
+    (a pipeline's first partitions hold more micro-batches in flight than its last).
 
     >>> balance([4, 1, 1, 1, 1], 2)
     [(0, 1), (1, 5)]
     >>> balance([1, 2, 3, 4, 5], 2)   # 6 | 9: no cut does better than 9
     [(0, 3), (3, 5)]
+    >>> balance([1, 1, 1, 1], 2, lambda k, i, j: (j - i) * (2 if k == 0 else 1))   # the first costs double
+    [(0, 1), (1, 4)]
     """
     n = len(costs)
     if not 1 <= parts <= n:
@@ -85,7 +94,8 @@ def balance(costs: list[float], parts: int) -> list[tuple[int, int]]:
     for k in range(1, parts + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
-                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                run = prefix[i] - prefix[j] if price is None else price(k - 1, j, i)
+                worst = max(best[k - 1][j], run)
                 if worst < best[k][i]:
                     best[k][i], cut[k][i] = worst, j
     runs, i = [], n
@@ -95,30 +105,128 @@ def balance(costs: list[float], parts: int) -> list[tuple[int, int]]:
     return runs[::-1]
 
 
-class Partition(nn.Module):
-    """Consecutive stages of a model, run in order. With `recompute`, the stages run in about
-    sqrt(k) segments whose inner activations are not kept but recomputed in the backward
-    (activation checkpointing). `named` keeps the model's own parameter names."""
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs per micro-batch, measured by `probe_stages`."""
 
-    def __init__(self, stages: list[tuple[str, nn.Module]], recompute: bool = False):
+    name: str
+    state_bytes: int     # parameters, their gradients and Adam's two moments (4 x the parameters)
+    activation_bytes: int  # saved for the backward (trainer/memory.SavedActivations)
+    input_bytes: int     # its input: what a recomputed segment starting here keeps
+    seconds: float       # forward + backward
+
+
+def probe_stages(stages: list[tuple[str, nn.Module]], x: torch.Tensor, repeats: int = 2) -> list[StageCost]:
+    """Run each stage forward and backward on `x` (one micro-batch's input; each stage's
+    output feeds the next) and measure it: the best of `repeats` timings."""
+    out = []
+    x = x.clone()  # a view would count its base's whole storage
+    for name, stage in stages:
+        x = x.detach().requires_grad_(x.is_floating_point())
+        params = list(stage.parameters())
+        seconds = math.inf
+        for _ in range(repeats):
+            with SavedActivations({p.untyped_storage().data_ptr() for p in params}) as saved:
+                t0 = time.perf_counter()
+                y = stage(x)
+                y.backward(torch.ones_like(y))
+                if y.device.type == "cuda":
+                    torch.cuda.synchronize(y.device)
+                seconds = min(seconds, time.perf_counter() - t0)
+        stage.zero_grad(set_to_none=True)
+        out.append(StageCost(name, 16 * sum(p.numel() for p in params), saved.peak,
+                             x.numel() * x.element_size(), seconds))
+        x = y
+    return out
+
+
+def in_flight(schedule: str, microbatches: int, partitions: int, k: int) -> int:
+    """Micro-batches whose activations partition k holds at once: all M under GPipe; under
+    1F1B the warm-up's P - k (at most M).
+
+    >>> [in_flight("1f1b", 8, 4, k) for k in range(4)], in_flight("gpipe", 8, 4, 3)
+    ([4, 3, 2, 1], 8)
+    """
+    return microbatches if schedule == "gpipe" else min(microbatches, partitions - k)
+
+
+def activation_bytes(run: list[StageCost], held: int, recompute: bool, last: bool = False) -> int:
+    """The saved activations of consecutive stages at their peak, holding `held` micro-batches
+    in flight: all of each; with `recompute`, per micro-batch the inputs of its checkpointed
+    segments (and, `last`: the pipeline's last partition keeps its last segment, as Partition
+    does, the whole of that), and for the one in its backward, the segment being recomputed
+    on top of the inputs of the segments before it."""
+    if not recompute:
+        return held * sum(c.activation_bytes for c in run)
+    cuts = segments([c.activation_bytes for c in run], True)
+    kept = cuts.pop() if last else None
+    kept_bytes = sum(c.activation_bytes for c in run[kept[0]:kept[1]]) if kept else 0
+    inputs = [run[a].input_bytes for a, _ in cuts]
+    each = sum(inputs) + kept_bytes
+    busiest = max([each] + [sum(inputs[:j]) + sum(c.activation_bytes for c in run[a:b])
+                            for j, (a, b) in enumerate(cuts)])
+    return (held - 1) * each + busiest
+
+
+def cut_partitions(costs: list[StageCost], parts: int, by: str = "memory", schedule: str = "1f1b",
+                   microbatches: int = 1, recompute: bool = False) -> list[tuple[int, int]]:
+    """The stages cut into `parts` partitions: `by` "memory" minimises the largest partition's
+    bytes (its state plus the activations of the micro-batches it holds in flight, recomputed
+    or not), "time" its forward + backward seconds per micro-batch."""
+    if by == "time":
+        return balance([c.seconds for c in costs], parts)
+    if by != "memory":
+        raise ConfigError(f"--balance {by!r}: use memory or time")
+
+    def price(k: int, start: int, stop: int) -> float:
+        run = costs[start:stop]
+        held = in_flight(schedule, microbatches, parts, k)
+        return float(sum(c.state_bytes for c in run) + activation_bytes(run, held, recompute, k == parts - 1))
+    return balance([float(c.state_bytes + c.activation_bytes) for c in costs], parts, price)
+
+
+def segments(weights: list[float], recompute: bool) -> list[tuple[int, int]]:
+    """A partition's stages (one weight each: their saved activation bytes) cut into about
+    sqrt(k) segments for recomputation (Chen et al. 2016), balanced by weight so no segment's
+    recomputation holds much more than another's; one segment without `recompute`.
+
+    >>> segments([8, 4, 2, 1, 1, 1, 1, 1], True), segments([1, 1, 1, 1], True), segments([1, 1], False)
+    ([(0, 1), (1, 2), (2, 8)], [(0, 2), (2, 4)], [(0, 2)])
+    """
+    count = max(1, round(math.sqrt(len(weights)))) if recompute else 1
+    return balance([float(w) for w in weights], count)
+
+
+class Partition(nn.Module):
+    """Consecutive stages of a model, run in order; the parameter names stay the model's.
+    With `recompute`, the stages run in about sqrt(k) segments (balanced by `weights`, e.g.
+    each stage's saved activation bytes; equal without) whose activations are not kept but
+    recomputed in the backward (activation checkpointing). `last`: the pipeline's last
+    partition keeps its last segment's activations, since its backward follows at once
+    (recomputing it would cost time and save nothing)."""
+
+    def __init__(self, stages: list[tuple[str, nn.Module]], recompute: bool = False,
+                 weights: list[float] | None = None, last: bool = False):
         super().__init__()
         self.names = [name for name, _ in stages]
         for name, module in stages:
             self.add_module(name, module)
         self.recompute = recompute
-        k = len(stages)
-        size = max(1, round(math.sqrt(k))) if recompute else k
-        self.segments = [self.names[i:i + size] for i in range(0, k, size)]
+        cuts = segments(weights or [1.0] * len(stages), recompute)
+        self.segments = [(self.names[a:b], recompute and not (last and b == len(stages))) for a, b in cuts]
 
     def _run(self, names: list[str], x: torch.Tensor) -> torch.Tensor:
         for name in names:
             x = getattr(self, name)(x)
         return x
 
+    def _segment(self, names: list[str], x: torch.Tensor) -> torch.Tensor:
+        return recomputation(lambda: self._run(names, x))  # measured by trainer/memory when it runs again
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for names in self.segments:
-            if self.recompute and torch.is_grad_enabled():
-                x = checkpoint(self._run, names, x, use_reentrant=False)
+        for names, checkpointed in self.segments:
+            if checkpointed and torch.is_grad_enabled():
+                x = checkpoint(self._segment, names, x, use_reentrant=False)
             else:
                 x = self._run(names, x)
         return x

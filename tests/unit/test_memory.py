@@ -1,0 +1,80 @@
+"""trainer/memory.py: each component counted once, saved activations as torch's own profiler
+sees them, recomputation's transient counted; and the partition balancer that prices them."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mariana.trainer import memory
+from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig
+from mariana.trainer.strategies.model_parallel import (Partition, StageCost, activation_bytes, cut_partitions,
+                                                       in_flight, probe_stages, segments)
+
+CNN = ImageCNNConfig(size=32, channels=(16, 16, 32), embed_dim=32)
+
+
+def step_of(module, opt, x, y):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(module(x), y).backward()
+        opt.step()
+    return step
+
+
+def fixture(recompute: bool, weights=None):
+    torch.manual_seed(0)
+    model = ImageCNN(CNN)
+    part = Partition(model.stages(), recompute, weights)
+    opt = torch.optim.Adam(part.parameters())
+    x, y = torch.randn(16, 1, 32, 32), torch.randint(0, 10, (16,))
+    return part, opt, step_of(part, opt, x, y)
+
+
+def test_components_are_the_model_and_adam_and_activations_match_the_profiler():
+    part, opt, step = fixture(False)
+    step()
+    r = memory.measure_step(step, part, opt)
+    n = sum(p.numel() for p in part.parameters())
+    assert r.parameters == r.gradients == 4 * n
+    assert r.optimizer == 8 * n + 4 * len(list(part.parameters()))  # two moments + a step counter per tensor
+    prof = memory.profile_step(step, torch.device("cpu"))
+    seen = prof["by_category"]["activation"] + prof["by_category"]["input"]
+    assert seen == pytest.approx(r.activations, rel=0.05), (seen, r.activations)
+    assert prof["peak"] >= r.total * 0.9
+
+
+def test_recomputation_is_counted_while_it_lives():
+    plain, opt, step = fixture(False)
+    step()
+    full = memory.measure_step(step, plain, opt).activations
+    costs = probe_stages(ImageCNN(CNN).stages(), torch.randn(16, 1, 32, 32))
+    part, opt, step = fixture(True, [c.activation_bytes for c in costs])
+    step()
+    rec = memory.measure_step(step, part, opt).activations
+    boundaries = sum(costs[a].input_bytes for a, _ in segments([c.activation_bytes for c in costs], True))
+    biggest = max(sum(c.activation_bytes for c in costs[a:b])
+                  for a, b in segments([c.activation_bytes for c in costs], True))
+    assert rec < full
+    assert rec >= biggest  # the segment being recomputed is there: not just the boundaries
+    assert rec == pytest.approx(activation_bytes(costs, 1, True), rel=0.1)
+    assert boundaries < rec
+
+
+def test_storages_count_once_and_rss_sees_a_big_step():
+    x = torch.zeros(1000)
+    assert memory.storage_bytes([x, x[10:], x.view(10, 100)]) == 4000
+    held = []
+    rise = memory.rss_step(lambda: held.append(torch.ones(64 * 2**20 // 4)))
+    if rise is not None:  # Linux
+        assert rise >= 60 * 2**20
+
+
+def test_the_balancer_prices_micro_batches_in_flight():
+    costs = [StageCost("a", 0, 100, 1, 1.0), StageCost("b", 0, 10, 1, 5.0), StageCost("c", 300, 1, 1, 1.0)]
+    assert [in_flight("1f1b", 8, 3, k) for k in range(3)] == [3, 2, 1]
+    assert cut_partitions(costs, 2, "memory", "1f1b", 8) == [(0, 2), (2, 3)]   # a, b held twice: 220 | 301 beats 200 | 311
+    assert cut_partitions(costs, 2, "time") == [(0, 1), (1, 3)]                # 1 | 6, not 6 | 1: equal, first
+    assert cut_partitions(costs, 3, "time") == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(Exception, match="--balance 'speed'"):
+        cut_partitions(costs, 2, "speed")

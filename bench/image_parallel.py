@@ -5,8 +5,8 @@ partitions x groups, on `mariana gen images` data, every configuration in one ru
    micro-batches, 1F1B): each rank's parameters, gradients, optimizer state and saved
    activations (trainer/memory.py), cross-checked against torch's profiler (its peak and
    its activation + input categories) and the rise of peak RSS on the first step; for
-   P=1 and P=2, each with and without --recompute. The largest partition against the
-   whole model on one rank (P=1, same batch and micro-batches).
+   P=1 and P=2 (the stages cut by memory), each with and without --recompute. The
+   largest partition against the whole model on one rank (P=1, same batch and micro-batches).
 2. Speed, one thread per rank, images/s (the median of the epochs after the first):
    P=1; P=2 (M=8; the stages cut by measured time); G=2; --recompute at P=1 and P=2;
    the input pipeline with --prefetch 2 and 0 under `shift` and `elastic` augmentation,
@@ -74,7 +74,7 @@ def memory_rows(data: str) -> dict:
     rows = {}
     for key, extra in [("P=1", ()), ("P=1 recompute", ("--recompute",)), ("P=2", ("--partitions", "2")),
                        ("P=2 recompute", ("--partitions", "2", "--recompute"))]:
-        r = train(data, 1, "--memory", "--profile-memory", *extra)
+        r = train(data, 1, "--memory", "--profile-memory", "--balance", "memory", *extra)
         rows[key] = {"cuts": r["cuts"], "ranks": r["ranks"]}
         note(f"memory {key}: {r['cuts']}: " + "; ".join(
             f"rank {x['rank']} total {x['total'] / 2**20:.1f} MiB (activations {x['activations'] / 2**20:.1f}, "

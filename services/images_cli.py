@@ -212,8 +212,10 @@ def build_train_image_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=4, help="M: micro-batches per global batch and group")
     p.add_argument("--recompute", action="store_true", help="recompute activations in ~sqrt(blocks) segments "
                                                             "per partition instead of keeping them")
-    p.add_argument("--balance", choices=("memory", "time"), default="memory", help="cut the stages so the largest "
-                   "partition's memory (state + activations in flight) or its time per micro-batch is least")
+    p.add_argument("--balance", choices=("time", "memory"), default="time", help="cut the stages so the largest "
+                   "partition's time per micro-batch (measured) or its memory (state + activations in flight) is least")
+    p.add_argument("--cut-after", default="", help="cut by hand instead: the last stage of each partition but the "
+                   "last, comma-separated (stages: conv1,pool1,...,convN,poolN,embed,head)")
     p.add_argument("--memory", action="store_true", help="measure each rank's memory by component (parameters, "
                    "gradients, optimizer state, saved activations) on the first steps; in the record's `ranks`")
     p.add_argument("--profile-memory", action="store_true", help="with --memory: also torch's profiler over one "
@@ -251,7 +253,8 @@ def train_image_main(argv: list[str]) -> int:
     if preset is None:
         raise MarianaError(f"{args.data}: {data.images.shape[1]}x{data.images.shape[2]} images; give --preset")
     cfg = ImageConfig(preset=preset, partitions=args.partitions, groups=args.groups, schedule=args.schedule,
-                      microbatches=args.microbatches, recompute=args.recompute, balance=args.balance, prefetch=args.prefetch,
+                      microbatches=args.microbatches, recompute=args.recompute, balance=args.balance,
+                      cut_after=tuple(n for n in args.cut_after.split(",") if n), prefetch=args.prefetch,
                       augment=args.augment, shift=args.shift, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       test_images=args.test_images, device=args.device, threads=args.threads, timeout_s=args.timeout,
                       memory=args.memory or args.profile_memory, profile_memory=args.profile_memory)

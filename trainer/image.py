@@ -40,7 +40,7 @@ from mariana.trainer.dense import evaluate_dense, loss_fn, resolve_backend, reso
 from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig
 from mariana.trainer.strategies import data_parallel as dp
 from mariana.trainer.strategies.model_parallel import (Layout, Partition, PipelineStep, StageCost, cut_partitions,
-                                                       probe_stages)
+                                                       in_flight, probe_stages, recompute_plan)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,8 @@ class ImageConfig:
     schedule: str = "1f1b"        # 1f1b | gpipe
     microbatches: int = 4
     recompute: bool = False
-    balance: str = "memory"       # cut the stages so the largest partition's memory (or time) is least
+    balance: str = "time"         # cut the stages so the largest partition's time (or memory) is least
+    cut_after: tuple[str, ...] = ()  # or by hand: the last stage of each partition but the last
     prefetch: int = 2             # batches prepared ahead by a background thread; 0: none
     augment: str = "shift"        # shift | elastic (featurizer/augment.py)
     shift: int = 3                # augmentation: random shifts of up to this many pixels
@@ -87,6 +88,8 @@ class ImageConfig:
             raise ConfigError(f"--augment {self.augment!r}: use one of {list(AUGMENTS)}")
         if self.balance not in ("memory", "time"):
             raise ConfigError(f"--balance {self.balance!r}: use memory or time")
+        if self.cut_after:
+            manual_cuts([name for name, _ in ImageCNN(self.cnn).fine_stages()], self.cut_after, self.partitions)
         if self.prefetch < 0 or self.shift < 0 or not self.lr > 0:
             raise ConfigError("--prefetch and --shift must be >= 0 and --lr > 0")
 
@@ -95,15 +98,21 @@ class ImageConfig:
         return PRESETS[self.preset]
 
 
-def batches(x: torch.Tensor, y: torch.Tensor, cfg: ImageConfig, epoch: int, augment_them: bool):
-    """(global batch of images or None, labels, step) of an epoch in the seeded order; a last
-    batch smaller than the others is left out (a pipeline's stages keep one shape)."""
+def batches(x: torch.Tensor, y: torch.Tensor, cfg: ImageConfig, epoch: int, augment_them: bool, group: int = 0,
+            pin: bool = False):
+    """(group `group`'s share of a global batch of images, or None; its labels; the step) of
+    an epoch in the seeded order. The whole global batch is augmented (its draws are the same
+    in any layout). A last batch smaller than the others is left out (a pipeline's stages
+    keep one shape). `pin`: in page-locked memory, for non-blocking copies to CUDA."""
     for step, idx in enumerate(dp.global_batches(len(x), cfg.batch_size, cfg.seed, epoch)):
         if len(idx) < cfg.batch_size:
             continue
         seed = cfg.seed * 1_000_003 + epoch * 10_007 + step
-        xb = augment(x[idx], cfg.augment, cfg.shift, seed) if augment_them else None
-        yield xb, y[idx], step
+        xb = augment(x[idx], cfg.augment, cfg.shift, seed).tensor_split(cfg.groups)[group] if augment_them else None
+        yb = y[idx].tensor_split(cfg.groups)[group]
+        if pin:
+            xb, yb = (None if xb is None else xb.pin_memory()), yb.pin_memory()
+        yield xb, yb, step
 
 
 def prefetched(items, depth: int):
@@ -130,14 +139,37 @@ def plan_partitions(model: ImageCNN, sample: torch.Tensor, cfg: ImageConfig,
     """The cuts of the model's stages into `cfg.partitions`, by `cfg.balance`, from each stage
     measured on one micro-batch (`sample`). Every rank must cut alike: bytes are the same
     everywhere, and measured times are averaged over the ranks first."""
-    costs = probe_stages(model.stages(), sample)
+    costs = probe_stages(model.fine_stages(), sample)
+    if cfg.cut_after:
+        return manual_cuts([c.name for c in costs], cfg.cut_after, cfg.partitions), costs
     if cfg.balance == "time" and ctx.distributed:
-        seconds = torch.tensor([c.seconds for c in costs], dtype=torch.float64)
-        comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else seconds.device
-        seconds = seconds.to(comm)
-        dist.all_reduce(seconds)
-        costs = [replace(c, seconds=s / ctx.world_size) for c, s in zip(costs, seconds.tolist())]
+        times = torch.tensor([[c.seconds, c.forward_seconds] for c in costs], dtype=torch.float64)
+        comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else times.device
+        times = times.to(comm)
+        dist.all_reduce(times)
+        costs = [replace(c, seconds=both / ctx.world_size, forward_seconds=fwd / ctx.world_size)
+                 for c, (both, fwd) in zip(costs, times.tolist())]
     return cut_partitions(costs, cfg.partitions, cfg.balance, cfg.schedule, cfg.microbatches, cfg.recompute), costs
+
+
+def manual_cuts(names: list[str], cut_after: tuple[str, ...], parts: int) -> list[tuple[int, int]]:
+    """Partitions ending after the named stages (P - 1 names, in order), the last taking the rest.
+
+    >>> manual_cuts(["conv1", "pool1", "conv2", "head"], ("pool1",), 2)
+    [(0, 2), (2, 4)]
+    """
+    if len(cut_after) != parts - 1:
+        raise ConfigError(f"--cut-after names the last stage of each partition but the last: {parts - 1} of {names}, "
+                          f"got {list(cut_after)}")
+    ends = []
+    for name in cut_after:
+        if name not in names:
+            raise ConfigError(f"--cut-after {name!r}: not a stage; the stages are {names}")
+        ends.append(names.index(name) + 1)
+    if ends != sorted(set(ends)) or ends[-1] >= len(names):
+        raise ConfigError(f"--cut-after {list(cut_after)}: stages in order, each partition non-empty, of {names}")
+    starts = [0] + ends
+    return list(zip(starts, ends + [len(names)]))
 
 
 def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistContext(),
@@ -159,13 +191,17 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
     y = torch.from_numpy(data.labels[train_idx].astype(np.int64))
     torch.manual_seed(cfg.seed)
     model = ImageCNN(cfg.cnn).to(device)
-    stages = model.stages()
+    stages = model.fine_stages()
     cuts, costs = plan_partitions(model, x[:cfg.batch_size // (cfg.groups * cfg.microbatches)].to(device), cfg, ctx)
     g, p = layout.coords(ctx.rank)
-    part = Partition(stages[cuts[p][0]:cuts[p][1]], cfg.recompute,
-                     [c.activation_bytes for c in costs[cuts[p][0]:cuts[p][1]]], last=p == cfg.partitions - 1)
+    held = in_flight(cfg.schedule, cfg.microbatches, cfg.partitions, p)
+    plan = recompute_plan(costs[cuts[p][0]:cuts[p][1]], held, cfg.recompute)
+    part = Partition(stages[cuts[p][0]:cuts[p][1]], plan=plan)
     step = PipelineStep(part, layout, ctx.rank, cfg.microbatches, cfg.schedule, F.cross_entropy, device)
     opt = torch.optim.Adam(part.parameters(), lr=cfg.lr)
+    if cfg.recompute:
+        log.info("image rank %d: partition %d recomputes %s", ctx.rank, p,
+                 [names for names, r in part.segments if r] or "nothing (it would not lower the peak)")
     if ctx.rank == 0:
         log.info("image: %d train / %d test images, preset %s, %d group(s) x %d partition(s) %s, schedule %s x%d, "
                  "recompute %s, prefetch %d", len(train_idx), len(test_idx), cfg.preset, cfg.groups, cfg.partitions,
@@ -174,12 +210,12 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
     per_epoch, seconds, images, steps, measured = [], 0.0, 0, 0, {}
     counter = dp.CollectiveBytes()
     dp.count_collectives(counter)
-    io_before = dp.io_written()
+    io_before, cpu_before = dp.io_written(), time.process_time()
     try:
         for epoch in range(cfg.epochs):
             t0 = time.perf_counter()
             losses, wait = [], 0.0
-            source = prefetched(batches(x, y, cfg, epoch, step.first), cfg.prefetch)
+            source = prefetched(batches(x, y, cfg, epoch, step.first, g, pin=device.type == "cuda"), cfg.prefetch)
             while True:
                 t_wait = time.perf_counter()
                 item = next(source, None)
@@ -187,16 +223,16 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
                 if item is None:
                     break
                 xb, yb, _ = item
-                share = lambda t: None if t is None else t.tensor_split(cfg.groups)[g].to(device)  # noqa: E731
+                to_device = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
 
                 def one_step():
                     opt.zero_grad(set_to_none=True)
-                    out = step.step(share(xb), share(yb))
+                    out = step.step(to_device(xb), to_device(yb))
                     opt.step()
                     return out
-                loss = measure(steps, one_step, part, opt, device, cfg, measured)
+                loss = measure(steps, one_step, part, opt, step.stage, device, cfg, measured)
                 steps += 1
-                images += len(yb)
+                images += cfg.batch_size
                 if loss is not None:
                     losses.append(float(loss))
             took = time.perf_counter() - t0
@@ -218,6 +254,7 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
                 "allreduce_sent_per_step": counter.snapshot()["sent"] / max(steps, 1),
                 "allreduce_payload_per_step": counter.snapshot()["payload"] / max(steps, 1),
                 "io_written_per_step": (io_after - io_before) / max(steps, 1) if io_before is not None else None,
+                "cpu_share": (time.process_time() - cpu_before) / max(seconds, 1e-9),
                 **measured}
         ranks = stats_to_rank0(mine, ctx)
         whole = gather_model(model, cuts, layout, ctx)
@@ -244,10 +281,11 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
 
 
 def measure(k: int, run: Callable[[], torch.Tensor | None], part: Partition, opt: torch.optim.Optimizer,
-            device: torch.device, cfg: ImageConfig, into: dict) -> torch.Tensor | None:
+            stage, device: torch.device, cfg: ImageConfig, into: dict) -> torch.Tensor | None:
     """Step `k` of the job, measured when `cfg.memory` asks: the first step by the rise of the
     process's peak RSS (nothing to reuse yet; CUDA: max_memory_allocated), the second by
-    trainer/memory's components, the third under torch's profiler (`cfg.profile_memory`)."""
+    trainer/memory's components (the pipeline stage's buffers too), the third under torch's
+    profiler (`cfg.profile_memory`)."""
     if not cfg.memory or k > 2 or (k == 2 and not cfg.profile_memory):
         return run()
     out: list = []
@@ -255,7 +293,7 @@ def measure(k: int, run: Callable[[], torch.Tensor | None], part: Partition, opt
         into["rss_first_step"] = (memory.cuda_peak(device, lambda: out.append(run())) if device.type == "cuda"
                                   else memory.rss_step(lambda: out.append(run())))
     elif k == 1:
-        into.update(memory.measure_step(lambda: out.append(run()), part, opt).to_dict())
+        into.update(memory.measure_step(lambda: out.append(run()), part, opt, (stage,) if stage else ()).to_dict())
     else:
         prof = memory.profile_step(lambda: out.append(run()), device)
         into["profiler_peak"] = prof["peak"]
@@ -264,7 +302,8 @@ def measure(k: int, run: Callable[[], torch.Tensor | None], part: Partition, opt
 
 
 STAT_KEYS = ("rank", "group", "partition", "gradient_bytes", "allreduce_sent_per_step", "allreduce_payload_per_step",
-             "io_written_per_step", "rss_first_step", "parameters", "gradients", "optimizer", "activations", "total",
+             "io_written_per_step", "cpu_share", "rss_first_step", "parameters", "gradients", "optimizer", "activations",
+             "buffers", "total",
              "profiler_peak", "profiler_activations")
 
 
@@ -283,7 +322,8 @@ def stats_to_rank0(mine: dict, ctx: dp.DistContext) -> list[dict] | None:
         return None
     out = []
     for row in rows:
-        rec = {k: (None if v != v else round(v, 1) if k.endswith("_per_step") else int(v))
+        rec = {k: (None if v != v else round(v, 3) if k == "cpu_share" else round(v, 1) if k.endswith("_per_step")
+                   else int(v))
                for k, v in zip(STAT_KEYS, row.tolist())}
         out.append({k: v for k, v in rec.items() if v is not None})
     return out
@@ -316,7 +356,7 @@ def gather_model(model: ImageCNN, cuts: list[tuple[int, int]], layout: Layout,
     returns the whole model; the other ranks send theirs and get None."""
     if not ctx.distributed:
         return model
-    stages = model.stages()
+    stages = model.fine_stages()  # what `cuts` index
 
     def owned(partition: int) -> list[tuple[str, torch.nn.Parameter]]:
         prefixes = tuple(f"{name}." for name in part_names(stages, cuts[partition]))

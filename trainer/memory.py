@@ -6,6 +6,8 @@
     activations   the peak of the tensors autograd saved for the backward during the step,
                   seen through saved-tensor hooks; each storage counted once however many
                   views of it are saved, parameters left out (they are counted above)
+    buffers       tensors other objects keep between steps (a pipeline stage's buffers for
+                  the activations and gradients it receives, one per micro-batch)
 
 Every figure counts storages once (`storage_bytes`). Two cross-checks, for a bench to run
 once: `profile_step` runs a step under torch's profiler and returns its memory timeline's
@@ -42,10 +44,11 @@ class MemoryReport:
     gradients: int = 0
     optimizer: int = 0
     activations: int = 0
+    buffers: int = 0      # tensors kept between steps by `holders` (a pipeline stage's receive buffers)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
 
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -183,18 +186,53 @@ class _Saved:
         self.owner._release(self.key)
 
 
-def measure_step(step: Callable[[], object], module: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer) -> MemoryReport:
+def measure_step(step: Callable[[], object], module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 holders: tuple = ()) -> MemoryReport:
     """Run `step` (forward, backward and the optimizer's step) with its saved activations
-    tallied; then the parameters, gradients and optimizer state as they are after it."""
+    tallied; then the parameters, gradients and optimizer state as they are after it, and
+    the other tensors `holders` keep (`held_tensors`)."""
     params = list(module.parameters())
     exclude = {_storage(p)[0] for p in params}
     with SavedActivations(exclude) as saved:
         step()
-    return MemoryReport(parameters=storage_bytes(params),
-                        gradients=storage_bytes([p.grad for p in params if p.grad is not None]),
-                        optimizer=storage_bytes(optimizer_tensors(optimizer)),
-                        activations=saved.peak)
+    grads = [p.grad for p in params if p.grad is not None]
+    state = optimizer_tensors(optimizer)
+    known = exclude | {_storage(t)[0] for t in grads + state}
+    return MemoryReport(parameters=storage_bytes(params), gradients=storage_bytes(grads),
+                        optimizer=storage_bytes(state), activations=saved.peak,
+                        buffers=storage_bytes(held_tensors(holders), exclude=known))
+
+
+def held_tensors(holders: tuple, depth: int = 6) -> list[torch.Tensor]:
+    """The tensors reachable from `holders` through their attributes, dicts, lists and
+    tuples (not through modules: their parameters are counted as such), `depth` levels down.
+
+    >>> class Stage: pass
+    >>> s = Stage(); s.recv = [{"buffer": torch.zeros(4)}, (torch.zeros(2),)]; s.net = torch.nn.Linear(2, 2)
+    >>> storage_bytes(held_tensors((s,)))
+    24
+    """
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(obj, left: int) -> None:
+        if id(obj) in seen or left < 0 or isinstance(obj, (torch.nn.Module, str, bytes, int, float, type)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v, left - 1)
+        elif isinstance(obj, (list, tuple, set)):
+            for v in obj:
+                walk(v, left - 1)
+        elif hasattr(obj, "__dict__") and not callable(obj):
+            for v in vars(obj).values():
+                walk(v, left - 1)
+    for h in holders:
+        walk(h, depth)
+    return found
 
 
 def profile_step(step: Callable[[], object], device: torch.device) -> dict:

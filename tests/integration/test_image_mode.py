@@ -33,9 +33,9 @@ def train(shapes, out, *extra: str) -> dict:
 
 def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, shapes):
     one = train(shapes, tmp_path / "p1")
-    two = train(shapes, tmp_path / "p2", "--partitions", "2", "--memory")  # measuring changes no number
+    two = train(shapes, tmp_path / "p2", "--partitions", "2", "--memory", "--balance", "memory")  # changes no number
     grid = train(shapes, tmp_path / "p2g2", "--partitions", "2", "--groups", "2", "--schedule", "gpipe")
-    assert two["cuts"] == [["conv1", "conv2"], ["embed", "head"]] and grid["groups"] == 2
+    assert two["cuts"] == [["conv1", "pool1"], ["conv2", "pool2", "embed", "head"]] and grid["groups"] == 2
     # each rank's memory by component, its own partition's only; activations held by 1F1B
     n = {r["rank"]: r for r in two["ranks"]}
     sizes = [sum(c["state_bytes"] for c in two["stage_costs"] if c["stage"] in cut) // 4 for cut in two["cuts"]]
@@ -68,6 +68,9 @@ def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, sha
     (["--preset", "wide"], "but preset 'wide' takes 64x64"),
     (["--test-images", "900"], "--test-images 900: must be between 1 and 639"),  # the last one given counts
     (["--partitions", "9", "--groups", "0"], "--groups and --partitions must be >= 1"),
+    (["--partitions", "2", "--cut-after", "conv9"], "--cut-after 'conv9': not a stage; the stages are ['conv1', "),
+    (["--partitions", "2", "--cut-after", "head"], "each partition non-empty"),
+    (["--cut-after", "conv1"], "the last stage of each partition but the last: 0 of"),
 ])
 def test_bad_input_to_train_image_is_one_error_line(tmp_path, shapes, args, message):
     proc = run_cli("train", "image", "--data", shapes, "--out", tmp_path / "f", "--test-images", "128", *args)

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from mariana.trainer import memory
 from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig
-from mariana.trainer.strategies.model_parallel import (Partition, StageCost, activation_bytes, cut_partitions,
-                                                       in_flight, probe_stages, segments)
+from mariana.trainer.strategies.model_parallel import (Partition, StageCost, cut_partitions, in_flight, plan_bytes,
+                                                       probe_stages, recompute_plan, segments)
 
 CNN = ImageCNNConfig(size=32, channels=(16, 16, 32), embed_dim=32)
 
@@ -22,17 +22,17 @@ def step_of(module, opt, x, y):
     return step
 
 
-def fixture(recompute: bool, weights=None):
+def fixture(plan=None, recompute=False):
     torch.manual_seed(0)
     model = ImageCNN(CNN)
-    part = Partition(model.stages(), recompute, weights)
+    part = Partition(model.stages(), recompute, plan)
     opt = torch.optim.Adam(part.parameters())
     x, y = torch.randn(16, 1, 32, 32), torch.randint(0, 10, (16,))
     return part, opt, step_of(part, opt, x, y)
 
 
 def test_components_are_the_model_and_adam_and_activations_match_the_profiler():
-    part, opt, step = fixture(False)
+    part, opt, step = fixture()
     step()
     r = memory.measure_step(step, part, opt)
     n = sum(p.numel() for p in part.parameters())
@@ -45,20 +45,25 @@ def test_components_are_the_model_and_adam_and_activations_match_the_profiler():
 
 
 def test_recomputation_is_counted_while_it_lives():
-    plain, opt, step = fixture(False)
+    plain, opt, step = fixture()
     step()
     full = memory.measure_step(step, plain, opt).activations
     costs = probe_stages(ImageCNN(CNN).stages(), torch.randn(16, 1, 32, 32))
-    part, opt, step = fixture(True, [c.activation_bytes for c in costs])
-    step()
-    rec = memory.measure_step(step, part, opt).activations
-    boundaries = sum(costs[a].input_bytes for a, _ in segments([c.activation_bytes for c in costs], True))
-    biggest = max(sum(c.activation_bytes for c in costs[a:b])
-                  for a, b in segments([c.activation_bytes for c in costs], True))
-    assert rec < full
-    assert rec >= biggest  # the segment being recomputed is there: not just the boundaries
-    assert rec == pytest.approx(activation_bytes(costs, 1, True), rel=0.1)
-    assert boundaries < rec
+    assert full == pytest.approx(sum(c.activation_bytes for c in costs), rel=0.05)
+    every = [(a, b, True) for a, b in segments([c.activation_bytes for c in costs], True)]
+    chosen = recompute_plan(costs, 1, True)
+    assert any(r for *_, r in chosen) and chosen != every
+    measured = {}
+    for name, plan in (("every", every), ("chosen", chosen)):
+        part, opt, step = fixture(plan)
+        step()
+        measured[name] = rec = memory.measure_step(step, part, opt).activations
+        biggest = max(sum(c.activation_bytes for c in costs[a:b]) for a, b, r in plan if r)
+        assert rec >= biggest  # the segment being recomputed is there, not just the boundaries
+        assert rec == pytest.approx(plan_bytes(costs, plan, 1), rel=0.1)
+    # the chosen plan peaks lower than storing everything, and no higher than recomputing everything
+    assert measured["chosen"] < 0.8 * full
+    assert plan_bytes(costs, chosen, 1) <= plan_bytes(costs, every, 1)
 
 
 def test_storages_count_once_and_rss_sees_a_big_step():

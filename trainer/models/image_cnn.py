@@ -90,6 +90,21 @@ class ImageCNN(nn.Module):
         convs = [(f"conv{i}", getattr(self, f"conv{i}")) for i in range(1, len(self.cfg.channels) + 1)]
         return convs + [("embed", self.embed), ("head", self.head)]
 
+    def fine_stages(self) -> list[tuple[str, nn.Module]]:
+        """`stages()` with each conv block cut after its ReLU: (`convI`: conv and ReLU,
+        `poolI`: the max pool), so a partitioner can also cut between the two (on a CPU the
+        pool of a wide early block costs as much as its conv). The parameter names stay the
+        model's: the first part keeps the block's own indices (`conv1.0.weight`).
+
+        >>> [n for n, _ in ImageCNN().fine_stages()]
+        ['conv1', 'pool1', 'conv2', 'pool2', 'embed', 'head']
+        """
+        out: list[tuple[str, nn.Module]] = []
+        for i in range(1, len(self.cfg.channels) + 1):
+            block = getattr(self, f"conv{i}")
+            out += [(f"conv{i}", block[:2]), (f"pool{i}", block[2])]
+        return out + [("embed", self.embed), ("head", self.head)]
+
     def embed_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, 1, S, S) normalised pixels -> (B, d) features (every stage before the head)."""
         for _, stage in self.stages()[:-1]:

@@ -12,13 +12,14 @@ other groups (an all-reduce over its `dp` group). Read top to bottom:
     part = Partition(model.stages()[cut p])  the stages of partition p (recomputed in ~sqrt(k)
                                              segments with `recompute`, balanced by bytes)
     step = PipelineStep(part, layout, ...)   PipelineStage + Schedule1F1B / ScheduleGPipe over the
-                                             group's `pp` ranks, DDP over the partition's `dp` ranks
+                                             group's `pp` ranks; one all-reduce over the partition's `dp` ranks
     for global batch: group g takes its contiguous share; stage 0 feeds the images, the last
-    stage the labels; the schedule runs M micro-batches and averages their gradients; DDP
-    averages over the G groups: the gradient of the global batch's mean loss, as one process.
+    stage the labels; the schedule runs M micro-batches and averages their gradients; the
+    all-reduce averages over the G groups: the gradient of the global batch's mean loss, as
+    one process.
 
-Parameter names stay the model's (`Partition.model_state` strips nothing but adds nothing),
-so the partitions of group 0 put together are the model's state_dict.
+Parameter names stay the model's (a Partition holds the model's own stage modules), so the
+partitions of group 0 put together are the model's state_dict.
 """
 from __future__ import annotations
 
@@ -67,12 +68,13 @@ class Layout:
         return [g * self.partitions + partition for g in range(self.groups)]
 
 
-def balance(costs: list[float], parts: int,
-            price: Callable[[int, int, int], float] | None = None) -> list[tuple[int, int]]:
+def balance(costs: list[float], parts: int, price: Callable[[int, int, int], float] | None = None,
+            starts: set[int] | None = None) -> list[tuple[int, int]]:
     """Cut `costs` (one per stage, in order) into `parts` contiguous non-empty runs whose
     largest sum is as small as it can be; returns each run's [start, stop). `price(k, start,
     stop)`, when given, is the cost of stages [start, stop) as partition k instead of their sum
-    (a pipeline's first partitions hold more micro-batches in flight than its last).
+    (a pipeline's first partitions hold more micro-batches in flight than its last); `starts`,
+    when given, the only stages a run may begin at (besides the first).
 
     >>> balance([4, 1, 1, 1, 1], 2)
     [(0, 1), (1, 5)]
@@ -80,9 +82,11 @@ def balance(costs: list[float], parts: int,
     [(0, 3), (3, 5)]
     >>> balance([1, 1, 1, 1], 2, lambda k, i, j: (j - i) * (2 if k == 0 else 1))   # the first costs double
     [(0, 1), (1, 4)]
+    >>> balance([1, 1, 1, 1], 2, starts={3})
+    [(0, 3), (3, 4)]
     """
     n = len(costs)
-    if not 1 <= parts <= n:
+    if not 1 <= parts <= n or (starts is not None and parts > 1 + len(set(starts) & set(range(1, n)))):
         raise ConfigError(f"--partitions {parts}: the model has {n} stages, so 1 to {n} partitions")
     prefix = [0.0]
     for c in costs:
@@ -94,6 +98,8 @@ def balance(costs: list[float], parts: int,
     for k in range(1, parts + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
+                if j and starts is not None and j not in starts:
+                    continue
                 run = prefix[i] - prefix[j] if price is None else price(k - 1, j, i)
                 worst = max(best[k - 1][j], run)
                 if worst < best[k][i]:
@@ -114,6 +120,7 @@ class StageCost:
     activation_bytes: int  # saved for the backward (trainer/memory.SavedActivations)
     input_bytes: int     # its input: what a recomputed segment starting here keeps
     seconds: float       # forward + backward
+    forward_seconds: float = 0.0  # forward alone: what recomputing it costs
 
 
 def probe_stages(stages: list[tuple[str, nn.Module]], x: torch.Tensor, repeats: int = 2) -> list[StageCost]:
@@ -121,23 +128,30 @@ def probe_stages(stages: list[tuple[str, nn.Module]], x: torch.Tensor, repeats: 
     output feeds the next) and measure it: the best of `repeats` timings."""
     out = []
     x = x.clone()  # a view would count its base's whole storage
-    for name, stage in stages:
-        x = x.detach().requires_grad_(x.is_floating_point())
+    for i, (name, stage) in enumerate(stages):
+        # the model's input needs no gradient (for a 1-channel conv, that one costs more than the rest)
+        x = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         params = list(stage.parameters())
-        seconds = math.inf
+        seconds = forward = math.inf
         for _ in range(repeats):
             with SavedActivations({p.untyped_storage().data_ptr() for p in params}) as saved:
                 t0 = time.perf_counter()
                 y = stage(x)
+                _sync(y)
+                t1 = time.perf_counter()
                 y.backward(torch.ones_like(y))
-                if y.device.type == "cuda":
-                    torch.cuda.synchronize(y.device)
-                seconds = min(seconds, time.perf_counter() - t0)
+                _sync(y)
+                seconds, forward = min(seconds, time.perf_counter() - t0), min(forward, t1 - t0)
         stage.zero_grad(set_to_none=True)
         out.append(StageCost(name, 16 * sum(p.numel() for p in params), saved.peak,
-                             x.numel() * x.element_size(), seconds))
+                             x.numel() * x.element_size(), seconds, forward))
         x = y
     return out
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
 
 
 def in_flight(schedule: str, microbatches: int, partitions: int, k: int) -> int:
@@ -150,70 +164,101 @@ def in_flight(schedule: str, microbatches: int, partitions: int, k: int) -> int:
     return microbatches if schedule == "gpipe" else min(microbatches, partitions - k)
 
 
-def activation_bytes(run: list[StageCost], held: int, recompute: bool, last: bool = False) -> int:
-    """The saved activations of consecutive stages at their peak, holding `held` micro-batches
-    in flight: all of each; with `recompute`, per micro-batch the inputs of its checkpointed
-    segments (and, `last`: the pipeline's last partition keeps its last segment, as Partition
-    does, the whole of that), and for the one in its backward, the segment being recomputed
-    on top of the inputs of the segments before it."""
+Plan = list[tuple[int, int, bool]]   # a partition's segments: [start, stop) of its stages, recomputed or not
+
+
+def recompute_plan(run: list[StageCost], held: int, recompute: bool) -> Plan:
+    """A partition's stages in about sqrt(k) segments balanced by saved bytes (Chen et al.
+    2016), none beginning where its input would be a large share of what it saves, and which
+    of them to recompute: of every choice, the one whose activations peak
+    lowest (`plan_bytes`), then the one that recomputes the least forward time. A segment is
+    left stored when recomputing it would not lower the peak (e.g. the last partition's last
+    segment, whose backward follows at once). Without `recompute`: one stored segment.
+
+    >>> big, small = StageCost("a", 0, 100, 1, 1.0), StageCost("b", 0, 10, 1, 1.0)
+    >>> recompute_plan([big, small, small, small], 1, True)   # only the big one pays back
+    [(0, 1, True), (1, 4, False)]
+    >>> recompute_plan([big, small, small, small], 2, True)   # two in flight: both segments
+    [(0, 1, True), (1, 4, True)]
+    """
+    # a segment begins only at a stage whose input (what the segment keeps per micro-batch) is
+    # at most half of what the stage saves: not at a max pool, whose input is its conv's output
+    narrow = {i for i, c in enumerate(run) if 2 * c.input_bytes <= c.activation_bytes}
+    cuts = segments([c.activation_bytes for c in run], recompute, narrow)
     if not recompute:
-        return held * sum(c.activation_bytes for c in run)
-    cuts = segments([c.activation_bytes for c in run], True)
-    kept = cuts.pop() if last else None
-    kept_bytes = sum(c.activation_bytes for c in run[kept[0]:kept[1]]) if kept else 0
-    inputs = [run[a].input_bytes for a, _ in cuts]
-    each = sum(inputs) + kept_bytes
-    busiest = max([each] + [sum(inputs[:j]) + sum(c.activation_bytes for c in run[a:b])
-                            for j, (a, b) in enumerate(cuts)])
+        return [(a, b, False) for a, b in cuts]
+    choices = [[(a, b, bool(mask >> i & 1)) for i, (a, b) in enumerate(cuts)] for mask in range(1 << len(cuts))]
+    return min(choices, key=lambda plan: (plan_bytes(run, plan, held),
+                                          sum(c.seconds for a, b, r in plan if r for c in run[a:b])))
+
+
+def plan_bytes(run: list[StageCost], plan: Plan, held: int) -> int:
+    """Saved activations at their peak for stages run as `plan`, with `held` micro-batches in
+    flight: each keeps the inputs of its recomputed segments and all of its stored ones; the
+    one in its backward also holds the segment being recomputed, while the segments before
+    it are still kept."""
+    kept = [sum(c.activation_bytes for c in run[a:b]) if not r else run[a].input_bytes for a, b, r in plan]
+    each = sum(kept)
+    busiest = max([each] + [sum(kept[:j]) + sum(c.activation_bytes for c in run[a:b])
+                            for j, (a, b, r) in enumerate(plan) if r])
     return (held - 1) * each + busiest
 
 
 def cut_partitions(costs: list[StageCost], parts: int, by: str = "memory", schedule: str = "1f1b",
                    microbatches: int = 1, recompute: bool = False) -> list[tuple[int, int]]:
     """The stages cut into `parts` partitions: `by` "memory" minimises the largest partition's
-    bytes (its state plus the activations of the micro-batches it holds in flight, recomputed
-    or not), "time" its forward + backward seconds per micro-batch."""
-    if by == "time":
-        return balance([c.seconds for c in costs], parts)
-    if by != "memory":
+    bytes (its state, the activations of the micro-batches it holds in flight, recomputed or
+    not, and the pipeline's receive buffers), "time" its seconds per micro-batch (forward + backward, and the forward again of
+    what it recomputes)."""
+    if by not in ("memory", "time"):
         raise ConfigError(f"--balance {by!r}: use memory or time")
 
     def price(k: int, start: int, stop: int) -> float:
         run = costs[start:stop]
         held = in_flight(schedule, microbatches, parts, k)
-        return float(sum(c.state_bytes for c in run) + activation_bytes(run, held, recompute, k == parts - 1))
+        plan = recompute_plan(run, held, recompute)
+        if by == "time":
+            return sum(c.seconds for c in run) + sum(c.forward_seconds for a, b, r in plan if r for c in run[a:b])
+        # torch's PipelineStage keeps a receive buffer per micro-batch: activations from the
+        # partition before, gradients from the one after
+        buffers = microbatches * ((run[0].input_bytes if k > 0 else 0)
+                                  + (costs[stop].input_bytes if stop < len(costs) else 0)) if parts > 1 else 0
+        return float(sum(c.state_bytes for c in run) + plan_bytes(run, plan, held) + buffers)
     return balance([float(c.state_bytes + c.activation_bytes) for c in costs], parts, price)
 
 
-def segments(weights: list[float], recompute: bool) -> list[tuple[int, int]]:
+def segments(weights: list[float], recompute: bool, starts: set[int] | None = None) -> list[tuple[int, int]]:
     """A partition's stages (one weight each: their saved activation bytes) cut into about
     sqrt(k) segments for recomputation (Chen et al. 2016), balanced by weight so no segment's
-    recomputation holds much more than another's; one segment without `recompute`.
+    recomputation holds much more than another's, each beginning at one of `starts` (all
+    stages when None); one segment without `recompute`.
 
     >>> segments([8, 4, 2, 1, 1, 1, 1, 1], True), segments([1, 1, 1, 1], True), segments([1, 1], False)
     ([(0, 1), (1, 2), (2, 8)], [(0, 2), (2, 4)], [(0, 2)])
+    >>> segments([8, 4, 2, 1], True, starts={2})
+    [(0, 2), (2, 4)]
     """
-    count = max(1, round(math.sqrt(len(weights)))) if recompute else 1
-    return balance([float(w) for w in weights], count)
+    n = len(weights)
+    count = max(1, round(math.sqrt(n))) if recompute else 1
+    if starts is not None:
+        count = min(count, 1 + len(set(starts) & set(range(1, n))))
+    return balance([float(w) for w in weights], count, starts=starts)
 
 
 class Partition(nn.Module):
     """Consecutive stages of a model, run in order; the parameter names stay the model's.
-    With `recompute`, the stages run in about sqrt(k) segments (balanced by `weights`, e.g.
-    each stage's saved activation bytes; equal without) whose activations are not kept but
-    recomputed in the backward (activation checkpointing). `last`: the pipeline's last
-    partition keeps its last segment's activations, since its backward follows at once
-    (recomputing it would cost time and save nothing)."""
+    `plan` (from `recompute_plan`) runs them in segments, some recomputed: their activations
+    are not kept but recomputed in the backward (activation checkpointing). Without a plan,
+    `recompute` checkpoints about sqrt(k) segments of equal length."""
 
-    def __init__(self, stages: list[tuple[str, nn.Module]], recompute: bool = False,
-                 weights: list[float] | None = None, last: bool = False):
+    def __init__(self, stages: list[tuple[str, nn.Module]], recompute: bool = False, plan: Plan | None = None):
         super().__init__()
         self.names = [name for name, _ in stages]
         for name, module in stages:
             self.add_module(name, module)
-        self.recompute = recompute
-        cuts = segments(weights or [1.0] * len(stages), recompute)
-        self.segments = [(self.names[a:b], recompute and not (last and b == len(stages))) for a, b in cuts]
+        if plan is None:
+            plan = [(a, b, recompute) for a, b in segments([1.0] * len(stages), recompute)]
+        self.segments = [(self.names[a:b], r) for a, b, r in plan]
 
     def _run(self, names: list[str], x: torch.Tensor) -> torch.Tensor:
         for name in names:
@@ -234,7 +279,7 @@ class Partition(nn.Module):
 
 class PipelineStep:
     """One rank's part of a (G, P) job: its partition, in a pipeline over its group's ranks
-    (P > 1) and in DDP over the same partition of the other groups (G > 1).
+    (P > 1), its gradients averaged with the same partition of the other groups (G > 1).
     `step(x, y)` trains on this group's rows of a global batch (stage 0 reads x, the last
     stage y) and returns the mean loss on the last stage (None elsewhere)."""
 
@@ -254,13 +299,13 @@ class PipelineStep:
             dp = [dist.new_group(layout.dp_ranks(p)) for p in range(layout.partitions)]
             pp = [dist.new_group(layout.pp_ranks(g)) for g in range(layout.groups)]
             self.dp_group, self.pp_group = dp[self.part], pp[self.group]
-        self.schedule = None
+        self.schedule = self.stage = None
         if layout.partitions > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-            stage = PipelineStage(self.module, self.part, layout.partitions, device, group=self.pp_group)
+            self.stage = PipelineStage(self.module, self.part, layout.partitions, device, group=self.pp_group)
             kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            self.schedule = kind(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+            self.schedule = kind(self.stage, n_microbatches=microbatches, loss_fn=loss_fn)
         self.microbatches = microbatches
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:

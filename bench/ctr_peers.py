@@ -412,6 +412,15 @@ def write_json(path: Path, payload: dict) -> None:
     note(f"wrote {path}")
 
 
+def report_targets(targets: dict[str, bool], machine: dict, results: Path) -> int:
+    """Print each target as met or MISSED and the run's machine line; 0 when all are met."""
+    print()
+    for name, ok in targets.items():
+        print(f"- {'met' if ok else 'MISSED'}: {name}")
+    print(f"\n{machine['date']}, {machine['cpu_model']}, {machine['nproc']} cores; results in {results}")
+    return 0 if all(targets.values()) else 1
+
+
 # ---- the two modes -----------------------------------------------------------------------
 
 def prepare_data(args: argparse.Namespace, out_dir: Path) -> dict | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ctr_peers import machine_info  # noqa: E402  (bench/ is on sys.path when run as a script)
+from ctr_peers import machine_info, report_targets  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 LAYOUTS = {"P=1 x G=1": (), "P=2 x G=1": ("--partitions", "2"), "P=2 x G=2": ("--partitions", "2", "--groups", "2")}
 
@@ -60,11 +60,7 @@ def main() -> int:
     print("|---|---:|---|")
     for key, v in runs.items():
         print(f"| {key} | {med[key]:.4f} | {', '.join(format(x['test_accuracy'], '.4f') for x in v)} |")
-    print()
-    for name, ok in targets.items():
-        print(f"- {'met' if ok else 'MISSED'}: {name}")
-    print(f"\n{record['machine']['date']}, {record['machine']['cpu_model']}, {record['machine']['nproc']} cores")
-    return 0 if all(targets.values()) else 1
+    return report_targets(targets, record["machine"], out / "results.json")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ partitions x groups, on `mariana gen images` data, every configuration in one ru
    its activation + input categories) and the rise of peak RSS on the first step; for
    P=1 and P=2 (the stages cut by memory), each with and without --recompute. The
    largest partition against the whole model on one rank (P=1, same batch and micro-batches).
-2. Speed, one thread per rank, images/s (the median of the epochs after the first):
+2. Speed, one thread per rank, images/s (the median of the epochs after the first; the
+   median of --rounds interleaved rounds):
    P=1; P=2 (M=8; the stages cut by measured time); G=2; --recompute at P=1 and P=2;
    the input pipeline with --prefetch 2 and 0 under `shift` and `elastic` augmentation,
    with the share of the job spent waiting for input.
@@ -16,8 +17,8 @@ partitions x groups, on `mariana gen images` data, every configuration in one ru
 4. fully_shard (FSDP2) at N=2 on the same model and batch: images/s, per-rank memory by
    the same meter, bytes written per step.
 
-    .venv/bin/python bench/image_parallel.py              # ~10 min on 2 cores
-    .venv/bin/python bench/image_parallel.py --rows 1200 --epochs 2   # a quick look
+    .venv/bin/python bench/image_parallel.py              # ~25 min on 2 cores
+    .venv/bin/python bench/image_parallel.py --rows 1200 --epochs 2 --rounds 1   # a quick look
 
 Writes bench-out/image_parallel/results.json (with the machine), prints Markdown tables;
 exits 1 when a target of issue 18 is missed.
@@ -37,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ctr_peers import machine_info  # noqa: E402  (bench/ is on sys.path when run as a script)
+from ctr_peers import machine_info, report_targets  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 BATCH, MICRO = 64, 8
 
@@ -78,7 +79,8 @@ def memory_rows(data: str) -> dict:
         rows[key] = {"cuts": r["cuts"], "ranks": r["ranks"]}
         note(f"memory {key}: {r['cuts']}: " + "; ".join(
             f"rank {x['rank']} total {x['total'] / 2**20:.1f} MiB (activations {x['activations'] / 2**20:.1f}, "
-            f"profiler {x['profiler_activations'] / 2**20:.1f})" for x in r["ranks"]))
+            f"buffers {x.get('buffers', 0) / 2**20:.1f}, profiler {x['profiler_activations'] / 2**20:.1f})"
+            for x in r["ranks"]))
     return rows
 
 
@@ -160,6 +162,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=3000, help="generated 64x64 images (200 held out)")
     ap.add_argument("--epochs", type=int, default=3, help="epochs of each speed run (the first is warm-up)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed runs; the table shows medians")
     ap.add_argument("--out-dir", default=str(REPO / "bench-out" / "image_parallel"))
     ap.add_argument("--fsdp-rank", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -178,14 +181,20 @@ def main() -> int:
                    ("P=1 prefetch 0", ("--prefetch", "0")),
                    ("P=1 elastic", ("--augment", "elastic")),
                    ("P=1 elastic prefetch 0", ("--augment", "elastic", "--prefetch", "0"))]
-        for key, extra in configs:
-            r = train(data, args.epochs, *extra)
-            runs[key] = r
-            speed[key] = {"images_per_s": steady(r), "cuts": r["cuts"],
-                          "input_wait_share": statistics.median(e["input_wait_share"] for e in r["per_epoch"][1:]
-                                                                or r["per_epoch"])}
-            note(f"speed {key}: {speed[key]['images_per_s']:,.1f} images/s, cuts {r['cuts']}, "
-                 f"waiting for input {100 * speed[key]['input_wait_share']:.1f}%")
+        for rnd in range(args.rounds):  # interleaved: a burst of host load hits every configuration alike
+            for key, extra in configs:
+                r = train(data, args.epochs, *extra)
+                runs.setdefault(key, []).append(r)
+                note(f"round {rnd} speed {key}: {steady(r):,.1f} images/s, cuts {r['cuts']}, waiting for input "
+                     f"{100 * statistics.median(e['input_wait_share'] for e in r['per_epoch']):.1f}%, busy "
+                     f"{[x.get('cpu_share') for x in r['ranks']]}")
+        for key, rs in runs.items():
+            speed[key] = {"images_per_s": statistics.median(steady(r) for r in rs),
+                          "rounds": [steady(r) for r in rs], "cuts": rs[0]["cuts"],
+                          "input_wait_share": statistics.median(e["input_wait_share"] for r in rs
+                                                                for e in r["per_epoch"][1:] or r["per_epoch"]),
+                          "busy": [statistics.median(r["ranks"][i]["cpu_share"] for r in rs)
+                                   for i in range(len(rs[0]["ranks"]))]}
         grid = train(data, 1, "--partitions", "2", "--groups", "2")
         sent = [{k: x.get(k) for k in ("rank", "partition", "gradient_bytes", "allreduce_payload_per_step",
                                       "allreduce_sent_per_step", "io_written_per_step")} for x in grid["ranks"]]
@@ -224,7 +233,7 @@ def main() -> int:
     record = {"machine": machine_info(), "rows": args.rows, "epochs": args.epochs, "batch": BATCH,
               "microbatches": MICRO, "memory": mem, "speed": speed, "bytes": sent, "fully_shard": shard,
               "ratios": {k: round(v, 3) for k, v in ratios.items()}, "targets": targets,
-              "runs": {k: {kk: vv for kk, vv in v.items() if kk not in ("train_index", "config")}
+              "runs": {k: [{kk: vv for kk, vv in r.items() if kk not in ("train_index", "config")} for r in v]
                        for k, v in runs.items()}}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -232,18 +241,21 @@ def main() -> int:
     mib = 2 ** 20
     print(f"Memory per rank, MiB (wide preset, batch {BATCH}, {MICRO} micro-batches, 1F1B; cross-checks: the "
           "profiler's activation + input peak, its peak of everything, peak RSS rise on the first step)\n")
-    print("| layout | rank: stages | parameters | gradients | optimizer | activations | total | profiler "
-          "activations | profiler peak | RSS rise |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| layout | rank: stages | parameters | gradients | optimizer | activations | pipeline buffers | total | "
+          "profiler activations | profiler peak | RSS rise |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, m in mem.items():
         for x, cut in zip(m["ranks"], m["cuts"]):
             print(f"| {key} | {x['rank']}: {cut[0]}..{cut[-1]} | " + " | ".join(
-                f"{x[k] / mib:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "total",
-                                              "profiler_activations", "profiler_peak", "rss_first_step")) + " |")
-    print("\n| speed (1 thread per rank) | images/s | stages | waiting for input |")
-    print("|---|---:|---|---:|")
+                f"{x.get(k, 0) / mib:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "buffers",
+                                                     "total", "profiler_activations", "profiler_peak",
+                                                     "rss_first_step")) + " |")
+    print(f"\n| speed (1 thread per rank) | images/s, median of {args.rounds} | stages | busy (CPU / wall) per rank | "
+          "waiting for input |")
+    print("|---|---:|---|---|---:|")
     for key, v in speed.items():
-        print(f"| {key} | {v['images_per_s']:,.1f} | {' / '.join(c[0] + '..' + c[-1] for c in v['cuts'])} | "
+        print(f"| {key} | {v['images_per_s']:,.1f} ({', '.join(f'{x:,.0f}' for x in v['rounds'])}) | "
+              f"{' / '.join(c[0] + '..' + c[-1] for c in v['cuts'])} | {', '.join(f'{b:.2f}' for b in v['busy'])} | "
               f"{100 * v['input_wait_share']:.1f}% |")
     print(f"| fully_shard N=2 | {shard['images_per_s']:,.1f} | (all, sharded) | |")
     print("\n| P=2 x G=2 rank | partition | own gradient bytes | all-reduce payload/step | ring sends/step | "
@@ -261,12 +273,7 @@ def main() -> int:
     print()
     for name, v in ratios.items():
         print(f"- {name}: {v:.3f}")
-    print()
-    for name, ok in targets.items():
-        print(f"- {'met' if ok else 'MISSED'}: {name}")
-    print(f"\n{record['machine']['date']}, {record['machine']['cpu_model']}, {record['machine']['nproc']} cores; "
-          f"results in {out / 'results.json'}")
-    return 0 if all(targets.values()) else 1
+    return report_targets(targets, record["machine"], out / "results.json")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ctr_peers import machine_info  # noqa: E402  (bench/ is on sys.path when run as a script)
+from ctr_peers import machine_info, report_targets  # noqa: E402  (bench/ is on sys.path when run as a script)
 from mariana.trainer.strategies.data_parallel import DEFAULT_APPROX, parse_exchange  # noqa: E402
 
 SPEAKERS = ("george", "jackson", "lucas", "nicolas", "theo", "yweweler")
@@ -132,12 +132,7 @@ def main() -> int:
         print("\n| held-out speaker | " + " | ".join(speakers) + " |")
         print("|---|" + "---:|" * len(speakers))
         print("| accuracy | " + " | ".join(f"{v:.4f}" for v in speakers.values()) + " |")
-    print()
-    for name, ok in targets.items():
-        print(f"- {'met' if ok else 'MISSED'}: {name}")
-    print(f"\n{record['machine']['date']}, {record['machine']['cpu_model']}, {record['machine']['nproc']} cores; "
-          f"results in {out / 'results.json'}")
-    return 0 if all(targets.values()) else 1
+    return report_targets(targets, record["machine"], out / "results.json")
 
 
 if __name__ == "__main__":

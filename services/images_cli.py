@@ -210,8 +210,8 @@ def build_train_image_parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", type=int, default=1, help="G: data-parallel groups")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule")
     p.add_argument("--microbatches", type=int, default=4, help="M: micro-batches per global batch and group")
-    p.add_argument("--recompute", action="store_true", help="recompute activations in ~sqrt(blocks) segments "
-                                                            "per partition instead of keeping them")
+    p.add_argument("--recompute", action="store_true", help="cut each partition into ~sqrt(stages) segments and "
+                   "recompute in the backward those whose recomputation lowers the activations' peak")
     p.add_argument("--balance", choices=("time", "memory"), default="time", help="cut the stages so the largest "
                    "partition's time per micro-batch (measured) or its memory (state + activations in flight) is least")
     p.add_argument("--cut-after", default="", help="cut by hand instead: the last stage of each partition but the "
@@ -255,7 +255,8 @@ def train_image_main(argv: list[str]) -> int:
     cfg = ImageConfig(preset=preset, partitions=args.partitions, groups=args.groups, schedule=args.schedule,
                       microbatches=args.microbatches, recompute=args.recompute, balance=args.balance,
                       cut_after=tuple(n for n in args.cut_after.split(",") if n), prefetch=args.prefetch,
-                      augment=args.augment, shift=args.shift, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                      augment=args.augment, shift=args.shift, epochs=args.epochs, batch_size=args.batch_size,
+                      lr=args.lr, seed=args.seed,
                       test_images=args.test_images, device=args.device, threads=args.threads, timeout_s=args.timeout,
                       memory=args.memory or args.profile_memory, profile_memory=args.profile_memory)
     if not 0 < cfg.test_images < len(data.images):

@@ -302,9 +302,8 @@ def measure(k: int, run: Callable[[], torch.Tensor | None], part: Partition, opt
 
 
 STAT_KEYS = ("rank", "group", "partition", "gradient_bytes", "allreduce_sent_per_step", "allreduce_payload_per_step",
-             "io_written_per_step", "cpu_share", "rss_first_step", "parameters", "gradients", "optimizer", "activations",
-             "buffers", "total",
-             "profiler_peak", "profiler_activations")
+             "io_written_per_step", "cpu_share", "rss_first_step", "parameters", "gradients", "optimizer",
+             "activations", "buffers", "total", "profiler_peak", "profiler_activations")
 
 
 def stats_to_rank0(mine: dict, ctx: dp.DistContext) -> list[dict] | None:

@@ -232,7 +232,8 @@ def publish_speech(out: str | os.PathLike, model: SpeechDNN, opt: torch.optim.Op
             for key, value in opt.state.get(p, {}).items():
                 if torch.is_tensor(value):
                     optimizer[f"{names[id(p)]}.{key}"] = value.detach().cpu().reshape(value.shape).numpy()
-    manifest = {"kind": MODEL_KIND, "model": {**model.cfg.to_dict(), "kind": MODEL_KIND}, "front_end": cfg.front_end.to_dict(),
+    manifest = {"kind": MODEL_KIND, "model": {**model.cfg.to_dict(), "kind": MODEL_KIND},
+                "front_end": cfg.front_end.to_dict(),
                 "ops": frozen_ops(model), "classes": list(range(model.cfg.classes)),
                 "train": {"config": cfg.to_dict(), "split": cfg.split, "archive_sha256": feats.archive_sha256,
                           "nproc": result["nproc"], "exchange": result["exchange"], "optimizer": cfg.optimizer},

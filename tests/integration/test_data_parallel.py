@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from tests.conftest import ROOT, run_cli
+from tests.integration.rankkill import kill_a_rank
 from tests.speechdata import write_archive
 
 pytestmark = pytest.mark.timeout(300)
@@ -77,51 +76,14 @@ def tones(tmp_path_factory) -> Path:
 
 
 def test_a_killed_rank_fails_the_job_with_a_clear_error(tmp_path, tones):
-    env = {**os.environ, "MARIANA_CACHE": str(tmp_path / "cache")}
-    parent = subprocess.Popen([sys.executable, "-m", "mariana", "train", "speech", "--data", str(tones), "--nproc",
-                               "2", "--epochs", "100000", "--batch-size", "64", "--timeout", "30",
-                               "--out", str(tmp_path / "m")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        victim = _wait_for_rank(parent.pid, 1)
-        time.sleep(1.0)  # into the steps
-        os.kill(victim, signal.SIGKILL)
-        t0 = time.monotonic()
-        _, err = parent.communicate(timeout=60)
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-    assert time.monotonic() - t0 < 40           # an error, not a hang
-    assert parent.returncode == 2, err
-    assert "mariana: error: rank 1 of 2 was killed by SIGKILL" in err
+    run = kill_a_rank(["train", "speech", "--data", str(tones), "--nproc", "2", "--epochs", "100000", "--batch-size",
+                       "64", "--timeout", "30", "--out", str(tmp_path / "m")],
+                      env={**os.environ, "MARIANA_CACHE": str(tmp_path / "cache")})
+    assert run["seconds"] < 40           # an error, not a hang
+    assert run["returncode"] == 2, run["stderr"]
+    assert "mariana: error: rank 1 of 2 was killed by SIGKILL" in run["stderr"]
     assert not (tmp_path / "m" / "CURRENT").exists()
-    assert not _children(parent.pid)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def _wait_for_rank(parent: int, rank: int, timeout: float = 60.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for pid in _children(parent):
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"RANK={rank}".encode() in env:
-                return pid
-        time.sleep(0.1)
-    raise AssertionError(f"no rank {rank} under {parent}")
+    assert not run["children"]
 
 
 def test_speech_cli_trains_in_two_ranks_and_the_version_evaluates_and_predicts(tmp_path, tones):

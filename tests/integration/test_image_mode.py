@@ -3,17 +3,13 @@ real processes: the same weights in any layout, an exported featurizer, bad inpu
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import run_cli
+from tests.integration.rankkill import kill_a_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,23 +78,11 @@ def test_bad_input_to_train_image_is_one_error_line(tmp_path, shapes, args, mess
 def test_a_killed_partition_fails_the_job_with_a_clear_error(tmp_path, shapes):
     """Rank 1 holds the second partition: rank 0 waits on it inside the pipeline and must
     not hang there."""
-    from tests.integration.test_data_parallel import _children, _wait_for_rank
-
-    parent = subprocess.Popen([sys.executable, "-m", "mariana", "train", "image", "--data", str(shapes), "--partitions",
-                               "2", "--epochs", "100000", "--batch-size", "64", "--test-images", "128", "--timeout",
-                               "30", "--out", str(tmp_path / "f")], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        victim = _wait_for_rank(parent.pid, 1)
-        time.sleep(2.0)  # into the steps
-        os.kill(victim, signal.SIGKILL)
-        t0 = time.monotonic()
-        _, err = parent.communicate(timeout=60)
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-    assert time.monotonic() - t0 < 40           # an error, not a hang
-    assert parent.returncode == 2, err
-    assert "mariana: error: rank 1 of 2 was killed by SIGKILL" in err
+    run = kill_a_rank(["train", "image", "--data", str(shapes), "--partitions", "2", "--epochs", "100000",
+                       "--batch-size", "64", "--test-images", "128", "--timeout", "30", "--out", str(tmp_path / "f")],
+                      after_s=2.0)
+    assert run["seconds"] < 40           # an error, not a hang
+    assert run["returncode"] == 2, run["stderr"]
+    assert "mariana: error: rank 1 of 2 was killed by SIGKILL" in run["stderr"]
     assert not (tmp_path / "f").exists()
-    assert not _children(parent.pid)
+    assert not run["children"]

@@ -78,7 +78,8 @@ def test_storages_count_once_and_rss_sees_a_big_step():
 def test_the_balancer_prices_micro_batches_in_flight():
     costs = [StageCost("a", 0, 100, 1, 1.0), StageCost("b", 0, 10, 1, 5.0), StageCost("c", 300, 1, 1, 1.0)]
     assert [in_flight("1f1b", 8, 3, k) for k in range(3)] == [3, 2, 1]
-    assert cut_partitions(costs, 2, "memory", "1f1b", 8) == [(0, 2), (2, 3)]   # a, b held twice: 220 | 301 beats 200 | 311
+    # a and b held twice: 220 | 301 beats 200 | 311 (with the pipeline's receive buffers: +8 | +8)
+    assert cut_partitions(costs, 2, "memory", "1f1b", 8) == [(0, 2), (2, 3)]
     assert cut_partitions(costs, 2, "time") == [(0, 1), (1, 3)]                # 1 | 6, not 6 | 1: equal, first
     assert cut_partitions(costs, 3, "time") == [(0, 1), (1, 2), (2, 3)]
     with pytest.raises(Exception, match="--balance 'speed'"):

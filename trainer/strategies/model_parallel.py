@@ -189,7 +189,8 @@ def recompute_plan(run: list[StageCost], held: int, recompute: bool) -> Plan:
         return [(a, b, False) for a, b in cuts]
     choices = [[(a, b, bool(mask >> i & 1)) for i, (a, b) in enumerate(cuts)] for mask in range(1 << len(cuts))]
     return min(choices, key=lambda plan: (plan_bytes(run, plan, held),
-                                          sum(c.seconds for a, b, r in plan if r for c in run[a:b])))
+                                          sum(c.forward_seconds or c.seconds for a, b, r in plan if r
+                                              for c in run[a:b])))
 
 
 def plan_bytes(run: list[StageCost], plan: Plan, held: int) -> int:
@@ -208,8 +209,8 @@ def cut_partitions(costs: list[StageCost], parts: int, by: str = "memory", sched
                    microbatches: int = 1, recompute: bool = False) -> list[tuple[int, int]]:
     """The stages cut into `parts` partitions: `by` "memory" minimises the largest partition's
     bytes (its state, the activations of the micro-batches it holds in flight, recomputed or
-    not, and the pipeline's receive buffers), "time" its seconds per micro-batch (forward + backward, and the forward again of
-    what it recomputes)."""
+    not, and the pipeline's receive buffers), "time" its seconds per micro-batch (forward and
+    backward, and the forward again of what it recomputes)."""
     if by not in ("memory", "time"):
         raise ConfigError(f"--balance {by!r}: use memory or time")
 

@@ -101,15 +101,17 @@ class ImageConfig:
 def batches(x: torch.Tensor, y: torch.Tensor, cfg: ImageConfig, epoch: int, augment_them: bool, group: int = 0,
             pin: bool = False):
     """(group `group`'s share of a global batch of images, or None; its labels; the step) of
-    an epoch in the seeded order. The whole global batch is augmented (its draws are the same
-    in any layout). A last batch smaller than the others is left out (a pipeline's stages
-    keep one shape). `pin`: in page-locked memory, for non-blocking copies to CUDA."""
+    an epoch in the seeded order, augmented with the global batch's draws (the same in any
+    layout). A last batch smaller than the others is left out (a pipeline's stages keep one
+    shape). `pin`: in page-locked memory, for non-blocking copies to CUDA."""
+    start = int(torch.arange(cfg.batch_size).tensor_split(cfg.groups)[group][0])
     for step, idx in enumerate(dp.global_batches(len(x), cfg.batch_size, cfg.seed, epoch)):
         if len(idx) < cfg.batch_size:
             continue
         seed = cfg.seed * 1_000_003 + epoch * 10_007 + step
-        xb = augment(x[idx], cfg.augment, cfg.shift, seed).tensor_split(cfg.groups)[group] if augment_them else None
-        yb = y[idx].tensor_split(cfg.groups)[group]
+        mine = idx.tensor_split(cfg.groups)[group]
+        xb = augment(x[mine], cfg.augment, cfg.shift, seed, of=(start, len(idx))) if augment_them else None
+        yb = y[mine]
         if pin:
             xb, yb = (None if xb is None else xb.pin_memory()), yb.pin_memory()
         yield xb, yb, step
@@ -143,9 +145,8 @@ def plan_partitions(model: ImageCNN, sample: torch.Tensor, cfg: ImageConfig,
     if cfg.cut_after:
         return manual_cuts([c.name for c in costs], cfg.cut_after, cfg.partitions), costs
     if cfg.balance == "time" and ctx.distributed:
-        times = torch.tensor([[c.seconds, c.forward_seconds] for c in costs], dtype=torch.float64)
-        comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else times.device
-        times = times.to(comm)
+        times = torch.tensor([[c.seconds, c.forward_seconds] for c in costs], dtype=torch.float64,
+                             device=dp.comm_device())
         dist.all_reduce(times)
         costs = [replace(c, seconds=both / ctx.world_size, forward_seconds=fwd / ctx.world_size)
                  for c, (both, fwd) in zip(costs, times.tolist())]
@@ -211,10 +212,11 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
     counter = dp.CollectiveBytes()
     dp.count_collectives(counter)
     io_before, cpu_before = dp.io_written(), time.process_time()
+    to_device = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
     try:
         for epoch in range(cfg.epochs):
             t0 = time.perf_counter()
-            losses, wait = [], 0.0
+            losses, wait, done = [], 0.0, 0
             source = prefetched(batches(x, y, cfg, epoch, step.first, g, pin=device.type == "cuda"), cfg.prefetch)
             while True:
                 t_wait = time.perf_counter()
@@ -223,7 +225,6 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
                 if item is None:
                     break
                 xb, yb, _ = item
-                to_device = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
 
                 def one_step():
                     opt.zero_grad(set_to_none=True)
@@ -232,12 +233,12 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
                     return out
                 loss = measure(steps, one_step, part, opt, step.stage, device, cfg, measured)
                 steps += 1
-                images += cfg.batch_size
+                done += cfg.batch_size
                 if loss is not None:
                     losses.append(float(loss))
             took = time.perf_counter() - t0
-            seconds += took
-            rec = {"epoch": epoch + 1, "seconds": round(took, 3), "images_per_s": round(len(y) / took, 1),
+            seconds, images = seconds + took, images + done
+            rec = {"epoch": epoch + 1, "seconds": round(took, 3), "images_per_s": round(done / took, 1),
                    "input_wait_share": round(wait / took, 4),
                    "loss": round(sum(losses) / len(losses), 5) if losses else None}
             per_epoch.append(rec)
@@ -249,10 +250,11 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
         step = None  # the pipeline objects go before the group does
         gc.collect()
         losses_to_rank0(per_epoch, layout, ctx, last_stage and g == 0)
+        sent = counter.snapshot()
         mine = {"rank": ctx.rank, "group": g, "partition": p,
                 "gradient_bytes": sum(q.numel() * q.element_size() for q in part.parameters()),
-                "allreduce_sent_per_step": counter.snapshot()["sent"] / max(steps, 1),
-                "allreduce_payload_per_step": counter.snapshot()["payload"] / max(steps, 1),
+                "allreduce_sent_per_step": sent["sent"] / max(steps, 1),
+                "allreduce_payload_per_step": sent["payload"] / max(steps, 1),
                 "io_written_per_step": (io_after - io_before) / max(steps, 1) if io_before is not None else None,
                 "cpu_share": (time.process_time() - cpu_before) / max(seconds, 1e-9),
                 **measured}
@@ -314,9 +316,8 @@ def stats_to_rank0(mine: dict, ctx: dp.DistContext) -> list[dict] | None:
     if not ctx.distributed:
         rows = [values]
     else:
-        comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else values.device
-        rows = [torch.empty_like(values, device=comm) for _ in range(ctx.world_size)]
-        dist.all_gather(rows, values.to(comm))
+        rows = [torch.empty_like(values, device=dp.comm_device()) for _ in range(ctx.world_size)]
+        dist.all_gather(rows, values.to(dp.comm_device()))
     if ctx.rank != 0:
         return None
     out = []
@@ -333,9 +334,8 @@ def losses_to_rank0(per_epoch: list[dict], layout: Layout, ctx: dp.DistContext, 
     last = layout.partitions - 1
     if not ctx.distributed or last == 0 or ctx.rank not in (0, last):
         return
-    buf = torch.tensor([r["loss"] if r["loss"] is not None else float("nan") for r in per_epoch], dtype=torch.float64)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else buf.device
-    buf = buf.to(device)
+    buf = torch.tensor([r["loss"] if r["loss"] is not None else float("nan") for r in per_epoch], dtype=torch.float64,
+                       device=dp.comm_device())
     if sender:
         dist.send(buf, dst=0)
     else:
@@ -364,15 +364,11 @@ def gather_model(model: ImageCNN, cuts: list[tuple[int, int]], layout: Layout,
     if ctx.rank == 0:
         for other in range(1, layout.partitions):
             for _, param in owned(other):
-                buf = torch.empty_like(param.data, device=_comm_device(param))
+                buf = torch.empty_like(param.data, device=dp.comm_device())
                 dist.recv(buf, src=other)
                 param.data.copy_(buf.to(param.device))
     elif g == 0:
         for _, param in owned(p):
-            dist.send(param.data.to(_comm_device(param)).contiguous(), dst=0)
+            dist.send(param.data.to(dp.comm_device()).contiguous(), dst=0)
     dist.barrier()
     return model if ctx.rank == 0 else None
-
-
-def _comm_device(param: torch.Tensor) -> torch.device:
-    return param.device if dist.get_backend() == "nccl" else torch.device("cpu")

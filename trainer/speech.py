@@ -211,10 +211,7 @@ def replicas_identical(model: torch.nn.Module) -> bool:
     h = hashlib.sha256()
     for t in list(model.parameters()) + list(model.buffers()):
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    mine = torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
-    device = next(model.parameters()).device
-    if dist.get_backend() == "nccl":
-        mine = mine.to(device)
+    mine = torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8).to(dp.comm_device())
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return all(bool(torch.equal(e, everyone[0])) for e in everyone)

@@ -5,6 +5,7 @@ small SpeechDNN and seeded random frames; writes OUT/rank{R}.json (a digest of t
 parameters after every step, the bytes counted and written) and OUT/rank{R}.safetensors."""
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -43,7 +44,8 @@ def main() -> None:
                          model.parameters())
     digests, counted, io, done = run(model, opt, x, y, exchange, steps, ctx)
     state = {f"opt.{i}.{k}": v for i, s in enumerate(opt.state.values()) for k, v in s.items() if torch.is_tensor(v)}
-    if ctx.distributed:  # the DDP wrapper is gone (run returned): leave the group as trainer/speech.py does
+    gc.collect()  # the DDP wrapper of run() (its reducer, PowerSGD's state: cycles) goes before the group
+    if ctx.distributed:  # every rank done with the group before any leaves it, as trainer/speech.py does
         torch.distributed.barrier()
     dp.shutdown_distributed()
     save_file({**{n: p.detach().contiguous() for n, p in model.named_parameters()},

@@ -7,6 +7,7 @@ seeded random images; writes OUT/rank{R}.safetensors: the gradients of the first
 of this rank's partition, and the first step's loss on the last stage."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -49,6 +50,7 @@ def main() -> None:
         opt.step()
     saved.update({f"param.{n}": q.detach().clone() for n, q in part.named_parameters()})
     del step
+    gc.collect()  # the pipeline objects go before the group, as trainer/image.py does
     if ctx.distributed:
         torch.distributed.barrier()
     dp.shutdown_distributed()

@@ -153,6 +153,11 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def comm_device() -> torch.device:
+    """Where tensors handed to a collective must live: this rank's GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 # ---- batches ----------------------------------------------------------------------------
 
 def global_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[torch.Tensor]:

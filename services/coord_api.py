@@ -21,6 +21,12 @@ from mariana.trainer import checkpoint
 log = logging.getLogger(__name__)
 
 
+JOB_COUNTERS = {"batches_reissued": "Batches of the running job leased again after a lease ran out.",
+                "cache_hits": "Batches of the running job read from the Redis sample cache.",
+                "cache_misses": "Batches of the running job a worker found missing from the sample cache.",
+                "batches_replayed": "Steps of the running job trained again for a shard restored from an older checkpoint."}
+
+
 class CoordinatorAPI:
     """The HTTP API (routes in `http_app`): reads the coordinator's state; submit and cancel
     need the token; a job it accepts is queued on the coordinator."""
@@ -156,20 +162,23 @@ class CoordinatorAPI:
         own = render_service(self.coord.role, self.coord.index, self.coord.counters, {}, self.coord.boot)
         lines = []
         within = self.coord.cfg.coordinator.heartbeat_seconds
-        lines.append("# TYPE mariana_service_up gauge")
+        lines += ["# HELP mariana_service_up 1 while the service's heartbeats arrive, 0 once it is silent.",
+                  "# TYPE mariana_service_up gauge"]
         for n, s in sorted(self.coord.services.items()):
             lines.append(f'mariana_service_up{{service="{n}",role="{s.role}"}} {int(s.alive(within))}')
-        lines.append("# TYPE mariana_jobs gauge")
+        lines += ["# HELP mariana_jobs Jobs this coordinator holds, by state.", "# TYPE mariana_jobs gauge"]
         states = Counter(r.state for r in self.coord.jobs.values())
         for state in ("queued", "running", "done", "failed", "cancelled"):
             lines.append(f'mariana_jobs{{state="{state}"}} {states[state]}')
         run = self.coord.active()
         if run is not None:
             p = run.ledger.progress()
-            lines += ["# TYPE mariana_job_rows_per_second gauge",
+            lines += ["# HELP mariana_job_rows_per_second The running job's training rows per second.",
+                      "# TYPE mariana_job_rows_per_second gauge",
                       f'mariana_job_rows_per_second{{job="{run.id}"}} {p["rows_per_s"]}',
+                      "# HELP mariana_job_epoch The running job's epoch.",
                       "# TYPE mariana_job_epoch gauge", f'mariana_job_epoch{{job="{run.id}"}} {p["epoch"]}']
-            for key in ("batches_reissued", "cache_hits", "cache_misses", "batches_replayed"):
-                lines += [f"# TYPE mariana_job_{key}_total counter",
+            for key, text in JOB_COUNTERS.items():
+                lines += [f"# HELP mariana_job_{key}_total {text}", f"# TYPE mariana_job_{key}_total counter",
                           f'mariana_job_{key}_total{{job="{run.id}"}} {run.ledger.counters[key]}']
         return own + "\n".join(lines) + "\n"

@@ -9,6 +9,7 @@ import urllib.request
 import pytest
 
 from mariana.sparse.synth import generate_criteo
+from tests.debian import debian_tool, promtool_check
 from tests.integration.cluster import Cluster
 
 pytestmark = pytest.mark.slow
@@ -17,11 +18,14 @@ SAMPLE = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{[^}]*\})? (-?[0-9.e+-]+|[+-]Inf|Na
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via a proxy
 
 
-def scrape(port: int) -> tuple[int, str, dict[str, float]]:
-    """(status, content type, {series: value}); every line must be a comment or a sample."""
+def scrape(port: int, promtool: str | None = None) -> tuple[int, str, dict[str, float]]:
+    """(status, content type, {series: value}); every line must be a comment or a sample,
+    and with `promtool`, the page must pass `promtool check metrics`."""
     with DIRECT.open(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
         status, ctype = r.status, r.headers["Content-Type"]
+    if promtool:
+        promtool_check(promtool, text)
     series = {}
     for line in text.splitlines():
         if line.startswith("#"):
@@ -35,6 +39,7 @@ def scrape(port: int) -> tuple[int, str, dict[str, float]]:
 
 @pytest.mark.timeout(180)
 def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
+    promtool = debian_tool("promtool", "prometheus")  # Prometheus' linter reads every page
     data = tmp_path / "train.tsv"
     generate_criteo(data, 5_000, seed=5)
     with Cluster(tmp_path / "c", workers=2, ps=1, preprocess=1) as c:
@@ -47,7 +52,7 @@ def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
                                    for name, s in services.items() if not name.startswith("coordinator")) else None
 
         services = c.wait_for(reported_numbers, 10.0)  # what each one last reported in its heartbeat
-        status, ctype, coord = scrape(c.cfg.coordinator.http_port)
+        status, ctype, coord = scrape(c.cfg.coordinator.http_port, promtool)
         assert status == 200 and ctype.startswith("text/plain")
         assert coord['mariana_service_up{service="worker-1",role="worker"}'] == 1
         own = '{index="0",role="coordinator"}'  # its own numbers carry the labels every service's do
@@ -58,7 +63,7 @@ def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
             for index in range(c.cfg.count(role)):
                 name, port = f"{role}-{index}", c.cfg.metrics_port(role, index)
                 assert port, f"{name}: the resolved config gives it no metrics port"
-                status, ctype, series = scrape(port)
+                status, ctype, series = scrape(port, promtool)
                 assert status == 200 and ctype.startswith("text/plain"), (name, ctype)
                 labels = f'{{index="{index}",role="{role}"}}'
                 assert series[f"mariana_service_start_time_seconds{labels}"] > 0

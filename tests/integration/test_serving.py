@@ -16,6 +16,7 @@ import pytest
 
 from mariana.services.launcher import RedisServer, free_port
 from tests.conftest import run_cli
+from tests.debian import debian_tool, promtool_check
 from tests.integration.serving import Server, tsv_instances
 
 pytestmark = pytest.mark.slow
@@ -146,6 +147,7 @@ def test_metrics_openapi_and_model_info(lr_server):
                    "mariana_serve_batch_requests_count", "# TYPE mariana_serve_request_seconds histogram"):
         assert series in text, series
     assert 'code="5' not in text  # no 5xx answered, whatever the tests above sent
+    promtool_check(debian_tool("promtool", "prometheus"), text)  # Prometheus' own linter accepts it
     status, spec = lr_server.get("/openapi.json")
     assert status == 200 and spec["openapi"].startswith("3.") and "/v1/predict" in spec["paths"]
     status, info = lr_server.get("/v1/model")

@@ -11,8 +11,6 @@ import asyncio
 import json
 import math
 import os
-import shutil
-import subprocess
 import threading
 import time
 import urllib.error
@@ -27,6 +25,7 @@ from aiohttp import web
 from mariana.services import webui
 from mariana.sparse.synth import generate_criteo
 from tests.conftest import ROOT
+from tests.debian import debian_tool
 from tests.integration.cluster import Cluster
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -112,22 +111,7 @@ def test_the_page_builds_no_markup_from_strings():
 @pytest.fixture(scope="session")
 def chromium() -> str:
     """Debian's Chromium, installed with apt-get when it is missing (root only)."""
-    if CHROMIUM.exists():
-        return str(CHROMIUM)
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip(f"{CHROMIUM} is missing and cannot be installed here (needs root and apt-get): "
-                    "apt-get install chromium")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]):
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        except subprocess.TimeoutExpired:
-            pytest.skip(f"{' '.join(cmd)} took more than 240 s")
-        if proc.returncode != 0:
-            pytest.skip(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
-    if not CHROMIUM.exists():
-        pytest.skip(f"apt-get installed chromium but {CHROMIUM} is not there")
-    return str(CHROMIUM)
+    return debian_tool(str(CHROMIUM), "chromium", timeout=240)
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ instances, the target, the timer); the configs, the Redis config and the
 Prometheus scrape config agree on the ports."""
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ from mariana.services.deploy import Hidden, find_hidden, hidden_dirs, runtime_pa
 from mariana.services.runtime.config import load_cluster_config
 from mariana.services.runtime.lifecycle import DRAIN_SECONDS
 from tests.conftest import ROOT, run_cli
+from tests.debian import debian_tool
 
 DEPLOY = ROOT / "deploy"
 UNITS = sorted(p.name for p in (DEPLOY / "systemd").iterdir() if p.suffix in (".service", ".timer", ".target"))
@@ -56,17 +56,7 @@ def seconds(value: str) -> float:
 @pytest.fixture(scope="session")
 def systemd_analyze() -> str:
     """systemd-analyze, installed from Debian's `systemd` package when it is missing."""
-    found = shutil.which("systemd-analyze")
-    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
-                                                  "systemd"]):
-            subprocess.run(cmd, capture_output=True, env=env, timeout=600)
-        found = shutil.which("systemd-analyze")
-    if found is None:
-        pytest.skip("systemd-analyze is missing and could not be installed (needs root and apt-get: "
-                    "the Debian package 'systemd')")
-    return found
+    return debian_tool("systemd-analyze", "systemd", timeout=600)
 
 
 # ---- the units ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from mariana.services import webui
+from mariana.services.coord_openapi import document
 from mariana.services.coord_state import REDIS_STATS_SECONDS, JobRun, bad_request
 from mariana.services.runtime.exporter import render_service
 from mariana.sparse.errors import ConfigError, MarianaError
@@ -24,7 +25,8 @@ log = logging.getLogger(__name__)
 JOB_COUNTERS = {"batches_reissued": "Batches of the running job leased again after a lease ran out.",
                 "cache_hits": "Batches of the running job read from the Redis sample cache.",
                 "cache_misses": "Batches of the running job a worker found missing from the sample cache.",
-                "batches_replayed": "Steps of the running job trained again for a shard restored from an older checkpoint."}
+                "batches_replayed": "Steps of the running job trained again for a shard restored from an "
+                                    "older checkpoint."}
 
 
 class CoordinatorAPI:
@@ -45,6 +47,7 @@ class CoordinatorAPI:
         app.router.add_post("/v1/jobs", self.http_submit)
         app.router.add_post("/v1/jobs/{id}/cancel", self.http_cancel)
         app.router.add_get("/metrics", self.http_metrics)
+        app.router.add_get("/openapi.json", self.http_openapi)
         webui.add_routes(app)  # GET / and /ui/: the web UI of jobs and models
         return app
 
@@ -121,8 +124,10 @@ class CoordinatorAPI:
             return
         got = request.headers.get("Authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-            raise web.HTTPUnauthorized(text=json.dumps({"error": "a valid bearer token is required"}),
-                                       content_type="application/json")
+            raise web.HTTPUnauthorized(text=json.dumps({"error": "a valid bearer token is required "
+                                                         "(Authorization: Bearer <coordinator.token>)"}),
+                                       content_type="application/json",
+                                       headers={"WWW-Authenticate": 'Bearer realm="mariana"'})
 
     async def http_submit(self, request: web.Request) -> web.Response:
         self.authorize(request)
@@ -152,6 +157,9 @@ class CoordinatorAPI:
             self.coord.book.ended(run)
             self.coord.pulse()
         return web.json_response(run.summary())
+
+    async def http_openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(document(bool(self.coord.cfg.coordinator.token)))
 
     async def http_metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.prometheus(), content_type="text/plain")

@@ -31,7 +31,7 @@ from mariana.serving import codec
 from mariana.serving.config import ServeConfig
 from mariana.serving.dataplane import Batcher, ModelHolder, error_answer
 from mariana.serving.errors import ServeError
-from mariana.serving.openapi import OPENAPI
+from mariana.serving.openapi import document
 from mariana.serving.retrain import RetrainRunner
 from mariana.serving.watch import VersionWatcher
 from mariana.services.runtime.metrics import Metrics, merge, render
@@ -161,7 +161,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(OPENAPI)
+    """This API, with the instance fields of the model this worker serves."""
+    predictor = request.app[HOLDER].current
+    return web.json_response(document(predictor.schema if predictor is not None else None))
 
 
 async def retrain_start(request: web.Request) -> web.Response:
@@ -178,10 +180,15 @@ async def retrain_status(request: web.Request) -> web.Response:
 # ---- helpers ----------------------------------------------------------------------------
 
 def _authorize(request: web.Request) -> None:
+    """401 without credentials (or wrong ones), 403 for credentials the server cannot
+    accept because its admin endpoints are off."""
     token = request.app[SETTINGS]["cfg"].serve.token
+    got = request.headers.get("Authorization")
+    if got is None:
+        raise ServeError(401, "a bearer token is required (Authorization: Bearer <serve.token>)"
+                         + ("" if token else "; the admin endpoints are off: set serve.token in the serve config"))
     if not token:
         raise ServeError(403, "admin endpoints are off: set serve.token in the serve config")
-    got = request.headers.get("Authorization", "")
     if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
         raise ServeError(401, "a valid bearer token is required (Authorization: Bearer <serve.token>)")
 
@@ -202,7 +209,8 @@ async def _errors_and_metrics(request: web.Request, handler):
     try:
         response = await handler(request)
     except ServeError as e:
-        response = web.json_response({"error": e.message}, status=e.status)
+        challenge = {"WWW-Authenticate": 'Bearer realm="mariana"'} if e.status == 401 else None
+        response = web.json_response({"error": e.message}, status=e.status, headers=challenge)
     except web.HTTPException as e:  # aiohttp's own: no such route, method not allowed, ...
         response = web.json_response({"error": _http_error_text(request, e)}, status=e.status,
                                      headers={k: v for k, v in e.headers.items() if k == "Allow"})

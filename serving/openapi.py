@@ -1,11 +1,44 @@
-"""The OpenAPI 3 document of the pCTR endpoint (served at /openapi.json)."""
+"""The OpenAPI 3 document of the pCTR endpoint (served at /openapi.json).
+
+The document describes what the server does, so that a fuzzer reading it (schemathesis,
+in tests/integration/test_api_fuzz.py) finds no disagreement: with a model in service,
+an instance's known fields get their field's rule (sparse/records.py) and anything else
+is allowed, since unknown fields are ignored and counted.
+
+>>> from mariana.sparse.schema import criteo
+>>> doc = document(criteo())
+>>> inst = doc["paths"]["/v1/predict"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+>>> fields = inst["properties"]["instances"]["items"]["properties"]
+>>> fields["C1"]["anyOf"][1], fields["I1"]["anyOf"][0]["type"], "label" in fields
+({'type': 'integer'}, 'number', True)
+"""
 from __future__ import annotations
 
+import copy
+
+from mariana.sparse.parse import HOUR_RE, NUMBER_RE
+from mariana.sparse.schema import Schema
+
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_ANY = {"description": "Any value: a field the model does not know is ignored and counted "
+                       "(mariana_serve_unknown_fields_total)."}
 _VALUE = {"oneOf": [{"type": "string"}, {"type": "number"}, {"type": "null"}],
           "description": "Categorical fields: text, or an integer taken as its decimal text. Numeric fields: "
                          "a number, or number text. Hour fields (YYMMDDHH): text or an integer. "
                          "Absent, null or empty: the missing value, as in training."}
+_MAX_DOUBLE = 1.7976931348623157e308
+# A field's rule (sparse/records.py). OpenAPI 3.0 has no null type: `nullable` says a
+# field may be null (missing, as an empty cell in a file).
+_CATEGORICAL = {"anyOf": [{"type": "string"}, {"type": "integer"}], "nullable": True,
+                "description": "Categorical: text, or an integer taken as its decimal text; null or \"\" is missing."}
+_NUMERIC = {"anyOf": [{"type": "number", "minimum": -_MAX_DOUBLE, "maximum": _MAX_DOUBLE},
+                      {"type": "string", "format": "number-text", "pattern": NUMBER_RE}, {"type": "string", "maxLength": 0}],
+            "nullable": True,
+            "description": "Numeric: a finite number, or number text as a file holds it (format number-text: the "
+                           "pattern, and finite as a double: \"1e999\" is refused); null or \"\" is missing."}
+_HOUR = {"anyOf": [{"type": "string", "pattern": HOUR_RE}, {"type": "integer", "minimum": 10_000_000,
+                                                             "maximum": 99_999_999}],
+         "description": "Hour YYMMDDHH: 8 digits naming a real date and hour; required."}
 _INSTANCE = {"type": "object", "additionalProperties": _VALUE,
              "description": "One row to score: field name -> value, named as in the model's schema "
                             "(GET /v1/model lists them). Unknown fields are ignored and counted."}
@@ -16,12 +49,43 @@ _PREDICT_RESP = {"type": "object", "required": ["pctr", "model_version"],
                                 "model_version": {"type": "string"}}}
 
 
+def instance_schema(schema: Schema | None) -> dict:
+    """An instance of the model in service: its fields' rules, anything else allowed.
+    Without a model (answers are 503) every field is described loosely."""
+    if schema is None:
+        return {**_INSTANCE, "additionalProperties": _ANY}
+    props = {f: _CATEGORICAL for f in schema.categorical}
+    props.update({f: _NUMERIC for f in schema.numeric})
+    props.update({f: _ANY for f in (*([schema.label] if schema.label else []), *schema.ignore)})
+    out = {"type": "object", "properties": props, "additionalProperties": _ANY,
+           "description": f"One row to score for the {schema.name} schema: field name -> value. Fields the "
+                          "model does not know are ignored and counted; the label and ignored columns are known "
+                          "and unused."}
+    if schema.hour:
+        props[schema.hour] = _HOUR
+        out["required"] = [schema.hour]
+    return out
+
+
+def document(schema: Schema | None = None) -> dict:
+    """The document for the model in service (its schema's fields), or a loose one without."""
+    doc = copy.deepcopy(OPENAPI)
+    req = {"type": "object", "required": ["instances"],
+           "properties": {"instances": {"type": "array", "minItems": 1, "items": instance_schema(schema)}},
+           "description": "Other keys are ignored and counted."}
+    content = doc["paths"]["/v1/predict"]["post"]["requestBody"]["content"]
+    for kind in content:
+        content[kind]["schema"] = req
+    return doc
+
+
 def _errors(*codes: int) -> dict:
     text = {400: "The body is not JSON/msgpack, not {\"instances\": [objects]}, or a value has the wrong type.",
-            401: "Missing or wrong bearer token.", 403: "Admin endpoints are off (no serve.token).",
+            401: "No bearer token, or a wrong one.",
+            403: "The admin endpoints are off (no serve.token), or retrain is not configured on this server.",
             404: "No such retrain.", 409: "A retrain is running already.",
             413: "The body or the instance count is over the limit.",
-            503: "No model is loaded (or retrain is not configured)."}
+            503: "No model is loaded."}
     return {str(c): {"description": text[c], "content": {"application/json": {"schema": _ERROR}}} for c in codes}
 
 
@@ -54,7 +118,7 @@ OPENAPI = {
                                                    "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/v1/retrain": {"post": {"summary": "Start a retrain (bearer token)", "security": [{"bearer": []}],
                                  "responses": {"202": _json({"type": "object"}, "Started; poll status_url."),
-                                               **_errors(401, 403, 409, 503)}}},
+                                               **_errors(401, 403, 409)}}},
         "/v1/retrain/{id}": {"get": {
             "summary": "A retrain's state and decision (bearer token)", "security": [{"bearer": []}],
             "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],

@@ -265,7 +265,7 @@ class RetrainRunner:
     def start(self) -> dict:
         model_dir, r = self.cfg.serve.model_dir, self.cfg.retrain
         if not self.config_path or not (r.data or r.train_data):
-            raise ServeError(503, "retrain is not configured on this server: start it with --config FILE "
+            raise ServeError(403, "retrain is not configured on this server: start it with --config FILE "
                              "holding a [retrain] section (data, or train_data and eval_data)")
         self._reap()
         if running_retrain(model_dir):

@@ -139,6 +139,40 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     return value
 
 
+def json_schema(tp: Any) -> dict:
+    """The JSON schema (OpenAPI 3.0 dialect) of what `from_dict` accepts for `tp`: a
+    dataclass is an object of its fields with no other keys; the checks in a
+    dataclass's `__post_init__` (ranges, choices) are not expressed.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Train:
+    ...     epochs: int | str = 1
+    ...     rate: float = 0.1
+    ...     decay: typing.Optional[float] = None
+    >>> s = json_schema(Train)
+    >>> s["additionalProperties"], s["properties"]["epochs"]["anyOf"], s["properties"]["decay"]
+    (False, [{'type': 'integer'}, {'type': 'string'}], {'type': 'number', 'nullable': True})
+    """
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return {"type": "object", "additionalProperties": False,
+                "properties": {f.name: json_schema(hints[f.name]) for f in dataclasses.fields(tp) if f.init}}
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        kinds = [json_schema(a) for a in args if a is not type(None)]
+        out = kinds[0] if len(kinds) == 1 else {"anyOf": kinds}
+        return {**out, "nullable": True} if type(None) in args else out
+    if origin in (list, tuple):
+        (item, *_) = typing.get_args(tp) or (Any,)
+        return {"type": "array", "items": json_schema(item)}
+    if tp is dict or origin is dict:
+        return {"type": "object"}
+    return {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"},
+            str: {"type": "string"}}.get(tp, {})
+
+
 _SCALARS = {bool: (bool, "true or false"), int: (int, "an integer"),
             float: ((int, float), "a number"), str: (str, "a string")}
 

@@ -464,3 +464,68 @@ def test_unpack_batch_of_another_type():
     with pytest.raises(BadMessage) as e:
         unpack_batch(pack(encode("Ok", 0)))
     assert e.value.code == "type"
+
+
+# ---- arbitrary input (hypothesis) -----------------------------------------------------
+# Whatever arrives on a socket or sits in the cache, decoding it gives a Message or a
+# BadMessage (DataFormatError for a cached batch whose arrays disagree): never another
+# exception, which would take the service's loop down instead of answering an Error.
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_SCALARS = st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20) \
+    | st.binary(max_size=20)
+_VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
+                       | st.dictionaries(st.text(max_size=8) | st.integers(-9, 9), inner, max_size=4), max_leaves=12)
+_FIELD = st.sampled_from(sorted({k for fields in VALID.values() for k in fields}
+                                | {"v", "type", "msg_id", "arrays"}))
+# Headers near a real one: the right version, a known type with its fields, some of them
+# replaced or added with arbitrary values, and arbitrary arrays.
+_NEAR = st.builds(lambda type_, fields, arrays: {"v": protocol.VERSION, "type": type_, "msg_id": 1,
+                                                 **VALID[type_], **fields,
+                                                 **({"arrays": arrays} if arrays is not None else {})},
+                  st.sampled_from(sorted(VALID)), st.dictionaries(_FIELD, _VALUES, max_size=2),
+                  st.none() | _VALUES | st.lists(st.lists(_SCALARS | st.lists(st.integers(-2, 2**40), max_size=5),
+                                                          max_size=4), max_size=3))
+
+
+def _decodes_or_refuses(call) -> None:
+    try:
+        call()
+    except BadMessage as e:
+        assert e.code and str(e)
+    except DataFormatError as e:
+        assert str(e)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.binary(max_size=64), max_size=5))
+def test_arbitrary_frames_decode_or_are_refused(frames):
+    _decodes_or_refuses(lambda: decode(frames))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_VALUES | _NEAR, st.lists(st.binary(max_size=64), max_size=4))
+def test_arbitrary_msgpack_headers_decode_or_are_refused(header, buffers):
+    frame0 = msgpack.packb(header, use_bin_type=True)
+    _decodes_or_refuses(lambda: decode([frame0, *buffers]))
+    _decodes_or_refuses(lambda: unpack(pack([frame0, *buffers])))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(VALID)), st.data())
+def test_damaged_real_messages_decode_or_are_refused(type_, data):
+    """A real message of each type with bytes flipped, cut or appended, as frames and packed."""
+    arrays = {"x": np.arange(6, dtype=np.int32)} if type_ == "Batch" else None
+    frames = [bytes(f) for f in encode(type_, 7, arrays, **VALID[type_])]
+    blob = bytearray(pack(frames))
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(blob) - 1))
+        blob[at] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(blob)))
+    blob = bytes(blob[:cut]) + data.draw(st.binary(max_size=8))
+    _decodes_or_refuses(lambda: unpack(blob))
+    _decodes_or_refuses(lambda: unpack_batch(blob))
+    frames[0] = blob[4:4 + len(frames[0])]
+    _decodes_or_refuses(lambda: decode(frames))

@@ -296,6 +296,12 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_supervise(args: argparse.Namespace) -> int:
+    from mariana.services.supervisor import Supervisor
+
+    return Supervisor(os.path.abspath(args.dir)).run()
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from mariana.services.launcher import ClusterNotUp, remote_status, status
 
@@ -401,7 +407,10 @@ def _print_status(st: dict) -> None:
     else:
         print(f"web UI: {st['http']}/ui/")
     print()
-    report.print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "LAST SEEN", "THROUGHPUT"),
+    sup = st.get("supervisor")
+    if sup:
+        print(f"supervisor: pid {sup['pid']}" + ("" if sup["running"] else " (exited: nothing is restarted)"))
+    report.print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "RESTARTS", "LAST SEEN", "THROUGHPUT"),
                        _service_rows(st, coord))
     jobs = coord.get("jobs") or []
     if jobs:
@@ -439,7 +448,9 @@ def _service_rows(st: dict, coord: dict) -> list[tuple]:
         seen = _ago(s["last_seen"]) + " ago" if s.get("last_seen") else "-"
         rate = s.get("rate") or {}
         speed = f"{rate['value']:,.1f} {rate['unit']}" if rate.get("unit") else None
-        rows.append((name, p.get("role") or s.get("role"), p.get("index", s.get("index")), alive, pid, seen, speed))
+        restarts = p.get("restarts", s.get("restarts"))
+        rows.append((name, p.get("role") or s.get("role"), p.get("index", s.get("index")), alive, pid, restarts,
+                     seen, speed))
     return rows
 
 
@@ -602,6 +613,10 @@ def _add_cluster_commands(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--url", help="ask this coordinator (http://host:port) instead of a local cluster's")
     s.set_defaults(func=cmd_status)
+
+    sv = sub.add_parser("supervise", help="restart the local cluster's services that die (`up` starts it)")
+    sv.add_argument("--dir", required=True, help="cluster directory")
+    sv.set_defaults(func=cmd_supervise)
 
     r = sub.add_parser("run", help="run one service in the foreground (what systemd and `up` start)")
     r.add_argument("role", choices=ROLES, help="the service to run")

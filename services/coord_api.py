@@ -56,7 +56,7 @@ class CoordinatorAPI:
         self.coord.services[self.coord.name].status = dict(self.coord.counters)
         within = self.coord.cfg.coordinator.heartbeat_seconds
         return {"services": {n: {"role": s.role, "index": s.index, "pid": s.pid, "alive": s.alive(within),
-                                 "last_seen": s.last_seen, "status": s.status,
+                                 "last_seen": s.last_seen, "status": s.status, "restarts": s.restarts,
                                  "rate": s.rate if s.alive(within) else None}
                              for n, s in sorted(self.coord.services.items())},
                 "jobs": self.job_summaries(),

@@ -35,6 +35,7 @@ class ServiceInfo:
     status: dict = field(default_factory=dict)
     rate: dict | None = None           # {"value", "unit"}: its throughput between two heartbeats
     sampled: tuple = ()                # (time, counter) of the last heartbeat; last_seen moves with any request
+    restarts: int = 0                  # registrations with a new boot time after the first
 
     def alive(self, within: float) -> bool:
         return time.time() - self.last_seen <= within

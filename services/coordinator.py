@@ -136,7 +136,8 @@ class Coordinator(Service):
         info = self.services.get(name)
         restarted = info is not None and info.boot != msg.get("boot")
         if info is None or restarted:
-            info = self.services[name] = ServiceInfo(msg["role"], msg["index"])
+            info = self.services[name] = ServiceInfo(msg["role"], msg["index"],
+                                                     restarts=info.restarts + 1 if restarted else 0)
             log.info("%s: %s %s (pid %s)", self.name, name, "restarted" if restarted else "registered",
                      msg.get("pid"))
         info.pid, info.boot, info.peer = msg.get("pid", 0), msg.get("boot", 0.0), peer

@@ -4,11 +4,12 @@
 service as its own process with the command systemd runs (`mariana run ROLE
 --config FILE --index I`), so a local cluster and a deployed one differ only
 in who starts the processes. <dir>/cluster.json records what was started, so
-`down` and `status` work from another shell.
+`down` and `status` work from another shell. With `cluster.supervise` (the default) a
+supervisor process restarts what dies, as systemd would (services/supervisor.py).
 
     <dir>/cluster.toml       the resolved config (0600: it holds the admin token)
     <dir>/cluster.json       pids and start times, http url, token (0600)
-    <dir>/logs/ROLE-I.log    stdout + stderr of each service; logs/redis.log
+    <dir>/logs/ROLE-I.log    stdout + stderr of each service; logs/redis.log, logs/supervisor.log
     <dir>/redis/             working dir of the embedded redis-server
 """
 from __future__ import annotations
@@ -414,10 +415,31 @@ def up(cfg: ClusterConfig, wait: bool = True) -> dict:
         _stop_all(state, timeout=10.0)
         _remove_state(root)
         raise
+    if cfg.cluster.supervise:
+        _start_supervisor(state)
     log.info("cluster up in %s: %d services, %s, %.1fs", root, len(state["services"]), state["http"],
              time.monotonic() - t0)
     return {"dir": root, "http": state["http"], "config": state["config"],
             "pids": {r["name"]: r["pid"] for r in _records(state)}}
+
+
+def _start_supervisor(state: dict) -> None:
+    cmd = [sys.executable, "-m", "mariana.services.cli", "supervise", "--dir", state["dir"]]
+    proc = _popen(cmd, os.path.join(state["dir"], "logs", "supervisor.log"), _child_env())
+    state["supervisor"] = {"pid": proc.pid, "start": _start_time(proc.pid)}
+    _save_state(state)
+    log.info("started the supervisor: pid %d (restarts a service that dies)", proc.pid)
+
+
+def _stop_supervisor(state: dict, timeout: float = 10.0) -> None:
+    """SIGTERM the supervisor and wait for it: it must not restart what `down` stops."""
+    rec = state.get("supervisor")
+    if rec and _alive(rec):
+        _signal(rec["pid"], signal.SIGTERM)
+        if _wait_gone([rec], timeout):
+            _kill_group(rec["pid"])
+            _wait_gone([rec], 5.0)
+        _exit_code(rec)
 
 
 def _refuse_running(root: str) -> None:
@@ -471,7 +493,7 @@ def _spawn(role: str, index: int, state: dict, env: dict) -> dict:
 
 def _record(name: str, role: str, index: int, proc: subprocess.Popen, cmd: list[str], log_path: str) -> dict:
     return {"name": name, "role": role, "index": index, "pid": proc.pid, "start": _start_time(proc.pid),
-            "cmd": cmd, "log": log_path}
+            "started_at": time.time(), "cmd": cmd, "log": log_path}
 
 
 def _wait_registered(state: dict, seconds: float) -> None:
@@ -515,6 +537,9 @@ def down(cluster_dir: str, timeout: float = 60.0) -> dict:
     state = _load_state(root)
     if state is None:
         raise ClusterNotUp(f"no cluster is up in {root}")
+    if state.get("supervisor"):
+        _stop_supervisor(state)
+        state = _load_state(root) or state  # the pids of what it restarted
     summary = _stop_all(state, timeout)
     _remove_state(root)
     log.info("cluster in %s down: %d stopped, %d killed, %d were not running", root,
@@ -536,13 +561,15 @@ def status(cluster_dir: str) -> dict:
     state = _load_state(root)
     if state is None:
         raise ClusterNotUp(f"no cluster is up in {root}")
-    procs = {r["name"]: {"role": r["role"], "index": r["index"], "pid": r["pid"], "running": _alive(r)}
+    procs = {r["name"]: {"role": r["role"], "index": r["index"], "pid": r["pid"], "running": _alive(r),
+                         "restarts": r.get("restarts", 0), "last_exit": r.get("last_exit")}
              for r in _records(state)}
     if not any(p["running"] for p in procs.values()):
         raise ClusterNotUp(f"no cluster is up in {root}: none of the processes in {STATE_FILE} runs "
                            f"(`mariana down --dir {root}` clears it)")
+    sup = state.get("supervisor")
     result = {"dir": root, "http": state["http"], "config": state["config"], "started_at": state["started_at"],
-              "processes": procs}
+              "processes": procs, "supervisor": {"pid": sup["pid"], "running": _alive(sup)} if sup else None}
     return {**result, **remote_status(state["http"])}
 
 

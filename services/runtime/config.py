@@ -49,6 +49,7 @@ class ClusterSection:
     base_port: int = 0                  # 0: endpoints must be given, or `mariana up` picks free ports
     start_seconds: float = 60.0         # how long `mariana up` waits for every service to register
     max_message_bytes: int = 256 << 20  # a bigger request is refused ("too_large") and counted
+    supervise: bool = True              # `mariana up` restarts a service that dies (services/supervisor.py)
 
     @property
     def path(self) -> str:

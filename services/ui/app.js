@@ -957,6 +957,8 @@
         el("td", {}, str(s.role)),
         el("td", {class: "num"}, str(s.index)),
         el("td", {class: "num"}, str(s.pid)),
+        el("td", {class: "num", "data-testid": "service-restarts",
+                  title: "times it registered again after a restart"}, isNum(s.restarts) ? fmtInt(s.restarts) : DASH),
         el("td", {}, el("span", {class: `alive ${alive ? "yes" : "no"}`, "data-testid": "service-alive"},
                         el("span", {class: "dot"}), alive ? "alive" : "down")),
         el("td", {class: "num", title: fmtTimeTitle(s.last_seen)}, isNum(s.last_seen) && s.last_seen > 0

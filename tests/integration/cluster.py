@@ -23,6 +23,7 @@ FAST = {  # short timers so failures are noticed in seconds, not minutes
     "ps.checkpoint_seconds": 0.5,
     "redis.retry_seconds": 60.0,
     "cluster.start_seconds": 90.0,
+    "cluster.supervise": False,  # tests kill and restart services themselves (test_supervise.py: the supervisor)
 }
 
 

@@ -194,7 +194,8 @@ def test_down_stops_recorded_processes_and_kills_stubborn_ones(tmp_path):
         st = run_cli("status", "--dir", tmp_path)  # the coordinator's HTTP port answers nothing
         assert st.returncode == 1 and "unreachable" in st.stdout and str(worker.pid) in st.stdout, st.stdout
         st = json.loads(run_cli("status", "--dir", tmp_path, "--json").stdout)
-        assert st["processes"]["worker-0"] == {"role": "worker", "index": 0, "pid": worker.pid, "running": True}
+        assert st["processes"]["worker-0"] == {"role": "worker", "index": 0, "pid": worker.pid, "running": True,
+                                               "restarts": 0, "last_exit": None}
 
         proc = run_cli("down", "--dir", tmp_path, "--timeout", "1")
         assert proc.returncode == 0, proc.stderr

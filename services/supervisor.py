@@ -1,0 +1,104 @@
+"""The supervisor of a local cluster: what systemd's `Restart=on-failure` does in production,
+for the processes `mariana up` started.
+
+`up` starts Redis and the services, then this process (`mariana supervise --dir DIR`, its
+log in <dir>/logs/supervisor.log). It watches every process recorded in <dir>/cluster.json;
+one that exits while the cluster is up is started again with the same command line after a
+backoff (RESTART_SECONDS, doubling while a process keeps dying young, up to
+MAX_RESTART_SECONDS; reset once it has run STABLE_SECONDS), and cluster.json records its new
+pid and its count of restarts (`mariana status` shows them; the coordinator counts a
+service's registrations too, for the web UI). `mariana down` stops the supervisor first
+(SIGTERM: it exits without touching the services), then the services.
+
+A process the supervisor did not start (one `up` started) is watched through /proc: its exit
+code is only known to its parent. The services it starts are its own children.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from mariana.services import launcher
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2
+RESTART_SECONDS = 0.5        # the first restart of a process after this long
+MAX_RESTART_SECONDS = 30.0   # the backoff doubles while it keeps dying young, up to this
+STABLE_SECONDS = 30.0        # a process that ran this long starts over at RESTART_SECONDS
+
+
+class Supervisor:
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.stopping = threading.Event()
+        self.due: dict[str, float] = {}      # name -> when to start it again (monotonic)
+        self.delay: dict[str, float] = {}    # name -> its next backoff
+
+    def state(self) -> dict:
+        state = launcher._load_state(self.root)
+        if state is None:
+            raise launcher.ClusterNotUp(f"no cluster is up in {self.root}")
+        return state
+
+    def run(self) -> int:
+        """Watch until SIGTERM/SIGINT or until cluster.json is gone (`down` removed it)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        state = self.state()
+        state["supervisor"] = {"pid": os.getpid(), "start": launcher._start_time(os.getpid())}
+        launcher._save_state(state)
+        env = launcher._child_env()
+        log.info("watching %d processes of %s", len(launcher._records(state)), self.root)
+        while not self.stopping.wait(POLL_SECONDS):
+            state = launcher._load_state(self.root)
+            if state is None:
+                break
+            if self.tick(state, env):
+                launcher._save_state(state)
+        log.info("stopped (%s)", "signalled" if self.stopping.is_set() else "cluster.json removed")
+        return 0
+
+    def tick(self, state: dict, env: dict) -> bool:
+        """Restart what is due; True when `state` changed."""
+        changed = False
+        now = time.monotonic()
+        for rec in launcher._records(state):
+            name = rec["name"]
+            if launcher._alive(rec):
+                continue
+            if name not in self.due:
+                code = launcher._exit_code(rec)
+                ran = time.time() - rec.get("started_at", time.time())
+                delay = RESTART_SECONDS if ran >= STABLE_SECONDS else self.delay.get(name, RESTART_SECONDS)
+                self.delay[name] = min(2 * delay, MAX_RESTART_SECONDS)
+                self.due[name] = now + delay
+                rec["exits"] = rec.get("exits", 0) + 1
+                rec["last_exit"] = {"code": code, "at": time.time(), "ran_seconds": round(ran, 1)}
+                log.warning("%s (pid %d) exited (%s) after %.1fs; restart in %.1fs", name, rec["pid"],
+                            _why(code), ran, delay)
+                changed = True
+            if now >= self.due[name] and not self.stopping.is_set():
+                self.restart(rec, env)
+                del self.due[name]
+                changed = True
+        return changed
+
+    def restart(self, rec: dict, env: dict) -> None:
+        if rec["role"] == "redis":
+            os.makedirs(os.path.join(self.root, "redis"), exist_ok=True)
+        proc = launcher._popen(rec["cmd"], rec["log"], None if rec["role"] == "redis" else env)
+        rec.update(pid=proc.pid, start=launcher._start_time(proc.pid), started_at=time.time(),
+                   restarts=rec.get("restarts", 0) + 1)
+        log.info("restarted %s: pid %d (restart %d)", rec["name"], proc.pid, rec["restarts"])
+
+
+def _why(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown: not started here"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"code {code}"

@@ -1,0 +1,96 @@
+"""`mariana up` supervises what it starts (services/supervisor.py): a service or Redis
+killed with SIGKILL is started again, with backoff, its restarts counted in cluster.json,
+`mariana status` and the coordinator's /v1/status; the cluster goes on training; `down`
+stops the supervisor first, then everything, leaving no process behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from mariana.services import launcher
+from mariana.services.supervisor import Supervisor
+from mariana.sparse.synth import generate_criteo
+from tests.integration.cluster import Cluster
+
+SUPERVISED = {"cluster.supervise": True}
+
+
+def test_a_process_that_keeps_dying_is_restarted_with_growing_backoff(tmp_path):
+    """One recorded service that exits at once with code 3: restarted after 0.5 s, then 1 s, ..."""
+    cmd = [sys.executable, "-c", "raise SystemExit(3)"]
+    (tmp_path / "logs").mkdir()
+    rec = {"name": "worker-0", "role": "worker", "index": 0, "pid": os.getpid() + 10**6, "start": None,
+           "cmd": cmd, "log": str(tmp_path / "logs" / "worker-0.log")}  # a pid that does not exist: dead
+    launcher._save_state({"dir": str(tmp_path), "services": [rec], "redis": None})
+    sup = Supervisor(str(tmp_path))
+    restarts_at, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < 4.0:
+        state = launcher._load_state(str(tmp_path))
+        if sup.tick(state, dict(os.environ)):
+            launcher._save_state(state)
+            if state["services"][0].get("restarts", 0) > len(restarts_at):
+                restarts_at.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    rec = launcher._load_state(str(tmp_path))["services"][0]
+    assert 2 <= rec["restarts"] <= 3, restarts_at  # 0.5 + 1 + 2 s: three restarts fit in 4 s, not four
+    gaps = [b - a for a, b in zip(restarts_at, restarts_at[1:])]
+    assert all(g2 > g1 * 1.5 for g1, g2 in zip(gaps, gaps[1:])) and gaps[0] >= 0.9, restarts_at
+    assert rec["last_exit"]["code"] == 3, rec  # started by the supervisor: its exit code is known
+    for pid, child in list(launcher._CHILDREN.items()):  # reap the last one
+        if child.args == cmd:
+            child.wait()
+            del launcher._CHILDREN[pid]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_killed_services_and_redis_come_back_and_the_cluster_trains(tmp_path):
+    data = tmp_path / "train.tsv"
+    generate_criteo(data, 20_000, seed=7)
+    with Cluster(tmp_path / "c", workers=1, ps=1, **SUPERVISED) as c:
+        state = json.loads((c.root / "cluster.json").read_text())
+        sup = state["supervisor"]["pid"]
+        assert alive(sup)
+        old = {n: c.record(n)["pid"] for n in ("worker-0", "ps-0", "redis")}
+        for name in old:
+            c.kill(name, signal.SIGKILL)  # and reaped: up's children are this test's
+
+        def back() -> dict | None:
+            recs = {n: c.record(n) for n in old}
+            return recs if all(r.get("restarts") == 1 and r["pid"] != old[n] and alive(r["pid"])
+                               for n, r in recs.items()) else None
+
+        recs = c.wait_for(back, 30.0)
+        assert all(r["last_exit"]["ran_seconds"] >= 0 for r in recs.values())
+        st = launcher.status(str(c.root))
+        assert st["supervisor"]["running"] and st["processes"]["worker-0"]["restarts"] == 1
+        services = c.wait_for(lambda: (lambda s: s if s["worker-0"]["alive"] and s["ps-0"]["alive"] and
+                                       s["worker-0"]["restarts"] == 1 else None)(c.status()["services"]), 60.0)
+        assert services["ps-0"]["restarts"] == 1
+        job = c.submit([data], tmp_path / "m", config={"hashing": {"bits": 16}, "train": {"epochs": 2}})
+        summary = c.wait(job, timeout=180)
+        assert summary["state"] == "done", (summary, c.logs())
+        record = summary["record"]
+        assert record["rows_applied"] == record["rows_in_data"] * 2 == 2 * 20_000, record  # exactly once
+        pids = [sup] + [r["pid"] for r in launcher._records(json.loads((c.root / "cluster.json").read_text()))]
+        log = (c.root / "logs" / "supervisor.log").read_text()
+        assert "restarted worker-0" in log and "restarted redis" in log, log
+    assert not (c.root / "cluster.json").exists()
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "down left processes running"

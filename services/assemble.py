@@ -37,7 +37,18 @@ def check_request(body: dict) -> tuple[dict, JobSpec]:
            (every path absolute: data, test_data, valid_data, out, init_from, config.images.*)
            "mode": "async" | "ssp" | "bsp", "staleness": k,
            "promote": true (default) | false (write the version without moving CURRENT)}
+
+    Two halves, so that with `coordinator.data_via_loader` each runs where its files are:
+    `check_data` (the data files: the loader's host) and `check_model_side` (the model
+    directory, a warm start's parent, the creatives: the coordinator's).
     """
+    request, spec = check_data(body)
+    return check_model_side(body, request, spec)
+
+
+def check_data(body: dict) -> tuple[dict, JobSpec]:
+    """The half of `check_request` that reads the data files: their existence and format, the
+    held-out rows, the config's data-dependent numbers. The warm start is not applied yet."""
     if not isinstance(body, dict):
         raise ConfigError("the job must be a JSON object")
     unknown = set(body) - set(JOB_KEYS)
@@ -53,22 +64,46 @@ def check_request(body: dict) -> tuple[dict, JobSpec]:
     if not isinstance(out, str) or not out:
         raise ConfigError("out: the model directory to publish into is required")
     _absolute("out", out)
+    init = body.get("init_from")
+    if init is not None:
+        if not isinstance(init, str) or not init:
+            raise ConfigError(f"init_from must be a model directory ('DIR' or 'DIR:vNNNNNN'), got {init!r}")
+        _absolute("init_from", init)
     options = _run_options(body)
     schema = config.data.resolve_schema()
     check_inputs(data + tests + valid)
     Reader(data + tests + valid, schema).probe()
-    parent = _parent(body.get("init_from"), config, schema)
     train_rows, held = validation(config, schema, data, valid)  # local mode's split: the tail of the data
     resolve_auto(config, schema, data, train_rows.rows if train_rows else None)  # numbers in the spec
-    check_out_dir(out)
-    _check_images(config)
     request = {"data": data, "test_data": tests, "valid_data": valid, "out": os.path.normpath(out), **options,
                "model": config.model.kind}
     if train_rows is not None:
         request["holdout"] = _holdout(data, train_rows, held)
+    return request, JobSpec(config, schema)
+
+
+def check_model_side(body: dict, request: dict, spec: JobSpec) -> tuple[dict, JobSpec]:
+    """The half of `check_request` on the coordinator's host: the model directory is writable,
+    a warm start's parent matches (its inits become the job's), the creatives exist."""
+    check_out_dir(request["out"])
+    parent = _parent(body.get("init_from"), spec.config, spec.schema)
+    _check_images(spec.config)
     if parent is not None:
         request["init_from"] = f"{parent['model_dir']}:{parent['version']}"
-    return request, JobSpec(config, schema, init_from=parent)
+        spec.init_from = parent
+    return request, spec
+
+
+def data_bytes(request: dict) -> int:
+    """What epoch 1's progress is measured against: the bytes the loader reads (0 for gzip,
+    whose offsets count uncompressed bytes)."""
+    if any(str(f).endswith(".gz") for f in request["data"]):
+        return 0
+    size = sum(os.path.getsize(f) for f in request["data"])
+    if request.get("holdout"):  # the loader reads the lines before the held-out tail
+        rows = request["holdout"]["rows"]
+        size = size * rows["start"] // max(rows["stop"], 1)
+    return size
 
 
 JOB_KEYS = ("config", "data", "init_from", "mode", "out", "promote", "staleness", "test_data", "valid_data")
@@ -182,11 +217,13 @@ def validate_exports(job: JobSpec, exports: list, images, valid: Validation) -> 
 
 def assemble_and_publish(request: dict, job: JobSpec, exports: list, ledger, num_shards: int,
                          train_seconds: float, images=None,
-                         on_phase: Callable[[str], None] | None = None, valid: dict | None = None) -> dict:
+                         on_phase: Callable[[str], None] | None = None, valid: dict | None = None,
+                         test_paths: list[str] | None = None) -> dict:
     """Assemble, evaluate on the test files, save a version; the job's result record.
     `on_phase(text)` hears what it is doing (evaluating, publishing). A job whose
     training saw no rows, or whose loss is not finite, publishes nothing (MarianaError).
-    `valid`: the per-epoch validation record (the exports are of its kept epoch)."""
+    `valid`: the per-epoch validation record (the exports are of its kept epoch); `test_paths`:
+    local copies of the test files to score (data_via_loader), the record names the originals."""
     phase = on_phase or (lambda text: None)
     rows_per_epoch = [int(ledger.rows_done[e]) for e in range(1, ledger.epochs + 1)]
     last = valid["best_epoch"] if valid and valid["kept"] == "best" and valid["best_epoch"] else ledger.epochs
@@ -202,7 +239,7 @@ def assemble_and_publish(request: dict, job: JobSpec, exports: list, ledger, num
     tested = ({}, None)
     if request["test_data"]:
         phase(f"evaluating on {', '.join(os.path.basename(p) for p in request['test_data'])}")
-        tested = evaluate(bundle, request["test_data"])
+        tested = evaluate(bundle, test_paths or request["test_data"])
     summary = TrainSummary(request["data"], rows_per_epoch, ledger.epoch_seconds, train_seconds,
                            sum(rows_per_epoch) / max(sum(ledger.epoch_seconds), 1e-9), train_loss,
                            ledger.counters["bad_rows"], valid,

@@ -135,10 +135,19 @@ class CoordinatorAPI:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return bad_request("the body must be a JSON object")
+        checked = None
         try:
-            run = await asyncio.to_thread(self.coord.book.new_job, body)  # probes the files: off the loop
-        except (ConfigError, MarianaError, OSError) as e:
-            return bad_request(str(e) if not isinstance(e, OSError) else f"{e.filename}: {e.strerror}")
+            # the files are probed on the loader's host (data_via_loader), or here off the loop
+            checked = await self.coord.inputs.check(body) if self.coord.inputs.enabled else None
+            run = await asyncio.to_thread(self.coord.book.new_job, body, checked)
+        except ConfigError as e:
+            return bad_request(str(e))
+        except MarianaError as e:
+            if self.coord.inputs.enabled and checked is None:  # no loader to check the files: try later
+                return web.json_response({"error": str(e)}, status=503)
+            return bad_request(str(e))
+        except OSError as e:
+            return bad_request(f"{e.filename}: {e.strerror}")
         self.coord.jobs[run.id] = run
         self.coord.book.save(run)
         self.coord.queue.put_nowait(run.id)

@@ -10,9 +10,11 @@ import secrets
 import time
 
 from mariana.services import protocol
-from mariana.services.assemble import assemble_and_publish, check_request, job_validation, validate_exports
+from mariana.services.assemble import (assemble_and_publish, check_model_side, check_request, data_bytes,
+                                      job_validation, validate_exports)
 from mariana.services.coord_state import (MAX_RECONCILE_ROUNDS, MAX_RESENDS, POINT_SECONDS, TICK_SECONDS, JobRun,
                                           JobStopped, job_ledger)
+from mariana.services.jobspec import JobSpec
 from mariana.services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from mariana.services.ledger import STAGES, ChunkInfo, parse_step
 from mariana.services.protocol import Message
@@ -239,9 +241,13 @@ class JobRunner:
         run.best_export = None
         images = await self.image_table(run)
         train_seconds = time.time() - run.started
+        tests = run.request["test_data"]
+        if tests and self.coord.inputs.enabled:
+            self.set_phase(run, f"fetching {', '.join(os.path.basename(p) for p in tests)} from the loader")
+            tests = await self.coord.inputs.test_paths(run.id, tests)
         record = await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, led,
                                          len(self.coord.shards), train_seconds, images,
-                                         lambda text: self.set_phase(run, text), valid)
+                                         lambda text: self.set_phase(run, text), valid, tests)
         rows_applied = [min(int(a.get(str(e), 0)) for a in applied) for e in range(1, led.epochs + 1)]
         record.update({
             "rows_applied": sum(rows_applied),
@@ -330,6 +336,10 @@ class EpochValidation:
         best epoch so far (`epochs = "auto"` publishes it)."""
         led, valid = run.ledger, job_validation(run.request)
         names = valid.source if valid.rows else ", ".join(os.path.basename(p) for p in valid.paths)
+        if self.coord.inputs.enabled:  # copies of the rows, fetched from the loader's host once
+            if not self.coord.inputs.fetched(run.id):
+                self.coord.job_runner.set_phase(run, f"fetching the validation rows ({names}) from the loader")
+            valid = await self.coord.inputs.validation(run.id, run.request)
         self.coord.job_runner.set_phase(run, f"validating epoch {led.epoch} on {names}")
         call = self.coord.job_runner.shard_call
         exports = [(await call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
@@ -418,17 +428,19 @@ class JobJournal:
         """A job reached done, failed or cancelled: freeze its numbers, keep its history,
         drop its journal."""
         self.coord.job_runner.add_point(run)
+        self.coord.inputs.forget(run.id)
         run.final = run.to_saved()["final"]
         self.save(run)
         self.coord.store.drop_events(run.id)
 
-    def new_job(self, body: dict) -> JobRun:
-        request, spec = check_request(body)
+    def new_job(self, body: dict, checked: tuple[dict, dict, int] | None = None) -> JobRun:
+        """A job from its body, checked here (`check_request`), or, with `checked` = (request,
+        spec, data bytes) from the loader's `check_data`, only its model side checked here."""
+        if checked is None:
+            request, spec = check_request(body)
+            size = data_bytes(request)
+        else:
+            request, spec = check_model_side(body, checked[0], JobSpec.from_dict(checked[1]))
+            size = checked[2]
         job = time.strftime("j%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
-        # gzip offsets count uncompressed bytes: no size to estimate epoch 1's progress from
-        size = 0 if any(str(f).endswith(".gz") for f in request["data"]) else sum(
-            os.path.getsize(f) for f in request["data"])
-        if request.get("holdout"):  # the loader reads the lines before the held-out tail
-            rows = request["holdout"]["rows"]
-            size = size * rows["start"] // max(rows["stop"], 1)
         return JobRun(job, request, spec, job_ledger(job, request, spec, size))

@@ -53,7 +53,8 @@ def _errors(*codes: int) -> dict:
     text = {400: "The job is not a JSON object of known keys, a key has the wrong type or value, or a file it "
                  "names is missing or does not parse.",
             401: "No bearer token, or a wrong one (coordinator.token).",
-            404: "No such job.", 413: "The body is over 1 MiB."}
+            404: "No such job.", 413: "The body is over 1 MiB.",
+            503: "No loader answered to check the job's files (coordinator.data_via_loader): try again."}
     return {str(c): _json(_ERROR, text[c]) if c != 413 else {"description": text[c], **_TEXT}
             for c in codes}
 
@@ -83,7 +84,7 @@ OPENAPI = {
                      "responses": {"201": _json({"type": "object", "required": ["job", "state"],
                                                  "properties": {"job": {"type": "string"},
                                                                 "state": {"type": "string"}}}, "Queued."),
-                                   **_errors(400, 401, 413)}}},
+                                   **_errors(400, 401, 413, 503)}}},
         "/v1/jobs/{id}": {"get": {"summary": "One job", "parameters": _ID,
                                   "responses": {"200": _json(_SUMMARY, "The job."), **_errors(404)}}},
         "/v1/jobs/{id}/history": {"get": {

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from mariana.services import protocol
 from mariana.services.coord_api import CoordinatorAPI
+from mariana.services.remote_inputs import RemoteInputs
 from mariana.services.coord_jobs import EpochValidation, JobJournal, JobRunner
 from mariana.services.coord_state import JobRun, ServiceInfo, numbers
 from mariana.services.jobstore import JobStore
@@ -63,6 +64,7 @@ class Coordinator(Service):
         self._redis_stats: tuple[float, dict] = (float("-inf"), {})
         self.api, self.job_runner = CoordinatorAPI(self), JobRunner(self)
         self.validation, self.book = EpochValidation(self), JobJournal(self)
+        self.inputs = RemoteInputs(self)  # a job's files on the loader's host (coordinator.data_via_loader)
 
     # ---- life -----------------------------------------------------------------------------
 
@@ -123,7 +125,7 @@ class Coordinator(Service):
     # ---- ZeroMQ requests ------------------------------------------------------------------
 
     async def handle(self, peer: bytes, msg: Message) -> list | None:
-        handler = getattr(self, f"on_{msg.type}", None)
+        handler = getattr(self, f"on_{msg.type}", None) or getattr(self.inputs, f"on_{msg.type}", None)
         if handler is None:
             raise BadMessage("unexpected", f"the coordinator does not take {msg.type}")
         return await handler(peer, msg)

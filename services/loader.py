@@ -8,6 +8,8 @@ restarted loader resumes there.
          the tail a job holds out for validation, train.valid_fraction, is never sent)
         SourceDone{job, chunks, error} -> coordinator
     Resend{job, chunk, file, offset, length, ...}  <- coordinator (a chunk lost or evicted)
+    CheckJob, FetchInput <- coordinator: a job's files checked and sent from here
+        (coordinator.data_via_loader, services/remote_inputs.py)
 
 A chunk's id is `f<file>o<offset>`, so a chunk read twice is recognized.
 """
@@ -20,7 +22,7 @@ import time
 import numpy as np
 import zmq
 
-from mariana.services import protocol
+from mariana.services import protocol, remote_inputs
 from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
@@ -80,6 +82,11 @@ class Loader(Service):
             self.reading[job] = asyncio.create_task(self.read(job, self.files[job], msg["block_bytes"], until))
         elif msg.type == "Resend":
             self.spawn(self.resend(msg))
+        elif msg.type == "CheckJob":
+            self.spawn(self.check_job(msg))
+        elif msg.type == "FetchInput":
+            remote_inputs.check_fetch(msg)
+            self.spawn(remote_inputs.serve_fetch(msg, self.tell_arrays))
         else:
             raise BadMessage("unexpected", f"a loader does not take {msg.type}")
 
@@ -157,12 +164,23 @@ class Loader(Service):
         self.counters["chunks_resent"] += 1
         await self.send_chunk(job, fi, path, msg["offset"], msg["first_line"], block, msg["lines"], announce=False)
 
-    async def tell(self, type_: str, **fields) -> bool:
+    async def check_job(self, msg: Message) -> None:
+        """CheckJob: the job's files checked here, where they are (coordinator.data_via_loader)."""
+        if not isinstance(msg["body"], dict):
+            raise BadMessage("field", "CheckJob.body must be a map")
+        fields = await asyncio.to_thread(remote_inputs.check_on_loader, msg["body"])
+        log.info("%s: checked a job's files for the coordinator: %s", self.name, fields["error"] or "ok")
+        await self.tell("JobChecked", ticket=msg["ticket"], **fields)
+
+    async def tell_arrays(self, type_: str, arrays: dict | None, **fields) -> bool:
+        return await self.tell(type_, arrays, **fields)
+
+    async def tell(self, type_: str, arrays: dict | None = None, **fields) -> bool:
         """A report the coordinator must get: retried until it answers; False if it refused
         (the job has ended)."""
         while True:
             try:
-                await self.coordinator.call(type_, **fields)
+                await self.coordinator.call(type_, arrays, **fields)
                 return True
             except PeerTimeout as e:
                 log.warning("%s: %s not acknowledged (%s); again", self.name, type_, e)

@@ -34,6 +34,10 @@ Message catalog (request -> reply):
     ShardStats{job}                    coordinator -> ps              -> Stats{rows} + applied step ids
     Export{job}                        coordinator -> ps              -> Exported + arrays
     EndJob{job}                        coordinator -> ps              -> Ok
+    CheckJob{ticket, body}             coordinator -> loader          (a command; data_via_loader)
+    JobChecked{ticket, error, ...}     loader -> coordinator          -> Ok
+    FetchInput{ticket, job, kind, ...} coordinator -> loader          (a command; data_via_loader)
+    InputPart{ticket, seq, last} + data  loader -> coordinator        -> Ok (services/remote_inputs.py)
     Error{code, error}                 reply to anything that could not be served
 """
 from __future__ import annotations
@@ -89,6 +93,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "Export": {"job": _S},
     "Exported": {"shard": _I},
     "EndJob": {"job": _S},
+    "CheckJob": {"ticket": _S, "body": _D},
+    "JobChecked": {"ticket": _S, "error": _S},  # + request, spec, size when error is ""
+    "FetchInput": {"ticket": _S, "job": _S, "kind": _S},  # + path (file) or files and rows (holdout)
+    "InputPart": {"ticket": _S, "seq": _I, "last": _B, "error": _S},  # + array "data"
     "Ok": {},
     "Error": {"code": _S, "error": _S},
 }

@@ -76,6 +76,8 @@ class CoordinatorConfig:
     heartbeat_seconds: float = 5.0      # a worker silent this long is not waited for (staleness, BSP)
     state_dir: str = ""                 # job state and history (SQLite); default: <cluster.dir>/coordinator
     model_dirs: list[str] = field(default_factory=list)  # shown in the web UI besides the jobs' own
+    data_via_loader: bool = False       # a job's files are only on the loader's host: check, validation and
+                                        # test files are read there (services/remote_inputs.py)
 
 
 @dataclass

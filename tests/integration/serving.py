@@ -19,10 +19,10 @@ from tests.conftest import ROOT
 
 class Server:
     def __init__(self, root: Path, model_dir: Path, workers: int = 1, serve: dict | None = None,
-                 retrain: dict | None = None):
+                 retrain: dict | None = None, prefix: list[str] | None = None):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = free_port((serve or {}).get("host", "127.0.0.1"))
         self.serve = {"model_dir": str(model_dir), "host": "127.0.0.1", "port": self.port, "workers": workers,
                       "watch_seconds": 0.5, **(serve or {})}
         self.config = self.root / "serve.toml"
@@ -33,6 +33,7 @@ class Server:
         self.log = self.root / "serve.log"
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
+        self.prefix = prefix or []  # e.g. a mount namespace to run in
 
     def __enter__(self) -> "Server":
         self.start()
@@ -44,7 +45,8 @@ class Server:
     def start(self, ready: bool = False, timeout: float = 90.0) -> None:
         """Start it and return once every worker listens (and, with `ready`, has a model)."""
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "mariana", "serve", "--config", str(self.config)],
+            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "mariana", "serve", "--config",
+                                          str(self.config)],
                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:
@@ -89,7 +91,7 @@ class Server:
     # ---- HTTP ---------------------------------------------------------------------------
 
     def connect(self) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        return http.client.HTTPConnection(self.serve["host"], self.port, timeout=30)
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
                 conn: http.client.HTTPConnection | None = None) -> tuple[int, dict, bytes]:

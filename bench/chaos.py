@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from ctr_peers import machine_info  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from mariana.services import launcher  # noqa: E402
-from mariana.services.chaos import Chaos  # noqa: E402
+from mariana.services.chaos import ROLES, Chaos  # noqa: E402
 from mariana.services.runtime.config import load_cluster_config  # noqa: E402
 from mariana.sparse.synth import generate_criteo  # noqa: E402
 
@@ -78,6 +78,7 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=32)
     ap.add_argument("--every", default="1.5,3.5", help="seconds between kills: MIN,MAX (default 1.5,3.5)")
     ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--roles", default=",".join(ROLES), help=f"roles to kill (default {','.join(ROLES)})")
     ap.add_argument("--out", default=str(ROOT / "bench-out" / "chaos"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -98,7 +99,8 @@ def main() -> int:
         calm, calm_s = run_job(info, {"data": [str(train)], "test_data": [str(test)], "out": str(out / "calm"),
                                       "config": job}, timeout=1800)
         print(f"chaos run: {args.kills} kills, one every {lo:g}-{hi:g} s, seed {args.seed}", flush=True)
-        chaos = Chaos(str(out / "cluster"), seed=args.seed, every=(lo, hi), max_kills=args.kills)
+        chaos = Chaos(str(out / "cluster"), seed=args.seed, every=(lo, hi), max_kills=args.kills,
+                      roles=tuple(args.roles.split(",")))
         body = {"data": [str(train)], "test_data": [str(test)], "out": str(out / "chaos"), "config": job}
         chaos.start()
         try:
@@ -130,7 +132,7 @@ def report(args, calm: dict, calm_s: float, hit: dict, hit_s: float, kills: list
     }
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"Chaos ({when}; {machine_info()}): `.venv/bin/python bench/chaos.py --rows {args.rows} --epochs "
-             f"{args.epochs} --kills {args.kills} --every {args.every} --seed {args.seed}`", "",
+             f"{args.epochs} --kills {args.kills} --every {args.every} --seed {args.seed} --roles {args.roles}`", "",
              "| run | state | rows applied | per epoch | test AUC | wall s |", "|---|---|---:|---|---:|---:|"]
     for (name, s), secs in zip((("undisturbed", calm), ("chaos", hit)), (calm_s, hit_s)):
         r = records[name]

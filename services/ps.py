@@ -226,7 +226,14 @@ class ParamServer(Service):
                 arrays, manifest = shard.snapshot()  # consistent: taken between two pushes
                 self.dirty.discard(job)
                 t0 = time.perf_counter()
-                version = await asyncio.to_thread(self.write, job, arrays, manifest)
+                try:
+                    version = await asyncio.to_thread(self.write, job, arrays, manifest)
+                except MarianaError as e:  # a full or read-only disk: keep serving, try again next time
+                    self.dirty.add(job)
+                    self.counters["checkpoint_failures"] += 1
+                    log.error("%s: checkpoint of job %s failed (still serving; a restart now would replay "
+                              "more steps): %s", self.name, job, e)
+                    continue
                 self.counters["checkpoints"] += 1
                 log.info("%s: checkpoint %s/%s: %d steps applied (%.2fs)", self.name, job, version,
                          len(manifest["applied"]), time.perf_counter() - t0)

@@ -16,6 +16,7 @@ reader never sees a half-written version.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -180,9 +181,10 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
     """Write a new version; returns its name (one more than the highest). With
     `make_current`, CURRENT moves to it (recorded as `reason` when given)."""
     d = Path(model_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d))
+    tmp = None
     try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d))
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp / WEIGHTS))
         if optimizer:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIMIZER))
@@ -193,12 +195,41 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
             (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
             if publish_dir(tmp, d / version):  # False: another writer took the name
                 break
+    except (OSError, SafetensorError) as e:
+        raise ModelDirError(f"{model_dir}: cannot write a new version: {_why(e, d)}; nothing was published"
+                            f"{_current_note(d)}") from None
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     if make_current:
-        set_current(d, version, reason)
+        try:
+            set_current(d, version, reason)
+        except OSError as e:
+            shutil.rmtree(d / version, ignore_errors=True)  # never left behind as a newest version nobody chose
+            raise ModelDirError(f"{model_dir}: wrote {version} but cannot move CURRENT to it: {_why(e, d)}; "
+                                f"{version} was removed{_current_note(d)}") from None
     return version
+
+
+def _why(e: BaseException, d: Path) -> str:
+    """What went wrong writing into `d`, with the free space when it is the disk."""
+    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in str(e):
+        try:
+            st = os.statvfs(d)
+            text = f"no space left on its filesystem ({st.f_bavail * st.f_frsize:,} bytes free)"
+        except OSError:
+            text = "no space left on its filesystem"
+    elif isinstance(e, OSError) and e.errno == errno.EROFS:
+        text = "its filesystem is read-only"
+    return text
+
+
+def _current_note(d: Path) -> str:
+    try:
+        return f"; CURRENT still names {current_version(d)}"
+    except ModelDirError:
+        return "; there is no CURRENT version"
 
 
 def load_version(model_dir: str | os.PathLike, version: str | None = None,

@@ -50,6 +50,13 @@ class ClusterSection:
     start_seconds: float = 60.0         # how long `mariana up` waits for every service to register
     max_message_bytes: int = 256 << 20  # a bigger request is refused ("too_large") and counted
     supervise: bool = True              # `mariana up` restarts a service that dies (services/supervisor.py)
+    memory_max_bytes: int = 0           # a service logs a warning near this much RSS; 0: its cgroup's memory.max
+    memory_warn_fraction: float = 0.9   # ... above this fraction of the limit (services/runtime/memwatch.py)
+
+    def __post_init__(self) -> None:
+        if self.memory_max_bytes < 0 or not 0 < self.memory_warn_fraction <= 1:
+            raise ConfigError("cluster.memory_max_bytes must be >= 0 and cluster.memory_warn_fraction in (0, 1], "
+                              f"got {self.memory_max_bytes} and {self.memory_warn_fraction}")
 
     @property
     def path(self) -> str:

@@ -24,7 +24,7 @@ from collections import Counter
 
 import zmq.asyncio
 
-from mariana.services.runtime import sdnotify
+from mariana.services.runtime import memwatch, sdnotify
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.exporter import start_metrics
 from mariana.services.transport import Client, PeerTimeout, RemoteError
@@ -131,7 +131,7 @@ async def _run(service: Service) -> int:
     service.ctx = zmq.asyncio.Context()
     t0 = time.monotonic()
     stop = asyncio.create_task(service.stopping.wait(), name="stop")
-    metrics, watchdog = None, None
+    metrics, watchdog, memory = None, None, None
     try:
         starting = asyncio.create_task(service.start(), name="start")
         await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -148,6 +148,9 @@ async def _run(service: Service) -> int:
         # when the event loop stops pinging (WatchdogSec=): a blocked loop is a dead service.
         sdnotify.notify("READY=1", f"STATUS={service.name}: running")
         watchdog = _watchdog(service)
+        c = service.cfg.cluster
+        memory = asyncio.create_task(memwatch.watch(service.name, service.counters, c.memory_max_bytes,
+                                                    c.memory_warn_fraction), name="memory")
         work = asyncio.create_task(service.main(), name="main")
         done, _ = await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
         if work in done and not service.stopping.is_set():  # (a main() that only waits for stop ends with it)
@@ -173,6 +176,8 @@ async def _run(service: Service) -> int:
         service.ctx.destroy(linger=0)
         if watchdog is not None:  # fed through close (a ps checkpoint), which runs within TimeoutStopSec
             watchdog.cancel()
+        if memory is not None:
+            memory.cancel()
     counts = ", ".join(f"{k}={v}" for k, v in sorted(service.counters.items()))
     log.info("%s: stopped after %.1fs (%s)", service.name, time.monotonic() - t0, counts or "no work")
     return 0

@@ -1,0 +1,101 @@
+"""A service near its memory limit says so in its log before the limit kills it.
+
+Under systemd, `MemoryMax=` (a drop-in: `[Service] MemoryMax=4G`) sets the unit's cgroup
+`memory.max`; past it the kernel's OOM killer ends the service with no word in its own log.
+Each service reads that limit (or `cluster.memory_max_bytes` when set) and, every
+CHECK_SECONDS, what counts against it: the cgroup's `memory.current` for a cgroup limit,
+the process's RSS for a configured one. Above `cluster.memory_warn_fraction` of the limit
+it logs one WARNING line naming both numbers (again only after it has been below the
+fraction for a while) and counts `memory_warnings`.
+
+>>> parse_limit("max\\n"), parse_limit("2147483648\\n"), parse_limit("9223372036854771712")
+(None, 2147483648, None)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import Counter
+
+log = logging.getLogger(__name__)
+
+CHECK_SECONDS = 5.0
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number
+
+
+def parse_limit(text: str) -> int | None:
+    text = text.strip()
+    if not text or text == "max":
+        return None
+    value = int(text)
+    return None if value >= _NO_LIMIT else value
+
+
+def cgroup_files() -> tuple[str, str] | None:
+    """(limit file, usage file) of this process's memory cgroup: v2's memory.max and
+    memory.current, or v1's memory.limit_in_bytes and memory.usage_in_bytes."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    for hier, controllers, path in lines:
+        if hier == "0" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+            d = "/sys/fs/cgroup" + path
+            return os.path.join(d, "memory.max"), os.path.join(d, "memory.current")
+        if "memory" in controllers.split(","):
+            for d in ("/sys/fs/cgroup/memory" + path, "/sys/fs/cgroup/memory"):  # (a container sees its own root)
+                if os.path.exists(os.path.join(d, "memory.limit_in_bytes")):
+                    return os.path.join(d, "memory.limit_in_bytes"), os.path.join(d, "memory.usage_in_bytes")
+    return None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def rss_bytes() -> int:
+    text = _read("/proc/self/statm")
+    return int(text.split()[1]) * os.sysconf("SC_PAGE_SIZE") if text else 0
+
+
+def limit_and_usage(configured: int = 0):
+    """(limit bytes, what it is, a callable giving the bytes that count against it), or None."""
+    if configured > 0:
+        return configured, "cluster.memory_max_bytes", rss_bytes
+    files = cgroup_files()
+    if files is not None:
+        limit = parse_limit(_read(files[0]) or "")
+        if limit:
+            return limit, files[0], lambda: int((_read(files[1]) or "0").strip() or 0)
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+async def watch(name: str, counters: Counter, configured: int = 0, fraction: float = 0.9,
+                period: float = CHECK_SECONDS) -> None:
+    found = limit_and_usage(configured)
+    if found is None:
+        return
+    limit, what, usage = found
+    log.info("%s: memory limit %s (%s); a warning above %.0f%% of it", name, _gib(limit), what, 100 * fraction)
+    warned = False
+    while True:
+        used = usage()
+        if used > fraction * limit and not warned:
+            counters["memory_warnings"] += 1
+            log.warning("%s: memory %s is %.0f%% of its limit %s (%s): past the limit the kernel kills it "
+                        "(systemd MemoryMax=); give it more memory, or less work (e.g. fewer batches in hand)",
+                        name, _gib(used), 100 * used / limit, _gib(limit), what)
+            warned = True
+        elif used < 0.8 * fraction * limit:
+            warned = False
+        await asyncio.sleep(period)

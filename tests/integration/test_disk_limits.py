@@ -1,0 +1,61 @@
+"""A version that cannot be written: the disk fills up, or the model directory's filesystem
+turns read-only while the job trains. The job fails with a message naming the cause and
+the version CURRENT still names, and leaves no partial version behind (trainer/checkpoint.py).
+The small or read-only filesystem is a tmpfs in a mount namespace of the test's own
+(`unshare -m`, as root): the test skips where that is not allowed."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mariana.sparse.synth import generate_criteo
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def namespaced(script: str) -> subprocess.CompletedProcess:
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        pytest.skip("unshare -m is not allowed here (needs root or CAP_SYS_ADMIN): no small filesystem to fill")
+    return subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def train(data, out, bits: int) -> str:
+    return (f"{sys.executable} -m mariana train --data {data} --model lr --out {out} --set hashing.bits={bits} "
+            f"--quiet")
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_fails_the_job_and_keeps_current_whole(tmp_path):
+    data = tmp_path / "train.tsv"
+    generate_criteo(data, 3_000, seed=31)
+    m = tmp_path / "small"
+    m.mkdir()
+    proc = namespaced(f"set -u; mount -t tmpfs -o size=250k none {m} && {train(data, m / 'ctr', 12)} && "
+                      f"{{ {train(data, m / 'ctr', 18)}; echo rc=$?; }}; cat {m}/ctr/CURRENT; ls -a {m}/ctr")
+    out = proc.stdout + proc.stderr
+    assert "rc=0" not in out and "rc=" in out, out
+    assert "cannot write a new version: no space left on its filesystem" in out, out
+    assert "CURRENT still names v000001" in out, out
+    listing = proc.stdout.split()
+    assert "v000001" in listing and "v000002" not in listing, out
+    assert not [n for n in listing if n.startswith(".tmp-")], out  # the partial version was removed
+
+
+@pytest.mark.timeout(300)
+def test_a_model_dir_that_turns_read_only_fails_the_job_clearly(tmp_path):
+    data = tmp_path / "train.tsv"
+    generate_criteo(data, 200_000, seed=32)  # a few seconds of training: time to turn read-only
+    m = tmp_path / "ro"
+    m.mkdir()
+    proc = namespaced(f"set -u; mount -t tmpfs none {m} && {train(data, m / 'ctr', 12)} && "
+                      f"{{ (sleep 1.5; mount -o remount,ro {m}) & {train(data, m / 'ctr', 14)}; echo rc=$?; }}; "
+                      f"cat {m}/ctr/CURRENT; ls -a {m}/ctr")
+    out = proc.stdout + proc.stderr
+    assert "rc=0" not in out and "rc=" in out, out
+    assert "cannot write a new version: its filesystem is read-only" in out, out
+    assert "CURRENT still names v000001" in out and "v000002" not in proc.stdout.split(), out

@@ -141,7 +141,8 @@ def report(args, calm: dict, calm_s: float, hit: dict, hit_s: float, kills: list
     lines += ["", f"Kills: {len(kills)} ({', '.join(f'{role} {n}' for role, n in sorted(by_role.items()))}); "
               f"supervisor restarts: {sum(restarts.values())} "
               f"({', '.join(f'{k} {v}' for k, v in sorted(restarts.items()) if v)}); "
-              f"job restarts seen by the coordinator: {hit.get('restarts', 0)}; "
+              f"job restarts seen by the coordinator: {hit.get('restarts', 0)}; steps whose rows differed from "
+              f"their batch's first parse: {records['chaos'].get('row_count_mismatches')}; "
               f"wall time {hit_s / max(calm_s, 1e-9):.2f}x the undisturbed run's.", ""]
     lines += [f"- {'met' if ok else 'MISSED'}: {what}" for what, ok in checks.items()]
     return {"machine": machine_info(), "date": when, "args": vars(args), "checks": checks, "met": all(checks.values()),

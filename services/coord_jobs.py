@@ -257,6 +257,7 @@ class JobRunner:
             "lines_lost": led.counters["lines_lost"],
             "batches_reissued": led.counters["batches_reissued"],
             "batches_replayed": led.counters["batches_replayed"],
+            "row_count_mismatches": led.counters["row_count_mismatches"],
             "cache_hits": led.counters["cache_hits"],
             "cache_misses": led.counters["cache_misses"],
             "bad_messages": self.coord.bad_messages_since(run.baseline),

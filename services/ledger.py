@@ -25,6 +25,7 @@ that is not done back in `ready`, and issuing a step again is always safe.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from mariana.sparse.metrics import HIST_BINS, histogram_auc
+
+log = logging.getLogger(__name__)
 
 STAGES = ("read", "parse", "image", "hash", "cache", "fetch", "pull", "compute", "push")
 
@@ -314,7 +317,11 @@ class JobLedger(LedgerReport):
         if step in self.done:
             self.counters["duplicate_done"] += 1
             return False
-        epoch, _ = parse_step(step)
+        epoch, name = parse_step(step)
+        if self.batch_rows.get(name, rows) != rows:  # exactly-once counts rows as the chunk's parse gave them
+            self.counters["row_count_mismatches"] += 1
+            log.warning("job %s: step %s done with %d rows, its batch had %d when first cached", self.job, step,
+                        rows, self.batch_rows[name])
         h = _hist(hist)
         seconds = stage_seconds_of(times)
         self.leased.pop(step, None)

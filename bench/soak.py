@@ -256,12 +256,15 @@ class Soak:
         a = self.args
         growth = self.growth()
         promotions = [e for e in self.events if e["kind"] == "promotion"]
+        retrains = [e for e in self.events if e["kind"] == "retrain"]
         checks = {
             "0 failed requests": load["error_count"] == 0,
             f"every promotion seen by every worker ({len(promotions)})": bool(promotions) and all(
                 e["all"] for e in promotions),
             f"RSS and fds of every process grow < {GROWTH:.0%} after warm-up": bool(growth) and all(
                 g["growth"] is not None and g["growth"] < GROWTH for g in growth.values()),
+            f"every retrain asked for started ({len(retrains)}; the gate then decides)": all(
+                e["status"] == 202 for e in retrains),
         }
         when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         lat = load["latency_ms"]

@@ -222,13 +222,21 @@ def running_retrain(model_dir: str) -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """Running: not gone, and not a zombie. A finished retrain started by one of the server's
+    worker processes stays a zombie until that worker reaps it, and its lock file still names
+    it; taken for alive, it would refuse every retrain asked of the other workers (409)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, another user's
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] != b"Z"
+    except (OSError, ValueError):
+        return True  # no /proc: what kill says
 
 
 class _Status:

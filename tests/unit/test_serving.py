@@ -237,3 +237,23 @@ async def test_the_batcher_answers_on_the_loop_or_the_thread_alike(predictor, in
         np.testing.assert_allclose(json.loads(a.body)["pctr"], predictor.predict(req), rtol=0, atol=1e-6)
     assert {w for _, w in seen} == {where} and sum(n for n, _ in seen) == 6
     assert not batcher.thread.is_alive()
+
+
+def test_a_finished_retrain_not_yet_reaped_does_not_hold_the_model_dir(tmp_path):
+    """bench/soak.py found it: a retrain started by one worker process, finished but not yet
+    reaped (a zombie), still named in the lock file, made the other workers answer 409."""
+    import subprocess
+    import sys
+    import time
+
+    from mariana.serving.retrain import LOCK, running_retrain
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    (tmp_path / LOCK).write_text(f"{child.pid}\n")
+    deadline = time.monotonic() + 10
+    while running_retrain(str(tmp_path)) is not None and time.monotonic() < deadline:
+        time.sleep(0.02)  # it exits, unreaped: a zombie
+    assert running_retrain(str(tmp_path)) is None
+    child.wait()
+    (tmp_path / LOCK).write_text(f"{os.getpid()}\n")
+    assert running_retrain(str(tmp_path)) == os.getpid()

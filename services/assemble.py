@@ -90,7 +90,7 @@ def check_model_side(body: dict, request: dict, spec: JobSpec) -> tuple[dict, Jo
     _check_images(spec.config)
     if parent is not None:
         request["init_from"] = f"{parent['model_dir']}:{parent['version']}"
-        spec.init_from = parent
+        spec = dataclasses.replace(spec, init_from=parent)
     return request, spec
 
 

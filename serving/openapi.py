@@ -32,7 +32,8 @@ _MAX_DOUBLE = 1.7976931348623157e308
 _CATEGORICAL = {"anyOf": [{"type": "string"}, {"type": "integer"}], "nullable": True,
                 "description": "Categorical: text, or an integer taken as its decimal text; null or \"\" is missing."}
 _NUMERIC = {"anyOf": [{"type": "number", "minimum": -_MAX_DOUBLE, "maximum": _MAX_DOUBLE},
-                      {"type": "string", "format": "number-text", "pattern": NUMBER_RE}, {"type": "string", "maxLength": 0}],
+                      {"type": "string", "format": "number-text", "pattern": NUMBER_RE},
+                      {"type": "string", "maxLength": 0}],
             "nullable": True,
             "description": "Numeric: a finite number, or number text as a file holds it (format number-text: the "
                            "pattern, and finite as a double: \"1e999\" is refused); null or \"\" is missing."}

@@ -68,3 +68,26 @@ def run_cli(*args: str, check: bool = False, env: dict | None = None,
     if check and proc.returncode != 0:
         raise AssertionError(f"mariana {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
+
+
+SOAK_ARGS = ("--minutes", "2", "--rate", "100", "--promote-every", "20", "--retrain-every", "60")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_soak(request, tmp_path_factory):
+    """bench/soak.py's 2-minute version (tests/integration/test_soak.py), started when the
+    session starts and run beside the other tests: it waits on the wall clock, not on the
+    CPU, and two minutes of the suite's 15 are too many to spend waiting. (None when
+    test_soak.py is not selected.) Yields (process, its output dir, its log)."""
+    if not any(item.nodeid.startswith("tests/integration/test_soak.py") for item in request.session.items):
+        yield None
+        return
+    out = tmp_path_factory.mktemp("soak")
+    log = open(out / "soak.log", "wb")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "soak.py"), *SOAK_ARGS, "--out", str(out)],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    yield proc, out, out / "soak.log"
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    log.close()

@@ -1,6 +1,7 @@
 """`mariana` end to end, as real subprocesses, on small generated files."""
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -171,8 +172,10 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
           "--batch-size", "512",
           "--out", tmp_path / "o"), ["training diverged in epoch 1", "nothing to publish"]),
     ]
-    for args, needles in cases:
-        one_line_error(run_cli(*args), *needles)
+    with ThreadPoolExecutor(2) as pool:  # independent processes: two at a time on two cores
+        results = list(pool.map(lambda case: run_cli(*case[0]), cases))
+    for (args, needles), proc in zip(cases, results):
+        one_line_error(proc, *needles)
     assert not (tmp_path / "o").exists()  # nothing half-written
 
 

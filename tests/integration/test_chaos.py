@@ -17,7 +17,7 @@ from tests.integration.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 
-ROWS, EPOCHS = 150_000, 3
+ROWS, EPOCHS = 100_000, 3
 JOB = {"hashing": {"bits": 18}, "train": {"epochs": EPOCHS, "batch_size": 32}}  # many steps: ~20 s
 SEED = int(os.environ.get("MARIANA_CHAOS_SEED", "19"))
 

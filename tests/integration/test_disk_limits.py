@@ -53,7 +53,8 @@ def test_a_model_dir_that_turns_read_only_fails_the_job_clearly(tmp_path):
     m = tmp_path / "ro"
     m.mkdir()
     proc = namespaced(f"set -u; mount -t tmpfs none {m} && {train(data, m / 'ctr', 12)} && "
-                      f"{{ (sleep 1.5; mount -o remount,ro {m}) & {train(data, m / 'ctr', 14)}; echo rc=$?; }}; "
+                      f"{{ (sleep 2; until mount -o remount,ro {m}; do sleep 0.1; done) & "
+                      f"{train(data, m / 'ctr', 14)} --set train.epochs=30; echo rc=$?; }}; "
                       f"cat {m}/ctr/CURRENT; ls -a {m}/ctr")
     out = proc.stdout + proc.stderr
     assert "rc=0" not in out and "rc=" in out, out

@@ -1,27 +1,28 @@
 """The soak's short version (bench/soak.py runs 20 minutes): 2 minutes of open-loop load
 on `mariana serve` (2 workers) while a new version is promoted every 20 s and a retrain
-runs every minute; no request fails and every worker serves every promoted version. (The
-growth of RSS and fds is judged on the long run: two minutes are mostly warm-up.)"""
+runs every minute; no request fails, every worker serves every promoted version and every
+retrain asked for starts. (The growth of RSS and fds is judged on the long run: two
+minutes are mostly warm-up.) It runs beside the rest of the suite, started when the session
+starts (the `background_soak` fixture in tests/conftest.py)."""
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
-
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(420)
-def test_two_minutes_of_load_while_versions_come_and_go(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "2", "--rate", "200",
-                           "--promote-every", "20", "--retrain-every", "60", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert (tmp_path / "results.json").exists(), proc.stderr[-4000:]
-    result = json.loads((tmp_path / "results.json").read_text())
+def test_two_minutes_of_load_while_versions_come_and_go(background_soak):
+    proc, out, log = background_soak
+    try:
+        proc.wait(timeout=400)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"bench/soak.py still running after 400 s:\n{log.read_text()[-3000:]}")
+    assert (out / "results.json").exists(), log.read_text()[-4000:]
+    result = json.loads((out / "results.json").read_text())
     checks = result["checks"]
     failed = [k for k in checks if k.startswith("0 failed")]
     seen = [k for k in checks if k.startswith("every promotion")]
@@ -31,6 +32,6 @@ def test_two_minutes_of_load_while_versions_come_and_go(tmp_path):
     assert len(promotions) >= 5, result["events"]
     retrains = [e for e in result["events"] if e["kind"] == "retrain"]
     assert retrains and all(e["status"] == 202 for e in retrains), retrains  # none refused as "running already"
-    assert result["load"]["answered"] >= 200 * 110 and len(result["samples"]) >= 20
+    assert result["load"]["answered"] >= 100 * 110 and len(result["samples"]) >= 20
     assert len(result["load"]["versions"]) >= 5  # answers came from every version served
-    assert (tmp_path / "soak.png").stat().st_size > 10_000
+    assert (out / "soak.png").stat().st_size > 10_000

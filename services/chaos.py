@@ -67,7 +67,9 @@ class Chaos:
             os.killpg(rec["pid"], signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             return None
-        launcher.reap(rec["pid"])
+        deadline = time.monotonic() + 5.0
+        while rec["pid"] in launcher._CHILDREN and launcher.reap(rec["pid"]) is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # one `up` started in this process: reap it, or it stays a zombie of ours
         kill = Kill(time.time(), rec["name"], rec["pid"])
         self.kills.append(kill)
         log.warning("chaos: kill %d/%d: SIGKILL %s (pid %d)", len(self.kills), self.max_kills, rec["name"],

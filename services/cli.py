@@ -285,7 +285,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     overrides = {key: getattr(args, flag) for flag, key in flags if getattr(args, flag) is not None}
     info = up(load_cluster_config(args.config, overrides=overrides))
     log.info("web UI of jobs, services and models: %s/ui/ (until `mariana down`)", info["http"])
-    print(json.dumps({"dir": info["dir"], "http": info["http"], "ui": info["http"] + "/ui/", "pids": info["pids"]}))
+    print(json.dumps({"dir": info["dir"], "http": info["http"], "ui": info["http"] + "/ui/", "pids": info["pids"],
+                      "supervisor": info["supervisor"]}))
     return 0
 
 

@@ -420,7 +420,8 @@ def up(cfg: ClusterConfig, wait: bool = True) -> dict:
     log.info("cluster up in %s: %d services, %s, %.1fs", root, len(state["services"]), state["http"],
              time.monotonic() - t0)
     return {"dir": root, "http": state["http"], "config": state["config"],
-            "pids": {r["name"]: r["pid"] for r in _records(state)}}
+            "pids": {r["name"]: r["pid"] for r in _records(state)},
+            "supervisor": (state.get("supervisor") or {}).get("pid")}
 
 
 def _start_supervisor(state: dict) -> None:

@@ -86,7 +86,7 @@ class Loader(Service):
             self.spawn(self.check_job(msg))
         elif msg.type == "FetchInput":
             remote_inputs.check_fetch(msg)
-            self.spawn(remote_inputs.serve_fetch(msg, self.tell_arrays))
+            self.spawn(remote_inputs.serve_fetch(msg, self.tell))
         else:
             raise BadMessage("unexpected", f"a loader does not take {msg.type}")
 
@@ -171,9 +171,6 @@ class Loader(Service):
         fields = await asyncio.to_thread(remote_inputs.check_on_loader, msg["body"])
         log.info("%s: checked a job's files for the coordinator: %s", self.name, fields["error"] or "ok")
         await self.tell("JobChecked", ticket=msg["ticket"], **fields)
-
-    async def tell_arrays(self, type_: str, arrays: dict | None, **fields) -> bool:
-        return await self.tell(type_, arrays, **fields)
 
     async def tell(self, type_: str, arrays: dict | None = None, **fields) -> bool:
         """A report the coordinator must get: retried until it answers; False if it refused

@@ -28,6 +28,7 @@ import http.client
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -104,20 +105,14 @@ class Soak:
         self.test = out / "test.tsv"
         if not self.test.exists():
             generate_criteo(self.test, 5_000, seed=99)
-        bodies = out / "bodies.jsonl"
-        with open(self.test) as f, open(bodies, "w") as b:
-            for i, line in enumerate(f):
-                cols = line.rstrip("\n").split("\t")
-                inst = {f"I{j}": cols[j] for j in range(1, 14) if cols[j]}
-                inst.update({f"C{j - 13}": cols[j] for j in range(14, 40) if cols[j]})
-                b.write(json.dumps({"instances": [inst]}, separators=(",", ":")) + "\n")
+        bodies = out / "bodies.jsonl"  # one instance a request, as bench/serving.py sends them
+        bench_serving.write_bodies(bench_serving.read_instances(self.test, 5_000), 1, bodies)
         self.bodies = bodies
 
     def start(self) -> None:
         out = self.out
         self.models = out / "models"
         if self.models.exists():
-            import shutil
             shutil.rmtree(self.models)
         self.redis = RedisServer("127.0.0.1", free_port(), str(out / "redis")).start()
         self.redis.wait_ready()

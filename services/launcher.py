@@ -31,6 +31,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from mariana.services.runtime import procs
 from mariana.services.runtime.config import ClusterConfig, to_toml
 from mariana.services.runtime.sdnotify import child_env
 from mariana.sparse.errors import MarianaError
@@ -246,25 +247,14 @@ def _popen(cmd: list[str], log_path: str, env: dict | None = None) -> subprocess
     return proc
 
 
-def _start_time(pid: int) -> int | None:
-    """When pid started (clock ticks after boot, from /proc); None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2:].split()  # the name in (...) may hold spaces
-    return None if fields[0] == b"Z" else int(fields[19])
-
-
 def _alive(rec: dict) -> bool:
     """True while the recorded process runs and is still the one started (not a reused pid)."""
     child = _CHILDREN.get(rec["pid"])
     if child is not None:
         return child.poll() is None  # reaps it when it has exited
     if not os.path.isdir("/proc/self"):  # no /proc: no start times to compare
-        return _signal(rec["pid"], 0)
-    now = _start_time(rec["pid"])
+        return procs.running(rec["pid"])
+    now = procs.start_time(rec["pid"])
     return now is not None and (rec.get("start") is None or now == rec["start"])
 
 
@@ -427,7 +417,7 @@ def up(cfg: ClusterConfig, wait: bool = True) -> dict:
 def _start_supervisor(state: dict) -> None:
     cmd = [sys.executable, "-m", "mariana.services.cli", "supervise", "--dir", state["dir"]]
     proc = _popen(cmd, os.path.join(state["dir"], "logs", "supervisor.log"), _child_env())
-    state["supervisor"] = {"pid": proc.pid, "start": _start_time(proc.pid)}
+    state["supervisor"] = {"pid": proc.pid, "start": procs.start_time(proc.pid)}
     _save_state(state)
     log.info("started the supervisor: pid %d (restarts a service that dies)", proc.pid)
 
@@ -493,7 +483,7 @@ def _spawn(role: str, index: int, state: dict, env: dict) -> dict:
 
 
 def _record(name: str, role: str, index: int, proc: subprocess.Popen, cmd: list[str], log_path: str) -> dict:
-    return {"name": name, "role": role, "index": index, "pid": proc.pid, "start": _start_time(proc.pid),
+    return {"name": name, "role": role, "index": index, "pid": proc.pid, "start": procs.start_time(proc.pid),
             "started_at": time.time(), "cmd": cmd, "log": log_path}
 
 

@@ -22,6 +22,7 @@ import threading
 import time
 
 from mariana.services import launcher
+from mariana.services.runtime import procs
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stopping.set())
         state = self.state()
-        state["supervisor"] = {"pid": os.getpid(), "start": launcher._start_time(os.getpid())}
+        state["supervisor"] = {"pid": os.getpid(), "start": procs.start_time(os.getpid())}
         launcher._save_state(state)
         env = launcher._child_env()
         log.info("watching %d processes of %s", len(launcher._records(state)), self.root)
@@ -91,7 +92,7 @@ class Supervisor:
         if rec["role"] == "redis":
             os.makedirs(os.path.join(self.root, "redis"), exist_ok=True)
         proc = launcher._popen(rec["cmd"], rec["log"], None if rec["role"] == "redis" else env)
-        rec.update(pid=proc.pid, start=launcher._start_time(proc.pid), started_at=time.time(),
+        rec.update(pid=proc.pid, start=procs.start_time(proc.pid), started_at=time.time(),
                    restarts=rec.get("restarts", 0) + 1)
         log.info("restarted %s: pid %d (restart %d)", rec["name"], proc.pid, rec["restarts"])
 

@@ -22,10 +22,6 @@ from mariana.sparse.schema import Schema
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 _ANY = {"description": "Any value: a field the model does not know is ignored and counted "
                        "(mariana_serve_unknown_fields_total)."}
-_VALUE = {"oneOf": [{"type": "string"}, {"type": "number"}, {"type": "null"}],
-          "description": "Categorical fields: text, or an integer taken as its decimal text. Numeric fields: "
-                         "a number, or number text. Hour fields (YYMMDDHH): text or an integer. "
-                         "Absent, null or empty: the missing value, as in training."}
 _MAX_DOUBLE = 1.7976931348623157e308
 # A field's rule (sparse/records.py). OpenAPI 3.0 has no null type: `nullable` says a
 # field may be null (missing, as an empty cell in a file).
@@ -40,11 +36,9 @@ _NUMERIC = {"anyOf": [{"type": "number", "minimum": -_MAX_DOUBLE, "maximum": _MA
 _HOUR = {"anyOf": [{"type": "string", "pattern": HOUR_RE}, {"type": "integer", "minimum": 10_000_000,
                                                              "maximum": 99_999_999}],
          "description": "Hour YYMMDDHH: 8 digits naming a real date and hour; required."}
-_INSTANCE = {"type": "object", "additionalProperties": _VALUE,
+_INSTANCE = {"type": "object", "additionalProperties": _ANY,  # no model in service: any fields
              "description": "One row to score: field name -> value, named as in the model's schema "
                             "(GET /v1/model lists them). Unknown fields are ignored and counted."}
-_PREDICT_REQ = {"type": "object", "required": ["instances"],
-                "properties": {"instances": {"type": "array", "minItems": 1, "items": _INSTANCE}}}
 _PREDICT_RESP = {"type": "object", "required": ["pctr", "model_version"],
                  "properties": {"pctr": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}},
                                 "model_version": {"type": "string"}}}
@@ -54,7 +48,7 @@ def instance_schema(schema: Schema | None) -> dict:
     """An instance of the model in service: its fields' rules, anything else allowed.
     Without a model (answers are 503) every field is described loosely."""
     if schema is None:
-        return {**_INSTANCE, "additionalProperties": _ANY}
+        return _INSTANCE
     props = {f: _CATEGORICAL for f in schema.categorical}
     props.update({f: _NUMERIC for f in schema.numeric})
     props.update({f: _ANY for f in (*([schema.label] if schema.label else []), *schema.ignore)})
@@ -68,15 +62,18 @@ def instance_schema(schema: Schema | None) -> dict:
     return out
 
 
+def _predict_request(instance: dict) -> dict:
+    return {"type": "object", "required": ["instances"],
+            "properties": {"instances": {"type": "array", "minItems": 1, "items": instance}},
+            "description": "Other keys are ignored and counted."}
+
+
 def document(schema: Schema | None = None) -> dict:
     """The document for the model in service (its schema's fields), or a loose one without."""
     doc = copy.deepcopy(OPENAPI)
-    req = {"type": "object", "required": ["instances"],
-           "properties": {"instances": {"type": "array", "minItems": 1, "items": instance_schema(schema)}},
-           "description": "Other keys are ignored and counted."}
     content = doc["paths"]["/v1/predict"]["post"]["requestBody"]["content"]
     for kind in content:
-        content[kind]["schema"] = req
+        content[kind]["schema"] = _predict_request(instance_schema(schema))
     return doc
 
 
@@ -102,8 +99,9 @@ OPENAPI = {
     "paths": {
         "/v1/predict": {"post": {
             "summary": "pCTR of each instance",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": _PREDICT_REQ},
-                                                          "application/msgpack": {"schema": _PREDICT_REQ}}},
+            "requestBody": {"required": True,
+                            "content": {kind: {"schema": _predict_request(_INSTANCE)}
+                                        for kind in ("application/json", "application/msgpack")}},
             "responses": {"200": {"description": "One pCTR per instance, in order, and the version that gave them.",
                                   "content": {"application/json": {"schema": _PREDICT_RESP},
                                               "application/msgpack": {"schema": _PREDICT_RESP}}},

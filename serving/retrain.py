@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mariana.serving.config import ServeConfig
 from mariana.serving.errors import ServeError
-from mariana.services.runtime import model_events
+from mariana.services.runtime import model_events, procs
 from mariana.sparse.errors import ConfigError, MarianaError, ModelDirError
 from mariana.sparse.inputs import NoDataFiles, expand_data_paths
 from mariana.trainer import checkpoint
@@ -222,21 +222,10 @@ def running_retrain(model_dir: str) -> int | None:
 
 
 def _alive(pid: int) -> bool:
-    """Running: not gone, and not a zombie. A finished retrain started by one of the server's
-    worker processes stays a zombie until that worker reaps it, and its lock file still names
-    it; taken for alive, it would refuse every retrain asked of the other workers (409)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] != b"Z"
-    except (OSError, ValueError):
-        return True  # no /proc: what kill says
+    """Running, not a zombie: a finished retrain started by one of the server's worker
+    processes stays a zombie until that worker reaps it, and its lock file still names it;
+    taken for alive, it would refuse every retrain asked of the other workers (409)."""
+    return procs.running(pid)
 
 
 class _Status:

@@ -16,7 +16,7 @@ _updated = False
 
 def debian_tool(program: str, package: str, timeout: float = 300.0) -> str:
     """The path of `program`, installing Debian's `package` with apt-get when it is missing."""
-    found = shutil.which(program) or (program if os.path.isabs(program) and os.path.exists(program) else None)
+    found = _find(program)
     if found:
         return found
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
@@ -35,10 +35,21 @@ def debian_tool(program: str, package: str, timeout: float = 300.0) -> str:
             if proc.returncode != 0:
                 pytest.skip(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
             _updated = _updated or cmd[1] == "update"
-    found = shutil.which(program) or (program if os.path.isabs(program) and os.path.exists(program) else None)
+    found = _find(program)
     if not found:
         pytest.skip(f"apt-get installed {package} but {program} is not there")
     return found
+
+
+def _find(program: str) -> str | None:
+    return shutil.which(program) or (program if os.path.isabs(program) and os.path.exists(program) else None)
+
+
+def can_unshare_mounts() -> bool:
+    """`unshare -m` works here (root or CAP_SYS_ADMIN): a test can mount what it needs in a
+    mount namespace of its own (util-linux's unshare, from Debian's util-linux)."""
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-m", "true"], capture_output=True).returncode == 0
 
 
 def promtool_check(promtool: str, text: str) -> None:

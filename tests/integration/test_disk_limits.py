@@ -5,7 +5,6 @@ The small or read-only filesystem is a tmpfs in a mount namespace of the test's 
 (`unshare -m`, as root): the test skips where that is not allowed."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
@@ -13,12 +12,13 @@ import pytest
 
 from mariana.sparse.synth import generate_criteo
 from tests.conftest import ROOT
+from tests.debian import can_unshare_mounts
 
 pytestmark = pytest.mark.slow
 
 
 def namespaced(script: str) -> subprocess.CompletedProcess:
-    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+    if not can_unshare_mounts():
         pytest.skip("unshare -m is not allowed here (needs root or CAP_SYS_ADMIN): no small filesystem to fill")
     return subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)

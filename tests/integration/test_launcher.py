@@ -16,7 +16,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from mariana.services import cli
-from mariana.services.launcher import RedisServer, _start_time, find_redis_server, free_port, resolve
+from mariana.services.launcher import RedisServer, find_redis_server, free_port, resolve
+from mariana.services.runtime.procs import start_time as _start_time
 from mariana.services.runtime.config import ROLES, load_cluster_config, to_toml
 from mariana.sparse.errors import MarianaError
 from tests.conftest import run_cli

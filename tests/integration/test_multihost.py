@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import pytest
 
 from mariana.services.launcher import RedisServer, free_port
 from mariana.sparse.synth import generate_criteo
+from tests.debian import can_unshare_mounts
 from tests.integration.serving import Server
 
 pytestmark = pytest.mark.slow
@@ -39,11 +39,6 @@ ROLES = {"A": [("coordinator", 0)], "B": [("loader", 0)], "C": [("ps", 0), ("pre
          "D": [("worker", 0), ("worker", 1)]}
 ROWS = 20_000
 DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def can_isolate() -> bool:
-    return shutil.which("unshare") is not None and subprocess.run(
-        ["unshare", "-m", "true"], capture_output=True).returncode == 0
 
 
 def listening(pid: int) -> set[tuple[str, int]]:
@@ -81,7 +76,7 @@ class Hosts:
         self.dirs = {h: root / f"host-{h}" for h in HOSTS}
         for d in self.dirs.values():
             d.mkdir(parents=True)
-        self.isolated = can_isolate()
+        self.isolated = can_unshare_mounts()
         self.procs: dict[str, subprocess.Popen] = {}
         self.redis: RedisServer | None = None
 
@@ -183,9 +178,8 @@ def test_four_hosts_by_config_alone(tmp_path):
     server = Server(hosts.dirs["A"] / "serve", models, serve={"host": HOSTS["A"], "redis_url": cfg["redis"]["url"],
                                                               "watch_seconds": 30.0}, prefix=hosts.prefix("A"))
     try:
-        wait_until(lambda: all(s["alive"] for n, s in api(cfg, "GET", "/v1/status")["services"].items())
-                   and len(api(cfg, "GET", "/v1/status")["services"]) == 6, 90, "every service registered",
-                   hosts.logs)
+        wait_until(lambda: (lambda services: len(services) == 6 and all(s["alive"] for s in services.values()))(
+            api(cfg, "GET", "/v1/status")["services"]), 90, "every service registered", hosts.logs)
         server.start()
         versions = []
         for run in range(2):

@@ -52,7 +52,10 @@ def run_job(info: dict, body: dict, timeout: float) -> tuple[dict, float]:
     """(the job's final summary, wall seconds from submit to its end), asking again while the
     coordinator is being restarted."""
     t0 = time.monotonic()
-    job = call(info["http"], "POST", "/v1/jobs", info["token"], body)["job"]
+    try:
+        job = call(info["http"], "POST", "/v1/jobs", info["token"], body)["job"]
+    except urllib.error.HTTPError as e:  # refused: the coordinator says why
+        raise SystemExit(f"the job was refused: HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from None
     last = 0.0
     while time.monotonic() - t0 < timeout:
         try:
@@ -81,7 +84,7 @@ def main() -> int:
     ap.add_argument("--roles", default=",".join(ROLES), help=f"roles to kill (default {','.join(ROLES)})")
     ap.add_argument("--out", default=str(ROOT / "bench-out" / "chaos"))
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the coordinator is given absolute paths; its cwd is not ours
     out.mkdir(parents=True, exist_ok=True)
     train, test = out / f"train-{args.rows}.tsv", out / "test-20000.tsv"
     if not train.exists():

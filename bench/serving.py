@@ -10,6 +10,7 @@ Other uses:
 
     .venv/bin/python bench/serving.py --quick                      # a smoke run, about a minute and a half
     .venv/bin/python bench/serving.py --systems lr,floor --phases ramp
+    .venv/bin/python bench/serving.py --systems lr,dnn,floor --phases ramp,hey --rates 2000   # cost per request
     .venv/bin/python bench/serving.py --systems dnn --phases swap --swap-duration 30
 
 Systems (each serves POST /v1/predict {"instances": [...]} -> {"pctr": [...],
@@ -60,6 +61,14 @@ the header of results.md say which one ran:
   waited 2 s); with `--refine 1` one more run halfway between the last pass
   and the first failure. The targets' rates (1,000/s and 2,000/s) are always
   run. "max QPS" = the highest offered rate that passed.
+- hey (when Debian's `hey` is installed; `--hey PATH` names another): a second load
+  generator, independent of ours, on 20 connections posting the first single-instance
+  body: at 2,000/s (each connection limited to 100/s) and closed loop, `--duration` s
+  after a 1 s warm-up. hey measures latency from each request's send (a late send is not
+  counted against the server, unlike loadgen.c). Its own CPU is reported beside the
+  server's. Every run of every generator reports the server's CPU per answered request;
+  with the floor in the run, the issue's targets are checked against it: at 2,000/s, CPU
+  per request (LR <= 1.5x the floor's, DNN <= 2.5x) and p99 (<= 2x), under both generators.
 - swap (mariana only): a fresh server with `serve.watch_seconds = 0.2`
   (config file), stepped through the ramp's rates (the target rate, LR
   2,000/s, DNN 1,000/s, among them) until p99 passes 50 ms, `--swap-duration`
@@ -98,6 +107,7 @@ import math
 import os
 import platform
 import re
+import resource
 import shlex
 import shutil
 import signal
@@ -729,6 +739,7 @@ def open_run(args, server: Server, rate: int, phase: str, during=None, duration:
                                                 duration=duration), during)
     p = r["latency_ms"]
     r.update(system=SYSTEMS[server.system], phase=phase, rate=rate,
+             server_us_per_request=round(r["server_cores"] / r["ok_per_s"] * 1e6, 1) if r["ok_per_s"] else None,
              passed=(p["p99"] is not None and p["p99"] <= P99_LIMIT_MS and r["error_count"] == 0
                      and not r["aborted"]))
     errors = f", ERRORS {r['errors']}" if r["error_count"] else ""
@@ -793,6 +804,82 @@ def batch_run(args, server: Server) -> dict:
          f"request p50 {fmt(p['p50'], '.1f')} p99 {fmt(p['p99'], '.1f')} ms{errors}; "
          f"server {r['server_cores']:.2f} cores, other {r['other_cores']:.2f}")
     return r
+
+
+# ---- hey: an independent load generator (Debian's `hey`, Go, nobody here wrote it) ------------
+
+HEY_RATE = 2000          # the issue's rate: CPU per request and p99 against the floor's
+HEY_CONNECTIONS = 20
+
+
+def hey_command(args, server: Server, body: Path, duration: float, rate: int | None) -> list:
+    """hey with `HEY_CONNECTIONS` workers, each limited to rate / workers requests/s (None: as fast
+    as they go, closed loop), posting the same single-instance body."""
+    cmd = [args.hey, "-z", f"{duration:g}s", "-c", str(HEY_CONNECTIONS), "-m", "POST", "-T", "application/json",
+           "-D", str(body), "-disable-compression"]
+    if rate:
+        cmd += ["-q", f"{rate / HEY_CONNECTIONS:g}"]
+    return cmd + [f"http://127.0.0.1:{server.port}/v1/predict"]
+
+
+def parse_hey(text: str) -> dict:
+    """hey's summary -> requests/s, latency percentiles (ms), answers by status, errors."""
+    rps = re.search(r"Requests/sec:\s+([0-9.]+)", text)
+    pct = {f"p{int(k)}": round(float(v) * 1000, 3) for k, v in re.findall(r"(\d+)%+ in ([0-9.]+) secs", text)}
+    codes = {c: int(n) for c, n in re.findall(r"\[(\d+)\]\s+(\d+) responses", text)}
+    errors = re.findall(r"^\s+\[(\d+)\]\s+(.+)$", text.split("Error distribution:", 1)[1], re.M) \
+        if "Error distribution:" in text else []
+    return {"requests_per_s": float(rps.group(1)) if rps else None, "latency_ms": pct, "codes": codes,
+            "errors": [f"{n} x {what.strip()}" for n, what in errors]}
+
+
+def hey_run(args, server: Server, rate: int | None) -> dict:
+    """One hey run (after a 1 s warm-up run, not counted): its figures, the server's CPU and hey's own."""
+    body = args.out_dir / "hey-body.json"
+    body.write_bytes(args.data["single"]["path"].read_bytes().split(b"\n", 1)[0])
+    subprocess.run(hey_command(args, server, body, 1, rate), capture_output=True, timeout=60)
+    own0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu0, busy0, t0 = server.cpu_seconds(), machine_busy_seconds(), time.perf_counter()
+    proc = subprocess.run(hey_command(args, server, body, args.duration, rate), capture_output=True, text=True,
+                          timeout=args.duration + 60)
+    wall = time.perf_counter() - t0
+    cpu, busy = server.cpu_seconds() - cpu0, machine_busy_seconds() - busy0
+    own1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    hey_cpu = (own1.ru_utime - own0.ru_utime) + (own1.ru_stime - own0.ru_stime)
+    if proc.returncode != 0:
+        raise BenchError(f"hey failed (exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()[-300:]}")
+    r = parse_hey(proc.stdout)
+    ok = r["codes"].get("200", 0)
+    r.update(system=SYSTEMS[server.system], rate=rate, connections=HEY_CONNECTIONS, ok=ok,
+             error_count=sum(n for c, n in r["codes"].items() if c != "200") + len(r["errors"]),
+             server_cores=round(cpu / wall, 2), hey_cores=round(hey_cpu / wall, 2),
+             other_cores=round(max(0.0, busy - cpu - hey_cpu) / wall, 2),
+             server_us_per_request=round(cpu / ok * 1e6, 1) if ok else None)
+    p = r["latency_ms"]
+    note(f"hey {SYSTEMS[server.system]} {'closed loop' if rate is None else f'{rate:,}/s'}: "
+         f"{fmt(r['requests_per_s'], ',.0f')} requests/s, p50 {fmt(p.get('p50'), '.2f')} p99 "
+         f"{fmt(p.get('p99'), '.2f')} ms, server {r['server_cores']:.2f} cores "
+         f"({fmt(r['server_us_per_request'], '.0f')} us/request), hey {r['hey_cores']:.2f} cores"
+         + (f", ERRORS {r['codes']} {r['errors']}" if r["error_count"] else ""))
+    return r
+
+
+def hey_phase(args, server: Server) -> dict:
+    return {"rate": hey_run(args, server, HEY_RATE), "closed": hey_run(args, server, None)}
+
+
+def hey_table(heys: dict) -> str:
+    lines = ["| system | load | requests/s | p50 | p90 | p99 ms | errors | server cores | server CPU us/request | "
+             "hey cores | other cores |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, h in heys.items():
+        for what, r in (("2,000/s", h["rate"]), (f"closed, {HEY_CONNECTIONS} conns", h["closed"])):
+            p = r["latency_ms"]
+            lines.append(f"| {name} | {what} | {fmt(r['requests_per_s'], ',.0f')} | {fmt(p.get('p50'), '.2f')} | "
+                         f"{fmt(p.get('p90'), '.2f')} | {fmt(p.get('p99'), '.2f')} | {r['error_count']} | "
+                         f"{r['server_cores']:.2f} | {fmt(r['server_us_per_request'], '.0f')} | "
+                         f"{r['hey_cores']:.2f} | {r['other_cores']:.2f} |")
+    return "\n".join(lines)
+
 
 
 class Promoter:
@@ -925,6 +1012,34 @@ def targets(results: dict, swaps: dict, batches: dict) -> list[dict]:
     return out
 
 
+FLOOR_CPU = {"lr": 1.5, "dnn": 2.5}   # server CPU per request at 2,000/s, at most this x the floor's
+FLOOR_P99 = 2.0                       # p99 at 2,000/s, at most this x the floor's (either generator)
+
+
+def floor_targets(results: dict, heys: dict) -> list[dict]:
+    """The cost of a request against the floor's, measured in the same run: CPU per request and
+    p99 at 2,000/s, under bench/loadgen.c (the ramp's run at that rate) and under hey."""
+    out = []
+    for kind, cpu_limit in FLOOR_CPU.items():
+        ours = SYSTEMS[kind]
+        for gen, get in (("loadgen", lambda n: run_at(results, n, HEY_RATE)),
+                         ("hey", lambda n: heys.get(n, {}).get("rate"))):
+            a, b = get(ours), get("floor")
+            if a is None or b is None:
+                continue
+            cpu = ratio(a.get("server_us_per_request"), b.get("server_us_per_request"))
+            out.append({"target": f"{ours} server CPU per request at {HEY_RATE:,}/s under {gen} <= {cpu_limit:g}x "
+                                  f"the floor's ({fmt(a.get('server_us_per_request'), '.0f')} vs "
+                                  f"{fmt(b.get('server_us_per_request'), '.0f')} us)",
+                        "value": cpu, "pass": cpu is not None and cpu <= cpu_limit})
+            p99 = ratio(a["latency_ms"].get("p99"), b["latency_ms"].get("p99"))
+            out.append({"target": f"{ours} p99 at {HEY_RATE:,}/s under {gen} <= {FLOOR_P99:g}x the floor's "
+                                  f"({fmt(a['latency_ms'].get('p99'), '.2f')} vs "
+                                  f"{fmt(b['latency_ms'].get('p99'), '.2f')} ms)",
+                        "value": p99, "pass": p99 is not None and p99 <= FLOOR_P99})
+    return out
+
+
 def compute_ratios(results: dict, batches: dict) -> list[dict]:
     out = []
     for kind in ("lr", "dnn"):
@@ -1002,14 +1117,15 @@ def rate_table(results: dict) -> str:
 
 def runs_table(runs: list[dict]) -> str:
     lines = ["| system | phase | offered/s | ok/s | p50 | p95 | p99 | max | errors | generator lag p99 | "
-             "server cores | generator cores | other cores |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "server cores | server CPU us/request | generator cores | other cores |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         p, lag = r["latency_ms"], r["lag_ms"]
         err = str(r["error_count"]) + (" (aborted)" if r["aborted"] else "")
         lines.append(f"| {r['system']} | {r['phase']} | {r['rate']:,} | {fmt(r['ok_per_s'], ',.0f')} | "
                      f"{fmt(p['p50'], '.2f')} | {fmt(p['p95'], '.2f')} | {fmt(p['p99'], '.2f')} | "
                      f"{fmt(p['max'], '.1f')} | {err} | {fmt(lag['p99'], '.2f')} | {r['server_cores']:.2f} | "
+                     f"{fmt(r.get('server_us_per_request'), '.0f')} | "
                      f"{fmt(r['loadgen_cpu_share'], '.2f')} | {r['other_cores']:.2f} |")
     return "\n".join(lines)
 
@@ -1049,7 +1165,7 @@ def verdict(ok: bool) -> str:
 
 
 def report_body(args, data: dict, results: dict, swaps: dict, batches: dict, t: list, rat: list,
-                servers: dict) -> str:
+                servers: dict, heys: dict | None = None) -> str:
     parts = []
     if results:
         parts += ["Single-instance requests, open loop. p50 / p95 / p99 in ms from the scheduled send time; "
@@ -1066,6 +1182,10 @@ def report_body(args, data: dict, results: dict, swaps: dict, batches: dict, t: 
         parts += [batch_table(batches)]
     elif batches:
         parts += [f"Batches of {args.batch_size} instances, closed loop:", batch_table(batches)]
+    if heys:
+        parts += [f"Under hey ({HEY_CONNECTIONS} connections, the same single-instance body each time; "
+                  f"{args.duration:g} s after a 1 s warm-up; latency from each request's send, as hey measures "
+                  "it): at 2,000/s (each connection limited to its share), and closed loop:", hey_table(heys)]
     parts.append("\n".join(f"- {t_['target']}: {fmt(t_['value'], ',.2f' if isinstance(t_['value'], float) else ',')}"
                            f" {verdict(t_['pass'])}" for t_ in t) or "- (no target measured)")
     if rat:
@@ -1153,10 +1273,12 @@ def bench(args) -> int:
     note(f"load generator: {args.gen['source']} ({args.gen['chosen']})")
     args.data = data = prepare_data(args)
     models, train_records = train_models(args, data, args.systems)
-    results, swaps, batches, servers = {}, {}, {}, {}
+    results, swaps, batches, servers, heys = {}, {}, {}, {}, {}
+    if "hey" in args.phases and not args.hey:
+        note("hey is not installed (Debian: apt-get install hey): its runs are left out")
     for system in args.systems:
         name = SYSTEMS[system]
-        if "ramp" in args.phases or "batch" in args.phases:
+        if {"ramp", "batch", "hey"} & set(args.phases):
             with server_for(system, args, models, free_port()) as server:
                 if "ramp" in args.phases:
                     runs = ramp(args, server)
@@ -1164,6 +1286,8 @@ def bench(args) -> int:
                     mq = results[name]
                     note(f"{name}: max QPS with p99 < 50 ms: {fmt(mq['max_qps'], ',')}"
                          f"{' (every rate passed)' if mq['capped'] else ''}")
+                if "hey" in args.phases and args.hey:
+                    heys[name] = hey_phase(args, server)
                 if "batch" in args.phases and system in args.batch_systems:
                     batches[name] = batch_run(args, server)
                 metrics = scrape_metrics(server.port) if system in ("lr", "dnn") else None
@@ -1172,9 +1296,9 @@ def bench(args) -> int:
         if "swap" in args.phases and system in TARGET:
             swaps[name], servers[f"{name} (swap)"] = swap_run(args, system, models)
 
-    t = targets(results, swaps, batches)
+    t = targets(results, swaps, batches) + floor_targets(results, heys)
     rat = compute_ratios(results, batches)
-    body = report_body(args, data, results, swaps, batches, t, rat, servers)
+    body = report_body(args, data, results, swaps, batches, t, rat, servers, heys)
     print("\n" + body)
     machine = machine_info()
     (out / "results.md").write_text(markdown(machine, args, data, body))
@@ -1184,12 +1308,14 @@ def bench(args) -> int:
         "machine": machine, "settings": settings, "loadgen": loadgen,
         "data": {k: ({kk: str(vv) for kk, vv in v.items()} if isinstance(v, dict) else str(v))
                  for k, v in data.items()},
-        "training": train_records, "results": results, "swap": swaps, "batch": batches, "servers": servers,
+        "training": train_records, "results": results, "swap": swaps, "batch": batches, "hey": heys,
+        "servers": servers,
         "targets": t, "ratios": rat}, indent=1) + "\n")
     note(f"wrote {out / 'results.md'} and results.json")
     # errors in a run that was not past capacity (an aborted run is overloaded by definition)
     any_errors = any(r["error_count"] and not r["aborted"] for r in
                      [r for s in results.values() for r in s["runs"]] + list(swaps.values()) + list(batches.values()))
+    any_errors = any_errors or any(r["error_count"] for h in heys.values() for r in h.values())
     return 0 if all(x["pass"] for x in t) and not any_errors else 1
 
 
@@ -1213,8 +1339,11 @@ def parse_args(argv: list[str] | None):
                    help="a smoke run: 20k training rows, 2 s per rate, rates 500,1000,2000,4000, 4 s of swaps")
     p.add_argument("--systems", type=lambda s: parse_list(s, SYSTEMS, "system"), default=list(SYSTEMS),
                    help="comma-separated subset of lr,dnn,fastapi,floor (default: all)")
-    p.add_argument("--phases", type=lambda s: parse_list(s, ("ramp", "swap", "batch"), "phase"),
-                   default=["ramp", "swap", "batch"], help="comma-separated subset of ramp,swap,batch (default: all)")
+    p.add_argument("--phases", type=lambda s: parse_list(s, ("ramp", "hey", "swap", "batch"), "phase"),
+                   default=["ramp", "hey", "swap", "batch"],
+                   help="comma-separated subset of ramp,hey,swap,batch (default: all)")
+    p.add_argument("--hey", default=shutil.which("hey"),
+                   help="the hey binary (default: hey on PATH; Debian's package); without it the hey runs are left out")
     p.add_argument("--train-rows", type=int, help=f"generated training rows (default {FULL['train_rows']:,})")
     p.add_argument("--duration", type=float, help=f"measured seconds per run (default {FULL['duration']:g})")
     p.add_argument("--warmup", type=float, help=f"seconds before each measured window (default {FULL['warmup']:g})")

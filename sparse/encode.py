@@ -6,6 +6,8 @@ transforms, the dense block. Training, evaluation and serving all go through
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -14,6 +16,9 @@ from mariana.sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binar
                             fnv1a64, int_codes, log_bucket, log_dense)
 from mariana.sparse.parse import Chunk
 from mariana.sparse.schema import HOUR_FIELDS, Schema
+
+FEW_ROWS = 16                 # encode_rows: requests of at most this many rows take the id cache
+ID_CACHE_ENTRIES = 1 << 18    # (field, value) ids an encoder remembers (~30 MB at most)
 
 
 class Encoder:
@@ -40,6 +45,9 @@ class Encoder:
                                np.array([j for j, kf in enumerate(kinds) if kf == k], np.int64))
                            for k in ("numeric", "int", "text")}
         self._key_array = np.array(self._keys, U64)
+        self._kinds = kinds
+        self._id_cache: list[dict] = [{} for _ in self.sparse_fields]  # per field: value -> id (`_cached_ids`)
+        self._cached = 0
 
     @property
     def num_fields(self) -> int:
@@ -77,35 +85,94 @@ class Encoder:
         """A chunk from `sparse.records.parse_records` (categorical columns as lists
         of bytes) -> the batch `encode` makes of the same rows.
 
-        Built for a request's few rows: every field's tokens go into one (B, F)
-        array and each hashing step runs once over it, where `encode` pays a
-        dozen numpy calls per field to hash each distinct value of a big block once.
+        Built for a request's few rows: up to `FEW_ROWS` rows take their ids from the
+        encoder's id cache (`_cached_ids`); more go through `_hashed_ids`, where every
+        field's tokens go into one (B, F) array and each hashing step runs once over it
+        (`encode` pays a dozen numpy calls per field to hash each distinct value of a
+        big block once).
         """
-        b, f = chunk.num_rows, self.num_fields
-        tokens = np.empty((b, f), U64)
-        numeric, at = self._rows_plan["numeric"]
-        if numeric:  # log buckets as integer tokens; NaN is the missing token
-            x = np.stack([chunk.columns[n] for n in numeric], axis=1)
-            tok = fmix64(log_bucket(x, self.spec.bucket_scale).view(U64) ^ INT_SALT)
-            tok[np.isnan(x)] = MISSING_SALT
-            tokens[:, at] = tok
-        ints, at = self._rows_plan["int"]
-        if ints:
-            values = np.stack([np.asarray(chunk.columns[n], np.int64) for n in ints], axis=1)
-            tokens[:, at] = fmix64(values.view(U64) ^ INT_SALT)
-        text, at = self._rows_plan["text"]
-        if text:  # every value of every text field, row-major, hashed in one pass
-            values = [v for row in zip(*(chunk.columns[n] for n in text)) for v in row]
-            lengths = np.fromiter(map(len, values), np.int64, len(values))
-            offsets = np.concatenate([[0], np.cumsum(lengths)])
-            tok = fnv1a64(offsets, np.frombuffer(b"".join(values), np.uint8))
-            tok[lengths == 0] = MISSING_SALT
-            tokens[:, at] = tok.reshape(b, len(text))
-        ids = (fmix64(tokens ^ self._key_array) & self.spec.mask).view(np.int64)  # (B, F)
+        ids = self._cached_ids(chunk) if chunk.num_rows <= FEW_ROWS else self._hashed_ids(chunk)
         dense = None
         if self.dense_fields:
             dense = np.stack([log_dense(chunk.columns[n]) for n in self.dense_fields], axis=1)
         return SparseBatch.from_fixed(ids, num_ids=self.spec.num_ids, labels=chunk.labels, dense=dense)
+
+    def _hashed_ids(self, chunk: Chunk) -> np.ndarray:
+        """(B, F) ids of a chunk's rows, each hashing step once over all of them."""
+        b, f = chunk.num_rows, self.num_fields
+        tokens = np.empty((b, f), U64)
+        for kind, (names, at) in self._rows_plan.items():
+            if not names:
+                continue
+            if kind == "text":  # every value of every text field, row-major
+                values = [v for row in zip(*(chunk.columns[n] for n in names)) for v in row]
+                tokens[:, at] = self._tokens(kind, values).reshape(b, len(names))
+            else:
+                tokens[:, at] = self._tokens(kind, np.stack([chunk.columns[n] for n in names], axis=1))
+        return (fmix64(tokens ^ self._key_array) & self.spec.mask).view(np.int64)
+
+    def _cached_ids(self, chunk: Chunk) -> np.ndarray:
+        """(B, F) ids of a few rows, the same as `_hashed_ids`'. The id of each (field, value)
+        met is remembered (up to `ID_CACHE_ENTRIES` of them, then forgotten all at once), so a
+        request's values are mostly dictionary lookups: a single Criteo row's hashing cost
+        ~110 us of a server's CPU in numpy calls, a few us in lookups. Only the values not
+        met yet are hashed, one vectorized step per kind of field."""
+        b, f = chunk.num_rows, self.num_fields
+        out = [0] * (b * f)
+        missed: list[tuple[int, int, object]] = []  # (position in out, field, value)
+        for j, name in enumerate(self.sparse_fields):
+            known, col = self._id_cache[j], chunk.columns[name]
+            for pos, v in zip(range(j, b * f, f), col.tolist() if isinstance(col, np.ndarray) else col):
+                if v != v:  # NaN: a missing number, one key (NaNs are never equal as keys)
+                    v = None
+                i = known.get(v)
+                if i is None:
+                    missed.append((pos, j, v))
+                else:
+                    out[pos] = i
+        if missed:
+            self._hash_missed(missed, out)
+        return np.array(out, np.int64).reshape(b, f)
+
+    def _hash_missed(self, missed: list[tuple[int, int, object]], out: list[int]) -> None:
+        if self._cached + len(missed) > ID_CACHE_ENTRIES:
+            for known in self._id_cache:
+                known.clear()
+            self._cached = 0
+        store = len(missed) <= ID_CACHE_ENTRIES
+        for kind in ("numeric", "int", "text"):
+            these = [m for m in missed if self._kinds[m[1]] == kind]
+            if not these:
+                continue
+            if kind == "numeric":
+                values = np.array([math.nan if v is None else v for _, _, v in these], np.float64)
+            else:
+                values = [v for _, _, v in these]
+            keys = self._key_array[[j for _, j, _ in these]]
+            ids = (fmix64(self._tokens(kind, values) ^ keys) & self.spec.mask).view(np.int64).tolist()
+            for (pos, j, v), i in zip(these, ids):
+                out[pos] = i
+                if store:
+                    self._id_cache[j][v] = i
+        if store:
+            self._cached = sum(map(len, self._id_cache))  # a value met twice in one request is one entry
+
+    def _tokens(self, kind: str, values) -> np.ndarray:
+        """The hashing's first step over values of one kind of field: numbers (float, NaN =
+        missing) -> their log bucket's token; ints (hour fields) -> theirs; text (a list of
+        bytes, b'' = missing) -> FNV-1a. The same shape as `values` (a list: flat)."""
+        if kind == "numeric":  # log buckets as integer tokens; NaN is the missing token
+            x = np.asarray(values, np.float64)
+            tok = fmix64(log_bucket(x, self.spec.bucket_scale).view(U64) ^ INT_SALT)
+            tok[np.isnan(x)] = MISSING_SALT
+            return tok
+        if kind == "int":
+            return fmix64(np.asarray(values, np.int64).view(U64) ^ INT_SALT)
+        lengths = np.fromiter(map(len, values), np.int64, len(values))
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        tok = fnv1a64(offsets, np.frombuffer(b"".join(values), np.uint8))
+        tok[lengths == 0] = MISSING_SALT
+        return tok
 
     def _codes(self, name: str, col, key) -> tuple[np.ndarray, np.ndarray]:
         if name in self.numeric:

@@ -52,6 +52,8 @@ class HashedTable:
     def lookup(self, rows: np.ndarray) -> np.ndarray:
         """Rows' weights (a copy), without materializing untouched rows."""
         out = self.weights[rows]
+        if not self.init_scale:  # untouched rows are zeros, as their initial values (LR's weights)
+            return out
         fresh = ~self.touched[rows]
         if fresh.any() and self.init_scale:
             out[fresh] = init_rows(self.global_ids(rows[fresh]), self.dim, self.init_scale, self.seed)

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import torch
+from scipy.special import expit
 
 from mariana.featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
 from mariana.featurizer.speech import MODEL_KIND as SPEECH_KIND
@@ -28,6 +29,7 @@ from mariana.sparse.settings import from_dict
 from mariana.trainer.config import LOWER_RATES, JobConfig
 from mariana.trainer.models import build_model
 from mariana.trainer.models.base import make_input, unique_ids
+from mariana.trainer.models.lr import LogisticRegression
 from mariana.trainer.strategies.ps_step import DenseOptimizer
 
 
@@ -68,6 +70,8 @@ class ModelBundle:
 
     def predict(self, batch: SparseBatch) -> np.ndarray:
         """(B,) click probabilities; reads tables without changing them."""
+        if isinstance(self.model, LogisticRegression):
+            return expit(self._lr_logits(batch))
         if batch._unique is None and batch.nnz <= FEW_ENTRIES:
             # A request's few rows: look every entry up as it comes. Reads need no
             # distinct ids, each entry gets the same row values in the same order,
@@ -83,6 +87,29 @@ class ModelBundle:
         with torch.no_grad():
             logits = self.model(make_input(batch, inverse, rows))
         return torch.sigmoid(logits).numpy()
+
+    def _lr_logits(self, batch: SparseBatch) -> np.ndarray:
+        """LR's forward pass in numpy, the same sums as `LogisticRegression.forward`: a
+        weight per entry, summed per row, plus dense @ w + bias. No torch dispatch (a
+        request's row: ~20 us -> ~5 us) and no distinct ids to find (a read needs none)."""
+        table = self.tables["linear"]
+        if self.rare is None and batch._unique is not None:  # a parsed block's: each distinct id once
+            uniq, inverse = batch._unique
+            w = table.lookup(uniq)[:, 0].take(inverse)
+        else:
+            ids = batch.ids
+            if self.rare is not None:  # ids never admitted (no row) read their field's rare row
+                ids = np.where(self.touched[ids], ids, self.rare[batch.fields])
+            w = table.lookup(ids)[:, 0]
+        if batch.values is not None:
+            w = w * batch.values
+        if batch.fixed_width:
+            logits = w.reshape(batch.num_rows, batch.num_fields).sum(axis=1)
+        else:
+            logits = np.bincount(batch.row_index(), weights=w, minlength=batch.num_rows).astype(np.float32)
+        if self.model.dense is not None:
+            logits = logits + batch.dense @ self.model.dense.weight.detach().numpy()[0]
+        return logits + self.model.bias.detach().numpy()
 
     @property
     def touched(self) -> np.ndarray:

@@ -159,3 +159,29 @@ def test_no_rows():
     chunk, bad, unknown = parse_records(criteo(), [])
     batch = Encoder(criteo(), SPECS[1]).encode_rows(chunk)
     assert (chunk.num_rows, bad, unknown, batch.num_rows, batch.dense.shape) == (0, [], 0, 0, (0, 13))
+
+
+@pytest.mark.parametrize("schema", [criteo(), avazu()], ids=["criteo", "avazu"])
+def test_the_id_cache_gives_the_ids_hashing_gives(schema, monkeypatch):
+    """A few rows take their ids from the encoder's cache (`_cached_ids`), filled as values are
+    met and emptied when full; they must be the ids `_hashed_ids` computes, hit or miss, for
+    missing numbers (NaN), missing text and values met before in another row or request."""
+    import mariana.sparse.encode as encode
+
+    rng = np.random.default_rng(5)
+    numeric = [None, 0, 1, -3, 2.5, 10**6, "7", ""]
+    text = [None, "", "a", "68fd1e64", "ünï", 12345]
+    hour = [14102100, "14102123", 14102217]
+    requests = [[{**{f: numeric[rng.integers(len(numeric))] for f in schema.numeric},
+                  **{f: text[rng.integers(len(text))] for f in schema.categorical},
+                  **({schema.hour: hour[rng.integers(len(hour))]} if schema.hour else {})}
+                 for _ in range(rng.integers(1, encode.FEW_ROWS + 1))] for _ in range(30)]
+    monkeypatch.setattr(encode, "ID_CACHE_ENTRIES", 200)  # full (and emptied) several times over
+    enc = Encoder(schema, SPECS[1])
+    for rows in requests:
+        chunk, bad, _ = parse_records(schema.without_label(), rows)
+        assert not bad
+        got, want = enc.encode_rows(chunk), enc._hashed_ids(chunk)
+        assert np.array_equal(got.ids.reshape(want.shape), want)
+        assert enc._cached <= 200 and sum(map(len, enc._id_cache)) == enc._cached
+    assert enc._cached > 0

@@ -15,9 +15,9 @@ from mariana.sparse.batch import SparseBatch
 from mariana.sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key, fmix64,
                             fnv1a64, int_codes, log_bucket, log_dense)
 from mariana.sparse.parse import Chunk
+from mariana.sparse.records import FEW_ROWS
 from mariana.sparse.schema import HOUR_FIELDS, Schema
 
-FEW_ROWS = 16                 # encode_rows: requests of at most this many rows take the id cache
 ID_CACHE_ENTRIES = 1 << 18    # (field, value) ids an encoder remembers (~30 MB at most)
 
 

@@ -37,6 +37,8 @@ from mariana.sparse.schema import Schema
 # The parser's patterns, anchored for re.fullmatch ('$' would also match before a final newline).
 _NUMBER = re.compile(NUMBER_RE.removeprefix("^").removesuffix("$"))
 _HOUR = re.compile(HOUR_RE.removeprefix("^").removesuffix("$"))
+FEW_ROWS = 16  # a request this small takes plain-Python paths here and in `Encoder.encode_rows` (its id cache)
+_BIG = 1 << 1000  # an int this large or larger: float() would overflow, the slow path names it
 
 
 class _Bad(Exception):
@@ -50,7 +52,8 @@ def parse_records(schema: Schema, records: Sequence[Mapping]) -> tuple[Chunk, li
     """(chunk of the good rows, [(index, reason)] of the bad ones, unknown keys seen).
 
     The chunk is unlabeled; its categorical columns are lists of bytes (what
-    `Encoder.encode_rows` takes), numeric columns float64 (NaN = missing),
+    `Encoder.encode_rows` takes), numeric columns float64 (NaN = missing; arrays, or
+    lists of floats for up to `FEW_ROWS` rows),
     hour fields int64. A bad row is reported with its first bad field, in the
     order categorical, numeric, hour.
     """
@@ -66,7 +69,10 @@ def parse_records(schema: Schema, records: Sequence[Mapping]) -> tuple[Chunk, li
     why: dict[int, str] = {}  # position in `rows` -> the first reason it is bad
     cols: dict[str, object] = _text_block(schema.categorical, rows, why)
     nums = _numeric_block(schema.numeric, rows, why)
-    cols.update({f: nums[:, j] for j, f in enumerate(schema.numeric)})
+    if isinstance(nums, list):  # a few rows' numbers, row-major
+        cols.update({f: nums[j::len(schema.numeric)] for j, f in enumerate(schema.numeric)})
+    else:
+        cols.update({f: nums[:, j] for j, f in enumerate(schema.numeric)})
     hours = (_column(schema.hour, [r.get(schema.hour) for r in rows], _hour_text, None, why, b"")
              if schema.hour else [])
     if why:
@@ -114,12 +120,18 @@ def _text_block(fields: tuple[str, ...], rows: list[Mapping], why: dict[int, str
     return {f: _column(f, [r.get(f) for r in rows], _text, None, why, b"") for f in fields}
 
 
-def _numeric_block(fields: tuple[str, ...], rows: list[Mapping], why: dict[int, str]) -> np.ndarray:
+def _numeric_block(fields: tuple[str, ...], rows: list[Mapping], why: dict[int, str]) -> np.ndarray | list[float]:
     """(rows, fields) float64 of every numeric field at once. Numbers and missing values
-    only (the common case) take a few numpy calls for the whole block; anything else
-    is checked field by field, value by value."""
+    only (the common case) take a few numpy calls for the whole block, or for up to
+    `FEW_ROWS` rows none: a row-major list of floats (what `Encoder.encode_rows` looks up
+    for so few rows). Anything else is checked field by field, value by value."""
     values = [r.get(f) for r in rows for f in fields]  # row-major
-    if all(type(v) is float or type(v) is int or v is None for v in values):
+    if len(rows) <= FEW_ROWS and all(type(v) is float or (type(v) is int and -_BIG < v < _BIG) or v is None
+                                     for v in values):
+        x = [math.nan if v is None else float(v) for v in values]
+        if all(math.isfinite(v) for v, given in zip(x, values) if given is not None):
+            return x
+    elif all(type(v) is float or type(v) is int or v is None for v in values):
         try:
             x = np.array([0.0 if v is None else v for v in values], np.float64).reshape(len(rows), len(fields))
         except OverflowError:  # an int past float's range: the slow path names it

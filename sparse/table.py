@@ -55,7 +55,7 @@ class HashedTable:
         if not self.init_scale:  # untouched rows are zeros, as their initial values (LR's weights)
             return out
         fresh = ~self.touched[rows]
-        if fresh.any() and self.init_scale:
+        if fresh.any():
             out[fresh] = init_rows(self.global_ids(rows[fresh]), self.dim, self.init_scale, self.seed)
         return out
 

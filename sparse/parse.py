@@ -757,6 +757,9 @@ class BlockTask:
         return self.num_lines - self.skip_rows, np.asarray(lines, np.int64) - first
 
 
+PROBE_BYTES = 256 << 10  # `Reader.probe` parses this much of each file (~700 Criteo rows)
+
+
 class Reader:
     """Streams validated `Chunk`s from one or more files, text or Parquet, mixed.
 
@@ -783,11 +786,13 @@ class Reader:
                 yield chunk
 
     def probe(self) -> None:
-        """Parse the first block of every file: a missing file, a wrong format,
-        a bad header or a Parquet file's missing or mistyped column fails here,
-        before any long work starts."""
+        """Parse the first rows of every file (a block of at most `PROBE_BYTES`): a missing
+        file, a wrong format, a bad header or a Parquet file's missing or mistyped column
+        fails here, before any long work starts. The parser is chosen on the first 64 KiB
+        whatever the block size, so a small block decides what a whole one would; parsing
+        whole 8 MiB blocks took a 1M-row job 0.1-0.2 s before its training began."""
         for path in self.paths:
-            first = next(Reader([path], self.schema, self.block_bytes, self.labeled).tasks(), None)
+            first = next(Reader([path], self.schema, min(self.block_bytes, PROBE_BYTES), self.labeled).tasks(), None)
             if first is not None:
                 first.run()
 

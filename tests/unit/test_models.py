@@ -155,3 +155,44 @@ def test_linear_table_take_matches_index_select_and_its_gradient():
     assert torch.equal(out_a, out_b)
     assert torch.allclose(a.grad, b.grad, atol=1e-6)
     assert a.grad[index.unique()].abs().sum() > 0 and (a.grad.view(-1)[~torch.isin(torch.arange(50), index)] == 0).all()
+
+
+@pytest.mark.parametrize("form", ["few rows", "csr", "a block's unique ids", "admission"])
+def test_lr_predicts_in_numpy_what_its_torch_forward_gives(form):
+    """`ModelBundle.predict` scores LR in numpy (no torch dispatch on a request's row); the
+    probabilities must be the torch model's, in every form a batch comes in."""
+    from mariana.sparse import admission
+    from mariana.sparse.schema import criteo
+    from mariana.trainer.bundle import ModelBundle
+    from mariana.trainer.config import load_config
+    from mariana.trainer.models.base import unique_ids
+
+    cfg = load_config(overrides={"hashing.bits": 10, "hashing.numeric": "both", "model.kind": "lr",
+                                 "hashing.min_count": 3 if form == "admission" else 1}, env={})
+    b = ModelBundle(cfg, criteo())
+    rng = np.random.default_rng(3)
+    table = b.tables["linear"]
+    table.weights[:] = rng.normal(0, 0.5, table.weights.shape).astype(np.float32)
+    table.touched[:] = rng.random(table.num_rows) < 0.7  # untouched ids read 0 (or, with admission, the rare row)
+    table.weights[~table.touched] = 0.0
+    with torch.no_grad():
+        b.model.bias.fill_(-0.3)
+        b.model.dense.weight.copy_(torch.from_numpy(rng.normal(0, 0.2, b.model.dense.weight.shape).astype(np.float32)))
+    f, dense = b.encoder.num_fields, rng.random((12, 13)).astype(np.float32)
+    if form == "csr":
+        counts = rng.integers(0, 5, 12)
+        fields = np.concatenate([np.sort(rng.integers(0, f, c)) for c in counts]).astype(np.int32)
+        batch = SparseBatch(ids=rng.integers(0, 1 << 10, fields.size), indptr=np.r_[0, np.cumsum(counts)],
+                            fields=fields, num_fields=f, num_ids=1 << 10, values=rng.random(fields.size).astype(
+                                np.float32), dense=dense)
+    else:
+        batch = SparseBatch.from_fixed(rng.integers(0, 1 << 10, (12, f)), num_ids=1 << 10, dense=dense)
+        if form == "a block's unique ids":
+            batch.unique()
+    ref = batch if form != "admission" else admission.lookup_ids(batch, b.touched, b.rare)
+    uniq, inverse = unique_ids(ref)
+    with torch.no_grad():
+        want = torch.sigmoid(b.model(make_input(ref, inverse, {"linear": torch.from_numpy(table.lookup(uniq))})))
+    got = b.predict(batch)
+    assert got.dtype == np.float32 and got.shape == (12,)
+    np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-6)

@@ -239,6 +239,30 @@ async def test_the_batcher_answers_on_the_loop_or_the_thread_alike(predictor, in
     assert not batcher.thread.is_alive()
 
 
+async def test_a_lone_request_is_answered_at_once_and_a_burst_is_batched(predictor):
+    """Nothing queued: the first small request of a turn of the event loop is answered in its
+    own handler; those that come in the same turn queue and are answered by one model call;
+    a request in a later turn is alone again."""
+    import asyncio
+
+    from mariana.serving.dataplane import Batcher
+
+    seen = []
+    batcher = Batcher(max_requests=8, max_instances=100, inline_bytes=1 << 20,
+                      on_batch=lambda n, w: seen.append((n, w)))
+    batcher.start()
+    try:
+        reqs = [rows(1 + k % 3, k) for k in range(6)]
+        burst = await asyncio.gather(*(batcher.answer(predictor, codec.encode({"instances": r}, J), J) for r in reqs))
+        await asyncio.sleep(0)  # the next turn
+        alone = await batcher.answer(predictor, codec.encode({"instances": reqs[0]}, J), J)
+    finally:
+        await batcher.close()
+    assert seen == [(1, "loop"), (5, "loop"), (1, "loop")]
+    for req, a in zip(reqs + reqs[:1], burst + [alone]):
+        np.testing.assert_allclose(json.loads(a.body)["pctr"], predictor.predict(req), rtol=0, atol=1e-6)
+
+
 def test_a_finished_retrain_not_yet_reaped_does_not_hold_the_model_dir(tmp_path):
     """bench/soak.py found it: a retrain started by one worker process, finished but not yet
     reaped (a zombie), still named in the lock file, made the other workers answer 409."""

@@ -84,9 +84,8 @@ class ModelBundle:
                 batch = admission.lookup_ids(batch, self.touched, self.rare)
             uniq, inverse = unique_ids(batch)
         rows = {name: torch.from_numpy(t.lookup(uniq)) for name, t in self.tables.items()}
-        with torch.no_grad():
-            logits = self.model(make_input(batch, inverse, rows))
-        return torch.sigmoid(logits).numpy()
+        with torch.inference_mode():  # no autograd state at all: fewer costs per op than no_grad
+            return torch.sigmoid(self.model(make_input(batch, inverse, rows))).numpy()
 
     def _lr_logits(self, batch: SparseBatch) -> np.ndarray:
         """LR's forward pass in numpy, the same sums as `LogisticRegression.forward`: a

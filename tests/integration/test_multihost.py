@@ -99,7 +99,9 @@ class Hosts:
             "loader": {"metrics_port": port(b)},
             "preprocess": {"count": 1, "endpoints": [f"tcp://{c}:{port(c)}"], "metrics_ports": [port(c)]},
             "ps": {"count": 1, "endpoints": [f"tcp://{c}:{port(c)}"], "metrics_ports": [port(c)],
-                   "state_dir": str(self.dirs["C"] / "ps"), "checkpoint_seconds": 0.5},
+                   # every 0.1 s: the 2-epoch job takes about a second, so checkpoints surely land
+                   # on C while it runs (at 0.5 s a fast run could end between two, writing none)
+                   "state_dir": str(self.dirs["C"] / "ps"), "checkpoint_seconds": 0.1},
             "worker": {"count": 2, "metrics_ports": [port(d), port(d)], "rpc_seconds": 3.0},
         }
 

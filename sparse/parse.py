@@ -789,8 +789,8 @@ class Reader:
         """Parse the first rows of every file (a block of at most `PROBE_BYTES`): a missing
         file, a wrong format, a bad header or a Parquet file's missing or mistyped column
         fails here, before any long work starts. The parser is chosen on the first 64 KiB
-        whatever the block size, so a small block decides what a whole one would; parsing
-        whole 8 MiB blocks took a 1M-row job 0.1-0.2 s before its training began."""
+        whatever the block size, so a small block decides what a whole one would (two whole
+        8 MiB blocks cost a 1M-row job ~0.09 s before its training began, 256 KiB ~0.005 s)."""
         for path in self.paths:
             first = next(Reader([path], self.schema, min(self.block_bytes, PROBE_BYTES), self.labeled).tasks(), None)
             if first is not None:

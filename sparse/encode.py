@@ -18,7 +18,7 @@ from mariana.sparse.parse import Chunk
 from mariana.sparse.records import FEW_ROWS
 from mariana.sparse.schema import HOUR_FIELDS, Schema
 
-ID_CACHE_ENTRIES = 1 << 18    # (field, value) ids an encoder remembers (~30 MB at most)
+ID_CACHE_ENTRIES = 1 << 18    # (field, value) ids an encoder remembers: ~36 MB at most per loaded version
 
 
 class Encoder:

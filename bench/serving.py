@@ -568,6 +568,7 @@ def prepare_data(args) -> dict:
     instances = read_instances(test, test_rows)
     return {"train": train, "test": test, "train_rows": args.train_rows, "test_rows": test_rows,
             "single": write_bodies(instances[:args.bodies], 1, out / "bodies-1.jsonl"),
+            "hey": write_bodies(instances[:1], 1, out / "hey-body.json"),  # hey posts one body, always the same
             "batch": write_bodies(instances, args.batch_size, out / f"bodies-{args.batch_size}.jsonl")}
 
 
@@ -808,7 +809,7 @@ def batch_run(args, server: Server) -> dict:
 
 # ---- hey: an independent load generator (Debian's `hey`, Go, nobody here wrote it) ------------
 
-HEY_RATE = 2000          # the issue's rate: CPU per request and p99 against the floor's
+COST_RATE = 2000         # the issue's rate: CPU per request and p99 against the floor's, both generators
 HEY_CONNECTIONS = 20
 
 
@@ -835,8 +836,7 @@ def parse_hey(text: str) -> dict:
 
 def hey_run(args, server: Server, rate: int | None) -> dict:
     """One hey run (after a 1 s warm-up run, not counted): its figures, the server's CPU and hey's own."""
-    body = args.out_dir / "hey-body.json"
-    body.write_bytes(args.data["single"]["path"].read_bytes().split(b"\n", 1)[0])
+    body = args.data["hey"]["path"]
     subprocess.run(hey_command(args, server, body, 1, rate), capture_output=True, timeout=60)
     own0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu0, busy0, t0 = server.cpu_seconds(), machine_busy_seconds(), time.perf_counter()
@@ -865,7 +865,7 @@ def hey_run(args, server: Server, rate: int | None) -> dict:
 
 
 def hey_phase(args, server: Server) -> dict:
-    return {"rate": hey_run(args, server, HEY_RATE), "closed": hey_run(args, server, None)}
+    return {"rate": hey_run(args, server, COST_RATE), "closed": hey_run(args, server, None)}
 
 
 def hey_table(heys: dict) -> str:
@@ -1022,18 +1022,18 @@ def floor_targets(results: dict, heys: dict) -> list[dict]:
     out = []
     for kind, cpu_limit in FLOOR_CPU.items():
         ours = SYSTEMS[kind]
-        for gen, get in (("loadgen", lambda n: run_at(results, n, HEY_RATE)),
+        for gen, get in (("loadgen", lambda n: run_at(results, n, COST_RATE)),
                          ("hey", lambda n: heys.get(n, {}).get("rate"))):
             a, b = get(ours), get("floor")
             if a is None or b is None:
                 continue
             cpu = ratio(a.get("server_us_per_request"), b.get("server_us_per_request"))
-            out.append({"target": f"{ours} server CPU per request at {HEY_RATE:,}/s under {gen} <= {cpu_limit:g}x "
+            out.append({"target": f"{ours} server CPU per request at {COST_RATE:,}/s under {gen} <= {cpu_limit:g}x "
                                   f"the floor's ({fmt(a.get('server_us_per_request'), '.0f')} vs "
                                   f"{fmt(b.get('server_us_per_request'), '.0f')} us)",
                         "value": cpu, "pass": cpu is not None and cpu <= cpu_limit})
             p99 = ratio(a["latency_ms"].get("p99"), b["latency_ms"].get("p99"))
-            out.append({"target": f"{ours} p99 at {HEY_RATE:,}/s under {gen} <= {FLOOR_P99:g}x the floor's "
+            out.append({"target": f"{ours} p99 at {COST_RATE:,}/s under {gen} <= {FLOOR_P99:g}x the floor's "
                                   f"({fmt(a['latency_ms'].get('p99'), '.2f')} vs "
                                   f"{fmt(b['latency_ms'].get('p99'), '.2f')} ms)",
                         "value": p99, "pass": p99 is not None and p99 <= FLOOR_P99})

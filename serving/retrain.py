@@ -218,14 +218,10 @@ def running_retrain(model_dir: str) -> int | None:
         pid = int(Path(model_dir, LOCK).read_text().strip() or 0)
     except (OSError, ValueError):
         return None
-    return pid if pid and _alive(pid) else None
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie: a finished retrain started by one of the server's worker
-    processes stays a zombie until that worker reaps it, and its lock file still names it;
-    taken for alive, it would refuse every retrain asked of the other workers (409)."""
-    return procs.running(pid)
+    # running, not a zombie: a finished retrain started by one of the server's worker processes
+    # stays a zombie until that worker reaps it, and taken for alive it would refuse every
+    # retrain asked of the other workers (409)
+    return pid if pid and procs.running(pid) else None
 
 
 class _Status:
@@ -290,7 +286,7 @@ class RetrainRunner:
         except ValueError:  # being replaced right now
             return {"id": run, "state": "unknown"}
         pid = data.get("pid")
-        if data.get("state") not in ("done", "failed") and isinstance(pid, int) and not _alive(pid):
+        if data.get("state") not in ("done", "failed") and isinstance(pid, int) and not procs.running(pid):
             data.update(state="failed", error=f"the retrain process ended without a decision; see "
                                               f"{os.path.join(self.cfg.serve.model_dir, RUNS, run)}.log")
         return data

@@ -152,7 +152,11 @@ class Encoder:
                 tokens[:, at] = self._tokens(kind, values).reshape(b, len(names))
             else:
                 tokens[:, at] = self._tokens(kind, np.stack([chunk.columns[n] for n in names], axis=1))
-        return (fmix64(tokens ^ self._key_array) & self.spec.mask).view(np.int64)
+        return self._ids(tokens, self._key_array)
+
+    def _ids(self, tokens: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """The hashing's last step: tokens mixed with their fields' keys, cut to the id space."""
+        return (fmix64(tokens ^ keys) & self.spec.mask).view(np.int64)
 
     def _cached_ids(self, chunk: Chunk) -> np.ndarray:
         """(B, F) ids of a few rows, the same as `_hashed_ids`'. The id of each (field, value)
@@ -192,7 +196,7 @@ class Encoder:
             else:
                 values = [v for _, _, v in these]
             keys = self._key_array[[j for _, j, _ in these]]
-            ids = (fmix64(self._tokens(kind, values) ^ keys) & self.spec.mask).view(np.int64).tolist()
+            ids = self._ids(self._tokens(kind, values), keys).tolist()
             for (pos, j, v), i in zip(these, ids):
                 out[pos] = i
                 if store:

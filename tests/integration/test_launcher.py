@@ -17,7 +17,7 @@ from redis.retry import Retry
 
 from mariana.services import cli
 from mariana.services.launcher import RedisServer, find_redis_server, free_port, resolve
-from mariana.services.runtime.procs import start_time as _start_time
+from mariana.services.runtime.procs import start_time
 from mariana.services.runtime.config import ROLES, load_cluster_config, to_toml
 from mariana.sparse.errors import MarianaError
 from tests.conftest import run_cli
@@ -188,8 +188,8 @@ def test_up_that_fails_leaves_nothing_running(tmp_path):
 
 def test_down_stops_recorded_processes_and_kills_stubborn_ones(tmp_path):
     with started(SLEEPER) as worker, started(STUBBORN) as coordinator:
-        write_state(tmp_path, [("coordinator-0", coordinator, _start_time(coordinator.pid)),
-                               ("worker-0", worker, _start_time(worker.pid))])
+        write_state(tmp_path, [("coordinator-0", coordinator, start_time(coordinator.pid)),
+                               ("worker-0", worker, start_time(worker.pid))])
         assert "already up" in error_line(run_cli("up", "--dir", tmp_path))
 
         st = run_cli("status", "--dir", tmp_path)  # the coordinator's HTTP port answers nothing
@@ -210,7 +210,7 @@ def test_down_stops_recorded_processes_and_kills_stubborn_ones(tmp_path):
 def test_down_leaves_a_reused_pid_alone(tmp_path):
     """A cluster.json outliving a reboot may name pids that now belong to others."""
     with started(SLEEPER) as other:
-        write_state(tmp_path, [("coordinator-0", other, _start_time(other.pid) - 1)])
+        write_state(tmp_path, [("coordinator-0", other, start_time(other.pid) - 1)])
         proc = run_cli("status", "--dir", tmp_path)
         assert "none of the processes" in error_line(proc, code=1)
         summary = json.loads(run_cli("down", "--dir", tmp_path).stdout)

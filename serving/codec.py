@@ -47,12 +47,21 @@ def decode(body: bytes, fmt: str, max_instances: int) -> tuple[list, int]:
 def encode(obj: dict, fmt: str) -> bytes:
     if fmt == MSGPACK:
         return msgpack.packb(obj, use_bin_type=True)
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    return _ENCODER.encode(obj).encode()
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+# Made once: json.loads and json.dumps with options build a new decoder or encoder per call.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 
 def _json(body: bytes):
     try:
-        return json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+        return _DECODER.decode(body.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise bad_request(f"the body is not UTF-8 text (byte {e.start}); send JSON, or msgpack with "
                           "Content-Type: application/msgpack") from None
@@ -60,10 +69,6 @@ def _json(body: bytes):
         raise bad_request("the body is not valid JSON: it nests too deeply") from None
     except ValueError as e:  # JSONDecodeError, NaN/Infinity, an integer of too many digits
         raise bad_request(f"the body is not valid JSON: {e}") from None
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def _msgpack(body: bytes):

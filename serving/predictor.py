@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mariana.serving.errors import ServeError, bad_request
-from mariana.sparse.records import concat_chunks, parse_records
+from mariana.sparse.records import FEW_ROWS, concat_chunks, parse_records
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
 
@@ -58,10 +58,10 @@ class Predictor:
     def predict_many(self, requests: list[list]) -> list[Prediction]:
         """Each request checked on its own (a bad instance refuses its request only),
         the good ones scored together."""
-        if len(requests) == 1 and len(requests[0]) == 1 and hasattr(self.bundle.encoder, "encode_instance"):
-            plain = self.bundle.encoder.encode_instance(requests[0][0])  # one row met before: one pass
-            if plain is not None:
-                return [Prediction(self.bundle.predict(plain[0]), None, plain[1])]
+        if 0 < sum(map(len, requests)) <= FEW_ROWS and hasattr(self.bundle.encoder, "encode_instances"):
+            plain = self.bundle.encoder.encode_instances([i for instances in requests for i in instances])
+            if plain is not None:  # a few rows, every value met before: checked and looked up in one pass
+                return self._answer_plain(requests, *plain)
         answers, chunks = [], []
         for instances in requests:
             chunk, bad, unknown = parse_records(self.schema, instances)
@@ -81,6 +81,17 @@ class Predictor:
                 if flags is not None:
                     answer.unknown_creatives = int(flags[start:start + chunk.num_rows].sum())
                 start += chunk.num_rows
+        return answers
+
+    def _answer_plain(self, requests: list[list], batch, unknown: list[int]) -> list[Prediction]:
+        pctr = self.bundle.predict(batch)
+        if len(requests) == 1:
+            return [Prediction(pctr, None, sum(unknown))]
+        answers, start = [], 0
+        for instances in requests:
+            end = start + len(instances)
+            answers.append(Prediction(pctr[start:end], None, sum(unknown[start:end])))
+            start = end
         return answers
 
     def creative_key(self) -> tuple[str, int] | None:

@@ -196,3 +196,53 @@ def test_lr_predicts_in_numpy_what_its_torch_forward_gives(form):
     got = b.predict(batch)
     assert got.dtype == np.float32 and got.shape == (12,)
     np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("interaction", ["dot", "proj", "fm"])
+@pytest.mark.parametrize("dense_dim,image_dim", [(0, 0), (DENSE, 0), (DENSE, 4)])
+def test_dnn_numpy_logits_are_its_torch_forward(interaction, dense_dim, image_dim):
+    """`SparseDNN.numpy_logits` (a request's few rows, no torch dispatch) must give the logits
+    of `forward`, with and without the dense and image towers, and follow the parameters when
+    they change in place (an optimizer step, a load)."""
+    from mariana.trainer.models.sparse_dnn import SparseDNN
+
+    torch.manual_seed(0)
+    model = SparseDNN(FIELDS, dense_dim, 4, [8, 4], 0.1, interaction, slots=3, image_dim=image_dim, image_tower=5)
+    tables = full_tables(model)
+    rng = np.random.default_rng(5)
+    for rows in (1, 3, 16):
+        b = SparseBatch.from_fixed(rng.integers(0, NUM_IDS, (rows, FIELDS)), num_ids=NUM_IDS,
+                                   dense=rng.random((rows, dense_dim + image_dim)).astype(np.float32))
+        with torch.no_grad():
+            want = model(make_input(b, torch.from_numpy(b.ids), tables)).numpy()
+        got = model.numpy_logits({n: t.numpy()[b.ids] for n, t in tables.items()}, rows, b.dense)
+        assert got.dtype == np.float32 and got.shape == (rows,)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        with torch.no_grad():  # in place, as training and loading change them
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape) * 0.1)
+
+
+def test_dnn_bundle_predicts_a_few_rows_in_numpy_as_torch_does():
+    """Through `ModelBundle.predict`: untouched ids read their initial rows and, with admission,
+    ids never admitted their field's rare row, in the numpy path as in the torch one."""
+    from mariana.sparse import admission
+    from mariana.sparse.schema import criteo
+    from mariana.trainer.bundle import ModelBundle
+    from mariana.trainer.config import load_config
+
+    cfg = load_config(overrides={"hashing.bits": 10, "model.kind": "dnn", "hashing.min_count": 3}, env={})
+    b = ModelBundle(cfg, criteo())
+    rng = np.random.default_rng(4)
+    for t in b.tables.values():
+        t.materialize(np.flatnonzero(rng.random(t.num_rows) < 0.6))  # some ids trained, others not
+        t.weights[t.touched] += rng.normal(0, 0.3, t.weights[t.touched].shape).astype(np.float32)
+    batch = SparseBatch.from_fixed(rng.integers(0, 1 << 10, (5, b.encoder.num_fields)), num_ids=1 << 10)
+    ref = admission.lookup_ids(batch, b.touched, b.rare)
+    uniq = ref.ids
+    with torch.no_grad():
+        want = torch.sigmoid(b.model(make_input(ref, torch.arange(ref.nnz), {
+            n: torch.from_numpy(t.lookup(uniq)) for n, t in b.tables.items()}))).numpy()
+    got = b.predict(batch)
+    assert (uniq != batch.ids).any() and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)

@@ -187,17 +187,18 @@ def test_the_id_cache_gives_the_ids_hashing_gives(schema, monkeypatch):
     assert enc._cached > 0
 
 
-def test_one_instance_met_before_takes_one_pass_with_the_same_verdict_and_ids():
-    """`Encoder.encode_instance` (a request's single row whose values are all known) must give
-    the ids and unknown-key count of `parse_records` + `encode_rows`, and decline (None) every
-    row those would refuse or that holds a value not met yet, so the general path names it."""
+def test_instances_met_before_take_one_pass_with_the_same_verdict_and_ids():
+    """`Encoder.encode_instances` (a few rows of requests whose values are all known) must give
+    the ids and unknown-key counts of `parse_records` + `encode_rows`, and decline (None) every
+    set of rows those would refuse or that holds a value not met yet, so the general path names
+    it."""
     rng = np.random.default_rng(11)
     schema = criteo()
     enc = Encoder(schema, SPECS[0])
     plain_numbers = [None, 0, 3, -7, 2.5, 1e12]
     plain_text = [None, "", "a", "68fd1e64", "ünï"]
     odd = [True, "7", 10**400, float("nan"), float("inf"), 12345, "\ud800", [1], b"x"]
-    taken = 0
+    taken, rows = 0, []
     for n in range(400):
         inst = {**{f: plain_numbers[rng.integers(len(plain_numbers))] for f in schema.numeric},
                 **{f: plain_text[rng.integers(len(plain_text))] for f in schema.categorical}}
@@ -205,7 +206,8 @@ def test_one_instance_met_before_takes_one_pass_with_the_same_verdict_and_ids():
             inst[rng.choice(schema.numeric + schema.categorical)] = odd[rng.integers(len(odd))]
         if n % 5 == 0:
             inst["not_a_field"] = 1
-        fast = enc.encode_instance(inst)
+        rows.append(inst)
+        fast = enc.encode_instances([inst])
         chunk, bad, unknown = parse_records(schema, [inst])
         if bad:
             assert fast is None, (inst, bad)
@@ -213,11 +215,24 @@ def test_one_instance_met_before_takes_one_pass_with_the_same_verdict_and_ids():
         want = enc.encode_rows(chunk)  # the general path, which also remembers the row's values
         if fast is not None:
             taken += 1
-            assert np.array_equal(fast[0].ids, want.ids) and fast[1] == unknown
+            assert np.array_equal(fast[0].ids, want.ids) and fast[1] == [unknown]
             assert fast[0].num_rows == 1 and fast[0].fixed_width
-        again = enc.encode_instance(inst)  # every value met now: unless it is odd, one pass
+        again = enc.encode_instances([inst])  # every value met now: unless it is odd, one pass
         if all(type(v) in (str, float, int) or v is None for v in inst.values()) and again is not None:
-            assert np.array_equal(again[0].ids, want.ids) and again[1] == unknown
+            assert np.array_equal(again[0].ids, want.ids) and again[1] == [unknown]
     assert taken > 50  # values repeat: most plain rows were met before
-    assert Encoder(avazu(), SPECS[0]).encode_instance({"C1": "1005"}) is None  # hour fields: the general path
-    assert Encoder(schema, SPECS[1]).encode_instance({}) is None                # a dense block too
+    several = 0
+    for start in range(0, len(rows) - 5, 3):  # several rows at once: all plain and met, or None
+        group = rows[start:start + int(rng.integers(2, 6))]
+        fast = enc.encode_instances(group)
+        unknowns = [parse_records(schema, [r])[2] for r in group]
+        chunk, bad, _ = parse_records(schema, group)
+        if fast is None:
+            continue
+        several += 1
+        assert not bad and fast[1] == unknowns and fast[0].num_rows == len(group)
+        assert np.array_equal(fast[0].ids, enc.encode_rows(chunk).ids)
+    assert several > 5
+    assert enc.encode_instances([rows[1], [1]]) is None                               # not an object
+    assert Encoder(avazu(), SPECS[0]).encode_instances([{"C1": "1005"}]) is None  # hour fields: the general path
+    assert Encoder(schema, SPECS[1]).encode_instances([{}]) is None                # a dense block too

@@ -89,6 +89,28 @@ def test_a_batch_of_requests_gets_what_each_request_gets_alone(predictor):
     assert all(0 < p < 1 for a in together for p in a.pctr)
 
 
+def test_a_few_requests_met_before_are_answered_in_one_pass_as_alone(tmp_path):
+    """Numeric fields bucketed (no dense block): once the rows have been seen, a few requests
+    together take `Encoder.encode_instances`' one pass, and each gets what it gets alone, with
+    its own unknown-field count."""
+    cfg = load_config(overrides={"model.kind": "dnn", "hashing.bits": 12, "model.hidden": [8], "model.slots": 4,
+                                 "hashing.numeric": "bucket"}, env={})
+    ModelBundle(cfg, criteo()).save(str(tmp_path))
+    p = Predictor.load(str(tmp_path))
+    reqs = [rows(1, 0), rows(2, 1), [{**rows(1, 2)[0], "extra": 1, "more": None}]]
+    alone = [p.predict_many([r])[0] for r in reqs]  # the general path remembers their values
+    assert p.bundle.encoder.encode_instances([i for r in reqs for i in r]) is not None  # so these take one pass
+    together = p.predict_many(reqs)
+    for a, b in zip(alone, together):
+        assert b.error is None and b.unknown_fields == a.unknown_fields
+        np.testing.assert_allclose(b.pctr, a.pctr, rtol=0, atol=1e-6)
+    assert [a.unknown_fields for a in together] == [0, 0, 2]
+    assert p.predict_many([]) == []  # a batch whose bodies were all refused before the model
+    items = [(b"{oops", J), (codec.encode({"instances": reqs[0]}, J), J)]
+    assert [a.status for a in answer_batch(p, items[:1], 10)] == [400]
+    assert [a.status for a in answer_batch(p, items, 10)] == [400, 200]
+
+
 def test_a_bad_instance_refuses_its_request_only(predictor):
     bad = rows(3) + [{"I1": "many"}, "x"]
     good, wrong, also_good = predictor.predict_many([rows(2), bad, rows(1, 5)])

@@ -28,6 +28,7 @@ least: one shared embedding per value must serve every pair.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -175,6 +176,53 @@ class SparseDNN(CTRModel):
             self.over_arch = mlp([pairs + extra * embed_dim, *hidden, 1])
         self.bias = nn.Parameter(torch.zeros(1))
 
+    def numpy_logits(self, rows: dict[str, np.ndarray], num_rows: int, dense: np.ndarray) -> np.ndarray:
+        """`forward`'s logits in numpy for a few rows of one id per field (entry order
+        row-major, no values): `rows` holds each table's row per entry. A request's row
+        costs ~80 us of torch's per-op dispatch and ~15 here (tests/unit/test_models.py
+        checks the two agree). The arrays are views of the parameters, so they follow
+        any change made in place."""
+        p = self._numpy_params()
+        b = num_rows
+        wide = rows["linear"].reshape(b, -1).sum(axis=1)                    # (B,)
+        emb = rows["embedding"].reshape(b, -1, rows["embedding"].shape[1])  # (B, F, D)
+        towers = []
+        if "dense_arch" in p:
+            towers.append(_numpy_mlp(p["dense_arch"], dense[:, :self.dense_dim]))
+        if "image_arch" in p:
+            towers.append(_numpy_mlp(p["image_arch"], dense[:, self.dense_dim:]))
+        if towers:
+            emb = np.concatenate([emb, np.stack(towers, axis=1)], axis=1)
+        if self.kind == "fm":
+            pair_sum = 0.5 * (np.square(emb.sum(axis=1)) - np.square(emb).sum(axis=1)).sum(axis=1)
+            deep = p["fm_scale"] * pair_sum / self.fm.pairs + _numpy_mlp(p["deep_arch"], emb.reshape(b, -1))[:, 0]
+        else:
+            if self.kind == "proj":
+                _, f, d = emb.shape
+                emb = (emb.transpose(0, 2, 1).reshape(b * d, f) @ p["proj"]).reshape(b, d, -1).transpose(0, 2, 1)
+            n = emb.shape[1]
+            dots = np.matmul(emb, emb.transpose(0, 2, 1)).reshape(b, n * n)[:, p["pair_index"]]
+            deep = _numpy_mlp(p["over_arch"], np.concatenate([dots, *towers], axis=1) if towers else dots)[:, 0]
+        return wide + deep + p["bias"]
+
+    def _numpy_params(self) -> dict:
+        p = self.__dict__.get("_numpy")
+        if p is None:
+            view = lambda t: t.detach().numpy()  # noqa: E731  (shares the parameter's memory)
+            p = {"bias": view(self.bias)}
+            for name in ("dense_arch", "image_arch", "deep_arch", "over_arch"):
+                if getattr(self, name, None) is not None:
+                    p[name] = [(view(m.weight).T, view(m.bias))
+                               for m in getattr(self, name) if isinstance(m, nn.Linear)]
+            if self.kind == "fm":
+                p["fm_scale"] = view(self.fm.scale)
+            else:
+                p["pair_index"] = self.dot.pairs.pair_index.numpy()
+                if self.kind == "proj":
+                    p["proj"] = view(self.dot.proj)
+            self.__dict__["_numpy"] = p
+        return p
+
     def forward(self, x: ModelInput) -> torch.Tensor:
         wide = pool_fields(x, "linear").sum(dim=(1, 2))            # (B,)
         emb = pool_fields(x, "embedding")                          # (B, F, D)
@@ -190,6 +238,15 @@ class SparseDNN(CTRModel):
         else:
             deep = self.over_arch(torch.cat([self.dot(emb), *towers], dim=1)).squeeze(1)
         return wide + deep + self.bias
+
+
+def _numpy_mlp(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
+    """`mlp`'s forward in numpy: Linear, ReLU between layers, none after the last."""
+    for i, (wt, bias) in enumerate(layers):
+        x = x @ wt + bias
+        if i < len(layers) - 1:
+            x = np.maximum(x, 0)
+    return x
 
 
 @register("dnn")

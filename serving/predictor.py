@@ -83,8 +83,8 @@ class Predictor:
                 start += chunk.num_rows
         return answers
 
-    def _answer_plain(self, requests: list[list], batch, unknown: list[int]) -> list[Prediction]:
-        pctr = self.bundle.predict(batch)
+    def _answer_plain(self, requests: list[list], ids: np.ndarray, unknown: list[int]) -> list[Prediction]:
+        pctr = self.bundle.predict_rows(ids)
         if len(requests) == 1:
             return [Prediction(pctr, None, sum(unknown))]
         answers, start = [], 0

@@ -101,9 +101,9 @@ class Encoder:
             dense = np.stack([log_dense(chunk.columns[n]) for n in self.dense_fields], axis=1)
         return SparseBatch.from_fixed(ids, num_ids=self.spec.num_ids, labels=chunk.labels, dense=dense)
 
-    def encode_instances(self, instances: list) -> tuple[SparseBatch, list[int]] | None:
-        """A few instances of requests -> (the batch `encode_rows` makes of them, each one's keys
-        the schema does not know), when each is a dict of plain values (text or null in a
+    def encode_instances(self, instances: list) -> tuple[np.ndarray, list[int]] | None:
+        """A few instances of requests -> ((B, F) ids, those of the batch `encode_rows` makes of
+        them; each one's keys the schema does not know), when each is a dict of plain values (text or null in a
         categorical field; a finite int or float, or null, in a numeric one) that have all been
         met before: the checks of `sparse.records` for those values and the id lookups in one
         pass, ~10 us a row where parsing then encoding a Criteo row takes ~32. None for anything
@@ -117,9 +117,7 @@ class Encoder:
             if type(instance) is not dict or not self._instance_ids(instance, ids):
                 return None
             unknown.append(sum(1 for k in instance if k not in self._known))
-        batch = SparseBatch.from_fixed(np.array(ids, np.int64).reshape(len(instances), self.num_fields),
-                                       num_ids=self.spec.num_ids)
-        return batch, unknown
+        return np.array(ids, np.int64).reshape(len(instances), self.num_fields), unknown
 
     def _instance_ids(self, instance: dict, ids: list) -> bool:
         """Appends a plain instance's ids to `ids`; False (some appended) when one value is not."""

@@ -215,11 +215,11 @@ def test_instances_met_before_take_one_pass_with_the_same_verdict_and_ids():
         want = enc.encode_rows(chunk)  # the general path, which also remembers the row's values
         if fast is not None:
             taken += 1
-            assert np.array_equal(fast[0].ids, want.ids) and fast[1] == [unknown]
-            assert fast[0].num_rows == 1 and fast[0].fixed_width
+            assert np.array_equal(fast[0].reshape(-1), want.ids) and fast[1] == [unknown]
+            assert fast[0].shape == (1, enc.num_fields) and want.fixed_width
         again = enc.encode_instances([inst])  # every value met now: unless it is odd, one pass
         if all(type(v) in (str, float, int) or v is None for v in inst.values()) and again is not None:
-            assert np.array_equal(again[0].ids, want.ids) and again[1] == [unknown]
+            assert np.array_equal(again[0].reshape(-1), want.ids) and again[1] == [unknown]
     assert taken > 50  # values repeat: most plain rows were met before
     several = 0
     for start in range(0, len(rows) - 5, 3):  # several rows at once: all plain and met, or None
@@ -230,8 +230,8 @@ def test_instances_met_before_take_one_pass_with_the_same_verdict_and_ids():
         if fast is None:
             continue
         several += 1
-        assert not bad and fast[1] == unknowns and fast[0].num_rows == len(group)
-        assert np.array_equal(fast[0].ids, enc.encode_rows(chunk).ids)
+        assert not bad and fast[1] == unknowns and fast[0].shape == (len(group), enc.num_fields)
+        assert np.array_equal(fast[0].reshape(-1), enc.encode_rows(chunk).ids)
     assert several > 5
     assert enc.encode_instances([rows[1], [1]]) is None                               # not an object
     assert Encoder(avazu(), SPECS[0]).encode_instances([{"C1": "1005"}]) is None  # hour fields: the general path

@@ -1,6 +1,7 @@
 """Logistic regression on hashed features (+ a dense block)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,6 +19,24 @@ class LogisticRegression(CTRModel):
         if self.dense is not None:
             nn.init.zeros_(self.dense.weight)
         self.bias = nn.Parameter(torch.zeros(1))
+
+    def numpy_logits(self, rows: dict[str, np.ndarray], num_rows: int, dense: np.ndarray) -> np.ndarray:
+        """`forward`'s logits in numpy for a few rows of one id per field (entry order
+        row-major, no values): `rows["linear"]` holds each entry's weight. No torch
+        dispatch; the arrays are views of the parameters (they follow in-place changes)."""
+        bias, weight = self.numpy_params()
+        logit = rows["linear"].reshape(num_rows, -1).sum(axis=1)
+        if weight is not None:
+            logit = logit + dense @ weight
+        return logit + bias
+
+    def numpy_params(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(bias (1,), dense weight (Dd,) or None): views of the parameters, made once."""
+        p = self.__dict__.get("_numpy")
+        if p is None:
+            p = self.__dict__["_numpy"] = (self.bias.detach().numpy(),
+                                           None if self.dense is None else self.dense.weight.detach().numpy()[0])
+        return p
 
     def forward(self, x: ModelInput) -> torch.Tensor:
         logit = pool_fields(x, "linear").sum(dim=(1, 2)) + self.bias  # (B,)

@@ -124,7 +124,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"ok": True, "worker": request.app[SETTINGS]["worker"]})
+    return web.json_response({"ok": True, "worker": request.app[SETTINGS]["worker"], "pid": os.getpid()})
 
 
 async def readyz(request: web.Request) -> web.Response:

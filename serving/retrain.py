@@ -31,6 +31,7 @@ from pathlib import Path
 from mariana.serving.config import ServeConfig
 from mariana.serving.errors import ServeError
 from mariana.services.runtime import model_events, procs
+from mariana.services.runtime.tuning import unpin
 from mariana.sparse.errors import ConfigError, MarianaError, ModelDirError
 from mariana.sparse.inputs import NoDataFiles, expand_data_paths
 from mariana.trainer import checkpoint
@@ -269,10 +270,12 @@ class RetrainRunner:
         status = os.path.join(runs, f"{run}.json")
         _Status(status).update(id=run, state="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         with open(os.path.join(runs, f"{run}.log"), "ab") as out:
-            self.children.append(subprocess.Popen(
+            child = subprocess.Popen(
                 [sys.executable, "-m", "mariana", "retrain", "--config", self.config_path,
                  "--status-file", status], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True))
+                start_new_session=True)
+        unpin(child.pid)  # a pinned worker's child would inherit its one CPU
+        self.children.append(child)
         log.info("retrain %s started for %s (log: %s/%s.log)", run, model_dir, runs, run)
         return {"id": run, "state": "starting", "status_url": f"/v1/retrain/{run}"}
 

@@ -14,6 +14,7 @@ import os
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+_UNPINNED: set[int] | None = None  # the CPUs this process could use before `pin_to_cpu`
 
 
 def tune_process() -> None:
@@ -29,6 +30,36 @@ def freeze_imports() -> None:
     the collector's sight; call after the heavy imports, before the work."""
     gc.collect()
     gc.freeze()
+
+
+def pin_to_cpu(index: int) -> int | None:
+    """Bind this process to one of the CPUs it may use: the `index`-th, round robin. Threads
+    started afterwards inherit it (call it before starting any). Returns the CPU, or None
+    where affinity is not available or there is one CPU only. A process that stays on its
+    core keeps its caches warm: one of two serve workers on 2 cores used 21% less CPU per
+    request pinned (loadgen.c at 2,000/s; the aiohttp floor's cost did not move)."""
+    global _UNPINNED
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    cpu = cpus[index % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    _UNPINNED = set(cpus)
+    return cpu
+
+
+def unpin(pid: int) -> None:
+    """Give a child process every CPU this process could use before `pin_to_cpu` (a child
+    inherits the pin; a retrain must not run on one core). Call right after starting it:
+    threads it starts later inherit its affinity."""
+    if _UNPINNED is None:
+        return
+    try:
+        os.sched_setaffinity(pid, _UNPINNED)
+    except OSError:  # it has ended already
+        pass
 
 
 def _keep_freed_memory() -> None:

@@ -5,6 +5,7 @@ poll) without a failed request, and SIGTERM drains and exits 0."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -156,11 +157,16 @@ def test_metrics_openapi_and_model_info(lr_server):
     assert lr_server.get("/healthz")[0] == 200
 
 
-def test_both_workers_answer(lr_server):
-    workers = set()
+def test_both_workers_answer_each_on_a_cpu_of_its_own(lr_server):
+    workers = {}
     for _ in range(40):  # a new connection each time: the kernel spreads them over the workers
-        workers.add(lr_server.get("/healthz")[1]["worker"])
-    assert workers == {0, 1}, lr_server.logs()
+        answer = lr_server.get("/healthz")[1]
+        workers[answer["worker"]] = answer["pid"]
+    assert set(workers) == {0, 1}, lr_server.logs()
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:  # serve.pin_workers: worker i on the i-th CPU
+        assert [os.sched_getaffinity(workers[i]) for i in (0, 1)] == [{cpus[0]}, {cpus[1]}]
+        assert "serve-1: runs on CPU" in lr_server.logs()
 
 
 # ---- versions come and go --------------------------------------------------------------

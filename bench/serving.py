@@ -11,6 +11,7 @@ Other uses:
     .venv/bin/python bench/serving.py --quick                      # a smoke run, about a minute and a half
     .venv/bin/python bench/serving.py --systems lr,floor --phases ramp
     .venv/bin/python bench/serving.py --systems lr,dnn,floor --phases ramp,hey --rates 2000   # cost per request
+    .venv/bin/python bench/serving.py --systems lr,dnn,floor --phases cost    # the same, 3 interleaved rounds
     .venv/bin/python bench/serving.py --systems dnn --phases swap --swap-duration 30
 
 Systems (each serves POST /v1/predict {"instances": [...]} -> {"pctr": [...],
@@ -69,6 +70,10 @@ the header of results.md say which one ran:
   server's. Every run of every generator reports the server's CPU per answered request;
   with the floor in the run, the issue's targets are checked against it: at 2,000/s, CPU
   per request (LR <= 1.5x the floor's, DNN <= 2.5x) and p99 (<= 2x), under both generators.
+- cost (not run by default): the same targets, measured in `--cost-rounds` rounds (3);
+  each round starts every server afresh and runs loadgen.c then hey at 2,000/s against it,
+  one server at a time, the order rotating from round to round; the targets are checked on
+  the medians of the per-round ratios. One run swings 15-30% on a shared 2-core VM.
 - swap (mariana only): a fresh server with `serve.watch_seconds = 0.2`
   (config file), stepped through the ramp's rates (the target rate, LR
   2,000/s, DNN 1,000/s, among them) until p99 passes 50 ms, `--swap-duration`
@@ -112,6 +117,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -882,6 +888,79 @@ def hey_table(heys: dict) -> str:
 
 
 
+def cost_phase(args, models: dict) -> list[dict]:
+    """The cost of a request, interleaved: each round starts every system's server afresh and runs
+    loadgen.c then hey at COST_RATE against it, one server at a time; the systems' order rotates
+    from round to round, so a drift of the host over the phase falls on all of them. A single run
+    swings 15-30% on a shared VM; the medians of per-round ratios do not."""
+    systems = [s for s in args.systems if s in ("lr", "dnn", "floor")]
+    rounds = []
+    for r in range(args.cost_rounds):
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        row = {}
+        for system in order:
+            with server_for(system, args, models, free_port(), tag=f"-cost{r + 1}") as server:
+                row[SYSTEMS[system]] = {"loadgen": open_run(args, server, COST_RATE, "cost"),
+                                        "hey": hey_run(args, server, COST_RATE) if args.hey else None}
+        rounds.append(row)
+        note(f"cost round {r + 1} of {args.cost_rounds}: " + ", ".join(
+            f"{name} {fmt(x['loadgen'].get('server_us_per_request'), '.0f')}"
+            + (f"/{fmt(x['hey'].get('server_us_per_request'), '.0f')}" if x["hey"] else "")
+            for name, x in row.items()) + " us/request (loadgen.c/hey)")
+    return rounds
+
+
+def cost_ratios(rounds: list[dict]) -> list[dict]:
+    """Per system and generator: each round's CPU per request and p99 against that round's floor,
+    and their medians."""
+    out = []
+    for kind in ("lr", "dnn"):
+        ours = SYSTEMS[kind]
+        for gen in ("loadgen", "hey"):
+            pairs = [(x[ours][gen], x["floor"][gen]) for x in rounds
+                     if ours in x and "floor" in x and x[ours][gen] and x["floor"][gen]]
+            if not pairs:
+                continue
+            cpu = [ratio(a.get("server_us_per_request"), b.get("server_us_per_request")) for a, b in pairs]
+            p99 = [ratio(a["latency_ms"].get("p99"), b["latency_ms"].get("p99")) for a, b in pairs]
+            out.append({"system": ours, "generator": gen, "kind": kind,
+                        "us": [a.get("server_us_per_request") for a, _ in pairs],
+                        "floor_us": [b.get("server_us_per_request") for _, b in pairs],
+                        "cpu_ratios": cpu, "p99_ratios": p99, "cpu_median": median_of(cpu),
+                        "p99_median": median_of(p99)})
+    return out
+
+
+def median_of(values: list) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    return statistics.median(known) if known else None
+
+
+def cost_targets(ratios: list[dict]) -> list[dict]:
+    out = []
+    for c in ratios:
+        n = len(c["cpu_ratios"])
+        out.append({"target": f"{c['system']} server CPU per request at {COST_RATE:,}/s under {c['generator']} <= "
+                              f"{FLOOR_CPU[c['kind']]:g}x the floor's (median of {n} interleaved rounds)",
+                    "value": c["cpu_median"],
+                    "pass": c["cpu_median"] is not None and c["cpu_median"] <= FLOOR_CPU[c["kind"]]})
+        out.append({"target": f"{c['system']} p99 at {COST_RATE:,}/s under {c['generator']} <= {FLOOR_P99:g}x "
+                              f"the floor's (median of {n} interleaved rounds)",
+                    "value": c["p99_median"], "pass": c["p99_median"] is not None and c["p99_median"] <= FLOOR_P99})
+    return out
+
+
+def cost_table(ratios: list[dict]) -> str:
+    lines = ["| system | generator | CPU us/request by round | floor's | CPU ratio by round | median | "
+             "p99 ratio by round | median |", "|---|---|---|---|---|---:|---|---:|"]
+    for c in ratios:
+        row = lambda values, spec: " / ".join(fmt(v, spec) for v in values)  # noqa: E731
+        lines.append(f"| {c['system']} | {c['generator']} | {row(c['us'], '.0f')} | {row(c['floor_us'], '.0f')} | "
+                     f"{row(c['cpu_ratios'], '.2f')} | **{fmt(c['cpu_median'], '.2f', 'x')}** | "
+                     f"{row(c['p99_ratios'], '.2f')} | **{fmt(c['p99_median'], '.2f', 'x')}** |")
+    return "\n".join(lines)
+
+
 class Promoter:
     """Moves CURRENT to the next of three versions every `every` s, from `start` s on, until `stop` s."""
 
@@ -1296,9 +1375,14 @@ def bench(args) -> int:
         if "swap" in args.phases and system in TARGET:
             swaps[name], servers[f"{name} (swap)"] = swap_run(args, system, models)
 
-    t = targets(results, swaps, batches) + floor_targets(results, heys)
+    costs = cost_ratios(cost_phase(args, models)) if "cost" in args.phases else []
+    t = targets(results, swaps, batches) + floor_targets(results, heys) + cost_targets(costs)
     rat = compute_ratios(results, batches)
     body = report_body(args, data, results, swaps, batches, t, rat, servers, heys)
+    if costs:
+        body = (f"The cost of a request, {args.cost_rounds} interleaved rounds (each: every server started afresh, "
+                f"loadgen.c then hey at {COST_RATE:,}/s for {args.duration:g} s each, one server at a time, the "
+                "order rotating):\n\n" + cost_table(costs) + "\n\n" + body)
     print("\n" + body)
     machine = machine_info()
     (out / "results.md").write_text(markdown(machine, args, data, body))
@@ -1309,7 +1393,7 @@ def bench(args) -> int:
         "data": {k: ({kk: str(vv) for kk, vv in v.items()} if isinstance(v, dict) else str(v))
                  for k, v in data.items()},
         "training": train_records, "results": results, "swap": swaps, "batch": batches, "hey": heys,
-        "servers": servers,
+        "servers": servers, "cost": costs,
         "targets": t, "ratios": rat}, indent=1) + "\n")
     note(f"wrote {out / 'results.md'} and results.json")
     # errors in a run that was not past capacity (an aborted run is overloaded by definition)
@@ -1339,9 +1423,11 @@ def parse_args(argv: list[str] | None):
                    help="a smoke run: 20k training rows, 2 s per rate, rates 500,1000,2000,4000, 4 s of swaps")
     p.add_argument("--systems", type=lambda s: parse_list(s, SYSTEMS, "system"), default=list(SYSTEMS),
                    help="comma-separated subset of lr,dnn,fastapi,floor (default: all)")
-    p.add_argument("--phases", type=lambda s: parse_list(s, ("ramp", "hey", "swap", "batch"), "phase"),
+    p.add_argument("--phases", type=lambda s: parse_list(s, ("ramp", "hey", "swap", "batch", "cost"), "phase"),
                    default=["ramp", "hey", "swap", "batch"],
-                   help="comma-separated subset of ramp,hey,swap,batch (default: all)")
+                   help="comma-separated subset of ramp,hey,swap,batch,cost (default: all but cost)")
+    p.add_argument("--cost-rounds", type=int, default=3,
+                   help="rounds of the cost phase: each starts every server afresh (default 3)")
     p.add_argument("--hey", default=shutil.which("hey"),
                    help="the hey binary (default: hey on PATH; Debian's package); without it the hey runs are left out")
     p.add_argument("--train-rows", type=int, help=f"generated training rows (default {FULL['train_rows']:,})")

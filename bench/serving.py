@@ -705,12 +705,19 @@ def run_load(args, server: Server, cmd: list, during=None) -> dict:
     cpu0, busy0, t0 = server.cpu_seconds(), machine_busy_seconds(), time.perf_counter()
     stdout = tempfile.TemporaryFile()  # not a pipe: a long run's JSON could fill one and block the generator
     proc = start_process(cmd, stdout=stdout)
+    # The server's CPU over the measured window only (from the end of the warm-up to the last poll):
+    # a fresh server's first requests cost more (every value hashed once), and the warm-up's
+    # requests are not counted in ok_per_s.
+    warm = last = None
     try:
         limit = args.warmup + max(args.duration, args.swap_duration) + 60
         while proc.poll() is None:
             elapsed = time.perf_counter() - t0
             if elapsed > limit:
                 raise BenchError(f"the load generator did not finish within {limit:.0f} s")
+            if elapsed >= args.warmup:
+                last = (server.cpu_seconds(), time.perf_counter())
+                warm = warm or last
             if during is not None:
                 during(elapsed)
             time.sleep(0.05)
@@ -730,7 +737,8 @@ def run_load(args, server: Server, cmd: list, during=None) -> dict:
         raise BenchError(f"the load generator could not run: {result['fatal']}")
     result["loadgen"] = args.gen["kind"]
     result["server_cpu_s"] = round(cpu, 2)
-    result["server_cores"] = round(cpu / wall, 2)
+    measured = last is not None and last[1] - warm[1] > 0.5
+    result["server_cores"] = round((last[0] - warm[0]) / (last[1] - warm[1]) if measured else cpu / wall, 4)
     # everything else the machine ran meanwhile (other users' work, this script, the generator's
     # start-up): a run where this is large was measured on a busy machine
     result["other_cores"] = round(max(0.0, busy - cpu - result["loadgen_cpu_s"]) / wall, 2)

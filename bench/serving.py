@@ -1383,7 +1383,8 @@ def bench(args) -> int:
         if "swap" in args.phases and system in TARGET:
             swaps[name], servers[f"{name} (swap)"] = swap_run(args, system, models)
 
-    costs = cost_ratios(cost_phase(args, models)) if "cost" in args.phases else []
+    rounds = cost_phase(args, models) if "cost" in args.phases else []
+    costs = cost_ratios(rounds)
     t = targets(results, swaps, batches) + floor_targets(results, heys) + cost_targets(costs)
     rat = compute_ratios(results, batches)
     body = report_body(args, data, results, swaps, batches, t, rat, servers, heys)
@@ -1391,6 +1392,10 @@ def bench(args) -> int:
         body = (f"The cost of a request, {args.cost_rounds} interleaved rounds (each: every server started afresh, "
                 f"loadgen.c then hey at {COST_RATE:,}/s for {args.duration:g} s each, one server at a time, the "
                 "order rotating):\n\n" + cost_table(costs) + "\n\n" + body)
+        failed = [f"{name} round {i + 1} under {gen}: {r.get('errors') or r.get('codes')}" for i, x in enumerate(rounds)
+                  for name, runs in x.items() for gen, r in runs.items() if r and r["error_count"]]
+        if failed:
+            body = "Errors in the cost phase:\n" + "\n".join(f"- {f}" for f in failed) + "\n\n" + body
     print("\n" + body)
     machine = machine_info()
     (out / "results.md").write_text(markdown(machine, args, data, body))
@@ -1401,13 +1406,14 @@ def bench(args) -> int:
         "data": {k: ({kk: str(vv) for kk, vv in v.items()} if isinstance(v, dict) else str(v))
                  for k, v in data.items()},
         "training": train_records, "results": results, "swap": swaps, "batch": batches, "hey": heys,
-        "servers": servers, "cost": costs,
+        "servers": servers, "cost": {"rounds": rounds, "ratios": costs},
         "targets": t, "ratios": rat}, indent=1) + "\n")
     note(f"wrote {out / 'results.md'} and results.json")
     # errors in a run that was not past capacity (an aborted run is overloaded by definition)
     any_errors = any(r["error_count"] and not r["aborted"] for r in
                      [r for s in results.values() for r in s["runs"]] + list(swaps.values()) + list(batches.values()))
     any_errors = any_errors or any(r["error_count"] for h in heys.values() for r in h.values())
+    any_errors = any_errors or any(r and r["error_count"] for x in rounds for runs in x.values() for r in runs.values())
     return 0 if all(x["pass"] for x in t) and not any_errors else 1
 
 
@@ -1486,8 +1492,8 @@ def parse_args(argv: list[str] | None):
     if not args.rates or min(args.rates) <= 0:
         p.error("--rates: want positive rates")
     if args.train_rows < 1000 or args.duration <= 0 or args.warmup < 0 or args.workers < 1 \
-            or args.connections < 1 or args.batch_connections < 1 or args.swap_every <= 0:
-        p.error("--train-rows >= 1000; --duration, --swap-every > 0; --workers, --connections >= 1")
+            or args.connections < 1 or args.batch_connections < 1 or args.swap_every <= 0 or args.cost_rounds < 1:
+        p.error("--train-rows >= 1000; --duration, --swap-every > 0; --workers, --connections, --cost-rounds >= 1")
     args.out_dir = Path(args.out_dir).resolve()
     return args
 

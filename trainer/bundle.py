@@ -93,14 +93,12 @@ class ModelBundle:
     def predict_rows(self, ids: np.ndarray, dense: np.ndarray | None = None) -> np.ndarray:
         """(B,) click probabilities of a few rows given as (B, F) ids, one per field (values
         1), and their (B, Dd) dense block: a request's rows. The model's forward in numpy
-        where it has one (`numpy_logits`): torch's per-op dispatch costs a single row ~20
-        us with LR and ~67 with the DNN; ~4 and ~15 here. No SparseBatch either."""
+        (`CTRModel.numpy_logits`): torch's per-op dispatch costs a single row ~20 us with LR
+        and ~67 with the DNN; ~4 and ~17 here. No SparseBatch either."""
         if dense is None:
             dense = np.zeros((len(ids), 0), np.float32)
         if self.rare is not None:  # ids never admitted (no row) read their field's rare row
             ids = np.where(self.touched[ids], ids, self.rare)
-        if not hasattr(self.model, "numpy_logits"):
-            return self.predict(SparseBatch.from_fixed(ids, num_ids=self.config.hashing.num_ids, dense=dense))
         flat = ids.reshape(-1)
         rows = {name: t.lookup(flat) for name, t in self.tables.items()}
         return expit(self.model.numpy_logits(rows, len(ids), dense))

@@ -36,8 +36,8 @@ def pin_to_cpu(index: int) -> int | None:
     """Bind this process to one of the CPUs it may use: the `index`-th, round robin. Threads
     started afterwards inherit it (call it before starting any). Returns the CPU, or None
     where affinity is not available or there is one CPU only. A process that stays on its
-    core keeps its caches warm: one of two serve workers on 2 cores used 21% less CPU per
-    request pinned (loadgen.c at 2,000/s; the aiohttp floor's cost did not move)."""
+    core keeps its caches warm: two serve workers on 2 cores used ~21% less CPU per request
+    pinned (loadgen.c at 2,000/s; the aiohttp floor's cost did not move)."""
     global _UNPINNED
     if not hasattr(os, "sched_setaffinity"):
         return None

@@ -111,11 +111,19 @@ def pool_fields(x: ModelInput, table: str) -> torch.Tensor:
 
 
 class CTRModel(nn.Module):
-    """Base of click models: `tables` to pull, `forward(x) -> logits (B,)`."""
+    """Base of click models: `tables` to pull, `forward(x) -> logits (B,)`, and the same
+    logits in numpy for a request's few rows (`numpy_logits`)."""
 
     tables: tuple[TableSpec, ...] = ()
 
     def forward(self, x: ModelInput) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def numpy_logits(self, rows: dict[str, np.ndarray], num_rows: int,
+                     dense: np.ndarray) -> np.ndarray:  # pragma: no cover - interface
+        """`forward`'s logits for a few rows of one id per field (entry order row-major,
+        values 1): `rows` holds each table's row per entry, `dense` the (B, Dd) block. No
+        torch dispatch: `ModelBundle.predict_rows` scores a request's rows with it."""
         raise NotImplementedError
 
 

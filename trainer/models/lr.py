@@ -21,9 +21,8 @@ class LogisticRegression(CTRModel):
         self.bias = nn.Parameter(torch.zeros(1))
 
     def numpy_logits(self, rows: dict[str, np.ndarray], num_rows: int, dense: np.ndarray) -> np.ndarray:
-        """`forward`'s logits in numpy for a few rows of one id per field (entry order
-        row-major, no values): `rows["linear"]` holds each entry's weight. No torch
-        dispatch; the arrays are views of the parameters (they follow in-place changes)."""
+        """`CTRModel.numpy_logits`: each entry's weight (`rows["linear"]`) summed per row, +
+        dense @ w + bias; the arrays are views of the parameters (they follow in-place changes)."""
         bias, weight = self.numpy_params()
         logit = rows["linear"].reshape(num_rows, -1).sum(axis=1)
         if weight is not None:

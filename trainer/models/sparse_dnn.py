@@ -177,11 +177,9 @@ class SparseDNN(CTRModel):
         self.bias = nn.Parameter(torch.zeros(1))
 
     def numpy_logits(self, rows: dict[str, np.ndarray], num_rows: int, dense: np.ndarray) -> np.ndarray:
-        """`forward`'s logits in numpy for a few rows of one id per field (entry order
-        row-major, no values): `rows` holds each table's row per entry. A request's row
-        took ~67 us through torch (per-op dispatch) and ~17 here, lookups included
-        (tests/unit/test_models.py checks the two agree). The arrays are views of the parameters, so they follow
-        any change made in place."""
+        """`CTRModel.numpy_logits`: a request's row took ~67 us through torch (per-op
+        dispatch) and ~17 here, lookups included (tests/unit/test_models.py checks the two
+        agree). The arrays are views of the parameters: they follow changes made in place."""
         p = self._numpy_params()
         b = num_rows
         wide = rows["linear"].reshape(b, -1).sum(axis=1)                    # (B,)

@@ -38,7 +38,7 @@ import time
 
 from mariana.services import images_cli
 from mariana.services.runtime import report
-from mariana.services.runtime.tuning import freeze_imports, tune_process
+from mariana.services.runtime.tuning import exiting, freeze_imports, tune_process
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.schema import FORMATS  # light: no numpy before tune_process() sets its thread count
 
@@ -640,7 +640,15 @@ def _add_cluster_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None, build=build_parser) -> int:
-    """Run one command; `build` makes the parser (mariana/cli.py adds serving's commands to ours)."""
+    """Run one command; `build` makes the parser (mariana/cli.py adds serving's commands to ours).
+    Without `argv` (this process's own command line) the process is taken to exit next."""
+    code = _main(argv, build)
+    if argv is None:
+        exiting()
+    return code
+
+
+def _main(argv: list[str] | None, build) -> int:
     from mariana.services.runtime.logs import setup_logging
 
     tune_process()

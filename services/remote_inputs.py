@@ -25,16 +25,17 @@ import logging
 import os
 import secrets
 import shutil
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from mariana.services.assemble import check_data, data_bytes, job_validation
 from mariana.services.protocol import BadMessage, Message, encode
 from mariana.sparse.errors import ConfigError, MarianaError
 from mariana.sparse.parse import is_parquet, iter_spans, open_binary
 from mariana.trainer.data import RowRange
-from mariana.trainer.strategies.local import Validation
+
+if TYPE_CHECKING:
+    from mariana.trainer.strategies.local import Validation
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ CHECK_SECONDS = 120.0   # a submit waits this long for the loader's check
 
 def check_on_loader(body: dict) -> dict:
     """JobChecked's fields for a job body: its request, spec and data bytes, or its error."""
+    from mariana.services.assemble import check_data, data_bytes  # torch: only a loader that checks jobs needs it
+
     try:
         request, spec = check_data(body)
         return {"error": "", "request": request, "spec": spec.to_dict(), "size": data_bytes(request)}
@@ -204,6 +207,9 @@ class RemoteInputs:
 
     async def validation(self, job: str, request: dict) -> Validation | None:
         """The job's validation rows as local copies, fetched at the first epoch's end."""
+        from mariana.services.assemble import job_validation
+        from mariana.trainer.strategies.local import Validation
+
         valid = job_validation(request)
         if valid is None:
             return None

@@ -32,8 +32,6 @@ import numpy as np
 from mariana.services.protocol import BadMessage, Message, encode
 from mariana.sparse.errors import ConfigError, MarianaError
 from mariana.sparse.parse import is_parquet, iter_spans, open_binary
-from mariana.trainer.data import RowRange
-
 if TYPE_CHECKING:
     from mariana.trainer.strategies.local import Validation
 
@@ -68,6 +66,8 @@ def file_parts(path: str) -> Iterator[bytes]:
 def holdout_parts(files: list[str], rows: dict) -> Iterator[bytes]:
     """The text of rows [start, stop) of `files` (RowRange's fields), the first file's header
     line first when the files have one: what local mode reads as the job's validation rows."""
+    from mariana.trainer.data import RowRange  # (its encoder imports torch)
+
     rng = RowRange(**rows)
     if any(is_parquet(p) for p in files):
         raise MarianaError("a held-out tail of Parquet files cannot be sent from the loader's host: give the "

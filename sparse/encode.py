@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key, fmix64,
@@ -71,8 +72,6 @@ class Encoder:
                  for name, key in zip(self.sparse_fields, self._keys)]
         tables = np.concatenate([t for t, _ in codes]) if codes else np.zeros(0, np.int64)
         offsets = np.cumsum([0] + [len(t) for t, _ in codes[:-1]])
-        import torch  # here, not above: a loader or a coordinator imports this module without hashing
-
         uniq, table_pos = torch.unique(torch.from_numpy(tables), sorted=False, return_inverse=True)
         uniq, table_pos = uniq.numpy(), table_pos.numpy()
         local = np.empty((chunk.num_rows, self.num_fields), dtype=np.int64)  # (B, F) into uniq

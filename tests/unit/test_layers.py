@@ -79,3 +79,16 @@ def test_no_pickle_anywhere():
             assert not imports(path) & {"pickle", "cloudpickle", "dill"}, path
             text = path.read_text()
             assert "allow_pickle=True" not in text and "recv_pyobj" not in text, path
+
+
+@pytest.mark.parametrize("role, needs_torch", [("loader", False), ("preprocess", True), ("worker", True)])
+def test_services_import_torch_only_where_they_use_it_and_then_at_start(role, needs_torch):
+    """A loader reads and sends bytes: without torch it starts in ~0.4 s instead of ~1.6 (each
+    restart too). A preprocess hashes with torch: imported at start, not inside the first
+    chunk's encode, where it would delay the job's first epoch by the import (~0.8 s)."""
+    import subprocess
+    import sys
+
+    code = f"import sys, mariana.services.{role}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(needs_torch), (role, out)

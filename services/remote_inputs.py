@@ -32,6 +32,7 @@ import numpy as np
 from mariana.services.protocol import BadMessage, Message, encode
 from mariana.sparse.errors import ConfigError, MarianaError
 from mariana.sparse.parse import is_parquet, iter_spans, open_binary
+
 if TYPE_CHECKING:
     from mariana.trainer.strategies.local import Validation
 

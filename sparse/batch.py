@@ -11,11 +11,14 @@ them, the cache stores them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import scipy.sparse as sp
 
 from mariana.sparse.errors import DataFormatError
+
+if TYPE_CHECKING:
+    import scipy.sparse
 
 
 @dataclass
@@ -119,8 +122,9 @@ class SparseBatch:
         return [self.slice(i, i + rows, batch_id=f"{self.batch_id}:{i}" if self.batch_id else "")
                 for i in range(0, self.num_rows, rows)]
 
-    def to_scipy(self) -> sp.csr_matrix:
+    def to_scipy(self) -> scipy.sparse.csr_matrix:
         """(B, num_ids) CSR matrix; duplicate ids in a row are summed."""
+        import scipy.sparse as sp  # here: importing scipy costs every command ~0.1 s
         vals = np.ones(self.nnz, np.float32) if self.values is None else self.values
         m = sp.csr_matrix((vals, self.ids, self.indptr), shape=(self.num_rows, self.num_ids))
         m.sum_duplicates()

@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import torch
-from scipy.special import expit
 
 from mariana.featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
 from mariana.featurizer.speech import MODEL_KIND as SPEECH_KIND
@@ -74,7 +73,7 @@ class ModelBundle:
         if batch.num_rows <= FEW_ROWS and batch._unique is None and batch.values is None and batch.fixed_width:
             return self.predict_rows(batch.ids.reshape(batch.num_rows, -1), batch.dense)
         if isinstance(self.model, LogisticRegression):
-            return expit(self._lr_logits(batch))
+            return _sigmoid(self._lr_logits(batch))
         if batch._unique is None and batch.nnz <= FEW_ENTRIES:
             # A request's rows: look every entry up as it comes. Reads need no
             # distinct ids, each entry gets the same row values in the same order,
@@ -101,7 +100,7 @@ class ModelBundle:
             ids = np.where(self.touched[ids], ids, self.rare)
         flat = ids.reshape(-1)
         rows = {name: t.lookup(flat) for name, t in self.tables.items()}
-        return expit(self.model.numpy_logits(rows, len(ids), dense))
+        return _few_sigmoid(self.model.numpy_logits(rows, len(ids), dense))
 
     def _lr_logits(self, batch: SparseBatch) -> np.ndarray:
         """LR's forward pass in numpy, the same sums as `LogisticRegression.forward`: a
@@ -419,6 +418,25 @@ class Snapshot:
         bundle.steps, bundle.rows_trained = self.steps, self.rows_trained
         if self.counts is not None:
             bundle.counts.array[...] = self.counts
+
+
+def _sigmoid(logits: np.ndarray) -> np.ndarray:
+    """Click probabilities of many logits: torch's sigmoid, one op (scipy's expit costs every
+    command that imports it ~0.15 s; on 200k rows torch's is also faster, 0.04 ms vs 0.5)."""
+    return torch.sigmoid(torch.from_numpy(np.ascontiguousarray(logits, np.float32))).numpy()
+
+
+def _few_sigmoid(logits: np.ndarray) -> np.ndarray:
+    """Click probabilities of a request's few logits: scipy's expit, one ufunc call (~0.2 us
+    a row against ~2 for torch's or numpy's formula), imported the first time (a server's
+    warm-up prediction), so training and evaluation never import scipy."""
+    global _EXPIT
+    if _EXPIT is None:
+        from scipy.special import expit as _EXPIT
+    return _EXPIT(logits)
+
+
+_EXPIT = None
 
 
 def _check_finite(weights: dict[str, np.ndarray]) -> None:

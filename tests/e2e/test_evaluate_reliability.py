@@ -67,10 +67,12 @@ def test_a_bad_plot_path_fails_before_evaluating(tmp_path, where, says):
     assert last.startswith("mariana: error: --plot ") and says in last, proc.stderr
 
 
-def test_evaluate_without_plot_does_not_import_matplotlib(model, gen_files):
+def test_evaluate_without_plot_imports_neither_matplotlib_nor_scipy(model, gen_files):
+    """Each costs a command ~0.1-0.2 s of start-up (scipy: only a server's few-row sigmoid uses it)."""
     code = ("import sys; from services.cli import main; "
             f"rc = main(['evaluate', '--model', {str(model)!r}, '--data', {str(gen_files['test'])!r}, '-q']); "
-            "assert rc == 0; assert 'matplotlib' not in sys.modules, 'matplotlib imported'")
+            "assert rc == 0; assert 'matplotlib' not in sys.modules, 'matplotlib imported'; "
+            "assert 'scipy' not in sys.modules, 'scipy imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
 

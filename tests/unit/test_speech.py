@@ -146,3 +146,28 @@ def test_train_speech_in_one_process_publishes_a_version_the_recognizer_runs(tmp
         ModelBundle.load(str(tmp_path / "m"))  # what serving loads: a clear refusal, not a KeyError
     listed = run_cli("model", "list", "--model-dir", tmp_path / "m", check=True).stdout
     assert "v000001  speech_dnn" in listed
+
+
+def test_powersgd_on_the_cpu_skips_the_cuda_sync_torch_s_hook_asks_for():
+    """torch's PowerSGD hook syncs CUDA with the bucket's device whenever CUDA is available,
+    also for a CPU job, and that raised on a GPU host (torch 2.11, H200). After the shim a
+    sync of a device that is not CUDA returns at once; a CUDA device still reaches torch's
+    (here, without CUDA, its error). In a subprocess: the shim lasts for the process."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from mariana.trainer.strategies.data_parallel import cuda_sync_skips_other_devices
+def raises(device):
+    try:
+        torch.cuda.synchronize(device)
+        return None
+    except Exception as e:
+        return type(e).__name__
+before = raises(torch.device("cpu"))
+cuda_sync_skips_other_devices(); cuda_sync_skips_other_devices()  # twice: wrapped once
+print(before, raises(torch.device("cpu")), raises("cpu"), torch.cuda.is_available() or raises("cuda:0") is not None)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] != "None" and out[1:] == ["None", "None", "True"], out

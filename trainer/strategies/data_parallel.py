@@ -369,6 +369,26 @@ def _decode(packed: torch.Tensor, scales: torch.Tensor, shapes: list[tuple[int, 
     return signs
 
 
+def cuda_sync_skips_other_devices() -> None:
+    """torch's PowerSGD hook calls `torch.cuda.synchronize(device)` whenever CUDA is
+    available, with the bucket's device even when that is the CPU, which raises: a CPU job
+    with `--exchange powersgd` failed on any GPU host (seen with torch 2.11 on an H200; the
+    hook is the same in 2.13). A CPU tensor needs no CUDA sync: from here on this process's
+    `torch.cuda.synchronize` returns at once for a device that is not CUDA, and synchronizes
+    CUDA devices (and the current one, for no argument) as before."""
+    sync = torch.cuda.synchronize
+    if getattr(sync, "skips_other_devices", False):
+        return
+
+    def synchronize(device=None):
+        if isinstance(device, (torch.device, str)) and torch.device(device).type != "cuda":
+            return None
+        return sync(device)
+
+    synchronize.skips_other_devices = True
+    torch.cuda.synchronize = synchronize
+
+
 def wrap_model(model: nn.Module, exchange: Exchange, total_steps: int, device: torch.device) -> nn.Module:
     """`model` in DDP with `exchange`'s hook (in one process: `model` itself). Buffers are not
     broadcast (every rank sets them from the same data), so only gradients cross the wire."""
@@ -389,6 +409,8 @@ def wrap_model(model: nn.Module, exchange: Exchange, total_steps: int, device: t
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif exchange.kind == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        if device.type != "cuda":
+            cuda_sync_skips_other_devices()
         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=exchange.rank,
                                  start_powerSGD_iter=max(2, int(POWERSGD_WARMUP * total_steps)),
                                  use_error_feedback=True, warm_start=True, random_seed=0)

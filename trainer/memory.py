@@ -244,7 +244,9 @@ def profile_step(step: Callable[[], object], device: torch.device) -> dict:
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, MemoryProfileTimeline
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    # acc_events: one cycle here either way; without it torch 2.11 warns that it clears events per cycle
+    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True,
+                 acc_events=True) as prof:
         step()
     where = f"{device.type}:{device.index or 0}" if device.type == "cuda" else "cpu"
     _times, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(where)

@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+import torch  # at start, not in a DNN job's first step (an LR job's step does not use it)
 
 from mariana.services import protocol
 from mariana.services.jobspec import JobSpec
@@ -52,7 +52,7 @@ from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import DataFormatError
 from mariana.sparse.hashing import rare_ids
 from mariana.trainer.config import JobConfig
-from mariana.trainer.models import CTRModel, build_model
+from mariana.trainer.models.registry import build_model, dense_size, set_dense
 from mariana.trainer.strategies.ps_step import compute_grads
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class JobModel:
 
     job: str
     config: JobConfig
-    model: CTRModel
+    model: object                    # a torch CTRModel, or numpy's LogisticRegression
     dense_size: int
     gate: asyncio.Semaphore  # steps of this job between pull and push at once (worker.steps_in_flight)
     rare: np.ndarray | None = None  # hashing.min_count > 1: each field's rare id (sparse/admission.py)
@@ -422,7 +422,7 @@ class JobModels:
         model = build_model(config.model, encoder.num_fields, encoder.dense_dim, spec.image_width, config.images.tower)
         in_flight = cfg.worker.steps_in_flight(config.model.kind)
         rare = rare_ids(encoder.sparse_fields, config.hashing) if config.hashing.min_count > 1 else None
-        jm = JobModel(job, config, model, sum(p.numel() for p in model.parameters()),
+        jm = JobModel(job, config, model, dense_size(model),
                       asyncio.Semaphore(in_flight), rare)
         self.jobs = {job: jm}  # one job at a time: forget the previous model
         log.info("%s: job %s: %s model, %d dense parameters, %d shards, %d steps in flight", self.svc.name, job,
@@ -528,8 +528,8 @@ class Worker(Service):
         t1 = time.perf_counter()
         # No await from here to the copies below: another step loop shares the model.
         if jm.dense_size:
-            torch.nn.utils.vector_to_parameters(torch.from_numpy(dense), jm.model.parameters())
-        result = compute_grads(jm.model, batch, torch.from_numpy(inverse), rows)
+            set_dense(jm.model, dense)
+        result = compute_grads(jm.model, batch, inverse, rows)
         dense_grad = (np.concatenate([g.reshape(-1) for g in result.dense_grads]).astype(np.float32)
                       if result.dense_grads else None)
         t2 = time.perf_counter()

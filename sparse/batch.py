@@ -90,10 +90,7 @@ class SparseBatch:
             if self._parent_unique is not None:
                 self._unique = _dedupe_local(*self._parent_unique)
             else:
-                import torch  # hash-based unique, several times faster than np.unique's sort
-
-                uniq, inverse = torch.unique(torch.from_numpy(self.ids), sorted=False, return_inverse=True)
-                self._unique = (uniq.numpy(), inverse.numpy())
+                self._unique = hash_unique(self.ids)
         return self._unique
 
     def set_unique(self, uniq: np.ndarray, inverse: np.ndarray) -> None:
@@ -240,6 +237,21 @@ class SparseBatch:
     def _need(self, cond: bool, what: str) -> None:
         if not cond:
             raise DataFormatError(f"bad SparseBatch {self.batch_id!r}: {what}")
+
+
+def hash_unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values in first-seen order, (n,) int64 position of each among them): a hash
+    table in C++ (pyarrow's dictionary encoding), as fast as torch.unique and faster than
+    np.unique's sort on a batch's ids, without importing torch.
+
+    >>> u, inv = hash_unique(np.array([7, 3, 7, 9], np.int64))
+    >>> u.tolist(), inv.tolist()
+    ([7, 3, 9], [0, 1, 0, 2])
+    """
+    import pyarrow as pa  # every parse has imported it already
+
+    enc = pa.array(np.asarray(values)).dictionary_encode()
+    return enc.dictionary.to_numpy(), enc.indices.to_numpy().astype(np.int64)
 
 
 def _dedupe_local(uniq: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,9 +9,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
-from mariana.sparse.batch import SparseBatch
+from mariana.sparse.batch import SparseBatch, hash_unique
 from mariana.sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key, fmix64,
                             fnv1a64, int_codes, log_bucket, log_dense)
 from mariana.sparse.parse import Chunk
@@ -72,8 +71,7 @@ class Encoder:
                  for name, key in zip(self.sparse_fields, self._keys)]
         tables = np.concatenate([t for t, _ in codes]) if codes else np.zeros(0, np.int64)
         offsets = np.cumsum([0] + [len(t) for t, _ in codes[:-1]])
-        uniq, table_pos = torch.unique(torch.from_numpy(tables), sorted=False, return_inverse=True)
-        uniq, table_pos = uniq.numpy(), table_pos.numpy()
+        uniq, table_pos = hash_unique(tables)
         local = np.empty((chunk.num_rows, self.num_fields), dtype=np.int64)  # (B, F) into uniq
         for j, ((_, index), off) in enumerate(zip(codes, offsets)):
             local[:, j] = table_pos[index + off]

@@ -1,5 +1,6 @@
 """`ModelBundle`: everything one model is — its job config, schema, encoder,
-torch model, hashed tables and optimizer state — with save, load and predict.
+model (a torch module, or numpy's LR), hashed tables and optimizer state — with
+save, load and predict. An LR bundle never imports torch.
 
 Training, evaluation, `mariana predict` and serving all hold a bundle, so a
 row takes the same path from bytes to pCTR everywhere.
@@ -8,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 
 import numpy as np
-import torch
 
 from mariana.featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
 from mariana.featurizer.speech import MODEL_KIND as SPEECH_KIND
@@ -27,9 +28,7 @@ from mariana.sparse.table import HashedTable
 from mariana.trainer import checkpoint
 from mariana.sparse.settings import from_dict
 from mariana.trainer.config import LOWER_RATES, JobConfig
-from mariana.trainer.models import build_model
-from mariana.trainer.models.base import make_input, unique_ids
-from mariana.trainer.models.lr import LogisticRegression
+from mariana.trainer.models.registry import build_model, dense_params, dense_size, set_dense, uses_torch
 from mariana.trainer.strategies.ps_step import DenseOptimizer
 
 
@@ -53,9 +52,11 @@ class ModelBundle:
             t.name: HashedTable(t.name, config.hashing.num_ids, t.dim, t.init_scale, seed=config.model.seed)
             for t in self.model.tables}
         self.optimizers = {t.name: table_optimizer(config, t.role) for t in self.model.tables}
+        # a torch model's parameters step as tensors (torch's ops), LR's as arrays (numpy's): the same numbers
+        params = ([p.detach() for p in self.model.parameters()] if uses_torch(self.model)
+                  else [a for _, a in dense_params(self.model)])
         self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,
-                                                initial_accumulator=config.optim.initial_accumulator),
-                                        [p.data.numpy() for p in self.model.parameters()])
+                                                initial_accumulator=config.optim.initial_accumulator), params)
         # hashing.min_count > 1: each field's rare id and the counts of ids not admitted yet
         # (sparse/admission.py); None otherwise, and for versions saved before it existed.
         k = config.hashing.min_count
@@ -72,8 +73,12 @@ class ModelBundle:
         """(B,) click probabilities; reads tables without changing them."""
         if batch.num_rows <= FEW_ROWS and batch._unique is None and batch.values is None and batch.fixed_width:
             return self.predict_rows(batch.ids.reshape(batch.num_rows, -1), batch.dense)
-        if isinstance(self.model, LogisticRegression):
+        if not uses_torch(self.model):
             return _sigmoid(self._lr_logits(batch))
+        import torch
+
+        from mariana.trainer.models.base import make_input
+
         if batch._unique is None and batch.nnz <= FEW_ENTRIES:
             # A request's rows: look every entry up as it comes. Reads need no
             # distinct ids, each entry gets the same row values in the same order,
@@ -84,7 +89,7 @@ class ModelBundle:
         else:
             if self.rare is not None:
                 batch = admission.lookup_ids(batch, self.touched, self.rare)
-            uniq, inverse = unique_ids(batch)
+            uniq, inverse = batch.unique()
         rows = {name: torch.from_numpy(t.lookup(uniq)) for name, t in self.tables.items()}
         with torch.inference_mode():  # no autograd state at all: fewer costs per op than no_grad
             return torch.sigmoid(self.model(make_input(batch, inverse, rows))).numpy()
@@ -103,9 +108,9 @@ class ModelBundle:
         return _few_sigmoid(self.model.numpy_logits(rows, len(ids), dense))
 
     def _lr_logits(self, batch: SparseBatch) -> np.ndarray:
-        """LR's forward pass in numpy, the same sums as `LogisticRegression.forward`: a
-        weight per entry, summed per row, plus dense @ w + bias. No torch dispatch (a
-        request's row: ~20 us -> ~5 us) and no distinct ids to find (a read needs none)."""
+        """LR's logits (`LogisticRegression.logits`) of each entry's weight: looked up per
+        distinct id when the batch has them (a parsed block's), else per entry (a read
+        needs no distinct ids)."""
         table = self.tables["linear"]
         if self.rare is None and batch._unique is not None:  # a parsed block's: each distinct id once
             uniq, inverse = batch._unique
@@ -115,16 +120,7 @@ class ModelBundle:
             if self.rare is not None:  # ids never admitted (no row) read their field's rare row
                 ids = np.where(self.touched[ids], ids, self.rare[batch.fields])
             w = table.lookup(ids)[:, 0]
-        if batch.values is not None:
-            w = w * batch.values
-        if batch.fixed_width:
-            logits = w.reshape(batch.num_rows, batch.num_fields).sum(axis=1)
-        else:
-            logits = np.bincount(batch.row_index(), weights=w, minlength=batch.num_rows).astype(np.float32)
-        bias, weight = self.model.numpy_params()
-        if weight is not None:
-            logits = logits + batch.dense @ weight
-        return logits + bias
+        return self.model.logits(batch, w)
 
     @property
     def touched(self) -> np.ndarray:
@@ -154,8 +150,8 @@ class ModelBundle:
             weights.update(w)
             optim.update(o)
             table_rows[name] = int(len(rows))
-        for (pname, p), state in zip(self.model.named_parameters(), self.dense_opt.state):
-            weights[f"dense.{pname}"] = p.detach().numpy()
+        for (pname, p), state in zip(dense_params(self.model), self.dense_opt.state):
+            weights[f"dense.{pname}"] = p
             for key, arr in state.items():
                 optim[f"dense.{pname}.{key}"] = arr
         if self.counts is not None:  # ids seen but not admitted yet: a warm start goes on counting
@@ -170,12 +166,12 @@ class ModelBundle:
             "dense_fields": list(self.encoder.dense_fields),
             "model": {"kind": self.config.model.kind,
                       "tables": [dataclasses.asdict(t) for t in self.model.tables],
-                      "dense_parameters": sum(p.numel() for p in self.model.parameters()),
+                      "dense_parameters": dense_size(self.model),
                       "table_rows": table_rows},
             "rows_trained": self.rows_trained,
             "steps": self.steps,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "torch": torch.__version__,
+            "torch": torch_version(),
             **({"parent": self.parent} if self.parent else {}),
             **(extra or {}),
         }
@@ -198,12 +194,12 @@ class ModelBundle:
             for name, table in bundle.tables.items():
                 table.load_rows(*table_arrays(arrays, name))
             bundle.load_counts(arrays)  # min_count > 1: the ids each shard counted but did not admit
-        dense, params = exports[0]["dense"], list(bundle.model.parameters())
+        params = [a for _, a in dense_params(bundle.model)]
         if params:
-            torch.nn.utils.vector_to_parameters(torch.from_numpy(np.array(dense)), params)
+            set_dense(bundle.model, exports[0]["dense"])
             offset = 0
             for p, state in zip(params, bundle.dense_opt.state):
-                n = p.numel()
+                n = p.size
                 for key, arr in state.items():
                     if f"dense.{key}" in exports[0]:
                         arr[...] = exports[0][f"dense.{key}"][offset:offset + n].reshape(arr.shape)
@@ -231,10 +227,9 @@ class ModelBundle:
         bundle.manifest = manifest
         bundle.rows_trained = manifest.get("rows_trained", 0)
         bundle.steps = manifest.get("steps", 0)
-        params = dict(bundle.model.named_parameters())
-        for pname, p in params.items():
+        for pname, p in dense_params(bundle.model):
             try:
-                p.data.copy_(torch.from_numpy(weights[f"dense.{pname}"]))
+                p[...] = weights[f"dense.{pname}"]
             except KeyError:
                 raise ModelDirError(f"{model_dir}: weights lack dense.{pname}: the version was saved by a mariana "
                                     "whose model had other parameters (e.g. an 'fm' model from before its FM term "
@@ -245,7 +240,7 @@ class ModelBundle:
                 t.load_rows(*table_arrays(arrays, name))
             except KeyError as e:
                 raise ModelDirError(f"{model_dir}: weights lack {e}") from None
-        for (pname, _), st in zip(bundle.model.named_parameters(), bundle.dense_opt.state):
+        for (pname, _), st in zip(dense_params(bundle.model), bundle.dense_opt.state):
             for key in st:
                 if f"dense.{pname}.{key}" in optim:
                     st[key][...] = optim[f"dense.{pname}.{key}"]
@@ -396,7 +391,7 @@ class Snapshot:
         for name, t in bundle.tables.items():
             rows = t.touched_rows()
             self.tables[name] = (rows, t.weights[rows], {k: v[rows] for k, v in t.state.items()})
-        self.dense = [p.detach().clone() for p in bundle.model.parameters()]
+        self.dense = [p.copy() for _, p in dense_params(bundle.model)]
         self.dense_state = [{k: v.copy() for k, v in st.items()} for st in bundle.dense_opt.state]
         self.steps, self.rows_trained = bundle.steps, bundle.rows_trained
         self.counts = bundle.counts.array.copy() if bundle.counts is not None else None
@@ -409,9 +404,8 @@ class Snapshot:
                 arr[t.touched] = 0.0
             t.touched[:] = False
             t.load_rows(rows, weights, state)
-        with torch.no_grad():
-            for p, saved in zip(bundle.model.parameters(), self.dense):
-                p.copy_(saved)
+        for (_, p), saved in zip(dense_params(bundle.model), self.dense):
+            p[...] = saved
         for st, saved in zip(bundle.dense_opt.state, self.dense_state):
             for k, v in saved.items():
                 st[k][...] = v
@@ -421,10 +415,24 @@ class Snapshot:
 
 
 def _sigmoid(logits: np.ndarray) -> np.ndarray:
-    """Click probabilities of many logits: torch's sigmoid, one op (importing scipy for its
-    expit cost a command 0.07-0.18 s after torch; on 200k rows torch's is also faster, 0.04
-    ms against 0.5)."""
-    return torch.sigmoid(torch.from_numpy(np.ascontiguousarray(logits, np.float32))).numpy()
+    """Click probabilities of many logits, float32, in numpy (importing scipy for its expit
+    cost a command 0.07-0.18 s; an LR job imports no torch): exp of -|x| only, so no logit
+    overflows."""
+    x = np.asarray(logits, np.float32)
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(np.float32, copy=False)
+
+
+def torch_version() -> str:
+    """The installed torch's version, recorded in a manifest, without importing torch."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "none"
 
 
 def _few_sigmoid(logits: np.ndarray) -> np.ndarray:

@@ -126,7 +126,7 @@ class TrainConfig:
     epochs: int | str = 1              # passes over the data, or "auto" (early stopping)
     batch_size: int | str = AUTO       # rows per step, or "auto": about rows/200, a power of 2 in 256..4096
     prefetch: int = 2                  # encoded blocks queued ahead of the trainer
-    threads: int = 0                   # torch intra-op threads; 0 = auto (lr: 1, dnn: every core)
+    threads: int = 0                   # the DNN's torch intra-op threads; 0 = every core (LR's step: numpy, 1)
     valid_fraction: float = 0.0        # hold out the last F of the training rows for validation
     patience: int = 1                  # epochs = "auto": stop after this many epochs without a better valid logloss
     max_epochs: int = 10               # epochs = "auto": the most epochs it may run

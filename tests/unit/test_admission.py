@@ -19,7 +19,6 @@ from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
 from mariana.trainer.config import load_config
 from mariana.trainer.data import BatchStream
-from mariana.trainer.models.base import unique_ids
 from mariana.trainer.strategies.local import local_step
 from mariana.trainer.strategies.ps_shard import ParamShard
 from mariana.trainer.strategies.ps_step import compute_grads
@@ -230,7 +229,7 @@ def test_predict_reads_rare_rows_alike_on_the_few_rows_path_and_the_unique_path(
 
 def reference_step(b: ModelBundle, batch: SparseBatch) -> None:
     """local_step as it was before admission existed."""
-    uniq, inverse = unique_ids(batch)
+    uniq, inverse = batch.unique()
     pulled = {name: t.gather(uniq) for name, t in b.tables.items()}
     result = compute_grads(b.model, batch, inverse, pulled)
     for name, grads in result.row_grads.items():
@@ -348,7 +347,7 @@ def ps_train(shards: list[ParamShard], b: ModelBundle, batches: list[SparseBatch
         ok = ok[:len(uniq)]
         red, src = admission.redirect(batch, ok, b.rare)
         new_uniq, new_inverse = red.unique()
-        result = compute_grads(b.model, red, torch.from_numpy(new_inverse), {k: v[src] for k, v in rows.items()})
+        result = compute_grads(b.model, red, new_inverse, {k: v[src] for k, v in rows.items()})
         for s, sh in enumerate(shards):
             sel, seen = np.flatnonzero(new_uniq % n == s), np.flatnonzero((uniq % n == s) & ~ok)
             sh.push(f"e1/c:{step}", batch.num_rows, new_uniq[sel], {k: g[sel] for k, g in result.row_grads.items()},

@@ -1,4 +1,5 @@
-"""The step's sparse gradients equal autograd on a full dense table; the model registry."""
+"""The step's sparse gradients equal autograd on a full dense table (LR's numpy step against
+torch's autograd of the same formula); the model registry."""
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +13,8 @@ from mariana.sparse.errors import ConfigError
 from mariana.trainer.config import ModelConfig
 from mariana.trainer.dense import loss_fn
 from mariana.trainer.models import MODELS, build_model
-from mariana.trainer.models.base import make_input
+from mariana.trainer.models.base import make_input, pool_fields
+from mariana.trainer.models.registry import uses_torch
 from mariana.trainer.strategies.ps_step import compute_grads
 
 NUM_IDS, FIELDS, DENSE = 40, 5, 3
@@ -34,6 +36,18 @@ def batch(fixed=True, seed=0, rows=16) -> SparseBatch:
                        num_fields=FIELDS, num_ids=NUM_IDS, values=None, dense=dense, labels=labels)
 
 
+def torch_forward(model, x):
+    """(logits, dense parameters as leaves) by autograd: a torch model's own forward; for
+    numpy's LR, its formula in torch (sum of value * weight per row + dense @ w + bias)."""
+    if uses_torch(model):
+        return model(x), list(model.parameters())
+    leaves = [torch.from_numpy(a.copy()).requires_grad_() for _, a in model.named_arrays()]
+    logits = pool_fields(x, "linear").sum(dim=(1, 2)) + leaves[0]
+    if len(leaves) > 1:
+        logits = logits + x.dense @ leaves[1][0]
+    return logits, leaves
+
+
 def full_tables(model, seed=1):
     g = torch.Generator().manual_seed(seed)
     return {t.name: torch.randn(NUM_IDS, t.dim, generator=g) * 0.3 for t in model.tables}
@@ -50,23 +64,52 @@ def test_step_gradients_equal_autograd_on_full_tables(kind, interaction, fixed):
     # Reference: every table row is a leaf; the batch indexes the whole table.
     leaves = {n: t.clone().requires_grad_() for n, t in tables.items()}
     x = make_input(b, torch.from_numpy(b.ids), leaves)
-    loss = F.binary_cross_entropy_with_logits(model(x), torch.from_numpy(b.labels), reduction="sum")
-    model.zero_grad()
+    logits, params = torch_forward(model, x)
+    loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(b.labels), reduction="sum")
     loss.backward()
     ref_rows = {n: leaf.grad.numpy().copy() for n, leaf in leaves.items()}
-    ref_dense = [p.grad.numpy().copy() for p in model.parameters()]
+    ref_dense = [p.grad.numpy().copy() for p in params]
 
     # The step: pull only the unique ids, get one gradient row per pulled id.
     uniq, inverse = b.unique()
     pulled = {n: t.numpy()[uniq] for n, t in tables.items()}
-    step = compute_grads(model, b, torch.from_numpy(inverse), pulled)
+    step = compute_grads(model, b, inverse, pulled)
     assert step.loss_sum == pytest.approx(loss.item(), rel=1e-5)
     for n in tables:
         np.testing.assert_allclose(step.row_grads[n], ref_rows[n][uniq], rtol=1e-4, atol=1e-6)
         untouched = np.setdiff1d(np.arange(NUM_IDS), uniq)
         assert not ref_rows[n][untouched].any()
+    assert len(step.dense_grads) == len(ref_dense)
     for got, want in zip(step.dense_grads, ref_dense):
+        assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_lr_takes_no_other_loss_and_imports_no_torch():
+    """LR's step is numpy's closed form of the logloss: another loss is refused, not ignored;
+    building, stepping and predicting an LR bundle import no torch (a fresh process)."""
+    import subprocess
+    import sys
+
+    model = build_model(ModelConfig(kind="lr"), FIELDS, DENSE)
+    b = batch()
+    uniq, inverse = b.unique()
+    with pytest.raises(TypeError, match="logloss only"):
+        compute_grads(model, b, inverse, {"linear": np.zeros((len(uniq), 1), np.float32)}, loss=loss_fn("mse", "sum"))
+    code = ("import sys, numpy as np\n"
+            "from mariana.sparse.schema import criteo\n"
+            "from mariana.trainer.bundle import ModelBundle\n"
+            "from mariana.trainer.config import load_config\n"
+            "from mariana.trainer.strategies.local import local_step\n"
+            "from mariana.sparse.batch import SparseBatch\n"
+            "b = ModelBundle(load_config(overrides={'hashing.bits': 10, 'model.kind': 'lr'}, env={}), criteo())\n"
+            "f = b.encoder.num_fields\n"
+            "x = SparseBatch.from_fixed(np.arange(40 * f).reshape(40, f) % 1024, num_ids=1024,\n"
+            "    dense=np.ones((40, 13), np.float32), labels=(np.arange(40) % 2).astype(np.float32))\n"
+            "local_step(b, x); p = b.predict(x)\n"
+            "print('torch' in sys.modules, p.shape, b.tables['linear'].touched.sum() > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "(40,)", "True"], out
 
 
 def test_the_step_takes_another_loss():
@@ -94,7 +137,8 @@ def test_model_kinds_come_from_the_registry():
 
 
 def test_base_imports_no_model_module():
-    """The registry breaks the old cycle: base.py (what models share) imports none of them."""
+    """The registry breaks the old cycle: base.py (what torch models share) imports none of
+    them, only the registry's torch-free parts."""
     import ast
 
     from mariana.trainer.models import base
@@ -102,7 +146,8 @@ def test_base_imports_no_model_module():
     tree = ast.parse(Path(base.__file__).read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert not [m for m in names if m.startswith("mariana.trainer.models")], names
+    assert not [m for m in names if m.startswith("mariana.trainer.models") and m != "mariana.trainer.models.registry"], \
+        names
 
 
 def test_build_model_seeds_and_sets_the_bias():
@@ -118,7 +163,7 @@ def test_lr_gradient_by_hand():
     b = SparseBatch.from_fixed(np.array([[1, 2], [2, 3]]), num_ids=8, labels=np.array([1, 0], np.float32))
     uniq, inverse = b.unique()
     w = np.array([[0.5], [-0.25], [1.0], [0.0], [0.0], [0.0], [0.0], [0.0]], np.float32)
-    step = compute_grads(model, b, torch.from_numpy(inverse), {"linear": w[uniq]})
+    step = compute_grads(model, b, inverse, {"linear": w[uniq]})
     p = 1 / (1 + np.exp(-np.array([-0.25 + 1.0, 1.0 + 0.0])))  # rows: ids (1, 2) and (2, 3)
     want = {1: p[0] - 1, 2: (p[0] - 1) + p[1], 3: p[1]}
     got = dict(zip(uniq.tolist(), step.row_grads["linear"][:, 0].tolist()))
@@ -159,13 +204,12 @@ def test_linear_table_take_matches_index_select_and_its_gradient():
 
 @pytest.mark.parametrize("form", ["few rows", "csr", "a block's unique ids", "admission"])
 def test_lr_predicts_in_numpy_what_its_torch_forward_gives(form):
-    """`ModelBundle.predict` scores LR in numpy (no torch dispatch on a request's row); the
-    probabilities must be the torch model's, in every form a batch comes in."""
+    """`ModelBundle.predict` scores LR in numpy; the probabilities must be those of its
+    formula in torch (`torch_forward`), in every form a batch comes in."""
     from mariana.sparse import admission
     from mariana.sparse.schema import criteo
     from mariana.trainer.bundle import ModelBundle
     from mariana.trainer.config import load_config
-    from mariana.trainer.models.base import unique_ids
 
     cfg = load_config(overrides={"hashing.bits": 10, "hashing.numeric": "both", "model.kind": "lr",
                                  "hashing.min_count": 3 if form == "admission" else 1}, env={})
@@ -175,9 +219,8 @@ def test_lr_predicts_in_numpy_what_its_torch_forward_gives(form):
     table.weights[:] = rng.normal(0, 0.5, table.weights.shape).astype(np.float32)
     table.touched[:] = rng.random(table.num_rows) < 0.7  # untouched ids read 0 (or, with admission, the rare row)
     table.weights[~table.touched] = 0.0
-    with torch.no_grad():
-        b.model.bias.fill_(-0.3)
-        b.model.dense.weight.copy_(torch.from_numpy(rng.normal(0, 0.2, b.model.dense.weight.shape).astype(np.float32)))
+    b.model.bias[...] = -0.3
+    b.model.weight[...] = rng.normal(0, 0.2, b.model.weight.shape).astype(np.float32)
     f, dense = b.encoder.num_fields, rng.random((12, 13)).astype(np.float32)
     if form == "csr":
         counts = rng.integers(0, 5, 12)
@@ -190,9 +233,10 @@ def test_lr_predicts_in_numpy_what_its_torch_forward_gives(form):
         if form == "a block's unique ids":
             batch.unique()
     ref = batch if form != "admission" else admission.lookup_ids(batch, b.touched, b.rare)
-    uniq, inverse = unique_ids(ref)
+    uniq, inverse = ref.unique()
     with torch.no_grad():
-        want = torch.sigmoid(b.model(make_input(ref, inverse, {"linear": torch.from_numpy(table.lookup(uniq))})))
+        want = torch.sigmoid(torch_forward(b.model, make_input(ref, inverse, {
+            "linear": torch.from_numpy(table.lookup(uniq))}))[0])
     got = b.predict(batch)
     assert got.dtype == np.float32 and got.shape == (12,)
     np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-6)

@@ -1,5 +1,6 @@
-"""What every CTR model shares: its hashed tables, the model input, pooling,
-and the registry of model kinds that `build_model` reads.
+"""What torch models share: the model input, pooling, and `CTRModel`. The registry of
+model kinds, `TableSpec` and the parameters as numpy arrays are in `registry` (torch-free:
+logistic regression is numpy only, see `trainer/models/lr.py`).
 
 A model does not own its hashed tables (they may be far larger than memory
 of one process, and live on parameter-server shards). The trainer pulls the
@@ -10,24 +11,15 @@ duplicates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from mariana.sparse.batch import SparseBatch
-from mariana.sparse.errors import ConfigError
+from mariana.trainer.models.registry import TableSpec
 
-
-@dataclass(frozen=True)
-class TableSpec:
-    """A hashed table the model reads: name, row width, init, optimizer role."""
-
-    name: str
-    dim: int
-    init_scale: float
-    role: str  # "linear" (per-id weights) or "embedding"
+__all__ = ["CTRModel", "ModelInput", "TableSpec", "make_input", "pool_fields"]
 
 
 @dataclass
@@ -56,16 +48,12 @@ class ModelInput:
         return self.row_index is None
 
 
-def unique_ids(batch: SparseBatch) -> tuple[np.ndarray, torch.Tensor]:
-    """(unique ids (U,), inverse (nnz,)): the rows to pull and each entry's index into them."""
-    uniq, inverse = batch.unique()
-    return uniq, torch.from_numpy(inverse)
-
-
-def make_input(batch: SparseBatch, inverse: torch.Tensor, rows: dict[str, torch.Tensor]) -> ModelInput:
+def make_input(batch: SparseBatch, inverse: np.ndarray | torch.Tensor, rows: dict[str, torch.Tensor]) -> ModelInput:
+    """The model's input: `inverse` (each entry's row in `rows`, as `SparseBatch.unique`
+    gives it) as an int64 tensor."""
     fixed = batch.fixed_width
     return ModelInput(
-        local_ids=inverse,
+        local_ids=torch.as_tensor(np.asarray(inverse, np.int64)) if isinstance(inverse, np.ndarray) else inverse,
         values=None if batch.values is None else torch.from_numpy(batch.values),
         fields=None if fixed else torch.from_numpy(batch.fields).long(),
         row_index=None if fixed else torch.from_numpy(batch.row_index()),
@@ -111,8 +99,10 @@ def pool_fields(x: ModelInput, table: str) -> torch.Tensor:
 
 
 class CTRModel(nn.Module):
-    """Base of click models: `tables` to pull, `forward(x) -> logits (B,)`, and the same
-    logits in numpy for a request's few rows (`numpy_logits`)."""
+    """Base of torch click models: `tables` to pull, `forward(x) -> logits (B,)`, and the
+    same logits in numpy for a request's few rows (`numpy_logits`). A numpy-only model
+    (LR) has the same `tables` and `numpy_logits`, plus `uses_torch = False`,
+    `named_arrays()` and its own step (`numpy_grads`)."""
 
     tables: tuple[TableSpec, ...] = ()
 
@@ -125,36 +115,3 @@ class CTRModel(nn.Module):
         values 1): `rows` holds each table's row per entry, `dense` the (B, Dd) block. No
         torch dispatch: `ModelBundle.predict_rows` scores a request's rows with it."""
         raise NotImplementedError
-
-
-# kind -> builder(cfg, num_fields, dense_dim, image_dim, image_tower) -> CTRModel. Each model
-# module registers its own; importing `mariana.trainer.models` imports them all.
-MODELS: dict[str, Callable[..., CTRModel]] = {}
-
-
-def register(kind: str) -> Callable:
-    """Decorator: the builder of model kind `kind` (`@register("lr")`)."""
-    def add(builder: Callable[..., CTRModel]) -> Callable[..., CTRModel]:
-        if MODELS.setdefault(kind, builder) is not builder:
-            raise ValueError(f"model kind {kind!r} registered twice ({MODELS[kind].__module__}, {builder.__module__})")
-        return builder
-    return add
-
-
-def build_model(cfg, num_fields: int, dense_dim: int, image_dim: int = 0, image_tower: int = 32) -> CTRModel:
-    """The model of `cfg.kind` (a ModelConfig's) for a schema's field layout, its
-    parameters drawn after `torch.manual_seed(cfg.seed)`.
-
-    `image_dim` columns of creative features follow the `dense_dim` numeric ones
-    in the dense block: LR weighs them like any dense value (mode 1), the DNN
-    gives them a tower of their own (mode 2).
-    """
-    builder = MODELS.get(cfg.kind)
-    if builder is None:
-        raise ConfigError(f"model.kind: unknown model {cfg.kind!r} (known: {', '.join(sorted(MODELS))})")
-    torch.manual_seed(cfg.seed)
-    model = builder(cfg, num_fields, dense_dim, image_dim, image_tower)
-    if not isinstance(cfg.init_bias, str):  # "auto" is resolved before training; unresolved, it is 0
-        with torch.no_grad():
-            model.bias.fill_(cfg.init_bias)
-    return model

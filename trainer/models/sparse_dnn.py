@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mariana.trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields, register
+from mariana.trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields
+from mariana.trainer.models.registry import register
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:

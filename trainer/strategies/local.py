@@ -19,15 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.metrics import BinaryMetrics
 from mariana.trainer.bundle import ModelBundle, Snapshot
 from mariana.trainer.config import LOWER_RATES
 from mariana.trainer.data import BatchStream, RowRange
-from mariana.trainer.models.base import unique_ids
+from mariana.trainer.models.registry import uses_torch
 from mariana.trainer.strategies.ps_step import StepResult, compute_grads
 
 log = logging.getLogger(__name__)
@@ -71,7 +69,7 @@ class Validation:
 def local_step(bundle: ModelBundle, batch: SparseBatch) -> StepResult:
     """Pull the batch's rows from the in-process tables, compute, apply."""
     batch = bundle.admit(batch)  # hashing.min_count > 1: ids not admitted yet -> their field's rare id
-    uniq, inverse = unique_ids(batch)
+    uniq, inverse = batch.unique()
     pulled = {name: t.gather(uniq) for name, t in bundle.tables.items()}
     result = compute_grads(bundle.model, batch, inverse, pulled)
     for name, grads in result.row_grads.items():
@@ -98,7 +96,8 @@ def train_local(bundle: ModelBundle, paths: list[str],
     validation. `log_epochs=False` logs each
     epoch's validation at DEBUG (a tuner's trials)."""
     cfg = bundle.config
-    set_threads(cfg.train.threads or (1 if cfg.model.kind == "lr" else os.cpu_count() or 1))
+    if uses_torch(bundle.model):  # LR's step is numpy's, single-threaded: no torch to set (or import)
+        set_threads(cfg.train.threads or os.cpu_count() or 1)
     stream = BatchStream(paths, bundle.encoder, cfg.data.block_bytes, cfg.train.prefetch,
                          cfg.data.parse_threads, labeled=True, batch_rows=cfg.train.batch_size,
                          workers=cfg.data.parse_workers, rows=rows)
@@ -237,6 +236,9 @@ def evaluate(bundle: ModelBundle, paths: list[str], rows: RowRange | None = None
 
 
 def set_threads(n: int) -> None:
+    """torch's intra-op threads (imports torch)."""
+    import torch
+
     if n > 0 and torch.get_num_threads() != n:
         torch.set_num_threads(n)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import re
 
 import numpy as np
-import torch
 
 from mariana.sparse import admission
 from mariana.sparse.encode import Encoder
@@ -34,17 +33,11 @@ from mariana.sparse.schema import Schema
 from mariana.sparse.table import HashedTable
 from mariana.trainer.bundle import TABLE_PREFIX, table_arrays, table_export, table_optimizer, version_export
 from mariana.trainer.config import JobConfig
-from mariana.trainer.models import build_model
+from mariana.trainer.models.registry import build_model, dense_params, dense_vector, uses_torch
 from mariana.trainer.strategies.ps_step import DenseOptimizer
 
 
 STEP_RE = re.compile(r"^e(\d+)/.+")
-
-
-def dense_vector(model: torch.nn.Module) -> np.ndarray:
-    """The model's dense parameters as one flat float32 vector, in `parameters()` order."""
-    params = [p.detach().reshape(-1) for p in model.parameters()]
-    return torch.cat(params).numpy().copy() if params else np.zeros(0, np.float32)
 
 
 class ParamShard:
@@ -56,7 +49,7 @@ class ParamShard:
         encoder = Encoder(schema, config.hashing)
         model = build_model(config.model, encoder.num_fields, encoder.dense_dim, image_width, config.images.tower)
         self.specs = {t.name: t for t in model.tables}
-        self.dense_names = [name for name, _ in model.named_parameters()]  # the flat vector's parts, in order
+        self.dense_names = [name for name, _ in dense_params(model)]  # the flat vector's parts, in order
         num_ids = config.hashing.num_ids
         local_rows = (num_ids - shard + num_shards - 1) // num_shards
         self.tables = {t.name: HashedTable(t.name, local_rows, t.dim, t.init_scale, seed=config.model.seed,
@@ -64,9 +57,15 @@ class ParamShard:
         self.optimizers = {t.name: table_optimizer(config, t.role) for t in model.tables}
         # Dense parameters live on shard 0, as one flat vector (AdaGrad is per element).
         self.dense = dense_vector(model) if shard == 0 else np.zeros(0, np.float32)
+        # stepped as the local trainer steps this kind of model: torch's ops for a torch model (on a tensor
+        # over the same memory), numpy's for LR; on the CPU the same numbers either way (DenseOptimizer)
+        flat = self.dense
+        if uses_torch(model):
+            import torch
+
+            flat = torch.from_numpy(self.dense)
         self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,
-                                                initial_accumulator=config.optim.initial_accumulator),
-                                        [self.dense])
+                                                initial_accumulator=config.optim.initial_accumulator), [flat])
         self.applied: dict[str, int] = {}  # step id -> rows, for every step applied here
         k = config.hashing.min_count
         self.counts = admission.Counts(local_rows, k) if k > 1 else None

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
-import torch
 
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.metrics import score_histogram
 from mariana.sparse.optim import AdaGrad
-from mariana.trainer.dense import Loss, loss_fn
-from mariana.trainer.models.base import CTRModel, make_input
+from mariana.trainer.models.registry import uses_torch
 
-LOGLOSS_SUM = loss_fn("bce", "sum")  # binary cross-entropy on logits, summed over the batch
+if TYPE_CHECKING:  # torch is imported where a torch model or tensor needs it: an LR job never does
+    import torch
+
+    from mariana.trainer.dense import Loss
 
 
 @dataclass
@@ -31,12 +32,23 @@ class StepResult:
     score_hist: tuple[np.ndarray, np.ndarray] | None = None  # (pos, neg) per logit bin: progressive AUC
 
 
-def compute_grads(model: CTRModel, batch: SparseBatch, inverse: torch.Tensor, pulled: dict[str, np.ndarray],
-                  loss: Loss = LOGLOSS_SUM) -> StepResult:
+def compute_grads(model, batch: SparseBatch, inverse: np.ndarray, pulled: dict[str, np.ndarray],
+                  loss: Loss | None = None) -> StepResult:
     """Forward and backward on one batch; `pulled[t]` holds table t's rows for
-    the batch's unique ids and `inverse` maps each entry to its row. `loss`
-    (logits, labels) -> the batch's summed loss. The gradients come back as numpy
-    arrays (CPU), as the tables and the wire take them."""
+    the batch's unique ids and `inverse` maps each entry to its row (`batch.unique()`).
+    `loss` (logits, labels) -> the batch's summed loss; None: logloss (binary
+    cross-entropy on logits, summed), the only loss of a numpy model's own step (LR's
+    `numpy_grads`). The gradients come back as numpy arrays (CPU), as the tables and
+    the wire take them."""
+    if not uses_torch(model):
+        if loss is not None:
+            raise TypeError(f"{type(model).__name__} trains on logloss only (its step is numpy's), not {loss!r}")
+        return model.numpy_grads(batch, np.asarray(inverse), pulled)
+    import torch
+
+    from mariana.trainer.models.base import make_input
+
+    loss = loss or _logloss_sum()
     rows = {name: torch.from_numpy(r).requires_grad_() for name, r in pulled.items()}
     logits = model(make_input(batch, inverse, rows))
     loss_sum = loss(logits, torch.from_numpy(batch.labels))
@@ -49,18 +61,25 @@ def compute_grads(model: CTRModel, batch: SparseBatch, inverse: torch.Tensor, pu
         score_hist=score_histogram(batch.labels, logits.detach().numpy()))
 
 
-class DenseOptimizer:
-    """`AdaGrad`'s step (sparse/optim.py) on whole dense tensors, every element each step,
-    with torch ops on the parameters' own device: the same float32 operations in the
-    same order as the numpy step on table rows, so on the CPU the same numbers.
+def _logloss_sum() -> Loss:
+    from mariana.trainer.dense import loss_fn
 
-    `params` (one device, one dtype) are updated in place: tensors (the model's
-    parameters) or arrays, which are shared, not copied (a PS shard's flat dense
-    vector). AdaGrad's sums of squared gradients live in one flat tensor, `sums` its
+    return loss_fn("bce", "sum")
+
+
+class DenseOptimizer:
+    """`AdaGrad`'s step (sparse/optim.py) on whole dense parameters, every element each step.
+    Tensors (a torch model's parameters) step with torch ops on their own device: the
+    same float32 operations in the same order as the numpy step on table rows, so on the
+    CPU the same numbers. Arrays (a numpy model's, or a PS shard's flat dense vector)
+    step with that numpy step itself, and torch is not imported.
+
+    `params` (one device, one dtype) are updated in place, shared, not copied.
+    AdaGrad's sums of squared gradients live in one flat tensor or array, `sums` its
     per-parameter views; `state` shows them as numpy arrays over the same memory (CPU
     parameters): what checkpoints and snapshots read and write back.
 
-    >>> w = torch.zeros(2)
+    >>> w = np.zeros(2, np.float32)
     >>> DenseOptimizer(AdaGrad(lr=0.1, initial_accumulator=1e-8), [w]).apply([np.array([1.0, -2.0], np.float32)])
     >>> w.tolist()  # a first step: -lr * sign(g)
     [-0.1..., 0.1...]
@@ -70,6 +89,17 @@ class DenseOptimizer:
         if not isinstance(opt, AdaGrad):
             raise TypeError(f"dense parameters train with AdaGrad, not {type(opt).__name__}")
         self.opt = opt
+        self.torch = not all(isinstance(p, np.ndarray) for p in params)
+        if not self.torch:
+            kinds = {p.dtype for p in params}
+            if len(kinds) > 1:
+                raise ValueError(f"dense parameters on one device and of one dtype, not {sorted(map(str, kinds))}")
+            self.params = list(params)
+            self._sum = np.zeros(sum(p.size for p in self.params), kinds.pop() if kinds else np.float32)
+            self.sums = _views(self._sum, self.params)
+            return
+        import torch
+
         self.params = [torch.as_tensor(p).detach() for p in params]
         kinds = {(p.device, p.dtype) for p in self.params} or {(torch.device("cpu"), torch.float32)}
         if len(kinds) > 1:
@@ -83,10 +113,16 @@ class DenseOptimizer:
 
     @property
     def state(self) -> list[dict[str, np.ndarray]]:
-        return [{"sum_sq": s.numpy()} for s in self.sums]
+        return [{"sum_sq": s.numpy() if self.torch else s} for s in self.sums]
 
     def apply(self, grads: Sequence[torch.Tensor | np.ndarray]) -> None:
         """One step; `grads` (tensors or arrays) in the order of `params`."""
+        if not self.torch:
+            for w, acc, g in zip(self.params, self.sums, grads):
+                self.opt.step(w, {"sum_sq": acc}, np.asarray(g, w.dtype).reshape(w.shape))
+            return
+        import torch
+
         lr, init = self.opt.lr, self.opt.initial_accumulator
         with _one_thread(self._sum.device):
             gs = [torch.as_tensor(g, device=w.device) for g, w in zip(grads, self.params)]
@@ -95,8 +131,11 @@ class DenseOptimizer:
             torch._foreach_addcdiv_(self.params, gs, self._denoms, value=-lr)   # w -= lr * g / sqrt(...)
 
 
-def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`flat` cut into views shaped as `like`."""
+def _views(flat, like: list) -> list:
+    """`flat` (a tensor or an array) cut into views shaped as `like`."""
+    if isinstance(flat, np.ndarray):
+        ends = np.cumsum([p.size for p in like])
+        return [flat[end - p.size:end].reshape(p.shape) for end, p in zip(ends, like)]
     return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in like]), like)]
 
 
@@ -111,11 +150,13 @@ def _sqrt_(x: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
+def _one_thread(device) -> Iterator[None]:
     """On the CPU, torch's ops without intra-op threads, as numpy's: on tensors this small
     a parallel region costs more than it saves, and on a busy machine (the parse threads)
     it waits for a descheduled thread (the DNN's dense update in `mariana train`, 2 cores:
     0.68 -> 0.38 ms a step)."""
+    import torch
+
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads == 1:
         yield

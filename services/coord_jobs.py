@@ -101,6 +101,11 @@ class JobRunner:
                      f" (validation: {run.request['holdout']['source']})" if run.request.get("holdout") else "",
                      f", warm start from {run.request['init_from']}" if run.request.get("init_from") else "")
         try:
+            if led.published is not None:  # restarted after writing the version: only the end was left
+                log.info("%s: job %s: %s/%s was published before the restart; ending the job", self.coord.name,
+                         run.id, led.published.get("model_dir"), led.published.get("model_version"))
+                await self.complete(run, dict(led.published))
+                return
             if run.spec.config.images.creatives and run.spec.images is None:
                 await self.prepare_images(run)  # before any shard or preprocess reads the spec
             for i in range(len(self.coord.shards)):
@@ -236,6 +241,10 @@ class JobRunner:
         led = run.ledger
         self.set_phase(run, f"exporting the tables of {len(self.coord.shards)} shard(s)")
         applied = [(await self.shard_call(run, i, "ShardStats"))["rows"] for i in range(len(self.coord.shards))]
+        done = sum(led.rows_done.values())
+        if done and not any(int(n) for a in applied for n in a.values()):
+            raise MarianaError(f"the shards hold none of the {done:,} rows this job applied (their state was "
+                               "dropped): nothing published")
         exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
         exports, valid = self.coord.validation.kept_export(run, exports)
         run.best_export = None
@@ -268,12 +277,19 @@ class JobRunner:
         })
         if run.state != "running":  # cancelled while the model was being assembled
             raise JobStopped()
+        # Journaled before the shards drop the job: a coordinator restarted from here on ends the
+        # job with this record; it never exports again (from shards that hold nothing any more).
+        self.coord.book.journal(run, "published", {"record": record})
+        await self.complete(run, record)
+
+    async def complete(self, run: JobRun, record: dict) -> None:
+        """A published job's end: the shards and cached batches let go, the job done, servers told."""
         await self.cleanup(run)  # a job reported done holds nothing any more (shards, cached batches)
         run.record, run.state, run.ended = record, "done", time.time()
         self.coord.book.ended(run)
         log.info("%s: job %s done: %s/%s, %d rows applied of %d x %d epochs, auc %s", self.coord.name, run.id,
                  record["model_dir"], record["model_version"], record["rows_applied"],
-                 record["rows_in_data"], led.epochs, record.get("auc"))
+                 record["rows_in_data"], run.ledger.epochs, record.get("auc"))
         await self.announce(record)
 
     async def announce(self, record: dict) -> None:

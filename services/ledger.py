@@ -135,6 +135,7 @@ class JobLedger(LedgerReport):
     epoch_summaries: list[dict] = field(default_factory=list)  # {epoch, seconds, rows, loss, auc} per finished one
     hist: dict = field(default_factory=dict)               # epoch -> (2, bins) positives/negatives per logit bin
     data_bytes: int = 0                                    # size of the sources (0: unknown): progress in epoch 1
+    published: dict | None = None                          # the record of the version written (then: only the end)
 
     # ---- the journal ---------------------------------------------------------------------
 
@@ -162,6 +163,10 @@ class JobLedger(LedgerReport):
             self.epoch_valid(int(d["epoch"]), d["metrics"])
         elif kind == "stop":
             self.stop_after(int(d["epochs"]))
+        elif kind == "published":
+            if not isinstance(d.get("record"), dict):
+                raise ValueError("a published event without its record")
+            self.published = dict(d["record"])
         else:
             raise ValueError(f"unknown journal event {kind!r}")
         return True

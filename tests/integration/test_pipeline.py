@@ -231,6 +231,39 @@ def test_coordinator_killed_and_restarted_mid_job_keeps_history_and_completes(da
         assert versions[0]["metrics"]["auc"] == rec["auc"]
 
 
+@pytest.mark.timeout(300)
+def test_coordinator_killed_after_publishing_ends_the_job_without_publishing_again(data, tmp_path):
+    """The window between writing a version and reporting the job done: the coordinator
+    tells the shards to drop the job (EndJob), then marks it done. Killed there (one shard
+    is stopped, so its EndJob waits), a new coordinator once exported again from shards
+    that had dropped everything and published an untrained model as v000002 (AUC 0.5,
+    0 rows applied; the chaos test caught it). Now it ends the job with the first record."""
+    big_test = tmp_path / "test_big.tsv"
+    generate_criteo(big_test, 150_000, seed=14)  # scoring it keeps the job in "evaluating" a while
+    with Cluster(tmp_path / "c", workers=1, ps=2) as c:
+        job = c.submit([data["small"]], tmp_path / "m", [big_test], job_config("lr", epochs=1))
+        summary = c.wait(job, 120, until=lambda s: s["state"] != "running" or str(s.get("phase")).startswith(
+            ("evaluating", "publishing")))
+        assert summary["state"] == "running", f"the job ended before its evaluation was seen: {summary}"
+        c.kill("ps-1", signal.SIGSTOP, wait=False)  # its EndJob will wait (the exports are taken)
+        try:
+            c.wait_for(lambda: (tmp_path / "m" / "CURRENT").exists(), 60)
+            assert c.job(job)["state"] == "running"  # written, not reported: the window
+            c.kill("coordinator-0", signal.SIGKILL)
+        finally:
+            c.kill("ps-1", signal.SIGCONT, wait=False)
+        c.restart("coordinator-0")
+        c.wait_http()
+        record = done_record(c, job)
+        log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
+    assert "was published before the restart" in log, log[-3000:]
+    assert sorted(p.name for p in (tmp_path / "m").glob("v*")) == ["v000001"]
+    assert record["model_version"] == "v000001"
+    assert_exactly_once(record, 1)
+    manifest = json.loads((tmp_path / "m" / "v000001" / "manifest.json").read_text())
+    assert manifest["metrics"]["auc"] == record["auc"] and record["auc"] > 0.65, record
+
+
 @pytest.mark.timeout(240)
 def test_bsp_and_bounded_staleness_jobs_count_exactly_once(data, tmp_path):
     """...and the coordinator announces each version it writes on Redis (what model

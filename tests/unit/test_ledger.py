@@ -461,6 +461,20 @@ def test_replaying_the_journal_rebuilds_the_ledger_and_leases_what_is_not_done()
     assert leased in again and sorted(again) == sorted(restored.epoch_steps(2))
 
 
+def test_a_published_record_survives_a_restart():
+    """Once the version is written the journal holds its record: a restarted coordinator ends
+    the job with it instead of exporting again (coord_jobs.JobRunner.run_job)."""
+    led = JobLedger("j1", epochs=1)
+    assert led.published is None
+    record = {"model_dir": "/m", "model_version": "v000001", "auc": 0.7, "rows_applied": 16}
+    assert led.apply("published", {"record": record}) is True
+    restored = JobLedger("j1", epochs=1)
+    restored.apply("published", {"record": record})
+    assert restored.published == record and restored.published is not record
+    with pytest.raises(ValueError, match="without its record"):
+        JobLedger("j1", epochs=1).apply("published", {"record": "v000001"})
+
+
 def test_bad_journal_events_change_nothing():
     led = ledger_with({"f0o0": [(0, 4)]})
     with pytest.raises(ValueError, match="unknown journal event"):

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from mariana.sparse.batch import SparseBatch, hash_unique
+from mariana.sparse.batch import SparseBatch
 from mariana.sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key, fmix64,
                             fnv1a64, int_codes, log_bucket, log_dense)
 from mariana.sparse.parse import Chunk
@@ -71,7 +71,9 @@ class Encoder:
                  for name, key in zip(self.sparse_fields, self._keys)]
         tables = np.concatenate([t for t, _ in codes]) if codes else np.zeros(0, np.int64)
         offsets = np.cumsum([0] + [len(t) for t, _ in codes[:-1]])
-        uniq, table_pos = hash_unique(tables)
+        # nearly all distinct (a field's table is; fields collide in ~1% of ids): numpy's sort beats a hash
+        # table here (75k ids: 1.0 ms against pyarrow's 3.3, torch.unique's 0.8), without importing torch
+        uniq, table_pos = np.unique(tables, return_inverse=True)
         local = np.empty((chunk.num_rows, self.num_fields), dtype=np.int64)  # (B, F) into uniq
         for j, ((_, index), off) in enumerate(zip(codes, offsets)):
             local[:, j] = table_pos[index + off]

@@ -20,6 +20,7 @@ from mariana.serving.errors import ServeError, bad_request
 from mariana.sparse.records import FEW_ROWS, concat_chunks, parse_records
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
+from mariana.trainer.models.registry import uses_torch
 
 SHOWN_BAD = 5  # bad instances named in one error message
 
@@ -40,11 +41,19 @@ class Predictor:
         self.loaded_at = time.time()
 
     @classmethod
-    def load(cls, model_dir: str, version: str | None = None) -> "Predictor":
+    def load(cls, model_dir: str, version: str | None = None, torch_threads: int | None = None) -> "Predictor":
         """The version (default: CURRENT), with one prediction made so that the first
-        client does not pay torch's lazy set-up. ModelDirError when it cannot be read."""
+        client does not pay a lazy set-up. A torch model (the DNN) imports torch here, not
+        in its first request of many rows, and sets its intra-op threads to
+        `torch_threads` when given (a server: one per worker process); an LR version
+        never imports torch. ModelDirError when it cannot be read."""
         version = version or checkpoint.current_version(model_dir)
         p = cls(ModelBundle.load(model_dir, version), model_dir, version)
+        if uses_torch(p.bundle.model):
+            import torch
+
+            if torch_threads:
+                torch.set_num_threads(torch_threads)
         p.predict([{}])
         return p
 

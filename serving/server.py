@@ -45,15 +45,12 @@ QUICK_DEATHS = 5            # a worker dying this many times in a row within 10 
 
 def run_worker(cfg: ServeConfig, index: int = 0, run_dir: str | None = None, config_path: str | None = None) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean stop, 1 when it could not start."""
-    import torch
-
     from mariana.services.runtime.tuning import pin_to_cpu
 
     # Before any thread starts (they inherit it): a worker that stays on its core keeps its caches.
     cpu = pin_to_cpu(index) if cfg.serve.pin_workers and cfg.serve.worker_count > 1 else None
     if cpu is not None:
         log.info("serve-%d: runs on CPU %d (serve.pin_workers)", index, cpu)
-    torch.set_num_threads(1)  # one model thread per process; the workers are the parallelism
     sys.setswitchinterval(0.001)  # the event loop gets the GIL back from the model thread within 1 ms
     try:
         return asyncio.run(_serve(cfg, index, run_dir, config_path))

@@ -64,8 +64,9 @@ class VersionWatcher:
             if kept:
                 new = self.previous  # a rollback: the version just replaced is still loaded
             else:
+                # one torch thread: a server's worker processes are its parallelism
                 new = await asyncio.get_running_loop().run_in_executor(self.loader, Predictor.load,
-                                                                       self.cfg.model_dir, version)
+                                                                       self.cfg.model_dir, version, 1)
         except (MarianaError, OSError, KeyError, ValueError, RuntimeError) as e:
             self.failed = version
             log.error("%s: cannot load %s/%s: %s; serving %s still", self.name, self.cfg.model_dir, version, e,

@@ -111,6 +111,29 @@ def test_a_few_requests_met_before_are_answered_in_one_pass_as_alone(tmp_path):
     assert [a.status for a in answer_batch(p, items, 10)] == [400, 200]
 
 
+def test_a_served_lr_model_imports_no_torch_and_a_dnn_gets_one_torch_thread(tmp_path):
+    """A server's worker loads through `Predictor.load(..., torch_threads=1)`: an LR version
+    never imports torch (a lighter worker: docs/benchmarks.md); a DNN
+    imports it at the load, not in a request, with one intra-op thread."""
+    import subprocess
+    import sys
+
+    for kind in ("lr", "dnn"):
+        cfg = load_config(overrides={"model.kind": kind, "hashing.bits": 10, "model.hidden": [8], "model.slots": 4},
+                          env={})
+        ModelBundle(cfg, criteo()).save(str(tmp_path / kind))
+    code = ("import sys\n"
+            "from mariana.serving.predictor import Predictor\n"
+            "p = Predictor.load(sys.argv[1], torch_threads=1)\n"
+            "loaded = 'torch' in sys.modules\n"
+            "p.predict([{'I1': 3, 'C1': 'ab'}] * 300)\n"  # many rows: the general path
+            "print(loaded, 'torch' in sys.modules, sys.modules['torch'].get_num_threads() if loaded else 0)")
+    got = {kind: subprocess.run([sys.executable, "-c", code, str(tmp_path / kind)], capture_output=True, text=True,
+                                check=True, env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout.split()
+           for kind in ("lr", "dnn")}
+    assert got == {"lr": ["False", "False", "0"], "dnn": ["True", "True", "1"]}, got
+
+
 def test_a_bad_instance_refuses_its_request_only(predictor):
     bad = rows(3) + [{"I1": "many"}, "x"]
     good, wrong, also_good = predictor.predict_many([rows(2), bad, rows(1, 5)])

@@ -107,7 +107,7 @@ class JobRunner:
                 await self.complete(run, dict(led.published))
                 return
             if run.spec.config.images.creatives and run.spec.images is None:
-                await self.prepare_images(run)  # before any shard or preprocess reads the spec
+                await prepare_images(self.coord, run)  # before any shard or preprocess reads the spec
             for i in range(len(self.coord.shards)):
                 await self.start_shard(run, i)
             if not led.source_done:
@@ -214,29 +214,6 @@ class JobRunner:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    async def prepare_images(self, run: JobRun) -> None:
-        """The featurizer stage's batch job: embed the creatives not cached in Redis yet,
-        and name their cache in the spec that preprocess, workers and shards read."""
-        cfg = run.spec.config.images
-        log.info("%s: job %s: image features of %s", self.coord.name, run.id, cfg.creatives)
-        info = await featurize_creatives(self.coord.cache, cfg, self.coord.counters)
-        info.pop("ids")
-        run.spec = dataclasses.replace(run.spec, images={"redis_key": info["redis_key"], "dim": info["dim"],
-                                                         "field": cfg.field, "set": info["set"], "info": info})
-        self.coord.book.save(run)
-
-    async def image_table(self, run: JobRun):
-        """The job's creatives that have cached features: the table its model version stores."""
-        if run.spec.images is None:
-            return None
-        from mariana.trainer.images import load_creative_set
-
-        img, cfg = run.spec.images, run.spec.config.images
-        # Redis may have restarted
-        await ensure_cached(self.coord.cache, cfg, img["redis_key"], img["set"], self.coord.counters)
-        cset = await asyncio.to_thread(load_creative_set, cfg.creatives)
-        return await creative_table(self.coord.cache, img["redis_key"], int(img["dim"]), cset.ids)
-
     async def finish(self, run: JobRun) -> None:
         led = run.ledger
         self.set_phase(run, f"exporting the tables of {len(self.coord.shards)} shard(s)")
@@ -248,7 +225,7 @@ class JobRunner:
         exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
         exports, valid = self.coord.validation.kept_export(run, exports)
         run.best_export = None
-        images = await self.image_table(run)
+        images = await image_table(self.coord, run)
         train_seconds = time.time() - run.started
         tests = run.request["test_data"]
         if tests and self.coord.inputs.enabled:
@@ -340,6 +317,33 @@ class JobRunner:
                            length=c.length, first_line=c.first_line, lines=c.lines, files=run.request["data"])
 
 
+# ---- a job's image features (the featurizer stage) ----------------------------------------
+
+async def prepare_images(coord, run: JobRun) -> None:
+    """The featurizer stage's batch job: embed the creatives not cached in Redis yet,
+    and name their cache in the spec that preprocess, workers and shards read."""
+    cfg = run.spec.config.images
+    log.info("%s: job %s: image features of %s", coord.name, run.id, cfg.creatives)
+    info = await featurize_creatives(coord.cache, cfg, coord.counters)
+    info.pop("ids")
+    run.spec = dataclasses.replace(run.spec, images={"redis_key": info["redis_key"], "dim": info["dim"],
+                                                     "field": cfg.field, "set": info["set"], "info": info})
+    coord.book.save(run)
+
+
+async def image_table(coord, run: JobRun):
+    """The job's creatives that have cached features: the table its model version stores."""
+    if run.spec.images is None:
+        return None
+    from mariana.trainer.images import load_creative_set
+
+    img, cfg = run.spec.images, run.spec.config.images
+    # Redis may have restarted
+    await ensure_cached(coord.cache, cfg, img["redis_key"], img["set"], coord.counters)
+    cset = await asyncio.to_thread(load_creative_set, cfg.creatives)
+    return await creative_table(coord.cache, img["redis_key"], int(img["dim"]), cset.ids)
+
+
 class EpochValidation:
     """After each epoch: score the model on the job's validation rows, stop early, and pick
     the export a job with `epochs = "auto"` publishes."""
@@ -360,7 +364,7 @@ class EpochValidation:
         self.coord.job_runner.set_phase(run, f"validating epoch {led.epoch} on {names}")
         call = self.coord.job_runner.shard_call
         exports = [(await call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
-        images = await self.coord.job_runner.image_table(run)
+        images = await image_table(self.coord, run)
         metrics = await asyncio.to_thread(validate_exports, run.spec, exports, images, valid)
         run.phase = None
         best = run.best_export

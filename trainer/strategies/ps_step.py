@@ -7,6 +7,7 @@ shards over the wire).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
@@ -61,7 +62,9 @@ def compute_grads(model, batch: SparseBatch, inverse: np.ndarray, pulled: dict[s
         score_hist=score_histogram(batch.labels, logits.detach().numpy()))
 
 
+@functools.cache
 def _logloss_sum() -> Loss:
+    """Binary cross-entropy on logits, summed over the batch (made once, at the first torch step)."""
     from mariana.trainer.dense import loss_fn
 
     return loss_fn("bce", "sum")

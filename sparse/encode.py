@@ -12,12 +12,14 @@ import numpy as np
 
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key, fmix64,
-                            fnv1a64, int_codes, log_bucket, log_dense)
+                            fnv1a64, int_codes, log_bucket, log_dense, py_fmix64, py_fnv1a64)
 from mariana.sparse.parse import Chunk
 from mariana.sparse.records import FEW_ROWS
 from mariana.sparse.schema import HOUR_FIELDS, Schema
 
 ID_CACHE_ENTRIES = 1 << 18    # (field, value) ids an encoder remembers: ~36 MB at most per loaded version
+FEW_MISSED = 64               # new values hashed one by one in Python ints; more: numpy's vector steps
+_MASK64 = (1 << 64) - 1
 
 
 class Encoder:
@@ -44,6 +46,7 @@ class Encoder:
                                np.array([j for j, kf in enumerate(kinds) if kf == k], np.int64))
                            for k in ("numeric", "int", "text")}
         self._key_array = np.array(self._keys, U64)
+        self._key_ints = [int(k) for k in self._keys]
         self._kinds = kinds
         self._id_cache: list[dict] = [{} for _ in self.sparse_fields]  # per field: value -> id (`_cached_ids`)
         self._cached = 0
@@ -195,22 +198,51 @@ class Encoder:
                 known.clear()
             self._cached = 0
         store = len(missed) <= ID_CACHE_ENTRIES
-        for kind in ("numeric", "int", "text"):
-            these = [m for m in missed if self._kinds[m[1]] == kind]
-            if not these:
-                continue
-            if kind == "numeric":
-                values = np.array([math.nan if v is None else v for _, _, v in these], np.float64)
-            else:
-                values = [v for _, _, v in these]
-            keys = self._key_array[[j for _, j, _ in these]]
-            ids = self._ids(self._tokens(kind, values), keys).tolist()
-            for (pos, j, v), i in zip(these, ids):
-                out[pos] = i
-                if store:
-                    self._id_cache[j][v] = i
+        ids = self._few_ids(missed) if len(missed) <= FEW_MISSED else self._many_ids(missed)
+        for (pos, j, v), i in zip(missed, ids):
+            out[pos] = i
+            if store:
+                self._id_cache[j][v] = i
         if store:
             self._cached = sum(map(len, self._id_cache))  # a value met twice in one request is one entry
+
+    def _few_ids(self, missed: list[tuple[int, int, object]]) -> list[int]:
+        """The ids of a request's few new values, hashed one by one with Python ints
+        (`hashing.py_fnv1a64`, `py_fmix64`: exact, the reference the vectorized code is tested
+        against): numpy's per-call cost made `_many_ids` ~50-70 us for any handful of values,
+        two ufunc calls per byte of a text value. A number's log bucket stays numpy's (one
+        call for all of them), the function training used."""
+        numbers = [k for k, (_, j, v) in enumerate(missed) if self._kinds[j] == "numeric" and v is not None]
+        buckets = dict(zip(numbers, log_bucket(np.array([missed[k][2] for k in numbers], np.float64),
+                                               self.spec.bucket_scale).tolist())) if numbers else {}
+        missing, salt, mask = int(MISSING_SALT), int(INT_SALT), int(self.spec.mask)
+        ids = []
+        for k, (_, j, v) in enumerate(missed):
+            kind = self._kinds[j]
+            if kind == "text":
+                tok = py_fnv1a64(v) if v else missing
+            elif kind == "int":
+                tok = py_fmix64((v & _MASK64) ^ salt)
+            else:
+                tok = missing if v is None else py_fmix64((buckets[k] & _MASK64) ^ salt)
+            ids.append(py_fmix64(tok ^ self._key_ints[j]) & mask)
+        return ids
+
+    def _many_ids(self, missed: list[tuple[int, int, object]]) -> list[int]:
+        """The ids of many new values (a request of many rows): one vectorized step per kind."""
+        ids = [0] * len(missed)
+        for kind in ("numeric", "int", "text"):
+            at = [k for k, m in enumerate(missed) if self._kinds[m[1]] == kind]
+            if not at:
+                continue
+            if kind == "numeric":
+                values = np.array([math.nan if missed[k][2] is None else missed[k][2] for k in at], np.float64)
+            else:
+                values = [missed[k][2] for k in at]
+            keys = self._key_array[[missed[k][1] for k in at]]
+            for k, i in zip(at, self._ids(self._tokens(kind, values), keys).tolist()):
+                ids[k] = i
+        return ids
 
     def _tokens(self, kind: str, values) -> np.ndarray:
         """The hashing's first step over values of one kind of field: numbers (float, NaN =

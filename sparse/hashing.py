@@ -296,9 +296,10 @@ def log_dense(x: np.ndarray) -> np.ndarray:
     return np.nan_to_num(out, nan=0.0, posinf=700.0, neginf=-700.0).astype(np.float32)
 
 
-# ---- plain-Python reference (tests hold the vectorized code to it) ---------
+# ---- plain Python: the reference tests hold the vectorized code to, and the ----
+# ---- hashing of a request's few new values (`Encoder._few_ids`) ----------------
 
-def _py_fmix64(h: int) -> int:
+def py_fmix64(h: int) -> int:
     h ^= h >> 33
     h = (h * 0xFF51AFD7ED558CCD) & _MASK64
     h ^= h >> 33
@@ -306,7 +307,7 @@ def _py_fmix64(h: int) -> int:
     return h ^ (h >> 33)
 
 
-def _py_fnv1a64(data: bytes) -> int:
+def py_fnv1a64(data: bytes) -> int:
     h = int(FNV_OFFSET)
     for b in data:
         h = ((h ^ b) * int(FNV_PRIME)) & _MASK64
@@ -316,13 +317,13 @@ def _py_fnv1a64(data: bytes) -> int:
 def token_id(field: str, value: bytes | int | Reserved | None, bits: int) -> int:
     """Reference id of one token: bytes (categorical; b'' = missing), int
     (numeric bucket), None (missing) or RARE (the field's shared rare id)."""
-    key = _py_fmix64(_py_fnv1a64(field.encode()) ^ int(FIELD_SALT))
+    key = py_fmix64(py_fnv1a64(field.encode()) ^ int(FIELD_SALT))
     if value is RARE:
         tok = int(RARE_SALT)
     elif value is None or value == b"":
         tok = int(MISSING_SALT)
     elif isinstance(value, bytes):
-        tok = _py_fnv1a64(value)
+        tok = py_fnv1a64(value)
     else:
-        tok = _py_fmix64((value & _MASK64) ^ int(INT_SALT))
-    return _py_fmix64(tok ^ key) & ((1 << bits) - 1)
+        tok = py_fmix64((value & _MASK64) ^ int(INT_SALT))
+    return py_fmix64(tok ^ key) & ((1 << bits) - 1)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from mariana.sparse.errors import ConfigError
-from mariana.sparse.hashing import (HashSpec, _py_fnv1a64, binary_ids, bucket_codes, field_key, fmix64, fnv1a64, int_ids,
+from mariana.sparse.hashing import (HashSpec, py_fnv1a64, binary_ids, bucket_codes, field_key, fmix64, fnv1a64, int_ids,
                             log_bucket, token_id)
 
 SPEC20 = HashSpec(bits=20)
@@ -101,4 +101,4 @@ def test_fnv1a64_same_width_and_mixed_width_paths_match_the_reference(widths):
     offsets = np.concatenate([[0], np.cumsum([len(v) for v in values])])
     data = np.frombuffer(b"".join(values), np.uint8)
     got = fnv1a64(offsets, data).tolist()
-    assert got == [_py_fnv1a64(v) for v in values]
+    assert got == [py_fnv1a64(v) for v in values]

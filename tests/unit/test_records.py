@@ -161,11 +161,13 @@ def test_no_rows():
     assert (chunk.num_rows, bad, unknown, batch.num_rows, batch.dense.shape) == (0, [], 0, 0, (0, 13))
 
 
+@pytest.mark.parametrize("few_missed", [0, 64, 10**6], ids=["vectorized", "mixed", "one by one"])
 @pytest.mark.parametrize("schema", [criteo(), avazu()], ids=["criteo", "avazu"])
-def test_the_id_cache_gives_the_ids_hashing_gives(schema, monkeypatch):
+def test_the_id_cache_gives_the_ids_hashing_gives(schema, few_missed, monkeypatch):
     """A few rows take their ids from the encoder's cache (`_cached_ids`), filled as values are
     met and emptied when full; they must be the ids `_hashed_ids` computes, hit or miss, for
-    missing numbers (NaN), missing text and values met before in another row or request."""
+    missing numbers (NaN), missing text and values met before in another row or request; the
+    values not met yet hashed one by one in Python ints (`_few_ids`) or vectorized."""
     import mariana.sparse.encode as encode
 
     rng = np.random.default_rng(5)
@@ -177,6 +179,7 @@ def test_the_id_cache_gives_the_ids_hashing_gives(schema, monkeypatch):
                   **({schema.hour: hour[rng.integers(len(hour))]} if schema.hour else {})}
                  for _ in range(rng.integers(1, encode.FEW_ROWS + 1))] for _ in range(30)]
     monkeypatch.setattr(encode, "ID_CACHE_ENTRIES", 200)  # full (and emptied) several times over
+    monkeypatch.setattr(encode, "FEW_MISSED", few_missed)
     enc = Encoder(schema, SPECS[1])
     for rows in requests:
         chunk, bad, _ = parse_records(schema.without_label(), rows)

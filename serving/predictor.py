@@ -69,7 +69,7 @@ class Predictor:
         the good ones scored together."""
         if 0 < sum(map(len, requests)) <= FEW_ROWS and hasattr(self.bundle.encoder, "encode_instances"):
             plain = self.bundle.encoder.encode_instances([i for instances in requests for i in instances])
-            if plain is not None:  # a few rows, every value met before: checked and looked up in one pass
+            if plain is not None:  # a few rows of plain values: checked, looked up (new ones hashed) in one pass
                 return self._answer_plain(requests, *plain)
         answers, chunks = [], []
         for instances in requests:

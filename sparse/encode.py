@@ -107,24 +107,30 @@ class Encoder:
     def encode_instances(self, instances: list) -> tuple[np.ndarray, list[int]] | None:
         """A few instances of requests -> ((B, F) ids, those of the batch `encode_rows` makes of
         them; each one's keys the schema does not know), when each is a dict of plain values
-        (text or null in a categorical field; a finite int or float, or null, in a numeric one)
-        that have all been met before: the checks of `sparse.records` for those values and the
-        id lookups in one pass, ~6 us a row where parsing then encoding a Criteo row takes ~32.
-        None for anything else (another type of value, a value not met yet, hour fields, a
-        dense block): `parse_records` and `encode_rows` take them, name what is wrong, and
-        remember the new values."""
+        (text or null in a categorical field; a finite int or float, or null, in a numeric one):
+        the checks of `sparse.records` for those values and the id lookups in one pass, ~6 us
+        a row where parsing then encoding a Criteo row takes ~32. Values not met yet (up to
+        `FEW_MISSED` of them) are hashed here one by one and remembered: a request that brings
+        a new id, as many do on high-cardinality fields, stays on this path. None for anything
+        else (another type of value, more new values, hour fields, a dense block):
+        `parse_records` and `encode_rows` take them and name what is wrong."""
         if self._plain is None:
             return None
-        ids, unknown = [], []
+        ids, unknown, missed = [], [], []
         for instance in instances:
-            if type(instance) is not dict or not self._instance_ids(instance, ids):
+            if type(instance) is not dict or not self._instance_ids(instance, ids, missed):
                 return None
             unknown.append(sum(1 for k in instance if k not in self._known))
+        if missed:
+            if len(missed) > FEW_MISSED:
+                return None
+            self._hash_missed(missed, ids)
         return np.array(ids, np.int64).reshape(len(instances), self.num_fields), unknown
 
-    def _instance_ids(self, instance: dict, ids: list) -> bool:
-        """Appends a plain instance's ids to `ids`; False (some appended) when one value is not."""
-        for name, kind, known in self._plain:
+    def _instance_ids(self, instance: dict, ids: list, missed: list) -> bool:
+        """Appends a plain instance's ids to `ids` (0 for a value not met yet, whose (position,
+        field, value) goes to `missed`); False (some appended) when one value is not plain."""
+        for j, (name, kind, known) in enumerate(self._plain):
             v = instance.get(name)
             if kind == "text":
                 if type(v) is str:
@@ -147,7 +153,8 @@ class Encoder:
                 return False
             i = known.get(v)
             if i is None:
-                return False
+                missed.append((len(ids), j, v))
+                i = 0
             ids.append(i)
         return True
 

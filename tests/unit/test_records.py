@@ -190,18 +190,18 @@ def test_the_id_cache_gives_the_ids_hashing_gives(schema, few_missed, monkeypatc
     assert enc._cached > 0
 
 
-def test_instances_met_before_take_one_pass_with_the_same_verdict_and_ids():
-    """`Encoder.encode_instances` (a few rows of requests whose values are all known) must give
-    the ids and unknown-key counts of `parse_records` + `encode_rows`, and decline (None) every
-    set of rows those would refuse or that holds a value not met yet, so the general path names
-    it."""
+def test_plain_instances_take_one_pass_with_the_same_verdict_and_ids():
+    """`Encoder.encode_instances` (a few rows of requests with plain values, met before or new)
+    must give the ids and unknown-key counts of `parse_records` + `encode_rows`, take every row
+    of plain values (new ones are hashed and remembered), and decline (None) every set of rows
+    those would refuse, so the general path names it."""
     rng = np.random.default_rng(11)
     schema = criteo()
     enc = Encoder(schema, SPECS[0])
     plain_numbers = [None, 0, 3, -7, 2.5, 1e12]
     plain_text = [None, "", "a", "68fd1e64", "ünï"]
     odd = [True, "7", 10**400, float("nan"), float("inf"), 12345, "\ud800", [1], b"x"]
-    taken, rows = 0, []
+    taken, plain_rows, rows = 0, 0, []
     for n in range(400):
         inst = {**{f: plain_numbers[rng.integers(len(plain_numbers))] for f in schema.numeric},
                 **{f: plain_text[rng.integers(len(plain_text))] for f in schema.categorical}}
@@ -215,7 +215,11 @@ def test_instances_met_before_take_one_pass_with_the_same_verdict_and_ids():
         if bad:
             assert fast is None, (inst, bad)
             continue
-        want = enc.encode_rows(chunk)  # the general path, which also remembers the row's values
+        plain = (all(v is None or type(v) in (int, float) for f, v in inst.items() if f in schema.numeric)
+                 and all(v is None or type(v) is str for f, v in inst.items() if f in schema.categorical))
+        plain_rows += plain
+        assert (fast is not None) == plain, inst
+        want = enc.encode_rows(chunk)  # the general path
         if fast is not None:
             taken += 1
             assert np.array_equal(fast[0].reshape(-1), want.ids) and fast[1] == [unknown]
@@ -223,7 +227,7 @@ def test_instances_met_before_take_one_pass_with_the_same_verdict_and_ids():
         again = enc.encode_instances([inst])  # every value met now: unless it is odd, one pass
         if all(type(v) in (str, float, int) or v is None for v in inst.values()) and again is not None:
             assert np.array_equal(again[0].reshape(-1), want.ids) and again[1] == [unknown]
-    assert taken > 50  # values repeat: most plain rows were met before
+    assert taken == plain_rows > 100
     several = 0
     for start in range(0, len(rows) - 5, 3):  # several rows at once: all plain and met, or None
         group = rows[start:start + int(rng.integers(2, 6))]
@@ -239,3 +243,6 @@ def test_instances_met_before_take_one_pass_with_the_same_verdict_and_ids():
     assert enc.encode_instances([rows[1], [1]]) is None                               # not an object
     assert Encoder(avazu(), SPECS[0]).encode_instances([{"C1": "1005"}]) is None  # hour fields: the general path
     assert Encoder(schema, SPECS[1]).encode_instances([{}]) is None                # a dense block too
+    fresh = Encoder(schema, SPECS[0])
+    many_new = [{f: f"{k}-{f}" for f in schema.categorical} for k in range(3)]  # 78 new values, > FEW_MISSED
+    assert fresh.encode_instances(many_new) is None and fresh.encode_instances(many_new[:1]) is not None

@@ -25,16 +25,16 @@ import logging
 import os
 import secrets
 import shutil
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import numpy as np
 
+from mariana.services.assemble import check_data, data_bytes, job_validation
 from mariana.services.protocol import BadMessage, Message, encode
 from mariana.sparse.errors import ConfigError, MarianaError
 from mariana.sparse.parse import is_parquet, iter_spans, open_binary
-
-if TYPE_CHECKING:
-    from mariana.trainer.strategies.local import Validation
+from mariana.trainer.data import RowRange
+from mariana.trainer.strategies.local import Validation
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,6 @@ CHECK_SECONDS = 120.0   # a submit waits this long for the loader's check
 
 def check_on_loader(body: dict) -> dict:
     """JobChecked's fields for a job body: its request, spec and data bytes, or its error."""
-    from mariana.services.assemble import check_data, data_bytes  # torch: only a loader that checks jobs needs it
-
     try:
         request, spec = check_data(body)
         return {"error": "", "request": request, "spec": spec.to_dict(), "size": data_bytes(request)}
@@ -67,8 +65,6 @@ def file_parts(path: str) -> Iterator[bytes]:
 def holdout_parts(files: list[str], rows: dict) -> Iterator[bytes]:
     """The text of rows [start, stop) of `files` (RowRange's fields), the first file's header
     line first when the files have one: what local mode reads as the job's validation rows."""
-    from mariana.trainer.data import RowRange  # (its encoder imports torch)
-
     rng = RowRange(**rows)
     if any(is_parquet(p) for p in files):
         raise MarianaError("a held-out tail of Parquet files cannot be sent from the loader's host: give the "
@@ -208,9 +204,6 @@ class RemoteInputs:
 
     async def validation(self, job: str, request: dict) -> Validation | None:
         """The job's validation rows as local copies, fetched at the first epoch's end."""
-        from mariana.services.assemble import job_validation
-        from mariana.trainer.strategies.local import Validation
-
         valid = job_validation(request)
         if valid is None:
             return None

@@ -28,6 +28,7 @@ from mariana.sparse.table import HashedTable
 from mariana.trainer import checkpoint
 from mariana.sparse.settings import from_dict
 from mariana.trainer.config import LOWER_RATES, JobConfig
+from mariana.trainer.models.lr import sigmoid
 from mariana.trainer.models.registry import build_model, dense_params, dense_size, set_dense, uses_torch
 from mariana.trainer.strategies.ps_step import DenseOptimizer
 
@@ -52,11 +53,9 @@ class ModelBundle:
             t.name: HashedTable(t.name, config.hashing.num_ids, t.dim, t.init_scale, seed=config.model.seed)
             for t in self.model.tables}
         self.optimizers = {t.name: table_optimizer(config, t.role) for t in self.model.tables}
-        # a torch model's parameters step as tensors (torch's ops), LR's as arrays (numpy's): the same numbers
-        params = ([p.detach() for p in self.model.parameters()] if uses_torch(self.model)
-                  else [a for _, a in dense_params(self.model)])
         self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,
-                                                initial_accumulator=config.optim.initial_accumulator), params)
+                                                initial_accumulator=config.optim.initial_accumulator),
+                                        [a for _, a in dense_params(self.model)])
         # hashing.min_count > 1: each field's rare id and the counts of ids not admitted yet
         # (sparse/admission.py); None otherwise, and for versions saved before it existed.
         k = config.hashing.min_count
@@ -74,7 +73,7 @@ class ModelBundle:
         if batch.num_rows <= FEW_ROWS and batch._unique is None and batch.values is None and batch.fixed_width:
             return self.predict_rows(batch.ids.reshape(batch.num_rows, -1), batch.dense)
         if not uses_torch(self.model):
-            return _sigmoid(self._lr_logits(batch))
+            return sigmoid(self._lr_logits(batch))
         import torch
 
         from mariana.trainer.models.base import make_input
@@ -412,15 +411,6 @@ class Snapshot:
         bundle.steps, bundle.rows_trained = self.steps, self.rows_trained
         if self.counts is not None:
             bundle.counts.array[...] = self.counts
-
-
-def _sigmoid(logits: np.ndarray) -> np.ndarray:
-    """Click probabilities of many logits, float32, in numpy (importing scipy for its expit
-    cost a command 0.07-0.18 s; an LR job imports no torch): exp of -|x| only, so no logit
-    overflows."""
-    x = np.asarray(logits, np.float32)
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(np.float32, copy=False)
 
 
 def torch_version() -> str:

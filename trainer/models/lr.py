@@ -13,6 +13,18 @@ from mariana.sparse.batch import SparseBatch
 from mariana.trainer.models.registry import TableSpec, register
 
 
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    """Click probabilities of logits, float32 (importing scipy for its expit costs a command
+    0.07-0.18 s): exp of -|x| only, so no logit overflows.
+
+    >>> sigmoid(np.array([0.0, 1000.0, -1000.0], np.float32)).tolist()
+    [0.5, 1.0, 0.0]
+    """
+    x = np.asarray(logits, np.float32)
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(np.float32, copy=False)
+
+
 class LogisticRegression:
     """logit = sum of the rows' weights (x value) + dense @ w + bias.
 
@@ -69,11 +81,9 @@ class LogisticRegression:
         table = pulled["linear"]
         logits = self.logits(batch, table[:, 0].take(inverse))
         labels = batch.labels
-        e = np.exp(-np.abs(logits))  # in (0, 1]: no overflow for any logit
-        prob = np.where(logits >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(np.float32)
         x = logits.astype(np.float64)
-        loss_sum = float((np.maximum(x, 0.0) - x * labels + np.log1p(e)).sum())
-        g = prob - labels  # (B,) float32
+        loss_sum = float((np.logaddexp(0.0, x) - x * labels).sum())  # log(1 + e^x) - y x, stable
+        g = sigmoid(logits) - labels  # (B,) float32
         per_entry = np.repeat(g, batch.num_fields) if batch.fixed_width else g.take(batch.row_index())
         if batch.values is not None:
             per_entry = per_entry * batch.values

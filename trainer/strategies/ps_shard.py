@@ -33,7 +33,7 @@ from mariana.sparse.schema import Schema
 from mariana.sparse.table import HashedTable
 from mariana.trainer.bundle import TABLE_PREFIX, table_arrays, table_export, table_optimizer, version_export
 from mariana.trainer.config import JobConfig
-from mariana.trainer.models.registry import build_model, dense_params, dense_vector, uses_torch
+from mariana.trainer.models.registry import build_model, dense_params, dense_vector
 from mariana.trainer.strategies.ps_step import DenseOptimizer
 
 
@@ -57,15 +57,9 @@ class ParamShard:
         self.optimizers = {t.name: table_optimizer(config, t.role) for t in model.tables}
         # Dense parameters live on shard 0, as one flat vector (AdaGrad is per element).
         self.dense = dense_vector(model) if shard == 0 else np.zeros(0, np.float32)
-        # stepped as the local trainer steps this kind of model: torch's ops for a torch model (on a tensor
-        # over the same memory), numpy's for LR; on the CPU the same numbers either way (DenseOptimizer)
-        flat = self.dense
-        if uses_torch(model):
-            import torch
-
-            flat = torch.from_numpy(self.dense)
         self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,
-                                                initial_accumulator=config.optim.initial_accumulator), [flat])
+                                                initial_accumulator=config.optim.initial_accumulator),
+                                        [self.dense])
         self.applied: dict[str, int] = {}  # step id -> rows, for every step applied here
         k = config.hashing.min_count
         self.counts = admission.Counts(local_rows, k) if k > 1 else None

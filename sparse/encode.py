@@ -11,15 +11,14 @@ import math
 import numpy as np
 
 from mariana.sparse.batch import SparseBatch
-from mariana.sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key, fmix64,
-                            fnv1a64, int_codes, log_bucket, log_dense, py_fmix64, py_fnv1a64)
+from mariana.sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key,
+                                    fmix64, fnv1a64, int_codes, log_bucket, log_dense, py_fmix64, py_token)
 from mariana.sparse.parse import Chunk
 from mariana.sparse.records import FEW_ROWS
 from mariana.sparse.schema import HOUR_FIELDS, Schema
 
 ID_CACHE_ENTRIES = 1 << 18    # (field, value) ids an encoder remembers: ~36 MB at most per loaded version
 FEW_MISSED = 64               # new values hashed one by one in Python ints; more: numpy's vector steps
-_MASK64 = (1 << 64) - 1
 
 
 class Encoder:
@@ -215,25 +214,16 @@ class Encoder:
 
     def _few_ids(self, missed: list[tuple[int, int, object]]) -> list[int]:
         """The ids of a request's few new values, hashed one by one with Python ints
-        (`hashing.py_fnv1a64`, `py_fmix64`: exact, the reference the vectorized code is tested
+        (`hashing.py_token`, `py_fmix64`: exact, the reference the vectorized code is tested
         against): numpy's per-call cost made `_many_ids` ~50-70 us for any handful of values,
         two ufunc calls per byte of a text value. A number's log bucket stays numpy's (one
         call for all of them), the function training used."""
         numbers = [k for k, (_, j, v) in enumerate(missed) if self._kinds[j] == "numeric" and v is not None]
         buckets = dict(zip(numbers, log_bucket(np.array([missed[k][2] for k in numbers], np.float64),
                                                self.spec.bucket_scale).tolist())) if numbers else {}
-        missing, salt, mask = int(MISSING_SALT), int(INT_SALT), int(self.spec.mask)
-        ids = []
-        for k, (_, j, v) in enumerate(missed):
-            kind = self._kinds[j]
-            if kind == "text":
-                tok = py_fnv1a64(v) if v else missing
-            elif kind == "int":
-                tok = py_fmix64((v & _MASK64) ^ salt)
-            else:
-                tok = missing if v is None else py_fmix64((buckets[k] & _MASK64) ^ salt)
-            ids.append(py_fmix64(tok ^ self._key_ints[j]) & mask)
-        return ids
+        mask = int(self.spec.mask)
+        return [py_fmix64(py_token(buckets.get(k) if self._kinds[j] == "numeric" else v) ^ self._key_ints[j]) & mask
+                for k, (_, j, v) in enumerate(missed)]
 
     def _many_ids(self, missed: list[tuple[int, int, object]]) -> list[int]:
         """The ids of many new values (a request of many rows): one vectorized step per kind."""

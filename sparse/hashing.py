@@ -314,16 +314,22 @@ def py_fnv1a64(data: bytes) -> int:
     return h
 
 
-def token_id(field: str, value: bytes | int | Reserved | None, bits: int) -> int:
-    """Reference id of one token: bytes (categorical; b'' = missing), int
-    (numeric bucket), None (missing) or RARE (the field's shared rare id)."""
-    key = py_fmix64(py_fnv1a64(field.encode()) ^ int(FIELD_SALT))
+_RARE, _MISSING, _INT = int(RARE_SALT), int(MISSING_SALT), int(INT_SALT)
+
+
+def py_token(value: bytes | int | Reserved | None) -> int:
+    """The hash of one token: bytes (categorical; b'' = missing), int (a numeric bucket or
+    an hour), None (missing) or RARE (the field's shared rare id)."""
     if value is RARE:
-        tok = int(RARE_SALT)
-    elif value is None or value == b"":
-        tok = int(MISSING_SALT)
-    elif isinstance(value, bytes):
-        tok = py_fnv1a64(value)
-    else:
-        tok = py_fmix64((value & _MASK64) ^ int(INT_SALT))
-    return py_fmix64(tok ^ key) & ((1 << bits) - 1)
+        return _RARE
+    if value is None or value == b"":
+        return _MISSING
+    if isinstance(value, bytes):
+        return py_fnv1a64(value)
+    return py_fmix64((value & _MASK64) ^ _INT)
+
+
+def token_id(field: str, value: bytes | int | Reserved | None, bits: int) -> int:
+    """Reference id of one token (`py_token`) of `field`."""
+    key = py_fmix64(py_fnv1a64(field.encode()) ^ int(FIELD_SALT))
+    return py_fmix64(py_token(value) ^ key) & ((1 << bits) - 1)

@@ -28,7 +28,7 @@ SHOWN_BAD = 5  # bad instances named in one error message
 @dataclass
 class Prediction:
     """One request's answer: pCTR per instance, or the error that refuses it."""
-    pctr: np.ndarray | None
+    pctr: np.ndarray | list[float] | None  # a list from `predict_lone`
     error: ServeError | None
     unknown_fields: int
     unknown_creatives: int = 0  # instances whose creative id the version's image table lacks (fallback used)
@@ -39,6 +39,7 @@ class Predictor:
         self.bundle, self.model_dir, self.version = bundle, os.path.abspath(model_dir), version
         self.schema = bundle.schema  # with its label column: a row that carries one is not "unknown"
         self.loaded_at = time.time()
+        self._lone = bundle.lone_scorer()  # LR: one instance scored without numpy (`predict_lone`)
 
     @classmethod
     def load(cls, model_dir: str, version: str | None = None, torch_threads: int | None = None) -> "Predictor":
@@ -91,6 +92,18 @@ class Predictor:
                     answer.unknown_creatives = int(flags[start:start + chunk.num_rows].sum())
                 start += chunk.num_rows
         return answers
+
+    def predict_lone(self, instance) -> Prediction | None:
+        """One instance of plain values scored in plain Python (pCTR as a list of one float),
+        where the model has such a path (LR: `ModelBundle.lone_scorer`); None otherwise, or
+        when the instance is not plain: `predict_many` takes it and says what is wrong."""
+        if self._lone is None:
+            return None
+        found = self.bundle.encoder.instance_ids([instance])
+        if found is None:
+            return None
+        ids, unknown = found
+        return Prediction([self._lone(ids)], None, unknown[0])
 
     def _answer_plain(self, requests: list[list], ids: np.ndarray, unknown: list[int]) -> list[Prediction]:
         pctr = self.bundle.predict_rows(ids)

@@ -108,11 +108,20 @@ class Encoder:
         them; each one's keys the schema does not know), when each is a dict of plain values
         (text or null in a categorical field; a finite int or float, or null, in a numeric one):
         the checks of `sparse.records` for those values and the id lookups in one pass, ~6 us
-        a row where parsing then encoding a Criteo row takes ~32. Values not met yet (up to
-        `FEW_MISSED` of them) are hashed here one by one and remembered: a request that brings
-        a new id, as many do on high-cardinality fields, stays on this path. None for anything
-        else (another type of value, more new values, hour fields, a dense block):
-        `parse_records` and `encode_rows` take them and name what is wrong."""
+        a row where parsing then encoding a Criteo row takes ~32. None for anything else
+        (`instance_ids`)."""
+        found = self.instance_ids(instances)
+        if found is None:
+            return None
+        ids, unknown = found
+        return np.array(ids, np.int64).reshape(len(instances), self.num_fields), unknown
+
+    def instance_ids(self, instances: list) -> tuple[list[int], list[int]] | None:
+        """`encode_instances` as plain lists: the ids row-major, and each instance's unknown keys.
+        Values not met yet (up to `FEW_MISSED` of them) are hashed here one by one and remembered:
+        a request that brings a new id, as many do on high-cardinality fields, stays on this
+        path. None for anything else (another type of value, more new values, hour fields, a
+        dense block): `parse_records` and `encode_rows` take them and name what is wrong."""
         if self._plain is None:
             return None
         ids, unknown, missed = [], [], []
@@ -124,7 +133,7 @@ class Encoder:
             if len(missed) > FEW_MISSED:
                 return None
             self._hash_missed(missed, ids)
-        return np.array(ids, np.int64).reshape(len(instances), self.num_fields), unknown
+        return ids, unknown
 
     def _instance_ids(self, instance: dict, ids: list, missed: list) -> bool:
         """Appends a plain instance's ids to `ids` (0 for a value not met yet, whose (position,

@@ -111,6 +111,38 @@ def test_a_few_requests_met_before_are_answered_in_one_pass_as_alone(tmp_path):
     assert [a.status for a in answer_batch(p, items, 10)] == [400, 200]
 
 
+def test_a_lone_lr_instance_is_scored_in_plain_python_as_numpy_scores_it(tmp_path):
+    """`Predictor.predict_lone` (LR, one plain instance: no numpy call) gives the pCTR the numpy
+    path gives, to float32 rounding, values met before or new, with the same unknown-field
+    count; a DNN, a dense block, admission or an instance that is not plain take the general
+    path (None); a request of one instance through `answer_batch` says the same as predict."""
+    rng = np.random.default_rng(7)
+    cfg = load_config(overrides={"model.kind": "lr", "hashing.bits": 12}, env={})
+    b = ModelBundle(cfg, criteo())
+    b.tables["linear"].weights[:] = rng.normal(0, 0.4, b.tables["linear"].weights.shape)
+    b.tables["linear"].touched[:] = True  # saved rows are the touched ones
+    b.model.bias[:] = -1.2
+    b.save(str(tmp_path / "lr"))
+    p = Predictor.load(str(tmp_path / "lr"))
+    insts = rows(300, 3) + [{**rows(1, 4)[0], "extra": 1, "C3": None, "I2": 2.5}]
+    lone = [p.predict_lone(i) for i in insts]  # the first sight of most values: hashed here
+    again = [p.predict_lone(i) for i in insts]  # met before: looked up
+    numpy_path = p.predict(insts)
+    assert all(a is not None and a.error is None for a in lone)
+    got = np.array([a.pctr[0] for a in lone])
+    assert len(set(got.tolist())) > 100  # the weights make rows differ
+    np.testing.assert_allclose(got, numpy_path, rtol=0, atol=1e-6)
+    assert [a.pctr for a in again] == [a.pctr for a in lone]
+    assert [a.unknown_fields for a in lone[-2:]] == [0, 1]
+    assert p.predict_lone({"C1": [1]}) is None and p.predict_lone([1]) is None  # not plain: the general path
+    (answer,) = answer_batch(p, [(codec.encode({"instances": insts[:1]}, J), J)], 10)
+    assert json.loads(answer.body)["pctr"] == lone[0].pctr
+    for overrides in ({"model.kind": "dnn", "model.hidden": [8], "model.slots": 4},
+                      {"model.kind": "lr", "hashing.numeric": "both"}, {"model.kind": "lr", "hashing.min_count": 2}):
+        other = ModelBundle(load_config(overrides={"hashing.bits": 12, **overrides}, env={}), criteo())
+        assert other.lone_scorer() is None, overrides
+
+
 def test_a_served_lr_model_imports_no_torch_and_a_dnn_gets_one_torch_thread(tmp_path):
     """A server's worker loads through `Predictor.load(..., torch_threads=1)`: an LR version
     never imports torch (a lighter worker: docs/benchmarks.md); a DNN

@@ -8,7 +8,6 @@ row takes the same path from bytes to pCTR everywhere.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ from mariana.sparse.table import HashedTable
 from mariana.trainer import checkpoint
 from mariana.sparse.settings import from_dict
 from mariana.trainer.config import LOWER_RATES, JobConfig
-from mariana.trainer.models.lr import LogisticRegression, lone_pctr, sigmoid
+from mariana.trainer.models.lr import sigmoid
 from mariana.trainer.models.registry import build_model, dense_params, dense_size, set_dense, uses_torch
 from mariana.trainer.strategies.ps_step import DenseOptimizer
 
@@ -109,14 +108,16 @@ class ModelBundle:
 
     def lone_scorer(self):
         """A function from one row's ids (a list, one per field, as `Encoder.instance_ids` gives
-        them) to its pCTR in plain Python (`lr.lone_pctr`), for an LR without a dense block,
-        admission or image features; None for other models. For a bundle that trains no more
-        (a server's): the bias is read now, the weights are a view of the table."""
-        table = self.tables.get("linear")
-        if (not isinstance(self.model, LogisticRegression) or self.model.weight is not None or self.rare is not None
-                or self.images is not None or table is None or table.init_scale):
+        them) to its pCTR with as few numpy calls as the model allows (`lone_scorer` of LR: none;
+        of the DNN's "dot" interaction: the embeddings' gather and the MLP's), for a model
+        without a dense block, admission or image features; None for the others, which score
+        through `predict_rows`. For a bundle that trains no more (a server's): the biases are
+        read now, the weights are views of the tables."""
+        linear = self.tables.get("linear")
+        make = getattr(self.model, "lone_scorer", None)
+        if make is None or linear is None or linear.init_scale or self.rare is not None or self.images is not None:
             return None
-        return functools.partial(lone_pctr, memoryview(table.weights.reshape(-1)), float(self.model.bias[0]))
+        return make(memoryview(linear.weights.reshape(-1)), self.tables)
 
     def _lr_logits(self, batch: SparseBatch) -> np.ndarray:
         """LR's logits (`LogisticRegression.logits`) of each entry's weight: looked up per

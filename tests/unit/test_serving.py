@@ -20,6 +20,7 @@ from mariana.sparse.schema import criteo
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
 from mariana.trainer.config import load_config
+from mariana.trainer.models.registry import dense_params
 
 J, M = codec.JSON, codec.MSGPACK
 
@@ -111,19 +112,24 @@ def test_a_few_requests_met_before_are_answered_in_one_pass_as_alone(tmp_path):
     assert [a.status for a in answer_batch(p, items, 10)] == [400, 200]
 
 
-def test_a_lone_lr_instance_is_scored_in_plain_python_as_numpy_scores_it(tmp_path):
-    """`Predictor.predict_lone` (LR, one plain instance: no numpy call) gives the pCTR the numpy
-    path gives, to float32 rounding, values met before or new, with the same unknown-field
-    count; a DNN, a dense block, admission or an instance that is not plain take the general
-    path (None); a request of one instance through `answer_batch` says the same as predict."""
+@pytest.mark.parametrize("kind", ["lr", "dnn"])
+def test_a_lone_instance_is_scored_with_few_numpy_calls_as_numpy_scores_it(tmp_path, kind):
+    """`Predictor.predict_lone` (one plain instance: LR with no numpy call, the DNN's "dot"
+    with the gather and the MLP's only) gives the pCTR the numpy path gives, to float32
+    rounding, values met before or new, embedding rows trained or not, with the same
+    unknown-field count; other interactions, a dense block, admission or an instance that
+    is not plain take the general path (None); a request of one instance through
+    `answer_batch` answers what predict_lone says."""
     rng = np.random.default_rng(7)
-    cfg = load_config(overrides={"model.kind": "lr", "hashing.bits": 12}, env={})
+    cfg = load_config(overrides={"model.kind": kind, "hashing.bits": 12, "model.hidden": [16, 8],
+                                 "model.embed_dim": 4}, env={})
     b = ModelBundle(cfg, criteo())
-    b.tables["linear"].weights[:] = rng.normal(0, 0.4, b.tables["linear"].weights.shape)
-    b.tables["linear"].touched[:] = True  # saved rows are the touched ones
-    b.model.bias[:] = -1.2
-    b.save(str(tmp_path / "lr"))
-    p = Predictor.load(str(tmp_path / "lr"))
+    for t in b.tables.values():
+        t.weights[:] = rng.normal(0, 0.4, t.weights.shape)
+        t.touched[:] = rng.random(len(t.touched)) < 0.5  # saved rows are the touched ones; others read their init
+    dict(dense_params(b.model))["bias"][...] = -1.2  # numpy views of either kind's parameters
+    b.save(str(tmp_path / kind))
+    p = Predictor.load(str(tmp_path / kind))
     insts = rows(300, 3) + [{**rows(1, 4)[0], "extra": 1, "C3": None, "I2": 2.5}]
     lone = [p.predict_lone(i) for i in insts]  # the first sight of most values: hashed here
     again = [p.predict_lone(i) for i in insts]  # met before: looked up
@@ -137,9 +143,10 @@ def test_a_lone_lr_instance_is_scored_in_plain_python_as_numpy_scores_it(tmp_pat
     assert p.predict_lone({"C1": [1]}) is None and p.predict_lone([1]) is None  # not plain: the general path
     (answer,) = answer_batch(p, [(codec.encode({"instances": insts[:1]}, J), J)], 10)
     assert json.loads(answer.body)["pctr"] == lone[0].pctr
-    for overrides in ({"model.kind": "dnn", "model.hidden": [8], "model.slots": 4},
-                      {"model.kind": "lr", "hashing.numeric": "both"}, {"model.kind": "lr", "hashing.min_count": 2}):
-        other = ModelBundle(load_config(overrides={"hashing.bits": 12, **overrides}, env={}), criteo())
+    for overrides in ({"model.kind": "dnn", "model.interaction": "fm"}, {"model.kind": "dnn", "model.interaction": "proj"},
+                      {"model.kind": kind, "hashing.numeric": "both"}, {"model.kind": kind, "hashing.min_count": 2}):
+        other = ModelBundle(load_config(overrides={"hashing.bits": 12, "model.hidden": [8], "model.slots": 4,
+                                                   **overrides}, env={}), criteo())
         assert other.lone_scorer() is None, overrides
 
 

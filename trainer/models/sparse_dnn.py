@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from mariana.trainer.models.base import CTRModel, ModelInput, TableSpec, pool_fields
+from mariana.trainer.models.lr import lone_pctr
 from mariana.trainer.models.registry import register
 
 
@@ -203,6 +204,34 @@ class SparseDNN(CTRModel):
             dots = np.matmul(emb, emb.transpose(0, 2, 1)).reshape(b, n * n)[:, p["pair_index"]]
             deep = _numpy_mlp(p["over_arch"], np.concatenate([dots, *towers], axis=1) if towers else dots)[:, 0]
         return wide + deep + p["bias"]
+
+    def lone_scorer(self, linear: memoryview, tables: dict):
+        """`ModelBundle.lone_scorer`: one row's ids -> pCTR in the fewest numpy calls, for the
+        "dot" interaction without a dense or image tower (None otherwise: `numpy_logits`
+        takes the row): the row's embeddings gathered as one (F, D) array, their dot
+        products, the MLP; the wide part and the sigmoid in Python (`lr.lone_pctr`). A
+        server's lone DNN request: ~27 us less CPU than through `numpy_logits` (whose
+        reshapes, lookups and (B, ...) arrays are a dozen more calls, each run cold)."""
+        if self.kind != "dot" or self.dense_arch is not None or self.image_arch is not None:
+            return None
+        p = self._numpy_params()
+        pair, layers, bias = p["pair_index"], p["over_arch"], float(p["bias"][0])
+        table = tables["embedding"]
+        weights, touched = table.weights, memoryview(table.touched)
+
+        def pctr(ids: list[int]) -> float:
+            emb = weights.take(ids, axis=0)  # (F, D)
+            for i in ids:
+                if not touched[i]:  # a row never trained: its initial values, as `lookup` gives them
+                    emb = table.lookup(np.array(ids, np.int64))
+                    break
+            x = (emb @ emb.T).take(pair)
+            for wt, b in layers[:-1]:
+                x = x @ wt + b
+                np.maximum(x, 0, out=x)
+            wt, b = layers[-1]
+            return lone_pctr(linear, bias + float((x @ wt + b)[0]), ids)
+        return pctr
 
     def _numpy_params(self) -> dict:
         p = self.__dict__.get("_numpy")

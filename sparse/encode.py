@@ -18,6 +18,7 @@ from mariana.sparse.records import FEW_ROWS
 from mariana.sparse.schema import HOUR_FIELDS, Schema
 
 ID_CACHE_ENTRIES = 1 << 18    # (field, value) ids an encoder remembers: ~36 MB at most per loaded version
+PLAIN_TYPES = frozenset((str, int, float, type(None)))  # an instance's values looked up as they come
 FEW_MISSED = 64               # new values hashed one by one in Python ints; more: numpy's vector steps
 
 
@@ -49,8 +50,8 @@ class Encoder:
         self._kinds = kinds
         self._id_cache: list[dict] = [{} for _ in self.sparse_fields]  # per field: value -> id (`_cached_ids`)
         self._cached = 0
-        # encode_instances: (field, kind, its ids) in order, when every sparse field is text or a number
-        self._plain = (list(zip(self.sparse_fields, kinds, self._id_cache))
+        # encode_instances: (kind, its ids) of each field in order, when every sparse field is text or a number
+        self._plain = (list(zip(kinds, self._id_cache))
                        if "int" not in kinds and not self.dense_fields else None)
         self._known = set(schema.columns)
 
@@ -128,7 +129,7 @@ class Encoder:
         for instance in instances:
             if type(instance) is not dict or not self._instance_ids(instance, ids, missed):
                 return None
-            unknown.append(sum(1 for k in instance if k not in self._known))
+            unknown.append(0 if self._known.issuperset(instance) else len(instance.keys() - self._known))
         if missed:
             if len(missed) > FEW_MISSED:
                 return None
@@ -137,9 +138,25 @@ class Encoder:
 
     def _instance_ids(self, instance: dict, ids: list, missed: list) -> bool:
         """Appends a plain instance's ids to `ids` (0 for a value not met yet, whose (position,
-        field, value) goes to `missed`); False (some appended) when one value is not plain."""
-        for j, (name, kind, known) in enumerate(self._plain):
-            v = instance.get(name)
+        field, value) goes to `missed`); False (some appended) when one value is not plain.
+
+        A value met before is one lookup by the value as it came (a number by its value, text
+        by its str: the first time a text met as bytes is looked up by its str, that str is
+        remembered too), checked by its type only; the rest is checked and normalized here
+        (text to UTF-8, a number to a finite float, a missing text to b"")."""
+        values = list(map(instance.get, self.sparse_fields))
+        try:  # every field's lookup in C: most requests' values were all met before
+            found = list(map(dict.get, self._id_cache, values))
+        except TypeError:  # unhashable: a list or an object is no plain value
+            return False
+        if None not in found and PLAIN_TYPES.issuperset(map(type, values)):  # no bool, which equals 0 or 1
+            ids.extend(found)
+            return True
+        for j, ((kind, known), v, i) in enumerate(zip(self._plain, values, found)):
+            if i is not None and type(v) in PLAIN_TYPES:
+                ids.append(i)
+                continue
+            raw = v
             if kind == "text":
                 if type(v) is str:
                     try:
@@ -163,6 +180,9 @@ class Encoder:
             if i is None:
                 missed.append((len(ids), j, v))
                 i = 0
+            elif kind == "text":  # met as bytes (a file's row, or an instance's first sight): found by its str from now
+                known[raw] = i
+                self._cached += 1
             ids.append(i)
         return True
 

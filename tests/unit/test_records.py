@@ -198,9 +198,10 @@ def test_plain_instances_take_one_pass_with_the_same_verdict_and_ids():
     rng = np.random.default_rng(11)
     schema = criteo()
     enc = Encoder(schema, SPECS[0])
-    plain_numbers = [None, 0, 3, -7, 2.5, 1e12]
+    plain_numbers = [None, 0, 1, 3, -7, 2.5, 1e12]
     plain_text = [None, "", "a", "68fd1e64", "ünï"]
-    odd = [True, "7", 10**400, float("nan"), float("inf"), 12345, "\ud800", [1], b"x"]
+    # True and False equal 1 and 0 (and hash alike), met before as numbers: still refused
+    odd = [True, False, "7", 10**400, float("nan"), float("inf"), 12345, "\ud800", [1], {"a": 1}, b"x", b"a"]
     taken, plain_rows, rows = 0, 0, []
     for n in range(400):
         inst = {**{f: plain_numbers[rng.integers(len(plain_numbers))] for f in schema.numeric},
@@ -224,9 +225,10 @@ def test_plain_instances_take_one_pass_with_the_same_verdict_and_ids():
             taken += 1
             assert np.array_equal(fast[0].reshape(-1), want.ids) and fast[1] == [unknown]
             assert fast[0].shape == (1, enc.num_fields) and want.fixed_width
-        again = enc.encode_instances([inst])  # every value met now: unless it is odd, one pass
-        if all(type(v) in (str, float, int) or v is None for v in inst.values()) and again is not None:
-            assert np.array_equal(again[0].reshape(-1), want.ids) and again[1] == [unknown]
+        for _ in range(2):  # every value met now (text by its str the second time): unless it is odd, one pass
+            again = enc.encode_instances([inst])
+            if all(type(v) in (str, float, int) or v is None for v in inst.values()) and again is not None:
+                assert np.array_equal(again[0].reshape(-1), want.ids) and again[1] == [unknown]
     assert taken == plain_rows > 100
     several = 0
     for start in range(0, len(rows) - 5, 3):  # several rows at once: all plain and met, or None
@@ -239,7 +241,7 @@ def test_plain_instances_take_one_pass_with_the_same_verdict_and_ids():
         several += 1
         assert not bad and fast[1] == unknowns and fast[0].shape == (len(group), enc.num_fields)
         assert np.array_equal(fast[0].reshape(-1), enc.encode_rows(chunk).ids)
-    assert several > 5
+    assert several > 3  # a third of the rows hold an odd value: few groups are all plain
     assert enc.encode_instances([rows[1], [1]]) is None                               # not an object
     assert Encoder(avazu(), SPECS[0]).encode_instances([{"C1": "1005"}]) is None  # hour fields: the general path
     assert Encoder(schema, SPECS[1]).encode_instances([{}]) is None                # a dense block too

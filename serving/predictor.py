@@ -23,6 +23,7 @@ from mariana.trainer.bundle import ModelBundle
 from mariana.trainer.models.registry import uses_torch
 
 SHOWN_BAD = 5  # bad instances named in one error message
+LONE_REQUESTS = 8  # LR: a call of up to this many requests scores its one-instance requests one by one
 
 
 @dataclass
@@ -39,7 +40,11 @@ class Predictor:
         self.bundle, self.model_dir, self.version = bundle, os.path.abspath(model_dir), version
         self.schema = bundle.schema  # with its label column: a row that carries one is not "unknown"
         self.loaded_at = time.time()
-        self._lone = bundle.lone_scorer()  # LR: one instance scored without numpy (`predict_lone`)
+        self._lone = bundle.lone_scorer()  # one instance scored with few numpy calls, or none (`predict_lone`)
+        # the most requests of one call scored one by one: LR's lone path makes no numpy call, so
+        # each of a few requests costs what a lone one does; the DNN's make matrix products,
+        # which a call of several shares in `predict_many`
+        self.lone_requests = 0 if self._lone is None else 1 if uses_torch(bundle.model) else LONE_REQUESTS
 
     @classmethod
     def load(cls, model_dir: str, version: str | None = None, torch_threads: int | None = None) -> "Predictor":

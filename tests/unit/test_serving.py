@@ -143,6 +143,16 @@ def test_a_lone_instance_is_scored_with_few_numpy_calls_as_numpy_scores_it(tmp_p
     assert p.predict_lone({"C1": [1]}) is None and p.predict_lone([1]) is None  # not plain: the general path
     (answer,) = answer_batch(p, [(codec.encode({"instances": insts[:1]}, J), J)], 10)
     assert json.loads(answer.body)["pctr"] == lone[0].pctr
+    # a call of several: LR scores its one-instance requests one by one, the DNN together
+    assert p.lone_requests == {"lr": 8, "dnn": 1}[kind]
+    bodies = [codec.encode({"instances": insts[k:k + 1]}, J) for k in range(3)] + [
+        codec.encode({"instances": insts[3:5]}, J), b"{oops"]
+    answers = answer_batch(p, [(body, J) for body in bodies], 10)
+    assert [a.status for a in answers] == [200] * 4 + [400]
+    got = [x for a in answers[:4] for x in json.loads(a.body)["pctr"]]
+    np.testing.assert_allclose(got, numpy_path[:5], rtol=0, atol=1e-6)
+    if kind == "lr":
+        assert got[:3] == [a.pctr[0] for a in lone[:3]]
     for overrides in ({"model.kind": "dnn", "model.interaction": "fm"}, {"model.kind": "dnn", "model.interaction": "proj"},
                       {"model.kind": kind, "hashing.numeric": "both"}, {"model.kind": kind, "hashing.min_count": 2}):
         other = ModelBundle(load_config(overrides={"hashing.bits": 12, "model.hidden": [8], "model.slots": 4,

@@ -99,9 +99,10 @@ class Predictor:
         return answers
 
     def predict_lone(self, instance) -> Prediction | None:
-        """One instance of plain values scored in plain Python (pCTR as a list of one float),
-        where the model has such a path (LR: `ModelBundle.lone_scorer`); None otherwise, or
-        when the instance is not plain: `predict_many` takes it and says what is wrong."""
+        """One instance of plain values scored with few numpy calls or none (pCTR as a list of
+        one float), where the model has such a path (`ModelBundle.lone_scorer`: LR, the DNN's
+        "dot"); None otherwise, or when the instance is not plain: `predict_many` takes it and
+        says what is wrong."""
         if self._lone is None:
             return None
         found = self.bundle.encoder.instance_ids([instance])

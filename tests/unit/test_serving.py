@@ -153,7 +153,8 @@ def test_a_lone_instance_is_scored_with_few_numpy_calls_as_numpy_scores_it(tmp_p
     np.testing.assert_allclose(got, numpy_path[:5], rtol=0, atol=1e-6)
     if kind == "lr":
         assert got[:3] == [a.pctr[0] for a in lone[:3]]
-    for overrides in ({"model.kind": "dnn", "model.interaction": "fm"}, {"model.kind": "dnn", "model.interaction": "proj"},
+    for overrides in ({"model.kind": "dnn", "model.interaction": "fm"},
+                      {"model.kind": "dnn", "model.interaction": "proj"},
                       {"model.kind": kind, "hashing.numeric": "both"}, {"model.kind": kind, "hashing.min_count": 2}):
         other = ModelBundle(load_config(overrides={"hashing.bits": 12, "model.hidden": [8], "model.slots": 4,
                                                    **overrides}, env={}), criteo())

@@ -713,25 +713,21 @@ def run_load(args, server: Server, cmd: list, during=None) -> dict:
     warm = last = None
     try:
         limit = args.warmup + max(args.duration, args.swap_duration) + 60
-        if during is None:
-            try:
-                proc.wait(timeout=args.warmup)
-            except subprocess.TimeoutExpired:
-                warm = (server.cpu_seconds(), time.perf_counter())
-            try:
-                proc.wait(timeout=limit - args.warmup)
-            except subprocess.TimeoutExpired:
-                raise BenchError(f"the load generator did not finish within {limit:.0f} s") from None
-            last = (server.cpu_seconds(), time.perf_counter()) if warm else None
-        while proc.poll() is None:
+        while True:
             elapsed = time.perf_counter() - t0
+            if warm is None and elapsed >= args.warmup:
+                warm = (server.cpu_seconds(), time.perf_counter())
             if elapsed > limit:
                 raise BenchError(f"the load generator did not finish within {limit:.0f} s")
-            if elapsed >= args.warmup:
-                last = (server.cpu_seconds(), time.perf_counter())
-                warm = warm or last
-            during(elapsed)
-            time.sleep(0.05)
+            if during is not None:
+                during(elapsed)
+            wait = 0.05 if during is not None else (args.warmup if warm is None else limit) - elapsed
+            try:
+                proc.wait(timeout=max(wait, 0.001))
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        last = (server.cpu_seconds(), time.perf_counter()) if warm else None
         stdout.seek(0)
         out = stdout.read().decode()
     finally:

@@ -178,7 +178,8 @@ def answer_batch(predictor: Predictor, items: list[tuple[bytes, str]], max_insta
     # The DNN's rows share their matrix products in `predict_many` (4 rows: 27 us a row, 44 alone).
     lone = [predictor.predict_lone(d[0][0]) if d[2] is None and len(d[0]) == 1 else None
             for d in decoded] if len(decoded) <= predictor.lone_requests else [None] * len(decoded)
-    scored = iter(predictor.predict_many([d[0] for d, p in zip(decoded, lone) if d[2] is None and p is None]))
+    rest = [d[0] for d, p in zip(decoded, lone) if d[2] is None and p is None]
+    scored = iter(predictor.predict_many(rest) if rest else ())
     answers = []
     for (instances, extra_keys, err), (_, fmt), p in zip(decoded, items, lone):
         unknown = extra_keys

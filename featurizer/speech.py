@@ -151,7 +151,8 @@ def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE) -> n
             channels, width, rate, n = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
             frames = w.readframes(n)
     except (wave.Error, EOFError) as e:
-        raise BadAudio(f"{name}: not a PCM wav file ({e})") from None
+        why = "no bytes at all" if not raw else str(e) or f"{len(raw)} bytes, ending inside the wav header"
+        raise BadAudio(f"{name}: not a PCM wav file ({why})") from None
     want = f"expected {sample_rate} Hz (mono, 16-bit PCM)"
     if rate != sample_rate:
         raise BadAudio(f"{name}: sample rate {rate} Hz, {want}")
@@ -430,7 +431,8 @@ class SpeechRecognizer:
         self.weights = weights
         known = {"standardise", "linear", "relu"}
         unknown = sorted({op.get("op") for op in self.ops} - known, key=str)
-        missing = sorted({op[k] for op in self.ops for k in ("weight", "bias", "mean", "std") if k in op} - set(weights))
+        named = {op[k] for op in self.ops for k in ("weight", "bias", "mean", "std") if k in op}
+        missing = sorted(named - set(weights))
         if unknown or missing:
             raise ModelDirError(f"{where}: unknown ops {unknown} or missing weights {missing}")
         self._torch = torch

@@ -1,7 +1,8 @@
 """The pCTR endpoint: an aiohttp app over the data plane (serving/dataplane.py).
 
     POST /v1/predict     {"instances": [{"I1": 3, "C1": "68fd1e64", ...}, ...]} as JSON or msgpack
-                         -> {"pctr": [...], "model_version": "v000003"} in the request's encoding
+                         -> {"pctr": [...], "model_version": "v000003"} in the request's encoding;
+                         a speech version takes a wav file instead (serving/speech.py)
     GET  /v1/model       the version in service: when and on what it was trained, its metrics
     GET  /healthz        the process is up;  GET /readyz: a model is loaded (else 503)
     GET  /metrics        Prometheus text, summed over the server's worker processes
@@ -31,7 +32,7 @@ from mariana.serving import codec
 from mariana.serving.config import ServeConfig
 from mariana.serving.dataplane import Batcher, ModelHolder, error_answer
 from mariana.serving.errors import ServeError
-from mariana.serving.openapi import document
+from mariana.serving.openapi import document, speech_document
 from mariana.serving.retrain import RetrainRunner
 from mariana.serving.watch import VersionWatcher
 from mariana.services.runtime.metrics import Metrics, merge, render
@@ -105,6 +106,8 @@ async def predict(request: web.Request) -> web.Response:
     except ServeError as e:
         answer = error_answer(e, fmt, app[HOLDER].version)
     else:
+        if predictor.audio:
+            return await _recognize(app, predictor, body, request.content_type)
         answer = await app[BATCHER].answer(predictor, body, fmt)
     m = app[METRICS]
     m.inc("mariana_serve_predictions_total", answer.instances)
@@ -114,6 +117,15 @@ async def predict(request: web.Request) -> web.Response:
         m.inc("mariana_serve_unknown_creatives_total", answer.unknown_creatives)
     headers = {"X-Model-Version": answer.version} if answer.version else {}
     return web.Response(body=answer.body, status=answer.status, content_type=answer.content_type, headers=headers)
+
+
+async def _recognize(app: web.Application, predictor, body: bytes, content_type: str) -> web.Response:
+    """A speech version's answer (serving/speech.py), computed on a thread: the front-end's
+    FFTs and the DNN take a few milliseconds a second of audio. A client's mistake raises
+    ServeError (415, 400), which the middleware answers."""
+    out = await asyncio.to_thread(predictor.answer, body, content_type)
+    app[METRICS].inc("mariana_serve_predictions_total", 1)
+    return web.json_response(out, headers={"X-Model-Version": predictor.version})
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -163,6 +175,9 @@ async def metrics(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     """This API, with the instance fields of the model this worker serves."""
     predictor = request.app[HOLDER].current
+    if predictor is not None and predictor.audio:
+        fe = predictor.recognizer.front_end
+        return web.json_response(speech_document(fe.sample_rate, len(predictor.recognizer.manifest["classes"])))
     return web.json_response(document(predictor.schema if predictor is not None else None))
 
 

@@ -77,12 +77,40 @@ def document(schema: Schema | None = None) -> dict:
     return doc
 
 
+def speech_document(sample_rate: int, classes: int) -> dict:
+    """The document while a speech version (serving/speech.py) is in service: /v1/predict
+    takes a wav file and answers the digit and its posteriors.
+
+    >>> d = speech_document(8000, 10)["paths"]["/v1/predict"]["post"]
+    >>> list(d["requestBody"]["content"]), sorted(d["responses"])
+    (['audio/wav'], ['200', '400', '413', '415', '503'])
+    """
+    doc = copy.deepcopy(OPENAPI)
+    doc["info"]["description"] = ("The spoken digit of a wav file, from the speech version in service (`mariana "
+                                  "train speech`); the other endpoints are those of a click model's server.")
+    post = doc["paths"]["/v1/predict"]["post"]
+    post["summary"] = "The digit spoken in a wav file, and its posteriors"
+    post["requestBody"] = {"required": True, "content": {"audio/wav": {"schema": {
+        "type": "string", "format": "binary",
+        "description": f"A wav file: mono, 16-bit PCM, {sample_rate} Hz (also as audio/x-wav, audio/wave or "
+                       "application/octet-stream)."}}}}
+    answer = {"type": "object", "required": ["digit", "posteriors", "model_version"],
+              "properties": {"digit": {"type": "integer", "minimum": 0, "maximum": classes - 1},
+                             "posteriors": {"type": "array", "minItems": classes, "maxItems": classes,
+                                            "items": {"type": "number", "minimum": 0, "maximum": 1}},
+                             "model_version": {"type": "string"}}}
+    post["responses"] = {"200": _json(answer, "The digit with the largest posterior, and every digit's."),
+                         **_errors(400, 413, 415, 503)}
+    return doc
+
+
 def _errors(*codes: int) -> dict:
     text = {400: "The body is not JSON/msgpack, not {\"instances\": [objects]}, or a value has the wrong type.",
             401: "No bearer token, or a wrong one.",
             403: "The admin endpoints are off (no serve.token), or retrain is not configured on this server.",
             404: "No such retrain.", 409: "A retrain is running already.",
             413: "The body or the instance count is over the limit.",
+            415: "A speech version takes a wav file (Content-Type: audio/wav), not instances.",
             503: "No model is loaded."}
     return {str(c): {"description": text[c], "content": {"application/json": {"schema": _ERROR}}} for c in codes}
 

@@ -36,6 +36,8 @@ class Prediction:
 
 
 class Predictor:
+    audio = False  # answers instances; a speech version (serving/speech.py) answers wav bodies
+
     def __init__(self, bundle: ModelBundle, model_dir: str, version: str):
         self.bundle, self.model_dir, self.version = bundle, os.path.abspath(model_dir), version
         self.schema = bundle.schema  # with its label column: a row that carries one is not "unknown"

@@ -20,6 +20,7 @@ from typing import Callable
 from mariana.serving.config import ServeSection
 from mariana.serving.dataplane import ModelHolder
 from mariana.serving.predictor import Predictor
+from mariana.serving.speech import load_version
 from mariana.services.runtime import model_events
 from mariana.sparse.errors import MarianaError
 from mariana.trainer import checkpoint
@@ -65,7 +66,7 @@ class VersionWatcher:
                 new = self.previous  # a rollback: the version just replaced is still loaded
             else:
                 # one torch thread: a server's worker processes are its parallelism
-                new = await asyncio.get_running_loop().run_in_executor(self.loader, Predictor.load,
+                new = await asyncio.get_running_loop().run_in_executor(self.loader, load_version,
                                                                        self.cfg.model_dir, version, 1)
         except (MarianaError, OSError, KeyError, ValueError, RuntimeError) as e:
             self.failed = version

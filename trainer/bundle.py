@@ -223,7 +223,8 @@ class ModelBundle:
         manifest, weights, optim = checkpoint.load_version(model_dir, version, with_optimizer)
         if manifest.get("kind") == SPEECH_KIND:
             raise ModelDirError(f"{model_dir}: {manifest.get('version')} is a speech model (mariana train speech), "
-                                "not a click model: `mariana evaluate` and `predict` take it, serving does not")
+                                "not a click model (`mariana evaluate`, `predict` and `serve` take it as a speech "
+                                "model)")
         try:
             config = from_dict(JobConfig, manifest["config"])
             schema = Schema.from_dict(manifest["schema"])

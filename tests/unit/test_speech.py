@@ -142,7 +142,7 @@ def test_train_speech_in_one_process_publishes_a_version_the_recognizer_runs(tmp
     assert speech.is_speech_model(tmp_path / "m") and not speech.is_speech_model(tmp_path)
     from mariana.sparse.errors import ModelDirError
     from mariana.trainer.bundle import ModelBundle
-    with pytest.raises(ModelDirError, match="v000001 is a speech model .* serving does not"):
+    with pytest.raises(ModelDirError, match="v000001 is a speech model .* not a click model"):
         ModelBundle.load(str(tmp_path / "m"))  # what serving loads: a clear refusal, not a KeyError
     listed = run_cli("model", "list", "--model-dir", tmp_path / "m", check=True).stdout
     assert "v000001  speech_dnn" in listed

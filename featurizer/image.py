@@ -20,6 +20,7 @@ training, preprocess and serving get the same features for a creative.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -137,6 +138,62 @@ def decode_image(raw, name: str, size: int = 28) -> np.ndarray:
             raise BadImage(f"{name}: {len(raw)} bytes, expected {size * size} (a {size}x{size} uint8 image)")
         return np.frombuffer(raw, np.uint8).reshape(size, size)
     return check_images(raw[None] if isinstance(raw, np.ndarray) and raw.ndim == 2 else raw, name, size)[0]
+
+
+# Image files a creative may be uploaded as (trainer/images.py): decoded by Pillow.
+ENCODED_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp")
+MAX_PIXELS = 40_000_000  # a larger image is refused before it is decoded (a decompression bomb)
+
+
+def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
+    """An image file's bytes (PNG, JPEG, GIF, BMP or WebP, any size and colour) ->
+    (size, size) uint8 grey levels, as the featurizer takes them: transparent pixels
+    black, colour to luma (ITU-R 601-2), the whole image scaled to fit (Lanczos; a JPEG
+    is decoded at a reduced scale first) and centred on black, so a 300x250 banner keeps
+    its proportions. A (size, size) grey PNG comes back pixel for pixel. BadImage naming
+    `name` and the reason otherwise.
+
+    >>> import io; from PIL import Image
+    >>> buf = io.BytesIO(); Image.new("RGB", (300, 150), (255, 255, 255)).save(buf, "JPEG")
+    >>> img = decode_encoded(buf.getvalue(), "banner.jpg")
+    >>> img.shape, int(img[0].max()), int(img[14].min())   # letterboxed: black bars above and below
+    ((28, 28), 0, 255)
+    >>> decode_encoded(b"GIF89a?", "ad.gif")
+    Traceback (most recent call last):
+    mariana.featurizer.image.BadImage: ad.gif: not an image file Pillow can read (PNG, JPEG, GIF, BMP or WebP)
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if not raw:
+        raise BadImage(f"{name}: an empty file")
+    try:
+        img = Image.open(io.BytesIO(raw))
+        if img.format not in ("PNG", "JPEG", "GIF", "BMP", "WEBP"):
+            raise BadImage(f"{name}: a {img.format} image; uploads are PNG, JPEG, GIF, BMP or WebP")
+        w, h = img.size
+        if w * h > MAX_PIXELS:
+            raise BadImage(f"{name}: {w}x{h} pixels, over the {MAX_PIXELS:,} allowed")
+        if img.format == "JPEG":
+            img.draft("L", (size, size))  # DCT scaling: decodes at 1/2..1/8 while still >= size
+        img.load()
+        if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+            rgba = img.convert("RGBA")
+            img = Image.new("RGBA", rgba.size, (0, 0, 0, 255))
+            img.alpha_composite(rgba)
+        grey = img.convert("L")
+    except BadImage:
+        raise
+    except UnidentifiedImageError:
+        raise BadImage(f"{name}: not an image file Pillow can read (PNG, JPEG, GIF, BMP or WebP)") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise BadImage(f"{name}: not a readable image file (truncated or damaged)") from None
+    w, h = grey.size
+    if (w, h) != (size, size):
+        scale = size / max(w, h)
+        fit = grey.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.LANCZOS)
+        grey = Image.new("L", (size, size), 0)
+        grey.paste(fit, ((size - fit.width) // 2, (size - fit.height) // 2))
+    return np.asarray(grey, dtype=np.uint8).copy()
 
 
 def stack_images(items: Sequence, names: Sequence[str], size: int = 28) -> tuple[np.ndarray, list[int], list[str]]:

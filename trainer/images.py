@@ -9,16 +9,20 @@ up in; in cluster mode each creative's features are cached in Redis
 (services/creative_cache.py) and preprocess looks them up there.
 
 A creatives dir is `creatives.npy` + `creatives.json` (what `gen
-ads-with-images` writes) plus, optionally, `uploads/<id>.raw` (784 bytes) or
-`uploads/<id>.npy` (28x28 uint8): one file per creative added later. An
-upload that is not a 28x28 image is corrupt: counted, named in the log and
-the record, and left out, so rows naming it get the unknown-creative fallback.
+ads-with-images` writes) plus, optionally, one file per creative added later in
+`uploads/`: `<id>.png|.jpg|.jpeg|.gif|.bmp|.webp` (any size and colour: made
+28x28 grey by `featurizer.image.decode_encoded`), `<id>.raw` (784 bytes) or
+`<id>.npy` (28x28 uint8). An upload that cannot be read as one of these (a
+damaged file, a .raw of another size, a file of another kind) is corrupt:
+counted, named in the log and the record, and left out, so rows naming it get
+the unknown-creative fallback.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -26,7 +30,8 @@ from typing import Callable
 import numpy as np
 
 from mariana.featurizer.creatives import FALLBACK, META_FILE, CreativeFeatures, load_creatives
-from mariana.featurizer.image import ImageFeaturizer, load_mnist, stack_images
+from mariana.featurizer.image import (ENCODED_SUFFIXES, BadImage, ImageFeaturizer, decode_encoded, load_mnist,
+                                      stack_images)
 from mariana.sparse.errors import ConfigError
 from mariana.trainer.config import ImagesConfig
 from mariana.trainer.featurizer_train import FeaturizerTrainConfig, TrainProgress, progress_logger, train_and_export
@@ -35,6 +40,7 @@ log = logging.getLogger(__name__)
 CACHE_DIR = "featurizer"
 UPLOADS_DIR = "uploads"
 SHOWN_CORRUPT = 5
+UPLOAD_SUFFIXES = (".raw", ".npy", *ENCODED_SUFFIXES)
 
 
 @dataclass
@@ -80,16 +86,25 @@ def load_creative_set(path: str) -> CreativeSet:
     corrupt: list[str] = []
     up = cdir / UPLOADS_DIR
     if up.is_dir():
-        files = sorted(p for p in up.iterdir() if p.is_file() and p.suffix in (".raw", ".npy"))
+        files = sorted(p for p in up.iterdir() if p.is_file() and not p.name.startswith("."))
         items, names = [], []
         for p in files:
+            suffix = p.suffix.lower()
+            if suffix not in UPLOAD_SUFFIXES:
+                corrupt.append(f"{p.name}: not an upload kind ({', '.join(UPLOAD_SUFFIXES)})")
+                continue
             raw = p.read_bytes()
-            if p.suffix == ".npy":
-                try:
+            try:
+                if suffix == ".npy":
                     raw = np.load(p, allow_pickle=False)
-                except (ValueError, OSError, EOFError) as e:
-                    corrupt.append(f"{p.name}: not a readable .npy ({e})")
-                    continue
+                elif suffix != ".raw":
+                    raw = decode_encoded(raw, p.name)
+            except (ValueError, OSError, EOFError) as e:
+                corrupt.append(f"{p.name}: not a readable .npy ({e})")
+                continue
+            except BadImage as e:
+                corrupt.append(str(e))
+                continue
             items.append(raw)
             names.append(p)
         good, keep, bad = stack_images(items, [p.name for p in names])
@@ -97,6 +112,10 @@ def load_creative_set(path: str) -> CreativeSet:
         known = set(ids)
         new_ids = [names[i].stem.encode() for i in keep]
         if new_ids:
+            twice = sorted(i for i, n in Counter(new_ids).items() if n > 1)
+            if twice:
+                raise ConfigError(f"{up}: several uploads name creative {twice[0].decode()} (e.g. a .png and a "
+                                  f".jpg); an id names one image")
             replaced = [i for i in new_ids if i in known]
             if replaced:
                 raise ConfigError(f"{up}: uploads reuse creative ids of creatives.json "

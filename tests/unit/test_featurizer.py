@@ -78,6 +78,66 @@ def test_bad_images_are_rejected_with_their_name(featurizer_dir):
         decode_image(np.zeros((28, 28), np.int64), "creative 9")
 
 
+def _encoded(img, fmt: str, **kw) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def test_image_files_decode_to_the_featurizer_s_grey_28x28(mnist):
+    from PIL import Image
+
+    from mariana.featurizer.image import decode_encoded
+    digit = mnist.images[5]
+    assert np.array_equal(decode_encoded(_encoded(Image.fromarray(digit), "PNG"), "d.png"), digit)  # lossless
+    big = Image.fromarray(digit).resize((280, 280), Image.Resampling.NEAREST).convert("RGB")
+    for fmt in ("PNG", "JPEG", "WEBP", "BMP", "GIF"):  # 10x the size, in colour: scaled back within a few levels
+        back = decode_encoded(_encoded(big, fmt), f"d.{fmt.lower()}")
+        assert back.shape == (28, 28) and back.dtype == np.uint8
+        assert np.abs(back.astype(int) - digit).mean() < 6, fmt
+    banner = Image.new("RGB", (300, 100), (200, 30, 30))  # letterboxed: 28 x 9, centred on black
+    grey = decode_encoded(_encoded(banner, "PNG"), "banner.png")
+    assert grey[:9].max() == 0 and grey[19:].max() == 0 and (grey[10:18] == round(0.299 * 200 + 0.587 * 30
+                                                                                   + 0.114 * 30)).all()
+    clear = Image.new("RGBA", (28, 28), (255, 255, 255, 0))  # transparent: black
+    assert decode_encoded(_encoded(clear, "PNG"), "clear.png").max() == 0
+    whole = _encoded(big, "PNG")
+    for raw, says in [(b"", "an empty file"), (b"<svg/>", "not an image file Pillow can read"),
+                      (whole[:len(whole) // 2], "truncated or damaged"),
+                      (_encoded(Image.new("L", (8, 8)), "TIFF"), "a TIFF image; uploads are PNG")]:
+        with pytest.raises(BadImage, match=says):
+            decode_encoded(raw, "x")
+
+
+def test_uploads_of_image_files_join_the_creatives_and_other_files_are_counted(mnist, tmp_path):
+    from PIL import Image
+
+    from mariana.sparse.errors import ConfigError
+    from mariana.trainer.images import load_creative_set
+    d = tmp_path / "creatives"
+    (d / "uploads").mkdir(parents=True)
+    np.save(d / "creatives.npy", mnist.images[:3])
+    (d / "creatives.json").write_text(json.dumps({"ids": ["a", "b", "c"]}))
+    up = d / "uploads"
+    (up / "p1.png").write_bytes(_encoded(Image.fromarray(mnist.images[7]), "PNG"))
+    (up / "j1.JPG").write_bytes(_encoded(Image.new("RGB", (300, 250), (90, 90, 90)), "JPEG"))
+    (up / "r1.raw").write_bytes(mnist.images[8].tobytes())
+    (up / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(20))
+    (up / "notes.txt").write_text("what these ads are")  # no image: counted, not silently passed over
+    (up / ".DS_Store").write_bytes(b"x")                  # hidden: left alone
+    cset = load_creative_set(str(d))
+    assert cset.ids == [b"a", b"b", b"c", b"j1", b"p1", b"r1"]
+    assert np.array_equal(cset.images[4], mnist.images[7]) and np.array_equal(cset.images[5], mnist.images[8])
+    assert cset.images[3].shape == (28, 28) and cset.images[3][14, 14] == 90 and cset.images[3][0].max() == 0
+    assert len(cset.corrupt) == 2 and cset.corrupt[0].startswith("bad.png: not")
+    assert cset.corrupt[1].startswith("notes.txt: not an upload kind (.raw, .npy, .png")
+    (up / "p1.jpg").write_bytes(_encoded(Image.fromarray(mnist.images[9]), "JPEG"))
+    with pytest.raises(ConfigError, match="several uploads name creative p1"):
+        load_creative_set(str(d))
+
+
 def test_featurizer_load_errors_name_the_dir(tmp_path, featurizer_dir):
     with pytest.raises(ModelDirError, match="no featurizer here"):
         ImageFeaturizer.load(tmp_path)

@@ -11,7 +11,9 @@ brightness, then adds a random background level and Gaussian noise: nothing is
 at a fixed place, so the task needs translation-tolerant features. The set is a
 pure function of (n, seed, size): image i depends only on (seed, i), so the
 first k images of a set of n are the set of k. Written as IDX files under the
-MNIST names (featurizer/image.py's `load_mnist` reads them).
+MNIST names (featurizer/image.py's `load_mnist` reads them), or with `--format png|jpeg`
+as an image folder of encoded files (featurizer/image_folder.py), whose decoding is then
+a stage of the image job's input pipeline.
 """
 from __future__ import annotations
 
@@ -66,13 +68,23 @@ def draw(label: int, rng: np.random.Generator, size: int = 64) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def generate_images(out: str | os.PathLike, n: int, seed: int = 0, size: int = 64) -> dict:
+FORMATS = ("idx", "png", "jpeg")
+
+
+def generate_images(out: str | os.PathLike, n: int, seed: int = 0, size: int = 64, fmt: str = "idx",
+                    quality: int = 90) -> dict:
     """Write OUT/t10k-images-idx3-ubyte.gz ((n, size, size) uint8) and OUT/t10k-labels-idx1-ubyte.gz
-    (labels 0..9, each image's drawn uniformly); returns a record with the class counts and hashes."""
+    (labels 0..9, each image's drawn uniformly); returns a record with the class counts and hashes.
+    `fmt` png or jpeg: an image folder instead (featurizer/image_folder.py), OUT/<k>-<class>/<i>.png
+    (or .jpg at `quality`), the files named by their index so the folder's order is the IDX's."""
     from mariana.featurizer.image import MNIST_IMAGES, MNIST_LABELS, file_sha256
 
     if n < 1 or size < 8:
         raise ValueError(f"gen images: --rows >= 1 and --size >= 8, got {n}, {size}")
+    if fmt not in FORMATS:
+        raise ValueError(f"gen images: --format {fmt!r}: use one of {list(FORMATS)}")
+    if not 1 <= quality <= 95:
+        raise ValueError(f"gen images: --quality {quality}: between 1 and 95")
     images = np.empty((n, size, size), np.uint8)
     labels = np.empty(n, np.uint8)
     for i in range(n):
@@ -81,9 +93,26 @@ def generate_images(out: str | os.PathLike, n: int, seed: int = 0, size: int = 6
         images[i] = draw(int(labels[i]), rng, size)
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
+    record = {"out": str(d), "images": n, "size": size, "seed": seed, "format": fmt, "classes": list(CLASSES),
+              "per_class": np.bincount(labels, minlength=10).tolist(),
+              "content_sha256": hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()}
+    if fmt != "idx":
+        return {**record, "bytes": write_folder(d, images, labels, fmt, quality)}
     write_idx(d / MNIST_IMAGES, images)
     write_idx(d / MNIST_LABELS, labels)
-    return {"out": str(d), "images": n, "size": size, "seed": seed, "classes": list(CLASSES),
-            "per_class": np.bincount(labels, minlength=10).tolist(),
-            "images_sha256": file_sha256(d / MNIST_IMAGES),
-            "content_sha256": hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()}
+    return {**record, "images_sha256": file_sha256(d / MNIST_IMAGES)}
+
+
+def write_folder(d: Path, images: np.ndarray, labels: np.ndarray, fmt: str, quality: int = 90) -> int:
+    """Each image as d/<label>-<class>/<index>.png|.jpg; returns the bytes written."""
+    from PIL import Image
+
+    total = 0
+    for k, name in enumerate(CLASSES):
+        (d / f"{k}-{name.replace(' ', '-')}").mkdir(exist_ok=True)
+    for i, (img, label) in enumerate(zip(images, labels)):
+        path = d / f"{label}-{CLASSES[label].replace(' ', '-')}" / f"{i:06d}.{'jpg' if fmt == 'jpeg' else 'png'}"
+        Image.fromarray(img).save(path, "JPEG" if fmt == "jpeg" else "PNG", **({"quality": quality}
+                                                                                if fmt == "jpeg" else {}))
+        total += path.stat().st_size
+    return total

@@ -27,7 +27,7 @@ def cmd_gen_images(args: argparse.Namespace) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise MarianaError(f"{args.out}: exists and is not a directory; --out names the directory to write")
     try:
-        result = generate_images(args.out, args.rows, args.seed, args.size)
+        result = generate_images(args.out, args.rows, args.seed, args.size, args.format, args.quality)
     except ValueError as e:
         raise MarianaError(str(e)) from None
     print(json.dumps(result))
@@ -162,7 +162,11 @@ def add_gen_ads(gsub) -> None:
     gi.add_argument("--rows", type=int, required=True, help="images to write")
     gi.add_argument("--seed", type=int, default=0, help="seed of the images")
     gi.add_argument("--size", type=int, default=64, help="side in pixels (default 64: the wide CNN's input)")
-    gi.add_argument("--out", required=True, help="directory: t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz")
+    gi.add_argument("--format", choices=("idx", "png", "jpeg"), default="idx", help="idx: MNIST-named IDX files; "
+                    "png / jpeg: an image folder, OUT/<k>-<class>/<index>.png|.jpg (what `train image` decodes)")
+    gi.add_argument("--quality", type=int, default=90, help="--format jpeg: the JPEG quality (1-95)")
+    gi.add_argument("--out", required=True, help="directory: t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz "
+                                                 "(or the image folder)")
     gi.set_defaults(func=cmd_gen_images)
 
 
@@ -202,8 +206,9 @@ def build_train_image_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mariana train image",
                                 description="train the image CNN as G data-parallel groups of P pipelined "
                                             "partitions (G x P processes) and export it as a featurizer")
-    p.add_argument("--data", help="a dir of MNIST-named IDX files: MNIST or `mariana gen images` (default: "
-                                  "$MARIANA_DATA/mnist, else ../shared/data/mnist)")
+    p.add_argument("--data", help="a dir of MNIST-named IDX files (MNIST or `mariana gen images`), or an image "
+                                  "folder: one sub-directory of PNG/JPEG/GIF/BMP/WebP files per class, decoded as "
+                                  "batches need them (default: $MARIANA_DATA/mnist, else ../shared/data/mnist)")
     p.add_argument("--preset", default=None, help="small | mnist (32/64 channels) | wide (6 blocks, 64x64); "
                                                   "default: mnist for 28x28 images, wide for 64x64")
     p.add_argument("--partitions", type=int, default=1, help="P: model partitions per group (pipeline stages)")
@@ -221,6 +226,8 @@ def build_train_image_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-memory", action="store_true", help="with --memory: also torch's profiler over one "
                    "step (a cross-check; slow)")
     p.add_argument("--prefetch", type=int, default=2, help="batches prepared ahead in a background thread (0: off)")
+    p.add_argument("--decode-workers", type=int, default=2, help="an image folder: threads decoding each batch's "
+                   "files for the prefetch thread (with --prefetch 0 the training thread decodes them)")
     p.add_argument("--augment", choices=("shift", "elastic"), default="shift", help="augmentation: random shifts, "
                    "or elastic distortions with a random affine map (Simard et al. 2003; ~10x the CPU)")
     p.add_argument("--shift", type=int, default=3, help="augmentation: random shifts up to this many pixels")
@@ -233,10 +240,18 @@ def build_train_image_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _log_skipped(source: dict) -> None:
+    import logging
+    if source["skipped"]:
+        logging.getLogger("mariana").warning("%s: %d files left out (not images this job can read): %s",
+                                             source["dir"], source["skipped"], "; ".join(source["first_skipped"]))
+
+
 def train_image_main(argv: list[str]) -> int:
     import logging
 
     from mariana.featurizer.image import load_mnist, mnist_dir
+    from mariana.featurizer.image_folder import is_image_folder, load_image_folder
     from mariana.services.ranks import run_job
     from mariana.services.runtime import report
     from mariana.services.runtime.logs import setup_logging
@@ -245,20 +260,29 @@ def train_image_main(argv: list[str]) -> int:
     args = build_train_image_parser().parse_args(argv)
     ctx = dp.DistContext.from_env()
     setup_logging(-1 if args.quiet or ctx.rank > 0 else args.verbose)
-    data = load_mnist(mnist_dir(args.data))
+    folder = args.data is not None and is_image_folder(args.data)
+    data = load_image_folder(args.data) if folder else load_mnist(mnist_dir(args.data))
     from mariana.trainer.image import ImageConfig
 
-    preset = args.preset or ("wide" if data.images.shape[1] == 64 else "mnist" if data.images.shape[1] == 28
-                             else None)
+    if args.preset:
+        preset = args.preset
+    elif folder:  # files are scaled to the model's side: the wide model for images of 64 px and more
+        preset = "wide" if max(data.source["first_image_size"]) >= 64 else "mnist"
+    else:
+        preset = {64: "wide", 28: "mnist"}.get(data.images.shape[1])
     if preset is None:
         raise MarianaError(f"{args.data}: {data.images.shape[1]}x{data.images.shape[2]} images; give --preset")
     cfg = ImageConfig(preset=preset, partitions=args.partitions, groups=args.groups, schedule=args.schedule,
                       microbatches=args.microbatches, recompute=args.recompute, balance=args.balance,
                       cut_after=tuple(n for n in args.cut_after.split(",") if n), prefetch=args.prefetch,
+                      decode_workers=args.decode_workers, classes=len(data.source["classes"]) if folder else 0,
                       augment=args.augment, shift=args.shift, epochs=args.epochs, batch_size=args.batch_size,
                       lr=args.lr, seed=args.seed,
                       test_images=args.test_images, device=args.device, threads=args.threads, timeout_s=args.timeout,
                       memory=args.memory or args.profile_memory, profile_memory=args.profile_memory)
+    if folder:
+        data.images.size = cfg.cnn.size
+        _log_skipped(data.source)
     if not 0 < cfg.test_images < len(data.images):
         raise MarianaError(f"--test-images {cfg.test_images}: must be between 1 and {len(data.images) - 1} "
                            f"({len(data.images)} images)")

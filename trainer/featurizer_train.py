@@ -119,7 +119,7 @@ def export_featurizer(model: ImageCNN, report: dict, data: ImageSet, out_dir: st
                 "output": {"stage": "embed", "standardise": "(features - output.mean) / output.std, "
                                                             "measured on the train split"},
                 "accuracy": report["test_accuracy"], "source": data.source,
-                "train": {k: v for k, v in report.items() if k != "train_index"}}
+                "train": {k: v for k, v in report.items() if k not in ("train_index", "source")}}
     raw = ImageFeaturizer(manifest, weights).embed(data.images[report["train_index"]])  # (N, d) unstandardised
     std = raw.std(0)
     weights["output.mean"] = torch.from_numpy(raw.mean(0))

@@ -2,15 +2,19 @@
 groups of P pipelined partitions (trainer/strategies/model_parallel.py). Read top
 to bottom:
 
-    data = load_mnist(DIR)                      MNIST, or `mariana gen images` (same files)
-    split 8k/2k (featurizer.image.split_indices), pixel stats of the training images
+    data = load_mnist(DIR)                      MNIST, or `mariana gen images` (same files); or
+           load_image_folder(DIR)               image files, one sub-directory per class
+                                                (featurizer/image_folder.py), decoded batch by batch
+    split 8k/2k (featurizer.image.split_indices), pixel stats of the training images (files: of
+            up to 2,000 of them, spread over the set)
     model = ImageCNN(preset), seeded; each stage measured on one micro-batch and the stages
             cut into P partitions (`balance` memory: state bytes + saved activations x the
             micro-batches the partition holds in flight; or time)
     step = PipelineStep(my partition, Layout(G, P), ...)
     batches: one seeded global order; each global batch augmented (random +-shift px,
              drawn from (seed, epoch, step): the same in any layout), prepared by a
-             background thread `prefetch` batches ahead; group g takes its share
+             background thread `prefetch` batches ahead (image files decoded there, in
+             `decode_workers` slices on a thread pool); group g takes (and decodes) its share
     every rank counts the bytes its gradient exchange hands to all-reduce (and, with
     `memory`, measures its memory by component on the first steps: trainer/memory.py);
     rank 0 gathers these, and the partitions (point-to-point), evaluates on the held-out 2k
@@ -23,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 from mariana.featurizer.augment import KINDS as AUGMENTS
 from mariana.featurizer.augment import augment
 from mariana.featurizer.image import ImageSet, pixel_stats, split_indices, to_input
+from mariana.featurizer.image_folder import EncodedImages
 from mariana.sparse.errors import ConfigError
 from mariana.trainer import memory
 from mariana.trainer.dense import evaluate_dense, loss_fn, resolve_backend, resolve_device, tensor_batches
@@ -44,6 +50,7 @@ from mariana.trainer.strategies.model_parallel import (Layout, Partition, Pipeli
 
 log = logging.getLogger(__name__)
 
+STATS_IMAGES = 2000  # images read from files: the pixel statistics' sample (stats_sample)
 PRESETS = {"small": ImageCNNConfig(), "mnist": ImageCNNConfig(channels=(32, 64), embed_dim=128),
            "wide": ImageCNNConfig.wide()}
 
@@ -61,6 +68,8 @@ class ImageConfig:
     balance: str = "time"         # cut the stages so the largest partition's time (or memory) is least
     cut_after: tuple[str, ...] = ()  # or by hand: the last stage of each partition but the last
     prefetch: int = 2             # batches prepared ahead by a background thread; 0: none
+    decode_workers: int = 2       # image files: threads decoding each batch (with the prefetch; 0/1: that thread)
+    classes: int = 0              # the head's classes; 0: the preset's (10)
     augment: str = "shift"        # shift | elastic (featurizer/augment.py)
     shift: int = 3                # augmentation: random shifts of up to this many pixels
     epochs: int = 20
@@ -90,31 +99,47 @@ class ImageConfig:
             raise ConfigError(f"--balance {self.balance!r}: use memory or time")
         if self.cut_after:
             manual_cuts([name for name, _ in ImageCNN(self.cnn).fine_stages()], self.cut_after, self.partitions)
-        if self.prefetch < 0 or self.shift < 0 or not self.lr > 0:
-            raise ConfigError("--prefetch and --shift must be >= 0 and --lr > 0")
+        if self.prefetch < 0 or self.shift < 0 or self.decode_workers < 0 or not self.lr > 0:
+            raise ConfigError("--prefetch, --decode-workers and --shift must be >= 0 and --lr > 0")
+        if self.classes == 1 or self.classes < 0:
+            raise ConfigError(f"classes {self.classes}: at least 2 (0: the preset's)")
 
     @property
     def cnn(self) -> ImageCNNConfig:
-        return PRESETS[self.preset]
+        return replace(PRESETS[self.preset], classes=self.classes) if self.classes else PRESETS[self.preset]
 
 
-def batches(x: torch.Tensor, y: torch.Tensor, cfg: ImageConfig, epoch: int, augment_them: bool, group: int = 0,
-            pin: bool = False):
+def batches(load: Callable[[torch.Tensor], torch.Tensor], y: torch.Tensor, cfg: ImageConfig, epoch: int,
+            augment_them: bool, group: int = 0, pin: bool = False):
     """(group `group`'s share of a global batch of images, or None; its labels; the step) of
     an epoch in the seeded order, augmented with the global batch's draws (the same in any
-    layout). A last batch smaller than the others is left out (a pipeline's stages keep one
-    shape). `pin`: in page-locked memory, for non-blocking copies to CUDA."""
+    layout). `load(rows)`: the normalised (B, 1, S, S) images of training rows `rows` (from
+    memory, or decoded from their files). A last batch smaller than the others is left out
+    (a pipeline's stages keep one shape). `pin`: in page-locked memory, for non-blocking
+    copies to CUDA."""
     start = int(torch.arange(cfg.batch_size).tensor_split(cfg.groups)[group][0])
-    for step, idx in enumerate(dp.global_batches(len(x), cfg.batch_size, cfg.seed, epoch)):
+    for step, idx in enumerate(dp.global_batches(len(y), cfg.batch_size, cfg.seed, epoch)):
         if len(idx) < cfg.batch_size:
             continue
         seed = cfg.seed * 1_000_003 + epoch * 10_007 + step
         mine = idx.tensor_split(cfg.groups)[group]
-        xb = augment(x[mine], cfg.augment, cfg.shift, seed, of=(start, len(idx))) if augment_them else None
+        xb = augment(load(mine), cfg.augment, cfg.shift, seed, of=(start, len(idx))) if augment_them else None
         yb = y[mine]
         if pin:
             xb, yb = (None if xb is None else xb.pin_memory()), yb.pin_memory()
         yield xb, yb, step
+
+
+def stats_sample(train_idx: np.ndarray, most: int = STATS_IMAGES) -> np.ndarray:
+    """The training images whose pixels give the input normalisation of a set read from
+    files: all of them up to `most`, else `most` spread evenly over the set.
+
+    >>> stats_sample(np.arange(10), most=4).tolist(), len(stats_sample(np.arange(3)))
+    ([0, 3, 6, 9], 3)
+    """
+    if len(train_idx) <= most:
+        return train_idx
+    return train_idx[np.linspace(0, len(train_idx) - 1, most).round().astype(np.int64)]
 
 
 def prefetched(items, depth: int):
@@ -187,13 +212,26 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
                           f"takes {cfg.cnn.size}x{cfg.cnn.size}")
     dp.init_distributed(ctx, resolve_backend("auto", device), init_method, cfg.timeout_s)
     train_idx, test_idx = split_indices(len(data.images), cfg.test_images)
-    mean, std = pixel_stats(data.images[train_idx])
-    x = to_input(data.images[train_idx], mean, std)
     y = torch.from_numpy(data.labels[train_idx].astype(np.int64))
+    if int(y.max()) >= cfg.cnn.classes:
+        raise ConfigError(f"labels up to {int(y.max())}, but the model has {cfg.cnn.classes} classes")
+    files = isinstance(data.images, EncodedImages)
+    workers = cfg.decode_workers if files and cfg.prefetch and cfg.decode_workers > 1 else 1
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers > 1 else None
+    if files:  # decoded batch by batch, on the prefetch thread's pool; the pixel statistics from a spread sample
+        mean, std = pixel_stats(data.images.decode(stats_sample(train_idx), pool, workers))
+
+        def load(rows: torch.Tensor) -> torch.Tensor:
+            return to_input(data.images.decode(train_idx[rows.numpy()], pool, workers), mean, std)
+    else:
+        mean, std = pixel_stats(data.images[train_idx])
+        x = to_input(data.images[train_idx], mean, std)
+        load = x.__getitem__
     torch.manual_seed(cfg.seed)
     model = ImageCNN(cfg.cnn).to(device)
     stages = model.fine_stages()
-    cuts, costs = plan_partitions(model, x[:cfg.batch_size // (cfg.groups * cfg.microbatches)].to(device), cfg, ctx)
+    probe = load(torch.arange(cfg.batch_size // (cfg.groups * cfg.microbatches)))
+    cuts, costs = plan_partitions(model, probe.to(device), cfg, ctx)
     g, p = layout.coords(ctx.rank)
     held = in_flight(cfg.schedule, cfg.microbatches, cfg.partitions, p)
     plan = recompute_plan(costs[cuts[p][0]:cuts[p][1]], held, cfg.recompute)
@@ -217,7 +255,8 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
         for epoch in range(cfg.epochs):
             t0 = time.perf_counter()
             losses, wait, done = [], 0.0, 0
-            source = prefetched(batches(x, y, cfg, epoch, step.first, g, pin=device.type == "cuda"), cfg.prefetch)
+            source = prefetched(batches(load, y, cfg, epoch, step.first, g, pin=device.type == "cuda"),
+                                cfg.prefetch)
             while True:
                 t_wait = time.perf_counter()
                 item = next(source, None)
@@ -258,11 +297,15 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
                 "io_written_per_step": (io_after - io_before) / max(steps, 1) if io_before is not None else None,
                 "cpu_share": (time.process_time() - cpu_before) / max(seconds, 1e-9),
                 **measured}
+        if files:  # images whose files passed the listing's check but would not decode: trained as black
+            mine["decode_failures"] = len(data.images.failures)
         ranks = stats_to_rank0(mine, ctx)
         whole = gather_model(model, cuts, layout, ctx)
     finally:
         dp.stop_counting(counter)
         dp.shutdown_distributed()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
     record = {"mode": "image", "preset": cfg.preset, "groups": cfg.groups, "partitions": cfg.partitions,
               "schedule": cfg.schedule, "microbatches": cfg.microbatches, "recompute": cfg.recompute,
               "prefetch": cfg.prefetch, "cuts": [part_names(stages, c) for c in cuts], "balance": cfg.balance,
@@ -271,7 +314,8 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
               "train_images": len(train_idx), "test_images": len(test_idx), "train_seconds": round(seconds, 3),
               "images_per_s": round(images / seconds, 1) if seconds else None, "per_epoch": per_epoch,
               "ranks": ranks,
-              "config": asdict(cfg), "pixel_mean": mean, "pixel_std": std, "train_index": train_idx}
+              "config": asdict(cfg), "pixel_mean": mean, "pixel_std": std, "train_index": train_idx,
+              "source": data.source}
     if whole is not None:
         x_test = to_input(data.images[test_idx], mean, std)
         y_test = torch.from_numpy(data.labels[test_idx].astype(np.int64))
@@ -279,6 +323,8 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
         record["test_accuracy"] = round(evaluate_dense(whole.to(cpu), tensor_batches(x_test, y_test, 512),
                                                        loss_fn("cross_entropy"), cpu).accuracy, 4)
         whole.eval()
+        if files and data.images.failures:
+            record["first_decode_failures"] = data.images.failures[:5]  # rank 0's; the count per rank is in `ranks`
     return whole, record
 
 
@@ -305,7 +351,7 @@ def measure(k: int, run: Callable[[], torch.Tensor | None], part: Partition, opt
 
 STAT_KEYS = ("rank", "group", "partition", "gradient_bytes", "allreduce_sent_per_step", "allreduce_payload_per_step",
              "io_written_per_step", "cpu_share", "rss_first_step", "parameters", "gradients", "optimizer",
-             "activations", "buffers", "total", "profiler_peak", "profiler_activations")
+             "activations", "buffers", "total", "profiler_peak", "profiler_activations", "decode_failures")
 
 
 def stats_to_rank0(mine: dict, ctx: dp.DistContext) -> list[dict] | None:

@@ -58,6 +58,43 @@ def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, sha
                                                                                                 abs=1e-4)
 
 
+def test_an_image_folder_is_decoded_batch_by_batch_and_trains_what_its_idx_twin_trains(tmp_path, shapes):
+    """The same 640 images as PNG files, one folder per class (`gen images --format png`):
+    decoded on the prefetch thread's pool, in the training thread with --prefetch 0, and in
+    a 2 x 2 layout, each the IDX set's model bit for bit. Files that are no image are
+    counted, named and left out; one damaged past its header is trained as black, counted."""
+    folder = tmp_path / "png"
+    made = json.loads(run_cli("gen", "images", "--rows", "640", "--size", "28", "--seed", "1", "--format", "png",
+                              "--out", folder, check=True).stdout)
+    assert made["content_sha256"] == json.loads(run_cli("gen", "images", "--rows", "640", "--size", "28", "--seed",
+                                                        "1", "--out", tmp_path / "twin",
+                                                        check=True).stdout)["content_sha256"]
+    grid = ("--partitions", "2", "--groups", "2")
+    base = train(shapes, tmp_path / "idx")
+    train(shapes, tmp_path / "idx-grid", *grid)
+    for name, extra, twin in [("pool", ("--decode-workers", "3"), "idx"), ("inline", ("--prefetch", "0"), "idx"),
+                              ("grid", grid, "idx-grid")]:
+        got = train(folder, tmp_path / name, *extra)
+        assert got["source"]["images"] == 640 and got["source"]["skipped"] == 0
+        assert all(r["decode_failures"] == 0 for r in got["ranks"])
+        assert got["pixel_mean"] == base["pixel_mean"]
+        assert (tmp_path / name / "weights.safetensors").read_bytes() == \
+            (tmp_path / twin / "weights.safetensors").read_bytes(), name
+    (folder / "notes.txt").write_text("not in a class")
+    (folder / "3-triangle" / "readme.md").write_text("no image")
+    (folder / "3-triangle" / "fake.png").write_bytes(b"not a png at all")
+    from mariana.featurizer.image import split_indices
+    (victim,) = folder.glob(f"*/{split_indices(640, 128)[0][0]:06d}.png")  # a training image
+    victim.write_bytes(victim.read_bytes()[:60])  # the header survives, the pixels do not
+    got = train(folder, tmp_path / "bad")
+    src = got["source"]
+    assert src["images"] == 640 and src["skipped"] == 3 and len(src["first_skipped"]) == 3
+    assert any(s.startswith("notes.txt: not in a class directory") for s in src["first_skipped"])
+    assert any(s.startswith("3-triangle/fake.png: not an image file Pillow can read") for s in src["first_skipped"])
+    assert got["ranks"][0]["decode_failures"] == 4  # the pixel statistics, the stage probe (its first), 2 epochs
+    assert victim.name in got["first_decode_failures"][0] and "truncated or damaged" in got["first_decode_failures"][0]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--groups", "1000", "--batch-size", "4000"], "1000 ranks: must be between 1 and"),
     (["--batch-size", "30"], "--batch-size 30 must split evenly into --groups 1 x --microbatches 4"),

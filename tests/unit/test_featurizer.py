@@ -138,6 +138,41 @@ def test_uploads_of_image_files_join_the_creatives_and_other_files_are_counted(m
         load_creative_set(str(d))
 
 
+def test_an_image_folder_lists_its_classes_in_name_order_and_refuses_what_is_no_set(tmp_path, mnist):
+    from PIL import Image
+
+    from mariana.featurizer.image_folder import is_image_folder, load_image_folder
+    from mariana.sparse.errors import DataFormatError
+    d = tmp_path / "f"
+    for cls, names in {"cats": ["b.png", "d.jpg"], "dogs": ["a.png", "c.gif"]}.items():
+        (d / cls).mkdir(parents=True)
+        for k, name in enumerate(names):
+            Image.fromarray(mnist.images[k]).save(d / cls / name)
+    data = load_image_folder(d, size=28)
+    assert is_image_folder(d) and not is_image_folder(d / "cats")
+    assert data.source["classes"] == ["cats", "dogs"] and data.labels.tolist() == [1, 0, 1, 0]  # a, b, c, d
+    assert data.images.shape == (4, 28, 28) and np.array_equal(data.images[1], mnist.images[0])
+    assert np.array_equal(data.images[[0, 1]], np.stack([mnist.images[0], mnist.images[0]]))
+    data.images.size = 14
+    assert data.images[2:].shape == (2, 14, 14)
+    with pytest.raises(DataFormatError, match="1 class directories; an image folder needs"):
+        load_image_folder(_only(d, "cats"), size=28)
+    (tmp_path / "e" / "x").mkdir(parents=True)
+    (tmp_path / "e" / "y").mkdir()
+    (tmp_path / "e" / "y" / "n.txt").write_text("no")
+    with pytest.raises(DataFormatError, match="no readable image in its 2 class directories"):
+        load_image_folder(tmp_path / "e")
+    with pytest.raises(DataFormatError, match="no such directory"):
+        load_image_folder(tmp_path / "nothing")
+
+
+def _only(d, cls):
+    import shutil
+    one = d.parent / f"only-{cls}"
+    shutil.copytree(d / cls, one / cls)
+    return one
+
+
 def test_featurizer_load_errors_name_the_dir(tmp_path, featurizer_dir):
     with pytest.raises(ModelDirError, match="no featurizer here"):
         ImageFeaturizer.load(tmp_path)

@@ -1,0 +1,143 @@
+"""Image files as a training set for the image mode (`mariana train image --data DIR`):
+the folder layout users keep, decoded when a batch needs them, so decoding is a stage
+of the input pipeline (trainer/image.py runs it on background threads).
+
+    DIR/<class>/<file>      one sub-directory per class (the labels: the sorted class
+                            names' positions); files PNG, JPEG, GIF, BMP or WebP, any
+                            size and colour, made (size, size) grey as the featurizer takes
+                            them (featurizer.image.decode_encoded: scaled to fit, centred)
+
+    data = load_image_folder(DIR)       an ImageSet whose `images` decode when indexed
+    data.images.size = 64               the side the model takes
+    data.images.decode(positions, pool) (n, 64, 64) uint8, on the pool's threads
+
+The order of the set is the files' names, then their class (`00042.png` before
+`00043.png` whatever their classes), so the fixed train/test split
+(featurizer.image.split_indices) does not hang on how the classes are named, and a
+folder written by `mariana gen images --format png` is in the order of its IDX twin.
+
+Bad input: a file of another kind, one whose header Pillow cannot read, or a file
+outside any class directory is counted, named in `source` and left out before the
+set is formed (every rank of a job lists the same files). A file that passes that
+check but cannot be decoded later (damaged past its header) is a black image,
+counted in `failures`: the job goes on, and says so in its record.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from concurrent.futures import Executor
+from pathlib import Path
+
+import numpy as np
+
+from mariana.featurizer.image import ENCODED_SUFFIXES, MAX_PIXELS, BadImage, ImageSet, decode_encoded
+from mariana.sparse.errors import DataFormatError
+
+SHOWN = 5  # skipped files or decode failures named in a record
+
+
+class EncodedImages:
+    """(N, size, size) uint8 images kept as files, decoded when indexed."""
+
+    dtype = np.uint8
+    ndim = 3
+
+    def __init__(self, files: list[Path], size: int):
+        self.files, self.size = files, size
+        self.failures: list[str] = []  # "file: reason" of each image given as black
+        self._lock = threading.Lock()
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.files), self.size, self.size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index) -> np.ndarray:
+        positions = np.arange(len(self.files))[index]
+        return self.decode(positions) if positions.ndim else self.decode(positions[None])[0]
+
+    def decode(self, positions, pool: Executor | None = None, workers: int = 1) -> np.ndarray:
+        """The images at `positions` (n, size, size): decoded here, or in `workers` slices on
+        `pool`'s threads (Pillow lets go of the GIL while it decodes and scales)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.empty((len(positions), self.size, self.size), np.uint8)
+
+        def part(ks: np.ndarray) -> None:
+            for k in ks:
+                path = self.files[positions[k]]
+                try:
+                    out[k] = decode_encoded(path.read_bytes(), str(path), self.size)
+                except (BadImage, OSError) as e:
+                    out[k] = 0
+                    with self._lock:
+                        self.failures.append(str(e) if isinstance(e, BadImage) else f"{path}: {e}")
+        if pool is None or workers < 2:
+            part(np.arange(len(positions)))
+        else:
+            list(pool.map(part, np.array_split(np.arange(len(positions)), workers)))
+        return out
+
+
+def is_image_folder(path: str | os.PathLike) -> bool:
+    """A directory with at least one class sub-directory (and not the MNIST IDX files)."""
+    from mariana.featurizer.image import MNIST_IMAGES
+    d = Path(path)
+    return d.is_dir() and not (d / MNIST_IMAGES).exists() and any(_classes(d))
+
+
+def _classes(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def load_image_folder(root: str | os.PathLike, size: int = 28) -> ImageSet:
+    """The folder's images (decoded at `size` when indexed; the attribute may be set
+    later), its labels, and a `source` record: classes, files, what was left out and why,
+    the first image's size, and a digest of the listing (names and sizes)."""
+    from PIL import Image, UnidentifiedImageError
+
+    d = Path(root)
+    if not d.is_dir():
+        raise DataFormatError(f"{d}: no such directory (an image folder: one sub-directory of images per class)")
+    classes = _classes(d)
+    if len(classes) < 2:
+        raise DataFormatError(f"{d}: {len(classes)} class directories; an image folder needs one sub-directory of "
+                              "images per class, at least two")
+    found, skipped = [], [f"{p.name}: not in a class directory" for p in sorted(d.iterdir())
+                          if p.is_file() and not p.name.startswith(".")]
+    first_size = None
+    for label, cdir in enumerate(classes):
+        for p in sorted(cdir.iterdir()):
+            if p.name.startswith(".") or not p.is_file():
+                continue
+            name = f"{cdir.name}/{p.name}"
+            if p.suffix.lower() not in ENCODED_SUFFIXES:
+                skipped.append(f"{name}: not an image file kind ({', '.join(ENCODED_SUFFIXES)})")
+                continue
+            try:
+                with Image.open(p) as img:  # the header only
+                    fmt, (w, h) = img.format, img.size
+            except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+                skipped.append(f"{name}: not an image file Pillow can read")
+                continue
+            if fmt not in ("PNG", "JPEG", "GIF", "BMP", "WEBP") or w * h > MAX_PIXELS:
+                skipped.append(f"{name}: a {fmt} image of {w}x{h} pixels (PNG, JPEG, GIF, BMP or WebP, at most "
+                               f"{MAX_PIXELS:,} pixels)")
+                continue
+            first_size = first_size or [w, h]
+            found.append((p.name, cdir.name, label, p))
+    if not found:
+        raise DataFormatError(f"{d}: no readable image in its {len(classes)} class directories")
+    found.sort()
+    listing = hashlib.sha256()
+    for name, cls, _, p in found:
+        listing.update(f"{cls}/{name}\0{p.stat().st_size}\n".encode())
+    labels = np.array([label for _, _, label, _ in found], dtype=np.int64)
+    source = {"dir": str(d.resolve()), "format": "image folder", "classes": [c.name for c in classes],
+              "images": len(found), "per_class": np.bincount(labels, minlength=len(classes)).tolist(),
+              "first_image_size": first_size, "skipped": len(skipped), "first_skipped": skipped[:SHOWN],
+              "listing_sha256": listing.hexdigest()}
+    return ImageSet(EncodedImages([p for *_, p in found], size), labels, source)

@@ -11,7 +11,9 @@ partitions x groups, on `mariana gen images` data, every configuration in one ru
    median of --rounds interleaved rounds):
    P=1; P=2 (M=8; the stages cut by measured time); G=2; --recompute at P=1 and P=2;
    the input pipeline with --prefetch 2 and 0 under `shift` and `elastic` augmentation,
-   with the share of the job spent waiting for input.
+   and on the same images as JPEG files of --jpeg-size px (an image folder, decoded and
+   scaled batch by batch on the prefetch thread's pool, or in the training thread), with
+   the share of the job spent waiting for input.
 3. Bytes: P=2 x G=2, what each rank hands to its gradient all-reduce per step against its
    own partition's gradient bytes, and what the process wrote (/proc/self/io).
 4. fully_shard (FSDP2) at N=2 on the same model and batch: images/s, per-rank memory by
@@ -163,6 +165,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=3000, help="generated 64x64 images (200 held out)")
     ap.add_argument("--epochs", type=int, default=3, help="epochs of each speed run (the first is warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed runs; the table shows medians")
+    ap.add_argument("--jpeg-size", type=int, default=256, help="side of the JPEG files of the decoding runs")
     ap.add_argument("--out-dir", default=str(REPO / "bench-out" / "image_parallel"))
     ap.add_argument("--fsdp-rank", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -171,8 +174,11 @@ def main() -> int:
     if args.fsdp_rank:
         fsdp_rank(args.fsdp_rank, args.data, args.steps)
         return 0
-    with tempfile.TemporaryDirectory(prefix="image-bench-data-") as data:
+    with tempfile.TemporaryDirectory(prefix="image-bench-data-") as data, \
+            tempfile.TemporaryDirectory(prefix="image-bench-jpeg-") as jpeg:
         mariana("gen", "images", "--rows", str(args.rows), "--size", "64", "--seed", "7", "--out", data)
+        mariana("gen", "images", "--rows", str(args.rows), "--size", str(args.jpeg_size), "--seed", "7", "--format",
+                "jpeg", "--out", jpeg)
         mem = memory_rows(data)
         speed, runs = {}, {}
         configs = [("P=1", ()), ("P=2", ("--partitions", "2", "--balance", "time")),
@@ -180,10 +186,11 @@ def main() -> int:
                    ("P=2 recompute", ("--partitions", "2", "--balance", "time", "--recompute")),
                    ("P=1 prefetch 0", ("--prefetch", "0")),
                    ("P=1 elastic", ("--augment", "elastic")),
-                   ("P=1 elastic prefetch 0", ("--augment", "elastic", "--prefetch", "0"))]
+                   ("P=1 elastic prefetch 0", ("--augment", "elastic", "--prefetch", "0")),
+                   ("P=1 JPEG files", ()), ("P=1 JPEG files prefetch 0", ("--prefetch", "0"))]
         for rnd in range(args.rounds):  # interleaved: a burst of host load hits every configuration alike
             for key, extra in configs:
-                r = train(data, args.epochs, *extra)
+                r = train(jpeg if "JPEG" in key else data, args.epochs, *extra)
                 runs.setdefault(key, []).append(r)
                 note(f"round {rnd} speed {key}: {steady(r):,.1f} images/s, cuts {r['cuts']}, waiting for input "
                      f"{100 * statistics.median(e['input_wait_share'] for e in r['per_epoch']):.1f}%, busy "
@@ -217,6 +224,7 @@ def main() -> int:
         "G=2 / P=1 images/s": sp["G=2"] / sp["P=1"],
         "prefetch on / off (shift)": sp["P=1"] / sp["P=1 prefetch 0"],
         "prefetch on / off (elastic)": sp["P=1 elastic"] / sp["P=1 elastic prefetch 0"],
+        "prefetch on / off (JPEG files, shift)": sp["P=1 JPEG files"] / sp["P=1 JPEG files prefetch 0"],
         "fully_shard N=2 / P=1 images/s": shard["images_per_s"] / sp["P=1"],
         "worst gradient exchange / own partition's gradient bytes": max(
             x["allreduce_payload_per_step"] / x["gradient_bytes"] for x in sent),
@@ -229,8 +237,10 @@ def main() -> int:
             abs(x["allreduce_payload_per_step"] / x["gradient_bytes"] - 1) <= 0.05 for x in sent),
         "P=2 >= 1.4x P=1": ratios["P=2 / P=1 images/s"] >= 1.4,
         "prefetch on >= 1.2x off": ratios["prefetch on / off (shift)"] >= 1.2,
+        "prefetch on >= 1.2x off (JPEG files)": ratios["prefetch on / off (JPEG files, shift)"] >= 1.2,
     }
-    record = {"machine": machine_info(), "rows": args.rows, "epochs": args.epochs, "batch": BATCH,
+    record = {"machine": machine_info(), "rows": args.rows, "jpeg_size": args.jpeg_size, "epochs": args.epochs,
+              "batch": BATCH,
               "microbatches": MICRO, "memory": mem, "speed": speed, "bytes": sent, "fully_shard": shard,
               "ratios": {k: round(v, 3) for k, v in ratios.items()}, "targets": targets,
               "runs": {k: [{kk: vv for kk, vv in r.items() if kk not in ("train_index", "config")} for r in v]

@@ -107,12 +107,13 @@ def write_folder(d: Path, images: np.ndarray, labels: np.ndarray, fmt: str, qual
     """Each image as d/<label>-<class>/<index>.png|.jpg; returns the bytes written."""
     from PIL import Image
 
+    kind, suffix, options = ("JPEG", "jpg", {"quality": quality}) if fmt == "jpeg" else ("PNG", "png", {})
+    dirs = [d / f"{k}-{name.replace(' ', '-')}" for k, name in enumerate(CLASSES)]
+    for sub in dirs:
+        sub.mkdir(exist_ok=True)
     total = 0
-    for k, name in enumerate(CLASSES):
-        (d / f"{k}-{name.replace(' ', '-')}").mkdir(exist_ok=True)
     for i, (img, label) in enumerate(zip(images, labels)):
-        path = d / f"{label}-{CLASSES[label].replace(' ', '-')}" / f"{i:06d}.{'jpg' if fmt == 'jpeg' else 'png'}"
-        Image.fromarray(img).save(path, "JPEG" if fmt == "jpeg" else "PNG", **({"quality": quality}
-                                                                                if fmt == "jpeg" else {}))
+        path = dirs[label] / f"{i:06d}.{suffix}"
+        Image.fromarray(img).save(path, kind, **options)
         total += path.stat().st_size
     return total

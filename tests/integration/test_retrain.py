@@ -130,6 +130,17 @@ def test_retrain_needs_a_window_and_a_recipe(days, tmp_path):
     assert no_recipe.returncode == 2 and "set retrain.job_config" in no_recipe.stderr
 
 
+def test_retrain_refuses_a_model_dir_serving_a_speech_version(days, tmp_path):
+    from tests.speechdata import write_archive
+    model_dir = tmp_path / "speech"
+    run_cli("-q", "train", "speech", "--data", write_archive(tmp_path / "fsdd_recordings.tar.gz"), "--epochs", "1",
+            "--batch-size", "256", "--out", model_dir, env={"MARIANA_CACHE": str(tmp_path / "cache")}, check=True)
+    cfg = retrain_config(tmp_path, model_dir, train_data=[str(days["day1"])], eval_data=[str(days["day4"])])
+    proc = run_cli("retrain", "--config", cfg)
+    assert proc.returncode == 2 and "v000001, is a speech model" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in model_dir.iterdir() if p.name.startswith("v")) == ["v000001"]  # nothing trained
+
+
 def test_retrain_publishes_nothing_from_an_empty_or_diverged_training(days, tmp_path):
     """A window with no valid rows, or a recipe that diverges, leaves no candidate version,
     no decision and CURRENT where it was: nothing to gate, nothing to serve."""

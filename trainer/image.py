@@ -70,6 +70,8 @@ class ImageConfig:
     prefetch: int = 2             # batches prepared ahead by a background thread; 0: none
     decode_workers: int = 2       # image files: threads decoding each batch (with the prefetch; 0/1: that thread)
     classes: int = 0              # the head's classes; 0: the preset's (10)
+    channels_last: bool = False   # NHWC images and conv weights inside each partition (faster for `wide` on one
+                                  # thread; docs/image-mode.md)
     augment: str = "shift"        # shift | elastic (featurizer/augment.py)
     shift: int = 3                # augmentation: random shifts of up to this many pixels
     epochs: int = 20
@@ -228,14 +230,15 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
         x = to_input(data.images[train_idx], mean, std)
         load = x.__getitem__
     torch.manual_seed(cfg.seed)
-    model = ImageCNN(cfg.cnn).to(device)
+    layout_of = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    model = ImageCNN(cfg.cnn).to(device).to(memory_format=layout_of)  # the same values, laid out NHWC or NCHW
     stages = model.fine_stages()
     probe = load(torch.arange(cfg.batch_size // (cfg.groups * cfg.microbatches)))
-    cuts, costs = plan_partitions(model, probe.to(device), cfg, ctx)
+    cuts, costs = plan_partitions(model, probe.to(device).contiguous(memory_format=layout_of), cfg, ctx)
     g, p = layout.coords(ctx.rank)
     held = in_flight(cfg.schedule, cfg.microbatches, cfg.partitions, p)
     plan = recompute_plan(costs[cuts[p][0]:cuts[p][1]], held, cfg.recompute)
-    part = Partition(stages[cuts[p][0]:cuts[p][1]], plan=plan)
+    part = Partition(stages[cuts[p][0]:cuts[p][1]], plan=plan, channels_last=cfg.channels_last)
     step = PipelineStep(part, layout, ctx.rank, cfg.microbatches, cfg.schedule, F.cross_entropy, device)
     opt = torch.optim.Adam(part.parameters(), lr=cfg.lr)
     if cfg.recompute:
@@ -320,7 +323,8 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
         x_test = to_input(data.images[test_idx], mean, std)
         y_test = torch.from_numpy(data.labels[test_idx].astype(np.int64))
         cpu = torch.device("cpu")
-        record["test_accuracy"] = round(evaluate_dense(whole.to(cpu), tensor_batches(x_test, y_test, 512),
+        whole = whole.to(cpu).to(memory_format=torch.contiguous_format)  # as the exported featurizer runs it
+        record["test_accuracy"] = round(evaluate_dense(whole, tensor_batches(x_test, y_test, 512),
                                                        loss_fn("cross_entropy"), cpu).accuracy, 4)
         whole.eval()
         if files and data.images.failures:
@@ -410,7 +414,7 @@ def gather_model(model: ImageCNN, cuts: list[tuple[int, int]], layout: Layout,
     if ctx.rank == 0:
         for other in range(1, layout.partitions):
             for _, param in owned(other):
-                buf = torch.empty_like(param.data, device=dp.comm_device())
+                buf = torch.empty(param.shape, dtype=param.dtype, device=dp.comm_device())  # NCHW, as sent
                 dist.recv(buf, src=other)
                 param.data.copy_(buf.to(param.device))
     elif g == 0:

@@ -58,6 +58,17 @@ def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, sha
                                                                                                 abs=1e-4)
 
 
+def test_channels_last_trains_the_same_model_in_any_layout(tmp_path, shapes):
+    """NHWC inside the partitions (`--channels-last`): what crosses between ranks stays NCHW
+    (gloo sends only contiguous tensors), so P=2 runs and matches P=1 in the same layout."""
+    one = train(shapes, tmp_path / "p1", "--channels-last")
+    two = train(shapes, tmp_path / "p2", "--channels-last", "--partitions", "2", "--cut-after", "conv2")
+    assert one["config"]["channels_last"] and two["cuts"][0][-1] == "conv2"
+    w1, w2 = (load_file(str(tmp_path / d / "weights.safetensors")) for d in ("p1", "p2"))
+    assert max(float(np.abs(w2[k] - w1[k]).max()) for k in w1) < 1e-4
+    assert [e["loss"] for e in two["per_epoch"]] == pytest.approx([e["loss"] for e in one["per_epoch"]], abs=1e-4)
+
+
 def test_an_image_folder_is_decoded_batch_by_batch_and_trains_what_its_idx_twin_trains(tmp_path, shapes):
     """The same 640 images as PNG files, one folder per class (`gen images --format png`):
     decoded on the prefetch thread's pool, in the training thread with --prefetch 0, and in

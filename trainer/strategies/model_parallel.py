@@ -246,14 +246,29 @@ def segments(weights: list[float], recompute: bool, starts: set[int] | None = No
     return balance([float(w) for w in weights], count, starts=starts)
 
 
+class _ToChannelsLast(torch.autograd.Function):
+    """x in NHWC; its gradient handed back in NCHW, as the pipeline sends it (gloo sends
+    contiguous tensors only)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous(memory_format=torch.channels_last)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class Partition(nn.Module):
     """Consecutive stages of a model, run in order; the parameter names stay the model's.
     `plan` (from `recompute_plan`) runs them in segments, some recomputed: their activations
     are not kept but recomputed in the backward (activation checkpointing). Without a plan,
     `recompute` checkpoints about sqrt(k) segments of equal length."""
 
-    def __init__(self, stages: list[tuple[str, nn.Module]], recompute: bool = False, plan: Plan | None = None):
+    def __init__(self, stages: list[tuple[str, nn.Module]], recompute: bool = False, plan: Plan | None = None,
+                 channels_last: bool = False):
         super().__init__()
+        self.channels_last = channels_last  # images NHWC inside; what crosses to another rank NCHW
         self.names = [name for name, _ in stages]
         for name, module in stages:
             self.add_module(name, module)
@@ -270,12 +285,14 @@ class Partition(nn.Module):
         return recomputation(lambda: self._run(names, x))  # measured by trainer/memory when it runs again
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_last and x.dim() == 4:
+            x = _ToChannelsLast.apply(x)
         for names, checkpointed in self.segments:
             if checkpointed and torch.is_grad_enabled():
                 x = checkpoint(self._segment, names, x, use_reentrant=False)
             else:
                 x = self._run(names, x)
-        return x
+        return x.contiguous() if self.channels_last else x  # the pipeline sends (and receives) NCHW
 
 
 class PipelineStep:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mariana.featurizer.image import ENCODED_SUFFIXES, MAX_PIXELS, BadImage, ImageSet, decode_encoded
+from mariana.featurizer.image import ENCODED_SUFFIXES, MAX_PIXELS, MNIST_IMAGES, BadImage, ImageSet, decode_encoded
 from mariana.sparse.errors import DataFormatError
 
 SHOWN = 5  # skipped files or decode failures named in a record
@@ -84,7 +84,6 @@ class EncodedImages:
 
 def is_image_folder(path: str | os.PathLike) -> bool:
     """A directory with at least one class sub-directory (and not the MNIST IDX files)."""
-    from mariana.featurizer.image import MNIST_IMAGES
     d = Path(path)
     return d.is_dir() and not (d / MNIST_IMAGES).exists() and any(_classes(d))
 

@@ -93,18 +93,20 @@ def load_creative_set(path: str) -> CreativeSet:
             if suffix not in UPLOAD_SUFFIXES:
                 corrupt.append(f"{p.name}: not an upload kind ({', '.join(UPLOAD_SUFFIXES)})")
                 continue
-            raw = p.read_bytes()
-            try:
-                if suffix == ".npy":
+            if suffix == ".npy":
+                try:
                     raw = np.load(p, allow_pickle=False)
-                elif suffix != ".raw":
-                    raw = decode_encoded(raw, p.name)
-            except (ValueError, OSError, EOFError) as e:
-                corrupt.append(f"{p.name}: not a readable .npy ({e})")
-                continue
-            except BadImage as e:
-                corrupt.append(str(e))
-                continue
+                except (ValueError, OSError, EOFError) as e:
+                    corrupt.append(f"{p.name}: not a readable .npy ({e})")
+                    continue
+            else:
+                raw = p.read_bytes()
+                if suffix != ".raw":
+                    try:
+                        raw = decode_encoded(raw, p.name)
+                    except BadImage as e:
+                        corrupt.append(str(e))
+                        continue
             items.append(raw)
             names.append(p)
         good, keep, bad = stack_images(items, [p.name for p in names])

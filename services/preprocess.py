@@ -37,7 +37,7 @@ from mariana.services.sample_cache import CacheUnavailable, SampleCache, pack_ba
 from mariana.services.transport import PeerTimeout, RemoteError, make_socket
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import MarianaError
-from mariana.sparse.parse import BlockParser, BlockTask, Chunk, ParseStats
+from mariana.sparse.parse import BlockParser, BlockTask, Chunk, ParseStats, preload
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class Preprocess(Service):
         self.pull.bind(self.cfg.preprocess.endpoints[self.index])
         self.connect_coordinator()
         self.cache = SampleCache(self.cfg, self.counters)
+        await asyncio.to_thread(preload)
         await self.register()
 
     async def main(self) -> None:

@@ -120,6 +120,13 @@ class Chunk:
                                       # data lines in order, none skipped
 
 
+def preload() -> None:
+    """Load now what pyarrow loads on its first conversion of a Python value: pandas, when it
+    is installed (~0.2 s), imported inside the first block a process parses. A service calls
+    this at start so that cost is not in a job's first epoch."""
+    pa.scalar(b"0")
+
+
 # ---- blocks of whole lines ------------------------------------------------
 
 def open_binary(path: str | os.PathLike) -> BinaryIO:

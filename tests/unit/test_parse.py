@@ -1,4 +1,6 @@
 import gzip
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -254,3 +256,25 @@ def test_the_head_of_a_parquet_span_is_what_reading_its_address_again_gives(gen_
     assert table.num_rows == 7 and table.equals(from_arrow_block(block).slice(0, 7))
     assert (address >> 20, address & ((1 << 20) - 1)) == (first - 1, 7) and rows > 7
     assert from_arrow_block(read_span(path, address, len(head))).equals(table)
+
+
+def test_preload_leaves_nothing_to_import_in_the_first_block():
+    """pyarrow imports pandas (when installed, ~0.2 s) on its first conversion of a Python
+    value, which the fast path makes: a preprocess that did not preload paid it inside its
+    first chunk, in a job's first epoch. After `preload`, parsing and hashing a first block
+    import nothing; without it, this test sees pandas imported there."""
+    pytest.importorskip("pandas", reason="without pandas pyarrow has nothing to import lazily")
+    code = (
+        "import sys\n"
+        "from mariana.sparse.encode import Encoder\n"
+        "from mariana.sparse.hashing import HashSpec\n"
+        "from mariana.sparse.parse import BlockParser, BlockTask, preload\n"
+        "from mariana.sparse.schema import criteo\n"
+        "preload()\n"
+        f"block = {(GOOD + chr(10) + GOOD0 + chr(10)).encode()!r}\n"
+        "before = set(sys.modules)\n"
+        "rows, stats = BlockTask(BlockParser(criteo()), 'x', 1, block, 2).run()\n"
+        "Encoder(criteo(), HashSpec()).encode(rows, batch_id='b0')\n"
+        "print(rows.num_rows, sorted(set(sys.modules) - before))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["2", "[]"]

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import tarfile
 import tempfile
 import wave
@@ -150,8 +151,10 @@ def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE) -> n
         with wave.open(io.BytesIO(raw), "rb") as w:
             channels, width, rate, n = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
             frames = w.readframes(n)
-    except (wave.Error, EOFError) as e:
-        why = "no bytes at all" if not raw else str(e) or f"{len(raw)} bytes, ending inside the wav header"
+    except (wave.Error, EOFError, RuntimeError, struct.error) as e:
+        why = ("no bytes at all" if not raw else str(e)
+               or (f"a chunk says it runs past the RIFF's end, in {len(raw)} bytes" if isinstance(e, RuntimeError)
+                   else f"{len(raw)} bytes, ending inside the wav header"))
         raise BadAudio(f"{name}: not a PCM wav file ({why})") from None
     want = f"expected {sample_rate} Hz (mono, 16-bit PCM)"
     if rate != sample_rate:
@@ -426,8 +429,14 @@ class SpeechRecognizer:
         if manifest.get("kind") != MODEL_KIND:
             raise ModelDirError(f"{where}: not a speech model (kind {manifest.get('kind')!r})")
         self.manifest = manifest
-        self.front_end = FrontEnd.from_dict(manifest["front_end"])
-        self.ops = manifest["ops"]
+        front_end, ops = manifest.get("front_end"), manifest.get("ops")
+        if not isinstance(front_end, dict) or not isinstance(ops, list) or not all(isinstance(op, dict) for op in ops):
+            raise ModelDirError(f"{where}: the manifest's front_end must be a map and its ops a list of maps")
+        try:
+            self.front_end = FrontEnd.from_dict(front_end)
+        except TypeError as e:
+            raise ModelDirError(f"{where}: the manifest's front_end: {e}") from None
+        self.ops = ops
         self.weights = weights
         known = {"standardise", "linear", "relu"}
         unknown = sorted({op.get("op") for op in self.ops} - known, key=str)

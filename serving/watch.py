@@ -68,8 +68,10 @@ class VersionWatcher:
                 # one torch thread: a server's worker processes are its parallelism
                 new = await asyncio.get_running_loop().run_in_executor(self.loader, load_version,
                                                                        self.cfg.model_dir, version, 1)
-        except (MarianaError, OSError, KeyError, ValueError, RuntimeError) as e:
+        except Exception as e:  # whatever a version's files hold, the watcher goes on watching
             self.failed = version
+            if not isinstance(e, (MarianaError, OSError, KeyError, ValueError)):
+                e = f"{type(e).__name__}: {e}"  # not one of the reasons a load names: say what it was
             log.error("%s: cannot load %s/%s: %s; serving %s still", self.name, self.cfg.model_dir, version, e,
                       self.holder.version or "nothing")
             self.on_event("load_failed", {"version": version, "error": str(e)})

@@ -168,11 +168,14 @@ def read_manifest(model_dir: str | os.PathLike, version: str) -> dict:
     """A version's manifest alone (no arrays): for listings."""
     vdir = Path(model_dir) / version
     try:
-        return json.loads((vdir / MANIFEST).read_text())
+        manifest = json.loads((vdir / MANIFEST).read_text())
     except FileNotFoundError:
         raise ModelDirError(f"{vdir}: no {MANIFEST}") from None
     except json.JSONDecodeError as e:
         raise ModelDirError(f"{vdir}/{MANIFEST}: not valid JSON: {e}") from None
+    if not isinstance(manifest, dict):
+        raise ModelDirError(f"{vdir}/{MANIFEST}: a JSON {type(manifest).__name__}, not an object")
+    return manifest
 
 
 def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str, np.ndarray],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import time
 
 import pytest
@@ -67,6 +68,13 @@ def test_a_wav_gets_the_digit_and_posteriors_mariana_predict_gives(speech_model,
         assert s.metric("mariana_serve_predictions_total") == len(wavs) + 4
 
 
+def long_chunk(raw: bytes) -> bytes:
+    """A wav with a LIST chunk before its data that claims 500 bytes and holds 4."""
+    at = raw.index(b"data")
+    out = raw[:at] + b"LIST" + struct.pack("<I", 500) + b"INFO" + raw[at:]
+    return out[:4] + struct.pack("<I", len(out) - 8) + out[8:]
+
+
 MISTAKES = [  # (what, body, content type, status, the answer names)
     ("wrong rate", wav_bytes(tone(3, 0, 0), rate=16000), "audio/wav", 400, "sample rate 16000 Hz, expected 8000"),
     ("8-bit", wav_bytes(tone(3, 0, 0), width=1), "audio/wav", 400, "8-bit samples"),
@@ -75,6 +83,8 @@ MISTAKES = [  # (what, body, content type, status, the answer names)
     ("a wav header alone", b"RIFF", "audio/wav", 400, "not a PCM wav file (4 bytes, ending inside"),
     ("empty", b"", "audio/wav", 400, "no bytes at all"),
     ("truncated", wav_bytes(tone(3, 0, 0))[:-100], "audio/wav", 400, "truncated"),
+    ("a chunk past the end", long_chunk(wav_bytes(tone(3, 0, 0))), "audio/wav", 400,
+     "a chunk says it runs past the RIFF's end"),  # the wave module's bare RuntimeError: a 500 before
     ("instances", b'{"instances": [{"I1": 1}]}', "application/json", 415, "is a speech model: POST a wav file"),
     ("a form", wav_bytes(tone(3, 0, 0)), "application/x-www-form-urlencoded", 415,
      "not application/x-www-form-urlencoded"),  # curl --data-binary's default
@@ -114,3 +124,21 @@ def test_a_directory_moving_between_speech_and_click_versions_is_answered_by_the
         assert "kept loaded since it was swapped out" in s.logs()
         assert post_wav(s, wav_bytes(tone(6, 0, 2)))[2]["digit"] == 6
         assert s.metric("mariana_serve_model_load_failures_total") == 0
+        shutil.copytree(d / "v000001", d / "v000003")  # a damaged manifest: a failed load, and the watch goes on
+        manifest = json.loads((d / "v000003" / "manifest.json").read_text())
+        (d / "v000003" / "manifest.json").write_text(json.dumps({**manifest, "front_end": None}))
+        (d / "CURRENT").write_text("v000003\n")
+        deadline = time.monotonic() + 10
+        while s.metric("mariana_serve_model_load_failures_total") != 1:
+            assert time.monotonic() < deadline, s.logs()
+            time.sleep(0.05)
+        assert "v000003: " in s.logs() and "front_end must be a map" in s.logs()
+        shutil.copytree(d / "v000001", d / "v000004")  # not even a JSON object
+        (d / "v000004" / "manifest.json").write_text("[1]")
+        (d / "CURRENT").write_text("v000004\n")
+        while s.metric("mariana_serve_model_load_failures_total") != 2:
+            assert time.monotonic() < deadline, s.logs()
+            time.sleep(0.05)
+        assert "manifest.json: a JSON list, not an object" in s.logs()
+        (d / "CURRENT").write_text("v000002\n")
+        serving(s, "v000002")

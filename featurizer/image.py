@@ -148,7 +148,8 @@ MAX_PIXELS = 40_000_000  # a larger image is refused before it is decoded (a dec
 def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
     """An image file's bytes (PNG, JPEG, GIF, BMP or WebP, any size and colour) ->
     (size, size) uint8 grey levels, as the featurizer takes them: transparent pixels
-    black, colour to luma (ITU-R 601-2), the whole image scaled to fit (Lanczos; a JPEG
+    black (an alpha channel or a PNG's transparent colour), colour to luma (ITU-R 601-2),
+    16-bit grey to its top 8 bits, turned upright as its EXIF says, the whole image scaled to fit (Lanczos; a JPEG
     is decoded at a reduced scale first) and centred on black, so a 300x250 banner keeps
     its proportions. A (size, size) grey PNG comes back pixel for pixel. BadImage naming
     `name` and the reason otherwise.
@@ -162,7 +163,7 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
     Traceback (most recent call last):
     mariana.featurizer.image.BadImage: ad.gif: not an image file Pillow can read (PNG, JPEG, GIF, BMP or WebP)
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not raw:
         raise BadImage(f"{name}: an empty file")
@@ -176,7 +177,10 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
         if img.format == "JPEG":
             img.draft("L", (size, size))  # DCT scaling: decodes at 1/2..1/8 while still >= size
         img.load()
-        if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        img = ImageOps.exif_transpose(img)  # a phone's JPEG stored sideways, turned as its EXIF says
+        if img.mode.startswith("I"):  # 16-bit grey (a PNG's I;16): its top 8 bits, as convert("L") would clip
+            img = Image.fromarray((np.asarray(img, np.int64).clip(0, 65535) >> 8).astype(np.uint8), "L")
+        if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:  # an alpha channel or a tRNS colour
             rgba = img.convert("RGBA")
             img = Image.new("RGBA", rgba.size, (0, 0, 0, 255))
             img.alpha_composite(rgba)
@@ -185,7 +189,9 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
         raise
     except UnidentifiedImageError:
         raise BadImage(f"{name}: not an image file Pillow can read (PNG, JPEG, GIF, BMP or WebP)") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:  # Pillow's own bound, met before ours when the header says more
+        raise BadImage(f"{name}: over the {MAX_PIXELS:,} pixels allowed") from None
+    except (OSError, ValueError, SyntaxError):
         raise BadImage(f"{name}: not a readable image file (truncated or damaged)") from None
     w, h = grey.size
     if (w, h) != (size, size):

@@ -16,11 +16,14 @@ The order of the set is the files' names, then their class (`00042.png` before
 (featurizer.image.split_indices) does not hang on how the classes are named, and a
 folder written by `mariana gen images --format png` is in the order of its IDX twin.
 
-Bad input: a file of another kind, one whose header Pillow cannot read, or a file
-outside any class directory is counted, named in `source` and left out before the
-set is formed (every rank of a job lists the same files). A file that passes that
-check but cannot be decoded later (damaged past its header) is a black image,
-counted in `failures`: the job goes on, and says so in its record.
+Bad input: a file of another kind, one whose header Pillow cannot read or says is
+too large, a directory inside a class directory, or a file outside any class
+directory is counted, named in `source` and left out before the set is formed
+(every rank of a job lists the same files). A file that passes that check but
+cannot be decoded later (damaged past its header) is a black image under its label,
+named once in `failures` however often it is decoded: the job goes on, and says so
+in its record. (Leaving it out of the loss would need its rank to tell the last
+partition's rank, which holds the labels and decodes nothing.)
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ class EncodedImages:
 
     def __init__(self, files: list[Path], size: int):
         self.files, self.size = files, size
-        self.failures: list[str] = []  # "file: reason" of each image given as black
+        self.failures: dict[int, str] = {}  # file's position -> "file: reason": each image given as black
         self._lock = threading.Lock()
 
     @property
@@ -73,8 +76,9 @@ class EncodedImages:
                     out[k] = decode_encoded(path.read_bytes(), str(path), self.size)
                 except (BadImage, OSError) as e:
                     out[k] = 0
-                    with self._lock:
-                        self.failures.append(str(e) if isinstance(e, BadImage) else f"{path}: {e}")
+                    with self._lock:  # a file once, however often it is decoded
+                        self.failures.setdefault(int(positions[k]), str(e) if isinstance(e, BadImage)
+                                                 else f"{path}: {e}")
         if pool is None or workers < 2:
             part(np.arange(len(positions)))
         else:
@@ -110,15 +114,22 @@ def load_image_folder(root: str | os.PathLike, size: int = 28) -> ImageSet:
     first_size = None
     for label, cdir in enumerate(classes):
         for p in sorted(cdir.iterdir()):
-            if p.name.startswith(".") or not p.is_file():
+            if p.name.startswith("."):
                 continue
             name = f"{cdir.name}/{p.name}"
+            if not p.is_file():
+                skipped.append(f"{name}: {'a directory' if p.is_dir() else 'not a regular file'} (an image folder "
+                               "is DIR/<class>/<image files>, one level)")
+                continue
             if p.suffix.lower() not in ENCODED_SUFFIXES:
                 skipped.append(f"{name}: not an image file kind ({', '.join(ENCODED_SUFFIXES)})")
                 continue
             try:
                 with Image.open(p) as img:  # the header only
                     fmt, (w, h) = img.format, img.size
+            except Image.DecompressionBombError:  # Pillow's bound on the header's size, above ours
+                skipped.append(f"{name}: over the {MAX_PIXELS:,} pixels allowed")
+                continue
             except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
                 skipped.append(f"{name}: not an image file Pillow can read")
                 continue

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import struct
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -103,12 +105,32 @@ def test_image_files_decode_to_the_featurizer_s_grey_28x28(mnist):
                                                                                    + 0.114 * 30)).all()
     clear = Image.new("RGBA", (28, 28), (255, 255, 255, 0))  # transparent: black
     assert decode_encoded(_encoded(clear, "PNG"), "clear.png").max() == 0
+    for mode, key, value in [("RGB", (255, 255, 255), (255, 255, 255)), ("L", 200, 200)]:
+        keyed = Image.new(mode, (28, 28), value)  # a PNG's transparent colour (tRNS), no alpha channel: black
+        assert decode_encoded(_encoded(keyed, "PNG", transparency=key), "keyed.png").max() == 0, mode
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: stored turned 90 degrees; a 60x20 banner is a 20x60 portrait upright
+    upright = decode_encoded(_encoded(Image.new("L", (60, 20), 255), "JPEG", exif=exif.tobytes()), "phone.jpg")
+    assert upright[:, :8].max() == 0 and upright[:, 11:17].min() > 200 and upright[0, 14] > 200
+    deep = np.full((28, 28), 100, np.uint16)  # 16-bit grey: its top 8 bits (convert("L") clips to 255)
+    deep[:14] = 40000
+    back = decode_encoded(_encoded(Image.fromarray(deep), "PNG"), "deep.png")
+    assert (back[:14] == 40000 >> 8).all() and (back[14:] == 0).all()
     whole = _encoded(big, "PNG")
     for raw, says in [(b"", "an empty file"), (b"<svg/>", "not an image file Pillow can read"),
                       (whole[:len(whole) // 2], "truncated or damaged"),
-                      (_encoded(Image.new("L", (8, 8)), "TIFF"), "a TIFF image; uploads are PNG")]:
+                      (_encoded(Image.new("L", (8, 8)), "TIFF"), "a TIFF image; uploads are PNG"),
+                      (png_header(20_000, 10_000), "over the 40,000,000 pixels allowed")]:  # past Pillow's own bound
         with pytest.raises(BadImage, match=says):
             decode_encoded(raw, "x")
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature, IHDR (8-bit grey) saying `width` x `height`, and IEND: no pixels."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) \
+        + chunk(b"IEND", b"")
 
 
 def test_uploads_of_image_files_join_the_creatives_and_other_files_are_counted(mnist, tmp_path):
@@ -155,6 +177,8 @@ def test_an_image_folder_lists_its_classes_in_name_order_and_refuses_what_is_no_
     assert np.array_equal(data.images[[0, 1]], np.stack([mnist.images[0], mnist.images[0]]))
     data.images.size = 14
     assert data.images[2:].shape == (2, 14, 14)
+    (d / "cats" / "huge.png").write_bytes(png_header(20_000, 10_000))  # Pillow refuses it at open: skipped, named
+    assert load_image_folder(d).source["first_skipped"] == ["cats/huge.png: over the 40,000,000 pixels allowed"]
     with pytest.raises(DataFormatError, match="1 class directories; an image folder needs"):
         load_image_folder(_only(d, "cats"), size=28)
     (tmp_path / "e" / "x").mkdir(parents=True)

@@ -212,14 +212,29 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
     if data.images.shape[1] != cfg.cnn.size:
         raise ConfigError(f"the images are {data.images.shape[1]}x{data.images.shape[2]}; preset {cfg.preset!r} "
                           f"takes {cfg.cnn.size}x{cfg.cnn.size}")
-    dp.init_distributed(ctx, resolve_backend("auto", device), init_method, cfg.timeout_s)
     train_idx, test_idx = split_indices(len(data.images), cfg.test_images)
+    if len(train_idx) < cfg.batch_size:
+        raise ConfigError(f"{len(train_idx)} training images ({len(data.images)} less {len(test_idx)} held out), "
+                          f"fewer than one batch of {cfg.batch_size}: lower --batch-size or --test-images")
     y = torch.from_numpy(data.labels[train_idx].astype(np.int64))
     if int(y.max()) >= cfg.cnn.classes:
         raise ConfigError(f"labels up to {int(y.max())}, but the model has {cfg.cnn.classes} classes")
     files = isinstance(data.images, EncodedImages)
     workers = cfg.decode_workers if files and cfg.prefetch and cfg.decode_workers > 1 else 1
+    dp.init_distributed(ctx, resolve_backend("auto", device), init_method, cfg.timeout_s)
     pool = ThreadPoolExecutor(workers, thread_name_prefix="decode") if workers > 1 else None
+    try:
+        return _train(cfg, data, ctx, layout, device, train_idx, test_idx, y, files, pool, workers, progress)
+    finally:
+        dp.shutdown_distributed()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _train(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext, layout: Layout, device: torch.device,
+           train_idx: np.ndarray, test_idx: np.ndarray, y: torch.Tensor, files: bool, pool: ThreadPoolExecutor | None,
+           workers: int, progress: Callable[[dict], None] | None) -> tuple[ImageCNN | None, dict]:
+    """`train_image` once its process group is up (and torn down by it, whatever happens here)."""
     if files:  # decoded batch by batch, on the prefetch thread's pool; the pixel statistics from a spread sample
         mean, std = pixel_stats(data.images.decode(stats_sample(train_idx), pool, workers))
 
@@ -306,9 +321,7 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
         whole = gather_model(model, cuts, layout, ctx)
     finally:
         dp.stop_counting(counter)
-        dp.shutdown_distributed()
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        dp.shutdown_distributed()  # before rank 0 scores the model: the other ranks are done
     record = {"mode": "image", "preset": cfg.preset, "groups": cfg.groups, "partitions": cfg.partitions,
               "schedule": cfg.schedule, "microbatches": cfg.microbatches, "recompute": cfg.recompute,
               "prefetch": cfg.prefetch, "cuts": [part_names(stages, c) for c in cuts], "balance": cfg.balance,
@@ -328,7 +341,7 @@ def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistC
                                                        loss_fn("cross_entropy"), cpu).accuracy, 4)
         whole.eval()
         if files and data.images.failures:
-            record["first_decode_failures"] = data.images.failures[:5]  # rank 0's; the count per rank is in `ranks`
+            record["first_decode_failures"] = [data.images.failures[k] for k in sorted(data.images.failures)][:5]
     return whole, record
 
 

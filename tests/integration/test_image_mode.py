@@ -94,15 +94,19 @@ def test_an_image_folder_is_decoded_batch_by_batch_and_trains_what_its_idx_twin_
     (folder / "notes.txt").write_text("not in a class")
     (folder / "3-triangle" / "readme.md").write_text("no image")
     (folder / "3-triangle" / "fake.png").write_bytes(b"not a png at all")
+    (folder / "3-triangle" / "2019").mkdir()  # one level only: a nested folder is named, not walked or lost
+    (folder / "3-triangle" / "2019" / "000001.png").write_bytes(next(folder.glob("*/000001.png")).read_bytes())
     from mariana.featurizer.image import split_indices
     (victim,) = folder.glob(f"*/{split_indices(640, 128)[0][0]:06d}.png")  # a training image
     victim.write_bytes(victim.read_bytes()[:60])  # the header survives, the pixels do not
     got = train(folder, tmp_path / "bad")
     src = got["source"]
-    assert src["images"] == 640 and src["skipped"] == 3 and len(src["first_skipped"]) == 3
+    assert src["images"] == 640 and src["skipped"] == 4 and len(src["first_skipped"]) == 4
     assert any(s.startswith("notes.txt: not in a class directory") for s in src["first_skipped"])
     assert any(s.startswith("3-triangle/fake.png: not an image file Pillow can read") for s in src["first_skipped"])
-    assert got["ranks"][0]["decode_failures"] == 4  # the pixel statistics, the stage probe (its first), 2 epochs
+    assert any(s.startswith("3-triangle/2019: a directory") for s in src["first_skipped"])
+    # decoded for the pixel statistics, the stage probe (its first image) and 2 epochs: one file, counted once
+    assert got["ranks"][0]["decode_failures"] == 1 and len(got["first_decode_failures"]) == 1
     assert victim.name in got["first_decode_failures"][0] and "truncated or damaged" in got["first_decode_failures"][0]
 
 
@@ -111,6 +115,7 @@ def test_an_image_folder_is_decoded_batch_by_batch_and_trains_what_its_idx_twin_
     (["--batch-size", "30"], "--batch-size 30 must split evenly into --groups 1 x --microbatches 4"),
     (["--preset", "wide"], "but preset 'wide' takes 64x64"),
     (["--test-images", "900"], "--test-images 900: must be between 1 and 639"),  # the last one given counts
+    (["--test-images", "600"], "40 training images (640 less 600 held out), fewer than one batch of 128"),
     (["--partitions", "9", "--groups", "0"], "--groups and --partitions must be >= 1"),
     (["--partitions", "2", "--cut-after", "conv9"], "--cut-after 'conv9': not a stage; the stages are ['conv1', "),
     (["--partitions", "2", "--cut-after", "head"], "each partition non-empty"),

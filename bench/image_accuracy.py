@@ -6,6 +6,7 @@ Adam amplify, so one run each says little: the targets are read on the medians.
 
     .venv/bin/python bench/image_accuracy.py              # ~15 min on 2 cores
     .venv/bin/python bench/image_accuracy.py --seeds 1 --epochs 5
+    .venv/bin/python bench/image_accuracy.py --channels-last --out-dir bench-out/image_accuracy_nhwc
 
 Writes bench-out/image_accuracy/results.json and prints a Markdown table; exits 1 when a
 target is missed (>= 98.5% for every layout; P=2 x G=2 within 0.2 points of P=1 x G=1).
@@ -32,6 +33,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=None, help="default: the job's own (20)")
+    ap.add_argument("--channels-last", action="store_true", help="every run with `train image --channels-last`")
     ap.add_argument("--out-dir", default=str(REPO / "bench-out" / "image_accuracy"))
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {k: [] for k in LAYOUTS}
@@ -39,7 +41,8 @@ def main() -> int:
         for key, extra in LAYOUTS.items():  # interleaved: a burst of host load hits every layout alike
             with tempfile.TemporaryDirectory(prefix="image-acc-") as out:
                 cmd = [sys.executable, "-m", "mariana", "-q", "train", "image", "--seed", str(seed), "--out", out,
-                       "--json", *extra, *(("--epochs", str(args.epochs)) if args.epochs else ())]
+                       "--json", *extra, *(("--epochs", str(args.epochs)) if args.epochs else ()),
+                       *(("--channels-last",) if args.channels_last else ())]
                 proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
                 if proc.returncode != 0:
                     raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -52,7 +55,8 @@ def main() -> int:
     targets = {"every layout >= 98.5% (medians)": all(v >= 0.985 for v in med.values()),
                "P=2 x G=2 within 0.2 points of P=1 x G=1 (medians)":
                    abs(med["P=2 x G=2"] - med["P=1 x G=1"]) <= 0.002 + 1e-9}
-    record = {"machine": machine_info(), "seeds": args.seeds, "medians": med, "runs": runs, "targets": targets}
+    record = {"machine": machine_info(), "seeds": args.seeds, "channels_last": args.channels_last, "medians": med,
+              "runs": runs, "targets": targets}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(record, indent=2))

@@ -58,12 +58,18 @@ def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, sha
                                                                                                 abs=1e-4)
 
 
-def test_channels_last_trains_the_same_model_in_any_layout(tmp_path, shapes):
-    """NHWC inside the partitions (`--channels-last`): what crosses between ranks stays NCHW
-    (gloo sends only contiguous tensors), so P=2 runs and matches P=1 in the same layout."""
-    one = train(shapes, tmp_path / "p1", "--channels-last")
-    two = train(shapes, tmp_path / "p2", "--channels-last", "--partitions", "2", "--cut-after", "conv2")
+def test_either_memory_layout_trains_the_same_model_in_any_layout(tmp_path, shapes):
+    """NHWC inside the partitions (the default) or NCHW (`--no-channels-last`): what crosses
+    between ranks stays NCHW (gloo sends only contiguous tensors), so P=2 runs and matches
+    P=1 in the same layout. (The other tests here train at the default, NHWC.)"""
+    one = train(shapes, tmp_path / "p1")
+    two = train(shapes, tmp_path / "p2", "--partitions", "2", "--cut-after", "conv2")
     assert one["config"]["channels_last"] and two["cuts"][0][-1] == "conv2"
+    w1, w2 = (load_file(str(tmp_path / d / "weights.safetensors")) for d in ("p1", "p2"))
+    assert max(float(np.abs(w2[k] - w1[k]).max()) for k in w1) < 1e-4
+    one = train(shapes, tmp_path / "p1", "--no-channels-last")
+    two = train(shapes, tmp_path / "p2", "--no-channels-last", "--partitions", "2", "--cut-after", "conv2")
+    assert not one["config"]["channels_last"] and not two["config"]["channels_last"]
     w1, w2 = (load_file(str(tmp_path / d / "weights.safetensors")) for d in ("p1", "p2"))
     assert max(float(np.abs(w2[k] - w1[k]).max()) for k in w1) < 1e-4
     assert [e["loss"] for e in two["per_epoch"]] == pytest.approx([e["loss"] for e in one["per_epoch"]], abs=1e-4)

@@ -11,6 +11,7 @@ Other uses:
     .venv/bin/python bench/pipeline.py --rows 100000 --grid 1x1             # a quick look
     .venv/bin/python bench/pipeline.py --model dnn --grid 1x1,2x1 --preprocess 2
     .venv/bin/python bench/pipeline.py --rows 1000000 --cpu 5 --repeat 2   # CPU per cached epoch by process
+    .venv/bin/python bench/pipeline.py --rows 1000000 --cpu-first --repeat 3  # epoch 1's CPU, local and W1 S1
 
 Data (in bench-out/pipeline/, reused when the row count matches):
 `train-<N>.tsv` (`mariana gen criteo`, seed 1) and `test-<M>.tsv` (seed 2,
@@ -52,6 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN_SEED, TEST_SEED = 1, 2
 MIN_TEST_ROWS = 20_000
 TARGET_RATIO, TARGET_SPEEDUP = 0.80, 3.0
+FIXED_ROWS = 1_000  # --cpu-first: a job on this many rows costs what every job costs besides its epoch
 DEFAULT_GRID = "1x1,1x2,2x1,2x2"  # workers x shards
 
 
@@ -136,12 +138,14 @@ def cluster_cpu(root: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-def run_cpu(args: argparse.Namespace, data: dict, epochs: int, run: int, out_dir: Path) -> dict:
-    """A W1 S1 job of `epochs` epochs; CPU seconds of its processes by role, sampled from /proc."""
+def run_cpu(args: argparse.Namespace, data: dict, epochs: int, run: int, out_dir: Path,
+            local: bool = False) -> dict:
+    """A W1 S1 job (or a local one) of `epochs` epochs; CPU seconds of its processes by role,
+    sampled from /proc."""
     model_dir = out_dir / "models" / f"cpu-{epochs}-r{run}"
     shutil.rmtree(model_dir, ignore_errors=True)
-    cmd = train_command(argparse.Namespace(**{**vars(args), "epochs": epochs}), data, (1, 1, args.preprocess),
-                        model_dir)
+    cmd = train_command(argparse.Namespace(**{**vars(args), "epochs": epochs}), data,
+                        None if local else (1, 1, args.preprocess), model_dir)
     seen: dict[int, tuple[str, float]] = {}
     with subprocess.Popen(cmd, cwd=REPO, env=os.environ | {"MARIANA_CLUSTER__DIR": str(out_dir / "no-cluster")},
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
@@ -157,9 +161,44 @@ def run_cpu(args: argparse.Namespace, data: dict, epochs: int, run: int, out_dir
     for role, seconds in seen.values():
         by_role[role] = by_role.get(role, 0.0) + seconds
     record = json.loads(out.strip().splitlines()[-1])
-    note(f"cpu run {run}, {epochs} epochs: epochs {record['epoch_seconds']} s; core-seconds "
-         + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_role.items())))
-    return {"epochs": epochs, "run": run, "cpu": by_role, "epoch_seconds": record["epoch_seconds"]}
+    note(f"cpu run {run}, {'local' if local else 'W1 S1'}, {data['train_rows']:,} rows, {epochs} epochs: epochs "
+         f"{record['epoch_seconds']} s; core-seconds " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_role.items())))
+    return {"epochs": epochs, "run": run, "cpu": by_role, "epoch_seconds": record["epoch_seconds"],
+            "rows": data["train_rows"], "mode": "local" if local else "W1 S1"}
+
+
+def bench_first_cpu(args: argparse.Namespace, out_dir: Path) -> int:
+    """Epoch 1's CPU by role, local mode and W1 S1: a 1-epoch job on --rows rows less one on
+    FIXED_ROWS rows (start, stop, model save and test scoring cost both alike); rounds of
+    local and cluster interleaved."""
+    data = bench_data(args, out_dir)
+    small = {**data, "train": synthetic_file(out_dir, "train", FIXED_ROWS, TRAIN_SEED, note), "train_rows": FIXED_ROWS}
+    rounds = []
+    for k in range(1, args.repeat + 1):
+        for local in (True, False):
+            big, tiny = run_cpu(args, data, 1, k, out_dir, local), run_cpu(args, small, 1, k, out_dir, local)
+            roles = sorted(set(big["cpu"]) | set(tiny["cpu"]))
+            rounds.append({"run": k, "mode": big["mode"], "epoch_seconds": big["epoch_seconds"][0],
+                           "cpu": {r: big["cpu"].get(r, 0.0) - tiny["cpu"].get(r, 0.0) for r in roles}})
+    roles = sorted({r for x in rounds for r in x["cpu"]} - {"train"}) + ["train"]
+    lines = [f"Epoch 1's CPU, core-seconds (a 1-epoch job on {args.rows:,} rows - one on {FIXED_ROWS:,} rows), "
+             f"model {args.model}; `train` is the `mariana train` process (local mode: all of it):", "",
+             "| run | mode | epoch 1 s | " + " | ".join(roles) + " | all | all / epoch 1 s |",
+             "|---|---|---:|" + "---:|" * (len(roles) + 2)]
+    for x in rounds:
+        total = sum(x["cpu"].values())
+        lines.append(f"| {x['run']} | {x['mode']} | {x['epoch_seconds']:.2f} | "
+                     + " | ".join(f"{x['cpu'][r]:.2f}" if r in x["cpu"] else "-" for r in roles)
+                     + f" | {total:.2f} | {total / x['epoch_seconds']:.2f} |")
+    med = {m: (statistics.median(x["epoch_seconds"] for x in rounds if x["mode"] == m),
+               statistics.median(sum(x["cpu"].values()) for x in rounds if x["mode"] == m)) for m in ("local", "W1 S1")}
+    lines += ["", f"Medians: local epoch 1 {med['local'][0]:.2f} s on {med['local'][1]:.2f} core-s; W1 S1 "
+              f"{med['W1 S1'][0]:.2f} s on {med['W1 S1'][1]:.2f} core-s: epoch 1 rows/s ratio "
+              f"{med['local'][0] / med['W1 S1'][0]:.2f}, CPU ratio {med['W1 S1'][1] / med['local'][1]:.2f}x"]
+    print("\n".join(lines))
+    (out_dir / "cpu_first.json").write_text(json.dumps({"machine": machine_info(), "rounds": rounds}, indent=1))
+    note(f"wrote {out_dir / 'cpu_first.json'}")
+    return 0
 
 
 def bench_data(args: argparse.Namespace, out_dir: Path) -> dict:
@@ -356,6 +395,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu", type=int, metavar="EPOCHS", default=0,
                    help="instead: CPU per cached epoch by process role, from W1 S1 jobs of 1 and EPOCHS (>= 2) "
                         "epochs (--repeat pairs), read from /proc")
+    p.add_argument("--cpu-first", action="store_true",
+                   help="instead: epoch 1's CPU by process role, local and W1 S1 (--repeat rounds), from jobs on "
+                        f"--rows and on {FIXED_ROWS:,} rows")
     p.add_argument("--out-dir", default=str(REPO / "bench-out" / "pipeline"),
                    help="data, models and results (default: bench-out/pipeline/ in the repository)")
     args = p.parse_args(argv)
@@ -369,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir).resolve()
     (out_dir / "models").mkdir(parents=True, exist_ok=True)
     try:
+        if args.cpu_first:
+            return bench_first_cpu(args, out_dir)
         return bench_cpu(args, out_dir) if args.cpu else bench(args, out_dir)
     except RunFailed:
         return 1

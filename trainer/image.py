@@ -145,22 +145,58 @@ def stats_sample(train_idx: np.ndarray, most: int = STATS_IMAGES) -> np.ndarray:
 
 
 def prefetched(items, depth: int):
-    """`items` produced by a background thread up to `depth` ahead (0: in this thread)."""
+    """`items` produced by a background thread up to `depth` ahead (0: in this thread). An
+    error while producing them is raised here, where its item would have come (never an
+    epoch that ends early in silence); a consumer that stops early stops the producer.
+
+    >>> def two_then_fail():
+    ...     yield from (1, 2)
+    ...     raise ValueError("image 3 would not decode")
+    >>> got = []
+    >>> for x in prefetched(two_then_fail(), 2):
+    ...     got.append(x)
+    Traceback (most recent call last):
+    ValueError: image 3 would not decode
+    >>> got
+    [1, 2]
+    """
     if depth == 0:
         yield from items
         return
     q: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
+    done, stop = object(), threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def produce() -> None:
         try:
             for item in items:
-                q.put(item)
-        finally:
-            q.put(done)
+                if not put(item):
+                    return  # the consumer has gone
+        except BaseException as e:  # raised in the consumer, in order
+            put(_Failed(e))
+            return
+        put(done)
     threading.Thread(target=produce, daemon=True, name="prefetch").start()
-    while (item := q.get()) is not done:
-        yield item
+    try:
+        while (item := q.get()) is not done:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+
+
+@dataclass
+class _Failed:
+    error: BaseException
 
 
 def plan_partitions(model: ImageCNN, sample: torch.Tensor, cfg: ImageConfig,

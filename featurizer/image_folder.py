@@ -111,7 +111,6 @@ def load_image_folder(root: str | os.PathLike, size: int = 28) -> ImageSet:
                               "images per class, at least two")
     found, skipped = [], [f"{p.name}: not in a class directory" for p in sorted(d.iterdir())
                           if p.is_file() and not p.name.startswith(".")]
-    first_size = None
     for label, cdir in enumerate(classes):
         for p in sorted(cdir.iterdir()):
             if p.name.startswith("."):
@@ -137,17 +136,16 @@ def load_image_folder(root: str | os.PathLike, size: int = 28) -> ImageSet:
                 skipped.append(f"{name}: a {fmt} image of {w}x{h} pixels (PNG, JPEG, GIF, BMP or WebP, at most "
                                f"{MAX_PIXELS:,} pixels)")
                 continue
-            first_size = first_size or [w, h]
-            found.append((p.name, cdir.name, label, p))
+            found.append((p.name, cdir.name, label, p, [w, h]))
     if not found:
         raise DataFormatError(f"{d}: no readable image in its {len(classes)} class directories")
     found.sort()
     listing = hashlib.sha256()
-    for name, cls, _, p in found:
+    for name, cls, _, p, _ in found:
         listing.update(f"{cls}/{name}\0{p.stat().st_size}\n".encode())
-    labels = np.array([label for _, _, label, _ in found], dtype=np.int64)
+    labels = np.array([label for _, _, label, _, _ in found], dtype=np.int64)
     source = {"dir": str(d.resolve()), "format": "image folder", "classes": [c.name for c in classes],
               "images": len(found), "per_class": np.bincount(labels, minlength=len(classes)).tolist(),
-              "first_image_size": first_size, "skipped": len(skipped), "first_skipped": skipped[:SHOWN],
+              "first_image_size": found[0][4], "skipped": len(skipped), "first_skipped": skipped[:SHOWN],
               "listing_sha256": listing.hexdigest()}
-    return ImageSet(EncodedImages([p for *_, p in found], size), labels, source)
+    return ImageSet(EncodedImages([p for *_, p, _ in found], size), labels, source)

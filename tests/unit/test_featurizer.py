@@ -179,6 +179,11 @@ def test_an_image_folder_lists_its_classes_in_name_order_and_refuses_what_is_no_
     assert data.images[2:].shape == (2, 14, 14)
     (d / "cats" / "huge.png").write_bytes(png_header(20_000, 10_000))  # Pillow refuses it at open: skipped, named
     assert load_image_folder(d).source["first_skipped"] == ["cats/huge.png: over the 40,000,000 pixels allowed"]
+    sizes = tmp_path / "sizes"
+    for cls, name, side in [("a", "z.png", 28), ("b", "a.png", 64)]:
+        (sizes / cls).mkdir(parents=True)
+        Image.new("L", (side, side)).save(sizes / cls / name)
+    assert load_image_folder(sizes).source["first_image_size"] == [64, 64]  # b/a.png: first in the set's order
     with pytest.raises(DataFormatError, match="1 class directories; an image folder needs"):
         load_image_folder(_only(d, "cats"), size=28)
     (tmp_path / "e" / "x").mkdir(parents=True)

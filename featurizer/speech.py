@@ -148,13 +148,14 @@ def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE) -> n
     mariana.featurizer.speech.BadAudio: x.wav: sample rate 16000 Hz, expected 8000 Hz (mono, 16-bit PCM)
     """
     try:
-        with wave.open(io.BytesIO(raw), "rb") as w:
+        with wave.open(io.BytesIO(_plain_pcm(raw)), "rb") as w:
             channels, width, rate, n = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
             frames = w.readframes(n)
     except (wave.Error, EOFError, RuntimeError, struct.error) as e:
-        why = ("no bytes at all" if not raw else str(e)
-               or (f"a chunk says it runs past the RIFF's end, in {len(raw)} bytes" if isinstance(e, RuntimeError)
-                   else f"{len(raw)} bytes, ending inside the wav header"))
+        why = ("no bytes at all" if not raw
+               else "WAVE_FORMAT_EXTENSIBLE of samples that are not PCM" if str(e).endswith("format: 65534")
+               else str(e) or (f"a chunk says it runs past the RIFF's end, in {len(raw)} bytes"
+                               if isinstance(e, RuntimeError) else f"{len(raw)} bytes, ending inside the wav header"))
         raise BadAudio(f"{name}: not a PCM wav file ({why})") from None
     want = f"expected {sample_rate} Hz (mono, 16-bit PCM)"
     if rate != sample_rate:
@@ -168,6 +169,19 @@ def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE) -> n
     if n == 0:
         raise BadAudio(f"{name}: no samples")
     return np.frombuffer(frames, dtype="<i2").astype(np.int16)
+
+
+PCM_GUID_TAIL = bytes.fromhex("000000001000800000aa00389b71")  # KSDATAFORMAT_SUBTYPE_PCM after its first 2 bytes
+
+
+def _plain_pcm(raw: bytes) -> bytes:
+    """A WAVE_FORMAT_EXTENSIBLE wav whose sub-format is PCM (some tools write mono 16-bit so)
+    as the plain PCM wav it is (format tag 1), which Python 3.11's wave module reads; any
+    other bytes as they are. Only the first chunk after WAVE is looked at, where fmt sits."""
+    if len(raw) >= 60 and raw[12:16] == b"fmt " and raw[20:22] == b"\xfe\xff" \
+            and raw[44:46] == b"\x01\x00" and raw[46:60] == PCM_GUID_TAIL:
+        return raw[:20] + b"\x01\x00" + raw[22:]
+    return raw
 
 
 def read_archive(path: str | os.PathLike, sample_rate: int = SAMPLE_RATE) -> list[Utterance]:

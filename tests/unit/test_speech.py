@@ -4,6 +4,7 @@ splits, the feature cache, and one clear error line (exit 2) for what a user get
 from __future__ import annotations
 
 import json
+import struct
 import tarfile
 
 import numpy as np
@@ -70,11 +71,23 @@ def test_the_feature_cache_is_keyed_by_the_archive_and_the_front_end(tmp_path, t
     assert len(train) == len(test) == 100 and x.shape == (len(y), 440) and utt.max() == 99
 
 
+def extensible(samples: np.ndarray, sub_format: int = 1) -> bytes:
+    """A mono 16-bit 8 kHz wav written as WAVE_FORMAT_EXTENSIBLE (sub-format 1: PCM, 3: float)."""
+    data = samples.astype("<i2").tobytes()
+    guid = struct.pack("<IHH", sub_format, 0, 0x10) + bytes([0x80, 0, 0, 0xAA, 0, 0x38, 0x9B, 0x71])
+    fmt = struct.pack("<HHIIHH", 0xFFFE, 1, 8000, 16000, 2, 16) + struct.pack("<HHI", 22, 16, 4) + guid
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
 def test_a_bad_wav_names_the_file_and_what_is_wrong(tmp_path):
     assert read_wav(wav_bytes(tone(1, 0, 0))).dtype == np.int16
+    samples = tone(1, 0, 0)  # the same samples, written the extensible way (Python 3.11's wave refuses the tag)
+    assert np.array_equal(read_wav(extensible(samples), "x.wav"), read_wav(wav_bytes(samples)))
     for raw, what in ((wav_bytes(tone(1, 0, 0), rate=16000), "sample rate 16000 Hz"),
                       (wav_bytes(tone(1, 0, 0), width=1), "8-bit samples"),
                       (wav_bytes(tone(1, 0, 0), channels=2), "2 channels"),
+                      (extensible(samples, sub_format=3), "WAVE_FORMAT_EXTENSIBLE of samples that are not PCM"),
                       (b"RIFF\x00\x00junk", "not a PCM wav")):
         with pytest.raises(BadAudio, match=what):
             read_wav(raw, "x.wav")

@@ -174,11 +174,11 @@ class BatchStream:
             def feed() -> None:  # reading and gunzip happen here, off the training thread
                 try:
                     for i, task in enumerate(reader.tasks()):
-                        if not _put(futures, pool.submit(self._process, task, f"b{i}"), stop):
+                        if not put_until_stopped(futures, pool.submit(self._process, task, f"b{i}"), stop):
                             return
-                    _put(futures, None, stop)
+                    put_until_stopped(futures, None, stop)
                 except BaseException as e:  # raised in the consumer, in order
-                    _put(futures, e, stop)
+                    put_until_stopped(futures, e, stop)
 
             feeder = threading.Thread(target=feed, name="mariana-read", daemon=True)
             feeder.start()
@@ -222,7 +222,7 @@ class BatchStream:
         return batches, stats, slots
 
 
-def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+def put_until_stopped(q: queue.Queue, item, stop: threading.Event) -> bool:
     """Put unless the consumer has stopped; False when it has."""
     while not stop.is_set():
         try:

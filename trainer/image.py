@@ -42,6 +42,7 @@ from mariana.featurizer.image import ImageSet, pixel_stats, split_indices, to_in
 from mariana.featurizer.image_folder import EncodedImages
 from mariana.sparse.errors import ConfigError
 from mariana.trainer import memory
+from mariana.trainer.data import put_until_stopped
 from mariana.trainer.dense import evaluate_dense, loss_fn, resolve_backend, resolve_device, tensor_batches
 from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig
 from mariana.trainer.strategies import data_parallel as dp
@@ -167,13 +168,7 @@ def prefetched(items, depth: int):
     done, stop = object(), threading.Event()
 
     def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_until_stopped(q, item, stop)
 
     def produce() -> None:
         try:

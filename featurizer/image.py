@@ -149,10 +149,10 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
     """An image file's bytes (PNG, JPEG, GIF, BMP or WebP, any size and colour) ->
     (size, size) uint8 grey levels, as the featurizer takes them: transparent pixels
     black (an alpha channel or a PNG's transparent colour), colour to luma (ITU-R 601-2),
-    16-bit grey to its top 8 bits, turned upright as its EXIF says, the whole image scaled to fit (Lanczos; a JPEG
-    is decoded at a reduced scale first) and centred on black, so a 300x250 banner keeps
-    its proportions. A (size, size) grey PNG comes back pixel for pixel. BadImage naming
-    `name` and the reason otherwise.
+    16-bit grey to its top 8 bits, turned upright as its EXIF says, the whole image scaled
+    to fit (Lanczos; a JPEG is decoded at a reduced scale first) and centred on black, so a
+    300x250 banner keeps its proportions. A (size, size) grey PNG comes back pixel for
+    pixel. BadImage naming `name` and the reason otherwise.
 
     >>> import io; from PIL import Image
     >>> buf = io.BytesIO(); Image.new("RGB", (300, 150), (255, 255, 255)).save(buf, "JPEG")
@@ -177,7 +177,10 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
         if img.format == "JPEG":
             img.draft("L", (size, size))  # DCT scaling: decodes at 1/2..1/8 while still >= size
         img.load()
-        img = ImageOps.exif_transpose(img)  # a phone's JPEG stored sideways, turned as its EXIF says
+        try:
+            img = ImageOps.exif_transpose(img)  # a phone's JPEG stored sideways, turned as its EXIF says
+        except Exception:  # damaged EXIF (Pillow raises several kinds): the pixels as stored
+            pass
         if img.mode.startswith("I"):  # 16-bit grey (a PNG's I;16): its top 8 bits, as convert("L") would clip
             img = Image.fromarray((np.asarray(img, np.int64).clip(0, 65535) >> 8).astype(np.uint8), "L")
         if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:  # an alpha channel or a tRNS colour

@@ -177,10 +177,17 @@ PCM_GUID_TAIL = bytes.fromhex("000000001000800000aa00389b71")  # KSDATAFORMAT_SU
 def _plain_pcm(raw: bytes) -> bytes:
     """A WAVE_FORMAT_EXTENSIBLE wav whose sub-format is PCM (some tools write mono 16-bit so)
     as the plain PCM wav it is (format tag 1), which Python 3.11's wave module reads; any
-    other bytes as they are. Only the first chunk after WAVE is looked at, where fmt sits."""
-    if len(raw) >= 60 and raw[12:16] == b"fmt " and raw[20:22] == b"\xfe\xff" \
-            and raw[44:46] == b"\x01\x00" and raw[46:60] == PCM_GUID_TAIL:
-        return raw[:20] + b"\x01\x00" + raw[22:]
+    other bytes as they are. The chunks before `fmt ` (e.g. JUNK) are stepped over."""
+    at = 12
+    while raw[:4] == b"RIFF" and raw[8:12] == b"WAVE" and at + 8 <= len(raw):
+        size = int.from_bytes(raw[at + 4:at + 8], "little")
+        if raw[at:at + 4] == b"fmt ":
+            tag = at + 8
+            if size >= 40 and raw[tag:tag + 2] == b"\xfe\xff" and raw[tag + 24:tag + 26] == b"\x01\x00" \
+                    and raw[tag + 26:tag + 40] == PCM_GUID_TAIL:
+                return raw[:tag] + b"\x01\x00" + raw[tag + 2:]
+            return raw
+        at += 8 + size + (size & 1)
     return raw
 
 
@@ -425,9 +432,12 @@ def _version_manifest(model_dir: Path, version: str | None = None) -> tuple[Path
             raise ModelDirError(f"{model_dir}: not a model directory (no CURRENT)") from None
     vdir = model_dir / version
     try:
-        return vdir, json.loads((vdir / "manifest.json").read_text())
+        manifest = json.loads((vdir / "manifest.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelDirError(f"{vdir}: no readable manifest.json ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ModelDirError(f"{vdir}/manifest.json: a JSON {type(manifest).__name__}, not an object")
+    return vdir, manifest
 
 
 class SpeechRecognizer:
@@ -444,8 +454,10 @@ class SpeechRecognizer:
             raise ModelDirError(f"{where}: not a speech model (kind {manifest.get('kind')!r})")
         self.manifest = manifest
         front_end, ops = manifest.get("front_end"), manifest.get("ops")
-        if not isinstance(front_end, dict) or not isinstance(ops, list) or not all(isinstance(op, dict) for op in ops):
-            raise ModelDirError(f"{where}: the manifest's front_end must be a map and its ops a list of maps")
+        if not isinstance(front_end, dict) or not isinstance(ops, list) or not all(
+                isinstance(op, dict) and all(isinstance(v, str) for v in op.values()) for op in ops):
+            raise ModelDirError(f"{where}: the manifest's front_end must be a map and its ops a list of maps "
+                                "naming their op and weights")
         try:
             self.front_end = FrontEnd.from_dict(front_end)
         except TypeError as e:

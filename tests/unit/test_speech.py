@@ -84,6 +84,10 @@ def test_a_bad_wav_names_the_file_and_what_is_wrong(tmp_path):
     assert read_wav(wav_bytes(tone(1, 0, 0))).dtype == np.int16
     samples = tone(1, 0, 0)  # the same samples, written the extensible way (Python 3.11's wave refuses the tag)
     assert np.array_equal(read_wav(extensible(samples), "x.wav"), read_wav(wav_bytes(samples)))
+    raw = extensible(samples)
+    junk = raw[:12] + b"JUNK" + struct.pack("<I", 27) + bytes(28) + raw[12:]  # an odd chunk (padded) before fmt
+    junk = junk[:4] + struct.pack("<I", len(junk) - 8) + junk[8:]
+    assert np.array_equal(read_wav(junk, "x.wav"), read_wav(wav_bytes(samples)))
     for raw, what in ((wav_bytes(tone(1, 0, 0), rate=16000), "sample rate 16000 Hz"),
                       (wav_bytes(tone(1, 0, 0), width=1), "8-bit samples"),
                       (wav_bytes(tone(1, 0, 0), channels=2), "2 channels"),
@@ -159,6 +163,15 @@ def test_train_speech_in_one_process_publishes_a_version_the_recognizer_runs(tmp
         ModelBundle.load(str(tmp_path / "m"))  # what serving loads: a clear refusal, not a KeyError
     listed = run_cli("model", "list", "--model-dir", tmp_path / "m", check=True).stdout
     assert "v000001  speech_dnn" in listed
+    for bad, says in [([1], "manifest.json: a JSON list, not an object"),
+                      ({**manifest, "ops": [{"op": ["linear"]}]}, "ops a list of maps naming their op")]:
+        (tmp_path / "m" / "v000001" / "manifest.json").write_text(json.dumps(bad))
+        with pytest.raises(ModelDirError, match=says):
+            speech.SpeechRecognizer.load(tmp_path / "m")
+        wav = tmp_path / "x.wav"
+        wav.write_bytes(wav_bytes(tone(4, 1, 3)))
+        proc = run_cli("predict", "--model", tmp_path / "m", "--data", wav)  # a traceback before
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_powersgd_on_the_cpu_skips_the_cuda_sync_torch_s_hook_asks_for():

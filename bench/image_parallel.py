@@ -21,6 +21,7 @@ partitions x groups, on `mariana gen images` data, every configuration in one ru
 
     .venv/bin/python bench/image_parallel.py              # ~25 min on 2 cores
     .venv/bin/python bench/image_parallel.py --rows 1200 --epochs 2 --rounds 1   # a quick look
+    .venv/bin/python bench/image_parallel.py --no-channels-last   # NCHW, the default before 2026-11-26
 
 Writes bench-out/image_parallel/results.json (with the machine), prints Markdown tables;
 exits 1 when a target of issue 18 is missed.
@@ -57,11 +58,14 @@ def mariana(*args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+LAYOUT: list[str] = []  # --channels-last / --no-channels-last for every run; none: the job's default (NHWC)
+
+
 def train(data: str, epochs: int, *extra: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="image-bench-") as out:
         proc = mariana("train", "image", "--data", data, "--preset", "wide", "--epochs", str(epochs), "--batch-size",
                        str(BATCH), "--microbatches", str(MICRO), "--threads", "1", "--test-images", "200",
-                       "--out", out, "--json", *extra)
+                       "--out", out, "--json", *LAYOUT, *extra)
         return json.loads(proc.stdout)
 
 
@@ -166,6 +170,9 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=3, help="epochs of each speed run (the first is warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the speed runs; the table shows medians")
     ap.add_argument("--jpeg-size", type=int, default=256, help="side of the JPEG files of the decoding runs")
+    ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                    help="pass --channels-last or --no-channels-last to every `train image` run (default: the "
+                         "job's own, NHWC since 2026-11-26; NCHW before)")
     ap.add_argument("--out-dir", default=str(REPO / "bench-out" / "image_parallel"))
     ap.add_argument("--fsdp-rank", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -174,6 +181,8 @@ def main() -> int:
     if args.fsdp_rank:
         fsdp_rank(args.fsdp_rank, args.data, args.steps)
         return 0
+    if args.channels_last is not None:
+        LAYOUT.append("--channels-last" if args.channels_last else "--no-channels-last")
     with tempfile.TemporaryDirectory(prefix="image-bench-data-") as data, \
             tempfile.TemporaryDirectory(prefix="image-bench-jpeg-") as jpeg:
         mariana("gen", "images", "--rows", str(args.rows), "--size", "64", "--seed", "7", "--out", data)

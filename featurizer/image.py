@@ -177,12 +177,19 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
         if img.format == "JPEG":
             img.draft("L", (size, size))  # DCT scaling: decodes at 1/2..1/8 while still >= size
         img.load()
+        fmt = img.format
         try:
-            img = ImageOps.exif_transpose(img)  # a phone's JPEG stored sideways, turned as its EXIF says
+            ImageOps.exif_transpose(img, in_place=True)  # a phone's JPEG stored sideways, turned as its EXIF says
         except Exception:  # damaged EXIF (Pillow raises several kinds): the pixels as stored
             pass
+        key = img.info.get("transparency")
         if img.mode.startswith("I"):  # 16-bit grey (a PNG's I;16): its top 8 bits, as convert("L") would clip
-            img = Image.fromarray((np.asarray(img, np.int64).clip(0, 65535) >> 8).astype(np.uint8), "L")
+            wide = np.asarray(img, np.int64)
+            grey = (wide.clip(0, 65535) >> 8).astype(np.uint8)
+            img = Image.fromarray(grey if not isinstance(key, int)  # a tRNS grey level: those pixels clear
+                                  else np.dstack([grey, np.where(wide == key, 0, 255).astype(np.uint8)]))
+        elif key is not None and fmt == "PNG" and img.mode in ("L", "RGB"):
+            img.info["transparency"] = _png_key(raw, key)
         if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:  # an alpha channel or a tRNS colour
             rgba = img.convert("RGBA")
             img = Image.new("RGBA", rgba.size, (0, 0, 0, 255))
@@ -203,6 +210,18 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
         grey = Image.new("L", (size, size), 0)
         grey.paste(fit, ((size - fit.width) // 2, (size - fit.height) // 2))
     return np.asarray(grey, dtype=np.uint8).copy()
+
+
+def _png_key(raw: bytes, key):
+    """A PNG's tRNS colour in the 8 bits a pixel has once Pillow has read it: the key is kept
+    at the file's bit depth (IHDR's) while 1/2/4-bit grey is scaled to 0-255 and 16-bit RGB
+    cut to its top byte."""
+    depth = raw[24] if raw[12:16] == b"IHDR" and len(raw) > 24 else 8
+    if depth == 16:
+        return tuple(k >> 8 for k in key) if isinstance(key, tuple) else key >> 8
+    if depth < 8 and isinstance(key, int):
+        return key * 255 // ((1 << depth) - 1)
+    return key
 
 
 def stack_images(items: Sequence, names: Sequence[str], size: int = 28) -> tuple[np.ndarray, list[int], list[str]]:

@@ -116,6 +116,13 @@ def test_image_files_decode_to_the_featurizer_s_grey_28x28(mnist):
     deep[:14] = 40000
     back = decode_encoded(_encoded(Image.fromarray(deep), "PNG"), "deep.png")
     assert (back[:14] == 40000 >> 8).all() and (back[14:] == 0).all()
+    deep[14:] = 50000  # ... and its transparent level, given in 16 bits
+    back = decode_encoded(_encoded(Image.fromarray(deep), "PNG", transparency=50000), "deep.png")
+    assert (back[:14] == 40000 >> 8).all() and (back[14:] == 0).all()
+    for bits in (1, 2, 4):  # few-bit grey: Pillow scales the pixels to 0-255, the key stays at the file's depth
+        white = _encoded(Image.new("L", (28, 28), 255), "PNG", bits=bits, transparency=(1 << bits) - 1)
+        assert decode_encoded(white, "few.png").max() == 0, bits
+    assert decode_encoded(_encoded(Image.new("L", (28, 28), 255), "PNG", bits=2, transparency=0), "x").min() == 255
     whole = _encoded(big, "PNG")
     for raw, says in [(b"", "an empty file"), (b"<svg/>", "not an image file Pillow can read"),
                       (whole[:len(whole) // 2], "truncated or damaged"),

@@ -371,7 +371,8 @@ def _train(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext, layout: Layout
         record["test_accuracy"] = round(evaluate_dense(whole, tensor_batches(x_test, y_test, 512),
                                                        loss_fn("cross_entropy"), cpu).accuracy, 4)
         whole.eval()
-        if files and data.images.failures:
+        if files and data.images.failures:  # rank 0's, the held-out images it has just scored included
+            ranks[0]["decode_failures"] = len(data.images.failures)
             record["first_decode_failures"] = [data.images.failures[k] for k in sorted(data.images.failures)][:5]
     return whole, record
 

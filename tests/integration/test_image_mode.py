@@ -105,15 +105,19 @@ def test_an_image_folder_is_decoded_batch_by_batch_and_trains_what_its_idx_twin_
     from mariana.featurizer.image import split_indices
     (victim,) = folder.glob(f"*/{split_indices(640, 128)[0][0]:06d}.png")  # a training image
     victim.write_bytes(victim.read_bytes()[:60])  # the header survives, the pixels do not
+    (held,) = folder.glob(f"*/{split_indices(640, 128)[1][0]:06d}.png")  # and a held-out one, scored on rank 0
+    held.write_bytes(held.read_bytes()[:60])
     got = train(folder, tmp_path / "bad")
     src = got["source"]
     assert src["images"] == 640 and src["skipped"] == 4 and len(src["first_skipped"]) == 4
     assert any(s.startswith("notes.txt: not in a class directory") for s in src["first_skipped"])
     assert any(s.startswith("3-triangle/fake.png: not an image file Pillow can read") for s in src["first_skipped"])
     assert any(s.startswith("3-triangle/2019: a directory") for s in src["first_skipped"])
-    # decoded for the pixel statistics, the stage probe (its first image) and 2 epochs: one file, counted once
-    assert got["ranks"][0]["decode_failures"] == 1 and len(got["first_decode_failures"]) == 1
-    assert victim.name in got["first_decode_failures"][0] and "truncated or damaged" in got["first_decode_failures"][0]
+    # decoded for the pixel statistics, the stage probe (its first image) and 2 epochs: one file, counted once;
+    # the held-out one when rank 0 scores the model
+    assert got["ranks"][0]["decode_failures"] == 2 and len(got["first_decode_failures"]) == 2
+    assert all("truncated or damaged" in f for f in got["first_decode_failures"])
+    assert {victim.name, held.name} == {f.split(": ")[0].rsplit("/", 1)[-1] for f in got["first_decode_failures"]}
 
 
 @pytest.mark.parametrize("args,message", [

@@ -471,6 +471,13 @@ class SpeechRecognizer:
         if unknown or missing:
             raise ModelDirError(f"{where}: unknown ops {unknown} or missing weights {missing}")
         self._torch = torch
+        dim, classes = self.front_end.input_dim, manifest.get("classes")
+        try:  # one frame through the ops: weights of the wrong shapes fail here, not in every request
+            out = self.logits(np.zeros((1, dim), np.float32))
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise ModelDirError(f"{where}: its ops do not run on a frame of {dim} inputs: {e}") from None
+        if out.ndim != 2 or (isinstance(classes, list) and out.shape[1] != len(classes)):
+            raise ModelDirError(f"{where}: its ops give {tuple(out.shape)} for one frame, not (1, classes)")
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike, version: str | None = None) -> "SpeechRecognizer":

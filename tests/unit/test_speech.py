@@ -163,8 +163,10 @@ def test_train_speech_in_one_process_publishes_a_version_the_recognizer_runs(tmp
         ModelBundle.load(str(tmp_path / "m"))  # what serving loads: a clear refusal, not a KeyError
     listed = run_cli("model", "list", "--model-dir", tmp_path / "m", check=True).stdout
     assert "v000001  speech_dnn" in listed
+    swapped = [*manifest["ops"][:-1], {**manifest["ops"][-1], "weight": "hidden.0.weight"}]  # a wrong shape
     for bad, says in [([1], "manifest.json: a JSON list, not an object"),
-                      ({**manifest, "ops": [{"op": ["linear"]}]}, "ops a list of maps naming their op")]:
+                      ({**manifest, "ops": [{"op": ["linear"]}]}, "ops a list of maps naming their op"),
+                      ({**manifest, "ops": swapped}, "its ops do not run on a frame of 440 inputs")]:
         (tmp_path / "m" / "v000001" / "manifest.json").write_text(json.dumps(bad))
         with pytest.raises(ModelDirError, match=says):
             speech.SpeechRecognizer.load(tmp_path / "m")

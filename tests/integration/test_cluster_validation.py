@@ -116,7 +116,10 @@ def test_a_cluster_valid_fraction_never_trains_on_the_held_out_rows(data, halves
     valid = record["valid"]
     assert valid["source"] == "the last 0.375 of the training rows (15,000 lines)"
     assert [(e["epoch"], e["rows"]) for e in valid["epochs"]] == [(1, 15_000), (2, 15_000)]
-    assert valid["kept"] == "last" and valid["epochs"][1]["logloss"] < valid["epochs"][0]["logloss"]
+    # each epoch's model has learned (an untrained one scores NE 1, AUC 0.5). Not "epoch 2 beats epoch 1":
+    # two async workers on 25k rows are converged after one pass (0.4693 -> 0.4689 in one run, and
+    # 0.4718 -> 0.4757 in one under the full suite's load)
+    assert valid["kept"] == "last" and all(e["ne"] < 0.95 and e["auc"] > 0.68 for e in valid["epochs"]), valid
     manifest = json.loads((tmp_path / "m" / record["model_version"] / "manifest.json").read_text())
     assert manifest["valid"]["source"] == valid["source"] and manifest["rows_trained"] == 50_000
 

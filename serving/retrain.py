@@ -28,7 +28,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from mariana.featurizer.speech import MODEL_KIND as SPEECH_KIND
+from mariana.featurizer.speech import is_speech_model
 from mariana.serving.config import ServeConfig
 from mariana.serving.errors import ServeError
 from mariana.services.runtime import model_events, procs
@@ -77,7 +77,7 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     r = cfg.retrain
     train, evals = windows(cfg)
     served = _served_version(model_dir)
-    if served and checkpoint.read_manifest(model_dir, served).get("kind") == SPEECH_KIND:
+    if served and is_speech_model(model_dir):
         raise ConfigError(f"{model_dir}: the version in service, {served}, is a speech model (mariana train "
                           "speech); retrain trains and gates click models")
     config = job_config(cfg, served)

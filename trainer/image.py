@@ -167,31 +167,23 @@ def prefetched(items, depth: int):
     q: queue.Queue = queue.Queue(maxsize=depth)
     done, stop = object(), threading.Event()
 
-    def put(item) -> bool:
-        return put_until_stopped(q, item, stop)
-
-    def produce() -> None:
+    def produce() -> None:  # as BatchStream's reader: an error goes through the queue, in order
         try:
             for item in items:
-                if not put(item):
+                if not put_until_stopped(q, item, stop):
                     return  # the consumer has gone
-        except BaseException as e:  # raised in the consumer, in order
-            put(_Failed(e))
+        except BaseException as e:
+            put_until_stopped(q, e, stop)
             return
-        put(done)
+        put_until_stopped(q, done, stop)
     threading.Thread(target=produce, daemon=True, name="prefetch").start()
     try:
         while (item := q.get()) is not done:
-            if isinstance(item, _Failed):
-                raise item.error
+            if isinstance(item, BaseException):
+                raise item
             yield item
     finally:
         stop.set()
-
-
-@dataclass
-class _Failed:
-    error: BaseException
 
 
 def plan_partitions(model: ImageCNN, sample: torch.Tensor, cfg: ImageConfig,

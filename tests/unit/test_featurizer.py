@@ -123,6 +123,10 @@ def test_image_files_decode_to_the_featurizer_s_grey_28x28(mnist):
         white = _encoded(Image.new("L", (28, 28), 255), "PNG", bits=bits, transparency=(1 << bits) - 1)
         assert decode_encoded(white, "few.png").max() == 0, bits
     assert decode_encoded(_encoded(Image.new("L", (28, 28), 255), "PNG", bits=2, transparency=0), "x").min() == 255
+    rgb16 = np.full((28, 28, 3), 60000, ">u2")  # 16-bit RGB (Pillow reads its top bytes), key in 16 bits
+    rgb16[:14] = (30000, 20000, 10000)
+    back = decode_encoded(png_rgb16(rgb16, transparent=(60000, 60000, 60000)), "rgb16.png")
+    assert back[:14].min() > 0 and back[14:].max() == 0
     whole = _encoded(big, "PNG")
     for raw, says in [(b"", "an empty file"), (b"<svg/>", "not an image file Pillow can read"),
                       (whole[:len(whole) // 2], "truncated or damaged"),
@@ -132,12 +136,23 @@ def test_image_files_decode_to_the_featurizer_s_grey_28x28(mnist):
             decode_encoded(raw, "x")
 
 
+def png_rgb16(pixels: np.ndarray, transparent: tuple[int, int, int]) -> bytes:
+    """A 16-bit RGB PNG ((H, W, 3) big-endian) with a tRNS colour: Pillow cannot write one."""
+    h, w, _ = pixels.shape
+    rows = b"".join(b"\0" + pixels[r].tobytes() for r in range(h))
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+            + _png_chunk(b"tRNS", struct.pack(">HHH", *transparent)) + _png_chunk(b"IDAT", zlib.compress(rows))
+            + _png_chunk(b"IEND", b""))
+
+
 def png_header(width: int, height: int) -> bytes:
     """A PNG's signature, IHDR (8-bit grey) saying `width` x `height`, and IEND: no pixels."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) \
-        + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)) \
+        + _png_chunk(b"IEND", b"")
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
 def test_uploads_of_image_files_join_the_creatives_and_other_files_are_counted(mnist, tmp_path):

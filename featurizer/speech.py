@@ -153,7 +153,6 @@ def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE) -> n
             frames = w.readframes(n)
     except (wave.Error, EOFError, RuntimeError, struct.error) as e:
         why = ("no bytes at all" if not raw
-               else "WAVE_FORMAT_EXTENSIBLE of samples that are not PCM" if str(e).endswith("format: 65534")
                else str(e) or (f"a chunk says it runs past the RIFF's end, in {len(raw)} bytes"
                                if isinstance(e, RuntimeError) else f"{len(raw)} bytes, ending inside the wav header"))
         raise BadAudio(f"{name}: not a PCM wav file ({why})") from None
@@ -177,16 +176,22 @@ PCM_GUID_TAIL = bytes.fromhex("000000001000800000aa00389b71")  # KSDATAFORMAT_SU
 def _plain_pcm(raw: bytes) -> bytes:
     """A WAVE_FORMAT_EXTENSIBLE wav whose sub-format is PCM (some tools write mono 16-bit so)
     as the plain PCM wav it is (format tag 1), which Python 3.11's wave module reads; any
-    other bytes as they are. The chunks before `fmt ` (e.g. JUNK) are stepped over."""
+    other bytes as they are. The chunks before `fmt ` (e.g. JUNK) are stepped over. Another
+    sub-format is a wave.Error saying so here, in the same words on every Python (3.12's wave
+    reads the tag itself and words its refusal otherwise)."""
     at = 12
     while raw[:4] == b"RIFF" and raw[8:12] == b"WAVE" and at + 8 <= len(raw):
         size = int.from_bytes(raw[at + 4:at + 8], "little")
         if raw[at:at + 4] == b"fmt ":
             tag = at + 8
-            if size >= 40 and raw[tag:tag + 2] == b"\xfe\xff" and raw[tag + 24:tag + 26] == b"\x01\x00" \
-                    and raw[tag + 26:tag + 40] == PCM_GUID_TAIL:
+            if raw[tag:tag + 2] != b"\xfe\xff":
+                return raw
+            if len(raw) < tag + size:
+                raise EOFError  # read_wav: "N bytes, ending inside the wav header"
+            if size >= 40 and raw[tag + 24:tag + 26] == b"\x01\x00" and raw[tag + 26:tag + 40] == PCM_GUID_TAIL:
                 return raw[:tag] + b"\x01\x00" + raw[tag + 2:]
-            return raw
+            raise wave.Error("WAVE_FORMAT_EXTENSIBLE of samples that are not PCM" if size >= 40 else
+                             f"WAVE_FORMAT_EXTENSIBLE with a {size}-byte fmt chunk, not 40")
         at += 8 + size + (size & 1)
     return raw
 

@@ -88,10 +88,13 @@ def test_a_bad_wav_names_the_file_and_what_is_wrong(tmp_path):
     junk = raw[:12] + b"JUNK" + struct.pack("<I", 27) + bytes(28) + raw[12:]  # an odd chunk (padded) before fmt
     junk = junk[:4] + struct.pack("<I", len(junk) - 8) + junk[8:]
     assert np.array_equal(read_wav(junk, "x.wav"), read_wav(wav_bytes(samples)))
+    plain = wav_bytes(samples)
+    short_ext = plain[:20] + b"\xfe\xff" + plain[22:]  # the extensible tag on a plain 16-byte fmt chunk
     for raw, what in ((wav_bytes(tone(1, 0, 0), rate=16000), "sample rate 16000 Hz"),
                       (wav_bytes(tone(1, 0, 0), width=1), "8-bit samples"),
                       (wav_bytes(tone(1, 0, 0), channels=2), "2 channels"),
                       (extensible(samples, sub_format=3), "WAVE_FORMAT_EXTENSIBLE of samples that are not PCM"),
+                      (short_ext, "WAVE_FORMAT_EXTENSIBLE with a 16-byte fmt chunk, not 40"),
                       (b"RIFF\x00\x00junk", "not a PCM wav")):
         with pytest.raises(BadAudio, match=what):
             read_wav(raw, "x.wav")

@@ -14,8 +14,10 @@ featurizer sits below the trainer) and preprocess and serving load only
 weights and JSON, never pickle.
 
 `embed` is a pure function of the pixels: no dropout, no batch statistics, and
-the same bits for an image whatever batch it comes in (see `ROW_BLOCK`), so
-training, preprocess and serving get the same features for a creative.
+the same bits for an image whatever batch it comes in (see `ROW_BLOCK`) at one
+torch thread count, so training, preprocess and serving get the same features
+for a creative; processes on other thread counts get them within float32
+rounding (~1e-6: intra-op threads split the work otherwise).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import io
 import json
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -188,7 +191,7 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
             grey = (wide.clip(0, 65535) >> 8).astype(np.uint8)
             img = Image.fromarray(grey if not isinstance(key, int)  # a tRNS grey level: those pixels clear
                                   else np.dstack([grey, np.where(wide == key, 0, 255).astype(np.uint8)]))
-        elif key is not None and fmt == "PNG" and img.mode in ("L", "RGB"):
+        elif key is not None and fmt == "PNG" and img.mode in ("1", "L", "RGB"):
             img.info["transparency"] = _png_key(raw, key)
         if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:  # an alpha channel or a tRNS colour
             rgba = img.convert("RGBA")
@@ -213,15 +216,32 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
 
 
 def _png_key(raw: bytes, key):
-    """A PNG's tRNS colour in the 8 bits a pixel has once Pillow has read it: the key is kept
-    at the file's bit depth (IHDR's) while 1/2/4-bit grey is scaled to 0-255 and 16-bit RGB
-    cut to its top byte."""
-    depth = raw[24] if raw[12:16] == b"IHDR" and len(raw) > 24 else 8
-    if depth == 16:
-        return tuple(k >> 8 for k in key) if isinstance(key, tuple) else key >> 8
-    if depth < 8 and isinstance(key, int):
-        return key * 255 // ((1 << depth) - 1)
-    return key
+    """A PNG's tRNS colour in the 8 bits a pixel has once Pillow has read it, taken from the
+    file's own tRNS chunk: 1/2/4-bit grey is scaled to 0-255 and 16-bit cut to its top byte,
+    while the key Pillow reports stays at the file's bit depth in some of its versions and
+    not in others (1-bit grey: 1 before Pillow 13, 255 from it). `key` (Pillow's) where the
+    chunk is not found.
+
+    >>> import struct
+    >>> chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", 0)
+    >>> ihdr = lambda bits: chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, bits, 0, 0, 0, 0))
+    >>> png = lambda bits, key: (b"\\x89PNG\\r\\n\\x1a\\n" + ihdr(bits) + chunk(b"tRNS", struct.pack(">H", key))
+    ...                          + chunk(b"IDAT", b""))
+    >>> _png_key(png(1, 1), 255), _png_key(png(2, 2), 2), _png_key(png(16, 40000), 40000), _png_key(png(2, 2)[:42], 2)
+    (255, 170, 156, 2)
+    """
+    if raw[12:16] != b"IHDR" or len(raw) < 29:
+        return key
+    depth, colour = raw[24], raw[25]
+    at = 8
+    while at + 8 <= len(raw) and raw[at + 4:at + 8] not in (b"tRNS", b"IDAT", b"IEND"):
+        at += 12 + int.from_bytes(raw[at:at + 4], "big")
+    n = 2 if colour == 0 else 6 if colour == 2 else 0
+    if not n or raw[at + 4:at + 8] != b"tRNS" or int.from_bytes(raw[at:at + 4], "big") < n or len(raw) < at + 8 + n:
+        return key
+    levels = struct.unpack(f">{n // 2}H", raw[at + 8:at + 8 + n])
+    to8 = [(v >> 8) if depth == 16 else v * 255 // ((1 << depth) - 1) if depth < 8 else v for v in levels]
+    return to8[0] if colour == 0 else tuple(to8)
 
 
 def stack_images(items: Sequence, names: Sequence[str], size: int = 28) -> tuple[np.ndarray, list[int], list[str]]:
@@ -301,7 +321,9 @@ class ImageFeaturizer:
     def embed(self, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
         """uint8 (N, S, S) -> float32 (N, d); BadImage when the array is not that.
 
-        The same image gets the same bits in any batch and any batch_size.
+        The same image gets the same bits in any batch and any batch_size at one torch
+        thread count (checked at 2; a 16-thread AVX-512 host broke it); on another thread
+        count, the same features within float32 rounding (~1e-6).
         """
         check_images(images, size=self.size)
         step = max(ROW_BLOCK, batch_size - batch_size % ROW_BLOCK)

@@ -105,6 +105,10 @@ def test_image_files_decode_to_the_featurizer_s_grey_28x28(mnist):
                                                                                    + 0.114 * 30)).all()
     clear = Image.new("RGBA", (28, 28), (255, 255, 255, 0))  # transparent: black
     assert decode_encoded(_encoded(clear, "PNG"), "clear.png").max() == 0
+    half = Image.new("RGBA", (300, 300), (255, 255, 255, 255))  # big (box-averaged first), its top half clear
+    half.paste((255, 255, 255, 0), (0, 0, 300, 150))
+    grey = decode_encoded(_encoded(half, "PNG"), "half.png")
+    assert grey[:11].max() == 0 and grey[17:].min() == 255 and 0 < grey[13].mean() < 255  # Lanczos rings 1 level
     for mode, key, value in [("RGB", (255, 255, 255), (255, 255, 255)), ("L", 200, 200)]:
         keyed = Image.new(mode, (28, 28), value)  # a PNG's transparent colour (tRNS), no alpha channel: black
         assert decode_encoded(_encoded(keyed, "PNG", transparency=key), "keyed.png").max() == 0, mode

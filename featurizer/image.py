@@ -203,8 +203,11 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
             img = (img if img.mode == "RGBA" else img.convert("RGBA")).convert("RGBa")
         elif img.mode not in ("L", "RGB"):  # palette, 1-bit, CMYK: to grey before any averaging
             img = img.convert("L")
-        if (k := max(img.size) // (REDUCING_GAP * size)) >= 2:
+        w, h = img.size
+        if (k := max(w, h) // (REDUCING_GAP * size)) >= 2:
             img = img.reduce(k)  # box averages first: a 4000 px upload's colour work on 1/k^2 of its pixels
+        else:
+            k = 1
         grey = Image.merge("RGB", img.split()[:3]).convert("L") if alpha else img.convert("L")
     except BadImage:
         raise
@@ -214,10 +217,10 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
         raise BadImage(f"{name}: over the {MAX_PIXELS:,} pixels allowed") from None
     except (OSError, ValueError, SyntaxError):
         raise BadImage(f"{name}: not a readable image file (truncated or damaged)") from None
-    w, h = grey.size
-    if (w, h) != (size, size):
+    if (w, h) != (size, size):  # the fit from the file's own size: reduce() rounds a partial last box up
         scale = size / max(w, h)
-        fit = grey.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.LANCZOS)
+        fit = grey.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.LANCZOS,
+                          box=(0, 0, w / k, h / k))
         grey = Image.new("L", (size, size), 0)
         grey.paste(fit, ((size - fit.width) // 2, (size - fit.height) // 2))
     return np.asarray(grey, dtype=np.uint8).copy()
@@ -241,6 +244,8 @@ def _png_key(raw: bytes, key):
     if raw[12:16] != b"IHDR" or len(raw) < 29:
         return key
     depth, colour = raw[24], raw[25]
+    if depth not in (1, 2, 4, 8, 16):
+        return key
     at = 8
     while at + 8 <= len(raw) and raw[at + 4:at + 8] not in (b"tRNS", b"IDAT", b"IEND"):
         at += 12 + int.from_bytes(raw[at:at + 4], "big")

@@ -105,6 +105,9 @@ def test_image_files_decode_to_the_featurizer_s_grey_28x28(mnist):
                                                                                    + 0.114 * 30)).all()
     clear = Image.new("RGBA", (28, 28), (255, 255, 255, 0))  # transparent: black
     assert decode_encoded(_encoded(clear, "PNG"), "clear.png").max() == 0
+    for w, h, rows in ((728, 90, 3), (5000, 250, 1), (300, 250, 23)):  # big banners keep their proportions
+        banner = decode_encoded(_encoded(Image.new("RGB", (w, h), (255, 255, 255)), "PNG"), "banner.png")
+        assert (banner.max(1) > 0).sum() == rows and (banner.max(0) > 0).sum() == 28, (w, h)
     half = Image.new("RGBA", (300, 300), (255, 255, 255, 255))  # big (box-averaged first), its top half clear
     half.paste((255, 255, 255, 0), (0, 0, 300, 150))
     grey = decode_encoded(_encoded(half, "PNG"), "half.png")

@@ -15,7 +15,7 @@ rank, so a host with 2+ GPUs; here they must be refused before any rank starts.
 5. refusals on a one-GPU host: `train speech --nproc 2` and `train image --partitions 2`
    with --device cuda exit 2 with one error line.
 
-    python3 bench/gpu.py                                   # ~3 min on one H100
+    python3 bench/gpu.py                                   # ~4 min on one H100
     .venv/bin/python bench/gpu.py --device cpu --rows 300 --epochs 2   # the same steps on the CPU
 
 Writes OUT_DIR/results.json (with the machine) and prints Markdown tables.

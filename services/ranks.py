@@ -81,7 +81,11 @@ def check_nproc(nproc: int, device: str) -> None:
     import torch
 
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
-        allowed, what = torch.cuda.device_count(), f"{torch.cuda.device_count()} CUDA devices: one rank each"
+        allowed = torch.cuda.device_count()
+        if not allowed:
+            raise MarianaError(f"--device {device}: this machine has no CUDA device (torch {torch.__version__}); "
+                               "use --device cpu")
+        what = f"{allowed} CUDA device{'s' if allowed > 1 else ''}, one rank per GPU"
     else:
         cores = os.cpu_count() or 1
         allowed, what = OVERSUBSCRIBE * cores, f"{cores} CPU cores, {OVERSUBSCRIBE} ranks per core at most"

@@ -129,6 +129,8 @@ def test_utterance_scores_sum_frame_log_posteriors():
     (["--data", "{junk}"], "not a readable .tar.gz"),
     (["--data", "{bad}"], "sample rate 16000 Hz, expected 8000 Hz"),
     (["--data", "{good}", "--nproc", "999"], "999 ranks: must be between 1 and"),
+    (["--data", "{good}", "--nproc", "999", "--device", "cuda"],
+     "999 ranks: must be between 1 and" if torch.cuda.is_available() else "--device cuda: this machine has no CUDA"),
     (["--data", "{good}", "--exchange", "gzip"], "--exchange 'gzip': use exact, fp16, powersgd:R"),
     (["--data", "{good}", "--split", "speaker:carol"], "no such speaker (the data has ann, bob)"),
     (["--data", "{good}", "--epochs", "0"], "--epochs must be >= 1"),

@@ -36,7 +36,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="ranks of synchronous data parallel on this machine "
                                                         "(one per GPU with --device cuda; on the CPU up to 4 per core)")
     p.add_argument("--exchange", default="exact", help="how gradients are exchanged: exact (fp32 all-reduce), "
-                   "fp16, powersgd:R, onebit, or approx (the default approximate one: powersgd:1)")
+                   "fp16, powersgd:R, onebit, or approx (the default approximate one: onebit)")
     p.add_argument("--epochs", type=int, default=6, help="passes over the training frames (default 6)")
     p.add_argument("--batch-size", type=int, default=2048, help="frames per step over all ranks (default 2048)")
     p.add_argument("--optimizer", choices=("adam", "adagrad", "sgd"), default="adam",

@@ -114,6 +114,12 @@ def test_a_bad_wav_names_the_file_and_what_is_wrong(tmp_path):
         speech.split_utterances(read_archive(write_archive(tmp_path / "b.tar.gz")), "speaker:carol")
 
 
+def test_the_cli_names_the_default_approximate_exchange():
+    from mariana.trainer.strategies.data_parallel import DEFAULT_APPROX
+    help_text = " ".join(run_cli("train", "speech", "--help", check=True).stdout.split())
+    assert f"approx (the default approximate one: {DEFAULT_APPROX})" in help_text, help_text
+
+
 def test_utterance_scores_sum_frame_log_posteriors():
     logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [0.0, 3.0]])
     scores = utterance_scores(logits, torch.tensor([0, 0, 1]), 2)

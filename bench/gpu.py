@@ -14,8 +14,13 @@ rank, so a host with 2+ GPUs; here they must be refused before any rank starts.
    images and the same images as JPEG files, each with --prefetch 2 and --prefetch 0.
 5. refusals on a one-GPU host: `train speech --nproc 2` and `train image --partitions 2`
    with --device cuda exit 2 with one error line.
+6. unless --no-cpu-scaling, the CPU scaling targets of issues 17 and 18 on the host's own
+   cores (16 on the lent hosts, against this project's 2-core VM, where the ranks share the
+   cores with everything else): speech N=2 against N=1, one thread per rank, `exact` and
+   the default approximate exchange (samples/s, efficiency N=2 / (2 x N=1)); the wide
+   preset's P=2 (`--balance time`, M=8) against P=1, one thread per rank.
 
-    python3 bench/gpu.py                                   # ~4 min on one H100
+    python3 bench/gpu.py                                   # ~7 min on one H100 (~4 with --no-cpu-scaling)
     .venv/bin/python bench/gpu.py --device cpu --rows 300 --epochs 2   # the same steps on the CPU
 
 Writes OUT_DIR/results.json (with the machine) and prints Markdown tables.
@@ -84,6 +89,7 @@ def main() -> int:
     ap.add_argument("--jpeg-size", type=int, default=256, help="side of the JPEG files of the input-pipeline runs")
     ap.add_argument("--epochs", type=int, default=4, help="epochs of each speed run (the first is warm-up)")
     ap.add_argument("--mnist-epochs", type=int, help="the mnist preset's epochs (default: its own, 20)")
+    ap.add_argument("--no-cpu-scaling", action="store_true", help="skip step 6 (N=2 / P=2 on the CPU)")
     ap.add_argument("--out-dir", default=str(REPO / "bench-out" / "gpu"))
     args = ap.parse_args()
     import torch
@@ -132,6 +138,22 @@ def main() -> int:
                 "input_wait_share": wait, "test_accuracy": r["test_accuracy"]}
             note(f"speed {key}: {record['speed'][key]}")
 
+    def cpu_scaling(data: str) -> None:
+        out = record["cpu_scaling"] = {}
+        for key, extra in (("N=1", ("--nproc", "1")), ("N=2 exact", ("--nproc", "2")),
+                           ("N=2 approx", ("--nproc", "2", "--exchange", "approx"))):
+            r = run_json("train", "speech", "--device", "cpu", "--threads", "1", *extra)
+            out[f"speech {key}"] = {"samples_per_s": r["samples_per_s"], "test_accuracy": r["test_accuracy"]}
+            note(f"cpu speech {key}: {out[f'speech {key}']}")
+        for key, extra in (("P=1", ()), ("P=2", ("--partitions", "2", "--balance", "time"))):
+            r = wide("cpu", data, args.epochs, "--threads", "1", *extra)
+            out[f"image {key}"] = {"images_per_s": steady(r), "cuts": r["cuts"]}
+            note(f"cpu image {key}: {out[f'image {key}']}")
+        one = out["speech N=1"]["samples_per_s"]
+        for key in ("exact", "approx"):
+            out[f"speech N=2 {key}"]["efficiency"] = round(out[f"speech N=2 {key}"]["samples_per_s"] / (2 * one), 3)
+        out["image P=2 / P=1"] = round(out["image P=2"]["images_per_s"] / out["image P=1"]["images_per_s"], 3)
+
     section("speech", speech)
     section("mnist", mnist)
     with tempfile.TemporaryDirectory(prefix="gpu-bench-data-") as data, \
@@ -141,6 +163,8 @@ def main() -> int:
                 "jpeg", "--out", jpeg)
         section("memory", lambda: memory(data))
         section("speed", lambda: speed(data, jpeg))
+        if not args.no_cpu_scaling:
+            section("cpu scaling", lambda: cpu_scaling(data))
     if args.device.startswith("cuda") and env["gpus"] == 1:
         section("refusals", lambda: record.update(refusals=refusals(args.device)))
 
@@ -165,6 +189,15 @@ def main() -> int:
     for key, v in record.get("speed", {}).items():
         print(f"| {key} | {v['images_per_s']:,.0f} | {100 * v['input_wait_share']:.1f}% | "
               f"{100 * v['test_accuracy']:.1f}% |")
+    if c := record.get("cpu_scaling"):
+        print(f"\nOn this host's CPU ({record['machine']['nproc']} cores), one thread per rank:\n")
+        for key in ("exact", "approx"):
+            r = c[f"speech N=2 {key}"]
+            print(f"- speech N=2 {key}: {r['samples_per_s']:,.0f} frames/s against N=1's "
+                  f"{c['speech N=1']['samples_per_s']:,.0f}: efficiency {r['efficiency']:.3f} "
+                  f"(issue 17: >= {0.77 if key == 'exact' else 0.85}); accuracy {100 * r['test_accuracy']:.2f}%")
+        print(f"- image P=2 / P=1 (wide, M={MICRO}): {c['image P=2 / P=1']:.3f} ({c['image P=2']['images_per_s']:,.0f} "
+              f"against {c['image P=1']['images_per_s']:,.0f} images/s; issue 18: >= 1.4)")
     for key, v in record.get("refusals", {}).items():
         print(f"- {key}: exit {v['rc']}: {v['last_line']}")
     for key, err in record.get("errors", {}).items():

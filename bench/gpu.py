@@ -20,7 +20,7 @@ rank, so a host with 2+ GPUs; here they must be refused before any rank starts.
    the default approximate exchange (samples/s, efficiency N=2 / (2 x N=1)); the wide
    preset's P=2 (`--balance time`, M=8) against P=1, one thread per rank.
 
-    python3 bench/gpu.py                                   # ~7 min on one H100 (~4 with --no-cpu-scaling)
+    python3 bench/gpu.py                                   # ~4 min on one H100 without step 6 (--no-cpu-scaling); step 6 not yet timed there
     .venv/bin/python bench/gpu.py --device cpu --rows 300 --epochs 2   # the same steps on the CPU
 
 Writes OUT_DIR/results.json (with the machine) and prints Markdown tables.
@@ -30,33 +30,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ctr_peers import machine_info  # noqa: E402  (bench/ is on sys.path when run as a script)
-from image_parallel import BATCH, MICRO, steady  # noqa: E402
+from image_parallel import BATCH, MICRO, mariana, steady  # noqa: E402
 
 MIB = 2 ** 20
 
 
 def note(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def mariana(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mariana", "-q", *args]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    note(f"{' '.join(args[:2])} ... rc {proc.returncode} in {time.perf_counter() - t0:.1f} s")
-    if check and proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return proc
 
 
 def run_json(*args: str) -> dict:

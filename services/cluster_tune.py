@@ -126,7 +126,8 @@ def run_cluster_tune(config: JobConfig, data: list[str], test_data: list[str], v
         with cluster_session(cluster, asked) as info:
             log.info("tuning on %s for %gs, every trial a job on %s (validation: %s)", ",".join(body["data"]),
                      budget, info["http"], source)
-            result = tune(config, ClusterTrials(info, body, source), budget, kind, max_trials, seed, reserve=reserve)
+            result = tune(config, ClusterTrials(info, body, source), budget, kind, max_trials, seed, reserve=reserve,
+                          started=t0)
             meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,
                     "search": SEARCH, "validation": source,
                     "first_trial": "the job's own config", "mode": f"cluster/{mode}", "trials_dir": body["out"]}

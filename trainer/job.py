@@ -254,7 +254,7 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
     log.info("tuning on %s for %gs (validation: %s)", ",".join(job.train), budget, job.valid.source)
     runner = LocalTrials(job.schema, job.train, job.train_rows, job.valid)
     reserve = (lambda trial: refit_reserve(trial, fraction)) if fraction else None
-    result = tune(config, runner, budget, kind, max_trials, seed, reserve=reserve)
+    result = tune(config, runner, budget, kind, max_trials, seed, reserve=reserve, started=t0)
     bundle, trained = result.kept
     meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,
             "search": SEARCH, "validation": job.valid.source, "first_trial": "the job's own config"}

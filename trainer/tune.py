@@ -224,11 +224,14 @@ def check_search(config: JobConfig, budget: float) -> None:
 
 def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", max_trials: int | None = None,
          seed: int = 0, on_trial: Callable[[Trial], None] | None = None,
-         reserve: Callable[[Trial], float] | None = None) -> TuneResult:
+         reserve: Callable[[Trial], float] | None = None, started: float | None = None) -> TuneResult:
     """Run trials through `runner` until `budget` seconds are spent (or `max_trials` are
     done); the best trial: the lowest validation logloss of a trial that kept a model.
     `reserve(trial)`: seconds to leave at the end of the budget for that trial's refit; trials
     stop the most any finished trial needs before it (any of them may turn out the best).
+    `started`: the time.perf_counter() value the budget counts from (a job's own start, so
+    its preparation is inside the budget); now by default. No trial starts with less time
+    left than the quickest epoch so far took: it would stop before its first validation.
 
         result = tune(config, LocalTrials(schema, ["train.tsv"], None, Validation(["valid.tsv"])), 60.0)
         result.best.params  # {"optim.linear": "ftrl", "optim.ftrl_alpha": 0.05, ...}
@@ -242,7 +245,7 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
     if kind != "any":
         base = apply_params(base, {"model.kind": kind})
     t0 = time.perf_counter()
-    deadline = t0 + budget
+    deadline = (t0 if started is None else started) + budget
     study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed),
                                 pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3))
     study.enqueue_trial(default_params(base, kind), skip_if_exists=True)
@@ -281,7 +284,13 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
 
     def out_of_time(study, _trial) -> None:
         gc.collect()  # the trial's bundle (a pruned one's is held by its traceback until now)
-        if time.perf_counter() >= search_deadline():
+        left = search_deadline() - time.perf_counter()
+        epochs = [t.seconds / t.epochs for t in state["trials"] if t.epochs]
+        if left <= 0:
+            study.stop()
+        elif epochs and left < min(epochs):
+            log.info("tune: search ends with %.1fs left, less than the quickest epoch so far (%.1fs)",
+                     left, min(epochs))
             study.stop()
 
     study.optimize(objective, n_trials=max_trials, callbacks=[out_of_time], catch=())

@@ -101,6 +101,13 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     if served:
         scores["served"] = evaluate(ModelBundle.load(model_dir, served), evals)[0]
     verdict, reason = gate(scores["new"], scores.get("served"), r.auc_tolerance)
+    if verdict == "promoted":
+        try:  # only over the version it was gated against: a promotion or rollback meanwhile stands
+            checkpoint.set_current(model_dir, new, reason="retrain", expect=served)
+        except checkpoint.CurrentMoved:
+            moved = _served_version(model_dir)
+            verdict, reason = "refused", (f"{reason}; but CURRENT moved from {served or 'nothing'} to {moved} "
+                                          f"during the retrain, and {new} was not gated against {moved}")
     decision = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "verdict": verdict, "reason": reason,
         "new_version": new, "served_version": served,
@@ -113,7 +120,6 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         f.write(json.dumps(decision) + "\n")
     log.info("retrain %s: %s %s (%s)", model_dir, verdict, new, reason)
     if verdict == "promoted":
-        checkpoint.set_current(model_dir, new, reason="retrain")
         if cfg.serve.redis_url:
             model_events.publish(cfg.serve.redis_url, "promoted", model_dir, new, new, cfg.serve.channel)
     return decision

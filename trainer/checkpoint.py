@@ -17,6 +17,7 @@ reader never sees a half-written version.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -64,27 +65,47 @@ def current_version(model_dir: str | os.PathLike) -> str:
     return name
 
 
-def set_current(model_dir: str | os.PathLike, version: str, reason: str | None = None) -> str | None:
+class CurrentMoved(ModelDirError):
+    """`set_current(..., expect=V)` found CURRENT naming another version than V."""
+
+
+_ANY = object()
+
+
+def set_current(model_dir: str | os.PathLike, version: str, reason: str | None = None,
+                expect: str | None | object = _ANY) -> str | None:
     """Point CURRENT at `version`; returns the version it named before (None: none).
     With a `reason` ("trained", "promoted", "rollback", ...) the move is recorded in
-    promotions.jsonl, which `rollback_target` reads."""
+    promotions.jsonl, which `rollback_target` reads. With `expect` (a version, or None for
+    no CURRENT), CURRENT moves only if it still names that: otherwise CurrentMoved, and
+    nothing changes. Moves of one model dir take turns (a lock file), so a check and its
+    move are one step for every process that moves CURRENT (a lock on the directory itself:
+    no file is left behind)."""
     d = Path(model_dir)
     if not (d / version).is_dir():
         raise ModelDirError(f"{model_dir}: no version {version!r}")
+    fd = os.open(d, os.O_RDONLY)
     try:
-        before = current_version(d)
-    except ModelDirError:
-        before = None
-    tmp = d / f".CURRENT.{os.getpid()}"
-    tmp.write_text(version + "\n")
-    fsync_file(tmp)
-    os.replace(tmp, d / "CURRENT")
-    fsync_dir(d)
-    if reason is not None and before != version:
-        line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": before, "to": version,
-                "reason": reason}
-        with open(d / PROMOTIONS, "a") as f:  # one short write: lines do not interleave
-            f.write(json.dumps(line) + "\n")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            before = current_version(d)
+        except ModelDirError:
+            before = None
+        if expect is not _ANY and before != expect:
+            raise CurrentMoved(f"{model_dir}: CURRENT names {before or 'no version'}, not {expect or 'no version'} "
+                               "(another promotion moved it); it was left as it is")
+        tmp = d / f".CURRENT.{os.getpid()}"
+        tmp.write_text(version + "\n")
+        fsync_file(tmp)
+        os.replace(tmp, d / "CURRENT")
+        fsync_dir(d)
+        if reason is not None and before != version:
+            line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": before, "to": version,
+                    "reason": reason}
+            with open(d / PROMOTIONS, "a") as f:  # one short write: lines do not interleave
+                f.write(json.dumps(line) + "\n")
+    finally:
+        os.close(fd)  # closing drops the lock
     return before
 
 

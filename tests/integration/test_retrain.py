@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -117,6 +119,36 @@ def test_a_cluster_retrain_warm_starts_from_the_served_version(days, tmp_path):
     assert manifest["parent"] == {"model_dir": str(model_dir), "version": "v000001", "rows_trained": 3_000}
     assert manifest["rows_trained"] == 3_000 + 20_000
     assert decision["metrics"]["new"]["auc"] > decision["metrics"]["served"]["auc"]  # a day more than 3,000 rows
+
+
+def test_a_promotion_during_the_retrain_stands(days, tmp_path):
+    """The candidate was gated against the version served when the retrain began; if an
+    operator promotes another one meanwhile, the retrain does not move CURRENT over it: the
+    verdict is refused, saying why, and the operator's promotion stays."""
+    from mariana.trainer import checkpoint
+
+    model_dir = served_model(tmp_path, days)
+    run_cli("-q", "train", "--data", days["day1"], "--model", "lr", "--out", model_dir, check=True)  # v000002
+    run_cli("model", "rollback", "--model-dir", model_dir, check=True)  # v000001 is served again
+    cfg = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"]), str(days["day3"])],
+                         eval_data=[str(days["day4"])])
+    status = tmp_path / "status.json"
+    proc = subprocess.Popen([sys.executable, "-m", "mariana", "retrain", "--config", str(cfg), "--json",
+                             "--status-file", str(status)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not (status.exists() and json.loads(status.read_text() or "{}").get("state") in ("training", "failed")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    checkpoint.set_current(model_dir, "v000002", reason="promoted")  # the operator, while it trains
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    decision = json.loads(out)
+    assert decision["verdict"] == "refused" and decision["served_version"] == "v000001", decision
+    assert "CURRENT moved from v000001 to v000002 during the retrain" in decision["reason"], decision
+    assert decision["metrics"]["new"]["auc"] > decision["metrics"]["served"]["auc"]  # the gate itself passed
+    assert (model_dir / "CURRENT").read_text().strip() == "v000002"
+    assert decisions(model_dir)[-1]["verdict"] == "refused"
 
 
 def test_retrain_needs_a_window_and_a_recipe(days, tmp_path):

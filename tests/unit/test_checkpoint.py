@@ -49,6 +49,14 @@ def test_versions_and_current(tmp_path, gen_files):
     checkpoint.set_current(d, "v000001")
     assert ModelBundle.load(d).manifest["version"] == "v000001"
     assert not [p for p in (tmp_path / "m").iterdir() if p.name.startswith(".")]  # no temp leftovers
+    # a move that expects another CURRENT changes nothing and says what it found
+    checkpoint.set_current(d, "v000002", reason="promoted", expect="v000001")
+    moves = (tmp_path / "m" / checkpoint.PROMOTIONS).read_text()
+    with pytest.raises(checkpoint.CurrentMoved, match="CURRENT names v000002, not v000001"):
+        checkpoint.set_current(d, "v000003", reason="retrain", expect="v000001")
+    assert checkpoint.current_version(d) == "v000002" and (tmp_path / "m" / checkpoint.PROMOTIONS).read_text() == moves
+    with pytest.raises(checkpoint.CurrentMoved, match="CURRENT names v000002, not no version"):
+        checkpoint.set_current(d, "v000003", expect=None)
 
 
 def test_no_pickle_in_a_version(tmp_path, gen_files):

@@ -25,7 +25,7 @@ C1..C26 become `C<k>_<hex>`, and a missing value is the token `<field>_m`
 (a hex value never is "m"). Mariana hashes these itself from the raw TSV; the
 peers see the same tokens as strings, hashed into 2^bits slots.
 
-Each system runs in its own process, so its peak RSS (`ru_maxrss` of that
+Each system runs in its own process, so its peak RSS (VmHWM of that
 process, reported by the process itself) is its own:
 
 - `mariana-lr`, `mariana-dnn`: `mariana train --model lr|dnn --json`; train
@@ -198,9 +198,9 @@ def write_vw_file(tsv: Path, vw: Path) -> Path:
 # ---- the systems (vw and sklearn run as children of this script) ----------------------
 
 def peak_rss_mb() -> float:
-    import resource
+    from mariana.trainer.strategies.local import peak_rss_mb as peak  # VmHWM: not the parent's peak
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return peak()
 
 
 def scored(labels, probs) -> dict:

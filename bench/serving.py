@@ -1368,7 +1368,7 @@ def bench(args) -> int:
     args.data = data = prepare_data(args)
     models, train_records = train_models(args, data, args.systems)
     results, swaps, batches, servers, heys = {}, {}, {}, {}, {}
-    if "hey" in args.phases and not args.hey:
+    if {"hey", "cost"} & set(args.phases) and not args.hey:
         note("hey is not installed (Debian: apt-get install hey): its runs are left out")
     for system in args.systems:
         name = SYSTEMS[system]
@@ -1398,7 +1398,8 @@ def bench(args) -> int:
     if costs:
         body = (f"The cost of a request, {args.cost_rounds} interleaved rounds (each: every server started afresh, "
                 f"loadgen.c then hey at {COST_RATE:,}/s for {args.duration:g} s each, one server at a time, the "
-                "order rotating):\n\n" + cost_table(costs) + "\n\n" + body)
+                "order rotating" + ("" if args.hey else "; hey is not installed here, so its runs are left out")
+                + "):\n\n" + cost_table(costs) + "\n\n" + body)
         failed = [f"{name} round {i + 1} under {gen}: {r.get('errors') or r.get('codes')}" for i, x in enumerate(rounds)
                   for name, runs in x.items() for gen, r in runs.items() if r and r["error_count"]]
         if failed:

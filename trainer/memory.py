@@ -35,6 +35,8 @@ from typing import Callable, Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mariana.trainer.strategies.local import proc_status
+
 _TRACKERS: list["SavedActivations"] = []   # the SavedActivations in force, innermost last
 
 
@@ -255,30 +257,19 @@ def profile_step(step: Callable[[], object], device: torch.device) -> dict:
     return {"peak": max((sum(row) for row in sizes), default=0), "by_category": by_category}
 
 
-def _status(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def rss_step(step: Callable[[], object]) -> int | None:
     """How far this process's resident set rose above where it stood, at its peak during
     `step` (Linux: VmHWM reset through /proc/self/clear_refs); None where that is not there.
     Memory the allocator kept from earlier steps is reused unseen, so this means most on a
     process's first step."""
-    before = _status("VmRSS")
+    before = proc_status("VmRSS")
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
         return None
     step()
-    peak = _status("VmHWM")
+    peak = proc_status("VmHWM")
     return None if before is None or peak is None else max(0, peak - before)
 
 

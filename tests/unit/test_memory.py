@@ -84,3 +84,15 @@ def test_the_balancer_prices_micro_batches_in_flight():
     assert cut_partitions(costs, 3, "time") == [(0, 1), (1, 2), (2, 3)]
     with pytest.raises(Exception, match="--balance 'speed'"):
         cut_partitions(costs, 2, "speed")
+
+
+def test_a_child_reports_its_own_peak_rss_not_its_parents():
+    """Linux's ru_maxrss keeps the parent's peak across fork and exec; the peak a job
+    reports (VmHWM) is its own program's."""
+    import subprocess
+    import sys
+
+    ballast = bytearray(400 << 20)  # this process's peak: at least 400 MB
+    code = "from mariana.trainer.strategies.local import peak_rss_mb; print(peak_rss_mb())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 1 < child < 300 < len(ballast) >> 20, child

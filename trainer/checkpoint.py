@@ -78,9 +78,8 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
     With a `reason` ("trained", "promoted", "rollback", ...) the move is recorded in
     promotions.jsonl, which `rollback_target` reads. With `expect` (a version, or None for
     no CURRENT), CURRENT moves only if it still names that: otherwise CurrentMoved, and
-    nothing changes. Moves of one model dir take turns (a lock file), so a check and its
-    move are one step for every process that moves CURRENT (a lock on the directory itself:
-    no file is left behind)."""
+    nothing changes. Moves of one model dir take turns (a lock on the directory itself, so
+    no file is left behind): a check and its move are one step for every process."""
     d = Path(model_dir)
     if not (d / version).is_dir():
         raise ModelDirError(f"{model_dir}: no version {version!r}")

@@ -104,10 +104,9 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     if verdict == "promoted":
         try:  # only over the version it was gated against: a promotion or rollback meanwhile stands
             checkpoint.set_current(model_dir, new, reason="retrain", expect=served)
-        except checkpoint.CurrentMoved:
-            moved = _served_version(model_dir)
-            verdict, reason = "refused", (f"{reason}; but CURRENT moved from {served or 'nothing'} to {moved} "
-                                          f"during the retrain, and {new} was not gated against {moved}")
+        except checkpoint.CurrentMoved as e:
+            verdict, reason = "refused", (f"{reason}; but CURRENT moved from {served or 'nothing'} to {e.found} "
+                                          f"during the retrain, and {new} was not gated against {e.found}")
     decision = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "verdict": verdict, "reason": reason,
         "new_version": new, "served_version": served,

@@ -66,7 +66,11 @@ def current_version(model_dir: str | os.PathLike) -> str:
 
 
 class CurrentMoved(ModelDirError):
-    """`set_current(..., expect=V)` found CURRENT naming another version than V."""
+    """`set_current(..., expect=V)` found CURRENT naming another version than V (`found`)."""
+
+    def __init__(self, message: str, found: str | None):
+        super().__init__(message)
+        self.found = found
 
 
 _ANY = object()
@@ -92,7 +96,7 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
             before = None
         if expect is not _ANY and before != expect:
             raise CurrentMoved(f"{model_dir}: CURRENT names {before or 'no version'}, not {expect or 'no version'} "
-                               "(another promotion moved it); it was left as it is")
+                               "(another promotion moved it); it was left as it is", before)
         tmp = d / f".CURRENT.{os.getpid()}"
         tmp.write_text(version + "\n")
         fsync_file(tmp)

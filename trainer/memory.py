@@ -27,6 +27,7 @@ On CUDA `cuda_peak` adds `max_memory_allocated`.
 """
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from dataclasses import asdict, dataclass
@@ -261,7 +262,9 @@ def rss_step(step: Callable[[], object]) -> int | None:
     """How far this process's resident set rose above where it stood, at its peak during
     `step` (Linux: VmHWM reset through /proc/self/clear_refs); None where that is not there.
     Memory the allocator kept from earlier steps is reused unseen, so this means most on a
-    process's first step."""
+    process's first step. Garbage is collected first: a collection that ran inside `step` and
+    freed earlier garbage would hide the step's own rise (seen in a long test run)."""
+    gc.collect()
     before = proc_status("VmRSS")
     try:
         with open("/proc/self/clear_refs", "w") as f:

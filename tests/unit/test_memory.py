@@ -75,6 +75,24 @@ def test_storages_count_once_and_rss_sees_a_big_step():
         assert rise >= 60 * 2**20
 
 
+def test_garbage_freed_during_the_step_does_not_hide_its_rise():
+    """A 128 MB cycle left by earlier work, collected inside the step: the step's own 64 MB
+    still shows (the baseline is taken after a collection)."""
+    import gc
+
+    cycle = [torch.ones(128 * 2**20 // 4)]
+    cycle.append(cycle)
+    del cycle
+    held = []
+
+    def step():
+        gc.collect()
+        held.append(torch.ones(64 * 2**20 // 4))
+    rise = memory.rss_step(step)
+    if rise is not None:  # Linux
+        assert rise >= 60 * 2**20, rise
+
+
 def test_the_balancer_prices_micro_batches_in_flight():
     costs = [StageCost("a", 0, 100, 1, 1.0), StageCost("b", 0, 10, 1, 5.0), StageCost("c", 300, 1, 1, 1.0)]
     assert [in_flight("1f1b", 8, 3, k) for k in range(3)] == [3, 2, 1]

@@ -49,12 +49,19 @@ def cmd_model(args: argparse.Namespace) -> int:
     if args.action == "promote":
         if not args.version:
             raise MarianaError("model promote: name the VERSION to serve (see 'mariana model list')")
+        before = checkpoint.set_current(model_dir, args.version, reason="promoted")
         target, reason = args.version, "promoted"
     else:
         if args.version:
             raise MarianaError("model rollback takes no VERSION (it goes back to the one served before)")
-        target, reason = checkpoint.rollback_target(model_dir), "rollback"
-    before = checkpoint.set_current(model_dir, target, reason=reason)
+        before, reason = checkpoint.current_version(model_dir), "rollback"
+        target = checkpoint.rollback_target(model_dir, before)
+        try:  # from the version the target was worked out for: a move meanwhile is not undone blindly
+            checkpoint.set_current(model_dir, target, reason=reason, expect=before)
+        except checkpoint.CurrentMoved as e:
+            raise MarianaError(f"model rollback: CURRENT moved from {before} to {e.found} while the rollback "
+                               "was worked out; nothing changed (run it again to roll back from "
+                               f"{e.found})") from None
     print(json.dumps({"model_dir": model_dir, "current": target, "previous": before, "reason": reason}))
     url = args.notify or cfg.serve.redis_url
     if url:

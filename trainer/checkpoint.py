@@ -165,11 +165,12 @@ def overview(model_dir: str | os.PathLike, limit: int = 50) -> dict | None:
             "decisions": decisions(d)[::-1][:limit], "promotions": moves[::-1][:limit]}
 
 
-def rollback_target(model_dir: str | os.PathLike) -> str:
+def rollback_target(model_dir: str | os.PathLike, current: str | None = None) -> str:
     """The version served before the current one came in: the moves of CURRENT are a
     stack (a promotion pushes the version it replaced, a rollback pops), so repeated
-    rollbacks walk further back. Without a record, the version below CURRENT."""
-    current = current_version(model_dir)
+    rollbacks walk further back. Without a record, the version below CURRENT. `current`:
+    the version to roll back from (default: what CURRENT names now)."""
+    current = current or current_version(model_dir)
     stack: list[str] = []
     for rec in promotions(model_dir):
         if rec.get("reason") == "rollback":

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,8 @@ import msgpack
 import pytest
 
 from mariana.services.launcher import RedisServer, free_port
-from tests.conftest import run_cli
+from mariana.trainer import checkpoint
+from tests.conftest import ROOT, run_cli
 from tests.debian import debian_tool, promtool_check
 from tests.integration.serving import Server, tsv_instances
 
@@ -301,6 +303,38 @@ def test_model_commands_list_promote_rollback(models, tmp_path):
     bad = run_cli("model", "promote", "v000009", "--model-dir", d)
     assert bad.returncode == 2 and "no version 'v000009'" in bad.stderr
     assert (d / "CURRENT").read_text().strip() == "v000002"
+
+
+def test_a_rollback_leaves_a_move_made_while_it_works_out_its_target(models, tmp_path):
+    """`model rollback` reads CURRENT and the promotion record, then moves CURRENT, only from
+    the version it read: a promotion landing in between is not undone by a rollback meant
+    for the version before it. The test holds the model dir's lock (the one every move of
+    CURRENT takes), waits until the rollback is queued on it, and promotes meanwhile."""
+    import fcntl
+
+    d = tmp_path / "models"
+    shutil.copytree(models["lr"], d)
+    for v in ("v000002", "v000003"):
+        shutil.copytree(d / "v000001", d / v)
+    checkpoint.set_current(d, "v000002", reason="promoted")
+    recorded = checkpoint.promotions(d)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, "-m", "mariana", "model", "rollback", "--model-dir", str(d)],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not any(f" {proc.pid} " in ln and "->" in ln for ln in Path("/proc/locks").read_text().splitlines()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        (d / "CURRENT").write_text("v000003\n")  # another promotion, made under the lock
+    finally:
+        os.close(fd)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert "CURRENT moved from v000002 to v000003 while the rollback was worked out; nothing changed" in err
+    assert (d / "CURRENT").read_text().strip() == "v000003"
+    assert checkpoint.promotions(d) == recorded  # the rollback recorded nothing
 
 
 def test_sigterm_answers_what_is_in_flight_and_exits_0(models, tmp_path):

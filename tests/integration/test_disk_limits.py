@@ -24,9 +24,9 @@ def namespaced(script: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def train(data, out, bits: int) -> str:
-    return (f"{sys.executable} -m mariana train --data {data} --model lr --out {out} --set hashing.bits={bits} "
-            f"--quiet")
+def train(data, out, bits: int, quiet: bool = True) -> str:
+    return (f"{sys.executable} -m mariana train --data {data} --model lr --out {out} --set hashing.bits={bits}"
+            + " --quiet" * quiet)
 
 
 @pytest.mark.timeout(300)
@@ -49,14 +49,16 @@ def test_a_full_disk_fails_the_job_and_keeps_current_whole(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_model_dir_that_turns_read_only_fails_the_job_clearly(tmp_path):
     data = tmp_path / "train.tsv"
-    generate_criteo(data, 200_000, seed=32)  # a few seconds of training: time to turn read-only
-    m = tmp_path / "ro"
+    generate_criteo(data, 200_000, seed=32)  # a second or more an epoch: time to turn read-only after the first
+    m, log = tmp_path / "ro", tmp_path / "train.log"
     m.mkdir()
     proc = namespaced(f"set -u; mount -t tmpfs none {m} && {train(data, m / 'ctr', 12)} && "
-                      f"{{ (sleep 2; until mount -o remount,ro {m}; do sleep 0.1; done) & "
-                      f"{train(data, m / 'ctr', 14)} --set train.epochs=30; echo rc=$?; }}; "
+                      f"{{ {train(data, m / 'ctr', 14, quiet=False)} --set train.epochs=4 2>{log} & pid=$!; "
+                      f"until grep -q 'epoch 1/4 done' {log} || ! kill -0 $pid; do sleep 0.05; done; "
+                      f"until mount -o remount,ro {m}; do sleep 0.1; done; wait $pid; echo rc=$?; cat {log}; }}; "
                       f"cat {m}/ctr/CURRENT; ls -a {m}/ctr")
     out = proc.stdout + proc.stderr
+    assert "epoch 2/4 done" in out, out  # read-only from the end of epoch 1: the job went on, then could not write
     assert "rc=0" not in out and "rc=" in out, out
     assert "cannot write a new version: its filesystem is read-only" in out, out
     assert "CURRENT still names v000001" in out and "v000002" not in proc.stdout.split(), out

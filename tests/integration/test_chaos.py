@@ -17,8 +17,8 @@ from tests.integration.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 
-ROWS, EPOCHS = 100_000, 3
-JOB = {"hashing": {"bits": 18}, "train": {"epochs": EPOCHS, "batch_size": 32}}  # many steps: ~20 s
+ROWS, EPOCHS = 50_000, 3
+JOB = {"hashing": {"bits": 18}, "train": {"epochs": EPOCHS, "batch_size": 32}}  # many steps: 10-20 s a job
 SEED = int(os.environ.get("MARIANA_CHAOS_SEED", "19"))
 
 

@@ -1,6 +1,7 @@
 """Shared fixtures: real data locations, small generated files, the CLI."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,6 +69,35 @@ def run_cli(*args: str, check: bool = False, env: dict | None = None,
     if check and proc.returncode != 0:
         raise AssertionError(f"mariana {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
+
+
+_CASES = r"""
+import contextlib, io, json, sys, traceback
+from mariana.cli import main
+out = []
+for argv in json.load(sys.stdin):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's own errors
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def run_cli_cases(cases: list[list], env: dict | None = None) -> list[tuple[int, str]]:
+    """Several `mariana ARGS` in one real subprocess, one after another, as `main(ARGS)`:
+    each one's (exit code, stderr). For bad input, which stops before any work: torch and the
+    CLI are imported once rather than once a case (2-3 s each on a 2-core VM)."""
+    proc = subprocess.run([sys.executable, "-c", _CASES], input=json.dumps([[str(a) for a in c] for c in cases]),
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return [(code, err) for code, err in json.loads(proc.stdout)]
 
 
 SOAK_ARGS = ("--minutes", "2", "--rate", "100", "--promote-every", "20", "--retrain-every", "60")

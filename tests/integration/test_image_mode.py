@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_cli_cases
 from tests.integration.rankkill import kill_a_rank
 
 pytestmark = pytest.mark.timeout(300)
@@ -120,7 +120,7 @@ def test_an_image_folder_is_decoded_batch_by_batch_and_trains_what_its_idx_twin_
     assert {victim.name, held.name} == {f.split(": ")[0].rsplit("/", 1)[-1] for f in got["first_decode_failures"]}
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_IMAGE = [
     (["--groups", "1000", "--batch-size", "4000"], "1000 ranks: must be between 1 and"),
     (["--batch-size", "30"], "--batch-size 30 must split evenly into --groups 1 x --microbatches 4"),
     (["--preset", "wide"], "but preset 'wide' takes 64x64"),
@@ -130,12 +130,22 @@ def test_an_image_folder_is_decoded_batch_by_batch_and_trains_what_its_idx_twin_
     (["--partitions", "2", "--cut-after", "conv9"], "--cut-after 'conv9': not a stage; the stages are ['conv1', "),
     (["--partitions", "2", "--cut-after", "head"], "each partition non-empty"),
     (["--cut-after", "conv1"], "the last stage of each partition but the last: 0 of"),
-])
-def test_bad_input_to_train_image_is_one_error_line(tmp_path, shapes, args, message):
-    proc = run_cli("train", "image", "--data", shapes, "--out", tmp_path / "f", "--test-images", "128", *args)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("mariana: error: ") and message in proc.stderr
-    assert "Traceback" not in proc.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def bad_image_runs(shapes) -> list:
+    """Every case of BAD_IMAGE, run in one `mariana` process (run_cli_cases)."""
+    return run_cli_cases([["train", "image", "--data", shapes, "--out", shapes.parent / "bad-out", "--test-images",
+                           "128", *args] for args, _ in BAD_IMAGE])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_IMAGE)), ids=[m for _, m in BAD_IMAGE])
+def test_bad_input_to_train_image_is_one_error_line(bad_image_runs, case):
+    (code, stderr), message = bad_image_runs[case], BAD_IMAGE[case][1]
+    assert code == 2, stderr
+    assert stderr.strip().splitlines()[-1].startswith("mariana: error: ") and message in stderr
+    assert "Traceback" not in stderr
 
 
 def test_a_killed_partition_fails_the_job_with_a_clear_error(tmp_path, shapes):

@@ -15,7 +15,7 @@ from mariana.featurizer import speech
 from mariana.featurizer.speech import BadAudio, FrontEnd, load_features, read_archive, read_wav
 from mariana.sparse.errors import DataFormatError, MarianaError
 from mariana.trainer.models.speech_dnn import SpeechDNN, SpeechDNNConfig, utterance_scores
-from tests.conftest import data_dir, run_cli
+from tests.conftest import data_dir, run_cli, run_cli_cases
 from tests.speechdata import tone, wav_bytes, write_archive
 
 
@@ -130,7 +130,7 @@ def test_utterance_scores_sum_frame_log_posteriors():
     assert m.input_std[1] == 1.0 and m.input_mean[0] == 2.0  # a constant dimension keeps std 1
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_SPEECH = [
     (["--data", "{tmp}/missing"], "no such file (the FSDD archive"),
     (["--data", "{junk}"], "not a readable .tar.gz"),
     (["--data", "{bad}"], "sample rate 16000 Hz, expected 8000 Hz"),
@@ -140,20 +140,38 @@ def test_utterance_scores_sum_frame_log_posteriors():
     (["--data", "{good}", "--exchange", "gzip"], "--exchange 'gzip': use exact, fp16, powersgd:R"),
     (["--data", "{good}", "--split", "speaker:carol"], "no such speaker (the data has ann, bob)"),
     (["--data", "{good}", "--epochs", "0"], "--epochs must be >= 1"),
-])
-def test_bad_input_to_train_speech_is_one_error_line_and_exit_2(tmp_path, args, message):
-    junk = tmp_path / "junk.tar.gz"
+]
+
+
+@pytest.fixture(scope="module")
+def bad_speech_runs(tmp_path_factory) -> tuple:
+    """Every case of BAD_SPEECH, run in one `mariana` process (run_cli_cases), each with its own --out."""
+    tmp = tmp_path_factory.mktemp("bad-speech")
+    junk = tmp / "junk.tar.gz"
     junk.write_bytes(b"not gzip at all")
-    paths = {"tmp": tmp_path, "junk": junk, "good": write_archive(tmp_path / "good.tar.gz"),
-             "bad": write_archive(tmp_path / "bad.tar.gz", extra={"recordings/3_zed_1.wav":
-                                                                  wav_bytes(tone(3, 0, 1), 16000)})}
-    proc = run_cli("train", "speech", *[a.format(**paths) for a in args], "--out", tmp_path / "m",
-                   env={"MARIANA_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("mariana: error: ") and message in lines[-1], proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "m" / "CURRENT").exists()
+    paths = {"tmp": tmp, "junk": junk, "good": write_archive(tmp / "good.tar.gz"),
+             "bad": write_archive(tmp / "bad.tar.gz", extra={"recordings/3_zed_1.wav": wav_bytes(tone(3, 0, 1), 16000)})}
+    cases = [["train", "speech", *[a.format(**paths) for a in args], "--out", tmp / f"m{i}"]
+             for i, (args, _) in enumerate(BAD_SPEECH)]
+    return tmp, run_cli_cases(cases, env={"MARIANA_CACHE": str(tmp / "cache")})
+
+
+@pytest.mark.parametrize("case", range(len(BAD_SPEECH)), ids=[m for _, m in BAD_SPEECH])
+def test_bad_input_to_train_speech_is_one_error_line_and_exit_2(bad_speech_runs, case):
+    tmp, runs = bad_speech_runs
+    (code, stderr), message = runs[case], BAD_SPEECH[case][1]
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert lines[-1].startswith("mariana: error: ") and message in lines[-1], stderr
+    assert "Traceback" not in stderr
+    assert not (tmp / f"m{case}" / "CURRENT").exists()
+
+
+def test_bad_input_to_train_speech_from_its_own_process(tmp_path):
+    """One case as the installed command runs it: its own process, exit code 2, one line."""
+    proc = run_cli("train", "speech", "--data", tmp_path / "missing", "--out", tmp_path / "m")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("mariana: error: "), proc.stderr
+    assert "no such file (the FSDD archive" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_train_speech_in_one_process_publishes_a_version_the_recognizer_runs(tmp_path, tones):

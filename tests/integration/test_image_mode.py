@@ -27,10 +27,19 @@ def train(shapes, out, *extra: str) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, shapes):
-    one = train(shapes, tmp_path / "p1")
+GRID = ("--partitions", "2", "--groups", "2", "--schedule", "gpipe")
+
+
+@pytest.fixture(scope="module")
+def trained(shapes, tmp_path_factory) -> dict:
+    """The runs several tests compare with, trained once: name -> (out dir, report)."""
+    d = tmp_path_factory.mktemp("trained")
+    return {"p1": (d / "p1", train(shapes, d / "p1")), "p2g2": (d / "p2g2", train(shapes, d / "p2g2", *GRID))}
+
+
+def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, shapes, trained):
+    (p1, one), (p2g2, grid) = trained["p1"], trained["p2g2"]
     two = train(shapes, tmp_path / "p2", "--partitions", "2", "--memory", "--balance", "memory")  # changes no number
-    grid = train(shapes, tmp_path / "p2g2", "--partitions", "2", "--groups", "2", "--schedule", "gpipe")
     assert two["cuts"] == [["conv1", "pool1"], ["conv2", "pool2", "embed", "head"]] and grid["groups"] == 2
     # each rank's memory by component, its own partition's only; activations held by 1F1B
     n = {r["rank"]: r for r in two["ranks"]}
@@ -43,9 +52,9 @@ def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, sha
         assert r["allreduce_payload_per_step"] == r["gradient_bytes"] and r["partition"] == r["rank"] % 2
     assert grid["ranks"][0]["gradient_bytes"] + grid["ranks"][1]["gradient_bytes"] == 4 * sum(
         c["state_bytes"] for c in grid["stage_costs"]) // 16
-    w1 = load_file(str(tmp_path / "p1" / "weights.safetensors"))
-    for other in ("p2", "p2g2"):
-        w = load_file(str(tmp_path / other / "weights.safetensors"))
+    w1 = load_file(str(p1 / "weights.safetensors"))
+    for other in (tmp_path / "p2", p2g2):
+        w = load_file(str(other / "weights.safetensors"))
         assert w.keys() == w1.keys()
         assert max(float(np.abs(w[k] - w1[k]).max()) for k in w1) < 1e-4, other
     assert abs(two["test_accuracy"] - one["test_accuracy"]) <= 1 / 128 and one["test_accuracy"] > 0.2
@@ -58,14 +67,14 @@ def test_any_layout_trains_the_same_model_and_exports_a_featurizer(tmp_path, sha
                                                                                                 abs=1e-4)
 
 
-def test_either_memory_layout_trains_the_same_model_in_any_layout(tmp_path, shapes):
+def test_either_memory_layout_trains_the_same_model_in_any_layout(tmp_path, shapes, trained):
     """NHWC inside the partitions (the default) or NCHW (`--no-channels-last`): what crosses
     between ranks stays NCHW (gloo sends only contiguous tensors), so P=2 runs and matches
     P=1 in the same layout. (The other tests here train at the default, NHWC.)"""
-    one = train(shapes, tmp_path / "p1")
+    (p1, one) = trained["p1"]
     two = train(shapes, tmp_path / "p2", "--partitions", "2", "--cut-after", "conv2")
     assert one["config"]["channels_last"] and two["cuts"][0][-1] == "conv2"
-    w1, w2 = (load_file(str(tmp_path / d / "weights.safetensors")) for d in ("p1", "p2"))
+    w1, w2 = (load_file(str(d / "weights.safetensors")) for d in (p1, tmp_path / "p2"))
     assert max(float(np.abs(w2[k] - w1[k]).max()) for k in w1) < 1e-4
     one = train(shapes, tmp_path / "p1", "--no-channels-last")
     two = train(shapes, tmp_path / "p2", "--no-channels-last", "--partitions", "2", "--cut-after", "conv2")
@@ -75,7 +84,7 @@ def test_either_memory_layout_trains_the_same_model_in_any_layout(tmp_path, shap
     assert [e["loss"] for e in two["per_epoch"]] == pytest.approx([e["loss"] for e in one["per_epoch"]], abs=1e-4)
 
 
-def test_an_image_folder_is_decoded_batch_by_batch_and_trains_what_its_idx_twin_trains(tmp_path, shapes):
+def test_an_image_folder_is_decoded_batch_by_batch_and_trains_what_its_idx_twin_trains(tmp_path, shapes, trained):
     """The same 640 images as PNG files, one folder per class (`gen images --format png`):
     decoded on the prefetch thread's pool, in the training thread with --prefetch 0, and in
     a 2 x 2 layout, each the IDX set's model bit for bit. Files that are no image are
@@ -86,17 +95,15 @@ def test_an_image_folder_is_decoded_batch_by_batch_and_trains_what_its_idx_twin_
     assert made["content_sha256"] == json.loads(run_cli("gen", "images", "--rows", "640", "--size", "28", "--seed",
                                                         "1", "--out", tmp_path / "twin",
                                                         check=True).stdout)["content_sha256"]
-    grid = ("--partitions", "2", "--groups", "2")
-    base = train(shapes, tmp_path / "idx")
-    train(shapes, tmp_path / "idx-grid", *grid)
-    for name, extra, twin in [("pool", ("--decode-workers", "3"), "idx"), ("inline", ("--prefetch", "0"), "idx"),
-                              ("grid", grid, "idx-grid")]:
+    (idx, base), (idx_grid, _) = trained["p1"], trained["p2g2"]
+    for name, extra, twin in [("pool", ("--decode-workers", "3"), idx), ("inline", ("--prefetch", "0"), idx),
+                              ("grid", GRID, idx_grid)]:
         got = train(folder, tmp_path / name, *extra)
         assert got["source"]["images"] == 640 and got["source"]["skipped"] == 0
         assert all(r["decode_failures"] == 0 for r in got["ranks"])
         assert got["pixel_mean"] == base["pixel_mean"]
-        assert (tmp_path / name / "weights.safetensors").read_bytes() == \
-            (tmp_path / twin / "weights.safetensors").read_bytes(), name
+        got_bytes = (tmp_path / name / "weights.safetensors").read_bytes()
+        assert got_bytes == (twin / "weights.safetensors").read_bytes(), name
     (folder / "notes.txt").write_text("not in a class")
     (folder / "3-triangle" / "readme.md").write_text("no image")
     (folder / "3-triangle" / "fake.png").write_bytes(b"not a png at all")

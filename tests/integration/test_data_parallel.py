@@ -46,9 +46,21 @@ def test_two_ranks_match_one_on_the_same_global_batches(tmp_path):
     assert one[0]["digests"][0] != one[0]["digests"][-1]  # it trained
 
 
-@pytest.mark.parametrize("exchange", ["exact", "fp16", "powersgd:1", "onebit"])
-def test_replicas_stay_bitwise_identical_and_bytes_are_counted(tmp_path, exchange):
-    ranks = run_ranks(tmp_path, exchange, 20, 2, "adagrad")
+EXCHANGES = ["exact", "fp16", "powersgd:1", "onebit"]
+
+
+@pytest.fixture(scope="module")
+def exchanged(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """20 AdaGrad steps in 2 ranks under each exchange, run once for the tests below:
+    exchange -> (out dir, each rank's report)."""
+    root = tmp_path_factory.mktemp("exchanges")
+    return {ex: (root / ex.replace(":", "_"), run_ranks(root / ex.replace(":", "_"), ex, 20, 2, "adagrad"))
+            for ex in EXCHANGES}
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_replicas_stay_bitwise_identical_and_bytes_are_counted(exchanged, exchange):
+    tmp_path, ranks = exchanged[exchange]
     assert ranks[0]["digests"] == ranks[1]["digests"]          # after every step, every parameter
     assert len(set(ranks[0]["digests"])) == 20                  # and they moved
     w0, w1 = load_file(str(tmp_path / "rank0.safetensors")), load_file(str(tmp_path / "rank1.safetensors"))
@@ -60,14 +72,15 @@ def test_replicas_stay_bitwise_identical_and_bytes_are_counted(tmp_path, exchang
         assert abs(r["io"] - r["counted"]) <= 0.05 * r["counted"] + 2048 * r["steps"], (r["io"], r["counted"])
 
 
-def test_compressed_exchanges_send_fewer_bytes(tmp_path):
-    sent = {ex: run_ranks(tmp_path / ex.replace(":", "_"), ex, 12, 2)[0]["counted"]
-            for ex in ("exact", "fp16", "onebit")}
+def test_compressed_exchanges_send_fewer_bytes(exchanged):
+    sent = {ex: exchanged[ex][1][0]["counted"] for ex in ("exact", "fp16", "onebit")}
+    steps = exchanged["exact"][1][0]["steps"]
     params = 40 * 64 + 64 + 64 * 32 + 32 + 32 * 10 + 10  # dp_rank's model, in one DDP bucket
     rows = 64 + 1 + 32 + 1 + 10 + 1                       # a scale per row of a matrix, one per bias
-    assert sent["exact"] == 12 * 4 * params               # N=2: a ring all-reduce sends the payload once
-    assert sent["fp16"] == 12 * 2 * params
-    assert sent["onebit"] == 12 * (4 * rows + -(-params // 8))  # all-gather: (N-1) x (scales + packed signs)
+    assert steps == 20
+    assert sent["exact"] == steps * 4 * params            # N=2: a ring all-reduce sends the payload once
+    assert sent["fp16"] == steps * 2 * params
+    assert sent["onebit"] == steps * (4 * rows + -(-params // 8))  # all-gather: (N-1) x (scales + packed signs)
 
 
 @pytest.fixture(scope="module")

@@ -149,8 +149,9 @@ def bad_speech_runs(tmp_path_factory) -> tuple:
     tmp = tmp_path_factory.mktemp("bad-speech")
     junk = tmp / "junk.tar.gz"
     junk.write_bytes(b"not gzip at all")
+    wrong_rate = {"recordings/3_zed_1.wav": wav_bytes(tone(3, 0, 1), 16000)}
     paths = {"tmp": tmp, "junk": junk, "good": write_archive(tmp / "good.tar.gz"),
-             "bad": write_archive(tmp / "bad.tar.gz", extra={"recordings/3_zed_1.wav": wav_bytes(tone(3, 0, 1), 16000)})}
+             "bad": write_archive(tmp / "bad.tar.gz", extra=wrong_rate)}
     cases = [["train", "speech", *[a.format(**paths) for a in args], "--out", tmp / f"m{i}"]
              for i, (args, _) in enumerate(BAD_SPEECH)]
     return tmp, run_cli_cases(cases, env={"MARIANA_CACHE": str(tmp / "cache")})

@@ -49,8 +49,8 @@ def cmd_model(args: argparse.Namespace) -> int:
     if args.action == "promote":
         if not args.version:
             raise MarianaError("model promote: name the VERSION to serve (see 'mariana model list')")
-        before = checkpoint.set_current(model_dir, args.version, reason="promoted")
         target, reason = args.version, "promoted"
+        before = checkpoint.set_current(model_dir, target, reason=reason)
     else:
         if args.version:
             raise MarianaError("model rollback takes no VERSION (it goes back to the one served before)")

@@ -39,7 +39,7 @@ class ServeSection:
     max_body_bytes: int = 8 << 20       # a larger body is answered 413
     max_instances: int = 10_000         # instances per request; more is answered 413
     batch_requests: int = 64            # requests answered by one model call at most (micro-batching)
-    inline_bytes: int = 4096            # a batch of bodies this small is answered on the event loop (<~1 ms);
+    inline_bytes: int = 16384           # a batch of bodies this small is answered on the event loop (<~3 ms);
                                         # bigger ones on the model thread (0: always the thread)
     watch_seconds: float = 2.0          # how often CURRENT is read again (the fallback to pub/sub)
     redis_url: str = ""                 # where new versions are announced; "" : poll only

@@ -20,7 +20,8 @@ rank, so a host with 2+ GPUs; here they must be refused before any rank starts.
    the default approximate exchange (samples/s, efficiency N=2 / (2 x N=1)); the wide
    preset's P=2 (`--balance time`, M=8) against P=1, one thread per rank.
 
-    python3 bench/gpu.py                                   # ~4 min on one H100 without step 6 (--no-cpu-scaling); step 6 not yet timed there
+    python3 bench/gpu.py                                   # ~4 min on one H100 without step 6 (--no-cpu-scaling)
+    python3 bench/gpu.py --only cpu-scaling --epochs 3     # step 6 alone: ~4 min on the lent H200 host (16 cores)
     .venv/bin/python bench/gpu.py --device cpu --rows 300 --epochs 2   # the same steps on the CPU
 
 Writes OUT_DIR/results.json (with the machine) and prints Markdown tables.
@@ -41,6 +42,7 @@ from ctr_peers import machine_info  # noqa: E402  (bench/ is on sys.path when ru
 from image_parallel import BATCH, MICRO, mariana, steady  # noqa: E402
 
 MIB = 2 ** 20
+STEPS = ("speech", "mnist", "memory", "speed", "cpu-scaling", "refusals")
 
 
 def note(msg: str) -> None:
@@ -78,21 +80,20 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=4, help="epochs of each speed run (the first is warm-up)")
     ap.add_argument("--mnist-epochs", type=int, help="the mnist preset's epochs (default: its own, 20)")
     ap.add_argument("--no-cpu-scaling", action="store_true", help="skip step 6 (N=2 / P=2 on the CPU)")
+    ap.add_argument("--only", help=f"comma-separated steps to run, of {','.join(STEPS)} (default: all)")
     ap.add_argument("--out-dir", default=str(REPO / "bench-out" / "gpu"))
     args = ap.parse_args()
+    only = set(STEPS) if not args.only else set(args.only.split(","))
+    if unknown := only - set(STEPS):
+        ap.error(f"--only: unknown step(s) {', '.join(sorted(unknown))} (use {', '.join(STEPS)})")
+    if args.no_cpu_scaling:
+        only.discard("cpu-scaling")
     import torch
     env = {"torch": torch.__version__, "cuda": torch.version.cuda,
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
            "gpus": torch.cuda.device_count()}
     note(f"{env}")
     record: dict = {"machine": machine_info(), "env": env, "device": args.device}
-
-    def section(name: str, fn) -> None:  # one failing step is recorded, the others still run
-        try:
-            fn()
-        except (Exception, SystemExit) as e:  # noqa: BLE001  (SystemExit: a failed `mariana` command)
-            record.setdefault("errors", {})[name] = str(e)[-3000:]
-            note(f"{name} FAILED: {str(e)[-3000:]}")
 
     def speech() -> None:
         r = run_json("train", "speech", "--nproc", "1", "--device", args.device)
@@ -142,17 +143,27 @@ def main() -> int:
             out[f"speech N=2 {key}"]["efficiency"] = round(out[f"speech N=2 {key}"]["samples_per_s"] / (2 * one), 3)
         out["image P=2 / P=1"] = round(out["image P=2"]["images_per_s"] / out["image P=1"]["images_per_s"], 3)
 
+    def section(name: str, fn) -> None:  # one failing step is recorded, the others still run
+        if name not in only:
+            return
+        try:
+            fn()
+        except (Exception, SystemExit) as e:  # noqa: BLE001  (SystemExit: a failed `mariana` command)
+            record.setdefault("errors", {})[name] = str(e)[-3000:]
+            note(f"{name} FAILED: {str(e)[-3000:]}")
+
     section("speech", speech)
     section("mnist", mnist)
-    with tempfile.TemporaryDirectory(prefix="gpu-bench-data-") as data, \
-            tempfile.TemporaryDirectory(prefix="gpu-bench-jpeg-") as jpeg:
-        mariana("gen", "images", "--rows", str(args.rows), "--size", "64", "--seed", "7", "--out", data)
-        mariana("gen", "images", "--rows", str(args.rows), "--size", str(args.jpeg_size), "--seed", "7", "--format",
-                "jpeg", "--out", jpeg)
-        section("memory", lambda: memory(data))
-        section("speed", lambda: speed(data, jpeg))
-        if not args.no_cpu_scaling:
-            section("cpu scaling", lambda: cpu_scaling(data))
+    if only & {"memory", "speed", "cpu-scaling"}:
+        with tempfile.TemporaryDirectory(prefix="gpu-bench-data-") as data, \
+                tempfile.TemporaryDirectory(prefix="gpu-bench-jpeg-") as jpeg:
+            mariana("gen", "images", "--rows", str(args.rows), "--size", "64", "--seed", "7", "--out", data)
+            if "speed" in only:
+                mariana("gen", "images", "--rows", str(args.rows), "--size", str(args.jpeg_size), "--seed", "7",
+                        "--format", "jpeg", "--out", jpeg)
+            section("memory", lambda: memory(data))
+            section("speed", lambda: speed(data, jpeg))
+            section("cpu-scaling", lambda: cpu_scaling(data))
     if args.device.startswith("cuda") and env["gpus"] == 1:
         section("refusals", lambda: record.update(refusals=refusals(args.device)))
 

@@ -27,6 +27,7 @@ On CUDA `cuda_peak` adds `max_memory_allocated`.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import threading
 import weakref
@@ -261,10 +262,13 @@ def profile_step(step: Callable[[], object], device: torch.device) -> dict:
 def rss_step(step: Callable[[], object]) -> int | None:
     """How far this process's resident set rose above where it stood, at its peak during
     `step` (Linux: VmHWM reset through /proc/self/clear_refs); None where that is not there.
-    Memory the allocator kept from earlier steps is reused unseen, so this means most on a
-    process's first step. Garbage is collected first: a collection that ran inside `step` and
-    freed earlier garbage would hide the step's own rise (seen in a long test run)."""
+    Garbage is collected first: a collection that ran inside `step` and freed earlier
+    garbage would hide the step's own rise (seen in a long test run). Then glibc hands back
+    the free memory it keeps (`malloc_trim`): blocks reused from it would not show either,
+    and a process that raised malloc's mmap threshold (services/runtime/tuning.py, `mariana
+    tune`) serves even 64 MiB from that heap (seen as a rise of 0 in a test run)."""
     gc.collect()
+    _malloc_trim()
     before = proc_status("VmRSS")
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -274,6 +278,14 @@ def rss_step(step: Callable[[], object]) -> int | None:
     step()
     peak = proc_status("VmHWM")
     return None if before is None or peak is None else max(0, peak - before)
+
+
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0): the freed memory malloc keeps goes back to the kernel."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: libc's on Linux
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def cuda_peak(device: torch.device, step: Callable[[], object]) -> int | None:

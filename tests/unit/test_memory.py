@@ -2,6 +2,10 @@
 sees them, recomputation's transient counted; and the partition balancer that prices them."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,6 +95,29 @@ def test_garbage_freed_during_the_step_does_not_hide_its_rise():
     rise = memory.rss_step(step)
     if rise is not None:  # Linux
         assert rise >= 60 * 2**20, rise
+
+
+def test_a_heap_that_keeps_freed_memory_does_not_hide_the_rise():
+    """A process that raised malloc's mmap threshold (a server's tuning, `mariana tune`) and
+    freed big blocks earlier still sees its step's 64 MB: rss_step hands the kept memory back
+    first. In a process of its own, as the settings last for the process."""
+    code = """if True:
+        import gc, torch
+        from mariana.services.runtime import tuning
+        from mariana.trainer import memory
+        tuning._keep_freed_memory()
+        garbage = [torch.ones(k * 2**20) for k in range(1, 30)]
+        del garbage
+        held = []
+        print(memory.rss_step(lambda: held.append(torch.ones(64 * 2**20 // 4))))
+    """
+    env = {**os.environ}
+    env.pop("MARIANA_NO_MALLOPT", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rise = out.stdout.split()[-1]
+    if rise != "None":  # Linux
+        assert int(rise) >= 60 * 2**20, rise
 
 
 def test_the_balancer_prices_micro_batches_in_flight():

@@ -74,11 +74,48 @@ class Predictor:
 
     def predict_many(self, requests: list[list]) -> list[Prediction]:
         """Each request checked on its own (a bad instance refuses its request only),
-        the good ones scored together."""
-        if 0 < sum(map(len, requests)) <= FEW_ROWS and hasattr(self.bundle.encoder, "encode_instances"):
-            plain = self.bundle.encoder.encode_instances([i for instances in requests for i in instances])
-            if plain is not None:  # a few rows of plain values: checked, looked up (new ones hashed) in one pass
-                return self._answer_plain(requests, *plain)
+        the good ones scored together.
+
+        Requests of up to `FEW_ROWS` instances go in groups of up to `FEW_ROWS` rows, each
+        group's plain values checked and looked up in one pass (`Encoder.encode_instances`)
+        and scored in numpy: 17 lone requests cost what 16 do, not twice as much. A larger
+        request, and a group with a value that is not plain or too many new ones, take
+        `parse_records` and `encode_rows`, whose vector steps pay from a few dozen rows on."""
+        if not hasattr(self.bundle.encoder, "encode_instances"):
+            return self._answer_parsed(requests)
+        answers: list[Prediction | None] = [None] * len(requests)
+        rest: list[int] = []  # the requests left to the general path, by position
+        group: list[int] = []
+        rows = 0
+        for k, instances in enumerate(requests):
+            n = len(instances)
+            if not 0 < n <= FEW_ROWS:
+                rest.append(k)
+                continue
+            if rows + n > FEW_ROWS:
+                self._answer_group(requests, group, answers, rest)
+                group, rows = [], 0
+            group.append(k)
+            rows += n
+        self._answer_group(requests, group, answers, rest)
+        if rest:
+            for k, a in zip(rest, self._answer_parsed([requests[k] for k in rest])):
+                answers[k] = a
+        return answers
+
+    def _answer_group(self, requests: list[list], group: list[int], answers: list, rest: list[int]) -> None:
+        """The plain path's answers of the requests at `group` into `answers`; where it
+        declines the group, their positions go to `rest`."""
+        if not group:
+            return
+        plain = self.bundle.encoder.encode_instances([i for k in group for i in requests[k]])
+        if plain is None:
+            rest.extend(group)
+            return
+        for k, a in zip(group, self._answer_plain([requests[k] for k in group], *plain)):
+            answers[k] = a
+
+    def _answer_parsed(self, requests: list[list]) -> list[Prediction]:
         answers, chunks = [], []
         for instances in requests:
             chunk, bad, unknown = parse_records(self.schema, instances)

@@ -16,6 +16,7 @@ from mariana.serving.errors import ServeError
 from mariana.serving.predictor import Predictor, describe_bad
 from mariana.serving.retrain import gate, windows
 from mariana.sparse.errors import ConfigError, ModelDirError
+from mariana.sparse.records import FEW_ROWS
 from mariana.sparse.schema import criteo
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
@@ -110,6 +111,36 @@ def test_a_few_requests_met_before_are_answered_in_one_pass_as_alone(tmp_path):
     items = [(b"{oops", J), (codec.encode({"instances": reqs[0]}, J), J)]
     assert [a.status for a in answer_batch(p, items[:1], 10)] == [400]
     assert [a.status for a in answer_batch(p, items, 10)] == [400, 200]
+
+
+def test_many_small_requests_are_scored_in_groups_of_few_rows_each_as_alone(tmp_path, monkeypatch):
+    """A call of more than FEW_ROWS rows in small requests goes in groups of up to FEW_ROWS
+    rows through the one-pass path; a larger request, and a group holding an instance that
+    is not plain, take the general path. Each request gets what it gets alone."""
+    cfg = load_config(overrides={"model.kind": "dnn", "hashing.bits": 12, "model.hidden": [8], "model.slots": 4,
+                                 "hashing.numeric": "bucket"}, env={})
+    ModelBundle(cfg, criteo()).save(str(tmp_path))
+    p = Predictor.load(str(tmp_path))
+    bad = [{"I1": "seven"}]
+    reqs = [rows(1, s) for s in range(40)] + [rows(FEW_ROWS + 4, 99), rows(3, 41), bad, rows(FEW_ROWS, 42)]
+    alone = [p.predict_many([r])[0] for r in reqs]
+    parsed = []
+    general = p._answer_parsed
+    monkeypatch.setattr(p, "_answer_parsed", lambda rs: parsed.append([len(r) for r in rs]) or general(rs))
+    together = p.predict_many(reqs)
+    # 40 lone requests: groups of 16, 16 and 8 rows; the 8 with the 3-row request and the bad one
+    # make a group the one-pass path declines; the last 16-row request is a group of its own
+    assert parsed == [[FEW_ROWS + 4] + [1] * 8 + [3, 1]]
+    assert len(together) == len(reqs)
+    for r, a, b in zip(reqs, alone, together):
+        if r is bad:
+            assert a.error is not None and b.error is not None and b.error.message == a.error.message
+            continue
+        assert b.error is None and b.unknown_fields == a.unknown_fields
+        np.testing.assert_allclose(b.pctr, a.pctr, rtol=0, atol=1e-6)
+    parsed.clear()
+    assert [len(a.pctr) for a in p.predict_many([rows(1, s) for s in range(17)])] == [1] * 17
+    assert parsed == []  # 17 lone requests: groups of 16 and 1, no general path
 
 
 @pytest.mark.parametrize("kind", ["lr", "dnn"])

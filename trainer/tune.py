@@ -190,9 +190,11 @@ def refit_seconds(trial: Trial, fraction: float) -> float:
 
 def refit_reserve(trial: Trial, fraction: float) -> float:
     """The seconds a search keeps free for the refit of `trial` (any finished one): its estimate
-    and half as much again plus half a second, for what a search does after its deadline (the
-    last validation pass, the study's bookkeeping) before the refit starts."""
-    return 1.5 * refit_seconds(trial, fraction) + 0.5
+    and half as much again plus a second, for what a search does after its deadline (the
+    last validation pass, the study's bookkeeping) before the refit starts. Half a second
+    was not enough on a 2-core host whose other core took on a cluster mid-search: that work
+    ran a few times slower than the trials before had measured."""
+    return 1.5 * refit_seconds(trial, fraction) + 1.0
 
 
 def refit_plan(result: "TuneResult", fraction: float, deadline: float) -> tuple[JobConfig | None, dict]:

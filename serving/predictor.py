@@ -78,7 +78,7 @@ class Predictor:
 
         Requests of up to `FEW_ROWS` instances go in groups of up to `FEW_ROWS` rows, each
         group's plain values checked and looked up in one pass (`Encoder.encode_instances`)
-        and scored in numpy: 17 lone requests cost what 16 do, not twice as much. A larger
+        and scored in numpy: 17 lone requests cost what 16 do a request, not 3.5x. A larger
         request, and a group with a value that is not plain or too many new ones, take
         `parse_records` and `encode_rows`, whose vector steps pay from a few dozen rows on."""
         if not hasattr(self.bundle.encoder, "encode_instances"):

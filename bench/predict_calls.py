@@ -2,7 +2,7 @@
 
 The server's batcher hands the model thread whatever queued since its last call: at a few
 thousand requests/s mostly one request, in bursts a few dozen. Each request is checked and
-encoded, then the call is scored. This times, per request, in one process and one run:
+encoded, then the call is scored. This times, per instance, in one process and one run:
 
 - K single-instance requests in one call (K = 1 ... 64), and
 - one request of N instances (N = 16 ... 512),
@@ -10,10 +10,10 @@ encoded, then the call is scored. This times, per request, in one process and on
 through `predict_many` as it is (requests of up to FEW_ROWS instances grouped FEW_ROWS rows at
 a time through the one-pass plain path) and by the rule before it: the plain path for a call
 of up to FEW_ROWS rows in all, else the general path (`parse_records` then `encode_rows`) for
-the whole call, however small its requests. For an LR and a
-DNN version at their defaults, trained for one pass on generated rows. Requests are the rows
-of another generated file as JSON would decode them (ints, strings, missing fields left out),
-each seen once before the timing (the server's id cache warm, as in steady serving).
+the whole call, however small its requests. For an LR and a DNN version at their defaults,
+trained for one pass on generated rows. Requests are the rows of another generated file as
+bench/serving.py sends them (`read_instances`), each seen once before the timing (the
+server's id cache warm, as in steady serving).
 
     .venv/bin/python bench/predict_calls.py              # ~1 min on 2 cores
     .venv/bin/python bench/predict_calls.py --repeat 9   # steadier medians
@@ -24,6 +24,7 @@ the median of --repeat timings of each shape, the two paths interleaved.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import tempfile
@@ -35,28 +36,17 @@ sys.path.insert(0, str(REPO))
 
 from mariana.serving.predictor import Predictor  # noqa: E402
 from mariana.sparse.records import FEW_ROWS  # noqa: E402
-from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC  # noqa: E402
 from mariana.sparse.synth import generate_criteo  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("bench_serving", REPO / "bench" / "serving.py")
+bench_serving = importlib.util.module_from_spec(_spec)  # (a plain `import serving` finds the package)
+_spec.loader.exec_module(bench_serving)  # its request rows: read_instances
 
 LONE = (1, 8, 16, 17, 24, 32, 48, 64)
 BODIES = (16, 32, 64, 128, 512)
 
 
-def instances(path: Path, n: int) -> list[dict]:
-    """The rows of a generated TSV as JSON decodes a request's instances."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            cols = line.rstrip("\n").split("\t")[1:]
-            inst = {k: int(v) for k, v in zip(CRITEO_NUMERIC, cols[:13]) if v}
-            inst.update((k, v) for k, v in zip(CRITEO_CATEGORICAL, cols[13:]) if v)
-            out.append(inst)
-            if len(out) == n:
-                break
-    return out
-
-
-def per_request_us(fn, calls: list[list[list]]) -> float:
+def per_instance_us(fn, calls: list[list[list]]) -> float:
     t0 = time.perf_counter()
     for requests in calls:
         fn(requests)
@@ -77,7 +67,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="predict-calls-") as d:
         generate_criteo(f"{d}/train.tsv", args.train_rows, seed=1)
         generate_criteo(f"{d}/req.tsv", args.requests, seed=2)
-        rows = instances(Path(f"{d}/req.tsv"), args.requests)
+        rows = bench_serving.read_instances(Path(f"{d}/req.tsv"), args.requests)
         for kind in ("lr", "dnn"):
             train(f"{d}/train.tsv", model=kind, out=f"{d}/{kind}")
             p = Predictor.load(f"{d}/{kind}", torch_threads=1)
@@ -94,8 +84,8 @@ def main() -> int:
                     i += k * n
                 now, then = [], []
                 for _ in range(args.repeat):
-                    now.append(per_request_us(p.predict_many, calls))
-                    then.append(per_request_us(before, calls))
+                    now.append(per_instance_us(p.predict_many, calls))
+                    then.append(per_instance_us(before, calls))
                 a, b = statistics.median(now), statistics.median(then)
                 print(f"| {kind} | {label} | {a:,.1f} | {b:,.1f} | {a / b:.2f} |", flush=True)
     return 0

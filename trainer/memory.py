@@ -265,8 +265,8 @@ def rss_step(step: Callable[[], object]) -> int | None:
     Garbage is collected first: a collection that ran inside `step` and freed earlier
     garbage would hide the step's own rise (seen in a long test run). Then glibc hands back
     the free memory it keeps (`malloc_trim`): blocks reused from it would not show either,
-    and a process that raised malloc's mmap threshold (services/runtime/tuning.py, `mariana
-    tune`) serves even 64 MiB from that heap (seen as a rise of 0 in a test run)."""
+    and a process that raised malloc's mmap threshold (a server's, services/runtime/tuning.py)
+    serves even 64 MiB from that heap (seen as a rise of 0 in a test run)."""
     gc.collect()
     _malloc_trim()
     before = proc_status("VmRSS")

@@ -98,7 +98,7 @@ def test_garbage_freed_during_the_step_does_not_hide_its_rise():
 
 
 def test_a_heap_that_keeps_freed_memory_does_not_hide_the_rise():
-    """A process that raised malloc's mmap threshold (a server's tuning, `mariana tune`) and
+    """A process that raised malloc's mmap threshold (a server's tuning) and
     freed big blocks earlier still sees its step's 64 MB: rss_step hands the kept memory back
     first. In a process of its own, as the settings last for the process."""
     code = """if True:

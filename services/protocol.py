@@ -28,7 +28,7 @@ Message catalog (request -> reply):
     Cached{job, chunk, batches, stats} preprocess -> coordinator      -> Ok (held back while workers lag)
     Batch{job, meta} + arrays          a SparseBatch, packed into the Redis sample cache
     StartJob{job, spec}                coordinator -> ps              -> Ok
-    PullRows{job} + ids (+ occ)        worker -> ps                   -> Rows + one array per table (+ dense, admitted)
+    PullRows{job, step} + ids (+ occ)  worker -> ps                   -> Rows + one array per table (+ dense, admitted)
     PushGrads{job, step, rows} + grads worker -> ps                   -> Ack{applied} (+ rows of next_ids)
                                        (occ, admitted, seen: hashing.min_count > 1, see services/ps.py)
     ShardStats{job}                    coordinator -> ps              -> Stats{rows} + applied step ids

@@ -3,14 +3,16 @@ its optimizer state (`trainer.strategies.ps_shard.ParamShard`), answers
 pulls, applies pushes at most once per step, checkpoints on a timer and on
 SIGTERM, restores on start.
 
-    PullRows{job, dense} + ids (+ occ)         -> Rows + {table: rows} (+ dense) (+ admitted)
-    PushGrads{job, step, rows, next_dense} + ids, g.<table>, dense, next_ids (+ seen, seen_n, next_occ)
+    PullRows{job, dense, step} + ids (+ occ)   -> Rows + {table: rows} (+ dense) (+ admitted)
+    PushGrads{job, step, rows, next_dense, next_step} + ids, g.<table>, dense, next_ids
+        (+ seen, seen_n, next_occ)
                                                -> Ack{applied} (+ the rows of next_ids, as Rows)
 
 With hashing.min_count > 1 a pull carries each id's occurrences in the batch
 (`occ`, uint32) and the answer says which ids are admitted (`admitted`, uint8);
 a push carries the ids that were not and their occurrences (`seen`, `seen_n`),
-which the shard counts once, with the step (trainer/strategies/ps_shard.py).
+which the shard counts once, with the step (trainer/strategies/ps_shard.py). A pull names
+its step, so a step issued again after the shard applied it admits nothing new.
     StartJob{job, spec} / ShardStats / Export / EndJob   (from the coordinator)
 
 A warm start's spec names the version it goes on from (`init_from`): the shard reads that
@@ -141,16 +143,17 @@ class ParamServer(Service):
         shard = self.shard(msg)
         ids = _array(msg, "ids", np.int64, 1)
         occ = _array(msg, "occ", np.uint32, 1) if "occ" in msg.arrays else None
-        return protocol.encode("Rows", msg.msg_id, self.pull(shard, shard.local_rows(ids), msg["dense"], occ))
+        step = _step_field(msg, "step")
+        return protocol.encode("Rows", msg.msg_id, self.pull(shard, shard.local_rows(ids), msg["dense"], occ, step))
 
     def pull(self, shard: ParamShard, rows: np.ndarray, dense: bool,
-             occ: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        """The answer to a pull of local `rows` (checked ids, `ParamShard.local_rows`);
-        with `occ` (min_count > 1), which of them are admitted."""
+             occ: np.ndarray | None = None, step: str | None = None) -> dict[str, np.ndarray]:
+        """The answer to a pull of local `rows` (checked ids, `ParamShard.local_rows`) for
+        `step`; with `occ` (min_count > 1), which of them are admitted."""
         if occ is None:
             out = shard.gather(rows)
         else:
-            out, admitted = shard.gather_admitted(rows, occ)
+            out, admitted = shard.gather_admitted(rows, occ, step)
             out["admitted"] = admitted.view(np.uint8)
         if dense:
             out["dense"] = shard.dense.copy()  # frames go out zero-copy: never the live array a push updates
@@ -171,6 +174,7 @@ class ParamServer(Service):
         if "seen" in msg.arrays or "seen_n" in msg.arrays:
             seen = (_array(msg, "seen", np.int64, 1), _array(msg, "seen_n", np.uint32, 1))
         next_rows = next_occ = None
+        next_step = _step_field(msg, "next_step")
         if "next_ids" in msg.arrays:
             if not isinstance(msg.get("next_dense", False), bool):
                 raise BadMessage("field", "PushGrads.next_dense must be a boolean")
@@ -188,7 +192,8 @@ class ParamServer(Service):
         else:
             self.counters["duplicate_pushes"] += 1
             log.info("%s: step %s of job %s was applied before; ignored", self.name, msg["step"], msg["job"])
-        rows = None if next_rows is None else self.pull(shard, next_rows, msg.get("next_dense") is True, next_occ)
+        rows = None if next_rows is None else self.pull(shard, next_rows, msg.get("next_dense") is True, next_occ,
+                                                         next_step)
         return protocol.encode("Ack", msg.msg_id, rows, applied=applied)
 
     def on_ShardStats(self, msg: Message) -> list:
@@ -273,6 +278,15 @@ def _array(msg: Message, name: str, dtype, ndim: int) -> np.ndarray:
         raise BadMessage("arrays", f"{msg.type}.{name} must be {ndim}-d {np.dtype(dtype).name}, "
                          f"got {arr.ndim}-d {arr.dtype.name}")
     return arr
+
+
+def _step_field(msg: Message, name: str) -> str | None:
+    """The optional step id a pull is for (`step`, or `next_step` on a push): a shard that
+    applied that step already admits nothing new for it (ParamShard.gather_admitted)."""
+    step = msg.get(name)
+    if step is not None and not isinstance(step, str):
+        raise BadMessage("field", f"{msg.type}.{name} must be a step id (a string)")
+    return step
 
 
 def main(cfg: ClusterConfig, index: int) -> int:

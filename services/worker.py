@@ -299,7 +299,7 @@ class Shards:
         owners = self.partition(ids)
         return self.rows_of(jm, ids, owners, await asyncio.gather(*(
             self.call(i, "PullRows", _with_occ({"ids": ids[sel]}, "occ", occ, sel), job=jm.job,
-                      dense=(i == 0 and jm.dense_size > 0))
+                      dense=(i == 0 and jm.dense_size > 0), step=f.work["step"])
             for i, sel in enumerate(owners))))
 
     def pull_ids(self, jm: JobModel, f: Fetched) -> tuple[np.ndarray, np.ndarray | None]:
@@ -356,10 +356,11 @@ class Shards:
     async def push(self, jm: JobModel, step: str, rows: int, uniq: np.ndarray, owners: list,
                    grads: dict[str, np.ndarray], dense_grad: np.ndarray | None,
                    next_ids: np.ndarray | None, next_owners: list | None,
-                   seen: tuple | None = None, next_occ: np.ndarray | None = None) -> list[Message]:
+                   seen: tuple | None = None, next_occ: np.ndarray | None = None,
+                   next_step: str | None = None) -> list[Message]:
         """Push a step's gradients to each shard, with the pull of the next batch's ids (if
-        any) in the same message; the shards' Acks, in shard order. `seen`: (ids not
-        admitted, their occurrences), for their owners to count (min_count > 1)."""
+        any, for `next_step`) in the same message; the shards' Acks, in shard order. `seen`:
+        (ids not admitted, their occurrences), for their owners to count (min_count > 1)."""
         calls = []
         seen_owners = self.partition(seen[0]) if seen is not None else None
         for i, sel in enumerate(owners):
@@ -373,6 +374,7 @@ class Shards:
                 arrays["next_ids"] = next_ids[next_owners[i]]
                 _with_occ(arrays, "next_occ", next_occ, next_owners[i])
                 fields["next_dense"] = i == 0 and jm.dense_size > 0
+                fields["next_step"] = next_step
             calls.append(self.call(i, "PushGrads", arrays, job=jm.job, step=step, rows=rows, **fields))
         return await asyncio.gather(*calls)
 
@@ -540,7 +542,8 @@ class Worker(Service):
             next_owners = self.shards.partition(next_ids)
         try:
             acks = await self.shards.push(jm, work["step"], batch.num_rows, uniq, owners, result.row_grads,
-                                          dense_grad, next_ids, next_owners, seen, next_occ)
+                                          dense_grad, next_ids, next_owners, seen, next_occ,
+                                          None if nxt is None else nxt.work["step"])
         except BaseException:
             if nxt is not None:
                 self.feed.inbox.put_back(nxt)

@@ -232,9 +232,10 @@ def test_ps_answers_bad_messages_and_keeps_serving(cluster, ps_job):
                  303, "arrays")
     assert_error(call(sock, "PullRows", 304, {"ids": np.array([-1, 1 << 16])}, job=job, dense=False),
                  304, "bad_data")
+    assert_error(call(sock, "PullRows", 306, {"ids": np.array([1])}, job=job, dense=False, step=7), 306, "field")
     reply = call(sock, "PullRows", 305, {"ids": np.array([1, 5, 9])}, job=job, dense=True)
     assert reply.type == "Rows" and reply.arrays["linear"].shape == (3, 1) and reply.arrays["dense"].shape == (1,)
-    wait_counter(cluster, "ps-0", "bad_messages", before + len(cases) + 4)
+    wait_counter(cluster, "ps-0", "bad_messages", before + len(cases) + 5)
 
 
 def test_ps_refuses_bad_pushes_without_applying_them(cluster, ps_job):
@@ -258,6 +259,10 @@ def test_ps_refuses_bad_pushes_without_applying_them(cluster, ps_job):
                  next_dense="yes")
     assert_error(reply, 419, "field", "next_dense not a boolean")
     bad.append(reply)
+    reply = call(sock, "PushGrads", 418, {**grads(ids), "next_ids": ids}, job=job, step="e1/f0o0:0", rows=3,
+                 next_step=["e1/f0o0:1"])
+    assert_error(reply, 418, "field", "next_step not a string")
+    bad.append(reply)
     reply = call(sock, "PushGrads", 420, grads(ids), job="no-such-job", step="e1/f0o0:0", rows=3)
     assert_error(reply, 420, "UnknownJob")  # answered; the worker retries it while a shard restarts
     stats = call(sock, "ShardStats", 421, job=job)
@@ -276,6 +281,39 @@ def test_ps_refuses_bad_pushes_without_applying_them(cluster, ps_job):
     stats = call(sock, "ShardStats", 424, job=job)
     assert applied_steps(stats) == {"e1/f0o0:0"} and stats["rows"] == {"1": 3}
     wait_counter(cluster, "ps-0", "bad_messages", before + len(bad))
+
+
+def test_ps_admits_nothing_new_for_a_step_it_applied_before(cluster, train_file, tmp_path):
+    """hashing.min_count = 3 over the wire: a pull names its step (a pull riding on a push,
+    its next_step); a step issued again after its push was applied must not give an id seen
+    twice a row on the strength of occurrences that push counted already."""
+    config = {**JOB, "hashing": {"bits": 16, "min_count": 3}}
+    spec = check_request({"data": [str(train_file)], "out": str(tmp_path / "m"), "config": config})[1].to_dict()
+    job, x, two = f"admit-{os.getpid()}", np.array([6]), np.array([2], np.uint32)
+    with zmq_context() as ctx:
+        sock = dealer(ctx, cluster.cfg.ps.endpoints[0])
+        assert call(sock, "StartJob", 1, job=job, spec=spec).type == "Ok"
+        try:
+            pull = {"ids": x, "occ": two}
+
+            def admitted(reply: Message) -> list[int]:
+                return reply.arrays["admitted"].tolist()
+            assert admitted(call(sock, "PullRows", 2, pull, job=job, dense=False, step="e1/c:0")) == [0]
+            push = {"ids": np.zeros(0, np.int64), "dense": np.zeros(1, np.float32), "seen": x, "seen_n": two}
+            assert call(sock, "PushGrads", 3, push, job=job, step="e1/c:0", rows=2)["applied"] is True
+            # the same step again, its pull on its own and riding on another step's push
+            assert admitted(call(sock, "PullRows", 4, pull, job=job, dense=False, step="e1/c:0")) == [0]
+            other = {**push, "seen": x[:0], "seen_n": two[:0], "next_ids": x, "next_occ": two}
+            ack = call(sock, "PushGrads", 5, other, job=job, step="e1/c:1", rows=1, next_step="e1/c:0")
+            assert ack["applied"] is True and admitted(ack) == [0]
+            assert call(sock, "PushGrads", 6, push, job=job, step="e1/c:0", rows=2)["applied"] is False
+            # a new step with one more occurrence admits x (2 + 1 = 3)
+            reply = call(sock, "PullRows", 7, {"ids": x, "occ": np.ones(1, np.uint32)}, job=job, dense=False,
+                         step="e1/c:2")
+            assert admitted(reply) == [1]
+        finally:
+            assert call(sock, "EndJob", 8, job=job).type == "Ok"
+            sock.close()
 
 
 # ---- preprocess -------------------------------------------------------------------------

@@ -328,6 +328,26 @@ def test_a_shard_admits_on_pull_counts_once_per_step_and_restores_its_counts():
         sh.gather_admitted(ids, np.zeros(2, np.uint32))
 
 
+def test_a_step_issued_again_after_its_push_admits_nothing_new():
+    """Its lease lapsed after the push: the pull of the repeat carries the same occurrences,
+    which that push counted already; with them x (counted 2, K = 3) would get a row that
+    local training never gives it. The repeat's push is ignored, so the row would stay."""
+    sh = shard(3)
+    x = np.array([ida("x")])
+    _, ok = sh.gather_admitted(x, np.array([2], np.uint32), step="e1/c:0")
+    assert ok.tolist() == [False]
+    assert sh.push("e1/c:0", 2, np.zeros(0, np.int64), {}, None, (x, np.array([2], np.uint32)))
+    rows, ok = sh.gather_admitted(x, np.array([2], np.uint32), step="e1/c:0")  # the same step again
+    assert ok.tolist() == [False] and not sh.touched[x].any()
+    assert np.array_equal(rows["embedding"], sh.tables["embedding"].lookup(x))
+    assert not sh.push("e1/c:0", 2, np.zeros(0, np.int64), {}, None, (x, np.array([2], np.uint32)))
+    assert sh.counts.get(x).tolist() == [2]
+    _, ok = sh.gather_admitted(x, np.array([1], np.uint32), step="e1/c:1")  # a new step: the third occurrence
+    assert ok.tolist() == [True] and sh.touched[x].all()
+    _, ok = sh.gather_admitted(x, np.array([2], np.uint32), step="e1/c:0")  # a repeat reads rows that exist
+    assert ok.tolist() == [True]
+
+
 def ps_train(shards: list[ParamShard], b: ModelBundle, batches: list[SparseBatch]) -> None:
     """One worker's steps in strict order, as services/worker.py does them, in process:
     pull the batch's ids and every rare id with occurrences, redirect, push grads and counts."""

@@ -85,14 +85,19 @@ class ParamShard:
         """table -> the rows at local positions `rows` (from `local_rows`)."""
         return {name: t.gather(rows) for name, t in self.tables.items()}
 
-    def gather_admitted(self, rows: np.ndarray, occ: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def gather_admitted(self, rows: np.ndarray, occ: np.ndarray,
+                        step: str | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """(table -> rows, (n,) admitted) for local `rows` that occur `occ` times in a batch
         (min_count > 1): the admitted ones are materialized, the others read without
-        (a rare id's row, before a push brings its first gradient). Nothing is counted."""
+        (a rare id's row, before a push brings its first gradient). Nothing is counted.
+        A pull for a `step` applied here already (issued again after its lease lapsed) admits
+        nothing new: that push counted these occurrences, and its repeat will be ignored."""
         if self.counts is None:
             raise DataFormatError("a pull with occurrences sent to a shard of a job without hashing.min_count")
         if occ.shape != rows.shape:
             raise DataFormatError(f"occurrences of shape {occ.shape} for {len(rows)} ids")
+        if step is not None and step in self.applied:
+            return {name: t.lookup(rows) for name, t in self.tables.items()}, self.touched[rows].copy()
         ok = self.counts.admitted(rows, occ.astype(np.int64), self.touched[rows])
         for t in self.tables.values():
             t.materialize(rows[ok])

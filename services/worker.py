@@ -37,7 +37,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-import torch  # at start, not in a DNN job's first step (an LR job's step does not use it)
 
 from mariana.services import protocol
 from mariana.services.jobspec import JobSpec
@@ -52,7 +51,7 @@ from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import DataFormatError
 from mariana.sparse.hashing import rare_ids
 from mariana.trainer.config import JobConfig
-from mariana.trainer.models.registry import build_model, dense_size, set_dense
+from mariana.trainer.models.registry import build_model, dense_size, kind_uses_torch, set_dense
 from mariana.trainer.strategies.ps_step import compute_grads
 
 log = logging.getLogger(__name__)
@@ -176,6 +175,13 @@ class Feed:
                 await self.room.wait()
                 continue
             works = await self.lease(k)
+            if works and not self.svc.models.built(works[0]["job"]):  # a lease is of one job
+                # Building a job's model may outlast a lease (a DNN's first job in this process
+                # imports torch): hand the steps back, first in line again, and lease once built.
+                self.flush([w["step"] for w in works])
+                if await self.svc.models.get(works[0]["job"]) is None:
+                    await asyncio.sleep(0.5)
+                continue
             fetched = await self.fetch(works) if not stopping.is_set() else []
             if stopping.is_set():  # stopping meanwhile: hand back what came
                 self.flush([w["step"] for w in works])
@@ -406,6 +412,9 @@ class JobModels:
         self.jobs: dict[str, JobModel] = {}
         self.lock = asyncio.Lock()
 
+    def built(self, job: str) -> bool:
+        return job in self.jobs
+
     async def get(self, job: str) -> JobModel | None:
         async with self.lock:  # the step loops ask at once when a job starts: build one model, not two
             return self.jobs.get(job) or await self.build(job)
@@ -420,7 +429,10 @@ class JobModels:
             return None
         config, cfg = spec.config, self.svc.cfg
         encoder = Encoder(spec.schema, config.hashing)
-        self.set_threads(config)
+        # An LR step is numpy's: its workers never import torch (~0.7-2 s of CPU, ~450 MB).
+        # A DNN's first job in this process imports it here, off the loop: heartbeats go on.
+        if await asyncio.to_thread(kind_uses_torch, config.model.kind):
+            self.set_threads(config)
         model = build_model(config.model, encoder.num_fields, encoder.dense_dim, spec.image_width, config.images.tower)
         in_flight = cfg.worker.steps_in_flight(config.model.kind)
         rare = rare_ids(encoder.sparse_fields, config.hashing) if config.hashing.min_count > 1 else None
@@ -432,6 +444,8 @@ class JobModels:
         return jm
 
     def set_threads(self, config: JobConfig) -> None:
+        import torch
+
         cfg = self.svc.cfg
         n = cfg.worker.threads or config.train.threads
         if not n:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -42,6 +43,11 @@ def assert_exactly_once(record: dict, epochs: int) -> None:
     assert record["rows_lost"] == 0 and record["lines_lost"] == 0, record
 
 
+def maps_libtorch(pid: int) -> bool:
+    """Whether process `pid` has torch's shared library mapped (it imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def progressed(rows: int, epoch: int = 1):
     return lambda s: s["state"] != "running" or (s["progress"]["epoch"] >= epoch and s["progress"]["rows"] >= rows)
 
@@ -76,6 +82,9 @@ def test_cli_cluster_mode_matches_local_mode(data, tmp_path):
         proc = run_cli(*common, "--out", tmp_path / "cluster", "--mode", "cluster", "--cluster-config", cfg,
                        "--workers", "2", "--ps", "2", "--preprocess", "2", check=True)
         record = json.loads(proc.stdout)
+        # an LR job's step, shards, export and scoring are numpy's: no service of it maps libtorch
+        state = json.loads((tmp_path / "c" / "cluster.json").read_text())
+        assert [s["name"] for s in state["services"] if maps_libtorch(s["pid"])] == []
         table = run_cli("status", "--config", cfg, check=True).stdout
         assert record["job"] in table and "done" in table and "100%" in table, table
         assert f"models in {(tmp_path / 'cluster').resolve()} (serving v000001)" in table, table
@@ -342,6 +351,7 @@ def test_one_worker_one_shard_in_strict_order_is_local_mode_exactly(data, tmp_pa
                                "--out", tmp_path / "local", check=True).stdout)
     with Cluster(tmp_path / "c", **{"worker.pipeline": 1, "preprocess.threads": 1}) as c:
         record = done_record(c, c.submit([data["small"]], tmp_path / "m", [data["test"]], config))
+        assert maps_libtorch(c.pid("worker-0"))  # the DNN's step is torch's: imported with the job
     assert_exactly_once(record, 2)
     for key in ("train_loss", "auc", "logloss"):
         assert record[key] == pytest.approx(local[key], rel=1e-7, abs=0), key

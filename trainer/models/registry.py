@@ -56,11 +56,7 @@ def build_model(cfg, num_fields: int, dense_dim: int, image_dim: int = 0, image_
     in the dense block: LR weighs them like any dense value (mode 1), the DNN
     gives them a tower of their own (mode 2).
     """
-    if cfg.kind not in MODELS and cfg.kind in MODULES:
-        importlib.import_module(MODULES[cfg.kind])
-    builder = MODELS.get(cfg.kind)
-    if builder is None:
-        raise ConfigError(f"model.kind: unknown model {cfg.kind!r} (known: {', '.join(known_kinds())})")
+    builder = _builder(cfg.kind)
     if getattr(builder, "uses_torch", True):
         import torch
 
@@ -70,6 +66,21 @@ def build_model(cfg, num_fields: int, dense_dim: int, image_dim: int = 0, image_
         bias = dict(dense_params(model))["bias"]
         bias[...] = cfg.init_bias
     return model
+
+
+def _builder(kind: str) -> Callable:
+    if kind not in MODELS and kind in MODULES:
+        importlib.import_module(MODULES[kind])
+    builder = MODELS.get(kind)
+    if builder is None:
+        raise ConfigError(f"model.kind: unknown model {kind!r} (known: {', '.join(known_kinds())})")
+    return builder
+
+
+def kind_uses_torch(kind: str) -> bool:
+    """Whether models of `kind` are torch modules; imports the kind's module (the DNN's
+    imports torch), so a service that may not need torch can call it off its event loop."""
+    return getattr(_builder(kind), "uses_torch", True)
 
 
 def uses_torch(model) -> bool:

@@ -34,8 +34,6 @@ from mariana.services.launcher import RedisServer, free_port
 from mariana.services.protocol import Message
 from mariana.services.runtime.config import load_cluster_config, to_toml
 from mariana.services.runtime.lifecycle import DRAIN_SECONDS
-from mariana.services.sample_cache import pack_batch
-from mariana.sparse.batch import SparseBatch
 from mariana.sparse.synth import generate_criteo
 from tests.conftest import ROOT
 from tests.integration.cluster import Cluster
@@ -479,6 +477,24 @@ def sigterm(proc: subprocess.Popen, log: Path) -> int:
     return code
 
 
+def handed_back(coord: FakeCoordinator, step: str) -> tuple[Message, Message]:
+    """A worker given a step of a job it has no model for: (its GetJob, its Done handing the
+    step back, answered), which come in either order."""
+    first, second = coord.next(), coord.next()
+    get, done = (first, second) if first.type == "GetJob" else (second, first)
+    assert (get.type, done.type) == ("GetJob", "Done"), (first, second)
+    assert done["released"] == [step] and done["reports"] == [], done
+    coord.reply(done, "Ok")
+    return get, done
+
+
+def lr_spec(tmp_path: Path) -> dict:
+    """The spec of an LR job, as a coordinator's GetJob answers it."""
+    data = tmp_path / "spec.tsv"
+    generate_criteo(data, 10, seed=3)
+    return check_request({"data": [str(data)], "out": str(tmp_path / "m"), "config": JOB})[1].to_dict()
+
+
 def test_worker_survives_bad_replies_from_its_coordinator(redis_server, tmp_path):
     log = tmp_path / "worker.log"
     with zmq_context() as ctx, redis.Redis.from_url(redis_server.url) as r:
@@ -492,9 +508,21 @@ def test_worker_survives_bad_replies_from_its_coordinator(redis_server, tmp_path
             coord.reply(lease, "Wait")                                            # the real answer
             lease = coord.expect("Lease")
             coord.reply(lease, "Error", code="test", error="refused on purpose")  # answered, not bad
+            # a job the coordinator will not describe: its steps handed back at once, and the
+            # worker goes on leasing (it must not wait for room that never comes)
             lease = coord.expect("Lease")
+            coord.reply(lease, "Work", job="other", epoch=1, step="e1/f0o0:9", key="mariana:other:b:f0o0:9", rows=2)
+            get, done = handed_back(coord, "e1/f0o0:9")
+            coord.reply(get, "Error", code="MarianaError", error="no job 'other'")
+            lease = coord.expect("Lease")
+            # a job it describes: the steps leased before its model is built go back too (a first DNN
+            # job imports torch, which may outlast a lease); then the batches are read
             key = "mariana:fake:b:f0o0:0"
             r.set(key, b"\x00\x00\x00\x05garbage")  # a header length, then no msgpack
+            coord.reply(lease, "Work", job="fake", epoch=1, step="e1/f0o0:0", key=key, rows=10)
+            get, _ = handed_back(coord, "e1/f0o0:0")
+            coord.reply(get, "JobSpec", job="fake", spec=lr_spec(tmp_path))
+            lease = coord.expect("Lease")
             coord.reply(lease, "Work", job="fake", epoch=1, step="e1/f0o0:0", key=key, rows=10)  # bad 4
             miss = coord.expect("Miss")
             assert (miss["job"], miss["step"], miss["key"]) == ("fake", "e1/f0o0:0", key)
@@ -504,20 +532,7 @@ def test_worker_survives_bad_replies_from_its_coordinator(redis_server, tmp_path
             miss = coord.expect("Miss")
             assert miss["key"] == key + "-absent"  # a plain miss: not a bad message
             coord.reply(miss, "Ok")
-            # a good batch of a job the coordinator will not describe: handed back at once, and
-            # the worker goes on leasing (it must not wait for room that never comes)
             lease = coord.expect("Lease")
-            good = SparseBatch.from_fixed(np.array([[1, 2], [3, 4]]), num_ids=16, labels=np.ones(2, np.float32))
-            r.set(key + "-good", pack_batch("fake", good))
-            coord.reply(lease, "Work", job="fake", epoch=1, step="e1/f0o0:2", key=key + "-good", rows=2)
-            first, second = coord.next(), coord.next()  # the next Lease and GetJob, in either order
-            get, lease = (first, second) if first.type == "GetJob" else (second, first)
-            assert (get.type, lease.type) == ("GetJob", "Lease")
-            coord.reply(get, "Error", code="MarianaError", error="no job 'fake'")
-            while (done := coord.next()).type == "GetJob":  # the other step loop asks too
-                coord.reply(done, "Error", code="MarianaError", error="no job 'fake'")
-            assert done.type == "Done" and done["released"] == ["e1/f0o0:2"] and done["reports"] == [], done
-            coord.reply(done, "Ok")
             coord.reply(lease, "Wait")
             coord.send(protocol.encode("ReadSource", 0, job="j", files=[], block_bytes=1))  # a worker takes no commands
             coord.wait_status("bad_messages", 4)

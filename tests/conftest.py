@@ -108,16 +108,33 @@ def background_soak(request, tmp_path_factory):
     """bench/soak.py's 2-minute version (tests/integration/test_soak.py), started when the
     session starts and run beside the other tests: it waits on the wall clock, not on the
     CPU, and two minutes of the suite's 15 are too many to spend waiting. (None when
-    test_soak.py is not selected.) Yields (process, its output dir, its log)."""
+    test_soak.py is not selected.) Yields (its output dir, its log); the soak writes
+    `exit_code` there when it ends.
+
+    Under pytest-xdist every worker runs this fixture and none knows which of them will get
+    test_soak.py: the first to claim the run's shared temp dir starts the one soak, and waits
+    for it at its own end (another worker's test may still read it)."""
     if not any(item.nodeid.startswith("tests/integration/test_soak.py") for item in request.session.items):
         yield None
         return
-    out = tmp_path_factory.mktemp("soak")
-    log = open(out / "soak.log", "wb")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "soak.py"), *SOAK_ARGS, "--out", str(out)],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    yield proc, out, out / "soak.log"
-    if proc.poll() is None:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-    log.close()
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # shared by this run's workers
+    out = root / "soak"
+    try:
+        os.close(os.open(root / "soak.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        yield out, out / "soak.log"  # another worker started it
+        return
+    out.mkdir()
+    cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), *SOAK_ARGS, "--out", str(out)]
+    with open(out / "soak.log", "wb") as log:
+        proc = subprocess.Popen(["sh", "-c", '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"', str(out / "exit_code"),
+                                 *cmd], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield out, out / "soak.log"
+    finally:
+        try:
+            proc.wait(timeout=420)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()

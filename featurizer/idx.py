@@ -16,6 +16,7 @@ mislabelled file is an `IdxFormatError` that names the file and what is wrong.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import zlib
 
@@ -23,6 +24,19 @@ import numpy as np
 
 from mariana.sparse.errors import DataFormatError
 from mariana.sparse.parse import open_binary
+
+# An MNIST-format set's two files in its directory (featurizer/image.py reads them,
+# featurizer/shapes.py writes them; here, so writing needs no torch).
+MNIST_IMAGES = "t10k-images-idx3-ubyte.gz"
+MNIST_LABELS = "t10k-labels-idx1-ubyte.gz"
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 UBYTE = 0x08
 MAX_DIMS = 4

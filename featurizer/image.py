@@ -21,7 +21,6 @@ rounding (~1e-6: intra-op threads split the work otherwise).
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from mariana.featurizer.idx import IdxFormatError, read_idx
+from mariana.featurizer.idx import MNIST_IMAGES, MNIST_LABELS, IdxFormatError, file_sha256, read_idx
 from mariana.sparse.errors import DataFormatError, ModelDirError
 
 log = logging.getLogger(__name__)
@@ -45,8 +44,6 @@ log = logging.getLogger(__name__)
 FORMAT = "mariana-featurizer/1"
 WEIGHTS = "weights.safetensors"
 MANIFEST = "manifest.json"
-MNIST_IMAGES = "t10k-images-idx3-ubyte.gz"
-MNIST_LABELS = "t10k-labels-idx1-ubyte.gz"
 SPLIT_SEED = 20140621
 TEST_IMAGES = 2000
 # The embed GEMM computes rows in blocks; a partial block may sum in another
@@ -107,14 +104,6 @@ def split_indices(n: int, test: int = TEST_IMAGES, seed: int = SPLIT_SEED) -> tu
         raise ValueError(f"test split of {test} images out of {n}")
     perm = np.random.default_rng(seed).permutation(n)
     return np.sort(perm[:n - test]), np.sort(perm[n - test:])
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---- checking images ---------------------------------------------------------------

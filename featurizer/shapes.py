@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mariana.featurizer.idx import write_idx
+from mariana.featurizer.idx import MNIST_IMAGES, MNIST_LABELS, file_sha256, write_idx
 
 CLASSES = ("disc", "ring", "square", "triangle", "cross", "h-bars", "v-bars", "diagonal", "two dots", "L-shape")
 
@@ -77,8 +77,6 @@ def generate_images(out: str | os.PathLike, n: int, seed: int = 0, size: int = 6
     (labels 0..9, each image's drawn uniformly); returns a record with the class counts and hashes.
     `fmt` png or jpeg: an image folder instead (featurizer/image_folder.py), OUT/<k>-<class>/<i>.png
     (or .jpg at `quality`), the files named by their index so the folder's order is the IDX's."""
-    from mariana.featurizer.image import MNIST_IMAGES, MNIST_LABELS, file_sha256
-
     if n < 1 or size < 8:
         raise ValueError(f"gen images: --rows >= 1 and --size >= 8, got {n}, {size}")
     if fmt not in FORMATS:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mariana.featurizer.idx import file_sha256
 from mariana.sparse.errors import DataFormatError, MarianaError, ModelDirError
 
 log = logging.getLogger(__name__)
@@ -361,8 +362,6 @@ def load_features(archive: str | os.PathLike | None = None, fe: FrontEnd = Front
     them (keyed by the archive's sha256 and `fe.key()`), else computed and cached (.npy and
     JSON, written to a temp dir and renamed, so a reader never sees half a cache entry)."""
     path = fsdd_archive(archive)
-    from mariana.featurizer.image import file_sha256  # torch comes with it: imported only to load features
-
     sha = file_sha256(path)
     root = Path(cache_dir) if cache_dir is not None else cache_root()
     entry = root / f"{sha[:16]}-{fe.key()}"

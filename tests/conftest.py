@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,14 +128,15 @@ def background_soak(request, tmp_path_factory):
         return
     out.mkdir()
     cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), *SOAK_ARGS, "--out", str(out)]
+    started = time.monotonic()
     with open(out / "soak.log", "wb") as log:
         proc = subprocess.Popen(["sh", "-c", '"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"', str(out / "exit_code"),
                                  *cmd], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield out, out / "soak.log"
     finally:
-        try:
-            proc.wait(timeout=420)
+        try:  # as long as test_soak.py waits for it, counted from its start
+            proc.wait(timeout=max(0.0, started + 400 - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()

@@ -429,7 +429,7 @@ class JobModels:
             return None
         config, cfg = spec.config, self.svc.cfg
         encoder = Encoder(spec.schema, config.hashing)
-        # An LR step is numpy's: its workers never import torch (~0.7-2 s of CPU, ~450 MB).
+        # An LR step is numpy's: its workers never import torch (~2 s of CPU, ~180 MB here).
         # A DNN's first job in this process imports it here, off the loop: heartbeats go on.
         if await asyncio.to_thread(kind_uses_torch, config.model.kind):
             self.set_threads(config)

@@ -477,15 +477,15 @@ def sigterm(proc: subprocess.Popen, log: Path) -> int:
     return code
 
 
-def handed_back(coord: FakeCoordinator, step: str) -> tuple[Message, Message]:
-    """A worker given a step of a job it has no model for: (its GetJob, its Done handing the
-    step back, answered), which come in either order."""
+def handed_back(coord: FakeCoordinator, step: str) -> Message:
+    """A worker given a step of a job it has no model for sends a GetJob and a Done handing
+    the step back, in either order: the Done checked and answered, the GetJob returned."""
     first, second = coord.next(), coord.next()
     get, done = (first, second) if first.type == "GetJob" else (second, first)
     assert (get.type, done.type) == ("GetJob", "Done"), (first, second)
     assert done["released"] == [step] and done["reports"] == [], done
     coord.reply(done, "Ok")
-    return get, done
+    return get
 
 
 def lr_spec(tmp_path: Path) -> dict:
@@ -512,7 +512,7 @@ def test_worker_survives_bad_replies_from_its_coordinator(redis_server, tmp_path
             # worker goes on leasing (it must not wait for room that never comes)
             lease = coord.expect("Lease")
             coord.reply(lease, "Work", job="other", epoch=1, step="e1/f0o0:9", key="mariana:other:b:f0o0:9", rows=2)
-            get, done = handed_back(coord, "e1/f0o0:9")
+            get = handed_back(coord, "e1/f0o0:9")
             coord.reply(get, "Error", code="MarianaError", error="no job 'other'")
             lease = coord.expect("Lease")
             # a job it describes: the steps leased before its model is built go back too (a first DNN
@@ -520,7 +520,7 @@ def test_worker_survives_bad_replies_from_its_coordinator(redis_server, tmp_path
             key = "mariana:fake:b:f0o0:0"
             r.set(key, b"\x00\x00\x00\x05garbage")  # a header length, then no msgpack
             coord.reply(lease, "Work", job="fake", epoch=1, step="e1/f0o0:0", key=key, rows=10)
-            get, _ = handed_back(coord, "e1/f0o0:0")
+            get = handed_back(coord, "e1/f0o0:0")
             coord.reply(get, "JobSpec", job="fake", spec=lr_spec(tmp_path))
             lease = coord.expect("Lease")
             coord.reply(lease, "Work", job="fake", epoch=1, step="e1/f0o0:0", key=key, rows=10)  # bad 4

@@ -81,26 +81,28 @@ def test_no_pickle_anywhere():
             assert "allow_pickle=True" not in text and "recv_pyobj" not in text, path
 
 
+def torch_after_import(*modules: str) -> str:
+    """"True" or "False": whether importing `modules` in a fresh interpreter brings torch with it."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {', '.join(modules)}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return out.strip()
+
+
 @pytest.mark.parametrize("role", ["loader", "preprocess", "worker", "ps", "coordinator"])
 def test_services_start_without_torch(role):
     """A loader reads and sends bytes, a preprocess parses and hashes (its dedupe is
     pyarrow's): without torch each starts in ~0.4 s instead of ~1.6 (each restart too).
     A worker, shard or coordinator imports torch with its first DNN job (an LR job's step,
     shards and export are numpy's; tests/integration/test_pipeline.py checks its workers)."""
-    import subprocess
-    import sys
-
-    code = f"import sys, mariana.services.{role}; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False", (role, out)
+    out = torch_after_import(f"mariana.services.{role}")
+    assert out == "False", (role, out)
 
 
 def test_writing_an_image_set_needs_no_torch():
     """`mariana gen images` writes IDX or encoded files: ~2 s of CPU less without torch
     (the suite runs it seven times); reading them to train is featurizer/image.py's, with torch."""
-    import subprocess
-    import sys
-
-    code = "import sys, mariana.featurizer.shapes, mariana.featurizer.idx; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False", out
+    out = torch_after_import("mariana.featurizer.shapes", "mariana.featurizer.idx")
+    assert out == "False", out

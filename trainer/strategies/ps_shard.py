@@ -97,7 +97,7 @@ class ParamShard:
         if occ.shape != rows.shape:
             raise DataFormatError(f"occurrences of shape {occ.shape} for {len(rows)} ids")
         if step is not None and step in self.applied:
-            return {name: t.lookup(rows) for name, t in self.tables.items()}, self.touched[rows].copy()
+            return {name: t.lookup(rows) for name, t in self.tables.items()}, self.touched[rows]
         ok = self.counts.admitted(rows, occ.astype(np.int64), self.touched[rows])
         for t in self.tables.values():
             t.materialize(rows[ok])

@@ -78,7 +78,15 @@ def cmd_gen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parses_data() -> None:
+    """For a command that parses data files: pyarrow's pandas check answered without pandas."""
+    from mariana.sparse.parse import preload
+
+    preload()
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    _parses_data()
     freeze_imports()
     config = _job_config(args)
     if args.featurizer and not args.images:
@@ -102,6 +110,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    _parses_data()
     config = _job_config(args)
     if args.trials is not None and args.trials < 1:
         raise MarianaError(f"--trials must be >= 1, got {args.trials}")
@@ -205,6 +214,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise MarianaError(f"--split is for speech models; {args.model} holds a click model")
     if args.plot:
         reliability.check_plot_path(args.plot)  # before the work, not after it
+    _parses_data()
     bundle, paths = _model_and_data(args)
     t0 = time.perf_counter()
     metrics, parse = evaluate(bundle, paths)
@@ -238,6 +248,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if _speech_model(args.model):
         from mariana.services import speech_cli
         return speech_cli.cmd_predict(args)
+    _parses_data()
     bundle, paths = _model_and_data(args)
     stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None, slots=True)
     out = sys.stdout

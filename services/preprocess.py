@@ -68,7 +68,6 @@ class Preprocess(Service):
         self.pull.bind(self.cfg.preprocess.endpoints[self.index])
         self.connect_coordinator()
         self.cache = SampleCache(self.cfg, self.counters)
-        await asyncio.to_thread(preload)
         await self.register()
 
     async def main(self) -> None:
@@ -234,5 +233,6 @@ def distinct_ids(column) -> list[bytes]:
 
 
 def main(cfg: ClusterConfig, index: int) -> int:
+    preload()  # before any thread: pyarrow's pandas check answered, pandas not imported
     return run_service(Preprocess(cfg, index))
 

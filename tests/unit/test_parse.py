@@ -258,11 +258,12 @@ def test_the_head_of_a_parquet_span_is_what_reading_its_address_again_gives(gen_
     assert from_arrow_block(read_span(path, address, len(head))).equals(table)
 
 
-def test_preload_leaves_nothing_to_import_in_the_first_block():
-    """pyarrow imports pandas (when installed, ~0.2 s) on its first conversion of a Python
-    value, which the fast path makes: a preprocess that did not preload paid it inside its
-    first chunk, in a job's first epoch. After `preload`, parsing and hashing a first block
-    import nothing; without it, this test sees pandas imported there."""
+def test_preload_answers_pyarrows_pandas_check_without_importing_pandas():
+    """pyarrow imports pandas (when installed, 0.3-0.5 s) on its first conversion of a Python
+    value, which the parser's fast path makes: a process paid it inside its first block.
+    `preload` answers pyarrow's check without pandas: parsing and hashing a first block then
+    import nothing, pandas is never loaded, and `to_pandas` still loads it when asked. Without
+    the hiding, pandas is in sys.modules after `preload`."""
     pytest.importorskip("pandas", reason="without pandas pyarrow has nothing to import lazily")
     code = (
         "import sys\n"
@@ -271,10 +272,15 @@ def test_preload_leaves_nothing_to_import_in_the_first_block():
         "from mariana.sparse.parse import BlockParser, BlockTask, preload\n"
         "from mariana.sparse.schema import criteo\n"
         "preload()\n"
+        "print('pandas' in sys.modules, len(sys.meta_path))\n"
         f"block = {(GOOD + chr(10) + GOOD0 + chr(10)).encode()!r}\n"
         "before = set(sys.modules)\n"
         "rows, stats = BlockTask(BlockParser(criteo()), 'x', 1, block, 2).run()\n"
         "Encoder(criteo(), HashSpec()).encode(rows, batch_id='b0')\n"
-        "print(rows.num_rows, sorted(set(sys.modules) - before))\n")
+        "print(rows.num_rows, sorted(set(sys.modules) - before))\n"
+        "import pyarrow as pa\n"
+        "print(type(pa.table({'a': [1]}).to_pandas()).__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["2", "[]"]
+    meta_path = subprocess.run([sys.executable, "-c", "import sys; print(len(sys.meta_path))"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    assert out.split() == ["False", meta_path, "2", "[]", "DataFrame"]

@@ -21,7 +21,7 @@ from mariana.sparse.settings import from_dict
 from mariana.trainer.config import JobConfig
 from mariana.trainer.data import RowRange
 from mariana.trainer.job import (TrainSummary, check_inputs, check_out_dir, check_trained, image_record,
-                                 publish_version, resolve_auto, validation)
+                                 publish_version, resolve_auto, validation, written_record, written_version)
 from mariana.trainer.strategies.local import Validation, evaluate
 
 MODES = ("async", "ssp", "bsp")
@@ -215,6 +215,31 @@ def validate_exports(job: JobSpec, exports: list, images, valid: Validation) -> 
             "ne": metrics.get("ne"), "rows": metrics.get("count", 0)}
 
 
+def train_summary(request: dict, ledger, num_shards: int, train_seconds: float,
+                  valid: dict | None) -> TrainSummary:
+    """What the record and the manifest say of a cluster job's training, from its ledger."""
+    rows_per_epoch = [int(ledger.rows_done[e]) for e in range(1, ledger.epochs + 1)]
+    last = valid["best_epoch"] if valid and valid["kept"] == "best" and valid["best_epoch"] else ledger.epochs
+    train_loss = ledger.loss_sum[last] / rows_per_epoch[last - 1] if rows_per_epoch and rows_per_epoch[last - 1] \
+        else None
+    return TrainSummary(request["data"], rows_per_epoch, ledger.epoch_seconds, train_seconds,
+                        sum(rows_per_epoch) / max(sum(ledger.epoch_seconds), 1e-9), train_loss,
+                        ledger.counters["bad_rows"], valid,
+                        run={"mode": "cluster/" + request["mode"], "shards": num_shards, "job": ledger.job,
+                             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def written_before(request: dict, ledger, num_shards: int, started: float) -> dict | None:
+    """The record of the version this job wrote before the coordinator restarted (killed
+    after writing it, before journaling it), or None: then the job has written none."""
+    found = written_version(request["out"], ledger.job, started)
+    if found is None:
+        return None
+    version, manifest = found
+    summary = train_summary(request, ledger, num_shards, 0.0, manifest.get("valid"))
+    return written_record(request["out"], version, manifest, summary, request.get("promote", True))
+
+
 def assemble_and_publish(request: dict, job: JobSpec, exports: list, ledger, num_shards: int,
                          train_seconds: float, images=None,
                          on_phase: Callable[[str], None] | None = None, valid: dict | None = None,
@@ -225,14 +250,11 @@ def assemble_and_publish(request: dict, job: JobSpec, exports: list, ledger, num
     `valid`: the per-epoch validation record (the exports are of its kept epoch); `test_paths`:
     local copies of the test files to score (data_via_loader), the record names the originals."""
     phase = on_phase or (lambda text: None)
-    rows_per_epoch = [int(ledger.rows_done[e]) for e in range(1, ledger.epochs + 1)]
-    last = valid["best_epoch"] if valid and valid["kept"] == "best" and valid["best_epoch"] else ledger.epochs
-    train_loss = ledger.loss_sum[last] / rows_per_epoch[last - 1] if rows_per_epoch and rows_per_epoch[last - 1] \
-        else None
-    check_trained(request["data"], sum(rows_per_epoch), train_loss)
+    summary = train_summary(request, ledger, num_shards, train_seconds, valid)
+    check_trained(request["data"], sum(summary.rows_per_epoch), summary.loss)
     bundle = ModelBundle.from_shard_exports(job.config, job.schema, exports, images)
     parent = job.init_from  # a warm start: counts go on from the parent's, as in local mode
-    bundle.rows_trained = sum(rows_per_epoch) + (parent["rows_trained"] if parent else 0)
+    bundle.rows_trained = sum(summary.rows_per_epoch) + (parent["rows_trained"] if parent else 0)
     bundle.steps = len(ledger.done) + (parent["steps"] if parent else 0)
     if parent:
         bundle.parent = {k: parent[k] for k in ("model_dir", "version", "rows_trained")}
@@ -240,11 +262,6 @@ def assemble_and_publish(request: dict, job: JobSpec, exports: list, ledger, num
     if request["test_data"]:
         phase(f"evaluating on {', '.join(os.path.basename(p) for p in request['test_data'])}")
         tested = evaluate(bundle, test_paths or request["test_data"])
-    summary = TrainSummary(request["data"], rows_per_epoch, ledger.epoch_seconds, train_seconds,
-                           sum(rows_per_epoch) / max(sum(ledger.epoch_seconds), 1e-9), train_loss,
-                           ledger.counters["bad_rows"], valid,
-                           run={"mode": "cluster/" + request["mode"], "shards": num_shards, "job": ledger.job,
-                                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     image_info = cluster_image_record(job, ledger, images) if images is not None else None
     phase(f"publishing a version in {request['out']}")
     return publish_version(bundle, request["out"], summary, request["test_data"], tested,

@@ -11,14 +11,14 @@ import time
 
 from mariana.services import protocol
 from mariana.services.assemble import (assemble_and_publish, check_model_side, check_request, data_bytes,
-                                      job_validation, validate_exports)
+                                       job_validation, validate_exports, written_before)
 from mariana.services.coord_state import (MAX_RECONCILE_ROUNDS, MAX_RESENDS, POINT_SECONDS, TICK_SECONDS, JobRun,
                                           JobStopped, job_ledger)
 from mariana.services.jobspec import JobSpec
 from mariana.services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from mariana.services.ledger import STAGES, ChunkInfo, parse_step
 from mariana.services.protocol import Message
-from mariana.services.runtime import model_events
+from mariana.services.runtime import failpoints, model_events
 from mariana.services.transport import PeerTimeout, RemoteError
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.metrics import histogram_auc
@@ -222,18 +222,10 @@ class JobRunner:
         if done and not any(int(n) for a in applied for n in a.values()):
             raise MarianaError(f"the shards hold none of the {done:,} rows this job applied (their state was "
                                "dropped): nothing published")
-        exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
-        exports, valid = self.coord.validation.kept_export(run, exports)
-        run.best_export = None
-        images = await image_table(self.coord, run)
-        train_seconds = time.time() - run.started
-        tests = run.request["test_data"]
-        if tests and self.coord.inputs.enabled:
-            self.set_phase(run, f"fetching {', '.join(os.path.basename(p) for p in tests)} from the loader")
-            tests = await self.coord.inputs.test_paths(run.id, tests)
-        record = await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, led,
-                                         len(self.coord.shards), train_seconds, images,
-                                         lambda text: self.set_phase(run, text), valid, tests)
+        record = await written_before_restart(self.coord, run)
+        if record is None:
+            record = await self.publish(run)
+            failpoints.reached("coordinator.version_written")  # tests: the window before the journal
         rows_applied = [min(int(a.get(str(e), 0)) for a in applied) for e in range(1, led.epochs + 1)]
         record.update({
             "rows_applied": sum(rows_applied),
@@ -258,6 +250,21 @@ class JobRunner:
         # job with this record; it never exports again (from shards that hold nothing any more).
         self.coord.book.journal(run, "published", {"record": record})
         await self.complete(run, record)
+
+    async def publish(self, run: JobRun) -> dict:
+        """Export the shards' tables (or the best epoch's, kept), assemble, evaluate, write a version."""
+        exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
+        exports, valid = self.coord.validation.kept_export(run, exports)
+        run.best_export = None
+        images = await image_table(self.coord, run)
+        train_seconds = time.time() - run.started
+        tests = run.request["test_data"]
+        if tests and self.coord.inputs.enabled:
+            self.set_phase(run, f"fetching {', '.join(os.path.basename(p) for p in tests)} from the loader")
+            tests = await self.coord.inputs.test_paths(run.id, tests)
+        return await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, run.ledger,
+                                       len(self.coord.shards), train_seconds, images,
+                                       lambda text: self.set_phase(run, text), valid, tests)
 
     async def complete(self, run: JobRun, record: dict) -> None:
         """A published job's end: the shards and cached batches let go, the job done, servers told."""
@@ -403,6 +410,19 @@ class EpochValidation:
             kept = "best"
         return exports, valid_record(valid.source, epochs, best, kept, train.auto, train.patience,
                                      train.max_epochs)
+
+
+async def written_before_restart(coord, run: JobRun) -> dict | None:
+    """After a coordinator restart, the record of the version this job wrote before it
+    (killed after writing, before journaling "published"): the job ends with that one
+    instead of writing the same model again. None: no restart, or no version written."""
+    if not run.restarts:
+        return None
+    record = await asyncio.to_thread(written_before, run.request, run.ledger, len(coord.shards), run.started)
+    if record is not None:
+        log.info("%s: job %s: %s/%s was written before the restart; ending the job with it", coord.name, run.id,
+                 record["model_dir"], record["model_version"])
+    return record
 
 
 class JobJournal:

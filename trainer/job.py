@@ -7,12 +7,14 @@ import logging
 import math
 import os
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mariana.sparse.errors import MarianaError
+from mariana.sparse.errors import MarianaError, ModelDirError
 from mariana.sparse.metrics import rounded
 from mariana.sparse.parse import Reader, describe_bad
+from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle, warm_start
 from mariana.trainer.config import AUTO, LOWER_RATES, JobConfig, TrainConfig
 from mariana.trainer.data import RowRange, estimate_rows
@@ -197,6 +199,24 @@ def publish_version(bundle: ModelBundle, out_dir: str, trained: TrainSummary, te
     result record, whose numbers the manifest records too. `tested`: (metrics, parse stats)
     of `evaluate` on the `test` files, ({}, None) without any; `images`: the image features
     record (`image_record`); `extra`: more for the manifest. Local and cluster jobs alike."""
+    record = result_record(bundle.config.model.kind, trained, tested, images)
+    version = bundle.save(out_dir, make_current=promote, extra={
+        **({"images": images} if images else {}),
+        **({"valid": trained.valid} if trained.valid else {}),
+        **(extra or {}),
+        "metrics": {k: record[k] for k in METRICS},
+        "reliability": record["reliability"],  # beside metrics: /v1/models lists every version's metrics
+        "train": {"data": trained.data, "test_data": test, "rows": record["train_rows"],
+                  "seconds": record["train_seconds"], **trained.run, "test_parse": tested[1]},
+    })
+    record.update(model_dir=os.path.abspath(out_dir), model_version=version, promoted=promote,
+                  peak_rss_mb=round(peak_rss_mb(), 1))
+    return record
+
+
+def result_record(kind: str, trained: TrainSummary, tested: tuple[dict, dict | None],
+                  images: dict | None = None) -> dict:
+    """A job's result record but where it was written (`publish_version` adds that)."""
     metrics, test_parse = tested
     record = {
         "auc": metrics.get("auc"),
@@ -216,21 +236,45 @@ def publish_version(bundle: ModelBundle, out_dir: str, trained: TrainSummary, te
         "rows_per_s": round(trained.rows_per_s, 1),
         "train_loss": trained.loss,
         "bad_rows": trained.bad_rows + (test_parse["rows_bad"] if test_parse else 0),
-        "model": bundle.config.model.kind,
+        "model": kind,
     }
     if trained.valid:
         record["valid"] = trained.valid
     if images:
         record["images"] = images
-    version = bundle.save(out_dir, make_current=promote, extra={
-        **({"images": images} if images else {}),
-        **({"valid": trained.valid} if trained.valid else {}),
-        **(extra or {}),
-        "metrics": {k: record[k] for k in METRICS},
-        "reliability": record["reliability"],  # beside metrics: /v1/models lists every version's metrics
-        "train": {"data": trained.data, "test_data": test, "rows": record["train_rows"],
-                  "seconds": record["train_seconds"], **trained.run, "test_parse": test_parse},
-    })
+    return record
+
+
+def written_version(out_dir: str, job: str, since: float) -> tuple[str, dict] | None:
+    """(version, manifest) of the version of `out_dir` that cluster job `job` wrote (its
+    manifest's train.job), looking back from the newest to those created before `since`
+    (unix time, the job's start); None when it wrote none. A coordinator killed after
+    writing a version and before journaling it asks this at restart, and ends the job with
+    that version instead of writing the same model again."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))
+    for version in reversed(checkpoint.list_versions(out_dir)):
+        try:
+            manifest = checkpoint.read_manifest(out_dir, version)
+        except ModelDirError:
+            continue  # not this job's: a version it wrote is whole (written aside, then renamed)
+        if manifest.get("train", {}).get("job") == job:
+            return version, manifest
+        if str(manifest.get("created_at", "")) < started:
+            return None
+    return None
+
+
+def written_record(out_dir: str, version: str, manifest: dict, trained: TrainSummary, promote: bool) -> dict:
+    """`publish_version`'s record of a version written before a restart (`written_version`),
+    from its manifest and the job's `trained`. CURRENT moves to it now if `promote` and it
+    never did (the writer was killed between the two): promotions.jsonl has no move to it."""
+    metrics = manifest.get("metrics") or {}
+    tested = ({**metrics, "count": metrics["test_rows"], "reliability": manifest.get("reliability")}
+              if metrics.get("test_rows") else {}, manifest["train"].get("test_parse"))
+    trained = dataclasses.replace(trained, seconds=float(manifest["train"].get("seconds", trained.seconds)))
+    record = result_record(manifest["model"]["kind"], trained, tested, manifest.get("images"))
+    if promote and not any(p["to"] == version for p in checkpoint.promotions(out_dir)):
+        checkpoint.set_current(out_dir, version, "trained")
     record.update(model_dir=os.path.abspath(out_dir), model_version=version, promoted=promote,
                   peak_rss_mb=round(peak_rss_mb(), 1))
     return record

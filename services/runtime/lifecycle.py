@@ -24,7 +24,7 @@ from collections import Counter
 
 import zmq.asyncio
 
-from mariana.services.runtime import memwatch, sdnotify
+from mariana.services.runtime import failpoints, memwatch, sdnotify
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.exporter import start_metrics
 from mariana.services.transport import Client, PeerTimeout, RemoteError
@@ -144,6 +144,9 @@ async def _run(service: Service) -> int:
         starting.result()
         metrics = await start_metrics(service)
         log.info("%s: started (pid %d)", service.name, os.getpid())
+        if failpoints.ARMED:
+            log.warning("%s: failpoints armed (%s): it ends itself at %s", service.name, failpoints.ENV,
+                        ", ".join(sorted(failpoints.ARMED)))
         # systemd (Type=notify) counts the unit started now, and from now on restarts it
         # when the event loop stops pinging (WatchdogSec=): a blocked loop is a dead service.
         sdnotify.notify("READY=1", f"STATUS={service.name}: running")

@@ -241,12 +241,20 @@ def test_coordinator_killed_and_restarted_mid_job_keeps_history_and_completes(da
 
 
 @pytest.mark.timeout(300)
-def test_coordinator_killed_after_publishing_ends_the_job_without_publishing_again(data, tmp_path):
-    """The window between writing a version and reporting the job done: the coordinator
-    tells the shards to drop the job (EndJob), then marks it done. Killed there (one shard
-    is stopped, so its EndJob waits), a new coordinator once exported again from shards
-    that had dropped everything and published an untrained model as v000002 (AUC 0.5,
-    0 rows applied; the chaos test caught it). Now it ends the job with the first record."""
+def test_coordinator_killed_after_writing_a_version_ends_the_job_without_writing_again(data, tmp_path,
+                                                                                      monkeypatch):
+    """Two windows between writing a version and reporting the job done.
+
+    After journaling "published": the coordinator tells the shards to drop the job (EndJob),
+    then marks it done. Killed there (one shard is stopped, so its EndJob waits), a new
+    coordinator once exported again from shards that had dropped everything and published an
+    untrained model as v000002 (AUC 0.5, 0 rows applied; the chaos test caught it). Now it
+    ends the job with the journaled record.
+
+    Before journaling it (a failpoint ends the coordinator right after the version is written:
+    a kill cannot aim at those microseconds): a new coordinator exported again from the shards,
+    which still held the job, and wrote the same model as v000002. Now it finds the version by
+    the job id in its manifest and ends the job with it."""
     big_test = tmp_path / "test_big.tsv"
     generate_criteo(big_test, 150_000, seed=14)  # scoring it keeps the job in "evaluating" a while
     with Cluster(tmp_path / "c", workers=1, ps=2) as c:
@@ -261,9 +269,18 @@ def test_coordinator_killed_after_publishing_ends_the_job_without_publishing_aga
             c.kill("coordinator-0", signal.SIGKILL)
         finally:
             c.kill("ps-1", signal.SIGCONT, wait=False)
-        c.restart("coordinator-0")
+        monkeypatch.setenv("MARIANA_FAILPOINTS", "coordinator.version_written")
+        c.restart("coordinator-0")  # armed: the next job's version is its last act
         c.wait_http()
         record = done_record(c, job)
+
+        second = c.submit([data["small"]], tmp_path / "m2", [data["test"]], job_config("lr", epochs=1))
+        assert c.wait_gone(c.pid("coordinator-0"), 120) == 137
+        written = sorted(p.name for p in (tmp_path / "m2").glob("v*"))
+        monkeypatch.delenv("MARIANA_FAILPOINTS")
+        c.restart("coordinator-0")
+        c.wait_http()
+        second_record = done_record(c, second)
         log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
     assert "was published before the restart" in log, log[-3000:]
     assert sorted(p.name for p in (tmp_path / "m").glob("v*")) == ["v000001"]
@@ -271,6 +288,16 @@ def test_coordinator_killed_after_publishing_ends_the_job_without_publishing_aga
     assert_exactly_once(record, 1)
     manifest = json.loads((tmp_path / "m" / "v000001" / "manifest.json").read_text())
     assert manifest["metrics"]["auc"] == record["auc"] and record["auc"] > 0.65, record
+
+    assert "failpoint coordinator.version_written reached" in log and "was written before the restart" in log
+    assert written == ["v000001"]
+    assert sorted(p.name for p in (tmp_path / "m2").glob("v*")) == ["v000001"], "the same model written again"
+    assert second_record["model_version"] == "v000001" and second_record["promoted"] is True
+    assert_exactly_once(second_record, 1)
+    manifest = json.loads((tmp_path / "m2" / "v000001" / "manifest.json").read_text())
+    assert manifest["train"]["job"] == second and manifest["metrics"]["auc"] == second_record["auc"] > 0.65
+    moves = (tmp_path / "m2" / "promotions.jsonl").read_text().splitlines()
+    assert [json.loads(m)["to"] for m in moves] == ["v000001"]
 
 
 @pytest.mark.timeout(240)

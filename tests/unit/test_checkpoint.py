@@ -100,3 +100,34 @@ def test_versions_are_readable_by_other_users(tmp_path, gen_files):
         os.umask(old)
     assert stat.S_IMODE(vdir.stat().st_mode) == 0o755
     assert {stat.S_IMODE(f.stat().st_mode) for f in vdir.iterdir()} == {0o644}
+
+
+def test_a_version_written_before_a_restart_is_found_by_its_job_and_promoted_once(tmp_path, gen_files):
+    """A coordinator killed between writing a version and journaling it finds the version at
+    restart by the job id in its manifest (`written_version`) and ends the job with the same
+    record (`written_record`); killed before CURRENT moved, CURRENT moves then, once."""
+    import time
+
+    from mariana.trainer.job import TrainSummary, publish_version, written_record, written_version
+
+    bundle, d = trained("lr", gen_files["train"]), str(tmp_path / "m")
+    tested = ({"auc": 0.7, "logloss": 0.5, "calibration": 1.0, "ne": 0.9, "count": 10, "ece": 0.01,
+               "reliability": [{"rows": 10, "ctr": 0.1234567}]}, {"rows_bad": 2, "first_bad": []})
+
+    def summary(job):
+        return TrainSummary(["a.tsv"], [30_000], [1.5], 2.0, 20_000.0, 0.45, 1, None, run={"job": job})
+
+    started = time.time() - 60
+    publish_version(bundle, d, summary("j0"), ["t.tsv"], tested)
+    first = publish_version(bundle, d, summary("j1"), ["t.tsv"], tested, promote=False)  # killed before CURRENT
+    assert written_version(d, "j2", started) is None
+    assert written_version(d, "j0", started)[0] == "v000001"
+    assert written_version(d, "j0", time.time() + 3600) is None  # looks back only to the job's start
+    version, manifest = written_version(d, "j1", started)
+    assert version == "v000002" and checkpoint.current_version(d) == "v000001"
+    again = written_record(d, version, manifest, summary("j1"), promote=True)
+    drop = ("promoted", "peak_rss_mb")
+    assert {k: v for k, v in again.items() if k not in drop} == {k: v for k, v in first.items() if k not in drop}
+    assert checkpoint.current_version(d) == "v000002" and again["promoted"] is True
+    written_record(d, version, manifest, summary("j1"), promote=True)  # a second restart moves nothing
+    assert [p["to"] for p in checkpoint.promotions(d)] == ["v000001", "v000002"]

@@ -1,8 +1,10 @@
-"""One rank of a small data parallel run, for tests/integration/test_data_parallel.py:
-`python -m tests.integration.dp_rank OUT EXCHANGE STEPS [OPTIMIZER]` with RANK, WORLD_SIZE and
-MARIANA_DIST_INIT set (or none: one process). The real step (data_parallel.train_step) on a
-small SpeechDNN and seeded random frames; writes OUT/rank{R}.json (a digest of the
-parameters after every step, the bytes counted and written) and OUT/rank{R}.safetensors."""
+"""One rank of small data parallel runs, for tests/integration/test_data_parallel.py:
+`python -m tests.integration.dp_rank OUT EXCHANGE[,EXCHANGE...] STEPS [OPTIMIZER]` with RANK,
+WORLD_SIZE and MARIANA_DIST_INIT set (or none: one process). For each exchange in turn, in one
+process group (a process start and torch's import are most of a short run's cost), the real
+step (data_parallel.train_step) on a fresh small SpeechDNN and seeded random frames; writes
+OUT/EXCHANGE/rank{R}.json (a digest of the parameters after every step, the bytes counted and
+written) and OUT/EXCHANGE/rank{R}.safetensors (EXCHANGE with ':' as '_')."""
 from __future__ import annotations
 
 import gc
@@ -29,11 +31,18 @@ def digest(model: torch.nn.Module) -> str:
 
 
 def main() -> None:
-    out, exchange, steps = sys.argv[1], dp.parse_exchange(sys.argv[2]), int(sys.argv[3])
+    out, steps = sys.argv[1], int(sys.argv[3])
     optimizer = sys.argv[4] if len(sys.argv) > 4 else "adam"
     torch.set_num_threads(1)
     ctx = dp.DistContext.from_env()
     dp.init_distributed(ctx, "gloo", os.environ.get("MARIANA_DIST_INIT"), timeout_s=60)
+    for name in sys.argv[2].split(","):
+        one_exchange(os.path.join(out, name.replace(":", "_")), dp.parse_exchange(name), steps, optimizer, ctx)
+    dp.shutdown_distributed()
+
+
+def one_exchange(out: str, exchange, steps: int, optimizer: str, ctx) -> None:
+    os.makedirs(out, exist_ok=True)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(2000, 40, generator=gen)
     y = (x[:, :10].argmax(1) + (x[:, 10] > 0).long()) % 10
@@ -44,10 +53,9 @@ def main() -> None:
                          model.parameters())
     digests, counted, io, done = run(model, opt, x, y, exchange, steps, ctx)
     state = {f"opt.{i}.{k}": v for i, s in enumerate(opt.state.values()) for k, v in s.items() if torch.is_tensor(v)}
-    gc.collect()  # the DDP wrapper of run() (its reducer, PowerSGD's state: cycles) goes before the group
-    if ctx.distributed:  # every rank done with the group before any leaves it, as trainer/speech.py does
-        torch.distributed.barrier()
-    dp.shutdown_distributed()
+    gc.collect()  # the DDP wrapper of run() (its reducer, PowerSGD's state: cycles) goes before the next
+    if ctx.distributed:  # every rank done with this run before any starts the next or leaves the group,
+        torch.distributed.barrier()  # as trainer/speech.py does
     save_file({**{n: p.detach().contiguous() for n, p in model.named_parameters()},
                **{k: v.contiguous().reshape(v.shape) for k, v in state.items()}}, f"{out}/rank{ctx.rank}.safetensors")
     with open(f"{out}/rank{ctx.rank}.json", "w") as f:

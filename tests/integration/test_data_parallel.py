@@ -20,16 +20,21 @@ from tests.speechdata import write_archive
 pytestmark = pytest.mark.timeout(300)
 
 
-def run_ranks(out: Path, exchange: str, steps: int, nproc: int, optimizer: str = "adam") -> list[dict]:
+def run_ranks(out: Path, exchanges: list[str], steps: int, nproc: int,
+              optimizer: str = "adam") -> dict[str, tuple[Path, list[dict]]]:
+    """Each exchange in turn, in one group of `nproc` rank processes (tests/integration/dp_rank.py):
+    exchange -> (its out dir, each rank's report)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "WORLD_SIZE": str(nproc), "MARIANA_DIST_INIT": f"file://{out}/store"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.integration.dp_rank", str(out), exchange, str(steps),
-                               optimizer], cwd=ROOT, env={**env, "RANK": str(r)} if nproc > 1 else dict(os.environ),
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.integration.dp_rank", str(out), ",".join(exchanges),
+                               str(steps), optimizer], cwd=ROOT,
+                              env={**env, "RANK": str(r)} if nproc > 1 else dict(os.environ),
                               stderr=subprocess.PIPE, text=True) for r in range(nproc)]
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    dirs = {ex: out / ex.replace(":", "_") for ex in exchanges}
+    return {ex: (d, [json.loads((d / f"rank{r}.json").read_text()) for r in range(nproc)]) for ex, d in dirs.items()}
 
 
 def weights(out: Path, rank: int) -> dict[str, np.ndarray]:
@@ -37,10 +42,10 @@ def weights(out: Path, rank: int) -> dict[str, np.ndarray]:
 
 
 def test_two_ranks_match_one_on_the_same_global_batches(tmp_path):
-    one = run_ranks(tmp_path / "n1", "exact", 20, 1)
-    two = run_ranks(tmp_path / "n2", "exact", 20, 2)
+    (d1, one), = run_ranks(tmp_path / "n1", ["exact"], 20, 1).values()
+    (d2, two), = run_ranks(tmp_path / "n2", ["exact"], 20, 2).values()
     assert one[0]["steps"] == two[0]["steps"] == 20
-    w1, w2 = weights(tmp_path / "n1", 0), weights(tmp_path / "n2", 0)
+    w1, w2 = weights(d1, 0), weights(d2, 0)
     diff = max(float(np.abs(w1[k] - w2[k]).max()) for k in w1)
     assert diff <= 1e-6, diff
     assert one[0]["digests"][0] != one[0]["digests"][-1]  # it trained
@@ -51,11 +56,9 @@ EXCHANGES = ["exact", "fp16", "powersgd:1", "onebit"]
 
 @pytest.fixture(scope="module")
 def exchanged(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
-    """20 AdaGrad steps in 2 ranks under each exchange, run once for the tests below:
-    exchange -> (out dir, each rank's report)."""
-    root = tmp_path_factory.mktemp("exchanges")
-    return {ex: (root / ex.replace(":", "_"), run_ranks(root / ex.replace(":", "_"), ex, 20, 2, "adagrad"))
-            for ex in EXCHANGES}
+    """20 AdaGrad steps in 2 ranks under each exchange, one after the other in one process
+    group, run once for the tests below: exchange -> (out dir, each rank's report)."""
+    return run_ranks(tmp_path_factory.mktemp("exchanges"), EXCHANGES, 20, 2, "adagrad")
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

@@ -2,12 +2,12 @@
 and later the coordinator call this; it prints nothing."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import math
 import os
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 

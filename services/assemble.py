@@ -27,8 +27,9 @@ from mariana.trainer.strategies.local import Validation, evaluate
 MODES = ("async", "ssp", "bsp")
 
 
-def check_request(body: dict) -> tuple[dict, JobSpec]:
-    """A submitted job -> (request, spec), or ConfigError/MarianaError/OSError naming what is wrong.
+def check_request(body: dict, workers: int = 1) -> tuple[dict, JobSpec]:
+    """A submitted job -> (request, spec), or ConfigError/MarianaError/OSError naming what is wrong;
+    `workers`: the cluster's worker processes (`check_data`).
 
     body: {"data": [paths], "test_data": [paths], "out": dir, "config": {job config},
            "valid_data": [paths] (scored after every epoch; or config.train.valid_fraction: the
@@ -42,13 +43,15 @@ def check_request(body: dict) -> tuple[dict, JobSpec]:
     `check_data` (the data files: the loader's host) and `check_model_side` (the model
     directory, a warm start's parent, the creatives: the coordinator's).
     """
-    request, spec = check_data(body)
+    request, spec = check_data(body, workers)
     return check_model_side(body, request, spec)
 
 
-def check_data(body: dict) -> tuple[dict, JobSpec]:
+def check_data(body: dict, workers: int = 1) -> tuple[dict, JobSpec]:
     """The half of `check_request` that reads the data files: their existence and format, the
-    held-out rows, the config's data-dependent numbers. The warm start is not applied yet."""
+    held-out rows, the config's data-dependent numbers (`workers`: the cluster's worker
+    processes, which a DNN's "auto" batch size divides: `resolve_auto`). The warm start is
+    not applied yet."""
     if not isinstance(body, dict):
         raise ConfigError("the job must be a JSON object")
     unknown = set(body) - set(JOB_KEYS)
@@ -74,7 +77,7 @@ def check_data(body: dict) -> tuple[dict, JobSpec]:
     check_inputs(data + tests + valid)
     Reader(data + tests + valid, schema).probe()
     train_rows, held = validation(config, schema, data, valid)  # local mode's split: the tail of the data
-    resolve_auto(config, schema, data, train_rows.rows if train_rows else None)  # numbers in the spec
+    resolve_auto(config, schema, data, train_rows.rows if train_rows else None, workers)  # numbers in the spec
     request = {"data": data, "test_data": tests, "valid_data": valid, "out": os.path.normpath(out), **options,
                "model": config.model.kind}
     if train_rows is not None:

@@ -478,7 +478,7 @@ class JobJournal:
         """A job from its body, checked here (`check_request`), or, with `checked` = (request,
         spec, data bytes) from the loader's `check_data`, only its model side checked here."""
         if checked is None:
-            request, spec = check_request(body)
+            request, spec = check_request(body, self.coord.cfg.worker.count)
             size = data_bytes(request)
         else:
             request, spec = check_model_side(body, checked[0], JobSpec.from_dict(checked[1]))

@@ -168,7 +168,7 @@ class Loader(Service):
         """CheckJob: the job's files checked here, where they are (coordinator.data_via_loader)."""
         if not isinstance(msg["body"], dict):
             raise BadMessage("field", "CheckJob.body must be a map")
-        fields = await asyncio.to_thread(remote_inputs.check_on_loader, msg["body"])
+        fields = await asyncio.to_thread(remote_inputs.check_on_loader, msg["body"], self.cfg.worker.count)
         log.info("%s: checked a job's files for the coordinator: %s", self.name, fields["error"] or "ok")
         await self.tell("JobChecked", ticket=msg["ticket"], **fields)
 

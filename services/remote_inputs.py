@@ -44,10 +44,11 @@ CHECK_SECONDS = 120.0   # a submit waits this long for the loader's check
 
 # ---- the loader's side (files, no sockets) -----------------------------------------------
 
-def check_on_loader(body: dict) -> dict:
-    """JobChecked's fields for a job body: its request, spec and data bytes, or its error."""
+def check_on_loader(body: dict, workers: int = 1) -> dict:
+    """JobChecked's fields for a job body: its request, spec and data bytes, or its error
+    (`workers`: the cluster's worker processes, `check_data`)."""
     try:
-        request, spec = check_data(body)
+        request, spec = check_data(body, workers)
         return {"error": "", "request": request, "spec": spec.to_dict(), "size": data_bytes(request)}
     except (ConfigError, MarianaError) as e:
         return {"error": str(e)}

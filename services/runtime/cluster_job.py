@@ -58,7 +58,8 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
         body["staleness"] = staleness
     if init_from:
         body["init_from"] = absolute_init_from(init_from)
-    check_request(body)  # the coordinator checks it again; this fails before any process starts
+    # The coordinator checks it again (with its worker count); this fails before any process starts.
+    check_request(body, cluster.worker.count)
     with cluster_session(cluster, asked) as info:
         job = submit(info, body)
         log.info("job %s submitted to %s", job, info["http"])

@@ -56,3 +56,22 @@ def test_the_check_answers_what_check_request_would(tmp_path):
     assert got["request"]["holdout"]["rows"]["start"] == 80 and got["size"] == data.stat().st_size * 80 // 100
     assert "no such file" in check_on_loader({**body, "data": [str(tmp_path / "nope.tsv")]})["error"]
     assert "unknown job key" in check_on_loader({**body, "bogus": 1})["error"]
+
+
+def test_a_dnn_jobs_auto_batch_is_shared_by_the_clusters_workers(tmp_path):
+    """With W workers a DNN job's "auto" batch is that of rows / W (`resolve_auto`), on the
+    coordinator and on the loader alike; LR's and a batch the user gave stay."""
+    data = tmp_path / "train.tsv"
+    data.write_text(("0\t1" + "\t" * 38 + "\n") * 300_000)
+
+    def batch(model: str, workers: int, **train) -> tuple[int, int]:
+        body = {"data": [str(data)], "out": str(tmp_path / "m"), "config": {"model": {"kind": model}, "train": train}}
+        checked = check_on_loader(body, workers)
+        assert checked["error"] == "", checked["error"]
+        return check_request(body, workers)[1].config.train.batch_size, checked["spec"]["config"]["train"]["batch_size"]
+
+    assert batch("dnn", 1) == (2048, 2048)
+    assert batch("dnn", 2) == (1024, 1024)
+    assert batch("dnn", 4) == (512, 512)
+    assert batch("lr", 2) == (2048, 2048)
+    assert batch("dnn", 2, batch_size=4096) == (4096, 4096)

@@ -125,6 +125,7 @@ class TrainConfig:
 
     epochs: int | str = 1              # passes over the data, or "auto" (early stopping)
     batch_size: int | str = AUTO       # rows per step, or "auto": about rows/200, a power of 2 in 256..4096
+                                       # (a DNN cluster job of W workers: rows/W's; trainer.job.resolve_auto)
     prefetch: int = 2                  # encoded blocks queued ahead of the trainer
     threads: int = 0                   # the DNN's torch intra-op threads; 0 = every core (LR's step: numpy, 1)
     valid_fraction: float = 0.0        # hold out the last F of the training rows for validation

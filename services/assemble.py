@@ -246,12 +246,14 @@ def written_before(request: dict, ledger, num_shards: int, started: float) -> di
 def assemble_and_publish(request: dict, job: JobSpec, exports: list, ledger, num_shards: int,
                          train_seconds: float, images=None,
                          on_phase: Callable[[str], None] | None = None, valid: dict | None = None,
-                         test_paths: list[str] | None = None) -> dict:
+                         test_paths: list[str] | None = None, before_write: Callable[[], None] | None = None) -> dict:
     """Assemble, evaluate on the test files, save a version; the job's result record.
     `on_phase(text)` hears what it is doing (evaluating, publishing). A job whose
     training saw no rows, or whose loss is not finite, publishes nothing (MarianaError).
     `valid`: the per-epoch validation record (the exports are of its kept epoch); `test_paths`:
-    local copies of the test files to score (data_via_loader), the record names the originals."""
+    local copies of the test files to score (data_via_loader), the record names the originals.
+    `before_write()` runs right before the version is written, and raises to write nothing (a
+    job cancelled while it was evaluated)."""
     phase = on_phase or (lambda text: None)
     summary = train_summary(request, ledger, num_shards, train_seconds, valid)
     check_trained(request["data"], sum(summary.rows_per_epoch), summary.loss)
@@ -267,5 +269,7 @@ def assemble_and_publish(request: dict, job: JobSpec, exports: list, ledger, num
         tested = evaluate(bundle, test_paths or request["test_data"])
     image_info = cluster_image_record(job, ledger, images) if images is not None else None
     phase(f"publishing a version in {request['out']}")
+    if before_write is not None:
+        before_write()
     return publish_version(bundle, request["out"], summary, request["test_data"], tested,
                            request.get("promote", True), images=image_info)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mariana.services.assemble import check_request
-from mariana.services.runtime.cluster_job import JobFailed, Unreachable, _request, cluster_session, submit, wait
+from mariana.services.runtime.cluster_job import (JobFailed, Unreachable, _request, cancel_job, cluster_session,
+                                                  submit, wait)
 from mariana.services.runtime.config import ClusterConfig
 from mariana.sparse.errors import MarianaError
 from mariana.trainer import checkpoint
@@ -72,8 +73,8 @@ class ClusterTrials:
                 return TrialRun(summary["record"]["valid"], summary["record"])
             if summary["state"] in ("failed", "cancelled"):
                 raise JobFailed(f"job {trial.job} {summary['state']}: {summary['error']}")
-            if time.perf_counter() >= deadline and self.cancel(trial.job)["state"] != "done":
-                return TrialRun(self.cut(epochs, config), None)
+            if time.perf_counter() >= deadline and self.cancel(trial.job)["state"] not in ("done", "writing"):
+                return TrialRun(self.cut(epochs, config), None)  # (a job writing its version ends done: polled)
             time.sleep(POLL_SECONDS)
 
     def valid_epochs(self, job: str) -> list[dict]:
@@ -89,12 +90,16 @@ class ClusterTrials:
                             True, config.train.patience, config.train.max_epochs, stopped="time budget")
 
     def cancel(self, job: str) -> dict:
-        return _request(self.info, "POST", f"/v1/jobs/{job}/cancel", {})
+        return cancel_job(self.info, job)
 
     def drop(self, job: str) -> None:
-        """Cancel a trial's job; one that got done first loses its version."""
+        """Cancel a trial's job; one that got done first (or was writing its version: it is
+        waited for) loses its version."""
         try:
-            summary = self.cancel(job)
+            summary, until = self.cancel(job), time.monotonic() + 120.0
+            while summary["state"] in ("writing", "running") and time.monotonic() < until:
+                time.sleep(POLL_SECONDS)
+                summary = _request(self.info, "GET", f"/v1/jobs/{job}")
         except MarianaError as e:
             log.warning("could not cancel job %s: %s", job, e)
             return

@@ -160,8 +160,13 @@ class CoordinatorAPI:
         run = self.coord.jobs.get(request.match_info["id"])
         if run is None:
             raise web.HTTPNotFound(text=json.dumps({"error": "no such job"}), content_type="application/json")
-        if run.state in ("queued", "running"):
-            run.state, run.ended, run.error = "cancelled", time.time(), "cancelled by request"
+        done = run.cancel()
+        if done == "writing":
+            log.info("%s: job %s: a cancel came while its version was being written; refused", self.coord.name,
+                     run.id)
+            return web.json_response({"error": f"job {run.id} is writing its version ({run.phase}): too late to "
+                                               "cancel; it ends done"}, status=409)
+        if done == "cancelled":
             log.info("%s: job %s cancelled", self.coord.name, run.id)
             self.coord.book.ended(run)
             self.coord.pulse()

@@ -244,7 +244,7 @@ class JobRunner:
             "workers": self.coord.cfg.worker.count, "ps": self.coord.cfg.ps.count,
             "preprocess": self.coord.cfg.preprocess.count, "job": run.id,
         })
-        if run.state != "running":  # cancelled while the model was being assembled
+        if run.state != "running":  # cancelled before its version was written (a cancel is refused after)
             raise JobStopped()
         # Journaled before the shards drop the job: a coordinator restarted from here on ends the
         # job with this record; it never exports again (from shards that hold nothing any more).
@@ -262,9 +262,13 @@ class JobRunner:
         if tests and self.coord.inputs.enabled:
             self.set_phase(run, f"fetching {', '.join(os.path.basename(p) for p in tests)} from the loader")
             tests = await self.coord.inputs.test_paths(run.id, tests)
+        def before_write() -> None:  # on the thread: a job cancelled while it was evaluated writes nothing
+            if not run.begin_writing():
+                raise JobStopped()
+
         return await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, run.ledger,
                                        len(self.coord.shards), train_seconds, images,
-                                       lambda text: self.set_phase(run, text), valid, tests)
+                                       lambda text: self.set_phase(run, text), valid, tests, before_write)
 
     async def complete(self, run: JobRun, record: dict) -> None:
         """A published job's end: the shards and cached batches let go, the job done, servers told."""

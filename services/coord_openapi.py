@@ -53,7 +53,8 @@ def _errors(*codes: int) -> dict:
     text = {400: "The job is not a JSON object of known keys, a key has the wrong type or value, or a file it "
                  "names is missing or does not parse.",
             401: "No bearer token, or a wrong one (coordinator.token).",
-            404: "No such job.", 413: "The body is over 1 MiB.",
+            404: "No such job.", 409: "The job is writing its version: too late to cancel (it ends done).",
+            413: "The body is over 1 MiB.",
             503: "No loader answered to check the job's files (coordinator.data_via_loader): try again."}
     return {str(c): _json(_ERROR, text[c]) if c != 413 else {"description": text[c], **_TEXT}
             for c in codes}
@@ -96,9 +97,10 @@ OPENAPI = {
                                                        "points": {"type": "array"}, "epochs": {"type": "array"}}},
                                        "History."), **_errors(400, 404)}}},
         "/v1/jobs/{id}/cancel": {"post": {
-            "summary": "Cancel a queued or running job (bearer token); an ended job is left as it is",
+            "summary": "Cancel a queued or running job (bearer token); an ended job is left as it is, and "
+                       "one writing its version refused (409: it ends done)",
             "security": [{"bearer": []}], "parameters": _ID,
-            "responses": {"200": _json(_SUMMARY, "The job after the request."), **_errors(401, 404)}}},
+            "responses": {"200": _json(_SUMMARY, "The job after the request."), **_errors(401, 404, 409)}}},
         "/v1/models": {"get": {"summary": "The model directories: versions, metrics, the one served, retrains",
                                "responses": {"200": _json({"type": "object", "required": ["models"],
                                                            "properties": {"models": {"type": "array"}}},

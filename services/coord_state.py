@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -71,6 +72,29 @@ class JobRun:
     last_point: tuple | None = None  # (t, rows, loss_sum, hist) at the last history point
     phase: str | None = None       # what a running job does after its epochs ("evaluating on test.tsv")
     best_export: tuple | None = None  # (epoch, valid logloss, the shards' exports) of the best epoch so far
+    writing: bool = False          # its version is being written: a cancel comes too late (`begin_writing`)
+    _turn: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def begin_writing(self) -> bool:
+        """Called by the thread that writes the job's version, just before it does: False when
+        the job was cancelled meanwhile (then nothing is written); True, and from now on a
+        cancel is refused (`cancel`): a version written, and maybe served, ends its job done."""
+        with self._turn:
+            if self.state != "running":
+                return False
+            self.writing = True
+            return True
+
+    def cancel(self) -> str:
+        """Cancel a queued or running job: "cancelled"; "writing" (refused: its version is
+        being written) or "ended" (left as it is) otherwise."""
+        with self._turn:
+            if self.writing and self.state == "running":
+                return "writing"
+            if self.state not in ("queued", "running"):
+                return "ended"
+            self.state, self.ended, self.error = "cancelled", time.time(), "cancelled by request"
+            return "cancelled"
 
     def summary(self) -> dict:
         out = {"id": self.id, "state": self.state, "error": self.error, "submitted": self.submitted,

@@ -40,6 +40,25 @@ class Unreachable(MarianaError):
     """The coordinator did not answer (down, or the wrong address)."""
 
 
+class Refused(MarianaError):
+    """The coordinator answered an HTTP error (`status`: 400, 404, 409, ...)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def cancel_job(info: dict, job: str) -> dict:
+    """POST /v1/jobs/JOB/cancel: the job's summary after it; {"state": "writing"} when the
+    coordinator refused because the job is writing its version (409: it ends done)."""
+    try:
+        return _request(info, "POST", f"/v1/jobs/{job}/cancel", {})
+    except Refused as e:
+        if e.status == 409:
+            return {"state": "writing", "error": str(e)}
+        raise
+
+
 def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], out: str, cluster: ClusterConfig,
                     mode: str = "async", staleness: int | None = None,
                     on_progress: Callable[[dict], None] | None = None, asked: tuple[str, ...] = (),
@@ -132,7 +151,8 @@ def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> di
                 last = time.monotonic()
             time.sleep(POLL_SECONDS)
     except KeyboardInterrupt:
-        _request(info, "POST", f"/v1/jobs/{job}/cancel", {})
+        if cancel_job(info, job)["state"] == "writing":
+            log.warning("job %s was writing its version when interrupted: too late to cancel; it ends done", job)
         raise
 
 
@@ -151,6 +171,6 @@ def _request(info: dict, method: str, path: str, body: dict | None = None) -> di
             detail = json.loads(detail).get("error", detail)
         except (json.JSONDecodeError, AttributeError):
             pass
-        raise MarianaError(f"coordinator at {info['http']}: {e.code}: {detail}") from None
+        raise Refused(f"coordinator at {info['http']}: {e.code}: {detail}", e.code) from None
     except (urllib.error.URLError, OSError) as e:
         raise Unreachable(f"coordinator at {info['http']} unreachable: {e}") from None

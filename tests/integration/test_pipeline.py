@@ -243,7 +243,8 @@ def test_coordinator_killed_and_restarted_mid_job_keeps_history_and_completes(da
 @pytest.mark.timeout(300)
 def test_coordinator_killed_after_writing_a_version_ends_the_job_without_writing_again(data, tmp_path,
                                                                                       monkeypatch):
-    """Two windows between writing a version and reporting the job done.
+    """Two windows between writing a version and reporting the job done, and a cancel that
+    comes while the version is on its way.
 
     After journaling "published": the coordinator tells the shards to drop the job (EndJob),
     then marks it done. Killed there (one shard is stopped, so its EndJob waits), a new
@@ -254,7 +255,11 @@ def test_coordinator_killed_after_writing_a_version_ends_the_job_without_writing
     Before journaling it (a failpoint ends the coordinator right after the version is written:
     a kill cannot aim at those microseconds): a new coordinator exported again from the shards,
     which still held the job, and wrote the same model as v000002. Now it finds the version by
-    the job id in its manifest and ends the job with it."""
+    the job id in its manifest and ends the job with it.
+
+    Cancelled while it was evaluated, a job once went on to write its version and move CURRENT
+    (a served model changed by a cancelled job). Now the thread that writes it asks first; once
+    it has begun, a cancel is refused (409) and the job ends done."""
     big_test = tmp_path / "test_big.tsv"
     generate_criteo(big_test, 150_000, seed=14)  # scoring it keeps the job in "evaluating" a while
     with Cluster(tmp_path / "c", workers=1, ps=2) as c:
@@ -281,6 +286,13 @@ def test_coordinator_killed_after_writing_a_version_ends_the_job_without_writing
         c.restart("coordinator-0")
         c.wait_http()
         second_record = done_record(c, second)
+
+        third = c.submit([data["small"]], tmp_path / "m3", [big_test], job_config("lr", epochs=1))
+        c.wait(third, 120, until=lambda s: str(s.get("phase")).startswith("evaluating") or s["state"] != "running")
+        cancelled = c.request("POST", f"/v1/jobs/{third}/cancel", {})
+        fourth = c.submit([data["small"]], tmp_path / "m4", [], job_config("lr", epochs=1))
+        done_record(c, fourth)  # jobs run one at a time: the third's evaluation has ended
+        third_state = c.job(third)["state"]
         log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
     assert "was published before the restart" in log, log[-3000:]
     assert sorted(p.name for p in (tmp_path / "m").glob("v*")) == ["v000001"]
@@ -298,6 +310,11 @@ def test_coordinator_killed_after_writing_a_version_ends_the_job_without_writing
     assert manifest["train"]["job"] == second and manifest["metrics"]["auc"] == second_record["auc"] > 0.65
     moves = (tmp_path / "m2" / "promotions.jsonl").read_text().splitlines()
     assert [json.loads(m)["to"] for m in moves] == ["v000001"]
+
+    # cancelled while it was evaluated: no version (once one was written and CURRENT moved to it)
+    assert cancelled[0] == 200 and cancelled[1]["state"] == "cancelled", cancelled
+    assert third_state == "cancelled" and not list((tmp_path / "m3").glob("v*"))
+    assert not (tmp_path / "m3" / "CURRENT").exists()
 
 
 @pytest.mark.timeout(240)

@@ -493,3 +493,26 @@ def test_progress_fraction_estimates_epoch_1_from_bytes_then_counts_rows():
     assert led.fraction() == 0.125  # 10 rows of an estimated 40, epoch 1 of 2
     led.source_done = True
     assert led.fraction() == 0.5    # the source is read: 10 rows is all of epoch 1
+
+
+def test_a_job_writing_its_version_cannot_be_cancelled_and_a_cancelled_one_writes_none():
+    """The coordinator's handshake between a cancel (the event loop) and the thread that
+    writes a job's version: whichever comes first wins, and only once."""
+    from mariana.services.coord_state import JobRun
+    from mariana.services.jobspec import JobSpec
+    from mariana.trainer.config import JobConfig
+
+    def run(state: str) -> JobRun:
+        config = JobConfig()
+        return JobRun("j1", {"mode": "async"}, JobSpec(config, config.data.resolve_schema()),
+                      JobLedger("j1", epochs=1), state=state)
+
+    writing = run("running")
+    assert writing.begin_writing() is True
+    assert writing.cancel() == "writing" and writing.state == "running"  # refused: it ends done
+    cancelled = run("running")
+    assert cancelled.cancel() == "cancelled" and cancelled.state == "cancelled" and cancelled.error
+    assert cancelled.begin_writing() is False and not cancelled.writing  # nothing is written
+    assert cancelled.cancel() == "ended"
+    assert run("queued").cancel() == "cancelled"
+    assert run("done").cancel() == "ended"

@@ -262,6 +262,7 @@ class JobRunner:
         if tests and self.coord.inputs.enabled:
             self.set_phase(run, f"fetching {', '.join(os.path.basename(p) for p in tests)} from the loader")
             tests = await self.coord.inputs.test_paths(run.id, tests)
+
         def before_write() -> None:  # on the thread: a job cancelled while it was evaluated writes nothing
             if not run.begin_writing():
                 raise JobStopped()

@@ -176,17 +176,22 @@ class JobRunner:
                 raise JobStopped()
             await asyncio.sleep(0.2)  # the loader has not registered yet
 
+    async def missing_steps(self, run: JobRun) -> set[str]:
+        """The steps done so far that some shard has not applied (restored from a checkpoint)."""
+        expected = run.ledger.expected_steps() - run.ledger.lost
+        missing: set[str] = set()
+        for i in range(len(self.coord.shards)):
+            stats = await self.shard_call(run, i, "ShardStats")
+            if "applied" not in stats.arrays:
+                raise MarianaError(f"shard {i} answered ShardStats without its applied steps")
+            missing |= expected - set(protocol.array_names(stats.arrays["applied"]))
+        return missing
+
     async def reconcile(self, run: JobRun) -> None:
         """Every shard must have applied every step so far; replay what one lacks."""
         led = run.ledger
         for _ in range(MAX_RECONCILE_ROUNDS):
-            expected = led.expected_steps() - led.lost
-            missing: set[str] = set()
-            for i in range(len(self.coord.shards)):
-                stats = await self.shard_call(run, i, "ShardStats")
-                if "applied" not in stats.arrays:
-                    raise MarianaError(f"shard {i} answered ShardStats without its applied steps")
-                missing |= expected - set(protocol.array_names(stats.arrays["applied"]))
+            missing = await self.missing_steps(run)
             if not missing:
                 return
             n = len(missing & led.done)
@@ -216,16 +221,25 @@ class JobRunner:
 
     async def finish(self, run: JobRun) -> None:
         led = run.ledger
-        self.set_phase(run, f"exporting the tables of {len(self.coord.shards)} shard(s)")
-        applied = [(await self.shard_call(run, i, "ShardStats"))["rows"] for i in range(len(self.coord.shards))]
-        done = sum(led.rows_done.values())
-        if done and not any(int(n) for a in applied for n in a.values()):
-            raise MarianaError(f"the shards hold none of the {done:,} rows this job applied (their state was "
-                               "dropped): nothing published")
-        record = await written_before_restart(self.coord, run)
-        if record is None:
-            record = await self.publish(run)
-            failpoints.reached("coordinator.version_written")  # tests: the window before the journal
+        failpoints.reached("coordinator.epochs_done")  # tests: a shard restarted before the export
+        for _ in range(MAX_RECONCILE_ROUNDS):
+            await self.reconcile(run)  # a shard restarted since the last epoch's end: its steps again
+            self.set_phase(run, f"exporting the tables of {len(self.coord.shards)} shard(s)")
+            applied = [(await self.shard_call(run, i, "ShardStats"))["rows"] for i in range(len(self.coord.shards))]
+            done = sum(led.rows_done.values())
+            if done and not any(int(n) for a in applied for n in a.values()):
+                raise MarianaError(f"the shards hold none of the {done:,} rows this job applied (their state was "
+                                   "dropped): nothing published")
+            record = await written_before_restart(self.coord, run)
+            if record is None:
+                record = await publish(self, run)  # None: a shard restarted during the export
+                if record is None:
+                    continue
+                failpoints.reached("coordinator.version_written")  # tests: the window before the journal
+            break
+        else:
+            raise MarianaError(f"job {run.id}: shards kept losing steps during the export "
+                               f"({MAX_RECONCILE_ROUNDS} tries): nothing published")
         rows_applied = [min(int(a.get(str(e), 0)) for a in applied) for e in range(1, led.epochs + 1)]
         record.update({
             "rows_applied": sum(rows_applied),
@@ -250,26 +264,6 @@ class JobRunner:
         # job with this record; it never exports again (from shards that hold nothing any more).
         self.coord.book.journal(run, "published", {"record": record})
         await self.complete(run, record)
-
-    async def publish(self, run: JobRun) -> dict:
-        """Export the shards' tables (or the best epoch's, kept), assemble, evaluate, write a version."""
-        exports = [(await self.shard_call(run, i, "Export")).arrays for i in range(len(self.coord.shards))]
-        exports, valid = self.coord.validation.kept_export(run, exports)
-        run.best_export = None
-        images = await image_table(self.coord, run)
-        train_seconds = time.time() - run.started
-        tests = run.request["test_data"]
-        if tests and self.coord.inputs.enabled:
-            self.set_phase(run, f"fetching {', '.join(os.path.basename(p) for p in tests)} from the loader")
-            tests = await self.coord.inputs.test_paths(run.id, tests)
-
-        def before_write() -> None:  # on the thread: a job cancelled while it was evaluated writes nothing
-            if not run.begin_writing():
-                raise JobStopped()
-
-        return await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, run.ledger,
-                                       len(self.coord.shards), train_seconds, images,
-                                       lambda text: self.set_phase(run, text), valid, tests, before_write)
 
     async def complete(self, run: JobRun, record: dict) -> None:
         """A published job's end: the shards and cached batches let go, the job done, servers told."""
@@ -415,6 +409,32 @@ class EpochValidation:
             kept = "best"
         return exports, valid_record(valid.source, epochs, best, kept, train.auto, train.patience,
                                      train.max_epochs)
+
+
+async def publish(runner: JobRunner, run: JobRun) -> dict | None:
+    """Export the shards' tables (or the best epoch's, kept), assemble, evaluate, write a version;
+    None when a shard lost steps during the export (restarted from a checkpoint): nothing written."""
+    exports = [(await runner.shard_call(run, i, "Export")).arrays for i in range(len(runner.coord.shards))]
+    if await runner.missing_steps(run):
+        log.warning("%s: job %s: a shard lost steps during the export (restarted); replaying them first",
+                    runner.coord.name, run.id)
+        return None
+    exports, valid = runner.coord.validation.kept_export(run, exports)
+    run.best_export = None
+    images = await image_table(runner.coord, run)
+    train_seconds = time.time() - run.started
+    tests = run.request["test_data"]
+    if tests and runner.coord.inputs.enabled:
+        runner.set_phase(run, f"fetching {', '.join(os.path.basename(p) for p in tests)} from the loader")
+        tests = await runner.coord.inputs.test_paths(run.id, tests)
+
+    def before_write() -> None:  # on the thread: a job cancelled while it was evaluated writes nothing
+        if not run.begin_writing():
+            raise JobStopped()
+
+    return await asyncio.to_thread(assemble_and_publish, run.request, run.spec, exports, run.ledger,
+                                   len(runner.coord.shards), train_seconds, images,
+                                   lambda text: runner.set_phase(run, text), valid, tests, before_write)
 
 
 async def written_before_restart(coord, run: JobRun) -> dict | None:

@@ -302,7 +302,7 @@ class Coordinator(Service):
 
     def active(self) -> JobRun | None:
         for run in self.jobs.values():
-            if run.state == "running" and run.ledger.epoch <= run.ledger.epochs:
+            if run.state == "running" and (run.ledger.epoch <= run.ledger.epochs or run.ledger.replaying()):
                 return run
         return None
 

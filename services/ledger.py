@@ -356,7 +356,8 @@ class JobLedger(LedgerReport):
             self.ready.popleft()
         if self.leased or self.refill or any(s not in self.done for s in self.ready):
             return False
-        return all(s in self.done or s in self.lost for s in self.epoch_steps(self.epoch))
+        # past the last epoch (steps replayed before the export): that last epoch's steps
+        return all(s in self.done or s in self.lost for s in self.epoch_steps(min(self.epoch, self.epochs)))
 
     def replay(self, missing: set[str]) -> int:
         """Steps a shard lacks (restored from an older checkpoint) go out again."""
@@ -400,6 +401,10 @@ class JobLedger(LedgerReport):
             dropped = set(self.epoch_steps(self.epoch))
             self.ready = deque(s for s in self.ready if s not in dropped)
             self.lost -= dropped
+
+    def replaying(self) -> bool:
+        """Past its last epoch with steps out again (a shard restored after it lacks them)."""
+        return self.epoch > self.epochs and bool(self.leased or self.refill or set(self.ready) - self.done)
 
     def expected_steps(self) -> set[str]:
         """Every step of the epochs so far."""

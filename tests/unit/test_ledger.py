@@ -516,3 +516,18 @@ def test_a_job_writing_its_version_cannot_be_cancelled_and_a_cancelled_one_write
     assert cancelled.cancel() == "ended"
     assert run("queued").cancel() == "cancelled"
     assert run("done").cancel() == "ended"
+
+
+def test_steps_replayed_after_the_last_epoch_go_out_and_complete_it_again():
+    """A shard restored after the last epoch's end lacks steps; the coordinator replays them
+    before the export: the job counts as active while they are out (`replaying`), and the last
+    epoch is complete again once they are done."""
+    led = ledger_with({"f0o0": [(0, 10), (1, 10)]}, epochs=1)
+    finish_all(led)
+    assert led.epoch_complete()
+    led.next_epoch()
+    assert led.epoch == 2 and not led.replaying() and led.epoch_complete()
+    assert led.replay({"e1/f0o0:1"}) == 1
+    assert led.replaying() and not led.epoch_complete() and led.rows_done[1] == 10
+    assert finish_all(led) == ["e1/f0o0:1"]
+    assert not led.replaying() and led.epoch_complete() and led.rows_done[1] == 20

@@ -176,24 +176,28 @@ class JobRunner:
                 raise JobStopped()
             await asyncio.sleep(0.2)  # the loader has not registered yet
 
-    async def missing_steps(self, run: JobRun) -> set[str]:
-        """The steps done so far that some shard has not applied (restored from a checkpoint)."""
+    async def missing_steps(self, run: JobRun) -> tuple[set[str], list[dict]]:
+        """(the steps done so far that some shard has not applied (restored from a checkpoint),
+        each shard's rows applied by epoch), from one ShardStats round."""
         expected = run.ledger.expected_steps() - run.ledger.lost
         missing: set[str] = set()
+        rows = []
         for i in range(len(self.coord.shards)):
             stats = await self.shard_call(run, i, "ShardStats")
             if "applied" not in stats.arrays:
                 raise MarianaError(f"shard {i} answered ShardStats without its applied steps")
             missing |= expected - set(protocol.array_names(stats.arrays["applied"]))
-        return missing
+            rows.append(stats["rows"])
+        return missing, rows
 
-    async def reconcile(self, run: JobRun) -> None:
-        """Every shard must have applied every step so far; replay what one lacks."""
+    async def reconcile(self, run: JobRun) -> list[dict]:
+        """Every shard must have applied every step so far; replay what one lacks. Returns each
+        shard's rows applied by epoch once none lacks a step."""
         led = run.ledger
         for _ in range(MAX_RECONCILE_ROUNDS):
-            missing = await self.missing_steps(run)
+            missing, rows = await self.missing_steps(run)
             if not missing:
-                return
+                return rows
             n = len(missing & led.done)
             self.coord.book.journal(run, "replay", {"steps": sorted(missing)})
             log.warning("%s: job %s: shards lack %d steps (restored from a checkpoint); replaying",
@@ -223,9 +227,8 @@ class JobRunner:
         led = run.ledger
         failpoints.reached("coordinator.epochs_done")  # tests: a shard restarted before the export
         for _ in range(MAX_RECONCILE_ROUNDS):
-            await self.reconcile(run)  # a shard restarted since the last epoch's end: its steps again
+            applied = await self.reconcile(run)  # a shard restarted since the last epoch's end: its steps again
             self.set_phase(run, f"exporting the tables of {len(self.coord.shards)} shard(s)")
-            applied = [(await self.shard_call(run, i, "ShardStats"))["rows"] for i in range(len(self.coord.shards))]
             done = sum(led.rows_done.values())
             if done and not any(int(n) for a in applied for n in a.values()):
                 raise MarianaError(f"the shards hold none of the {done:,} rows this job applied (their state was "
@@ -415,7 +418,7 @@ async def publish(runner: JobRunner, run: JobRun) -> dict | None:
     """Export the shards' tables (or the best epoch's, kept), assemble, evaluate, write a version;
     None when a shard lost steps during the export (restarted from a checkpoint): nothing written."""
     exports = [(await runner.shard_call(run, i, "Export")).arrays for i in range(len(runner.coord.shards))]
-    if await runner.missing_steps(run):
+    if (await runner.missing_steps(run))[0]:
         log.warning("%s: job %s: a shard lost steps during the export (restarted); replaying them first",
                     runner.coord.name, run.id)
         return None

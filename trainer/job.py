@@ -104,8 +104,8 @@ def resolve_auto(config: JobConfig, schema, train_paths: list[str], rows: int | 
     the batch of rows / W: W workers step at once, so each step's rows were pulled before
     the other W - 1 steps' updates, and a batch W times smaller keeps the rows between a
     pull and its update what local mode's batch is. Measured (docs/benchmarks.md): the DNN
-    on 1M generated rows, W = 2, AUC 0.815-0.825 at 4096 against 0.834-0.837 at 2048 (local
-    0.838); on Criteo Attribution no change beyond noise. LR's AUC does not move with its
+    on 1M generated rows, W = 2, AUC 0.815-0.825 at 4096 (0.784 once) against 0.829-0.837 at
+    2048 (local 0.838); on Criteo Attribution no change beyond noise. LR's AUC does not move with its
     staleness, so its batch stays."""
     if config.train.batch_size == AUTO:
         rows = rows if rows is not None else estimate_rows(train_paths, schema, config.data.block_bytes)

@@ -80,8 +80,11 @@ def test_featurize_command_and_its_errors(ads, tmp_path):
     write_idx(tmp_path / "c.idx.gz", images[:100])
     np.save(tmp_path / "c.npy", images[:100])
     assert np.array_equal(read_images(str(tmp_path / "c.npy")), read_images(str(tmp_path / "c.idx.gz")))
+    # the same bits at one thread count (featurizer/image.py): the command runs at this process's count, which
+    # an in-process job of this file may have set (a 16-core host's CPU count against OMP_NUM_THREADS=2)
+    import torch
     out = last_json(run_cli("featurize", "--model", ads / "featurizer", "--images", tmp_path / "c.idx.gz",
-                            "--out", tmp_path / "f.npy"))
+                            "--out", tmp_path / "f.npy", env={"OMP_NUM_THREADS": str(torch.get_num_threads())}))
     assert out["images"] == 100
     got = np.load(tmp_path / "f.npy", allow_pickle=False)
     assert np.array_equal(got, ImageFeaturizer.load(ads / "featurizer").embed(images[:100]))

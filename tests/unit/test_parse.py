@@ -272,7 +272,7 @@ def test_preload_answers_pyarrows_pandas_check_without_importing_pandas():
         "from mariana.sparse.parse import BlockParser, BlockTask, preload\n"
         "from mariana.sparse.schema import criteo\n"
         "preload()\n"
-        "print('pandas' in sys.modules, len(sys.meta_path))\n"
+        "print('pandas' in sys.modules, any(type(f).__name__ == '_NoPandas' for f in sys.meta_path))\n"
         f"block = {(GOOD + chr(10) + GOOD0 + chr(10)).encode()!r}\n"
         "before = set(sys.modules)\n"
         "rows, stats = BlockTask(BlockParser(criteo()), 'x', 1, block, 2).run()\n"
@@ -281,6 +281,6 @@ def test_preload_answers_pyarrows_pandas_check_without_importing_pandas():
         "import pyarrow as pa\n"
         "print(type(pa.table({'a': [1]}).to_pandas()).__name__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    meta_path = subprocess.run([sys.executable, "-c", "import sys; print(len(sys.meta_path))"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    assert out.split() == ["False", meta_path, "2", "[]", "DataFrame"]
+    # the hiding finder is gone again (imports may add finders of their own, as on the GPU hosts)
+    assert out.split() == ["False", "False", "2", "[]", "DataFrame"]
+

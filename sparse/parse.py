@@ -177,6 +177,12 @@ def iter_spans(stream: BinaryIO, block_bytes: int, name: str = "", offset: int =
     whose first line is number `line_no`: a reader that recorded where it got
     to resumes there. The last line gains a newline if the file lacks one.
 
+    A span is the whole lines of the `block_bytes` (or the first multiple of it
+    that holds a newline) from where it starts, whatever was read before it: a
+    reader resumed at a span's offset cuts the same spans from there on as the
+    first one did, so the loader's chunk ids (`f<file>o<offset>`) name the same
+    lines after its restart.
+
     A Parquet file (PAR1 at the start of `stream`) yields columnar spans
     instead: Arrow IPC blocks (`to_arrow_block`) of about `block_bytes` of
     rows, numbered by row, from row `line_no`; a span's offset is its row
@@ -193,7 +199,7 @@ def iter_spans(stream: BinaryIO, block_bytes: int, name: str = "", offset: int =
     carry = b""
     while True:
         try:
-            data = stream.read(block_bytes)
+            data = stream.read(block_bytes - len(carry) % block_bytes)  # the span so far to a multiple of it
         except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
             raise DataFormatError(f"{name}: cannot read past line {line_no}: {e}") from None
         if not data:

@@ -284,3 +284,24 @@ def test_preload_answers_pyarrows_pandas_check_without_importing_pandas():
     # the hiding finder is gone again (imports may add finders of their own, as on the GPU hosts)
     assert out.split() == ["False", "False", "2", "[]", "DataFrame"]
 
+
+@pytest.mark.parametrize("block_bytes", [7, 64, 1000])
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_reader_resumed_at_a_span_cuts_the_same_spans_as_the_first(tmp_path, block_bytes, gz):
+    """A restarted loader resumes at the offset after the last chunk it sent, and names chunks by
+    their offsets: from there it must cut the same spans, or a chunk the first loader sent (and
+    the coordinator counted) overlaps the next one's lines: a row trained twice an epoch (a
+    16-core host's SIGTERM test found rows_in_data 150,001 of 150,000). Lines of 1-40 bytes,
+    some longer than a block; with and without gzip; the file ends without a newline."""
+    from mariana.sparse.parse import iter_spans, open_binary
+
+    rng = np.random.default_rng(5)
+    text = b"\n".join(b"x" * int(n) for n in rng.integers(1, 40, 300))
+    path = write(tmp_path, "f", gzip.compress(text) if gz else text)
+    with open_binary(path) as f:
+        spans = list(iter_spans(f, block_bytes))
+    assert b"".join(s[2] for s in spans) == text + b"\n" and len(spans) > 3
+    for i, (offset, line, _, _) in enumerate(spans):
+        with open_binary(path) as f:
+            f.seek(offset)
+            assert list(iter_spans(f, block_bytes, offset=offset, line_no=line)) == spans[i:], (block_bytes, i)

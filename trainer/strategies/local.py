@@ -73,7 +73,7 @@ def local_step(bundle: ModelBundle, batch: SparseBatch) -> StepResult:
     pulled = {name: t.gather(uniq) for name, t in bundle.tables.items()}
     result = compute_grads(bundle.model, batch, inverse, pulled)
     for name, grads in result.row_grads.items():
-        bundle.optimizers[name].apply(bundle.tables[name], uniq, grads, unique=True)
+        bundle.optimizers[name].apply(bundle.tables[name], uniq, grads, unique=True, pulled=pulled[name])
     bundle.dense_opt.apply(result.dense_grads)
     bundle.steps += 1
     bundle.rows_trained += batch.num_rows

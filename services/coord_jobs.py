@@ -422,6 +422,7 @@ async def publish(runner: JobRunner, run: JobRun) -> dict | None:
         log.warning("%s: job %s: a shard lost steps during the export (restarted); replaying them first",
                     runner.coord.name, run.id)
         return None
+    failpoints.reached("coordinator.exported")  # tests: exported, nothing written (the shards keep the job)
     exports, valid = runner.coord.validation.kept_export(run, exports)
     run.best_export = None
     images = await image_table(runner.coord, run)

@@ -187,7 +187,11 @@ def test_a_shard_restored_after_the_last_epoch_gets_its_steps_back_before_the_ex
     (rows_applied 142,728 of 150,000). The coordinator now reconciles again before it exports
     (and once more after: a shard restarted during the export means another round). A failpoint
     ends the coordinator once the epochs are done; the shard then restarts with no checkpoint
-    of the job (as if its last one were old)."""
+    of the job (as if its last one were old).
+
+    A second job: the coordinator ends right after the export, before anything is written. The
+    shards keep a job until it is published, so the next coordinator exports the same tables
+    again and writes one version of them."""
     monkeypatch.setenv("MARIANA_FAILPOINTS", "coordinator.epochs_done")
     with Cluster(tmp_path / "c", workers=1, ps=2) as c:
         monkeypatch.delenv("MARIANA_FAILPOINTS")  # what `restart` starts below is not armed
@@ -199,10 +203,26 @@ def test_a_shard_restored_after_the_last_epoch_gets_its_steps_back_before_the_ex
         c.restart("coordinator-0")
         c.wait_http()
         record = done_record(c, job)
+
+        c.kill("coordinator-0", signal.SIGKILL)
+        monkeypatch.setenv("MARIANA_FAILPOINTS", "coordinator.exported")
+        c.restart("coordinator-0")  # armed: the next job's export is its last act
+        monkeypatch.delenv("MARIANA_FAILPOINTS")
+        c.wait_http()
+        second = c.submit([data["small"]], tmp_path / "m2", [data["test"]], job_config("lr", epochs=1))
+        assert c.wait_gone(c.pid("coordinator-0"), 120) == 137
+        assert not list((tmp_path / "m2").glob("v*"))
+        c.restart("coordinator-0")
+        c.wait_http()
+        second_record = done_record(c, second)
         log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
     assert_exactly_once(record, 1)  # without the reconcile: 50,000 rows on ps-0, none on ps-1
     assert "failpoint coordinator.epochs_done reached" in log and "shards lack" in log, log[-3000:]
     assert record["auc"] > 0.65, record
+    assert "failpoint coordinator.exported reached" in log, log[-3000:]
+    assert_exactly_once(second_record, 1)
+    assert sorted(p.name for p in (tmp_path / "m2").glob("v*")) == ["v000001"]
+    assert second_record["model_version"] == "v000001" and second_record["auc"] > 0.65, second_record
 
 
 @pytest.mark.timeout(240)

@@ -24,6 +24,7 @@ import zmq
 
 from mariana.services import protocol, remote_inputs
 from mariana.services.protocol import BadMessage, Message
+from mariana.services.runtime import failpoints
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
 from mariana.services.sample_cache import SampleCache
@@ -133,6 +134,8 @@ class Loader(Service):
                     offset, block = span_head(offset, block, lines)
                     log.info("%s: job %s: %s stops at line %d (the rest is held out)", self.name, job, path, limit)
                 await self.send_chunk(job, fi, path, offset, first_line, block, lines, time.perf_counter() - t0)
+                # tests: sent, its offset not recorded (the chunk on the wire first, as a SIGTERM's drain lets it go)
+                failpoints.reached("loader.chunk_sent", flush=lambda: self.ctx.destroy(linger=5000))
                 chunks += 1
                 await self.cache.set_offset(job, {"file": fi, "offset": offset + len(block),
                                                   "line": first_line + lines, "chunks": chunks})

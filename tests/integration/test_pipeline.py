@@ -226,6 +226,28 @@ def test_a_shard_restored_after_the_last_epoch_gets_its_steps_back_before_the_ex
 
 
 @pytest.mark.timeout(240)
+def test_a_loader_ended_between_a_chunk_and_its_offset_sends_that_chunk_again_cut_the_same(data, tmp_path,
+                                                                                          monkeypatch):
+    """A loader records where it got to after each chunk it sends; ended in between (a failpoint,
+    once its third chunk is on the wire), the next one reads that chunk again. Its chunks are
+    named by their offsets, so the same lines must come under the same name: once the second
+    read cut the chunk shorter (a span ended where reading had begun) and its next chunk began
+    inside the lines the first had sent, and those were trained twice (a 16-core host's SIGTERM
+    test: 150,001 rows of 150,000)."""
+    monkeypatch.setenv("MARIANA_FAILPOINTS", "loader.chunk_sent@3")
+    with Cluster(tmp_path / "c", workers=1) as c:
+        monkeypatch.delenv("MARIANA_FAILPOINTS")  # what `restart` starts below is not armed
+        job = c.submit([data["small"]], tmp_path / "m", [], job_config("lr", epochs=1))
+        assert c.wait_gone(c.pid("loader-0"), 60) == 137
+        c.restart("loader-0")
+        record = done_record(c, job)
+        log = (tmp_path / "c" / "logs" / "loader-0.log").read_text()
+    assert "failpoint loader.chunk_sent reached" in log and "resuming at file 0 offset" in log, log[-3000:]
+    assert record["rows_in_data"] == 50_000, record
+    assert_exactly_once(record, 1)
+
+
+@pytest.mark.timeout(240)
 def test_redis_restarted_mid_job_refills_from_the_source(data, tmp_path):
     with Cluster(tmp_path / "c", workers=1) as c:
         job = c.submit([data["small"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ def parse(text: str) -> dict[str, int]:
     for item in (n.strip() for n in text.split(",")):
         if item:
             name, _, at = item.partition("@")
+            if at.strip() and not at.strip().isdigit():
+                raise ValueError(f"{ENV}: {item!r}: the N of name@N must be a whole number")
             points[name.strip()] = int(at) if at.strip() else 1
     return points
 

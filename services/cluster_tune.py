@@ -61,7 +61,7 @@ class ClusterTrials:
                deadline: float) -> TrialRun:
         """Poll the job: each new epoch's validation metrics go to `on_valid`; its record
         once it is done; at the deadline it is cancelled (a trial without a model)."""
-        seen = 0
+        seen, writing = 0, False  # writing: a cancel was refused (the job ends done), not asked again
         while True:
             summary = _request(self.info, "GET", f"/v1/jobs/{trial.job}")
             epochs = self.valid_epochs(trial.job)  # after the summary: a done job's are all there
@@ -73,8 +73,11 @@ class ClusterTrials:
                 return TrialRun(summary["record"]["valid"], summary["record"])
             if summary["state"] in ("failed", "cancelled"):
                 raise JobFailed(f"job {trial.job} {summary['state']}: {summary['error']}")
-            if time.perf_counter() >= deadline and self.cancel(trial.job)["state"] not in ("done", "writing"):
-                return TrialRun(self.cut(epochs, config), None)  # (a job writing its version ends done: polled)
+            if not writing and time.perf_counter() >= deadline:
+                state = self.cancel(trial.job)["state"]
+                if state not in ("done", "writing"):
+                    return TrialRun(self.cut(epochs, config), None)
+                writing = state == "writing"  # its version is on its way: polled until done
             time.sleep(POLL_SECONDS)
 
     def valid_epochs(self, job: str) -> list[dict]:

@@ -12,7 +12,8 @@ import numpy as np
 
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.hashing import (INT_SALT, MISSING_SALT, U64, HashSpec, binary_codes, bucket_codes, field_key,
-                                    fmix64, fnv1a64, int_codes, log_bucket, log_dense, py_fmix64, py_token)
+                                    fmix64, fnv1a64, int_codes, log_bucket, log_bucket_few, log_dense, py_fmix64,
+                                    py_token)
 from mariana.sparse.parse import Chunk
 from mariana.sparse.records import FEW_ROWS
 from mariana.sparse.schema import HOUR_FIELDS, Schema
@@ -47,6 +48,7 @@ class Encoder:
                            for k in ("numeric", "int", "text")}
         self._key_array = np.array(self._keys, U64)
         self._key_ints = [int(k) for k in self._keys]
+        self._mask_int = int(spec.mask)
         self._kinds = kinds
         self._id_cache: list[dict] = [{} for _ in self.sparse_fields]  # per field: value -> id (`_cached_ids`)
         self._cached = 0
@@ -125,37 +127,46 @@ class Encoder:
         dense block): `parse_records` and `encode_rows` take them and name what is wrong."""
         if self._plain is None:
             return None
-        ids, unknown, missed = [], [], []
+        ids, unknown, missed, aliases = [], [], [], []
         for instance in instances:
-            if type(instance) is not dict or not self._instance_ids(instance, ids, missed):
+            if type(instance) is not dict or not self._instance_ids(instance, ids, missed, aliases):
                 return None
             unknown.append(0 if self._known.issuperset(instance) else len(instance.keys() - self._known))
         if missed:
             if len(missed) > FEW_MISSED:
                 return None
             self._hash_missed(missed, ids)
+            # a new text is remembered by the str it came as too: its next request is all lookups
+            if self._cached + len(aliases) <= ID_CACHE_ENTRIES:
+                for pos, j, raw in aliases:
+                    if raw not in self._id_cache[j]:
+                        self._id_cache[j][raw] = ids[pos]
+                        self._cached += 1
         return ids, unknown
 
-    def _instance_ids(self, instance: dict, ids: list, missed: list) -> bool:
+    def _instance_ids(self, instance: dict, ids: list, missed: list, aliases: list) -> bool:
         """Appends a plain instance's ids to `ids` (0 for a value not met yet, whose (position,
-        field, value) goes to `missed`); False (some appended) when one value is not plain.
+        field, value) goes to `missed`, and (position, field, text as it came) to `aliases`
+        for a text); False (some appended) when one value is not plain.
 
         A value met before is one lookup by the value as it came (a number by its value, text
-        by its str: the first time a text met as bytes is looked up by its str, that str is
-        remembered too), checked by its type only; the rest is checked and normalized here
-        (text to UTF-8, a number to a finite float, a missing text to b"")."""
+        by its str: a new text is remembered by its str as well as its bytes, and one met first
+        as bytes, in a file's row, by its str once looked up so), checked by its type only; the
+        rest is checked and normalized here (text to UTF-8, a number to a finite float, a
+        missing text to b"")."""
         values = list(map(instance.get, self.sparse_fields))
         try:  # every field's lookup in C: most requests' values were all met before
             found = list(map(dict.get, self._id_cache, values))
         except TypeError:  # unhashable: a list or an object is no plain value
             return False
-        if None not in found and PLAIN_TYPES.issuperset(map(type, values)):  # no bool, which equals 0 or 1
-            ids.extend(found)
+        if not PLAIN_TYPES.issuperset(map(type, values)):  # no bool (it equals 0 or 1), bytes, ...
+            return False
+        base = len(ids)
+        ids.extend(found)
+        if None not in found:
             return True
-        for j, ((kind, known), v, i) in enumerate(zip(self._plain, values, found)):
-            if i is not None and type(v) in PLAIN_TYPES:
-                ids.append(i)
-                continue
+        for j in [j for j, i in enumerate(found) if i is None]:  # only the values not met: a few
+            (kind, known), v = self._plain[j], values[j]
             raw = v
             if kind == "text":
                 if type(v) is str:
@@ -178,12 +189,14 @@ class Encoder:
                 return False
             i = known.get(v)
             if i is None:
-                missed.append((len(ids), j, v))
+                missed.append((base + j, j, v))
+                if kind == "text":
+                    aliases.append((base + j, j, raw))
                 i = 0
             elif kind == "text":  # met as bytes (a file's row, or an instance's first sight): found by its str from now
                 known[raw] = i
                 self._cached += 1
-            ids.append(i)
+            ids[base + j] = i
         return True
 
     def _hashed_ids(self, chunk: Chunk) -> np.ndarray:
@@ -236,21 +249,20 @@ class Encoder:
         ids = self._few_ids(missed) if len(missed) <= FEW_MISSED else self._many_ids(missed)
         for (pos, j, v), i in zip(missed, ids):
             out[pos] = i
-            if store:
+            if store and v not in self._id_cache[j]:  # a value met twice in one request is one entry
                 self._id_cache[j][v] = i
-        if store:
-            self._cached = sum(map(len, self._id_cache))  # a value met twice in one request is one entry
+                self._cached += 1
 
     def _few_ids(self, missed: list[tuple[int, int, object]]) -> list[int]:
         """The ids of a request's few new values, hashed one by one with Python ints
         (`hashing.py_token`, `py_fmix64`: exact, the reference the vectorized code is tested
         against): numpy's per-call cost made `_many_ids` ~50-70 us for any handful of values,
-        two ufunc calls per byte of a text value. A number's log bucket stays numpy's (one
-        call for all of them), the function training used."""
+        two ufunc calls per byte of a text value. A number's log stays numpy's (one call for
+        all of them: `log_bucket_few`), the function training used."""
         numbers = [k for k, (_, j, v) in enumerate(missed) if self._kinds[j] == "numeric" and v is not None]
-        buckets = dict(zip(numbers, log_bucket(np.array([missed[k][2] for k in numbers], np.float64),
-                                               self.spec.bucket_scale).tolist())) if numbers else {}
-        mask = int(self.spec.mask)
+        buckets = dict(zip(numbers, log_bucket_few([missed[k][2] for k in numbers],
+                                                   self.spec.bucket_scale))) if numbers else {}
+        mask = self._mask_int
         return [py_fmix64(py_token(buckets.get(k) if self._kinds[j] == "numeric" else v) ^ self._key_ints[j]) & mask
                 for k, (_, j, v) in enumerate(missed)]
 

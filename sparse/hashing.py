@@ -289,6 +289,20 @@ def log_bucket(x: np.ndarray, scale: float) -> np.ndarray:
     return (np.sign(x) * np.floor(np.log1p(np.abs(x)) * scale)).astype(np.int64)
 
 
+def log_bucket_few(values: list[float], scale: float) -> list[int]:
+    """`log_bucket` of a few finite numbers as Python ints, the same values: one numpy call
+    (the log, the function training uses) where `log_bucket` makes nine, ~2 us against ~12
+    for a request's one new number. The rest is exact in Python floats: |x| and its clip,
+    the product, floor and sign.
+
+    >>> log_bucket_few([0.0, 1.0, 3.0, 1e6, -3.0, -0.0, 1e301], 4.0)
+    [0, 2, 5, 55, -5, 0, 2763]
+    """
+    logs = np.log1p(np.array([min(abs(v), 1e300) for v in values], np.float64)).tolist()
+    return [0 if v == 0 else math.floor(lg * scale) if v > 0 else -math.floor(lg * scale)
+            for v, lg in zip(values, logs)]
+
+
 def log_dense(x: np.ndarray) -> np.ndarray:
     """sign(x) * log1p(|x|) as float32, missing (NaN) -> 0."""
     x = np.asarray(x, dtype=np.float64)
@@ -299,6 +313,10 @@ def log_dense(x: np.ndarray) -> np.ndarray:
 # ---- plain Python: the reference tests hold the vectorized code to, and the ----
 # ---- hashing of a request's few new values (`Encoder._few_ids`) ----------------
 
+_RARE, _MISSING, _INT = int(RARE_SALT), int(MISSING_SALT), int(INT_SALT)
+_FNV_OFFSET, _FNV_PRIME = int(FNV_OFFSET), int(FNV_PRIME)
+
+
 def py_fmix64(h: int) -> int:
     h ^= h >> 33
     h = (h * 0xFF51AFD7ED558CCD) & _MASK64
@@ -308,13 +326,10 @@ def py_fmix64(h: int) -> int:
 
 
 def py_fnv1a64(data: bytes) -> int:
-    h = int(FNV_OFFSET)
+    h, prime = _FNV_OFFSET, _FNV_PRIME
     for b in data:
-        h = ((h ^ b) * int(FNV_PRIME)) & _MASK64
+        h = ((h ^ b) * prime) & _MASK64
     return h
-
-
-_RARE, _MISSING, _INT = int(RARE_SALT), int(MISSING_SALT), int(INT_SALT)
 
 
 def py_token(value: bytes | int | Reserved | None) -> int:

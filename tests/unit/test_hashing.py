@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from mariana.sparse.errors import ConfigError
 from mariana.sparse.hashing import (HashSpec, py_fnv1a64, binary_ids, bucket_codes, field_key, fmix64, fnv1a64, int_ids,
-                            log_bucket, token_id)
+                            log_bucket, log_bucket_few, token_id)
 
 SPEC20 = HashSpec(bits=20)
 
@@ -71,6 +71,24 @@ def test_numeric_buckets_and_missing():
     ids = table[index]
     assert ids[-1] == token_id("I1", None, 20)          # NaN -> missing token
     assert ids[0] == token_id("I1", 0, 20) != ids[-1]   # zero is not missing
+
+
+@pytest.mark.parametrize("scale", [4.0, 1.0, 10.0])
+def test_a_few_numbers_bucket_as_a_column_of_them_does(scale):
+    """A request's few new numbers are bucketed in Python floats around one numpy log
+    (`log_bucket_few`); a file's column with numpy's whole `log_bucket`. The two must agree
+    everywhere, the bucket edges (log1p(|x|) * scale an integer) and their neighbours
+    included, or a served row would get other ids than the same row in training."""
+    rng = np.random.default_rng(3)
+    edges = np.expm1(np.arange(0, int(690 * scale)) / scale)  # up to log1p(1e300), where both clip
+    x = np.concatenate([edges, np.nextafter(edges, 0), np.nextafter(edges, np.inf),
+                        rng.standard_normal(5000) * 10.0 ** rng.integers(-300, 300, 5000),
+                        rng.integers(-10**6, 10**6, 5000), [0.0, -0.0, 5e-324, -5e-324, 1e300, 1e301, -1.7e308]])
+    x = np.concatenate([x, -x])
+    want = log_bucket(x, scale).tolist()
+    assert log_bucket_few(x.tolist(), scale) == want
+    for k in range(0, len(x), 997):  # one or two at a time, as a request brings them
+        assert log_bucket_few(x[k:k + 2].tolist(), scale) == want[k:k + 2]
 
 
 def test_ids_are_stable_across_processes():

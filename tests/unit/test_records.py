@@ -245,6 +245,13 @@ def test_plain_instances_take_one_pass_with_the_same_verdict_and_ids():
     assert enc.encode_instances([rows[1], [1]]) is None                               # not an object
     assert Encoder(avazu(), SPECS[0]).encode_instances([{"C1": "1005"}]) is None  # hour fields: the general path
     assert Encoder(schema, SPECS[1]).encode_instances([{}]) is None                # a dense block too
+    fresh = Encoder(schema, SPECS[0])  # a new text is remembered by its str too: its next request is lookups only
+    inst = {**{f: f"t-{f}" for f in schema.categorical[:5]}, "I1": 3, "I2": 2.5, "C9": None}
+    first = fresh.encode_instances([inst])
+    assert all(fresh._id_cache[j].get(inst.get(f)) is not None for j, f in enumerate(fresh.sparse_fields))
+    missed: list = []
+    assert fresh._instance_ids(inst, [], missed, []) and not missed
+    assert np.array_equal(fresh.encode_instances([inst])[0], first[0])
     fresh = Encoder(schema, SPECS[0])
     many_new = [{f: f"{k}-{f}" for f in schema.categorical} for k in range(3)]  # 78 new values, > FEW_MISSED
     assert fresh.encode_instances(many_new) is None and fresh.encode_instances(many_new[:1]) is not None

@@ -65,6 +65,13 @@ class Predictor:
         p.predict([{}])
         return p
 
+    def share_ids(self, other) -> bool:
+        """Take over the id cache of `other` (the version this one replaces) when the two hash
+        alike: the values it met are lookups from the first request on (`Encoder.share_ids`).
+        False when they hash differently, or `other` is no click model (a speech version)."""
+        bundle = getattr(other, "bundle", None)
+        return bundle is not None and self.bundle.encoder.share_ids(bundle.encoder)
+
     def predict(self, instances: list) -> np.ndarray:
         """(n,) float32 pCTR of one request's instances; ServeError 400 names bad ones."""
         (answer,) = self.predict_many([instances])

@@ -76,12 +76,15 @@ class VersionWatcher:
                       self.holder.version or "nothing")
             self.on_event("load_failed", {"version": version, "error": str(e)})
             return False
+        shared = hasattr(new, "share_ids") and new.share_ids(self.holder.current)  # the ids met so far, kept
         old = self.holder.swap(new)
         self.previous, self.failed = old, None
         seconds = time.perf_counter() - t0
-        log.info("%s: serving %s (was %s), %s", self.name, version, old.version if old else "nothing",
-                 "kept loaded since it was swapped out" if kept else f"loaded in {seconds:.2f}s")
-        self.on_event("swapped", {"version": version, "previous": old.version if old else None, "seconds": seconds})
+        log.info("%s: serving %s (was %s), %s%s", self.name, version, old.version if old else "nothing",
+                 "kept loaded since it was swapped out" if kept else f"loaded in {seconds:.2f}s",
+                 ", its id cache taken over" if shared else "")
+        self.on_event("swapped", {"version": version, "previous": old.version if old else None, "seconds": seconds,
+                                  "ids_shared": shared})
         return True
 
     async def _poll(self) -> None:

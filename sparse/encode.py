@@ -18,9 +18,22 @@ from mariana.sparse.parse import Chunk
 from mariana.sparse.records import FEW_ROWS
 from mariana.sparse.schema import HOUR_FIELDS, Schema
 
-ID_CACHE_ENTRIES = 1 << 18    # (field, value) ids an encoder remembers: ~36 MB at most per loaded version
+ID_CACHE_ENTRIES = 1 << 18    # (field, value) ids an IdCache holds: ~36 MB at most (shared by versions hashing alike)
 PLAIN_TYPES = frozenset((str, int, float, type(None)))  # an instance's values looked up as they come
 FEW_MISSED = 64               # new values hashed one by one in Python ints; more: numpy's vector steps
+
+
+class IdCache:
+    """What an `Encoder` remembers of the values it met: per sparse field, value -> id, and
+    how many entries all fields hold. The encoders of versions that hash alike can share
+    one (`Encoder.share_ids`), so a model swapped in starts with the values its predecessor
+    met instead of hashing them all again."""
+
+    __slots__ = ("fields", "entries")
+
+    def __init__(self, num_fields: int):
+        self.fields: list[dict] = [{} for _ in range(num_fields)]
+        self.entries = 0
 
 
 class Encoder:
@@ -50,12 +63,28 @@ class Encoder:
         self._key_ints = [int(k) for k in self._keys]
         self._mask_int = int(spec.mask)
         self._kinds = kinds
-        self._id_cache: list[dict] = [{} for _ in self.sparse_fields]  # per field: value -> id (`_cached_ids`)
-        self._cached = 0
+        self._memo = IdCache(len(self.sparse_fields))
+        self._id_cache = self._memo.fields  # per field: value -> id (`_cached_ids`, `instance_ids`)
         # encode_instances: (kind, its ids) of each field in order, when every sparse field is text or a number
         self._plain = (list(zip(kinds, self._id_cache))
                        if "int" not in kinds and not self.dense_fields else None)
         self._known = set(schema.columns)
+
+    def hashes_like(self, other: Encoder) -> bool:
+        """True when every value gets the same id from both: the same sparse fields, of the
+        same kinds, hashed with the same spec."""
+        return self.spec == other.spec and self.sparse_fields == other.sparse_fields and self._kinds == other._kinds
+
+    def share_ids(self, other: Encoder) -> bool:
+        """Use `other`'s id cache from now on when the two hash alike (a new version of a
+        served model: the values the old one met are lookups at once); False, and nothing
+        shared, when they do not."""
+        if not self.hashes_like(other):
+            return False
+        self._memo, self._id_cache = other._memo, other._memo.fields
+        if self._plain is not None:
+            self._plain = list(zip(self._kinds, self._id_cache))
+        return True
 
     @property
     def num_fields(self) -> int:
@@ -137,11 +166,11 @@ class Encoder:
                 return None
             self._hash_missed(missed, ids)
             # a new text is remembered by the str it came as too: its next request is all lookups
-            if self._cached + len(aliases) <= ID_CACHE_ENTRIES:
+            if self._memo.entries + len(aliases) <= ID_CACHE_ENTRIES:
                 for pos, j, raw in aliases:
                     if raw not in self._id_cache[j]:
                         self._id_cache[j][raw] = ids[pos]
-                        self._cached += 1
+                        self._memo.entries += 1
         return ids, unknown
 
     def _instance_ids(self, instance: dict, ids: list, missed: list, aliases: list) -> bool:
@@ -195,7 +224,7 @@ class Encoder:
                 i = 0
             elif kind == "text":  # met as bytes (a file's row, or an instance's first sight): found by its str from now
                 known[raw] = i
-                self._cached += 1
+                self._memo.entries += 1
             ids[base + j] = i
         return True
 
@@ -241,17 +270,17 @@ class Encoder:
         return np.array(out, np.int64).reshape(b, f)
 
     def _hash_missed(self, missed: list[tuple[int, int, object]], out: list[int]) -> None:
-        if self._cached + len(missed) > ID_CACHE_ENTRIES:
+        if self._memo.entries + len(missed) > ID_CACHE_ENTRIES:
             for known in self._id_cache:
                 known.clear()
-            self._cached = 0
+            self._memo.entries = 0
         store = len(missed) <= ID_CACHE_ENTRIES
         ids = self._few_ids(missed) if len(missed) <= FEW_MISSED else self._many_ids(missed)
         for (pos, j, v), i in zip(missed, ids):
             out[pos] = i
             if store and v not in self._id_cache[j]:  # a value met twice in one request is one entry
                 self._id_cache[j][v] = i
-                self._cached += 1
+                self._memo.entries += 1
 
     def _few_ids(self, missed: list[tuple[int, int, object]]) -> list[int]:
         """The ids of a request's few new values, hashed one by one with Python ints

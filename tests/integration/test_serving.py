@@ -223,6 +223,7 @@ def test_a_redis_announcement_swaps_at_once(models, gen_files, tmp_path):
                 assert time.monotonic() - t0 < 10, s.logs()
                 time.sleep(0.05)
             assert "announced: trained v000002" in s.logs()
+            assert "its id cache taken over" in s.logs()  # the same hashing: the values met stay lookups
     finally:
         redis.stop()
 

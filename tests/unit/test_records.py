@@ -186,8 +186,30 @@ def test_the_id_cache_gives_the_ids_hashing_gives(schema, few_missed, monkeypatc
         assert not bad
         got, want = enc.encode_rows(chunk), enc._hashed_ids(chunk)
         assert np.array_equal(got.ids.reshape(want.shape), want)
-        assert enc._cached <= 200 and sum(map(len, enc._id_cache)) == enc._cached
-    assert enc._cached > 0
+        assert enc._memo.entries <= 200 and sum(map(len, enc._id_cache)) == enc._memo.entries
+    assert enc._memo.entries > 0
+
+
+def test_encoders_that_hash_alike_share_the_values_they_met():
+    """A swapped-in version's encoder takes over its predecessor's id cache when the two hash
+    alike (the same fields, kinds and spec): its first request is lookups only, with the ids
+    its own hashing gives, and the two count one set of entries. An encoder that hashes
+    otherwise (another table size, another bucket scale) shares nothing."""
+    schema = criteo()
+    inst = {**{f: f"v-{f}" for f in schema.categorical}, "I1": 7, "I2": -2.5, "I3": None}
+    want = Encoder(schema, SPECS[0]).encode_instances([inst])[0]
+    old, new = Encoder(schema, SPECS[0]), Encoder(schema, SPECS[0])
+    old.encode_instances([inst])
+    assert new.share_ids(old) and new._memo is old._memo
+    missed: list = []
+    assert new._instance_ids(inst, [], missed, []) and not missed
+    assert np.array_equal(new.encode_instances([inst])[0], want)
+    new.encode_instances([{**inst, "C1": "met by the new one"}])
+    assert old._id_cache[old.sparse_fields.index("C1")].get("met by the new one") is not None
+    assert old._memo.entries == new._memo.entries == sum(map(len, old._id_cache))
+    for spec in (HashSpec(bits=21), HashSpec(bits=20, bucket_scale=3.0), SPECS[1]):
+        other = Encoder(schema, spec)
+        assert not other.hashes_like(old) and not other.share_ids(old) and other._memo is not old._memo
 
 
 def test_plain_instances_take_one_pass_with_the_same_verdict_and_ids():

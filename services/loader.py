@@ -59,8 +59,14 @@ class Loader(Service):
         await self.register()
 
     async def drain(self) -> None:
-        for task in self.reading.values():  # the offset is recorded per chunk: a restart resumes
-            task.cancel()
+        # The offset is recorded per chunk: a restart resumes. Cancelled until they end: a
+        # cancellation that meets the reply its task waited for can be lost (asyncio.wait_for
+        # on Python 3.11), and a read left running would outlive the coordinator client.
+        pending = {t for t in self.reading.values() if not t.done()}
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.1)
 
     async def close(self) -> None:
         if self.push is not None:
@@ -78,6 +84,9 @@ class Loader(Service):
             job = msg["job"]
             if job in self.reading and not self.reading[job].done():
                 return  # already streaming it (a repeated command)
+            if self.stopping is not None and self.stopping.is_set():  # the next loader is told again on Hello
+                log.info("%s: stopping: not reading job %s", self.name, job)
+                return
             until = _until(msg.get("until"))
             self.files[job] = [str(f) for f in msg["files"]]
             self.reading[job] = asyncio.create_task(self.read(job, self.files[job], msg["block_bytes"], until))
@@ -183,6 +192,8 @@ class Loader(Service):
                 await self.coordinator.call(type_, arrays, **fields)
                 return True
             except PeerTimeout as e:
+                if self.coordinator.closed:  # stopped: the coordinator learns it again from the next loader
+                    raise asyncio.CancelledError(f"{type_} not sent: {self.name} is stopping") from None
                 log.warning("%s: %s not acknowledged (%s); again", self.name, type_, e)
             except RemoteError as e:
                 log.warning("%s: coordinator refused %s: %s", self.name, type_, e)

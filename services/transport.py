@@ -157,6 +157,9 @@ class Client:
 
     async def call(self, type_: str, arrays: dict | None = None, timeout: float | None = None,
                    **fields) -> Message:
+        if self.closed:  # shut down: no reply can come. Yield first: a caller retrying on PeerTimeout
+            await asyncio.sleep(0)  # must not spin without the loop, where no cancellation reaches it
+            raise PeerTimeout(f"{self.endpoint}: client closed")
         msg_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending[msg_id] = fut

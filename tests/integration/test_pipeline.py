@@ -157,6 +157,9 @@ def test_worker_killed_mid_epoch_its_batches_are_reissued(data, tmp_path):
     with Cluster(tmp_path / "c", workers=2) as c:
         job = c.submit([data["small"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))
         c.wait(job, 60, until=progressed(10_000))
+        # worker-1 trains by now: a DNN worker loads torch before its first step, and under a busy
+        # machine's load worker-0 alone once did the first 10,000 rows while worker-1 held nothing
+        c.wait_for(lambda: c.status()["services"]["worker-1"]["status"].get("steps", 0) >= 1, 60)
         c.kill("worker-1", signal.SIGKILL)
         record = done_record(c, job)
     assert_exactly_once(record, 2)

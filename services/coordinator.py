@@ -39,7 +39,7 @@ from mariana.services.jobstore import JobStore
 from mariana.services.ledger import ChunkInfo, JobLedger, parse_step, stage_seconds_of
 from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ROLES, ClusterConfig
-from mariana.services.runtime.lifecycle import Service, run_service
+from mariana.services.runtime.lifecycle import Service, cancel_and_wait, run_service
 from mariana.services.sample_cache import SampleCache, batch_key
 from mariana.services.transport import Client, Server
 from mariana.sparse.errors import MarianaError
@@ -100,12 +100,7 @@ class Coordinator(Service):
         await self.server.drain(timeout=2.0)
 
     async def close(self) -> None:
-        for run in self.jobs.values():
-            if run.task and not run.task.done():
-                run.task.cancel()
-        for run in self.jobs.values():
-            if run.task:
-                await asyncio.gather(run.task, return_exceptions=True)
+        await cancel_and_wait(run.task for run in self.jobs.values() if run.task)  # each job resumes at restart
         if self.runner:
             await self.runner.cleanup()
         for c in self.shards:

@@ -26,7 +26,7 @@ from mariana.services import protocol, remote_inputs
 from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime import failpoints
 from mariana.services.runtime.config import ClusterConfig
-from mariana.services.runtime.lifecycle import Service, run_service
+from mariana.services.runtime.lifecycle import Service, cancel_and_wait, run_service
 from mariana.services.sample_cache import SampleCache
 from mariana.services.transport import PeerTimeout, RemoteError, make_socket
 from mariana.sparse.errors import DataFormatError, MarianaError
@@ -59,14 +59,9 @@ class Loader(Service):
         await self.register()
 
     async def drain(self) -> None:
-        # The offset is recorded per chunk: a restart resumes. Cancelled until they end: a
-        # cancellation that meets the reply its task waited for can be lost (asyncio.wait_for
-        # on Python 3.11), and a read left running would outlive the coordinator client.
-        pending = {t for t in self.reading.values() if not t.done()}
-        while pending:
-            for task in pending:
-                task.cancel()
-            _, pending = await asyncio.wait(pending, timeout=0.1)
+        # The offset is recorded per chunk: a restart resumes. Cancelled until they end: a read
+        # left running would outlive the coordinator client.
+        await cancel_and_wait(self.reading.values())
 
     async def close(self) -> None:
         if self.push is not None:

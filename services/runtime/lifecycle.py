@@ -123,6 +123,37 @@ class Service:
             self._heartbeat.cancel()
 
 
+async def cancel_and_wait(tasks) -> None:
+    """Cancel `tasks` until every one has ended. Once is not always enough: a cancellation
+    that meets the result a task's `asyncio.wait_for` was waiting for can be lost (Python
+    3.11), and a task left running outlives the clients it uses, or holds up a close that
+    waits for it. Their outcomes are retrieved (an error of one is no news at a stop).
+
+    >>> async def stubborn():
+    ...     try:
+    ...         await asyncio.sleep(30)
+    ...     except asyncio.CancelledError:
+    ...         pass  # the first cancellation lost
+    ...     await asyncio.sleep(30)
+    >>> async def main():
+    ...     t = asyncio.create_task(stubborn())
+    ...     await asyncio.sleep(0)
+    ...     await asyncio.wait_for(cancel_and_wait([t]), 5)
+    ...     return t.cancelled()
+    >>> asyncio.run(main())
+    True
+    """
+    tasks = list(tasks)
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
+
+
 async def _run(service: Service) -> int:
     loop = asyncio.get_running_loop()
     service.stopping = asyncio.Event()

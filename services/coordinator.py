@@ -100,7 +100,9 @@ class Coordinator(Service):
         await self.server.drain(timeout=2.0)
 
     async def close(self) -> None:
-        await cancel_and_wait(run.task for run in self.jobs.values() if run.task)  # each job resumes at restart
+        # A job left running resumes when the coordinator starts again; one that ends here first
+        # tells its shards (EndJob, up to 10 s each): the time it gets before another cancel.
+        await cancel_and_wait((run.task for run in self.jobs.values() if run.task), grace=30.0)
         if self.runner:
             await self.runner.cleanup()
         for c in self.shards:

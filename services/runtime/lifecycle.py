@@ -123,11 +123,13 @@ class Service:
             self._heartbeat.cancel()
 
 
-async def cancel_and_wait(tasks) -> None:
-    """Cancel `tasks` until every one has ended. Once is not always enough: a cancellation
-    that meets the result a task's `asyncio.wait_for` was waiting for can be lost (Python
-    3.11), and a task left running outlives the clients it uses, or holds up a close that
-    waits for it. Their outcomes are retrieved (an error of one is no news at a stop).
+async def cancel_and_wait(tasks, grace: float = 0.1) -> None:
+    """Cancel `tasks` until every one has ended: again after `grace` seconds (time for the
+    cleanup a cancelled task may do), then every 0.1 s. Once is not always enough: a
+    cancellation that meets the result a task's `asyncio.wait_for` was waiting for can be
+    lost (Python 3.11), and a task left running outlives the clients it uses, or holds up a
+    close that waits for it. Their outcomes are retrieved (an error of one is no news at a
+    stop).
 
     >>> async def stubborn():
     ...     try:
@@ -144,11 +146,12 @@ async def cancel_and_wait(tasks) -> None:
     True
     """
     tasks = list(tasks)
-    pending = {t for t in tasks if not t.done()}
+    pending, wait = {t for t in tasks if not t.done()}, grace
     while pending:
         for task in pending:
             task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=0.1)
+        _, pending = await asyncio.wait(pending, timeout=wait)
+        wait = 0.1
     for task in tasks:
         if not task.cancelled():
             task.exception()

@@ -50,6 +50,10 @@ class SpeechPredictor:
         p.recognizer.posteriors(np.zeros(p.recognizer.front_end.sample_rate, np.int16))
         return p
 
+    def share_ids(self, other) -> bool:
+        """A speech version hashes no values: nothing to take over (`Predictor.share_ids`)."""
+        return False
+
     def answer(self, body: bytes, content_type: str) -> dict:
         """A request's body -> the answer's object; ServeError 415 / 400 for a client's mistake."""
         if content_type.lower() not in AUDIO_TYPES:

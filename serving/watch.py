@@ -76,7 +76,7 @@ class VersionWatcher:
                       self.holder.version or "nothing")
             self.on_event("load_failed", {"version": version, "error": str(e)})
             return False
-        shared = hasattr(new, "share_ids") and new.share_ids(self.holder.current)  # the ids met so far, kept
+        shared = new.share_ids(self.holder.current)  # the ids met so far, kept
         old = self.holder.swap(new)
         self.previous, self.failed = old, None
         seconds = time.perf_counter() - t0

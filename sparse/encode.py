@@ -63,11 +63,8 @@ class Encoder:
         self._key_ints = [int(k) for k in self._keys]
         self._mask_int = int(spec.mask)
         self._kinds = kinds
-        self._memo = IdCache(len(self.sparse_fields))
-        self._id_cache = self._memo.fields  # per field: value -> id (`_cached_ids`, `instance_ids`)
-        # encode_instances: (kind, its ids) of each field in order, when every sparse field is text or a number
-        self._plain = (list(zip(kinds, self._id_cache))
-                       if "int" not in kinds and not self.dense_fields else None)
+        self._memo = IdCache(len(self.sparse_fields))  # `_cached_ids`, `instance_ids`; shared by `share_ids`
+        self._plain = "int" not in kinds and not self.dense_fields  # encode_instances: all text or numbers
         self._known = set(schema.columns)
 
     def hashes_like(self, other: Encoder) -> bool:
@@ -81,10 +78,13 @@ class Encoder:
         shared, when they do not."""
         if not self.hashes_like(other):
             return False
-        self._memo, self._id_cache = other._memo, other._memo.fields
-        if self._plain is not None:
-            self._plain = list(zip(self._kinds, self._id_cache))
+        self._memo = other._memo
         return True
+
+    @property
+    def _id_cache(self) -> list[dict]:
+        """Per sparse field: value -> id."""
+        return self._memo.fields
 
     @property
     def num_fields(self) -> int:
@@ -154,7 +154,7 @@ class Encoder:
         a request that brings a new id, as many do on high-cardinality fields, stays on this
         path. None for anything else (another type of value, more new values, hour fields, a
         dense block): `parse_records` and `encode_rows` take them and name what is wrong."""
-        if self._plain is None:
+        if not self._plain:
             return None
         ids, unknown, missed, aliases = [], [], [], []
         for instance in instances:
@@ -195,7 +195,7 @@ class Encoder:
         if None not in found:
             return True
         for j in [j for j, i in enumerate(found) if i is None]:  # only the values not met: a few
-            (kind, known), v = self._plain[j], values[j]
+            kind, known, v = self._kinds[j], self._id_cache[j], values[j]
             raw = v
             if kind == "text":
                 if type(v) is str:

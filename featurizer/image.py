@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from mariana.featurizer.idx import MNIST_IMAGES, MNIST_LABELS, IdxFormatError, file_sha256, read_idx
+from mariana.sparse import finite
 from mariana.sparse.errors import DataFormatError, ModelDirError
 
 log = logging.getLogger(__name__)
@@ -319,6 +320,9 @@ class ImageFeaturizer:
         missing = sorted(named - set(self.weights))
         if missing:
             raise ModelDirError(f"{where}: weights lack {missing[:3]}")
+        bad = finite.nonfinite(self.weights)
+        if bad:
+            raise ModelDirError(f"{where}: {WEIGHTS} holds {finite.describe(bad)}: a corrupt featurizer, not loaded")
 
     def embed(self, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
         """uint8 (N, S, S) -> float32 (N, d); BadImage when the array is not that.

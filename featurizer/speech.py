@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from mariana.featurizer.idx import file_sha256
+from mariana.sparse import finite
 from mariana.sparse.errors import DataFormatError, MarianaError, ModelDirError
 
 log = logging.getLogger(__name__)
@@ -474,6 +475,10 @@ class SpeechRecognizer:
         missing = sorted(named - set(weights))
         if unknown or missing:
             raise ModelDirError(f"{where}: unknown ops {unknown} or missing weights {missing}")
+        bad = finite.nonfinite(weights)
+        if bad:
+            raise ModelDirError(f"{where}: its weights hold {finite.describe(bad)}: a corrupt or diverged model, "
+                                "not loaded")
         self._torch = torch
         dim, classes = self.front_end.input_dim, manifest.get("classes")
         try:  # one frame through the ops: weights of the wrong shapes fail here, not in every request

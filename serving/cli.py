@@ -50,12 +50,14 @@ def cmd_model(args: argparse.Namespace) -> int:
         if not args.version:
             raise MarianaError("model promote: name the VERSION to serve (see 'mariana model list')")
         target, reason = args.version, "promoted"
+        checkpoint.check_version(model_dir, target)  # a server would refuse it: CURRENT stays
         before = checkpoint.set_current(model_dir, target, reason=reason)
     else:
         if args.version:
             raise MarianaError("model rollback takes no VERSION (it goes back to the one served before)")
         before, reason = checkpoint.current_version(model_dir), "rollback"
         target = checkpoint.rollback_target(model_dir, before)
+        checkpoint.check_version(model_dir, target)
         try:  # from the version the target was worked out for: a move meanwhile is not undone blindly
             checkpoint.set_current(model_dir, target, reason=reason, expect=before)
         except checkpoint.CurrentMoved as e:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 from collections import deque
@@ -145,8 +146,8 @@ class Batcher:
             return answer_batch(batch[0].predictor, [(p.body, p.fmt) for p in batch], self.max_instances)
         except Exception as e:  # a bug: this batch's requests get a 500; the next batch is served
             log.exception("predicting a batch of %d requests failed", len(batch))
-            return [error_answer(ServeError(500, f"internal error: {type(e).__name__}"), p.fmt, p.predictor.version)
-                    for p in batch]
+            err = ServeError(500, f"internal error (logged): {type(e).__name__}")
+            return [error_answer(err, p.fmt, p.predictor.version) for p in batch]
 
     def _take(self) -> list[_Pending]:
         """The oldest request and those behind it for the same version, up to max_requests."""
@@ -180,21 +181,28 @@ def answer_batch(predictor: Predictor, items: list[tuple[bytes, str]], max_insta
             for d in decoded] if len(decoded) <= predictor.lone_requests else [None] * len(decoded)
     rest = [d[0] for d, p in zip(decoded, lone) if d[2] is None and p is None]
     scored = iter(predictor.predict_many(rest) if rest else ())
-    answers = []
+    answers, nonfinite = [], 0
     for (instances, extra_keys, err), (_, fmt), p in zip(decoded, items, lone):
         unknown = extra_keys
         if err is None:
             p = next(scored) if p is None else p
             err, unknown = p.error, unknown + p.unknown_fields
+        if err is None:
+            pctr = p.pctr if isinstance(p.pctr, list) else p.pctr.tolist()
+            if not all(map(math.isfinite, pctr)):  # never a NaN in a 200, in either encoding
+                nonfinite += 1
+                err = ServeError(500, "internal error (logged): the model gave a pCTR that is not a number")
         if err is not None:
             a = error_answer(err, fmt, predictor.version)
             a.unknown_fields = unknown
             answers.append(a)
             continue
-        pctr = p.pctr if isinstance(p.pctr, list) else p.pctr.tolist()
         body = codec.encode({"pctr": pctr, "model_version": predictor.version}, fmt)
         answers.append(Answer(200, body, fmt, predictor.version, len(instances), unknown,
                               unknown_creatives=p.unknown_creatives))
+    if nonfinite:
+        log.error("version %s gave a NaN or infinite pCTR to %d of %d requests; answered 500", predictor.version,
+                  nonfinite, len(items))
     return answers
 
 

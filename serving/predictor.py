@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mariana.serving.errors import ServeError, bad_request
+from mariana.sparse.errors import ModelDirError
 from mariana.sparse.records import FEW_ROWS, concat_chunks, parse_records
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
@@ -62,7 +63,10 @@ class Predictor:
 
             if torch_threads:
                 torch.set_num_threads(torch_threads)
-        p.predict([{}])
+        warm = p.predict([{}])
+        if not np.isfinite(warm).all():  # finite weights can still overflow (a huge bias or dense weight)
+            raise ModelDirError(f"{model_dir}/{version}: its prediction for an empty instance is {warm[0]}, "
+                                "not a probability: a corrupt or diverged version, not loaded")
         return p
 
     def share_ids(self, other) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -34,6 +35,7 @@ class VersionWatcher:
         self.cfg, self.holder, self.name, self.on_event = cfg, holder, name, on_event
         self.poke = asyncio.Event()
         self.failed: str | None = None  # a CURRENT that would not load: not retried until it changes
+        self.unreadable: str | None = None  # why CURRENT named no version at the last look (said once)
         self.previous: Predictor | None = None  # the version swapped out, kept loaded: rollbacks are instant
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="mariana-load")
         self.tasks: list[asyncio.Task] = []
@@ -55,8 +57,10 @@ class VersionWatcher:
         """Load and swap in CURRENT if it is not the version in service; True on a swap."""
         try:
             version = checkpoint.current_version(self.cfg.model_dir)
-        except MarianaError:
-            return False  # no model yet (or a CURRENT being replaced): the next look will tell
+        except MarianaError as e:  # no model yet, or a CURRENT naming no version: said once, until it changes
+            self._unreadable(str(e))
+            return False
+        self.unreadable = None
         if version == self.holder.version or version == self.failed:
             return False
         t0 = time.perf_counter()
@@ -86,6 +90,19 @@ class VersionWatcher:
         self.on_event("swapped", {"version": version, "previous": old.version if old else None, "seconds": seconds,
                                   "ids_shared": shared})
         return True
+
+    def _unreadable(self, why: str) -> None:
+        """Log (and, when a CURRENT names something that is not a version here, count as a
+        failed load) why CURRENT gives no version, once per reason."""
+        if why == self.unreadable:
+            return
+        self.unreadable = why
+        if self.holder.current is None:
+            log.warning("%s: no model to serve yet: %s; /readyz says 503 until CURRENT names a version", self.name, why)
+        else:
+            log.error("%s: %s; serving %s still", self.name, why, self.holder.version)
+        if os.path.exists(os.path.join(self.cfg.model_dir, "CURRENT")):
+            self.on_event("load_failed", {"version": None, "error": why})
 
     async def _poll(self) -> None:
         while True:

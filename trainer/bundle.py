@@ -16,7 +16,7 @@ import numpy as np
 
 from mariana.featurizer.creatives import CreativeFeatures, ImageFeatureEncoder
 from mariana.featurizer.speech import MODEL_KIND as SPEECH_KIND
-from mariana.sparse import admission
+from mariana.sparse import admission, finite
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import ConfigError, MarianaError, ModelDirError
@@ -454,10 +454,10 @@ _EXPIT = None
 
 def _check_finite(weights: dict[str, np.ndarray]) -> None:
     """A model with NaN or infinite weights predicts NaN: it is never written."""
-    for name, arr in weights.items():
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise MarianaError(f"the trained model's {name} holds NaN or infinite values (training diverged): "
-                               f"nothing to publish; {LOWER_RATES}")
+    bad = finite.nonfinite(weights)
+    if bad:
+        raise MarianaError(f"the trained model holds {finite.describe(bad)} (training diverged): "
+                           f"nothing to publish; {LOWER_RATES}")
 
 
 def table_optimizer(config: JobConfig, role: str) -> SparseOptimizer:

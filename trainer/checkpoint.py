@@ -30,6 +30,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from mariana.sparse import finite
 from mariana.sparse.errors import ModelDirError
 
 FORMAT = "mariana-model/1"
@@ -85,6 +86,8 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
     nothing changes. Moves of one model dir take turns (a lock on the directory itself, so
     no file is left behind): a check and its move are one step for every process."""
     d = Path(model_dir)
+    if not VERSION_RE.match(version):  # a path or "." would leave CURRENT naming no version of this dir
+        raise ModelDirError(f"{model_dir}: {version!r} is not a version name (v000001, ...: see 'mariana model list')")
     if not (d / version).is_dir():
         raise ModelDirError(f"{model_dir}: no version {version!r}")
     fd = os.open(d, os.O_RDONLY)
@@ -268,12 +271,36 @@ def load_version(model_dir: str | os.PathLike, version: str | None = None,
     manifest = read_manifest(model_dir, version)
     if manifest.get("format") != FORMAT:
         raise ModelDirError(f"{vdir}: unknown model format {manifest.get('format')!r} (expected {FORMAT})")
+    weights = read_weights(vdir)
     try:
-        weights = load_file(str(vdir / WEIGHTS))
         opt = load_file(str(vdir / OPTIMIZER)) if with_optimizer and (vdir / OPTIMIZER).exists() else {}
     except (OSError, SafetensorError) as e:
         raise ModelDirError(f"{vdir}: cannot read tensors: {e}") from None
     return manifest, weights, opt
+
+
+def read_weights(vdir: Path) -> dict[str, np.ndarray]:
+    """A version's weights, refused (ModelDirError) when they cannot be read or hold a NaN
+    or an infinity: such a version would answer NaN."""
+    try:
+        weights = load_file(str(vdir / WEIGHTS))
+    except (OSError, SafetensorError) as e:
+        raise ModelDirError(f"{vdir}: cannot read tensors: {e}") from None
+    bad = finite.nonfinite(weights)
+    if bad:
+        raise ModelDirError(f"{vdir}: {WEIGHTS} holds {finite.describe(bad)}: a corrupt or diverged version, "
+                            "not loaded")
+    return weights
+
+
+def check_version(model_dir: str | os.PathLike, version: str) -> None:
+    """What a promotion checks before CURRENT moves, for a version of any kind: a version
+    name of this dir, its manifest and weights readable, the weights finite."""
+    if not VERSION_RE.match(version) or not (Path(model_dir) / version).is_dir():
+        raise ModelDirError(f"{model_dir}: no version {version!r} (see 'mariana model list')")
+    read_manifest(model_dir, version)
+    read_weights(Path(model_dir) / version)
+
 
 
 def publish_dir(tmp: Path, final: Path, replace: bool = False) -> bool:

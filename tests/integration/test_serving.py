@@ -303,6 +303,13 @@ def test_model_commands_list_promote_rollback(models, tmp_path):
         assert "serving v000002 (was v000001), kept loaded since it was swapped out" in s.logs()
     bad = run_cli("model", "promote", "v000009", "--model-dir", d)
     assert bad.returncode == 2 and "no version 'v000009'" in bad.stderr
+    for path in ("../lr/v000001", str(d / "v000001"), "."):  # a path is no version name of this dir
+        bad = run_cli("model", "promote", path, "--model-dir", d)
+        assert bad.returncode == 2 and f"no version {path!r}" in bad.stderr, bad.stderr
+    shutil.copytree(d / "v000001", d / "v000003")  # a version no server would load is not promoted
+    (d / "v000003" / checkpoint.WEIGHTS).write_bytes(b"not safetensors")
+    bad = run_cli("model", "promote", "v000003", "--model-dir", d)
+    assert bad.returncode == 2 and "cannot read tensors" in bad.stderr, bad.stderr
     assert (d / "CURRENT").read_text().strip() == "v000002"
 
 

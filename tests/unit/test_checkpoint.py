@@ -57,6 +57,33 @@ def test_versions_and_current(tmp_path, gen_files):
     assert checkpoint.current_version(d) == "v000002" and (tmp_path / "m" / checkpoint.PROMOTIONS).read_text() == moves
     with pytest.raises(checkpoint.CurrentMoved, match="CURRENT names v000002, not no version"):
         checkpoint.set_current(d, "v000003", expect=None)
+    # a path to a version (here or in another dir) is no version name: CURRENT would name nothing here
+    (tmp_path / "other" / "v000001").mkdir(parents=True)
+    for name in ("../other/v000001", str(tmp_path / "m" / "v000001"), "v000001/../v000003", ".", ""):
+        with pytest.raises(ModelDirError, match="is not a version name"):
+            checkpoint.set_current(d, name, reason="promoted")
+    assert checkpoint.current_version(d) == "v000002" and (tmp_path / "m" / checkpoint.PROMOTIONS).read_text() == moves
+
+
+def test_a_version_with_nan_or_infinite_weights_is_not_loaded(tmp_path, gen_files):
+    """A corrupt or diverged version would answer NaN for every request: refused at load,
+    naming the arrays, for a server's watcher to keep the version it serves."""
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "m"
+    trained("dnn", gen_files["train"]).save(str(d))
+    weights = d / "v000001" / checkpoint.WEIGHTS
+    good = load_file(str(weights))
+    for poison in (np.nan, np.inf, -np.inf):
+        arrays = dict(good)
+        name = sorted(k for k, a in arrays.items() if a.dtype.kind == "f")[-1]
+        arrays[name] = arrays[name].copy()
+        arrays[name].flat[len(arrays[name].flat) // 2] = poison
+        save_file(arrays, str(weights))
+        with pytest.raises(ModelDirError, match=f"NaN or infinite values \\(in {name}\\).*not loaded"):
+            ModelBundle.load(str(d))
+    save_file(good, str(weights))
+    assert ModelBundle.load(str(d)).manifest["version"] == "v000001"
 
 
 def test_no_pickle_in_a_version(tmp_path, gen_files):

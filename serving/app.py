@@ -26,6 +26,7 @@ import logging
 import os
 import time
 
+import aiohttp
 from aiohttp import web
 
 from mariana.serving import codec
@@ -53,7 +54,7 @@ def create_app(cfg: ServeConfig, worker: int = 0, run_dir: str | None = None,
     app[METRICS] = _metrics()
     app[HOLDER] = ModelHolder()
     app[RETRAIN] = RetrainRunner(cfg, config_path)
-    app.router.add_post("/v1/predict", predict)
+    app.router.add_post("/v1/predict", predict, expect_handler=_expect)
     app.router.add_get("/v1/model", model_info)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -61,6 +62,7 @@ def create_app(cfg: ServeConfig, worker: int = 0, run_dir: str | None = None,
     app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/v1/retrain", retrain_start)
     app.router.add_get("/v1/retrain/{id}", retrain_status)
+    app[SETTINGS]["paths"] = frozenset(r.canonical for r in app.router.resources())
     app.cleanup_ctx.append(_lifecycle)
     return app
 
@@ -76,10 +78,7 @@ async def _lifecycle(app: web.Application):
     batcher = app[BATCHER] = Batcher(s.batch_requests, s.max_instances, s.inline_bytes, on_batch)
     batcher.start()
     watcher = app[WATCHER] = VersionWatcher(s, app[HOLDER], st["name"], on_event=lambda k, i: _model_event(app, k, i))
-    await watcher.check()
-    if app[HOLDER].current is None:
-        log.warning("%s: no model to serve yet in %s; /readyz says 503 until CURRENT names one", st["name"],
-                    s.model_dir)
+    await watcher.check()  # what it cannot load it logs, and /readyz says 503 until there is a version
     watcher.start()
     snapshots = asyncio.create_task(_write_snapshots(app)) if st["run_dir"] else None
     yield
@@ -99,13 +98,14 @@ async def predict(request: web.Request) -> web.Response:
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise ServeError(413, f"a body of {request.content_length} bytes; at most {s.max_body_bytes} "
                              "(serve.max_body_bytes): split the request")
-        body = await _read(request, s.max_body_bytes)
+        body = await _read(request, s)
         predictor = app[HOLDER].current
         if predictor is None:
             raise ServeError(503, f"no model is loaded yet (nothing in service in {s.model_dir})")
     except ServeError as e:
-        answer = error_answer(e, fmt, app[HOLDER].version)
+        answer, close = error_answer(e, fmt, app[HOLDER].version), e.close
     else:
+        close = False
         if predictor.audio:
             return await _recognize(app, predictor, body, request.content_type)
         answer = await app[BATCHER].answer(predictor, body, fmt)
@@ -116,7 +116,10 @@ async def predict(request: web.Request) -> web.Response:
     if answer.unknown_creatives:
         m.inc("mariana_serve_unknown_creatives_total", answer.unknown_creatives)
     headers = {"X-Model-Version": answer.version} if answer.version else {}
-    return web.Response(body=answer.body, status=answer.status, content_type=answer.content_type, headers=headers)
+    response = web.Response(body=answer.body, status=answer.status, content_type=answer.content_type, headers=headers)
+    if close:
+        response.force_close()
+    return response
 
 
 async def _recognize(app: web.Application, predictor, body: bytes, content_type: str) -> web.Response:
@@ -204,28 +207,67 @@ def _authorize(request: web.Request) -> None:
                          + ("" if token else "; the admin endpoints are off: set serve.token in the serve config"))
     if not token:
         raise ServeError(403, "admin endpoints are off: set serve.token in the serve config")
-    if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+    scheme, _, given = got.strip().partition(" ")
+    # the header's bytes as sent (aiohttp keeps the undecodable ones as surrogates); the scheme's
+    # name is case-insensitive (RFC 7235)
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                                             token.encode()):
         raise ServeError(401, "a valid bearer token is required (Authorization: Bearer <serve.token>)")
 
 
-async def _read(request: web.Request, limit: int) -> bytes:
+async def _expect(request: web.Request) -> None:
+    """`Expect: 100-continue` (aiohttp's own handling, but): a body that its Content-Length
+    puts over serve.max_body_bytes is not asked for. The 413 goes out at once, and the
+    client does not send megabytes to have them refused."""
+    s = request.app[SETTINGS]["cfg"].serve
+    if request.content_length is not None and request.content_length > s.max_body_bytes:
+        return None
+    if request.headers.get("Expect", "").lower() != "100-continue" or request.version != aiohttp.HttpVersion11:
+        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers.get('Expect', '')}")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the answer's own size starts after it, as in aiohttp's handler
+
+
+async def _read(request: web.Request, s) -> bytes:
+    """The whole body, or ServeError: 413 over serve.max_body_bytes, 400 when it cannot be
+    decoded (a Content-Encoding it is not in, a broken chunked stream), 408 when it does not
+    all arrive in serve.body_seconds, 499 (nginx's "client closed request") when the client
+    leaves meanwhile. The last three close the connection."""
     try:
-        return await request.read()
+        async with asyncio.timeout(s.body_seconds):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise ServeError(413, f"the body is over {limit} bytes (serve.max_body_bytes): split the request") from None
+        raise ServeError(413, f"the body is over {s.max_body_bytes} bytes (serve.max_body_bytes): "
+                              "split the request") from None
+    except web.RequestPayloadError as e:
+        why = " ".join(str(getattr(e.__cause__, "message", None) or e).split())
+        # The parser is done with this body (it feeds it no more): marked ended, so aiohttp does
+        # not read it again after the answer, to log its error as an unhandled one.
+        request.content.feed_eof()
+        raise ServeError(400, f"the body cannot be read: {why}", close=True) from None
+    except TimeoutError:
+        raise ServeError(408, f"the body did not all arrive in {s.body_seconds:g}s (serve.body_seconds)",
+                         close=True) from None
+    except ConnectionError:
+        raise ServeError(499, "the client closed the connection before its body arrived", close=True) from None
 
 
 @web.middleware
 async def _errors_and_metrics(request: web.Request, handler):
     t0 = time.perf_counter()
     m = request.app[METRICS]
-    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+    resource = request.match_info.route.resource
+    # a method an endpoint does not take (405) matches no route, but its path is one of ours
+    route = resource.canonical if resource else request.path if request.path in request.app[SETTINGS]["paths"] \
+        else "other"
     m.inc("mariana_serve_in_flight", 1)
     try:
         response = await handler(request)
     except ServeError as e:
         challenge = {"WWW-Authenticate": 'Bearer realm="mariana"'} if e.status == 401 else None
         response = web.json_response({"error": e.message}, status=e.status, headers=challenge)
+        if e.close:
+            response.force_close()
     except web.HTTPException as e:  # aiohttp's own: no such route, method not allowed, ...
         response = web.json_response({"error": _http_error_text(request, e)}, status=e.status,
                                      headers={k: v for k, v in e.headers.items() if k == "Allow"})

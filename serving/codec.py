@@ -41,7 +41,24 @@ def decode(body: bytes, fmt: str, max_instances: int) -> tuple[list, int]:
     if len(instances) > max_instances:
         raise too_large(f"{len(instances)} instances in one request; at most {max_instances} "
                         "(serve.max_instances): split the request")
+    if fmt == MSGPACK:
+        _text_keys(instances)
     return instances, len(obj) - 1
+
+
+def _text_keys(instances: list) -> None:
+    """Field names packed as msgpack bin (some clients pack every string so) read as the
+    UTF-8 text they hold, as bin values already are: never taken for unknown fields.
+
+    >>> rows = [{b"C1": "a", "I1": 3}, {"C1": "b"}]; _text_keys(rows); rows
+    [{'C1': 'a', 'I1': 3}, {'C1': 'b'}]
+    """
+    for i, inst in enumerate(instances):
+        if type(inst) is dict and not all(type(k) is str for k in inst):
+            try:
+                instances[i] = {(k.decode() if type(k) is bytes else k): v for k, v in inst.items()}
+            except UnicodeDecodeError:
+                raise bad_request(f"instances[{i}]: a field name is not UTF-8 text") from None
 
 
 def encode(obj: dict, fmt: str) -> bytes:

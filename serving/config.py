@@ -46,6 +46,9 @@ class ServeSection:
     channel: str = CHANNEL
     token: str = ""                     # bearer token of the admin endpoints; "" : they are off
     drain_seconds: float = 10.0         # on SIGTERM, requests in flight get this long to finish
+    keepalive_seconds: float = 75.0     # a connection with no request in flight (or one never sent, or sent
+                                        # only in part: its headers) is closed after this long
+    body_seconds: float = 60.0          # a request body not all received in this long is answered 408, closed
     creatives_seconds: float = 5.0      # image models: how often creatives featurized since training are read
                                         # from redis_url's creative cache into the table (0: never)
 
@@ -61,6 +64,9 @@ class ServeSection:
             raise ConfigError(f"serve.port must be in 0..65535, got {self.port}")
         if self.watch_seconds <= 0:
             raise ConfigError(f"serve.watch_seconds must be > 0, got {self.watch_seconds}")
+        for key in ("keepalive_seconds", "body_seconds"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"serve.{key} must be > 0, got {getattr(self, key)}")
         if self.creatives_seconds < 0:
             raise ConfigError(f"serve.creatives_seconds must be >= 0 (0: never), got {self.creatives_seconds}")
 

@@ -104,15 +104,17 @@ def speech_document(sample_rate: int, classes: int) -> dict:
     return doc
 
 
-def _errors(*codes: int) -> dict:
-    text = {400: "The body is not JSON/msgpack, not {\"instances\": [objects]}, or a value has the wrong type.",
+def _errors(*codes: int, kinds: tuple[str, ...] = ("application/json",)) -> dict:
+    text = {400: "The body is not JSON/msgpack, not {\"instances\": [objects]}, or a value has the wrong type; "
+                 "or it cannot be read (not in the Content-Encoding it names).",
+            408: "The body did not all arrive in serve.body_seconds (the connection is closed).",
             401: "No bearer token, or a wrong one.",
             403: "The admin endpoints are off (no serve.token), or retrain is not configured on this server.",
             404: "No such retrain.", 409: "A retrain is running already.",
             413: "The body or the instance count is over the limit.",
             415: "A speech version takes a wav file (Content-Type: audio/wav), not instances.",
             503: "No model is loaded."}
-    return {str(c): {"description": text[c], "content": {"application/json": {"schema": _ERROR}}} for c in codes}
+    return {str(c): {"description": text[c], "content": {kind: {"schema": _ERROR} for kind in kinds}} for c in codes}
 
 
 def _json(schema: dict, description: str) -> dict:
@@ -133,7 +135,7 @@ OPENAPI = {
             "responses": {"200": {"description": "One pCTR per instance, in order, and the version that gave them.",
                                   "content": {"application/json": {"schema": _PREDICT_RESP},
                                               "application/msgpack": {"schema": _PREDICT_RESP}}},
-                          **_errors(400, 413, 503)}}},
+                          **_errors(400, 408, 413, 503, kinds=("application/json", "application/msgpack"))}}},
         "/v1/model": {"get": {"summary": "The version in service: when, on what and how well it was trained",
                               "responses": {"200": _json({"type": "object"}, "Model information."),
                                             **_errors(503)}}},

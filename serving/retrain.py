@@ -205,20 +205,48 @@ def _round(metrics: dict) -> dict:
 @contextmanager
 def model_lock(model_dir: str):
     """Held while a retrain of `model_dir` runs (its pid written in the lock file);
-    RetrainBusy when another process holds it."""
-    os.makedirs(model_dir, exist_ok=True)
-    fd = os.open(os.path.join(model_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    RetrainBusy when another process holds it. A retrain started over HTTP inherits the
+    lock its server took before starting it (`LOCK_FD_ENV` names the descriptor)."""
+    fd = _inherited_lock(model_dir)
+    if fd is None:
+        fd = take_lock(model_dir)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RetrainBusy(f"a retrain of {model_dir} is running already (pid {running_retrain(model_dir)})") \
-                from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
     finally:
         os.close(fd)  # closing drops the lock
+
+
+LOCK_FD_ENV = "MARIANA_RETRAIN_LOCK_FD"
+
+
+def take_lock(model_dir: str) -> int:
+    """The locked descriptor of `model_dir`'s retrain lock; RetrainBusy when it is held."""
+    os.makedirs(model_dir, exist_ok=True)
+    fd = os.open(os.path.join(model_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        pid = running_retrain(model_dir)
+        raise RetrainBusy(f"a retrain of {model_dir} is running already"
+                          + (f" (pid {pid})" if pid else " (starting)")) from None
+    return fd
+
+
+def _inherited_lock(model_dir: str) -> int | None:
+    """The lock descriptor a server handed this process, if it is `model_dir`'s lock."""
+    value = os.environ.pop(LOCK_FD_ENV, None)
+    try:
+        fd = int(value) if value else -1
+        held, ours = os.fstat(fd), os.stat(os.path.join(model_dir, LOCK))
+    except (ValueError, OSError):
+        return None
+    if (held.st_dev, held.st_ino) != (ours.st_dev, ours.st_ino):
+        return None
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours already (the same open file): a no-op
+    return fd
 
 
 def running_retrain(model_dir: str) -> int | None:
@@ -271,18 +299,26 @@ class RetrainRunner:
             raise ServeError(403, "retrain is not configured on this server: start it with --config FILE "
                              "holding a [retrain] section (data, or train_data and eval_data)")
         self._reap()
-        if running_retrain(model_dir):
-            raise ServeError(409, f"a retrain of {model_dir} is running already (pid {running_retrain(model_dir)})")
-        run = time.strftime("r%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
-        runs = os.path.join(model_dir, RUNS)
-        os.makedirs(runs, exist_ok=True)
-        status = os.path.join(runs, f"{run}.json")
-        _Status(status).update(id=run, state="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        with open(os.path.join(runs, f"{run}.log"), "ab") as out:
-            child = subprocess.Popen(
-                [sys.executable, "-m", "mariana", "retrain", "--config", self.config_path,
-                 "--status-file", status], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+        try:  # taken here, before the child starts, and handed to it: two quick POSTs, from one
+            lock = take_lock(model_dir)  # worker or two, cannot both be told 202
+        except RetrainBusy as e:
+            raise ServeError(409, str(e)) from None
+        try:
+            run = time.strftime("r%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
+            runs = os.path.join(model_dir, RUNS)
+            os.makedirs(runs, exist_ok=True)
+            status = os.path.join(runs, f"{run}.json")
+            _Status(status).update(id=run, state="starting",
+                                   started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            with open(os.path.join(runs, f"{run}.log"), "ab") as out:
+                child = subprocess.Popen(
+                    [sys.executable, "-m", "mariana", "retrain", "--config", self.config_path,
+                     "--status-file", status], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, pass_fds=(lock,), env=os.environ | {LOCK_FD_ENV: str(lock)})
+            os.ftruncate(lock, 0)  # its pid at once: a status asked before its Python is up finds it
+            os.write(lock, f"{child.pid}\n".encode())
+        finally:
+            os.close(lock)  # the child's copy holds the lock now (or, if it did not start, nobody)
         unpin(child.pid)  # a pinned worker's child would inherit its one CPU
         self.children.append(child)
         log.info("retrain %s started for %s (log: %s/%s.log)", run, model_dir, runs, run)

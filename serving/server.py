@@ -67,7 +67,8 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
 
     s = cfg.serve
     app = create_app(cfg, index, run_dir, config_path)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=s.drain_seconds)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=s.drain_seconds,
+                           keepalive_timeout=s.keepalive_seconds)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

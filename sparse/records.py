@@ -226,5 +226,5 @@ def _hour_text(field: str, v) -> bytes:
 
 
 def _kind(v) -> str:
-    return {dict: "an object", list: "an array", bool: "a boolean", float: "a float",
+    return {dict: "an object", list: "an array", bool: "a boolean", int: "an integer", float: "a float",
             str: "text", type(None): "null"}.get(type(v), type(v).__name__)

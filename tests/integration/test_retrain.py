@@ -204,6 +204,10 @@ def test_retrain_over_http_behind_a_token(days, tmp_path):
         auth = {"Authorization": f"Bearer {TOKEN}"}
         status, started = s.post("/v1/retrain", b"", headers=auth)
         assert status == 202 and started["state"] == "starting", started
+        # at once, before the child's Python is up, on fresh connections (so both workers get
+        # some): the lock was taken before the child started, for every worker to see
+        again = [s.post("/v1/retrain", b"", headers=auth) for _ in range(4)]
+        assert all(st == 409 and "running already" in a["error"] for st, a in again), again
         run = started["id"]
         deadline = time.monotonic() + 120
         while (state := s.get(f"/v1/retrain/{run}", auth)[1])["state"] in ("starting",):

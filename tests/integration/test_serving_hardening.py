@@ -1,0 +1,204 @@
+"""`mariana serve` against clients that misbehave below the JSON: a body not in the
+Content-Encoding it names, one that never all arrives, a connection that sends nothing,
+`Expect: 100-continue` for a body over the limit, credentials that are not UTF-8, field
+names packed as msgpack bin; and a model directory whose CURRENT or newest version is
+bad. Each gets a 4xx or is refused with a log line, counted, and the server goes on."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+import zlib
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from mariana.trainer import checkpoint
+from tests.conftest import run_cli
+from tests.integration.serving import Server
+
+pytestmark = pytest.mark.slow
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def model(gen_files, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("models") / "lr"
+    run_cli("-q", "train", "--data", gen_files["train"], "--model", "lr", "--out", d, check=True)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    with Server(tmp_path_factory.mktemp("serve"), model, workers=1,
+                serve={"token": TOKEN, "keepalive_seconds": 1.0, "body_seconds": 1.0, "max_body_bytes": 100_000}) as s:
+        s.wait_for("/readyz")
+        yield s
+
+
+def raw(server: Server, data: bytes, wait: float = 10.0) -> tuple[bytes, bool]:
+    """Send `data` on a fresh connection; (all it answered, whether the server closed it)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=wait) as sock:
+        sock.sendall(data)
+        got, closed = b"", False
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+            closed = True
+        except TimeoutError:
+            pass
+        return got, closed
+
+
+def post_head(length: int, extra: str = "") -> bytes:
+    return (f"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n{extra}\r\n").encode()
+
+
+BODY = b'{"instances": [{"I1": 3, "C1": "68fd1e64"}]}'
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_body_not_in_its_content_encoding_is_400_and_the_connection_closes(server, encoding):
+    """Its stream cannot be read past it: the answer says so, and the connection is closed
+    (a request pipelined behind it is not mistaken for part of it)."""
+    before = server.metric("mariana_serve_requests_total")
+    got, closed = raw(server, post_head(len(BODY), f"Content-Encoding: {encoding}\r\n") + BODY
+                      + post_head(len(BODY)) + BODY)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"Connection: close" in head, got
+    assert "the body cannot be read" in json.loads(body)["error"]
+    assert closed and got.count(b"HTTP/1.1") == 1
+    assert server.metric("mariana_serve_requests_total") >= before + 1  # counted, as a 400
+    assert "Traceback" not in server.logs()
+    good = zlib.compress(BODY) if encoding == "deflate" else __import__("gzip").compress(BODY)
+    got, _ = raw(server, post_head(len(good), f"Content-Encoding: {encoding}\r\nConnection: close\r\n") + good)
+    assert got.startswith(b"HTTP/1.1 200"), got  # the encodings themselves work
+
+
+def test_a_body_that_never_all_arrives_is_408_after_body_seconds(server):
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(post_head(len(BODY)) + BODY[:10])
+        got = b""
+        while b"}" not in got:
+            got += sock.recv(65536)
+    assert got.startswith(b"HTTP/1.1 408") and b"Connection: close" in got, got
+    assert b"serve.body_seconds" in got and time.monotonic() - t0 < 8
+    deadline = time.monotonic() + 5
+    while server.metric("mariana_serve_in_flight") != 1:  # nothing left hanging but the scrape itself
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/predict HTTP/1.1\r\nHost: x\r\n"], ids=["nothing", "half a head"])
+def test_a_connection_that_sends_no_whole_request_is_closed_after_keepalive_seconds(server, sent):
+    t0 = time.monotonic()
+    got, closed = raw(server, sent)
+    assert closed and got == b"" and time.monotonic() - t0 < 8
+
+
+def test_a_client_that_leaves_mid_body_is_no_error_in_the_log(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(post_head(len(BODY)) + BODY[:10])
+        time.sleep(0.3)
+    time.sleep(0.5)
+    assert server.predict([{"I1": 1}])[0] == 200
+    assert "Error handling request" not in server.logs() and "Traceback" not in server.logs()
+
+
+def test_expect_continue_for_a_body_over_the_limit_is_answered_413_at_once(server):
+    """The body is not asked for: 413 instead of 100 Continue. Within the limit: 100, then 200."""
+    got, _ = raw(server, post_head(5_000_000, "Expect: 100-continue\r\n"), wait=3)
+    assert got.startswith(b"HTTP/1.1 413") and b"100 Continue" not in got, got
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(post_head(len(BODY), "Expect: 100-continue\r\nConnection: close\r\n"))
+        assert sock.recv(100).startswith(b"HTTP/1.1 100 Continue")
+        sock.sendall(BODY)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+
+
+@pytest.mark.parametrize("value,status", [(b"Bearer s3cr\xe9t", 401), (b"Bearer \xff\xfe", 401),
+                                          (b"bearer s3cret", 403), (b"BEARER  s3cret ", 403)],
+                         ids=["latin-1", "not text", "lower-case scheme", "spaces"])
+def test_credentials_in_any_bytes_are_checked_never_a_500(server, value, status):
+    """Bytes that are no UTF-8 are a wrong token (401); the scheme's name is case-insensitive,
+    so the right token passes (and this server, with no [retrain] section, answers 403)."""
+    got, _ = raw(server, b"POST /v1/retrain HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n"
+                         b"Authorization: " + value + b"\r\n\r\n")
+    assert got.startswith(f"HTTP/1.1 {status}".encode()), got
+    if status == 403:
+        assert b"retrain is not configured" in got
+
+
+def test_field_names_packed_as_msgpack_bin_are_field_names(server):
+    row = {"I1": 3, "I2": 7, "C1": "68fd1e64", "C2": "80e26c9b"}
+    status, as_text = server.post("/v1/predict", msgpack.packb({"instances": [row]}), fmt="msgpack")
+    binary = msgpack.packb({"instances": [{k.encode(): v for k, v in row.items()}]}, use_bin_type=True)
+    before = server.metric("mariana_serve_unknown_fields_total")
+    status2, as_bin = server.post("/v1/predict", binary, fmt="msgpack")
+    assert status == status2 == 200 and as_bin["pctr"] == as_text["pctr"]
+    _, empty = server.predict([{}])
+    assert as_bin["pctr"] != empty["pctr"]  # its fields were read, not ignored
+    assert server.metric("mariana_serve_unknown_fields_total") == before
+    bad = msgpack.packb({"instances": [{b"\xff": 1}]}, use_bin_type=True)
+    status, answer = server.post("/v1/predict", bad, fmt="msgpack")
+    assert status == 400 and "instances[0]: a field name is not UTF-8 text" in answer["error"]
+
+
+def test_a_method_an_endpoint_does_not_take_is_counted_under_its_path(server):
+    assert server.get("/v1/predict")[0] == 405
+    status, body = server.get("/metrics")
+    assert 'mariana_serve_requests_total{code="405",route="/v1/predict"}' in body["text"]
+
+
+# ---- bad versions -----------------------------------------------------------------------
+
+def wait_for_metric(s: Server, name: str, want: float, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while s.metric(name) < want:
+        assert time.monotonic() < deadline, s.logs()
+        time.sleep(0.1)
+
+
+def test_a_version_with_nan_weights_is_refused_and_the_old_one_serves(model, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "models"
+    shutil.copytree(model, d)
+    with Server(tmp_path / "s", d, serve={"watch_seconds": 0.2}) as s:
+        s.wait_for("/readyz")
+        shutil.copytree(d / "v000001", d / "v000002")
+        weights = load_file(str(d / "v000002" / checkpoint.WEIGHTS))
+        name = next(k for k, a in weights.items() if a.dtype.kind == "f" and a.size > 1)
+        weights[name][:] = np.nan
+        save_file(weights, str(d / "v000002" / checkpoint.WEIGHTS))
+        checkpoint.set_current(d, "v000002", reason="promoted")
+        wait_for_metric(s, "mariana_serve_model_load_failures_total", 1)
+        status, answer = s.predict([{"I1": 3}])
+        assert status == 200 and answer["model_version"] == "v000001" and np.isfinite(answer["pctr"]).all()
+        assert f"NaN or infinite values (in {name}" in s.logs() and "serving v000001 still" in s.logs()
+
+
+def test_a_current_naming_no_version_is_said_once_and_counted(model, tmp_path):
+    d = tmp_path / "models"
+    shutil.copytree(model, d)
+    with Server(tmp_path / "s", d, serve={"watch_seconds": 0.2}) as s:
+        s.wait_for("/readyz")
+        for n, bad in enumerate(("v999999", "../lr/v000001"), 1):
+            (d / "CURRENT.tmp").write_text(bad + "\n")
+            (d / "CURRENT.tmp").rename(d / "CURRENT")
+            wait_for_metric(s, "mariana_serve_model_load_failures_total", n)
+            time.sleep(1.0)  # five more polls: said once, not five times
+            assert s.metric("mariana_serve_model_load_failures_total") == n
+            assert s.logs().count(f"CURRENT names {bad!r}, which is not a version here") == 1
+            assert s.predict([{"I1": 3}])[1]["model_version"] == "v000001"
+        checkpoint.set_current(d, "v000001")  # mended: quiet again, still the same version
+        time.sleep(0.6)
+        assert s.metric("mariana_serve_model_load_failures_total") == 2

@@ -41,6 +41,7 @@ from mariana.services.runtime import report
 from mariana.services.runtime.tuning import exiting, freeze_imports, tune_process
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.schema import FORMATS  # light: no numpy before tune_process() sets its thread count
+from mariana.sparse.settings import seed_arg
 
 log = logging.getLogger("mariana")
 EXIT_USAGE = 2
@@ -372,8 +373,14 @@ def _job_config(args: argparse.Namespace):
                       ("images", "images.creatives"), ("featurizer", "images.featurizer")):
         value = getattr(args, flag, None)
         if value is not None:
+            if key in overrides and overrides[key] != value:  # one of the two would be dropped in silence
+                raise MarianaError(f"--{flag.replace('_', '-')} {value} and --set {key}={overrides[key]} disagree: "
+                                   "give one")
             overrides[key] = value
-    return load_config(args.config, overrides=overrides)
+    config = load_config(args.config, overrides=overrides)
+    if getattr(args, "patience", None) is not None and args.command == "train" and not config.train.auto:
+        raise MarianaError("--patience is for --epochs auto (it stops training on the validation logloss)")
+    return config
 
 
 def _model_and_data(args: argparse.Namespace):
@@ -502,15 +509,15 @@ def build_parser() -> argparse.ArgumentParser:
     gsub = g.add_subparsers(dest="kind", required=True, metavar="KIND")
     gc = gsub.add_parser("criteo", help="Criteo-format TSV (docs/synthetic-data.md)")
     gc.add_argument("--rows", type=int, required=True, help="rows to write")
-    gc.add_argument("--seed", type=int, default=0, help="seed of the rows")
-    gc.add_argument("--model-seed", type=int, default=20140621, help="seed of the planted click model")
+    gc.add_argument("--seed", type=seed_arg, default=0, help="seed of the rows")
+    gc.add_argument("--model-seed", type=seed_arg, default=20140621, help="seed of the planted click model")
     gc.add_argument("--out", required=True, help="output file (.gz to compress)")
     gc.set_defaults(func=cmd_gen)
     gd = gsub.add_parser("criteo-drift", help="Criteo-format TSV in time order whose click model drifts "
                                               "(docs/synthetic-data.md)")
     gd.add_argument("--rows", type=int, required=True, help="rows to write (time order: split by position)")
-    gd.add_argument("--seed", type=int, default=0, help="seed of the rows")
-    gd.add_argument("--model-seed", type=int, help="seed of the planted click model (default: the generator's)")
+    gd.add_argument("--seed", type=seed_arg, default=0, help="seed of the rows")
+    gd.add_argument("--model-seed", type=seed_arg, help="seed of the planted click model (default: the generator's)")
     gd.add_argument("--out", required=True, help="output file (.gz to compress)")
     gd.set_defaults(func=cmd_gen)
     images_cli.add_gen_ads(gsub)
@@ -525,7 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "logloss stops improving, keeping the best epoch (default 1, or the config's train.epochs)")
     t.add_argument("--valid-data", help="file(s) scored after every epoch (validation: early stopping, tuning)")
     t.add_argument("--valid-fraction", type=float, help="hold out the last F of the training rows (file order: "
-                   "time order for a log) for validation (train.valid_fraction; 'auto' takes 0.1 when none given)")
+                   "time order for a log) for validation (train.valid_fraction; --epochs auto takes 0.1 when none "
+                   "is given)")
     t.add_argument("--init-from", metavar="MODEL_DIR[:VERSION]", help="warm start: go on from that version's "
                    "weights and optimizer state (default version: its CURRENT); the hashing and model must match")
     t.add_argument("--patience", type=int, help="--epochs auto: stop after this many epochs without a better "
@@ -562,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--trials", type=int, help="stop after this many trials (default: only the budget)")
     tu.add_argument("--model", choices=("lr", "dnn", "any"), default="lr",
                     help="model kind to tune (any: the kind is searched too; default lr)")
-    tu.add_argument("--seed", type=int, default=0, help="seed of the search")
+    tu.add_argument("--seed", type=seed_arg, default=0, help="seed of the search")
     tu.add_argument("--no-refit", action="store_true", help="publish the best trial's model as it is (default, "
                     "when validating on the held-out tail: leave time in the budget to train the best config on "
                     "every row, the tail included, for its best epoch count, and publish that)")

@@ -19,6 +19,7 @@ import os
 import time
 
 from mariana.sparse.errors import MarianaError
+from mariana.sparse.settings import seed_arg
 
 
 def cmd_gen_images(args: argparse.Namespace) -> int:
@@ -151,8 +152,8 @@ def add_gen_ads(gsub) -> None:
                                                  "(docs/synthetic-data.md)")
     ga.add_argument("--rows", type=int, required=True, help="training rows")
     ga.add_argument("--test-rows", type=int, help="test rows (default rows / 4)")
-    ga.add_argument("--seed", type=int, default=0, help="seed of the rows")
-    ga.add_argument("--model-seed", type=int, default=20140621, help="seed of the planted click model")
+    ga.add_argument("--seed", type=seed_arg, default=0, help="seed of the rows")
+    ga.add_argument("--model-seed", type=seed_arg, default=20140621, help="seed of the planted click model")
     ga.add_argument("--creatives", type=int, default=2000, help="creatives (held-out MNIST images, at most 2000)")
     ga.add_argument("--images", required=True, help="the MNIST dir (t10k-images/labels IDX files)")
     ga.add_argument("--out", required=True, help="directory: train.tsv, test.tsv, creatives/, planted.json")
@@ -160,7 +161,7 @@ def add_gen_ads(gsub) -> None:
     gi = gsub.add_parser("images", help="a deterministic synthetic image set: 10 classes of drawn shapes "
                                         "(featurizer/shapes.py), as MNIST-named IDX files")
     gi.add_argument("--rows", type=int, required=True, help="images to write")
-    gi.add_argument("--seed", type=int, default=0, help="seed of the images")
+    gi.add_argument("--seed", type=seed_arg, default=0, help="seed of the images")
     gi.add_argument("--size", type=int, default=64, help="side in pixels (default 64: the wide CNN's input)")
     gi.add_argument("--format", choices=("idx", "png", "jpeg"), default="idx", help="idx: MNIST-named IDX files; "
                     "png / jpeg: an image folder, OUT/<k>-<class>/<index>.png|.jpg (what `train image` decodes)")
@@ -193,7 +194,7 @@ def add_commands(sub) -> None:
     ft.add_argument("--data", required=True, help="the MNIST dir")
     ft.add_argument("--out", required=True, help="featurizer directory to write (replaced)")
     ft.add_argument("--epochs", type=int, default=5, help="passes over the training images (default 5)")
-    ft.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the order (default 0)")
+    ft.add_argument("--seed", type=seed_arg, default=0, help="seed of the initial weights and the order (default 0)")
     ft.add_argument("--json", action="store_true", help="print the report as one JSON line")
     ft.set_defaults(func=cmd_featurizer_train)
 
@@ -238,7 +239,7 @@ def build_train_image_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=128, help="images per step over all groups")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--test-images", type=int, default=2000, help="images held out (a fixed permutation's last N)")
     add_rank_flags(p, "featurizer directory to write (rank 0)")
     return p

@@ -21,6 +21,7 @@ import os
 import sys
 
 from mariana.sparse.errors import MarianaError
+from mariana.sparse.settings import seed_arg
 
 
 def build_train_parser() -> argparse.ArgumentParser:
@@ -42,7 +43,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adam", "adagrad", "sgd"), default="adam",
                    help="fed the exchanged gradient on every rank; its state is never sent (default adam)")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and of the global batch order")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the weights and of the global batch order")
     add_rank_flags(p, "model directory (rank 0 adds a version)")
     return p
 

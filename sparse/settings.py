@@ -207,3 +207,33 @@ def _merge(base: dict, top: Mapping, cls: type) -> dict:
         else:
             base[k] = v
     return base
+
+
+SEEDS = 1 << 32  # numpy's and torch's generators alike take 0 .. 2^32 - 1
+
+
+def check_seed(name: str, seed: int) -> None:
+    """A seed every generator here takes, or ConfigError naming it.
+
+    >>> check_seed("model.seed", -1)
+    Traceback (most recent call last):
+    mariana.sparse.errors.ConfigError: model.seed must be an integer in [0, 4294967295], got -1
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEEDS:
+        raise ConfigError(f"{name} must be an integer in [0, {SEEDS - 1}], got {seed!r}")
+
+
+def seed_arg(text: str) -> int:
+    """A command line's --seed: an integer in [0, 2^32 - 1] (an argparse type).
+
+    >>> seed_arg("7"), seed_arg("4294967295")
+    (7, 4294967295)
+    """
+    import argparse
+
+    try:
+        seed = int(text)
+        check_seed("a seed", seed)
+    except (ValueError, ConfigError):
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {SEEDS - 1}], got {text!r}") from None
+    return seed

@@ -60,6 +60,9 @@ def current_version(model_dir: str | os.PathLike) -> str:
     try:
         name = (d / "CURRENT").read_text().strip()
     except FileNotFoundError:
+        if VERSION_RE.match(d.resolve().name) and (d / MANIFEST).is_file():  # a version's own dir, named as a model's
+            raise ModelDirError(f"{model_dir}: a version's directory, not a model directory: name the model "
+                                f"directory ({d.resolve().parent}), whose CURRENT says which version serves") from None
         raise ModelDirError(f"{model_dir}: holds no model (no CURRENT file); train one with 'mariana train'") from None
     if not VERSION_RE.match(name) or not (d / name).is_dir():
         raise ModelDirError(f"{model_dir}: CURRENT names {name!r}, which is not a version here")

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from mariana.sparse.errors import ConfigError
 from mariana.sparse.hashing import HashSpec
 from mariana.sparse.schema import FORMATS, Schema, builtin
-from mariana.sparse.settings import load_settings
+from mariana.sparse.settings import check_seed, load_settings
 
 AUTO = "auto"  # train.epochs: stop on the validation logloss
 
@@ -79,6 +79,7 @@ class ModelConfig:
             raise ConfigError(f"model.init_bias must be a logit or 'auto', got {self.init_bias!r}")
         if not isinstance(self.init_bias, str) and not math.isfinite(self.init_bias):
             raise ConfigError(f"model.init_bias must be finite, got {self.init_bias}")
+        check_seed("model.seed", self.seed)
 
 
 @dataclass
@@ -276,6 +277,7 @@ class DenseConfig:
                 raise ConfigError(f"dense.{key} must be >= 0, got {getattr(self, key)}")
         if self.momentum and self.optimizer != "sgd":
             raise ConfigError(f"dense.momentum is for optimizer 'sgd', not {self.optimizer!r}")
+        check_seed("dense.seed", self.seed)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import functools
 import os
 import queue
 import threading
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator
@@ -62,17 +63,30 @@ def estimate_rows(paths: list[str], schema, block_bytes: int = 4 << 20) -> int:
 
 
 def uncompressed_size(path: str) -> int:
-    """A file's size, or for gzip the size its trailer records (mod 2^32: raised to be at
-    least the compressed size)."""
+    """A file's size; for gzip, about what it holds. The trailer's size (mod 2^32) is of the
+    last member only: right for one member (taken at the multiple of 2^32 nearest to the
+    ratio of the first MiB), nowhere near for `cat`-ed or bgzip files, or a truncated one,
+    where the first MiB's ratio times the file's size is the answer."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         if f.read(2) != b"\x1f\x8b" or size < 18:
             return size
+        f.seek(0)
+        head = f.read(GZIP_SAMPLE)
         f.seek(-4, os.SEEK_END)
         isize = int.from_bytes(f.read(4), "little")
-    while isize < size:
-        isize += 1 << 32
-    return isize
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = len(d.decompress(head, 64 * GZIP_SAMPLE))
+    except zlib.error:
+        return size
+    used = len(head) - len(d.unused_data) - len(d.unconsumed_tail)
+    estimate = round(size * out / used) if used and out else size
+    isize += max(0, round((estimate - isize) / (1 << 32))) << 32  # the candidate nearest the estimate
+    return isize if estimate / 2 <= isize <= estimate * 2 else estimate
+
+
+GZIP_SAMPLE = 1 << 20  # compressed bytes read to estimate a gzip file's ratio
 
 
 @dataclass(frozen=True)

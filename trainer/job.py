@@ -37,6 +37,7 @@ def check_out_dir(path: str) -> None:
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", path)
+        _check_model_dir(path)
         probe = path
     else:
         probe = os.path.dirname(os.path.abspath(path))
@@ -44,6 +45,22 @@ def check_out_dir(path: str) -> None:
             probe = os.path.dirname(probe)
     if not os.access(probe, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, "not writable", probe)
+
+
+def _check_model_dir(path: str) -> None:
+    """An existing --out is a model directory, or holds nothing a version would land among:
+    versions written into a directory of data files would be read as data by the next
+    `--data DIR`, and the files taken for the model's own."""
+    if os.path.exists(os.path.join(path, "CURRENT")) or checkpoint.list_versions(path):
+        return
+    other = sorted(n for n in os.listdir(path) if not n.startswith(".") and n not in MODEL_DIR_FILES)
+    if other:
+        raise MarianaError(f"{path}: holds {len(other)} other files ({', '.join(other[:3])}"
+                           f"{', ...' if len(other) > 3 else ''}) and no model: --out takes a model directory, "
+                           "or a new or empty one")
+
+
+MODEL_DIR_FILES = {checkpoint.PROMOTIONS, checkpoint.DECISIONS, "tune"}  # a model dir's own, beside its versions
 
 
 def check_trained(train_paths: list[str], rows: int, loss: float | None) -> None:
@@ -171,6 +188,9 @@ def publish(bundle: ModelBundle, job: JobInputs, trained: TrainResult, out_dir: 
                     describe_bad(trained.parse["first_bad"], 3))
     check_trained(job.train, trained.train_rows, trained.train_loss)
     tested = evaluate(bundle, job.test) if job.test else ({}, None)
+    if tested[1] and tested[1]["rows_bad"]:
+        log.warning("skipped %d malformed test rows (first: %s)", tested[1]["rows_bad"],
+                    describe_bad(tested[1]["first_bad"], 3))
     if images:
         after = images.counts()
         image_info = image_record(image_info, train_lookups,
@@ -246,7 +266,8 @@ def result_record(kind: str, trained: TrainSummary, tested: tuple[dict, dict | N
         "train_seconds": round(trained.seconds, 3),
         "rows_per_s": round(trained.rows_per_s, 1),
         "train_loss": trained.loss,
-        "bad_rows": trained.bad_rows + (test_parse["rows_bad"] if test_parse else 0),
+        "bad_rows": trained.bad_rows,  # a pass's malformed training rows
+        "test_bad_rows": test_parse["rows_bad"] if test_parse else 0,
         "model": kind,
     }
     if trained.valid:
@@ -338,6 +359,26 @@ def refit_best(result, job: JobInputs, fraction: float,
     return refit, trained, {**done, "rows": trained.train_rows, "seconds": round(trained.train_seconds, 2)}
 
 
+def check_has_rows(paths: list[str], schema, what: str) -> None:
+    """MarianaError when `paths` hold no valid labeled row, found by parsing blocks until
+    one has one (a block, for data that has rows). Before training: after it, every epoch's
+    validation would say "n/a", and a tune's every trial would fail.
+
+    >>> import tempfile; from mariana.sparse.schema import criteo
+    >>> d = tempfile.mkdtemp(); open(f"{d}/v.tsv", "w").close()
+    >>> check_has_rows([f"{d}/v.tsv"], criteo(), "validation")
+    Traceback (most recent call last):
+    mariana.sparse.errors.MarianaError: no valid validation rows in .../v.tsv (0 malformed): nothing to validate on
+    """
+    bad = 0
+    for task in Reader(paths, schema, labeled=True).tasks():
+        _, stats = task.run()
+        if stats.rows_ok:
+            return
+        bad += stats.rows_bad
+    raise MarianaError(f"no valid {what} rows in {','.join(paths)} ({bad} malformed): nothing to validate on")
+
+
 DEFAULT_VALID_FRACTION = 0.1  # epochs = "auto" with no validation rows named
 
 
@@ -350,6 +391,7 @@ def validation(config: JobConfig, schema, train_paths: list[str],
     if valid_paths and fraction:
         raise MarianaError("give validation rows one way: --valid-data or train.valid_fraction, not both")
     if valid_paths:
+        check_has_rows(valid_paths, schema, "validation")
         return None, Validation(valid_paths, source=",".join(valid_paths))
     if not fraction and config.train.auto:
         fraction = config.train.valid_fraction = DEFAULT_VALID_FRACTION

@@ -220,8 +220,9 @@ def check_search(config: JobConfig, budget: float) -> None:
     """What a search refuses before any work, local or cluster."""
     if config.images.creatives:
         raise MarianaError("tune: jobs with image features (images.creatives) are trained with 'mariana train'")
-    if not budget > 0:
-        raise MarianaError(f"tune: --budget must be a number of seconds > 0, got {budget}")
+    if not 0 < budget < math.inf:
+        raise MarianaError(f"tune: --budget must be a finite number of seconds > 0, got {budget} "
+                           "(--trials N bounds the search by count)")
 
 
 def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", max_trials: int | None = None,

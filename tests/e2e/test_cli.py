@@ -144,6 +144,8 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
     unlabeled.write_text("".join(ln.split("\t", 1)[1] + "\n" for ln in gen_files["test"].read_text().splitlines()[:20]))
     emptydir = tmp_path / "nothing"
     emptydir.mkdir()
+    bad_tail = tmp_path / "bad_tail.tsv"  # the last tenth, validation's under --epochs auto, malformed
+    bad_tail.write_text("".join(gen_files["test"].read_text().splitlines(keepends=True)[:900]) + "2\tx\n" * 100)
     cases = [
         (("train", "--data", tmp_path / "missing.tsv", "--out", tmp_path / "o"), ["missing.tsv", "no such file"]),
         (("train", "--data", gen_files["test"], "--format", "parquet", "--out", tmp_path / "o"), ["parquet"]),
@@ -168,6 +170,28 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
         (("train", "--data", gen_files["test"], "--set", "model.slots=1", "--out", tmp_path / "o"), ["model.slots"]),
         (("evaluate", "--model", models["dir"], "--data", unlabeled), ["not in criteo format"]),
         (("evaluate", "--model", models["dir"], "--data", empty), ["no valid rows in empty.tsv: nothing to evaluate"]),
+        # validation rows none of which is valid: said after the first epoch's pass, not a
+        # traceback after every epoch ran with "n/a"; the same in a tune's first trial
+        (("train", "--data", gen_files["test"], "--valid-data", empty, "--epochs", "auto", "--out", tmp_path / "o"),
+         ["no valid validation rows in", "empty.tsv"]),
+        (("train", "--data", bad_tail, "--epochs", "auto", "--out", tmp_path / "o"),
+         ["no valid validation rows in the last 0.1 of the training rows (100 lines) (100 malformed)"]),
+        (("tune", "--data", gen_files["test"], "--valid-data", empty, "--budget", "30", "--out", tmp_path / "o"),
+         ["no valid validation rows in", "empty.tsv"]),
+        (("tune", "--data", gen_files["test"], "--budget", "inf", "--trials", "1", "--out", tmp_path / "o"),
+         ["--budget must be a finite number of seconds"]),
+        (("train", "--data", gen_files["test"], "--model", "dnn", "--set", "model.kind=lr", "--out", tmp_path / "o"),
+         ["--model dnn and --set model.kind=lr disagree"]),
+        (("train", "--data", gen_files["test"], "--patience", "3", "--out", tmp_path / "o"),
+         ["--patience is for --epochs auto"]),
+        (("train", "--data", gen_files["test"], "--out", gen_files["test"].parent),
+         ["holds", "other files", "and no model: --out takes a model directory"]),
+        (("predict", "--model", models["dir"] / "v000001", "--data", gen_files["test"]),
+         ["a version's directory, not a model directory", str(models["dir"])]),
+        (("gen", "criteo", "--rows", "10", "--seed", "-1", "--out", tmp_path / "g.tsv"),
+         ["--seed: expected an integer in [0, 4294967295], got '-1'"]),
+        (("train", "--data", gen_files["test"], "--set", "model.seed=-1", "--out", tmp_path / "o"),
+         ["model.seed must be an integer in [0, 4294967295], got -1"]),
         (("train", "--data", gen_files["test"], "--set", "optim.linear=adagrad", "--set", "optim.lr=1e38",
           "--batch-size", "512",
           "--out", tmp_path / "o"), ["training diverged in epoch 1", "nothing to publish"]),

@@ -22,6 +22,7 @@ from typing import Callable
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.metrics import BinaryMetrics
+from mariana.sparse.parse import describe_bad
 from mariana.trainer.bundle import ModelBundle, Snapshot
 from mariana.trainer.config import LOWER_RATES
 from mariana.trainer.data import BatchStream, RowRange
@@ -117,8 +118,10 @@ def train_local(bundle: ModelBundle, paths: list[str],
         result.train_loss = loss
         if tracker is not None:
             t_valid = time.perf_counter()
-            metrics, _ = evaluate(bundle, valid.paths, valid.rows)
+            metrics, parsed = evaluate(bundle, valid.paths, valid.rows)
             valid_seconds = time.perf_counter() - t_valid
+            if epoch == 1:
+                check_validation(valid.source, metrics, parsed)
             improved = tracker.add(epoch, metrics, loss, bundle)
             log.log(logging.INFO if log_epochs else logging.DEBUG, "epoch %d/%s: valid logloss %s, auc %s%s",
                     epoch, cfg.train.epochs, _fmt(metrics.get("logloss")), _fmt(metrics.get("auc")),
@@ -139,6 +142,18 @@ def train_local(bundle: ModelBundle, paths: list[str],
             result.train_loss = tracker.best_train_loss
         result.valid = tracker.record(valid, keep_best=cfg.train.auto, limit=limit)
     return result
+
+
+def check_validation(source: str, metrics: dict, parsed: dict) -> None:
+    """After the first validation pass: its malformed rows said (once: every pass skips the
+    same), and none valid is an error now, not epochs of "n/a" and no best epoch to keep."""
+    if parsed["rows_bad"]:
+        log.warning("skipped %d malformed validation rows in %s (first: %s)", parsed["rows_bad"], source,
+                    describe_bad(parsed["first_bad"], 3))
+    if not metrics["count"]:
+        raise MarianaError(f"no valid validation rows in {source} ({parsed['rows_bad']} malformed): nothing to "
+                           "validate on; name other rows (--valid-data) or hold out a share of training's "
+                           "(--valid-fraction)")
 
 
 def _epoch(bundle: ModelBundle, stream: BatchStream, epoch: int, epochs: int,

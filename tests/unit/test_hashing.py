@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from mariana.sparse.errors import ConfigError
 from mariana.sparse.hashing import (HashSpec, py_fnv1a64, binary_ids, bucket_codes, field_key, fmix64, fnv1a64, int_ids,
                             log_bucket, log_bucket_few, token_id)
+from mariana.sparse.hashing import _BLOCK, _PY_MAX, _fnv1a64_positions, _fnv1a64_rest
 
 SPEC20 = HashSpec(bits=20)
 
@@ -110,13 +111,70 @@ def test_hash_spec_rejects_bad_values():
         HashSpec(numeric="log")
 
 
-@pytest.mark.parametrize("widths", [[8] * 50, [8, 0, 8, 8, 0], [3, 8, 1, 0, 12, 8], [0, 0], [5]])
+@pytest.mark.parametrize("widths", [[8] * 50, [3, 8, 1, 0, 12, 8] * 10, [8, 0, 8, 8, 0], [3, 8, 1, 0, 12, 8],
+                                    [0, 0], [5]])
 def test_fnv1a64_same_width_and_mixed_width_paths_match_the_reference(widths):
-    """Strings all of one width (hex ids) take a matrix path; mixed widths the gather
-    path: both are the plain-Python FNV-1a of each string."""
+    """Many strings all of one width (hex ids) take a matrix path; many of mixed widths the
+    gather path; a few strings a loop each: all are the plain-Python FNV-1a of each string."""
     rng = np.random.default_rng(len(widths))
     values = [bytes(rng.integers(0, 256, w, dtype=np.uint8)) for w in widths]
     offsets = np.concatenate([[0], np.cumsum([len(v) for v in values])])
     data = np.frombuffer(b"".join(values), np.uint8)
     got = fnv1a64(offsets, data).tolist()
     assert got == [py_fnv1a64(v) for v in values]
+
+
+def _packed(values: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.concatenate([[0], np.cumsum([len(v) for v in values])]).astype(np.int64)
+    return offsets, np.frombuffer(b"".join(values), np.uint8)
+
+
+# Long values, and their FNV-1a as the code before long values were finished one by one gave it:
+# saved models hold ids made from these hashes.
+LONG_VALUES = {b"ab" * 150: 0xC3A75328E60159B1,
+               bytes(range(256)) * 20: 0xA6EF0828AF1F9F25,
+               b"\xff" * 100_000: 0x945223F8E9767705,
+               "Größe naïve 東京 café ☕".encode() * 40: 0xA94C17A142C0E225,
+               b"": 0xCBF29CE484222325}
+
+
+def test_long_values_among_short_ones_hash_as_before():
+    """A batch of short values with a few long ones (300 B to 100 kB, non-ASCII, empty) hashes
+    every value as the reference does, and the long ones to the ids they always had."""
+    rng = np.random.default_rng(11)
+    short = [bytes(rng.integers(0, 256, rng.integers(0, 33), dtype=np.uint8)) for _ in range(500)]
+    values = short[:200] + list(LONG_VALUES) + short[200:] + [b"x" * 5000]
+    got = fnv1a64(*_packed(values)).tolist()
+    assert got == [py_fnv1a64(v) for v in values]
+    assert got[200:205] == list(LONG_VALUES.values())
+    key = field_key("C7")
+    assert binary_ids(pa.array(values, pa.binary()), key, SPEC20).tolist() == [token_id("C7", v, 20) for v in values]
+    assert fnv1a64(*_packed(list(LONG_VALUES))).tolist() == list(LONG_VALUES.values())  # a few alone
+
+
+def test_a_long_value_takes_no_numpy_step_per_byte():
+    """Byte positions are stepped in numpy (a step of ~5 us each, over the batch) only while
+    many strings are that long; longer strings are finished one by one. Before, one 100 kB
+    value among short ones took 100,000 steps; now the steps stop at the short values' end."""
+    rng = np.random.default_rng(5)
+    short = [bytes(rng.integers(0, 256, rng.integers(8, 33), dtype=np.uint8)) for _ in range(4096)]
+    values = short[:100] + [b"y" * 300, b"z" * 5000] + short[100:] + [b"w" * 100_000]
+    offsets, data = _packed(values)
+    rest, done = _fnv1a64_positions(np.zeros(len(values), np.uint64), offsets, data)
+    assert done <= 32 and rest.tolist() == [100, 101, len(values) - 1]
+    rest, done = _fnv1a64_positions(np.zeros(len(short), np.uint64), *_packed(short))
+    assert rest.size == 0 and done == 32  # a batch of short values: all in numpy, as before
+    rest, done = _fnv1a64_positions(np.zeros(1, np.uint64), *_packed([b"v" * (2 << 20)]))
+    assert rest.tolist() == [0] and done == 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 255, _PY_MAX, _PY_MAX + 1, _BLOCK - 1, _BLOCK, _BLOCK + 1, 2 * _BLOCK + 7])
+def test_one_string_carries_any_state_over_any_length(n):
+    """`_fnv1a64_rest` goes on from the state a prefix left, in a Python loop or in numpy
+    blocks (past `_PY_MAX` bytes), across block ends, for any bytes: the reference's hash of
+    prefix + rest."""
+    rng = np.random.default_rng(n)
+    for rest in (bytes(n), b"\xff" * n, bytes(rng.integers(0, 256, n, dtype=np.uint8))):
+        for prefix in (b"", b"C7", bytes(rng.integers(0, 256, 13, dtype=np.uint8))):
+            got = _fnv1a64_rest(py_fnv1a64(prefix), np.frombuffer(rest, np.uint8))
+            assert got == py_fnv1a64(prefix + rest)

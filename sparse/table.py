@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mariana.sparse.errors import ModelDirError
 from mariana.sparse.hashing import fmix64
 
 _INIT_SALT = np.uint64(0x2545F4914F6CDD1D)
@@ -86,8 +87,49 @@ class HashedTable:
         return np.flatnonzero(self.touched)
 
     def load_rows(self, rows: np.ndarray, weights: np.ndarray, state: dict[str, np.ndarray]) -> None:
-        """Restore saved rows (checkpoint load)."""
+        """Restore saved rows (a version's, a shard's export) after checking them: ModelDirError
+        naming the array as a version names it (table.<name>.<key>) when they do not fit."""
+        problem = self.rows_problem(rows, weights, state)
+        if problem:
+            raise ModelDirError(f"table.{self.name}.{problem[0]} {problem[1]}")
         self.weights[rows] = weights
         self.touched[rows] = True
         for key, values in state.items():
             self.state_array(key)[rows] = values
+
+    def rows_problem(self, rows: np.ndarray, weights: np.ndarray, state: dict[str, np.ndarray]
+                     ) -> tuple[str, str] | None:
+        """What makes saved rows unfit for this table, as (the array: "rows", "weights" or a state
+        key; what is wrong), or None. Rows: (n,) integers in [0, num_rows), each once (numpy would
+        wrap a negative id round, and a repeated one would take one of its rows' weights); weights
+        and each state array: (n, dim) floats. Vectorized passes only: ~3 ms a million rows.
+
+        >>> t = HashedTable("emb", num_rows=8, dim=2)
+        >>> t.rows_problem(np.array([3, -1]), np.zeros((2, 2), np.float32), {})
+        ('rows', 'holds row ids from -1 to 3, expected 0 <= id < 8')
+        """
+        if rows.ndim != 1 or rows.dtype.kind not in "iu":
+            return "rows", f"is {_kind(rows)}, expected a 1-d array of integers"
+        if weights.dtype.kind != "f" or weights.ndim != 2 or weights.shape[1] != self.dim:
+            return "weights", f"is {_kind(weights)}, expected floats of shape ({len(rows)}, {self.dim})"
+        if len(weights) != len(rows):
+            return "rows", f"holds {len(rows)} ids, expected one for each of the {len(weights)} rows of its weights"
+        for key, arr in state.items():
+            if arr.dtype.kind != "f" or arr.shape != weights.shape:
+                return key, f"is {_kind(arr)}, expected floats of its weights' shape {weights.shape}"
+        if not len(rows):
+            return None
+        lo, hi = rows.min(), rows.max()
+        if lo < 0 or hi >= self.num_rows:
+            return "rows", f"holds row ids from {lo} to {hi}, expected 0 <= id < {self.num_rows}"
+        if not (rows[1:] > rows[:-1]).all():  # a version's rows ascend; others are sorted to find repeats
+            ordered = np.sort(rows)
+            repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+            if repeated.size:
+                return "rows", f"holds {repeated.size} repeated row ids (the first: {repeated[0]}), expected each once"
+        return None
+
+
+def _kind(a: np.ndarray) -> str:
+    """'float32 of shape (3, 4)': an array as an error names it."""
+    return f"{a.dtype} of shape {a.shape}"

@@ -220,7 +220,13 @@ class ModelBundle:
 
     @classmethod
     def load(cls, model_dir: str, version: str | None = None, with_optimizer: bool = False) -> "ModelBundle":
+        """The bundle of `version` (default: CURRENT's) with its optimizer state and pending counts
+        when `with_optimizer` (a warm start). Every array is checked against the model its
+        manifest's config describes before it is used: ModelDirError naming the version dir and
+        the array otherwise, as for an unreadable version."""
+        version = version or checkpoint.current_version(model_dir)
         manifest, weights, optim = checkpoint.load_version(model_dir, version, with_optimizer)
+        vdir = os.path.join(model_dir, version)
         if manifest.get("kind") == SPEECH_KIND:
             raise ModelDirError(f"{model_dir}: {manifest.get('version')} is a speech model (mariana train speech), "
                                 "not a click model (`mariana evaluate`, `predict` and `serve` take it as a speech "
@@ -232,33 +238,106 @@ class ModelBundle:
             raise ModelDirError(f"{model_dir}: manifest lacks {e}") from None
         images = None
         if config.images.creatives:
-            try:
-                images = CreativeFeatures.from_arrays(weights)
-            except KeyError as e:
-                raise ModelDirError(f"{model_dir}: an image model whose weights lack {e}") from None
+            _check_images(vdir, weights)
+            images = CreativeFeatures.from_arrays(weights)
         bundle = cls(config, schema, images)
         bundle.manifest = manifest
         bundle.rows_trained = manifest.get("rows_trained", 0)
         bundle.steps = manifest.get("steps", 0)
-        for pname, p in dense_params(bundle.model):
-            try:
-                p[...] = weights[f"dense.{pname}"]
-            except KeyError:
-                raise ModelDirError(f"{model_dir}: weights lack dense.{pname}: the version was saved by a mariana "
-                                    "whose model had other parameters (e.g. an 'fm' model from before its FM term "
-                                    "became a mean over field pairs); train it again") from None
+        _load_dense(vdir, bundle, weights, optim)
         arrays = {**weights, **optim}
-        for name, t in bundle.tables.items():
-            try:
-                t.load_rows(*table_arrays(arrays, name))
-            except KeyError as e:
-                raise ModelDirError(f"{model_dir}: weights lack {e}") from None
-        for (pname, _), st in zip(dense_params(bundle.model), bundle.dense_opt.state):
-            for key in st:
-                if f"dense.{pname}.{key}" in optim:
-                    st[key][...] = optim[f"dense.{pname}.{key}"]
+        for name in bundle.tables:
+            _load_table(vdir, bundle, name, arrays)
+        if bundle.counts is not None:
+            _check_pending(vdir, optim, config.hashing.num_ids)
         bundle.load_counts(optim)  # ids counted but not admitted yet (a warm start goes on counting)
         return bundle
+
+
+# ---- a version's arrays, checked against the model its manifest describes ----------------------
+
+def _load_dense(vdir: str, bundle: ModelBundle, weights: dict[str, np.ndarray], optim: dict[str, np.ndarray]) -> None:
+    """The dense parameters and the state of those that have one saved (else it starts fresh)."""
+    for (pname, p), st in zip(dense_params(bundle.model), bundle.dense_opt.state):
+        name = f"dense.{pname}"
+        if name not in weights:
+            raise ModelDirError(f"{vdir}: weights lack {name}: the version was saved by a mariana whose model had "
+                                "other parameters (e.g. an 'fm' model from before its FM term became a mean over "
+                                "field pairs); train it again")
+        _check_floats(vdir, name, weights[name], p.shape)
+        p[...] = weights[name]
+        for key in st:
+            if f"{name}.{key}" in optim:
+                _check_floats(vdir, f"{name}.{key}", optim[f"{name}.{key}"], st[key].shape)
+                st[key][...] = optim[f"{name}.{key}"]
+
+
+def _check_floats(vdir: str, name: str, arr: np.ndarray, shape: tuple) -> None:
+    if arr.dtype.kind != "f" or arr.shape != tuple(shape):
+        raise ModelDirError(f"{vdir}: {name} is {arr.dtype} of shape {arr.shape}, expected floats of shape "
+                            f"{tuple(shape)} (the model the manifest's config describes)")
+
+
+def _load_table(vdir: str, bundle: ModelBundle, name: str, arrays: dict[str, np.ndarray]) -> None:
+    """Table `name`'s rows, weights and the optimizer state saved for it: all of its optimizer's
+    state keys or none (a version saved without state: it starts fresh)."""
+    table, opt = bundle.tables[name], bundle.optimizers[name]
+    prefix = f"{TABLE_PREFIX}{name}."
+    for key in ("rows", "weights"):
+        if prefix + key not in arrays:
+            raise ModelDirError(f"{vdir}: weights lack {prefix + key} (the model has a table {name!r})")
+    rows, weights, state = table_arrays(arrays, name)
+    unknown = sorted(set(state) - set(opt.state_keys))
+    missing = [key for key in opt.state_keys if key not in state]
+    if unknown or (state and missing):
+        bad = prefix + (unknown or missing)[0]
+        raise ModelDirError(f"{vdir}: {bad} is {'unknown' if unknown else 'missing'}: table {name}'s optimizer "
+                            f"({opt.name}) keeps {', '.join(prefix + k for k in opt.state_keys)}")
+    try:
+        table.load_rows(rows, weights, state)
+    except ModelDirError as e:
+        raise ModelDirError(f"{vdir}: {e} (the manifest's config: hashing.bits {bundle.config.hashing.bits}, "
+                            f"so {table.num_rows:,} rows of width {table.dim})") from None
+
+
+def _check_pending(vdir: str, optim: dict[str, np.ndarray], num_ids: int) -> None:
+    """The pending counts (admission.IDS_KEY, COUNTS_KEY): both or neither; (n,) ids in
+    [0, num_ids) and (n,) counts >= 0."""
+    ids_key, counts_key = admission.IDS_KEY, admission.COUNTS_KEY
+    ids, counts = optim.get(ids_key), optim.get(counts_key)
+    if ids is None and counts is None:
+        return
+    if ids is None or counts is None:
+        have, lack = (ids_key, counts_key) if counts is None else (counts_key, ids_key)
+        raise ModelDirError(f"{vdir}: optimizer state holds {have} but lacks {lack}")
+    for key, arr in ((ids_key, ids), (counts_key, counts)):
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or len(arr) != len(ids):
+            raise ModelDirError(f"{vdir}: {key} is {arr.dtype} of shape {arr.shape}, expected ({len(ids)},) "
+                                "integers: one per pending id")
+    if len(ids) and (ids.min() < 0 or ids.max() >= num_ids):
+        raise ModelDirError(f"{vdir}: {ids_key} holds ids from {ids.min()} to {ids.max()}, expected "
+                            f"0 <= id < {num_ids:,} (2**hashing.bits of the manifest's config)")
+    if len(counts) and counts.min() < 0:
+        raise ModelDirError(f"{vdir}: {counts_key} holds {counts.min()}, expected counts >= 0")
+
+
+def _check_images(vdir: str, weights: dict[str, np.ndarray]) -> None:
+    """The creative features table (`CreativeFeatures.to_arrays`): (C, d) float features and
+    the C ids as bytes cut at (C + 1,) ascending offsets from 0 to the bytes' end."""
+    for key in ("images.features", "images.id_bytes", "images.id_offsets"):
+        if key not in weights:
+            raise ModelDirError(f"{vdir}: an image model whose weights lack {key!r}")
+    feats, raw, off = weights["images.features"], weights["images.id_bytes"], weights["images.id_offsets"]
+    if feats.ndim != 2 or feats.dtype.kind != "f":
+        raise ModelDirError(f"{vdir}: images.features is {feats.dtype} of shape {feats.shape}, expected "
+                            "(creatives, features) floats")
+    if raw.ndim != 1 or raw.dtype != np.uint8:
+        raise ModelDirError(f"{vdir}: images.id_bytes is {raw.dtype} of shape {raw.shape}, expected (n,) uint8")
+    if off.ndim != 1 or off.dtype.kind not in "iu" or len(off) != len(feats) + 1 or off[0] != 0 \
+            or off[-1] != len(raw) or (np.diff(off.astype(np.int64)) < 0).any():
+        raise ModelDirError(f"{vdir}: images.id_offsets is {off.dtype} of shape {off.shape}, expected "
+                            f"({len(feats) + 1},) ascending integers from 0 to {len(raw)} (the creative ids' "
+                            "ends in images.id_bytes)")
 
 
 TABLE_PREFIX = "table."  # a table's arrays, in a saved version and in a shard's export

@@ -1,0 +1,183 @@
+"""A version whose arrays do not fit the model its manifest describes is refused at load
+(`ModelBundle.load`): one ModelDirError naming the version dir and the array, never an
+IndexError from numpy, nor weights silently put in the wrong rows."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from mariana.sparse.errors import ModelDirError
+from mariana.sparse.synth import generate_criteo
+from mariana.trainer import checkpoint
+from mariana.trainer.bundle import ModelBundle, warm_start
+from mariana.trainer.config import load_config
+from mariana.trainer.strategies.local import train_local
+from tests.conftest import run_cli_cases
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{kind: model dir} of an LR (FTRL, hashing.min_count 2: pending counts saved) and a DNN,
+    trained on 3,000 rows with 2**16 ids: every test corrupts a copy."""
+    d = tmp_path_factory.mktemp("bundle_load")
+    generate_criteo(d / "train.tsv", 3_000, seed=1)
+    out = {}
+    for kind, over in (("lr", {"hashing.min_count": 2}), ("dnn", {})):
+        cfg = load_config(env={}, overrides={"model.kind": kind, "hashing.bits": 16, "train.batch_size": 512,
+                                             "model.embed_dim": 4, "model.hidden": [8], **over})
+        bundle = ModelBundle(cfg, cfg.data.resolve_schema())
+        train_local(bundle, [str(d / "train.tsv")])
+        bundle.save(str(d / kind))
+        out[kind] = d / kind
+    return out
+
+
+def copy(saved, kind, tmp_path):
+    d = tmp_path / kind
+    shutil.copytree(saved[kind], d)
+    return d
+
+
+def rewrite(path, edit):
+    """Apply `edit` (arrays dict -> None) to a safetensors file in place."""
+    arrays = {k: v.copy() for k, v in load_file(str(path)).items()}
+    edit(arrays)
+    save_file(arrays, str(path))
+
+
+def refused(d, name, with_optimizer=False):
+    """The load fails with one ModelDirError naming the version dir and array `name`."""
+    with pytest.raises(ModelDirError) as e:
+        ModelBundle.load(str(d), with_optimizer=with_optimizer)
+    assert str(d / "v000001") in str(e.value) and name in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def test_hashing_bits_that_no_longer_fit_the_stored_rows(saved, tmp_path):
+    d = copy(saved, "lr", tmp_path)
+    path = d / "v000001" / checkpoint.MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["config"]["hashing"]["bits"] = 10
+    path.write_text(json.dumps(manifest))
+    message = refused(d, "table.linear.rows")
+    assert "< 1024" in message
+
+
+def test_rows_shorter_than_the_weights(saved, tmp_path):
+    d = copy(saved, "lr", tmp_path)
+    rewrite(d / "v000001" / checkpoint.WEIGHTS,
+            lambda a: a.update({"table.linear.rows": a["table.linear.rows"][:-5].copy()}))
+    refused(d, "table.linear.rows")
+
+
+def test_a_dense_parameter_of_another_shape(saved, tmp_path):
+    d = copy(saved, "dnn", tmp_path)
+    rewrite(d / "v000001" / checkpoint.WEIGHTS, lambda a: a.update({"dense.bias": np.zeros(3, np.float32)}))
+    message = refused(d, "dense.bias")
+    assert "(3,)" in message and "(1,)" in message
+
+
+def test_lr_weights_of_another_width(saved, tmp_path):
+    d = copy(saved, "lr", tmp_path)
+    rewrite(d / "v000001" / checkpoint.WEIGHTS,
+            lambda a: a.update({"table.linear.weights": np.repeat(a["table.linear.weights"], 4, axis=1)}))
+    refused(d, "table.linear.weights")
+
+
+def test_a_negative_row_index(saved, tmp_path):
+    d = copy(saved, "lr", tmp_path)
+
+    def negative(a):
+        a["table.linear.rows"][0] = -3
+
+    rewrite(d / "v000001" / checkpoint.WEIGHTS, negative)
+    assert "-3" in refused(d, "table.linear.rows")
+
+
+def _duplicate(a):
+    a["table.embedding.rows"][1] = a["table.embedding.rows"][0]
+
+
+def _rows_2d(a):
+    a["table.linear.rows"] = a["table.linear.rows"][:, None].copy()
+
+
+@pytest.mark.parametrize("edit,name", [
+    (_duplicate, "table.embedding.rows"),
+    (_rows_2d, "table.linear.rows"),
+    (lambda a: a.update({"table.linear.rows": a["table.linear.rows"].astype(np.float64)}), "table.linear.rows"),
+    (lambda a: a.update({"table.embedding.weights": a["table.embedding.weights"][:, :2].copy()}),
+     "table.embedding.weights"),
+    (lambda a: a.update({"table.linear.weights": a["table.linear.weights"].astype(np.int32)}),
+     "table.linear.weights"),
+    (lambda a: a.pop("table.embedding.weights"), "table.embedding.weights"),
+    (lambda a: a.update({"dense.over_arch.0.weight": a["dense.over_arch.0.weight"].T.copy()}),
+     "dense.over_arch.0.weight"),
+], ids=["duplicate-row", "rows-2d", "float-rows", "embedding-width", "int-weights", "missing-weights",
+        "transposed-dense"])
+def test_other_arrays_that_do_not_fit(saved, tmp_path, edit, name):
+    d = copy(saved, "dnn", tmp_path)
+    rewrite(d / "v000001" / checkpoint.WEIGHTS, edit)
+    refused(d, name)
+
+
+def _pending_out_of_range(a):
+    a["admission.ids"][0] = 1 << 20
+
+
+@pytest.mark.parametrize("kind,edit,name", [
+    ("lr", lambda a: a.update({"table.linear.z": a["table.linear.z"][:-1].copy()}), "table.linear.z"),
+    ("lr", lambda a: a.pop("table.linear.n"), "table.linear.n"),
+    ("lr", lambda a: a.update({"table.linear.bogus": a["table.linear.z"]}), "table.linear.bogus"),
+    ("lr", lambda a: a.update({"dense.bias.sum_sq": np.zeros((1, 2), np.float32)}), "dense.bias.sum_sq"),
+    ("lr", _pending_out_of_range, "admission.ids"),
+    ("lr", lambda a: a.update({"admission.counts": a["admission.counts"][:-1].copy()}), "admission.counts"),
+    ("dnn", lambda a: a.update({"table.embedding.sum_sq": a["table.embedding.sum_sq"][:, :1].copy()}),
+     "table.embedding.sum_sq"),
+    ("dnn", lambda a: a.update({"dense.over_arch.0.weight.sum_sq": np.zeros(8, np.float32)}),
+     "dense.over_arch.0.weight.sum_sq"),
+], ids=["short-table-state", "half-ftrl-state", "unknown-state", "dense-state-shape", "pending-id-range",
+        "pending-counts-length", "embedding-state-width", "dnn-dense-state"])
+def test_optimizer_state_that_does_not_fit_is_refused_for_a_warm_start(saved, tmp_path, kind, edit, name):
+    """A warm start (`--init-from`) loads the optimizer state too: checked as the weights are.
+    A server loads no optimizer state, so the same version still serves."""
+    d = copy(saved, kind, tmp_path)
+    rewrite(d / "v000001" / checkpoint.OPTIMIZER, edit)
+    refused(d, name, with_optimizer=True)
+    with pytest.raises(ModelDirError, match=name):
+        loaded = ModelBundle.load(str(d))
+        warm_start(loaded.config, loaded.schema, str(d))
+    assert ModelBundle.load(str(d)).manifest["version"] == "v000001"
+
+
+def test_the_cli_answers_one_line_and_exit_code_2(saved, tmp_path):
+    d = copy(saved, "lr", tmp_path)
+    path = d / "v000001" / checkpoint.MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["config"]["hashing"]["bits"] = 10
+    path.write_text(json.dumps(manifest))
+    data = saved["lr"].parent / "train.tsv"
+    [(code, err)] = run_cli_cases([["predict", "--model", d, "--data", data]])
+    assert code == 2 and "Traceback" not in err and "table.linear.rows" in err, err
+
+
+def _offsets_past_the_bytes(a):
+    a["images.id_offsets"][-1] += 5
+
+
+@pytest.mark.parametrize("edit,name", [
+    (_offsets_past_the_bytes, "images.id_offsets"),
+    (lambda a: a.update({"images.features": a["images.features"][:, :, None].copy()}), "images.features"),
+], ids=["offsets-past-the-bytes", "features-3d"])
+def test_a_creative_features_table_that_does_not_fit(tmp_path, edit, name):
+    from mariana.featurizer.creatives import CreativeFeatures
+
+    cfg = load_config(env={}, overrides={"model.kind": "lr", "hashing.bits": 12, "images.creatives": "ads"})
+    images = CreativeFeatures([b"c1", b"c22"], np.array([[0.5, 1.0], [-0.5, 0.0]], np.float32))
+    d = tmp_path / "m"
+    ModelBundle(cfg, cfg.data.resolve_schema(), images).save(str(d))
+    assert ModelBundle.load(str(d)).images.ids == [b"c1", b"c22"]
+    rewrite(d / "v000001" / checkpoint.WEIGHTS, edit)
+    refused(d, name)

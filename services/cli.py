@@ -61,6 +61,8 @@ def cmd_gen(args: argparse.Namespace) -> int:
         raise MarianaError(f"{args.out}: directory {out_dir} does not exist")
     if os.path.isdir(args.out):
         raise MarianaError(f"{args.out}: is a directory; --out names the file to write")
+    if not os.access(out_dir, os.W_OK | os.X_OK):  # the file goes in through a temp file beside it
+        raise MarianaError(f"{args.out}: directory {out_dir} is not writable")
     t0 = [time.perf_counter()]
 
     def progress(done: int, seconds: float) -> None:

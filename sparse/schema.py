@@ -68,8 +68,9 @@ class Schema:
                 f"ignore or hour): {unassigned}")
         if len(set(self.columns)) != len(self.columns):
             raise ConfigError(f"schema {self.name!r}: duplicate column names")
-        if len(self.delimiter) != 1:
-            raise ConfigError(f"schema {self.name!r}: delimiter must be one character, got {self.delimiter!r}")
+        if len(self.delimiter) != 1 or self.delimiter in '\r\n"':  # a line break or the quote ends fields anyway
+            raise ConfigError(f"schema {self.name!r}: delimiter must be one character other than a line break or "
+                              f"'\"', got {self.delimiter!r}")
         if not self.numeric and not self.categorical and not self.hour:
             raise ConfigError(f"schema {self.name!r}: no feature columns")
 

@@ -395,6 +395,9 @@ def parse_init_from(spec: str) -> tuple[str, str | None]:
     head, sep, tail = spec.rpartition(":")
     if sep and checkpoint.VERSION_RE.match(tail):
         return head, tail
+    if sep and not tail and head:  # 'DIR:' with the version left out
+        raise ModelDirError(f"--init-from {spec!r}: name a version after the ':' (DIR:v000003), or DIR alone for the "
+                            "version its CURRENT names")
     return spec, None
 
 

@@ -116,6 +116,9 @@ class OptimConfig:
                 raise ConfigError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
 
 
+MAX_BATCH = 1 << 24  # rows per step: 16.8M rows x 39 ids is already ~5 GB of int64 ids
+
+
 @dataclass
 class TrainConfig:
     """`epochs = "auto"`: train until the validation logloss has not improved for
@@ -138,6 +141,8 @@ class TrainConfig:
             raise ConfigError(f"train.epochs must be a number of passes or 'auto', got {self.epochs!r}")
         if isinstance(self.batch_size, str) and self.batch_size != AUTO:
             raise ConfigError(f"train.batch_size must be a number of rows or 'auto', got {self.batch_size!r}")
+        if isinstance(self.batch_size, int) and self.batch_size > MAX_BATCH:
+            raise ConfigError(f"train.batch_size must be at most {MAX_BATCH:,} rows, got {self.batch_size:,}")
         if (self.batch_size != AUTO and self.batch_size < 1) or self.prefetch < 1 or self.threads < 0 or (
                 self.epochs != AUTO and self.epochs < 1):
             raise ConfigError("train.epochs, train.batch_size and train.prefetch must be >= 1, train.threads >= 0")

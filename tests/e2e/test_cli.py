@@ -188,6 +188,8 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
          ["holds", "other files", "and no model: --out takes a model directory"]),
         (("predict", "--model", models["dir"] / "v000001", "--data", gen_files["test"]),
          ["a version's directory, not a model directory", str(models["dir"])]),
+        (("train", "--data", gen_files["test"], "--init-from", f"{models['dir']}:", "--out", tmp_path / "o"),
+         ["name a version after the ':'"]),
         (("gen", "criteo", "--rows", "10", "--seed", "-1", "--out", tmp_path / "g.tsv"),
          ["--seed: expected an integer in [0, 4294967295], got '-1'"]),
         (("train", "--data", gen_files["test"], "--set", "model.seed=-1", "--out", tmp_path / "o"),

@@ -29,6 +29,9 @@ def test_layers_of_config(tmp_path):
     ({"data.format": "csv"}, "needs a \\[data.schema\\]"),
     ({"model.hidden": [16, "x"]}, r"model.hidden\[1\]: expected an integer"),
     ({"optim.lr": True}, "optim.lr: expected a number"),
+    ({"train.batch_size": 10 ** 20}, "train.batch_size must be at most 16,777,216 rows"),
+    ({"model.seed": -1}, r"model.seed must be an integer in \[0, 4294967295\], got -1"),
+    ({"model.seed": 1 << 32}, "model.seed must be an integer in"),
 ])
 def test_bad_config_names_the_key(tree, message):
     with pytest.raises(ConfigError, match=message):
@@ -62,6 +65,11 @@ def test_csv_schema_from_config():
         "columns": ["y", "a", "b"], "label": "y", "numeric": ["a"]}})
     with pytest.raises(ConfigError, match="columns without a role"):
         cfg.data.resolve_schema()
+    for sep in ("\n", "\r", '"', ",,"):  # a line break or a quote cannot part fields
+        cfg = load_config(env={}, overrides={"data.format": "csv", "data.schema": {
+            "columns": ["y", "a"], "label": "y", "categorical": ["a"], "delimiter": sep}})
+        with pytest.raises(ConfigError, match="delimiter must be one character other than a line break"):
+            cfg.data.resolve_schema()
     assert JobConfig().to_dict()["train"]["epochs"] == 1
 
 

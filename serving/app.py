@@ -222,7 +222,9 @@ async def _expect(request: web.Request) -> None:
     s = request.app[SETTINGS]["cfg"].serve
     if request.content_length is not None and request.content_length > s.max_body_bytes:
         return None
-    if request.headers.get("Expect", "").lower() != "100-continue" or request.version != aiohttp.HttpVersion11:
+    if request.version != aiohttp.HttpVersion11:  # HTTP/1.0 has no 100 Continue: the body just follows
+        return None
+    if request.headers.get("Expect", "").lower() != "100-continue":
         raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers.get('Expect', '')}")
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the answer's own size starts after it, as in aiohttp's handler

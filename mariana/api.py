@@ -280,17 +280,33 @@ class Model:
         the parser's rules, hashed as a file row is, scored by the same bundle."""
         from mariana.sparse.records import parse_records
 
-        out, bad = [], []
+        out, bad, unknown = [], [], 0
         for start in range(0, len(records), CHUNK_ROWS):
-            chunk, wrong, _ = parse_records(self.bundle.schema, records[start:start + CHUNK_ROWS])
+            chunk, wrong, extra = parse_records(self.bundle.schema, records[start:start + CHUNK_ROWS])
             bad += [(start + i, why) for i, why in wrong]
+            unknown += extra
             if not bad and chunk.num_rows:
                 out.append(self.bundle.predict(self.bundle.encoder.encode_rows(chunk)).astype(np.float64))
         if bad:
             shown = "; ".join(f"rows[{i}]: {why}" for i, why in bad[:SHOWN_BAD])
             more = f" (and {len(bad) - SHOWN_BAD} more)" if len(bad) > SHOWN_BAD else ""
             raise DataFormatError(f"{len(bad)} of {len(records)} rows cannot be scored: {shown}{more}")
+        if unknown:
+            self._unknown_fields(records, unknown)
         return np.concatenate(out) if out else np.empty(0)
+
+    def _unknown_fields(self, records: list, unknown: int) -> None:
+        """Fields the model does not know are ignored, as the endpoint ignores them: said, with
+        their names; and when no row has any field the model knows, every pCTR would be that of
+        an empty row: DataFormatError (columns numbered 0..39, names in another case)."""
+        known = set(self.bundle.schema.columns)
+        names = sorted({str(k) for r in records[:1000] for k in r if k not in known})
+        if not any(not known.isdisjoint(r) for r in records):
+            theirs = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            raise DataFormatError(f"no row has a field of the model's ({', '.join(self.bundle.schema.fields[:4])}, "
+                                  f"...): its rows' fields are {theirs}; name the columns as the model's schema does")
+        log.warning("%d values of fields the model does not know were ignored (%s%s)", unknown,
+                    ", ".join(names[:6]), ", ..." if len(names) > 6 else "")
 
     def evaluate(self, data: Data) -> dict:
         """The record of `mariana evaluate --json` on labeled `data` (services/cli.py,

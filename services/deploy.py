@@ -101,9 +101,12 @@ def default_redis_server() -> str:
 
 
 def plan_install(prefix: str, mariana: str | None = None, redis_server: str | None = None) -> Plan:
+    if not prefix:
+        raise MarianaError("--prefix is empty: name the root to install under ('/' for this host)")
     root = Path(prefix).expanduser().absolute()
     plan = Plan(root, deploy_dir())
-    mariana, redis_server = mariana or default_mariana(), redis_server or default_redis_server()
+    mariana = _program("--mariana", mariana) if mariana is not None else default_mariana()
+    redis_server = _program("--redis-server", redis_server) if redis_server is not None else default_redis_server()
     units = root / "etc" / "systemd" / "system"
     texts = {unit.name: unit.read_text().replace(UNIT_MARIANA, mariana).replace(UNIT_REDIS, redis_server)
              for unit in sorted((plan.source / "systemd").iterdir())
@@ -117,6 +120,18 @@ def plan_install(prefix: str, mariana: str | None = None, redis_server: str | No
     plan.commands = _commands(plan, etc / "cluster.toml")
     _check_writable(plan)
     return plan
+
+
+def _program(option: str, path: str) -> str:
+    """A program the units run: ExecStart= takes an absolute path with no whitespace (it
+    would split there). Whether it exists is not checked: with --prefix the units may be
+    for another host's layout."""
+    if not os.path.isabs(path):
+        raise MarianaError(f"{option} {path!r}: give an absolute path (systemd's ExecStart= takes no relative one)")
+    if any(c.isspace() for c in path):
+        raise MarianaError(f"{option} {path!r}: a path with whitespace splits ExecStart=; install it under a path "
+                           "without any (e.g. /opt/mariana)")
+    return path
 
 
 # ---- what the sandbox hides from a unit ------------------------------------------------------

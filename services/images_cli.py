@@ -19,7 +19,7 @@ import os
 import time
 
 from mariana.sparse.errors import MarianaError
-from mariana.sparse.settings import seed_arg
+from mariana.sparse.settings import count_arg, seed_arg
 
 
 def cmd_gen_images(args: argparse.Namespace) -> int:
@@ -176,7 +176,7 @@ def add_commands(sub) -> None:
     f.add_argument("--model", required=True, help="featurizer directory")
     f.add_argument("--images", required=True, help="IDX file (gz or plain) or .npy of uint8 (N, 28, 28)")
     f.add_argument("--out", required=True, help=".npy file of float32 (N, d)")
-    f.add_argument("--batch-size", type=int, default=256, help="images embedded at a time (default 256)")
+    f.add_argument("--batch-size", type=count_arg, default=256, help="images embedded at a time (default 256)")
     f.set_defaults(func=cmd_featurize)
 
     fc = sub.add_parser("featurize-creatives", help="cache the image features of a creatives dir in Redis "
@@ -237,7 +237,7 @@ def build_train_image_parser() -> argparse.ArgumentParser:
                    "or elastic distortions with a random affine map (Simard et al. 2003; ~10x the CPU)")
     p.add_argument("--shift", type=int, default=3, help="augmentation: random shifts up to this many pixels")
     p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=128, help="images per step over all groups")
+    p.add_argument("--batch-size", type=count_arg, default=128, help="images per step over all groups")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--test-images", type=int, default=2000, help="images held out (a fixed permutation's last N)")

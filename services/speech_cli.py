@@ -122,6 +122,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     split = getattr(args, "split", None) or rec.manifest.get("train", {}).get("split", "official")
     t0 = time.perf_counter()
     _, test = split_utterances(read_archive(fsdd_archive(args.data), rec.front_end.sample_rate), split)
+    if not test:
+        raise MarianaError(f"{args.data}: no recording of split {split}'s held-out part (what evaluate scores): "
+                           "give the archive the model was trained from, or another --split")
     guesses = np.array([rec.classify(u.samples) for u in test])
     digits = np.array([u.digit for u in test])
     confusion = np.zeros((10, 10), np.int64)

@@ -93,8 +93,8 @@ class RetrainSection:
             raise ConfigError(f"retrain.mode must be 'local' or 'cluster', got {self.mode!r}")
         if self.train_files < 1 or self.eval_files < 1:
             raise ConfigError("retrain.train_files and retrain.eval_files must be >= 1")
-        if not self.auc_tolerance >= 0:
-            raise ConfigError(f"retrain.auc_tolerance must be >= 0, got {self.auc_tolerance}")
+        if not 0 <= self.auc_tolerance < 1:  # an AUC lies in [0, 1]: a tolerance of 1 or more gates nothing
+            raise ConfigError(f"retrain.auc_tolerance must be in [0, 1), got {self.auc_tolerance}")
 
 
 @dataclass

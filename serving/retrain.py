@@ -35,6 +35,7 @@ from mariana.services.runtime import model_events, procs
 from mariana.services.runtime.tuning import unpin
 from mariana.sparse.errors import ConfigError, MarianaError, ModelDirError
 from mariana.sparse.inputs import NoDataFiles, expand_data_paths
+from mariana.sparse.parse import Reader, describe_bad
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
 from mariana.sparse.settings import from_dict
@@ -71,7 +72,7 @@ def run_retrain(cfg: ServeConfig, status_file: str | None = None) -> dict:
 
 
 def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
-    from mariana.trainer.job import run_local_job
+    from mariana.trainer.job import check_has_rows, run_local_job
     from mariana.trainer.strategies.local import evaluate
 
     r = cfg.retrain
@@ -81,6 +82,9 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         raise ConfigError(f"{model_dir}: the version in service, {served}, is a speech model (mariana train "
                           "speech); retrain trains and gates click models")
     config = job_config(cfg, served)
+    schema = config.data.resolve_schema()
+    Reader(evals, schema).probe()  # before hours of training: a file of another format fails now
+    check_has_rows(evals, schema, "eval window")
     log.info("retrain %s: training %s on %d file(s) (%s ... %s); served: %s", model_dir, config.model.kind,
              len(train), os.path.basename(train[0]), os.path.basename(train[-1]), served or "nothing")
     status.update(state="training", train_data=train, eval_data=evals, served_version=served)
@@ -97,9 +101,13 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
     new = record["model_version"]
     status.update(state="evaluating", new_version=new)
-    scores = {"new": evaluate(ModelBundle.load(model_dir, new), evals)[0]}
-    if served:
-        scores["served"] = evaluate(ModelBundle.load(model_dir, served), evals)[0]
+    scores, parsed = {}, None
+    for name, version in (("new", new), ("served", served)):
+        if version:
+            scores[name], parsed = evaluate(ModelBundle.load(model_dir, version), evals)
+    if parsed["rows_bad"]:
+        log.warning("retrain %s: skipped %d malformed rows of the eval window (first: %s)", model_dir,
+                    parsed["rows_bad"], describe_bad(parsed["first_bad"], 3))
     verdict, reason = gate(scores["new"], scores.get("served"), r.auc_tolerance)
     if verdict == "promoted":
         try:  # only over the version it was gated against: a promotion or rollback meanwhile stands
@@ -111,7 +119,7 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "verdict": verdict, "reason": reason,
         "new_version": new, "served_version": served,
         "metrics": {k: _round(v) for k, v in scores.items()},
-        "auc_tolerance": r.auc_tolerance, "train_data": train, "eval_data": evals,
+        "auc_tolerance": r.auc_tolerance, "train_data": train, "eval_data": evals, "eval_bad_rows": parsed["rows_bad"],
         "train_rows": record["train_rows"], "train_seconds": record["train_seconds"],
         "warm_start": warm is not None,
     }
@@ -169,7 +177,12 @@ def windows(cfg: ServeConfig) -> tuple[list[str], list[str]]:
     for p in files[0] + files[1]:
         if not os.path.isfile(p):
             raise ConfigError(f"retrain window: {p}: no such file")
-    return [os.path.abspath(p) for p in files[0]], [os.path.abspath(p) for p in files[1]]
+    train, evals = [os.path.abspath(p) for p in files[0]], [os.path.abspath(p) for p in files[1]]
+    both = sorted(set(map(os.path.realpath, train)) & set(map(os.path.realpath, evals)))
+    if both:  # a model scored on rows it was trained on passes any gate
+        raise ConfigError(f"retrain windows overlap: {both[0]} is in train_data and in eval_data; the eval window "
+                          "must hold rows the candidate never saw (later ones)")
+    return train, evals
 
 
 def _expand(key: str, specs: list[str]) -> list[str]:

@@ -186,15 +186,18 @@ def _text(field: str, v) -> bytes:
             raise _Bad(f"{field} is not valid UTF-8 text") from None
     if isinstance(v, bytes):
         return v
-    if isinstance(v, int) and not isinstance(v, bool):
-        return str(v).encode()
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):  # a numpy integer: as the int it holds
+        try:
+            return str(int(v)).encode()
+        except ValueError:  # past Python's int -> text limit (4,300 digits)
+            raise _Bad(f"{field} is an integer of more than 4,300 digits") from None
     raise _Bad(f"{field} must be text or an integer, got {_kind(v)}")
 
 
 def _number(field: str, v) -> float:
     if v is None:
         return math.nan
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
+    if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool):  # numpy's scalars too
         try:
             x = float(v)
         except OverflowError:  # an int past float's range

@@ -237,3 +237,20 @@ def seed_arg(text: str) -> int:
     except (ValueError, ConfigError):
         raise argparse.ArgumentTypeError(f"expected an integer in [0, {SEEDS - 1}], got {text!r}") from None
     return seed
+
+
+def count_arg(text: str) -> int:
+    """A command line's count (a batch size, ...): an integer >= 1 (an argparse type).
+
+    >>> count_arg("256")
+    256
+    """
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n

@@ -34,6 +34,8 @@ def check_inputs(paths: list[str]) -> None:
 
 def check_out_dir(path: str) -> None:
     """The model directory must be a writable directory, or creatable."""
+    if not os.fspath(path):  # "" would be the working directory, its versions among whatever is there
+        raise MarianaError("the model directory (--out) is empty: name one")
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", path)
@@ -105,6 +107,8 @@ def prepare_job(config: JobConfig, train_paths: list[str], test_paths: list[str]
     check_inputs(train_paths + test_paths + valid_paths)
     Reader(train_paths + test_paths + valid_paths, schema).probe()  # a wrong format fails now, not after training
     check_out_dir(out_dir)
+    if test_paths:  # else, after training, a record of "n/a" metrics
+        check_has_rows(test_paths, schema, "test")
     train_rows, valid = validation(config, schema, train_paths, valid_paths)
     resolve_auto(config, schema, train_paths, train_rows.rows if train_rows else None)
     return JobInputs(train_paths, test_paths, schema, train_rows, valid)
@@ -368,7 +372,7 @@ def check_has_rows(paths: list[str], schema, what: str) -> None:
     >>> d = tempfile.mkdtemp(); open(f"{d}/v.tsv", "w").close()
     >>> check_has_rows([f"{d}/v.tsv"], criteo(), "validation")
     Traceback (most recent call last):
-    mariana.sparse.errors.MarianaError: no valid validation rows in .../v.tsv (0 malformed): nothing to validate on
+    mariana.sparse.errors.MarianaError: no valid validation rows in .../v.tsv (0 malformed): nothing to score a model on
     """
     bad = 0
     for task in Reader(paths, schema, labeled=True).tasks():
@@ -376,7 +380,7 @@ def check_has_rows(paths: list[str], schema, what: str) -> None:
         if stats.rows_ok:
             return
         bad += stats.rows_bad
-    raise MarianaError(f"no valid {what} rows in {','.join(paths)} ({bad} malformed): nothing to validate on")
+    raise MarianaError(f"no valid {what} rows in {','.join(paths)} ({bad} malformed): nothing to score a model on")
 
 
 DEFAULT_VALID_FRACTION = 0.1  # epochs = "auto" with no validation rows named

@@ -114,7 +114,11 @@ def test_speech_cli_trains_in_two_ranks_and_the_version_evaluates_and_predicts(t
     ev = json.loads(run_cli("evaluate", "--model", out, "--data", tones, "--json", env=env, check=True).stdout)
     assert ev["accuracy"] == result["test_accuracy"] and ev["utterances"] == 100
     assert sum(map(sum, ev["confusion"])) == 100
-    from tests.speechdata import tone, wav_bytes
+    from tests.speechdata import tone, wav_bytes, write_archive
+    trained_on = write_archive(tmp_path / "train_only.tar.gz", indices=range(5, 10))  # no index 0-4: no test part
+    no_test = run_cli("evaluate", "--model", out, "--data", trained_on, "--json", env=env)
+    assert no_test.returncode == 2 and "no recording of split official's held-out part" in no_test.stderr, \
+        no_test.stderr
     good, bad = tmp_path / "7.wav", tmp_path / "16k.wav"
     good.write_bytes(wav_bytes(tone(7, 0, 2)))
     bad.write_bytes(wav_bytes(tone(7, 0, 2), rate=16000))

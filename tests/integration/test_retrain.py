@@ -188,6 +188,13 @@ def test_retrain_publishes_nothing_from_an_empty_or_diverged_training(days, tmp_
                          job_config=str(recipe))
     proc = run_cli("retrain", "--config", cfg)
     assert proc.returncode == 2 and "training diverged" in proc.stderr, proc.stderr
+    # an eval window that could score nothing is refused before the training, not after it
+    garbage = tmp_path / "garbage.tsv"
+    garbage.write_bytes(bytes(range(256)) * 64)
+    for window, says in ((empty, "no valid eval window rows in"), (garbage, "not in criteo format")):
+        cfg = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"])], eval_data=[str(window)])
+        proc = run_cli("retrain", "--config", cfg)
+        assert proc.returncode == 2 and says in proc.stderr and "training" not in proc.stderr, proc.stderr
     assert sorted(p.name for p in model_dir.glob("v*")) == ["v000001"]
     assert (model_dir / "CURRENT").read_text().strip() == "v000001"
     assert not (model_dir / "decisions.jsonl").exists()

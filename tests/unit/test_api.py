@@ -208,6 +208,25 @@ def test_bad_rows_and_versions_are_named(trained, tmp_path):
     unlabeled.write_text("1\t2\n")
     with pytest.raises(DataFormatError):
         model.evaluate(unlabeled)
+    with pytest.raises(DataFormatError, match=r"rows\[0\]: C1 is an integer of more than 4,300 digits"):
+        model.predict([{"C1": 10 ** 5000}])
+
+
+def test_rows_of_no_field_the_model_knows_are_an_error_and_numpy_scalars_are_numbers(trained, caplog):
+    """Columns numbered 0..39 (a DataFrame read without a header) or names in another case
+    would all score as an empty row: refused, naming the fields. Unknown fields beside known
+    ones are ignored with a warning. numpy scalars in dicts are the numbers they hold."""
+    _, model = trained
+    with pytest.raises(DataFormatError, match="no row has a field of the model's .*: its rows' fields are 0, 1, 2"):
+        model.predict([{0: 1, 1: 5, 2: "x"}] * 3)
+    with pytest.raises(DataFormatError, match="its rows' fields are c1, i1"):
+        model.predict([{"i1": 1, "c1": "68fd1e64"}])
+    plain = model.predict([{"I1": 3, "I2": 0.5, "C1": 7}])
+    with caplog.at_level("WARNING"):
+        assert model.predict([{"I1": 3, "I2": 0.5, "C1": 7, "colour": "red"}]).tolist() == plain.tolist()
+    assert "1 values of fields the model does not know were ignored (colour)" in caplog.text
+    scalars = model.predict([{"I1": np.int64(3), "I2": np.float32(0.5), "C1": np.int16(7)}])
+    assert scalars.tolist() == plain.tolist()
 
 
 # ---- the package -----------------------------------------------------------------------

@@ -300,3 +300,14 @@ def test_systemd_configs_redis_and_prometheus_agree_on_ports():
     expected = [cfg.coordinator.http_port, cfg.loader.metrics_port, *cfg.ps.metrics_ports,
                 *cfg.preprocess.metrics_ports, *cfg.worker.metrics_ports, serve.serve.port]
     assert sorted(map(int, scraped)) == sorted(expected)
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--mariana", "relative/mariana"), "--mariana 'relative/mariana': give an absolute path"),
+    (("--mariana", "/opt/my mariana/bin/mariana"), "a path with whitespace splits ExecStart="),
+    (("--redis-server", "bin/redis-server"), "--redis-server 'bin/redis-server': give an absolute path"),
+    (("--prefix", ""), "--prefix is empty"),
+])
+def test_programs_the_units_cannot_run_are_refused(args, says):
+    """systemd-analyze verify calls these units fatal: refused before anything is written."""
+    assert says in error_line(run_cli("deploy", "install", "--dry-run", *args))

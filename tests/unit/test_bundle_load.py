@@ -55,12 +55,18 @@ def refused(d, name, with_optimizer=False):
     return str(e.value)
 
 
-def test_hashing_bits_that_no_longer_fit_the_stored_rows(saved, tmp_path):
+def with_bits(saved, tmp_path, bits: int):
+    """A copy of the LR version whose manifest says `bits` (its rows were stored at 16)."""
     d = copy(saved, "lr", tmp_path)
     path = d / "v000001" / checkpoint.MANIFEST
     manifest = json.loads(path.read_text())
-    manifest["config"]["hashing"]["bits"] = 10
+    manifest["config"]["hashing"]["bits"] = bits
     path.write_text(json.dumps(manifest))
+    return d
+
+
+def test_hashing_bits_that_no_longer_fit_the_stored_rows(saved, tmp_path):
+    d = with_bits(saved, tmp_path, 10)
     message = refused(d, "table.linear.rows")
     assert "< 1024" in message
 
@@ -153,11 +159,7 @@ def test_optimizer_state_that_does_not_fit_is_refused_for_a_warm_start(saved, tm
 
 
 def test_the_cli_answers_one_line_and_exit_code_2(saved, tmp_path):
-    d = copy(saved, "lr", tmp_path)
-    path = d / "v000001" / checkpoint.MANIFEST
-    manifest = json.loads(path.read_text())
-    manifest["config"]["hashing"]["bits"] = 10
-    path.write_text(json.dumps(manifest))
+    d = with_bits(saved, tmp_path, 10)
     data = saved["lr"].parent / "train.tsv"
     [(code, err)] = run_cli_cases([["predict", "--model", d, "--data", data]])
     assert code == 2 and "Traceback" not in err and "table.linear.rows" in err, err

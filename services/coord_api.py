@@ -3,7 +3,6 @@ cancel behind the token. Reads the coordinator's state; a job it accepts goes to
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -15,6 +14,7 @@ from redis.exceptions import RedisError
 from mariana.services import webui
 from mariana.services.coord_openapi import document
 from mariana.services.coord_state import REDIS_STATS_SECONDS, JobRun, bad_request
+from mariana.services.runtime.auth import bearer_ok
 from mariana.services.runtime.exporter import render_service
 from mariana.sparse.errors import ConfigError, MarianaError
 from mariana.trainer import checkpoint
@@ -123,7 +123,7 @@ class CoordinatorAPI:
         if not token:
             return
         got = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+        if not bearer_ok(got, token):
             raise web.HTTPUnauthorized(text=json.dumps({"error": "a valid bearer token is required "
                                                          "(Authorization: Bearer <coordinator.token>)"}),
                                        content_type="application/json",
@@ -135,6 +135,8 @@ class CoordinatorAPI:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return bad_request("the body must be a JSON object")
+        except RecursionError:
+            return bad_request("the body is not valid JSON: it nests too deeply")
         checked = None
         try:
             # the files are probed on the loader's host (data_via_loader), or here off the loop

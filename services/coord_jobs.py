@@ -465,7 +465,11 @@ class JobJournal:
         """Jobs from the job store: ended ones as they were, queued ones queued again, and a
         running one rebuilt from its journal, to go on where it was."""
         for saved in self.coord.store.load_jobs():
-            run = JobRun.from_saved(saved)
+            try:
+                run = JobRun.from_saved(saved)
+            except (MarianaError, KeyError, TypeError, ValueError, AttributeError) as e:
+                self.unreadable(saved, e)
+                continue
             self.coord.jobs[run.id] = run
             if run.state == "running":
                 run.restarts += 1
@@ -482,6 +486,20 @@ class JobJournal:
                 self.coord.queue.put_nowait(run.id)
         if self.coord.jobs:
             log.info("%s: %d jobs in %s", self.coord.name, len(self.coord.jobs), self.coord.store.path)
+
+    def unreadable(self, saved, e: Exception) -> None:
+        """A saved job this version cannot rebuild (its spec no longer passes a check added
+        since, or a damaged row): left out of the job list, with a warning, never a coordinator
+        that cannot start. One that was queued or running is saved as failed, saying why."""
+        d = saved if isinstance(saved, dict) else {}
+        job, state = d.get("id", "?"), d.get("state", "?")
+        log.warning("%s: job %s (%s) in %s does not read under this version: %s; left out of the job list%s",
+                    self.coord.name, job, state, self.coord.store.path, e,
+                    "; marked failed" if state in ("queued", "running") else "")
+        if state in ("queued", "running") and isinstance(d.get("submitted"), (int, float)):
+            d.update(state="failed", ended=time.time(),
+                     error=f"not resumed after a coordinator restart: its saved spec does not read: {e}")
+            self.coord.store.save_job(job, d, d["submitted"])
 
     def journal(self, run: JobRun, kind: str, data: dict):
         """A ledger change, recorded before it is acknowledged; returns what the ledger did

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import hmac
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from mariana.serving.errors import ServeError
 from mariana.serving.openapi import document, speech_document
 from mariana.serving.retrain import RetrainRunner
 from mariana.serving.watch import VersionWatcher
+from mariana.services.runtime.auth import bearer_ok
 from mariana.services.runtime.metrics import Metrics, merge, render
 
 log = logging.getLogger(__name__)
@@ -207,11 +207,7 @@ def _authorize(request: web.Request) -> None:
                          + ("" if token else "; the admin endpoints are off: set serve.token in the serve config"))
     if not token:
         raise ServeError(403, "admin endpoints are off: set serve.token in the serve config")
-    scheme, _, given = got.strip().partition(" ")
-    # the header's bytes as sent (aiohttp keeps the undecodable ones as surrogates); the scheme's
-    # name is case-insensitive (RFC 7235)
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
-                                                             token.encode()):
+    if not bearer_ok(got, token):
         raise ServeError(401, "a valid bearer token is required (Authorization: Bearer <serve.token>)")
 
 

@@ -38,8 +38,8 @@ class DataConfig:
             raise ConfigError(f"data.format: unknown format {self.format!r} (use one of {list(FORMATS)})")
         if self.format == "csv" and not self.schema:
             raise ConfigError("data.format = 'csv' needs a [data.schema] table (columns, label, numeric, categorical)")
-        if self.block_bytes < 1024:
-            raise ConfigError(f"data.block_bytes must be >= 1024, got {self.block_bytes}")
+        if not 1024 <= self.block_bytes <= 1 << 30:
+            raise ConfigError(f"data.block_bytes must be in [1024, 2^30], got {self.block_bytes}")
         if self.parse_workers < 1:
             raise ConfigError(f"data.parse_workers must be >= 1, got {self.parse_workers}")
 
@@ -47,6 +47,9 @@ class DataConfig:
         if self.format == "csv":
             return Schema.from_dict({"name": "csv", **(self.schema or {})})
         return builtin(self.format)
+
+
+MAX_WIDTH = 1 << 14  # embedding and layer widths
 
 
 @dataclass
@@ -71,6 +74,10 @@ class ModelConfig:
             raise ConfigError(f"model.interaction: unknown {self.interaction!r} (use 'fm', 'dot' or 'proj')")
         if self.embed_dim < 1 or any(h < 1 for h in self.hidden):
             raise ConfigError("model.embed_dim and model.hidden must be positive")
+        if self.embed_dim > MAX_WIDTH or any(h > MAX_WIDTH for h in self.hidden) or self.slots > MAX_WIDTH:
+            raise ConfigError(f"model.embed_dim, model.hidden and model.slots must be at most {MAX_WIDTH:,} "
+                              f"(an embedding table is 2^hashing.bits rows of embed_dim floats), got "
+                              f"{self.embed_dim}, {self.hidden} and {self.slots}")
         if self.slots < 2:
             raise ConfigError(f"model.slots must be >= 2 (pairs of slots are dotted), got {self.slots}")
         if self.init_scale < 0:
@@ -108,6 +115,10 @@ class OptimConfig:
         for name in ("ftrl_alpha", "initial_accumulator"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"optim.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("ftrl_alpha", "initial_accumulator", "lr", "embed_lr", "dense_lr", "ftrl_beta", "ftrl_l1",
+                     "ftrl_l2"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"optim.{name} must be a finite number, got {getattr(self, name)}")
         for name in ("lr", "embed_lr", "dense_lr"):  # 0 freezes that part (a warm start may tune only some)
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
@@ -117,6 +128,7 @@ class OptimConfig:
 
 
 MAX_BATCH = 1 << 24  # rows per step: 16.8M rows x 39 ids is already ~5 GB of int64 ids
+MAX_COUNT = 1_000_000  # epochs, patience, threads, ...
 
 
 @dataclass
@@ -151,6 +163,10 @@ class TrainConfig:
         if self.patience < 1 or self.max_epochs < 1:
             raise ConfigError(f"train.patience and train.max_epochs must be >= 1, got {self.patience} and "
                               f"{self.max_epochs}")
+        for key in ("epochs", "max_epochs", "patience", "prefetch", "threads"):
+            value = getattr(self, key)
+            if isinstance(value, int) and value > MAX_COUNT:  # past any real run; C ints overflow beyond
+                raise ConfigError(f"train.{key} must be at most {MAX_COUNT:,}, got {value:,}")
 
     @property
     def auto(self) -> bool:

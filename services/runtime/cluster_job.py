@@ -29,6 +29,7 @@ from mariana.trainer.job import absolute_paths
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
+AWAY_SECONDS = 120.0  # how long `wait` polls a coordinator that does not answer before it gives up
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no http_proxy for the cluster
 
 
@@ -138,10 +139,25 @@ def submit(info: dict, body: dict) -> str:
 def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> dict:
     """The job's record once it is done; `on_progress` hears its progress (with "phase":
     what it does after its epochs, or None) about once a second."""
-    last = 0.0
+    last, away = 0.0, None  # away: since when the coordinator has not answered
     try:
         while True:
-            summary = _request(info, "GET", f"/v1/jobs/{job}")
+            try:
+                summary = _request(info, "GET", f"/v1/jobs/{job}")
+            except Unreachable as e:  # restarting (the supervisor's ~1 s, a journal to replay), or down
+                now = time.monotonic()
+                if away is None:
+                    away = now
+                    log.warning("%s; waiting up to %gs for it (a restarted coordinator goes on with job %s)",
+                                e, AWAY_SECONDS, job)
+                if now - away > AWAY_SECONDS:
+                    raise Unreachable(f"{e} for {AWAY_SECONDS:g}s; job {job} goes on when the cluster is up "
+                                      f"again (`mariana up`; its record: `mariana status`)") from None
+                time.sleep(POLL_SECONDS)
+                continue
+            if away is not None:
+                log.info("the coordinator answers again after %.1fs", time.monotonic() - away)
+                away = None
             if summary["state"] == "done":
                 return summary["record"]
             if summary["state"] in ("failed", "cancelled"):

@@ -29,6 +29,7 @@ when it is 0.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -145,6 +146,9 @@ class CacheConfig:
     transient_seconds: int = 600        # TTL of batches past max_bytes (in transit only)
 
 
+ZERO_MEANS_NEVER = {"ps.checkpoint_seconds"}  # the times that may be 0
+
+
 @dataclass
 class ClusterConfig:
     cluster: ClusterSection = field(default_factory=ClusterSection)
@@ -160,7 +164,33 @@ class ClusterConfig:
         for role in ("preprocess", "worker", "ps"):
             if getattr(self, role).count < 1:
                 raise ConfigError(f"{role}.count must be >= 1")
+        self.check_ranges()
         self.derive_endpoints()
+
+    def check_ranges(self) -> None:
+        """Every time a finite number of seconds > 0 (>= 0 where 0 means "never"), every port
+        in 0..65535, every byte count >= 0. A negative lease had every batch lapse at once,
+        issued again and again with no row trained; a port past 65535 failed in bind().
+
+        >>> load_cluster_config(overrides={"coordinator.lease_seconds": -1}, env={})
+        Traceback (most recent call last):
+        mariana.sparse.errors.ConfigError: coordinator.lease_seconds must be a number of seconds > 0, got -1.0
+        """
+        for section in dataclasses.fields(self):
+            values = getattr(self, section.name)
+            for f in dataclasses.fields(values):
+                key, value = f"{section.name}.{f.name}", getattr(values, f.name)
+                if f.name.endswith("_seconds"):
+                    never = key in ZERO_MEANS_NEVER
+                    if not (math.isfinite(value) and (value >= 0 if never else value > 0)):
+                        raise ConfigError(f"{key} must be a number of seconds {'>= 0' if never else '> 0'}, "
+                                          f"got {value}")
+                elif f.name.endswith(("port", "ports")):
+                    for port in value if isinstance(value, list) else [value]:
+                        if not 0 <= port <= 65535:
+                            raise ConfigError(f"{key} must be in 0..65535, got {port}")
+                elif f.name.endswith("_bytes") and value < 0:
+                    raise ConfigError(f"{key} must be >= 0, got {value}")
 
     def derive_endpoints(self) -> None:
         """Fill unset endpoints from cluster.base_port (no-op when it is 0)."""

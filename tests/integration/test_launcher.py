@@ -186,6 +186,33 @@ def test_up_that_fails_leaves_nothing_running(tmp_path):
     assert oct((tmp_path / "c" / "cluster.toml").stat().st_mode & 0o777) == "0o600"
 
 
+@pytest.mark.slow
+def test_a_saved_job_this_version_cannot_read_does_not_stop_the_coordinator(tmp_path):
+    """A check added to job specs since a job was saved (a batch bound, say) makes its spec
+    fail to read: the coordinator starts anyway, leaves the job out with a warning, and a
+    job that was running is saved as failed, saying why. (It used to exit 1 at every start,
+    restarted by the supervisor for good, until someone edited the SQLite file.)"""
+    from mariana.services.jobstore import JobStore
+
+    state = tmp_path / "c" / "coordinator"
+    spec = {"config": {"train": {"batch_size": 10 ** 10}}, "schema": {}}
+    with JobStore(str(state)) as store:
+        for job, st in (("j-done", "done"), ("j-running", "running")):
+            store.save_job(job, {"id": job, "state": st, "spec": spec, "request": {}, "submitted": 1.0}, 1.0)
+    proc = run_cli("up", "--dir", tmp_path / "c")
+    try:
+        assert proc.returncode == 0, proc.stderr
+        log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
+        assert "job j-done (done)" in log and "does not read under this version" in log, log
+        assert "job j-running (running)" in log and "marked failed" in log, log
+    finally:
+        run_cli("down", "--dir", tmp_path / "c")
+    with JobStore(str(state)) as store:
+        saved = {d["id"]: d for d in store.load_jobs()}
+    assert saved["j-done"]["state"] == "done"
+    assert saved["j-running"]["state"] == "failed" and "its saved spec does not read" in saved["j-running"]["error"]
+
+
 def test_down_stops_recorded_processes_and_kills_stubborn_ones(tmp_path):
     with started(SLEEPER) as worker, started(STUBBORN) as coordinator:
         write_state(tmp_path, [("coordinator-0", coordinator, start_time(coordinator.pid)),

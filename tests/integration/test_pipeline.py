@@ -3,10 +3,12 @@ ZeroMQ sockets on loopback: exactly-once counts under failures, quality
 against local mode, the training modes, and the CLI around it."""
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import signal
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -445,6 +447,16 @@ def test_bad_job_requests_are_refused_with_400_or_401(data, tmp_path):
         for body, named in cases:
             code, reply = c.request("POST", "/v1/jobs", body)
             assert code == 400 and named in reply["error"], (body, code, reply)
+        # below the JSON: a body nested past Python's recursion limit, credentials in bytes
+        # that are no UTF-8 (each was a 500)
+        url = urllib.parse.urlsplit(c.info["http"])
+        for body, headers, want in ((b"[" * 5000 + b"]" * 5000, {"Authorization": f"Bearer {c.info['token']}"}, 400),
+                                    (b"{}", {"Authorization": b"Bearer s3cr\xe9t"}, 401)):
+            conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+            conn.request("POST", "/v1/jobs", body, {"Content-Type": "application/json", **headers})
+            answer = conn.getresponse()
+            assert answer.status == want, (answer.status, answer.read())
+            conn.close()
         code, reply = c.request("GET", "/v1/jobs/nope")
         assert code == 404
         assert c.status()["services"]["coordinator-0"]["alive"]

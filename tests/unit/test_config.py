@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from mariana.sparse.errors import ConfigError
@@ -115,6 +117,40 @@ def test_cluster_and_job_configs_take_only_their_own_environment_sections():
     env = {"MARIANA_WORKER__COUNT": "3", "MARIANA_TRAIN__EPOCHS": "4"}
     assert load_cluster_config(env=env).worker.count == 3
     assert load_config(env=env).train.epochs == 4
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("coordinator.lease_seconds", -1, "coordinator.lease_seconds must be a number of seconds > 0"),
+    ("coordinator.heartbeat_seconds", 0, "coordinator.heartbeat_seconds must be a number of seconds > 0"),
+    ("worker.rpc_seconds", float("inf"), "worker.rpc_seconds must be a number of seconds > 0, got inf"),
+    ("ps.checkpoint_seconds", -1, "ps.checkpoint_seconds must be a number of seconds >= 0"),
+    ("coordinator.http_port", 99999, "coordinator.http_port must be in 0..65535, got 99999"),
+    ("worker.metrics_ports", [9100, 70000], "worker.metrics_ports must be in 0..65535, got 70000"),
+    ("cache.max_bytes", -1, "cache.max_bytes must be >= 0, got -1"),
+])
+def test_cluster_times_ports_and_sizes_out_of_range_name_the_key(key, value, says):
+    """A negative lease had every batch lapse at once and trained nothing; a port past 65535
+    was a traceback from bind(); a zero heartbeat made `up` wait and fail with no cause named."""
+    from mariana.services.runtime.config import load_cluster_config
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_cluster_config(overrides={key: value, "worker.count": 2}, env={})
+    assert load_cluster_config(overrides={"ps.checkpoint_seconds": 0}, env={}).ps.checkpoint_seconds == 0
+
+
+@pytest.mark.parametrize("tree,says", [
+    ({"data.block_bytes": 10 ** 26}, "data.block_bytes must be in [1024, 2^30]"),
+    ({"train.epochs": 10 ** 26}, "train.epochs must be at most 1,000,000"),
+    ({"train.max_epochs": 10 ** 7}, "train.max_epochs must be at most 1,000,000"),
+    ({"model.embed_dim": 10 ** 8}, "model.embed_dim, model.hidden and model.slots must be at most 16,384"),
+    ({"optim.lr": float("inf")}, "optim.lr must be a finite number, got inf"),
+    ({"optim.ftrl_alpha": float("inf")}, "optim.ftrl_alpha must be a finite number"),
+])
+def test_numbers_no_run_could_use_are_refused_before_it_starts(tree, says):
+    """Each of these was accepted and failed later inside a job: an OverflowError in a
+    cluster job, a 763 TiB allocation on a shard, lr inf kept in a manifest."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(env={}, overrides=tree)
 
 
 def test_metrics_ports_follow_base_port_and_are_checked_against_counts():

@@ -317,6 +317,25 @@ class JobRunner:
         for c in run.ledger.next_refills(2 * self.coord.cfg.preprocess.count):
             await self.send_resend(run, c)
 
+    async def rejoined(self, run: JobRun, role: str, name: str) -> None:
+        """What a service that restarted mid-job lost goes out again now, not after a lease
+        (coordinator.lease_seconds) or a chunk (chunk_seconds) times out: a worker's leased
+        steps; and the chunks in flight, which a restarted loader or preprocess may have held
+        (those that were not are cached twice, the same batches under the same keys)."""
+        if role == "worker":
+            n = run.ledger.reissue_leases_of(name)
+            if n:
+                log.info("%s: job %s: %s restarted; its %d leased steps issued again now", self.coord.name, run.id,
+                         name, n)
+                self.coord.pulse()
+        elif role in ("loader", "preprocess"):
+            lost = run.ledger.chunks_overdue(0.0)
+            if lost:
+                log.info("%s: job %s: %s restarted; reading its %d chunks in flight again now", self.coord.name,
+                         run.id, name, len(lost))
+            for c in lost:
+                await self.resend(run, c)
+
     async def resend(self, run: JobRun, c: ChunkInfo) -> None:
         run.ledger.chunk_resent(c)
         await self.send_resend(run, c)

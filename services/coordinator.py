@@ -333,6 +333,7 @@ class Coordinator(Service):
             await self.job_runner.start_shard(run, info.index)
         elif info.role == "loader" and not run.ledger.source_done and run.ledger.epoch == 1:
             await self.job_runner.read_source(run)
+        await self.job_runner.rejoined(run, info.role, f"{info.role}-{info.index}")
 
     def bad_message_counts(self) -> dict:
         counts = {n: int(s.status.get("bad_messages", 0)) for n, s in self.services.items() if n != self.name}

@@ -223,9 +223,11 @@ class JobLedger(LedgerReport):
         return True
 
     def chunks_overdue(self, older_than: float) -> list[ChunkInfo]:
+        """Chunks sent (or sent again) more than `older_than` seconds ago and not cached yet
+        (0: every one in flight)."""
         now = time.monotonic()
         return [c for c in self.chunks.values()
-                if c.state in ("sent", "resent") and now - c.sent_at > older_than and c.file >= 0]
+                if c.state in ("sent", "resent") and now - c.sent_at >= older_than and c.file >= 0]
 
     def chunk_resent(self, c: ChunkInfo) -> None:
         c.sent_at = time.monotonic()
@@ -270,6 +272,13 @@ class JobLedger(LedgerReport):
             del self.leased[step]
             self.ready.appendleft(step)
         return len(back)
+
+    def reissue_leases_of(self, worker: str) -> int:
+        """A worker that restarted holds nothing it leased before: its steps go first in line
+        again now, not when their leases lapse. Returns how many."""
+        steps = [s for s, lease in self.leased.items() if lease.worker == worker]
+        self.counters["batches_reissued"] += len(steps)
+        return self.release(steps, worker)
 
     def expire_leases(self) -> list[tuple[str, str]]:
         """(step, worker) of lapsed leases, now back at the head of the queue."""

@@ -169,6 +169,22 @@ def test_worker_killed_mid_epoch_its_batches_are_reissued(data, tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_a_restarted_worker_gets_its_lost_leases_issued_again_at_once(data, tmp_path):
+    """A worker that restarts (the supervisor's job) says Hello with a new boot id: the steps
+    its old self leased are issued again then, not when their leases lapse."""
+    with Cluster(tmp_path / "c", workers=2) as c:
+        job = c.submit([data["small"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))
+        c.wait(job, 60, until=progressed(10_000))
+        c.wait_for(lambda: c.status()["services"]["worker-1"]["status"].get("steps", 0) >= 1, 60)
+        c.kill("worker-1", signal.SIGKILL)
+        c.restart("worker-1")
+        record = done_record(c, job)
+        log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
+    assert_exactly_once(record, 2)
+    assert "worker-1 restarted; its" in log and "leased steps issued again now" in log, log[-3000:]
+
+
+@pytest.mark.timeout(240)
 def test_ps_shard_killed_and_restarted_restores_and_replays(data, tmp_path):
     with Cluster(tmp_path / "c", workers=1, ps=2) as c:
         job = c.submit([data["small"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))

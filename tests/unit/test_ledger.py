@@ -167,6 +167,18 @@ def test_released_steps_go_back_to_the_head_in_lease_order():
     assert [led.lease("w1", 60) for _ in range(3)] == ["e1/f0o0:1", "e1/f0o0:2", None]
 
 
+def test_a_restarted_workers_leases_are_issued_again_at_once():
+    """A worker that restarted holds nothing it leased before: its steps go first in line at
+    once (they used to wait out coordinator.lease_seconds), in lease order; others' stay."""
+    led = ledger_with({"f0o0": [(0, 4), (1, 4), (2, 4), (3, 4)]})
+    mine = [led.lease("worker-1", 3600.0) for _ in range(2)]
+    assert led.lease("worker-0", 3600.0) == "e1/f0o0:2"
+    assert led.reissue_leases_of("worker-1") == 2
+    assert list(led.ready) == mine + ["e1/f0o0:3"] and set(led.leased) == {"e1/f0o0:2"}
+    assert led.counters["batches_reissued"] == 2
+    assert led.reissue_leases_of("worker-1") == 0 and led.counters["batches_reissued"] == 2
+
+
 def test_late_done_of_a_reissued_step_is_skipped_by_lease():
     led = ledger_with({"f0o0": [(0, 4), (1, 4)]})
     led.lease("w0", -1.0)

@@ -21,6 +21,7 @@ mariana.sparse.errors.ConfigError: train: unknown key 'train.epoch' (known: epoc
 # No `from __future__ import annotations`: the doctest's dataclasses would get string
 # annotations, which `typing.get_type_hints` resolves in this module, not the doctest.
 import dataclasses
+import logging
 import os
 import tomllib
 import types
@@ -28,6 +29,8 @@ import typing
 from typing import Any, Mapping
 
 from mariana.sparse.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "MARIANA_"
 
@@ -39,10 +42,25 @@ def load_settings(cls: type, path: str | os.PathLike | None = None, env: Mapping
     if path:
         _merge(tree, read_toml(path), cls)
     sections = {f.name for f in dataclasses.fields(cls)}
-    _merge(tree, env_overrides(os.environ if env is None else env, sections), cls)
+    from_env = env_overrides(os.environ if env is None else env, sections)
+    if path:
+        _say_overridden(tree, from_env, path)
+    _merge(tree, from_env, cls)
     for dotted, value in (overrides or {}).items():
         _set_dotted(tree, dotted, value)
     return from_dict(cls, tree)
+
+
+def _say_overridden(tree: dict, from_env: dict, path, where: str = "") -> None:
+    """A key the file sets and the environment sets otherwise: the environment wins (the
+    documented order), said in the log, since a --config FILE reads as the one that counts."""
+    for key, value in from_env.items():
+        dotted = _dotted(where, key)
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            _say_overridden(tree[key], value, path, dotted)
+        elif key in tree and tree[key] != value:
+            log.warning("%s = %r from MARIANA_%s overrides %r of %s", dotted, value,
+                        dotted.upper().replace(".", "__"), tree[key], path)
 
 
 def from_dict(cls: type, data: Mapping[str, Any], where: str = "") -> Any:

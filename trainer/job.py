@@ -7,6 +7,7 @@ import errno
 import logging
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -47,6 +48,11 @@ def check_out_dir(path: str) -> None:
             probe = os.path.dirname(probe)
     if not os.access(probe, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, "not writable", probe)
+    try:  # os.access trusts the mode bits: root "may" write /proc, a read-only mount passes too
+        os.rmdir(tempfile.mkdtemp(prefix=".mariana-probe-", dir=probe))
+    except OSError as e:
+        raise PermissionError(e.errno or errno.EACCES, f"cannot create a directory in it ({e.strerror})",
+                              probe) from None
 
 
 def _check_model_dir(path: str) -> None:

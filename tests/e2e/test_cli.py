@@ -183,6 +183,9 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
         (("train", "--data", gen_files["test"], "--model", "dnn", "--set", "model.kind=lr", "--out", tmp_path / "o"),
          ["--model dnn and --set model.kind=lr disagree"]),
         (("train", "--data", gen_files["test"], "--out", ""), ["the model directory (--out) is empty"]),
+        # writable by its mode bits, not in fact: found before training, not at the publish after it
+        (("train", "--data", gen_files["test"], "--out", "/proc/mariana-model"),
+         ["/proc: cannot create a directory in it"]),
         (("train", "--data", gen_files["test"], "--test-data", empty, "--out", tmp_path / "o"),
          ["no valid test rows in", "empty.tsv"]),
         (("train", "--data", gen_files["test"], "--patience", "3", "--out", tmp_path / "o"),

@@ -189,3 +189,19 @@ def test_env_merges_into_a_section_key_by_key_but_replaces_a_free_form_table(tmp
     assert (cfg.data.format, cfg.data.block_bytes) == ("csv", 8192)
     assert cfg.data.schema == {"columns": ["y", "b"]}  # the environment's table, not mixed with the file's
 
+
+
+def test_the_environment_overriding_a_config_files_key_is_said(tmp_path, caplog):
+    """The documented order (file <- environment <- flags) let MARIANA_CLUSTER__DIR steer
+    `mariana down --config FILE` at another cluster than FILE's, in silence."""
+    from mariana.services.runtime.config import load_cluster_config
+
+    path = tmp_path / "cl.toml"
+    path.write_text(f'[cluster]\ndir = "{tmp_path / "a"}"\n[worker]\ncount = 2\n')
+    with caplog.at_level("WARNING"):
+        env = {"MARIANA_CLUSTER__DIR": str(tmp_path / "b"), "MARIANA_WORKER__COUNT": "2"}
+        cfg = load_cluster_config(path, env=env)
+    assert cfg.cluster.dir == str(tmp_path / "b")
+    assert f"cluster.dir = '{tmp_path / 'b'}' from MARIANA_CLUSTER__DIR overrides '{tmp_path / 'a'}' of {path}" \
+        in caplog.text
+    assert "worker.count" not in caplog.text  # the same value: nothing to say

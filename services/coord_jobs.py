@@ -16,7 +16,7 @@ from mariana.services.coord_state import (MAX_RECONCILE_ROUNDS, MAX_RESENDS, POI
                                           JobStopped, job_ledger)
 from mariana.services.jobspec import JobSpec
 from mariana.services.creative_cache import creative_table, ensure_cached, featurize_creatives
-from mariana.services.ledger import STAGES, ChunkInfo, parse_step
+from mariana.services.ledger import STAGES, ChunkInfo, parse_step, reissue_leases_of
 from mariana.services.protocol import Message
 from mariana.services.runtime import failpoints, model_events
 from mariana.services.transport import PeerTimeout, RemoteError
@@ -317,25 +317,6 @@ class JobRunner:
         for c in run.ledger.next_refills(2 * self.coord.cfg.preprocess.count):
             await self.send_resend(run, c)
 
-    async def rejoined(self, run: JobRun, role: str, name: str) -> None:
-        """What a service that restarted mid-job lost goes out again now, not after a lease
-        (coordinator.lease_seconds) or a chunk (chunk_seconds) times out: a worker's leased
-        steps; and the chunks in flight, which a restarted loader or preprocess may have held
-        (those that were not are cached twice, the same batches under the same keys)."""
-        if role == "worker":
-            n = run.ledger.reissue_leases_of(name)
-            if n:
-                log.info("%s: job %s: %s restarted; its %d leased steps issued again now", self.coord.name, run.id,
-                         name, n)
-                self.coord.pulse()
-        elif role in ("loader", "preprocess"):
-            lost = run.ledger.chunks_overdue(0.0)
-            if lost:
-                log.info("%s: job %s: %s restarted; reading its %d chunks in flight again now", self.coord.name,
-                         run.id, name, len(lost))
-            for c in lost:
-                await self.resend(run, c)
-
     async def resend(self, run: JobRun, c: ChunkInfo) -> None:
         run.ledger.chunk_resent(c)
         await self.send_resend(run, c)
@@ -343,6 +324,26 @@ class JobRunner:
     async def send_resend(self, run: JobRun, c: ChunkInfo) -> None:
         await self.coord.command("loader", "Resend", job=run.id, chunk=c.id, file=c.file, offset=c.offset,
                            length=c.length, first_line=c.first_line, lines=c.lines, files=run.request["data"])
+
+
+async def rejoined(runner: JobRunner, run: JobRun, role: str, name: str) -> None:
+    """What a service that restarted mid-job lost goes out again now, not after a lease
+    (coordinator.lease_seconds) or a chunk (chunk_seconds) times out: a worker's leased
+    steps; and the chunks in flight, which a restarted loader or preprocess may have held
+    (those that were not are cached twice, the same batches under the same keys)."""
+    coord = runner.coord
+    if role == "worker":
+        n = reissue_leases_of(run.ledger, name)
+        if n:
+            log.info("%s: job %s: %s restarted; its %d leased steps issued again now", coord.name, run.id, name, n)
+            coord.pulse()
+    elif role in ("loader", "preprocess"):
+        lost = run.ledger.chunks_overdue(0.0)
+        if lost:
+            log.info("%s: job %s: %s restarted; reading its %d chunks in flight again now", coord.name, run.id,
+                     name, len(lost))
+        for c in lost:
+            await runner.resend(run, c)
 
 
 # ---- a job's image features (the featurizer stage) ----------------------------------------

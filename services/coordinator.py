@@ -33,7 +33,7 @@ from aiohttp import web
 from mariana.services import protocol
 from mariana.services.coord_api import CoordinatorAPI
 from mariana.services.remote_inputs import RemoteInputs
-from mariana.services.coord_jobs import EpochValidation, JobJournal, JobRunner
+from mariana.services.coord_jobs import EpochValidation, JobJournal, JobRunner, rejoined
 from mariana.services.coord_state import JobRun, ServiceInfo, numbers
 from mariana.services.jobstore import JobStore
 from mariana.services.ledger import ChunkInfo, JobLedger, parse_step, stage_seconds_of
@@ -333,7 +333,7 @@ class Coordinator(Service):
             await self.job_runner.start_shard(run, info.index)
         elif info.role == "loader" and not run.ledger.source_done and run.ledger.epoch == 1:
             await self.job_runner.read_source(run)
-        await self.job_runner.rejoined(run, info.role, f"{info.role}-{info.index}")
+        await rejoined(self.job_runner, run, info.role, f"{info.role}-{info.index}")
 
     def bad_message_counts(self) -> dict:
         counts = {n: int(s.status.get("bad_messages", 0)) for n, s in self.services.items() if n != self.name}

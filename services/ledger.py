@@ -222,9 +222,7 @@ class JobLedger(LedgerReport):
             self.ready.appendleft(step)
         return True
 
-    def chunks_overdue(self, older_than: float) -> list[ChunkInfo]:
-        """Chunks sent (or sent again) more than `older_than` seconds ago and not cached yet
-        (0: every one in flight)."""
+    def chunks_overdue(self, older_than: float) -> list[ChunkInfo]:  # 0: every chunk in flight
         now = time.monotonic()
         return [c for c in self.chunks.values()
                 if c.state in ("sent", "resent") and now - c.sent_at >= older_than and c.file >= 0]
@@ -272,13 +270,6 @@ class JobLedger(LedgerReport):
             del self.leased[step]
             self.ready.appendleft(step)
         return len(back)
-
-    def reissue_leases_of(self, worker: str) -> int:
-        """A worker that restarted holds nothing it leased before: its steps go first in line
-        again now, not when their leases lapse. Returns how many."""
-        steps = [s for s, lease in self.leased.items() if lease.worker == worker]
-        self.counters["batches_reissued"] += len(steps)
-        return self.release(steps, worker)
 
     def expire_leases(self) -> list[tuple[str, str]]:
         """(step, worker) of lapsed leases, now back at the head of the queue."""
@@ -446,3 +437,11 @@ def _hist(hist) -> np.ndarray | None:
     if h.shape != (2, HIST_BINS) or (h < 0).any():
         raise ValueError(f"stats.hist must be 2 x {HIST_BINS} non-negative counts, got shape {h.shape}")
     return h
+
+
+def reissue_leases_of(led: JobLedger, worker: str) -> int:
+    """A worker that restarted holds nothing it leased before: its steps go first in line
+    again now, not when their leases lapse (counted as re-issued). Returns how many."""
+    steps = [s for s, lease in led.leased.items() if lease.worker == worker]
+    led.counters["batches_reissued"] += len(steps)
+    return led.release(steps, worker)

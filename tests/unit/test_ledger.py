@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mariana.services.ledger import ChunkInfo, JobLedger, parse_step, step_id
+from mariana.services.ledger import ChunkInfo, JobLedger, parse_step, reissue_leases_of, step_id
 
 
 def chunk(cid: str = "f0o0", file: int = 0, offset: int = 0, lines: int = 10) -> ChunkInfo:
@@ -173,10 +173,10 @@ def test_a_restarted_workers_leases_are_issued_again_at_once():
     led = ledger_with({"f0o0": [(0, 4), (1, 4), (2, 4), (3, 4)]})
     mine = [led.lease("worker-1", 3600.0) for _ in range(2)]
     assert led.lease("worker-0", 3600.0) == "e1/f0o0:2"
-    assert led.reissue_leases_of("worker-1") == 2
+    assert reissue_leases_of(led, "worker-1") == 2
     assert list(led.ready) == mine + ["e1/f0o0:3"] and set(led.leased) == {"e1/f0o0:2"}
     assert led.counters["batches_reissued"] == 2
-    assert led.reissue_leases_of("worker-1") == 0 and led.counters["batches_reissued"] == 2
+    assert reissue_leases_of(led, "worker-1") == 0 and led.counters["batches_reissued"] == 2
 
 
 def test_late_done_of_a_reissued_step_is_skipped_by_lease():

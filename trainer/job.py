@@ -14,7 +14,7 @@ from typing import Callable
 
 from mariana.sparse.errors import MarianaError, ModelDirError
 from mariana.sparse.metrics import rounded
-from mariana.sparse.parse import Reader, describe_bad
+from mariana.sparse.parse import PROBE_BYTES, Reader, describe_bad
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle, warm_start
 from mariana.trainer.config import AUTO, LOWER_RATES, JobConfig, TrainConfig
@@ -381,7 +381,7 @@ def check_has_rows(paths: list[str], schema, what: str) -> None:
     mariana.sparse.errors.MarianaError: no valid validation rows in .../v.tsv (0 malformed): nothing to score a model on
     """
     bad = 0
-    for task in Reader(paths, schema, labeled=True).tasks():
+    for task in Reader(paths, schema, PROBE_BYTES, labeled=True).tasks():  # the probe's size: a few ms
         _, stats = task.run()
         if stats.rows_ok:
             return

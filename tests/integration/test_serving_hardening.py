@@ -101,6 +101,12 @@ def test_a_connection_that_sends_no_whole_request_is_closed_after_keepalive_seco
     assert closed and got == b"" and time.monotonic() - t0 < 8
 
 
+def test_a_keep_alive_connection_idle_after_its_answer_is_closed_after_keepalive_seconds(server):
+    t0 = time.monotonic()
+    got, closed = raw(server, post_head(len(BODY)) + BODY)
+    assert got.startswith(b"HTTP/1.1 200") and closed and time.monotonic() - t0 < 8, got
+
+
 def test_a_client_that_leaves_mid_body_is_no_error_in_the_log(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(post_head(len(BODY)) + BODY[:10])
@@ -108,6 +114,7 @@ def test_a_client_that_leaves_mid_body_is_no_error_in_the_log(server):
     time.sleep(0.5)
     assert server.predict([{"I1": 1}])[0] == 200
     assert "Error handling request" not in server.logs() and "Traceback" not in server.logs()
+    assert 'mariana_serve_requests_total{code="499",route="/v1/predict"}' in server.get("/metrics")[1]["text"]
 
 
 def test_expect_continue_for_a_body_over_the_limit_is_answered_413_at_once(server):

@@ -37,6 +37,7 @@ from mariana.serving.retrain import RetrainRunner
 from mariana.serving.watch import VersionWatcher
 from mariana.services.runtime.auth import bearer_ok
 from mariana.services.runtime.metrics import Metrics, merge, render
+from mariana.services.runtime.report import dumps  # NaN (a metric of a version) as null
 
 log = logging.getLogger(__name__)
 SNAPSHOT_SECONDS = 1.0
@@ -80,6 +81,8 @@ async def _lifecycle(app: web.Application):
     watcher = app[WATCHER] = VersionWatcher(s, app[HOLDER], st["name"], on_event=lambda k, i: _model_event(app, k, i))
     await watcher.check()  # what it cannot load it logs, and /readyz says 503 until there is a version
     watcher.start()
+    if st["run_dir"]:
+        _carry_over(app)
     snapshots = asyncio.create_task(_write_snapshots(app)) if st["run_dir"] else None
     yield
     if snapshots:
@@ -135,7 +138,7 @@ async def model_info(request: web.Request) -> web.Response:
     predictor = request.app[HOLDER].current
     if predictor is None:
         raise ServeError(503, "no model is loaded yet")
-    return web.json_response({**predictor.info(), "worker": request.app[SETTINGS]["worker"]})
+    return web.json_response(dumps=dumps, data={**predictor.info(), "worker": request.app[SETTINGS]["worker"]})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -187,12 +190,12 @@ async def openapi(request: web.Request) -> web.Response:
 async def retrain_start(request: web.Request) -> web.Response:
     _authorize(request)
     run = request.app[RETRAIN].start()
-    return web.json_response(run, status=202)
+    return web.json_response(dumps=dumps, data=run, status=202)
 
 
 async def retrain_status(request: web.Request) -> web.Response:
     _authorize(request)
-    return web.json_response(request.app[RETRAIN].status(request.match_info["id"]))
+    return web.json_response(dumps=dumps, data=request.app[RETRAIN].status(request.match_info["id"]))
 
 
 # ---- helpers ----------------------------------------------------------------------------
@@ -258,7 +261,9 @@ async def _errors_and_metrics(request: web.Request, handler):
     # a method an endpoint does not take (405) matches no route, but its path is one of ours
     route = resource.canonical if resource else request.path if request.path in request.app[SETTINGS]["paths"] \
         else "other"
-    m.inc("mariana_serve_in_flight", 1)
+    counted = route != "/metrics"  # a scrape would see itself, and leave itself in the snapshot it writes
+    if counted:
+        m.inc("mariana_serve_in_flight", 1)
     try:
         response = await handler(request)
     except ServeError as e:
@@ -275,7 +280,8 @@ async def _errors_and_metrics(request: web.Request, handler):
         log.exception("%s: %s %s failed", request.app[SETTINGS]["name"], request.method, request.path)
         response = web.json_response({"error": "internal error (logged)"}, status=500)
     finally:
-        m.inc("mariana_serve_in_flight", -1)
+        if counted:
+            m.inc("mariana_serve_in_flight", -1)
     m.inc("mariana_serve_requests_total", route=route, code=str(response.status))
     m.observe("mariana_serve_request_seconds", time.perf_counter() - t0, route=route)
     return response
@@ -304,7 +310,7 @@ def _metrics() -> Metrics:
                 buckets=(1, 2, 4, 8, 16, 32, 64, 128))
     m.counter("mariana_serve_batches_total", "Model calls, by where they ran: the event loop (small batches) "
                                              "or the model thread.")
-    m.gauge("mariana_serve_in_flight", "Requests being answered.")
+    m.gauge("mariana_serve_in_flight", "Requests being answered (scrapes of /metrics left out).")
     m.gauge("mariana_serve_model_info", "Worker processes serving each model version.")
     m.counter("mariana_serve_model_swaps_total", "Model versions swapped in for another (the first load is not one).")
     m.counter("mariana_serve_model_load_failures_total", "Model versions that could not be loaded.")
@@ -326,6 +332,23 @@ def _model_event(app: web.Application, kind: str, info: dict) -> None:
 
 def _snapshot_path(run_dir: str, worker: int) -> str:
     return os.path.join(run_dir, f"metrics-{worker}.json")
+
+
+def _carry_over(app: web.Application) -> None:
+    """A worker started again by the server's supervisor goes on from its predecessor's
+    last snapshot: the server's counters would otherwise go down (/metrics sums the workers)."""
+    st = app[SETTINGS]
+    try:
+        with open(_snapshot_path(st["run_dir"], st["worker"])) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return  # the first start of this worker
+    except (OSError, ValueError) as e:
+        log.warning("%s: the previous worker's metrics are unreadable (%s): its counters start at 0", st["name"], e)
+        return
+    if isinstance(state, dict):
+        app[METRICS].carry_over(state)
+        log.info("%s: counters go on from the previous worker's", st["name"])
 
 
 def _write_snapshot(app: web.Application) -> str:

@@ -42,7 +42,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     if args.action == "list":
         rows = _versions(model_dir)
         if args.json:
-            print(json.dumps({"model_dir": model_dir, "versions": rows}))
+            print(report.dumps({"model_dir": model_dir, "versions": rows}))
         else:
             _print_versions(model_dir, rows)
         return 0

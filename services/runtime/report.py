@@ -3,11 +3,36 @@ commands (services/cli.py) and serving's (serving/cli.py)."""
 from __future__ import annotations
 
 import json
+import math
+
+
+def json_safe(value):
+    """`value` with every NaN or infinity, at any depth, as None: they are not JSON, and a
+    browser's JSON.parse refuses the whole document for one (a diverged job's loss).
+
+    >>> json_safe({"loss": float("nan"), "points": [[1.0, float("inf")]], "n": 3})
+    {'loss': None, 'points': [[1.0, None]], 'n': 3}
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def dumps(value) -> str:
+    """JSON text of `value`, non-finite numbers as null (see `json_safe`)."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:  # a NaN or infinity somewhere: the rare case walks the whole value
+        return json.dumps(json_safe(value), allow_nan=False)
+
 
 def print_record(record: dict, as_json: bool) -> None:
     if as_json:  # NaN is not JSON: report it as null
-        print(json.dumps({k: None if isinstance(v, float) and v != v else v for k, v in record.items()},
-                         allow_nan=False))
+        print(dumps(record))
         return
     table = record.get("reliability")
     lines = list(human_lines({k: v for k, v in record.items() if k != "reliability"}))

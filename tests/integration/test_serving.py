@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -136,6 +137,40 @@ def test_counters_never_go_down_whichever_worker_answers_the_scrape(lr_server):
         now = lr_server.metric("mariana_serve_predictions_total")
         assert now >= last, (i, now, last)
         last = now
+
+
+def test_a_worker_killed_and_started_again_goes_on_from_its_counts(models, tmp_path):
+    """The supervisor starts a killed worker again; /metrics sums the workers' snapshots,
+    so a new worker counting from zero would take its predecessor's counts off the total
+    (a drop a scrape shows as a reset, and a loss of what was served). Scrapes of /metrics
+    are not "in flight" either."""
+    with Server(tmp_path / "s", models["lr"], workers=2) as s:
+        s.wait_for("/readyz")
+        for i in range(40):  # new connections: the kernel spreads them over both workers
+            assert s.predict([{"I1": i}] * 2)[0] == 200
+        deadline = time.monotonic() + 10  # each worker's count lands with its next snapshot (1 s)
+        while s.metric("mariana_serve_predictions_total") < 80 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        before = s.metric("mariana_serve_predictions_total")
+        assert before == 80 and s.metric("mariana_serve_in_flight") == 0
+        pids = {}
+        while len(pids) < 2 and time.monotonic() < deadline:
+            answer = s.get("/healthz")[1]
+            pids[answer["worker"]] = answer["pid"]
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the new worker 0 answers
+            try:
+                answer = s.get("/healthz")[1]
+            except OSError:
+                continue
+            if answer["worker"] == 0 and answer["pid"] != pids[0]:
+                break
+        else:
+            pytest.fail(f"worker 0 was not started again: {s.logs()}")
+        for _ in range(20):  # scrapes answered by both workers, the new one included
+            assert s.metric("mariana_serve_predictions_total") >= before
+        assert "counters go on from the previous worker's" in s.logs()
 
 
 def test_metrics_openapi_and_model_info(lr_server):

@@ -437,7 +437,11 @@ def _print_status(st: dict) -> None:
     if jobs:
         print()
         report.print_table(("JOB", "STATE", "MODEL", "EPOCH", "DONE", "ROWS", "ROWS/S", "LOSS", "CACHE HITS", "ERROR"),
-                           [_job_row(j) for j in jobs])
+                           [_job_row(j) for j in jobs[:STATUS_JOBS]])
+        if len(jobs) > STATUS_JOBS:
+            print(f"  ... and {len(jobs) - STATUS_JOBS} older (--json lists them all)")
+    if st.get("models_error"):
+        print(f"\nmodels: unreadable ({st['models_error']})")
     for m in st.get("models") or []:
         print()
         report.print_versions(m["dir"], m.get("current"), [
@@ -445,6 +449,9 @@ def _print_status(st: dict) -> None:
             for v in m["versions"]], most=10)
         for d in m.get("decisions", [])[:5]:
             print(f"  retrain {d.get('time')}: {d.get('verdict')} {d.get('new_version')} ({d.get('reason')})")
+
+
+STATUS_JOBS = 20  # the newest jobs `status` lists (the coordinator keeps every job)
 
 
 def _job_row(j: dict) -> tuple:

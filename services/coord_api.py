@@ -3,6 +3,7 @@ cancel behind the token. Reads the coordinator's state; a job it accepts goes to
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -16,10 +17,12 @@ from mariana.services.coord_openapi import document
 from mariana.services.coord_state import REDIS_STATS_SECONDS, JobRun, bad_request
 from mariana.services.runtime.auth import bearer_ok
 from mariana.services.runtime.exporter import render_service
+from mariana.services.runtime.report import dumps
 from mariana.sparse.errors import ConfigError, MarianaError
 from mariana.trainer import checkpoint
 
 log = logging.getLogger(__name__)
+respond = functools.partial(web.json_response, dumps=dumps)  # NaN (a diverged job's loss) as null
 
 
 JOB_COUNTERS = {"batches_reissued": "Batches of the running job leased again after a lease ran out.",
@@ -38,7 +41,7 @@ class CoordinatorAPI:
 
     def http_app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 20)
-        app.router.add_get("/healthz", lambda r: web.json_response({"ok": True}))
+        app.router.add_get("/healthz", lambda r: respond({"ok": True}))
         app.router.add_get("/v1/status", self.http_status)
         app.router.add_get("/v1/jobs", self.http_jobs)
         app.router.add_get("/v1/jobs/{id}", self.http_job)
@@ -51,23 +54,39 @@ class CoordinatorAPI:
         webui.add_routes(app)  # GET / and /ui/: the web UI of jobs and models
         return app
 
-    def status_dict(self) -> dict:
+    def touch_self(self) -> None:
+        """The coordinator sends itself no heartbeats: it is up while it answers."""
         self.coord.services[self.coord.name].last_seen = time.time()
         self.coord.services[self.coord.name].status = dict(self.coord.counters)
+
+    def status_dict(self, jobs: list[dict] | None = None) -> dict:
+        """`jobs`: the job summaries to show (default: every job)."""
+        self.touch_self()
         within = self.coord.cfg.coordinator.heartbeat_seconds
         return {"services": {n: {"role": s.role, "index": s.index, "pid": s.pid, "alive": s.alive(within),
                                  "last_seen": s.last_seen, "status": s.status, "restarts": s.restarts,
                                  "rate": s.rate if s.alive(within) else None}
                              for n, s in sorted(self.coord.services.items())},
-                "jobs": self.job_summaries(),
-                "counters": dict(self.coord.counters)}
+                "jobs": self.job_summaries() if jobs is None else jobs,
+                "jobs_total": len(self.coord.jobs), "counters": dict(self.coord.counters)}
+
+    def newest_first(self) -> list[JobRun]:
+        return sorted(self.coord.jobs.values(), key=lambda r: (r.submitted, r.id), reverse=True)
 
     def job_summaries(self) -> list[dict]:
         """Newest first."""
-        return [r.summary() for r in sorted(self.coord.jobs.values(), key=lambda r: (r.submitted, r.id), reverse=True)]
+        return [r.summary() for r in self.newest_first()]
 
     async def http_status(self, request: web.Request) -> web.Response:
-        return web.json_response({**self.status_dict(), "redis": await self.redis_stats()})
+        """?jobs=N: the newest N jobs, with every queued or running one and ?job=ID's (the web
+        UI's poll, every second: thousands of ended jobs need not travel each time)."""
+        most = count_param(request, "jobs")
+        jobs = None
+        if most is not None:
+            runs = self.newest_first()
+            keep = {r.id for r in runs[:most]} | {request.query.get("job")}
+            jobs = [r.summary() for r in runs if r.id in keep or r.state in ("queued", "running")]
+        return respond({**self.status_dict(jobs), "redis": await self.redis_stats()})
 
     async def redis_stats(self) -> dict:
         """The sample cache's Redis as its INFO says: hit rate of reads, memory, keys.
@@ -91,7 +110,11 @@ class CoordinatorAPI:
                     v.get("keys", 0) for k, v in info.items() if k.startswith("db") and isinstance(v, dict))}
 
     async def http_jobs(self, request: web.Request) -> web.Response:
-        return web.json_response({"jobs": self.job_summaries()})
+        """Newest first; ?limit=N&offset=K pages through them."""
+        limit, offset = count_param(request, "limit"), count_param(request, "offset") or 0
+        runs = self.newest_first()
+        page = runs[offset:] if limit is None else runs[offset:offset + limit]
+        return respond({"jobs": [r.summary() for r in page], "total": len(runs)})
 
     def job_or_404(self, request: web.Request) -> JobRun:
         run = self.coord.jobs.get(request.match_info["id"])
@@ -101,7 +124,7 @@ class CoordinatorAPI:
         return run
 
     async def http_job(self, request: web.Request) -> web.Response:
-        return web.json_response(self.job_or_404(request).summary())
+        return respond(self.job_or_404(request).summary())
 
     async def http_history(self, request: web.Request) -> web.Response:
         run = self.job_or_404(request)
@@ -109,14 +132,14 @@ class CoordinatorAPI:
             since = float(request.query.get("since", 0))
         except ValueError:
             return bad_request(f"since must be a number (unix seconds), got {request.query['since']!r}")
-        return web.json_response({"job": run.id, "points": self.coord.store.points(run.id, since),
+        return respond({"job": run.id, "points": self.coord.store.points(run.id, since),
                                   "epochs": run.epochs()})
 
     async def http_models(self, request: web.Request) -> web.Response:
         outs = (r.record.get("model_dir") or r.request.get("out") for r in self.coord.jobs.values())
         dirs = list(dict.fromkeys([*self.coord.cfg.coordinator.model_dirs, *outs]))
         models = await asyncio.to_thread(lambda: [checkpoint.overview(d) for d in dirs if d])
-        return web.json_response({"models": [m for m in models if m is not None]})
+        return respond({"models": [m for m in models if m is not None]})
 
     def authorize(self, request: web.Request) -> None:
         token = self.coord.cfg.coordinator.token
@@ -146,7 +169,7 @@ class CoordinatorAPI:
             return bad_request(str(e))
         except MarianaError as e:
             if self.coord.inputs.enabled and checked is None:  # no loader to check the files: try later
-                return web.json_response({"error": str(e)}, status=503)
+                return respond({"error": str(e)}, status=503)
             return bad_request(str(e))
         except OSError as e:
             return bad_request(f"{e.filename}: {e.strerror}")
@@ -155,7 +178,7 @@ class CoordinatorAPI:
         self.coord.queue.put_nowait(run.id)
         log.info("%s: job %s submitted (%s, %d epochs)", self.coord.name, run.id, run.request["model"],
                  run.ledger.epochs)
-        return web.json_response({"job": run.id, "state": run.state}, status=201)
+        return respond({"job": run.id, "state": run.state}, status=201)
 
     async def http_cancel(self, request: web.Request) -> web.Response:
         self.authorize(request)
@@ -166,16 +189,16 @@ class CoordinatorAPI:
         if done == "writing":
             log.info("%s: job %s: a cancel came while its version was being written; refused", self.coord.name,
                      run.id)
-            return web.json_response({"error": f"job {run.id} is writing its version ({run.phase}): too late to "
+            return respond({"error": f"job {run.id} is writing its version ({run.phase}): too late to "
                                                "cancel; it ends done"}, status=409)
         if done == "cancelled":
             log.info("%s: job %s cancelled", self.coord.name, run.id)
             self.coord.book.ended(run)
             self.coord.pulse()
-        return web.json_response(run.summary())
+        return respond(run.summary())
 
     async def http_openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(document(bool(self.coord.cfg.coordinator.token)))
+        return respond(document(bool(self.coord.cfg.coordinator.token)))
 
     async def http_metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=self.prometheus(), content_type="text/plain")
@@ -184,6 +207,7 @@ class CoordinatorAPI:
         """Its own counters as every service renders them (role and index labels), then the
         cluster's: which services are up, jobs by state, the active job's progress."""
         own = render_service(self.coord.role, self.coord.index, self.coord.counters, {}, self.coord.boot)
+        self.touch_self()
         lines = []
         within = self.coord.cfg.coordinator.heartbeat_seconds
         lines += ["# HELP mariana_service_up 1 while the service's heartbeats arrive, 0 once it is silent.",
@@ -199,10 +223,22 @@ class CoordinatorAPI:
             p = run.ledger.progress()
             lines += ["# HELP mariana_job_rows_per_second The running job's training rows per second.",
                       "# TYPE mariana_job_rows_per_second gauge",
-                      f'mariana_job_rows_per_second{{job="{run.id}"}} {p["rows_per_s"]}',
+                      f'mariana_job_rows_per_second{{job_id="{run.id}"}} {p["rows_per_s"]}',
                       "# HELP mariana_job_epoch The running job's epoch.",
-                      "# TYPE mariana_job_epoch gauge", f'mariana_job_epoch{{job="{run.id}"}} {p["epoch"]}']
+                      "# TYPE mariana_job_epoch gauge", f'mariana_job_epoch{{job_id="{run.id}"}} {p["epoch"]}']
             for key, text in JOB_COUNTERS.items():
                 lines += [f"# HELP mariana_job_{key}_total {text}", f"# TYPE mariana_job_{key}_total counter",
-                          f'mariana_job_{key}_total{{job="{run.id}"}} {run.ledger.counters[key]}']
+                          f'mariana_job_{key}_total{{job_id="{run.id}"}} {run.ledger.counters[key]}']
         return own + "\n".join(lines) + "\n"
+
+
+def count_param(request: web.Request, name: str) -> int | None:
+    """A query parameter that counts (an int >= 0), None when absent; 400 otherwise."""
+    text = request.query.get(name)
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit()) or len(text) > 9:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"{name} must be a whole number >= 0 (at most "
+                                                           f"9 digits), got {text[:40]!r}"}),
+                                 content_type="application/json")
+    return int(text)

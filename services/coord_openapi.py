@@ -61,6 +61,11 @@ def _errors(*codes: int) -> dict:
 
 
 _ID = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
+
+
+def _count(name: str, text: str) -> dict:
+    return {"name": name, "in": "query", "required": False, "description": text,
+            "schema": {"type": "integer", "minimum": 0, "maximum": 999999999}}
 OPENAPI = {
     "openapi": "3.0.3",
     "info": {"title": "Mariana coordinator", "version": "1",
@@ -70,16 +75,25 @@ OPENAPI = {
         "/healthz": {"get": {"summary": "The coordinator is up",
                              "responses": {"200": _json({"type": "object"}, "Up.")}}},
         "/v1/status": {"get": {"summary": "Every service with its heartbeat, the jobs, the sample cache's Redis",
+                               "parameters": [_count("jobs", "Only the newest N jobs, with every queued or running "
+                                                             "one (default: every job)."),
+                                              {"name": "job", "in": "query", "required": False,
+                                               "schema": {"type": "string"},
+                                               "description": "With jobs=N: this job too, however old."}],
                                "responses": {"200": _json({"type": "object", "required": ["services", "jobs"],
                                                            "properties": {"services": {"type": "object"},
                                                                           "jobs": {"type": "array",
-                                                                                   "items": _SUMMARY}}},
-                                                          "Status.")}}},
+                                                                                   "items": _SUMMARY},
+                                                                          "jobs_total": {"type": "integer"}}},
+                                                          "Status."), **_errors(400)}}},
         "/v1/jobs": {
             "get": {"summary": "Every job, newest first",
-                    "responses": {"200": _json({"type": "object", "required": ["jobs"],
-                                                "properties": {"jobs": {"type": "array", "items": _SUMMARY}}},
-                                               "Jobs.")}},
+                    "parameters": [_count("limit", "At most N jobs (default: all)."),
+                                   _count("offset", "Skip the newest K (default 0).")],
+                    "responses": {"200": _json({"type": "object", "required": ["jobs", "total"],
+                                                "properties": {"jobs": {"type": "array", "items": _SUMMARY},
+                                                               "total": {"type": "integer"}}},
+                                               "Jobs."), **_errors(400)}},
             "post": {"summary": "Submit a job (bearer token)", "security": [{"bearer": []}],
                      "requestBody": {"required": True, "content": {"application/json": {"schema": _JOB}}},
                      "responses": {"201": _json({"type": "object", "required": ["job", "state"],

@@ -38,6 +38,7 @@ from mariana.services.coord_state import JobRun, ServiceInfo, numbers
 from mariana.services.jobstore import JobStore
 from mariana.services.ledger import ChunkInfo, JobLedger, parse_step, stage_seconds_of
 from mariana.services.protocol import BadMessage, Message
+from mariana.services.runtime.auth import check_exposed
 from mariana.services.runtime.config import ROLES, ClusterConfig
 from mariana.services.runtime.lifecycle import Service, cancel_and_wait, run_service
 from mariana.services.sample_cache import SampleCache, batch_key
@@ -348,4 +349,5 @@ class Coordinator(Service):
 
 
 def main(cfg: ClusterConfig, index: int) -> int:
+    check_exposed(cfg.coordinator.http_host, cfg.coordinator.token, "coordinator")
     return run_service(Coordinator(cfg, index))

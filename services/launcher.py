@@ -570,9 +570,13 @@ def remote_status(http: str) -> dict:
     out = {"coordinator": None, "models": [], "error": None}
     try:
         out["coordinator"] = fetch_status(http, timeout=5.0)
-        out["models"] = fetch_status(http, timeout=5.0, path="/v1/models").get("models", [])
     except _UNREACHABLE as e:
         out["error"] = f"coordinator at {http} unreachable: {_reason(e)}"
+        return out
+    try:
+        out["models"] = fetch_status(http, timeout=5.0, path="/v1/models").get("models", [])
+    except _UNREACHABLE as e:  # the coordinator answered its status: say what failed, and no more
+        out["models_error"] = f"{http}/v1/models: {_reason(e)}"
     return out
 
 

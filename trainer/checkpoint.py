@@ -148,7 +148,10 @@ def overview(model_dir: str | os.PathLike, limit: int = 50) -> dict | None:
     """A model dir at a glance, newest first: versions with their metrics, the retrain
     decisions and the moves of CURRENT (at most `limit` of each); None if it does not exist."""
     d = Path(model_dir)
-    if not d.is_dir():
+    try:
+        if not d.is_dir():
+            return None
+    except (OSError, ValueError):  # a name no directory can have (too long, a NUL): none there
         return None
     try:
         current = current_version(d)

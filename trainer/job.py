@@ -37,6 +37,7 @@ def check_out_dir(path: str) -> None:
     """The model directory must be a writable directory, or creatable."""
     if not os.fspath(path):  # "" would be the working directory, its versions among whatever is there
         raise MarianaError("the model directory (--out) is empty: name one")
+    check_path_name(path, "the model directory (--out)")
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", path)
@@ -53,6 +54,30 @@ def check_out_dir(path: str) -> None:
     except OSError as e:
         raise PermissionError(e.errno or errno.EACCES, f"cannot create a directory in it ({e.strerror})",
                               probe) from None
+
+
+def check_path_name(path: str, what: str) -> None:
+    """MarianaError unless `path` can name a file here: os.path.exists answers False for a
+    NUL byte, a lone surrogate or a 300-byte name, and the job fails only when it writes.
+
+    >>> check_path_name("/tmp/" + "x" * 300, "--out")
+    Traceback (most recent call last):
+    mariana.sparse.errors.MarianaError: --out: a name in it is 300 bytes long, more than file names may be (255)
+    """
+    try:
+        raw = os.fsencode(path)
+    except UnicodeEncodeError:
+        raise MarianaError(f"{what}: {path!r} is not a file name (it holds characters no file name can)") from None
+    if b"\0" in raw:
+        raise MarianaError(f"{what}: {path!r} holds a NUL byte, which no file name can")
+    longest = max(len(part) for part in raw.split(b"/"))
+    if longest > NAME_MAX:
+        raise MarianaError(f"{what}: a name in it is {longest} bytes long, more than file names may be ({NAME_MAX})")
+    if len(raw) >= PATH_MAX:
+        raise MarianaError(f"{what}: the path is {len(raw)} bytes long, more than paths may be ({PATH_MAX - 1})")
+
+
+NAME_MAX, PATH_MAX = 255, 4096  # Linux's (limits.h): every local file system Mariana writes to
 
 
 def _check_model_dir(path: str) -> None:

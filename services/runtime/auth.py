@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
+
+from mariana.sparse.errors import ConfigError
 
 
 def bearer_ok(header: str | None, token: str) -> bool:
@@ -21,3 +24,30 @@ def bearer_ok(header: str | None, token: str) -> bool:
     scheme, _, given = header.strip().partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
                                                               token.encode())
+
+
+def is_loopback(host: str) -> bool:
+    """
+    >>> [is_loopback(h) for h in ("127.0.0.1", "127.0.0.9", "::1", "localhost", "0.0.0.0", "", "10.0.0.5")]
+    [True, True, True, True, False, False, False]
+    """
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name or "": it may well resolve to an outside address
+
+
+def check_exposed(host: str, token: str, key: str) -> None:
+    """ConfigError when endpoints that change things would listen beyond loopback with no
+    token: anyone who reaches the port could submit jobs that write where this process may.
+
+    >>> check_exposed("0.0.0.0", "", "coordinator")
+    Traceback (most recent call last):
+    mariana.sparse.errors.ConfigError: coordinator.http_host = '0.0.0.0' is not a loopback address, and ...
+    """
+    if not token and not is_loopback(host):
+        raise ConfigError(f"{key}.http_host = {host!r} is not a loopback address, and {key}.token is empty: "
+                          "set a token (submit and cancel would be open to the network), or listen on "
+                          "127.0.0.1 and tunnel")

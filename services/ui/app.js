@@ -9,6 +9,7 @@
 (() => {
   const POLL_MS = 1000;
   const MODELS_EVERY_MS = 5000;
+  const JOBS_SHOWN = 200;  // the newest jobs the table lists (asked of /v1/status: its size stays bounded)
   const HISTORY_RETRY_MS = 15000;   // a 404 history endpoint is asked again this often
   const FETCH_TIMEOUT_MS = 5000;
   const MAX_CHART_POINTS = 1500;    // longer series are thinned before drawing
@@ -134,7 +135,12 @@
 
   function jobFromHash() {
     const m = /^#job=(.+)$/.exec(location.hash);
-    return m ? decodeURIComponent(m[1]) : null;
+    if (!m) return null;
+    try {
+      return decodeURIComponent(m[1]);
+    } catch (e) {  // a malformed escape ("#job=%"): no job by that name, not a dead page
+      return m[1];
+    }
   }
 
   // ---- the API ---------------------------------------------------------------------------
@@ -173,7 +179,9 @@
 
   async function refresh() {
     try {
-      const status = await getJSON("/v1/status");  // its jobs are /v1/jobs's: one request, not two
+      const pinned = state.pinned !== null ? `&job=${encodeURIComponent(state.pinned)}` : "";
+      // its jobs are /v1/jobs's (the newest, the running and the pinned one): one request, not two
+      const status = await getJSON(`/v1/status?jobs=${JOBS_SHOWN}${pinned}`);
       if (status.missing) throw new Error("/v1/status: 404");
       state.status = isObj(status.data) ? status.data : {};
       const list = state.status.jobs;
@@ -397,8 +405,10 @@
     for (const j of state.jobs) counts[j.state] = (counts[j.state] || 0) + 1;
     const parts = ["running", "queued", "done", "failed", "cancelled"].filter((s) => counts[s])
       .map((s) => `${counts[s]} ${s}`);
-    $("stat-jobs").textContent = state.jobs.length ? `${state.jobs.length}` : "0";
-    $("stat-jobs").title = parts.join(", ");
+    const total = isNum(state.status && state.status.jobs_total) ? state.status.jobs_total : state.jobs.length;
+    $("stat-jobs").textContent = fmtInt(total);
+    $("stat-jobs").title = total > state.jobs.length ? `${parts.join(", ")} of the newest ${state.jobs.length}`
+      : parts.join(", ");
   }
 
   // ---- render: jobs table ---------------------------------------------------------------------
@@ -407,11 +417,15 @@
     const sel = selectedJob();
     const focused = document.activeElement && document.activeElement.dataset
       ? document.activeElement.dataset.job : undefined;
-    const rows = state.jobs.slice(0, 200).map((job) => jobRow(job, sel && sel.id === job.id));
+    const rows = state.jobs.slice(0, JOBS_SHOWN).map((job) => jobRow(job, sel && sel.id === job.id));
     $("jobs-body").replaceChildren(...rows);
     const again = focused === undefined ? null : rows.find((r) => r.dataset.job === focused);
     if (again) again.focus();  // rows are rebuilt every second: keep the keyboard where it was
     $("jobs-empty").hidden = state.jobs.length > 0 || state.online !== true;
+    const total = isNum(state.status && state.status.jobs_total) ? state.status.jobs_total : state.jobs.length;
+    $("jobs-more").hidden = total <= rows.length;
+    $("jobs-more").textContent = `The newest ${fmtInt(rows.length)} of ${fmtInt(total)} jobs; an older one: `
+      + "its id after #job= in this page's address, or GET /v1/jobs?offset=N.";
   }
 
   function jobRow(job, selected) {

@@ -391,7 +391,9 @@ class CannedAPI:
     done with a test set (test AUC 0.8201 below its progressive AUC's ~0.85), one done without,
     and one whose epochs are over but which is still running (`phase`)."""
 
-    def __init__(self):
+    def __init__(self, total: int | None = None):
+        self.total = total  # jobs_total, when the coordinator has more jobs than it lists
+        self.asked: list[str] = []  # the query strings of /v1/status
         self.jobs = {
             FINISHING_ID: canned_job(FINISHING_ID, "running", NOW - 320, phase="evaluating on test.tsv"),
             DONE_ID: canned_job(DONE_ID, "done", NOW - 4000, phase=None,
@@ -405,7 +407,8 @@ class CannedAPI:
         services = {f"{role}-{i}": {"role": role, "index": i, "pid": 100 + i, "alive": True,
                                         "last_seen": time.time()}
                     for role in ("worker", "ps") for i in range(2)}
-        return {"services": services, "counters": {}, "jobs": list(self.jobs.values())}
+        more = {} if self.total is None else {"jobs_total": self.total}
+        return {"services": services, "counters": {}, "jobs": list(self.jobs.values()), **more}
 
     def models(self) -> dict:
         decision = {"time": NOW - 3650, "verdict": "promote", "candidate": "v000003", "served": "v000002",
@@ -419,6 +422,7 @@ class CannedAPI:
         path = urllib.parse.unquote(route.request.url.split("/v1/", 1)[1].split("?")[0])
         body = None
         if path == "status":
+            self.asked.append(urllib.parse.urlsplit(route.request.url).query)
             body = self.status()
         elif path == "models":
             body = self.models()
@@ -440,11 +444,11 @@ def canned_page(chromium, artifacts):
     with ui_only_server() as url, sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
 
-        def open_page(width: int = 1280, height: int = 800, job: str | None = None):
+        def open_page(width: int = 1280, height: int = 800, job: str | None = None, api: CannedAPI | None = None):
             page = browser.new_page(viewport={"width": width, "height": height})
             page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
             page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
-            page.route("**/v1/**", CannedAPI())
+            page.route("**/v1/**", api or CannedAPI())
             page.goto(url + "/ui/" + (f"#job={job}" if job else ""))
             return page
 
@@ -453,6 +457,22 @@ def canned_page(chromium, artifacts):
         finally:
             browser.close()
     assert not errors, errors
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_browser_survives_a_malformed_address_and_says_how_many_jobs_it_lists(canned_page):
+    """`#job=%` threw in decodeURIComponent and the page never polled; with thousands of
+    jobs the page asks for the newest 200 (and the one it follows) and says so."""
+    expect, open_page = canned_page
+    page = open_page(job="%E0%A4%A")
+    expect(page.locator("[data-testid=job-row]")).to_have_count(3)
+    expect(page.locator("[data-testid=jobs-more]")).to_be_hidden()
+    api = CannedAPI(total=2014)
+    page = open_page(job=DONE_ID, api=api)
+    expect(page.locator("[data-testid=jobs-more]")).to_contain_text("The newest 3 of 2,014 jobs")
+    expect(page.locator("[data-testid=stat-jobs]")).to_have_text("2,014")
+    assert api.asked and api.asked[0] == f"jobs=200&job={DONE_ID}", api.asked
 
 
 @pytest.mark.slow
@@ -612,7 +632,7 @@ def test_browser_versions_table_shows_every_column_on_a_laptop(canned_page, arti
         assert wrap["left"] - 0.5 <= h["left"] and h["right"] <= wrap["right"] + 0.5, (h, wrap)
         assert 0 <= h["left"] and h["right"] <= view["width"], (h, view)
         assert 0 <= h["top"] and h["bottom"] <= view["height"], (h, view)
-    job = table.locator(f'[data-version="v000003"] [data-testid=version-job]')
+    job = table.locator('[data-version="v000003"] [data-testid=version-job]')
     expect(job).to_have_attribute("title", DONE_ID)  # shown short, the full id on hover
     expect(job).to_have_text("…4f9c2a")
     page.screenshot(path=str(artifacts / f"webui-versions-{width}.png"))

@@ -123,8 +123,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         from mariana.trainer.job import run_tune_job
 
         _refuse_cluster_flags(args)
-        record = run_tune_job(config, _paths(args.data), _paths(args.test_data), args.out, args.budget, args.model,
-                              _paths(args.valid_data), args.trials, args.seed, refit=not args.no_refit)
+        record = run_tune_job(config, _paths(args.data), _paths(args.test_data), args.out, args.budget,
+                              args.model or config.model.kind, _paths(args.valid_data), args.trials, args.seed,
+                              refit=not args.no_refit)
     if not args.json:
         trials = record.pop("trials")
         shown = sorted(trials, key=lambda t: (t["value"] is None, t["value"] or 0.0))[:TRIALS_SHOWN]
@@ -148,7 +149,7 @@ def _tune_cluster(args: argparse.Namespace, config) -> dict:
 
     cluster, sync, asked = _cluster_settings(args)
     return run_cluster_tune(config, _paths(args.data), _paths(args.test_data), _paths(args.valid_data), args.out,
-                            cluster, args.budget, args.model, args.trials, args.seed, mode=sync,
+                            cluster, args.budget, args.model or config.model.kind, args.trials, args.seed, mode=sync,
                             staleness=args.staleness, asked=asked, refit=not args.no_refit)
 
 
@@ -374,6 +375,8 @@ def _job_config(args: argparse.Namespace):
                       ("batch_size", "train.batch_size"), ("bits", "hashing.bits"),
                       ("images", "images.creatives"), ("featurizer", "images.featurizer")):
         value = getattr(args, flag, None)
+        if flag == "model" and value == "any":  # tune's: the kind is searched, the config's is the first trial's
+            continue
         if value is not None:
             if key in overrides and overrides[key] != value:  # one of the two would be dropped in silence
                 raise MarianaError(f"--{flag.replace('_', '-')} {value} and --set {key}={overrides[key]} disagree: "
@@ -577,8 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--budget", type=float, required=True, help="seconds of wall time for the search; the trial "
                     "under way at the end stops after its epoch")
     tu.add_argument("--trials", type=int, help="stop after this many trials (default: only the budget)")
-    tu.add_argument("--model", choices=("lr", "dnn", "any"), default="lr",
-                    help="model kind to tune (any: the kind is searched too; default lr)")
+    tu.add_argument("--model", choices=("lr", "dnn", "any"),
+                    help="model kind to tune (any: the kind is searched too; default: model.kind of --config or "
+                    "--set, else lr)")
     tu.add_argument("--seed", type=seed_arg, default=0, help="seed of the search")
     tu.add_argument("--no-refit", action="store_true", help="publish the best trial's model as it is (default, "
                     "when validating on the held-out tail: leave time in the budget to train the best config on "
@@ -704,8 +708,8 @@ def _guarded(run) -> int:
     except OSError as e:  # a path that is missing, a directory, unwritable, ...
         where = f"{e.filename}: " if e.filename else ""
         return _fail(f"{where}{(e.strerror or str(e)).lower()}")
-    except KeyboardInterrupt:
-        print("mariana: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # a tune's says what it kept
+        print(f"mariana: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         return 130
 
 

@@ -29,8 +29,8 @@ from mariana.trainer import checkpoint
 from mariana.trainer.config import JobConfig
 from mariana.trainer.job import absolute_paths
 from mariana.trainer.strategies.local import best_epoch, valid_record
-from mariana.trainer.tune import (SEARCH, SearchFailed, Trial, TrialRun, check_search, refit_plan, refit_reserve,
-                          save_trials, summarize, trials_path, tune)
+from mariana.trainer.tune import (SEARCH, SearchFailed, SearchInterrupted, Trial, TrialRun, check_search, refit_plan,
+                          refit_reserve, save_trials, saved_when_interrupted, summarize, trials_path, tune)
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # how late the pruner hears an epoch, and the deadline is noticed
@@ -134,11 +134,14 @@ def run_cluster_tune(config: JobConfig, data: list[str], test_data: list[str], v
         with cluster_session(cluster, asked) as info:
             log.info("tuning on %s for %gs, every trial a job on %s (validation: %s)", ",".join(body["data"]),
                      budget, info["http"], source)
-            result = tune(config, ClusterTrials(info, body, source), budget, kind, max_trials, seed, reserve=reserve,
-                          started=t0)
-            meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,
-                    "search": SEARCH, "validation": source,
+            meta = {"budget_seconds": budget, "model": kind, "seed": seed, "search": SEARCH, "validation": source,
                     "first_trial": "the job's own config", "mode": f"cluster/{mode}", "trials_dir": body["out"]}
+            try:
+                result = tune(config, ClusterTrials(info, body, source), budget, kind, max_trials, seed,
+                              reserve=reserve, started=t0)
+            except SearchInterrupted as e:  # Ctrl-C: the trials so far are saved, nothing is published
+                raise saved_when_interrupted(e, out, meta) from None
+            meta["seconds"] = round(result.seconds, 2)
             kept = result.kept
             if fraction:
                 kept, meta["refit"] = refit_job(info, body, result, fraction, t0 + budget)

@@ -355,7 +355,8 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
     held-out tail (no `valid_paths`), the search leaves time to train the best config on
     every row, the tail included, for its best epoch count, and publishes that model (as
     a grid search's refit does; for a log the tail is its newest rows)."""
-    from mariana.trainer.tune import SEARCH, LocalTrials, check_search, refit_reserve, save_trials, summarize, tune
+    from mariana.trainer.tune import (SEARCH, LocalTrials, SearchInterrupted, check_search, refit_reserve,
+                                      save_trials, saved_when_interrupted, summarize, tune)
 
     check_search(config, budget)
     t0 = time.perf_counter()
@@ -365,10 +366,14 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
     log.info("tuning on %s for %gs (validation: %s)", ",".join(job.train), budget, job.valid.source)
     runner = LocalTrials(job.schema, job.train, job.train_rows, job.valid)
     reserve = (lambda trial: refit_reserve(trial, fraction)) if fraction else None
-    result = tune(config, runner, budget, kind, max_trials, seed, reserve=reserve, started=t0)
+    meta = {"budget_seconds": budget, "model": kind, "seed": seed, "search": SEARCH,
+            "validation": job.valid.source, "first_trial": "the job's own config"}
+    try:
+        result = tune(config, runner, budget, kind, max_trials, seed, reserve=reserve, started=t0)
+    except SearchInterrupted as e:  # Ctrl-C: the trials so far are saved, nothing is published
+        raise saved_when_interrupted(e, out_dir, meta) from None
     bundle, trained = result.kept
-    meta = {"budget_seconds": budget, "seconds": round(result.seconds, 2), "model": kind, "seed": seed,
-            "search": SEARCH, "validation": job.valid.source, "first_trial": "the job's own config"}
+    meta["seconds"] = round(result.seconds, 2)
     if fraction:
         bundle, trained, meta["refit"] = refit_best(result, job, fraction, t0 + budget)
     trials_file = save_trials(out_dir, result, meta)

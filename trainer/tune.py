@@ -45,7 +45,7 @@ TRIAL_MAX_EPOCHS = 30  # a trial's cap (early stopping ends most far sooner); tr
 class Trial:
     number: int
     params: dict
-    state: str = "running"          # complete | pruned | failed | budget
+    state: str = "running"          # complete | pruned | failed | budget | unfinished | interrupted
     value: float | None = None      # best validation logloss
     auc: float | None = None        # validation AUC at the best epoch
     epochs: int = 0                 # epochs run
@@ -86,6 +86,15 @@ class SearchFailed(MarianaError):
     """No trial can run any more (e.g. the cluster is gone): the search ends with this error."""
 
 
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM ended the search: `result` holds the trials that ran (its `best`
+    may be None); the caller saves them before it exits."""
+
+    def __init__(self, message: str = "", result: "TuneResult | None" = None):
+        super().__init__(message)
+        self.result = result
+
+
 @dataclass
 class LocalTrials:
     """Trials trained in this process; a trial keeps (its ModelBundle, its TrainResult)."""
@@ -107,7 +116,7 @@ class LocalTrials:
 
 @dataclass
 class TuneResult:
-    best: Trial
+    best: Trial | None              # None only in a SearchInterrupted's result
     kept: object                    # the best trial's TrialRun.kept (local: (ModelBundle, TrainResult))
     config: JobConfig
     trials: list[Trial] = field(default_factory=list)
@@ -266,6 +275,11 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
             raise
         except SearchFailed:
             raise
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: this trial ends the search; those before it are kept
+            state["interrupted"] = True
+            _end(trial, "interrupted", t, on_trial)
+            ot.study.stop()
+            raise optuna.TrialPruned() from None  # no traceback from optuna's log of a failed trial
         except MarianaError as e:  # a diverging config: a failed trial, the search goes on
             trial.error = str(e)
             _end(trial, "failed", t, on_trial)
@@ -296,7 +310,14 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
                      left, min(epochs))
             study.stop()
 
-    study.optimize(objective, n_trials=max_trials, callbacks=[out_of_time], catch=())
+    try:
+        study.optimize(objective, n_trials=max_trials, callbacks=[out_of_time], catch=())
+    except KeyboardInterrupt:  # between two trials
+        state["interrupted"] = True
+    if state.get("interrupted"):
+        kept = state["run"].kept if state["run"] is not None else None
+        raise SearchInterrupted(result=TuneResult(state["best"], kept, state["config"], state["trials"],
+                                                  time.perf_counter() - t0))
     if state["best"] is None:
         raise MarianaError(f"tune: no trial finished within the budget of {budget:g} s "
                            "(raise --budget or use fewer rows)")
@@ -320,11 +341,16 @@ def _pruning(ot, trial: Trial) -> Callable[[int, dict], None]:
 
 
 def _settle(trial: Trial, valid: dict) -> None:
-    """A finished trial's numbers from its validation record (the same as on_valid's)."""
+    """A finished trial's numbers from its validation record (the same as on_valid's). One
+    the budget stopped inside its first epoch is "unfinished", with no value: a model of
+    a few batches (256 rows of a budget of 0.01 s) was published and promoted over a good
+    one as the best of the search."""
     best = valid["epochs"][valid["best_epoch"] - 1] if valid["best_epoch"] else {}
     trial.value, trial.auc = best.get("logloss"), best.get("auc")
     trial.epochs, trial.best_epoch = len(valid["epochs"]), valid["best_epoch"]
     trial.state = "budget" if valid["stopped"] == "time budget" else "complete"
+    if trial.state == "budget" and trial.epochs <= 1:
+        trial.state, trial.value, trial.error = "unfinished", None, "the budget ended its first epoch"
 
 
 def _end(trial: Trial, state: str, started: float, on_trial: Callable[[Trial], None] | None) -> None:
@@ -354,6 +380,19 @@ def _report(trial: Trial, on_trial: Callable[[Trial], None] | None) -> None:
         on_trial(trial)
 
 
+def saved_when_interrupted(e: SearchInterrupted, model_dir: str, meta: dict) -> SearchInterrupted:
+    """The trials of an interrupted search saved (`save_trials`): the error to raise, saying
+    where they are and that nothing was published."""
+    result = e.result
+    if result is None or not result.trials:
+        return SearchInterrupted("no trial had run; nothing published")
+    path = save_trials(model_dir, result, {**meta, "interrupted": True})
+    finished = sum(t.state in ("complete", "budget") for t in result.trials)
+    best = f"; the best so far: trial {result.best.number}" if result.best else ""
+    return SearchInterrupted(f"{len(result.trials)} trials ({finished} finished) saved in {path}{best}; "
+                             "nothing published")
+
+
 def summarize(result: TuneResult, meta: dict, trials_file: str) -> dict:
     """The `tune` entry of the record and the version's manifest."""
     return {**meta, "trials": len(result.trials), "best_trial": result.best.number,
@@ -361,8 +400,10 @@ def summarize(result: TuneResult, meta: dict, trials_file: str) -> dict:
 
 
 def trials_path(model_dir: str) -> str:
-    """<model_dir>/tune/<time>.json: where a search's trials go."""
-    return os.path.join(os.path.abspath(model_dir), "tune", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + ".json")
+    """<model_dir>/tune/<time>-<pid>.json: where a search's trials go (two searches into
+    one dir in the same second wrote one file)."""
+    name = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}.json"
+    return os.path.join(os.path.abspath(model_dir), "tune", name)
 
 
 def save_trials(model_dir: str, result: TuneResult, meta: dict, path: str | None = None) -> str:
@@ -370,8 +411,8 @@ def save_trials(model_dir: str, result: TuneResult, meta: dict, path: str | None
     path = path or trials_path(model_dir)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        json.dump({**meta, "best_trial": result.best.number, "trials": [t.to_dict() for t in result.trials]},
-                  f, indent=1, allow_nan=False)
+        json.dump({**meta, "best_trial": result.best.number if result.best else None,
+                   "trials": [t.to_dict() for t in result.trials]}, f, indent=1, allow_nan=False)
     os.replace(path + ".tmp", path)
     return path
 

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 
 
 def test_tune_prints_its_trials_and_publishes_the_best(gen_files, tmp_path):
@@ -42,3 +46,51 @@ def test_tune_and_auto_epochs_refuse_bad_input(gen_files, tmp_path):
         last = proc.stderr.strip().splitlines()[-1]  # argparse's own errors come after its usage lines
         assert proc.returncode == 2 and needle in last and "error" in last, (args, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def test_a_budget_too_short_for_one_epoch_publishes_nothing(gen_files, tmp_path):
+    """A trial the budget stopped inside its first epoch is unfinished: it was the best of the
+    search and a model of 256 rows replaced the served one."""
+    out = tmp_path / "m"
+    run_cli("train", "--data", gen_files["train"], "--set", "hashing.bits=18", "--out", out, check=True)
+    proc = run_cli("tune", "--data", gen_files["train"], "--budget", "0.01", "--set", "hashing.bits=18",
+                   "--out", out)
+    assert proc.returncode == 2 and "no trial finished within the budget" in proc.stderr, proc.stderr
+    assert (out / "CURRENT").read_text().strip() == "v000001" and not (out / "v000002").exists()
+
+
+def test_tune_takes_the_kind_from_its_config_and_searches_any(gen_files, tmp_path):
+    """--model defaulted to lr: `--set model.kind=dnn` "disagreed" with a flag never given, a
+    --config's kind was tuned as LR, and `--model any` failed as an unknown model."""
+    common = ("--data", gen_files["test"], "--budget", "20", "--trials", "1", "--no-refit", "--json",
+              "--set", "hashing.bits=16")
+    for args, kind in ((("--set", "model.kind=dnn"), "dnn"), (("--model", "any"), "any"), ((), "lr")):
+        proc = run_cli("tune", *common, *args, "--out", tmp_path / kind, check=True)
+        record = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert record["tune"]["model"] == kind, (args, record["tune"])
+        assert record["model"] == ("dnn" if kind == "dnn" else "lr"), (args, record["model"])
+
+
+def test_an_interrupted_tune_keeps_its_trials_and_publishes_nothing(gen_files, tmp_path):
+    """Ctrl-C threw away every finished trial, after a traceback from optuna's log."""
+    out, err = tmp_path / "m", tmp_path / "stderr"
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "mariana", "tune", "--data", gen_files["train"], "--budget",
+                                 "120", "--set", "hashing.bits=18", "--out", out], stderr=f, stdout=subprocess.DEVNULL,
+                                cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        while "trial 0 " not in err.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert "trial 0 " in err.read_text(), err.read_text()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert "Traceback" not in text and "saved in" in text and "nothing published" in text, text
+    [saved] = (out / "tune").glob("*.json")
+    trials = json.loads(saved.read_text())
+    assert trials["interrupted"] and trials["trials"][0]["state"] in ("complete", "budget", "pruned"), trials
+    assert not list(out.glob("v0*")) and not (out / "CURRENT").exists()

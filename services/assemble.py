@@ -146,6 +146,7 @@ def _parent(spec, config: JobConfig, schema) -> dict | None:
     except KeyError as e:
         raise ModelDirError(f"{model_dir}/{version}: manifest lacks {e}") from None
     check_parent(spec, parent, parent_schema, config, schema, flag="init_from")
+    checkpoint.check_optimizer_state(os.path.join(model_dir, version))  # before the shards read it
     for key in INITS:
         section, name = key.split(".")
         setattr(getattr(config, section), name, getattr(getattr(parent, section), name))

@@ -8,6 +8,8 @@ row takes the same path from bytes to pCTR everywhere.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import sys
 import time
@@ -31,6 +33,8 @@ from mariana.trainer.config import LOWER_RATES, JobConfig
 from mariana.trainer.models.lr import sigmoid
 from mariana.trainer.models.registry import build_model, dense_params, dense_size, set_dense, uses_torch
 from mariana.trainer.strategies.ps_step import DenseOptimizer
+
+log = logging.getLogger(__name__)
 
 
 FEW_ENTRIES = 4096  # up to ~100 Criteo rows: predicted without deduplicating ids
@@ -413,15 +417,33 @@ def config_differences(parent: JobConfig, child: JobConfig, keys=WARM_START_KEYS
     >>> config_differences(JobConfig(), from_dict(JobConfig, {"hashing": {"bits": 20}}))
     ['hashing.bits: the version has 22, this job 20']
     """
+    return [f"{key}: the version has {a!r}, this job {b!r}" for key, a, b in differing(parent, child, keys)]
+
+
+def differing(parent: JobConfig, child: JobConfig, keys=WARM_START_KEYS) -> list[tuple[str, object, object]]:
+    """(dotted key, the version's value, this job's) per key of `keys` that differs (a
+    section: each of its keys, the fresh model's inits left out)."""
     out = []
     for key in keys:
         a, b = _dotted_value(parent, key), _dotted_value(child, key)
         if dataclasses.is_dataclass(a):
-            out += [f"{key}.{k}: the version has {v!r}, this job {getattr(b, k)!r}"
-                    for k, v in dataclasses.asdict(a).items() if v != getattr(b, k) and f"{key}.{k}" not in INITS]
+            out += [(f"{key}.{k}", v, getattr(b, k)) for k, v in dataclasses.asdict(a).items()
+                    if v != getattr(b, k) and f"{key}.{k}" not in INITS]
         elif a != b:
-            out.append(f"{key}: the version has {a!r}, this job {b!r}")
+            out.append((key, a, b))
     return out
+
+
+def set_options(pairs: list[tuple[str, object, object]]) -> str:
+    """The --set options that give a job the version's values.
+
+    >>> set_options([("hashing.numeric", "both", "bucket"), ("model.hidden", [64, 32], [128, 64])])
+    "--set hashing.numeric=both --set 'model.hidden=[64, 32]'"
+    """
+    def one(key, value) -> str:
+        text = f"{key}={value if isinstance(value, str) else json.dumps(value)}"
+        return f"--set '{text}'" if any(c in text for c in " [],'\"") else f"--set {text}"
+    return " ".join(one(key, value) for key, value, _ in pairs)
 
 
 def _dotted_value(config: JobConfig, key: str):
@@ -448,15 +470,18 @@ def check_parent(spec: str, parent: JobConfig, parent_schema: Schema, config: Jo
     """ConfigError naming every difference that rules out going on from the version `spec`
     (`flag`: what the user called it) with `config`: the hashing, the model, the linear
     optimizer, the schema and whether there are image features must be the same."""
-    diffs = config_differences(parent, config)
+    pairs = differing(parent, config)
+    diffs = [f"{key}: the version has {a!r}, this job {b!r}" for key, a, b in pairs]
     if parent_schema.fields != schema.fields:
         diffs.append(f"schema fields: the version has {list(parent_schema.fields)}, this job {list(schema.fields)}")
     if bool(parent.images.creatives) != bool(config.images.creatives):
         diffs.append("images: " + ("the version has image features, this job none" if parent.images.creatives
                                    else "this job has image features, the version none"))
     if diffs:
+        fix = (f"give this job the version's settings ({set_options(pairs)}, or the version's config in a "
+               "--config file)" if len(pairs) == len(diffs) else "train from scratch instead")
         raise ConfigError(f"{flag} {spec}: the version does not match this job ({'; '.join(diffs)}): "
-                          "a warm start needs the same ids and model; train from scratch instead")
+                          f"a warm start needs the same ids and model: {fix}")
 
 
 def warm_start(config: JobConfig, schema: Schema, spec: str) -> ModelBundle:
@@ -467,6 +492,15 @@ def warm_start(config: JobConfig, schema: Schema, spec: str) -> ModelBundle:
     model_dir, version = parent_version(spec)
     parent = ModelBundle.load(model_dir, version, with_optimizer=True)
     check_parent(spec, parent.config, parent.schema, config, schema)
+    for key, before, now in differing(parent.config, config, ("optim", "train.batch_size")):
+        log.info("warm start: %s = %r (the version trained with %r)", key, now, before)
+    ignored = [f"images.{key} {now!r}" for key, now, before in zip(("creatives", "featurizer"),
+                                                                   image_sources(config), image_sources(parent.config))
+               if now != before]
+    if config.images.creatives and ignored:  # the table is the version's: what a server of it knows
+        log.warning("warm start: the version's creative table (%d creatives) is kept; %s not read (a server adds "
+                    "new creatives from the Redis cache: mariana featurize-creatives)",
+                    len(parent.images.ids) if parent.images is not None else 0, " and ".join(ignored))
     parent.config = config
     parent.optimizers = {t.name: table_optimizer(config, t.role) for t in parent.model.tables}
     parent.dense_opt.opt = AdaGrad(lr=config.optim.dense_lr, initial_accumulator=config.optim.initial_accumulator)
@@ -474,6 +508,17 @@ def warm_start(config: JobConfig, schema: Schema, spec: str) -> ModelBundle:
                      "version": version,
                      "rows_trained": parent.rows_trained}
     return parent
+
+
+def image_sources(config: JobConfig) -> tuple[str, str]:
+    """(the creatives dir, the featurizer dir) a job's image features come from, absolute.
+
+    >>> image_sources(from_dict(JobConfig, {"images": {"creatives": "/ads"}}))
+    ('/ads', '/ads/featurizer')
+    """
+    creatives = os.path.abspath(config.images.creatives) if config.images.creatives else ""
+    featurizer = config.images.featurizer or (os.path.join(creatives, "featurizer") if creatives else "")
+    return creatives, os.path.abspath(featurizer) if featurizer else ""
 
 
 class Snapshot:

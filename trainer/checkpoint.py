@@ -278,11 +278,22 @@ def load_version(model_dir: str | os.PathLike, version: str | None = None,
     if manifest.get("format") != FORMAT:
         raise ModelDirError(f"{vdir}: unknown model format {manifest.get('format')!r} (expected {FORMAT})")
     weights = read_weights(vdir)
+    if with_optimizer:
+        check_optimizer_state(vdir)
     try:
-        opt = load_file(str(vdir / OPTIMIZER)) if with_optimizer and (vdir / OPTIMIZER).exists() else {}
+        opt = load_file(str(vdir / OPTIMIZER)) if with_optimizer else {}
     except (OSError, SafetensorError) as e:
         raise ModelDirError(f"{vdir}: cannot read tensors: {e}") from None
     return manifest, weights, opt
+
+
+def check_optimizer_state(vdir: str | os.PathLike) -> None:
+    """ModelDirError when a version lacks its optimizer state, which going on from it needs:
+    without FTRL's z and n its first step overwrote the parent's weights with a fresh
+    state's, and the warm start learnt no more than a cold one (AUC 0.685 against 0.749)."""
+    if not (Path(vdir) / OPTIMIZER).is_file():
+        raise ModelDirError(f"{vdir}: no {OPTIMIZER} (the optimizer's state): a warm start goes on from the weights "
+                            "and that state; name another version, or train from scratch")
 
 
 def read_weights(vdir: Path) -> dict[str, np.ndarray]:

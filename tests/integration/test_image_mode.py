@@ -3,13 +3,19 @@ real processes: the same weights in any layout, an exported featurizer, bad inpu
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.conftest import run_cli, run_cli_cases
-from tests.integration.rankkill import kill_a_rank
+from tests.conftest import ROOT, run_cli, run_cli_cases
+from tests.integration.rankkill import children, kill_a_rank, wait_for_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -166,3 +172,42 @@ def test_a_killed_partition_fails_the_job_with_a_clear_error(tmp_path, shapes):
     assert "mariana: error: rank 1 of 2 was killed by SIGKILL" in run["stderr"]
     assert not (tmp_path / "f").exists()
     assert not run["children"]
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (reparented ranks are reaped by whatever PID 1 is)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_launcher_stopped_takes_its_ranks_with_it(tmp_path, shapes, sig):
+    """SIGTERM to `train image` alone (not its process group) left both ranks training at full
+    CPU, and ~50 s later they published; kill -9 of it did the same."""
+    out = tmp_path / "f"
+    parent = subprocess.Popen([sys.executable, "-m", "mariana", "train", "image", "--data", str(shapes),
+                               "--partitions", "2", "--epochs", "100000", "--batch-size", "64", "--test-images", "128",
+                               "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks: list[int] = []
+    try:
+        wait_for_rank(parent.pid, 1)
+        time.sleep(2.0)  # into the steps
+        ranks = children(parent.pid)
+        assert len(ranks) == 2, ranks
+        parent.send_signal(sig)
+        _, err = parent.communicate(timeout=60)  # (the ranks hold its pipes: their ends too)
+    finally:
+        for pid in ([parent.pid] if parent.poll() is None else []) + [r for r in ranks if not gone(r)]:
+            try:
+                os.kill(pid, signal.SIGKILL)  # a failed test leaves nothing training
+            except ProcessLookupError:
+                pass
+    if sig == signal.SIGTERM:
+        assert parent.returncode == 130 and "mariana: interrupted" in err, err
+    deadline = time.monotonic() + 30
+    while not all(gone(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(gone(p) for p in ranks), ranks
+    assert not out.exists()

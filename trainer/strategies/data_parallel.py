@@ -432,6 +432,7 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
     import signal
     import subprocess
     import sys
+    import threading
     import time
 
     from mariana.sparse.errors import MarianaError
@@ -440,9 +441,15 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
             "MARIANA_DIST_INIT": f"file://{os.path.abspath(workdir)}/rendezvous"}
     procs = []
     failed: dict[int, tuple[float, int]] = {}  # rank -> (when seen, exit code)
+
+    def stop(signum, frame):  # SIGTERM to the launcher alone left its ranks training on, and publishing
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    main = threading.current_thread() is threading.main_thread()  # where Python lets one set a handler
+    before = signal.signal(signal.SIGTERM, stop) if main else None
     try:
         for rank in range(nproc):
-            procs.append(subprocess.Popen([sys.executable, "-m", "mariana", *argv],
+            procs.append(subprocess.Popen([sys.executable, "-m", "mariana", *argv], preexec_fn=_die_with_parent,
                                           env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
         while True:
             codes = [p.poll() for p in procs]  # every rank, each time: no short cut
@@ -455,6 +462,8 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
                 break
             time.sleep(0.05)
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -464,3 +473,15 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
         rank, (_, code) = min(failed.items(), key=lambda kv: (kv[1][1] >= 0, kv[1][0]))
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
         raise MarianaError(f"rank {rank} of {nproc} {how}; the job failed (the other ranks were stopped)")
+
+
+def _die_with_parent() -> None:
+    """In a rank, before it runs: SIGKILL when the launcher dies (kill -9 of it included), so
+    no rank trains on without it (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -163,7 +163,8 @@ def train(data: Data, model: str | None = None, config: JobConfig | PathLike | M
     from mariana.trainer.job import run_local_job
 
     cfg = job_config(config, {**overrides, "model": model})
-    train_paths, test_paths, valid_paths = data_paths(data), data_paths(test_data), data_paths(valid_data)
+    train_paths = data_paths(data)
+    test_paths, valid_paths = data_paths(test_data, "test_data"), data_paths(valid_data, "valid_data")
     temporary = out is None
     out_dir = tempfile.mkdtemp(prefix="mariana-model-") if temporary else os.fspath(out)
     record = run_local_job(cfg, train_paths, test_paths, out_dir, valid_paths=valid_paths,
@@ -171,9 +172,16 @@ def train(data: Data, model: str | None = None, config: JobConfig | PathLike | M
     return Result.of(record, temporary)
 
 
-def data_paths(data: Data | None) -> list[str]:
+def data_paths(data: Data | None, what: str = "data") -> list[str]:
     """The files `data` names, expanded as the CLI expands `--data` (sparse/inputs.py);
-    NoDataFiles (a MarianaError) names an item that names no file."""
+    NoDataFiles (a MarianaError) names an item that names no file, and a MarianaError
+    says so when `data` (the argument `what`) is rows, not paths.
+
+    >>> data_paths([{"label": 1, "I1": 3}])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    mariana.sparse.errors.MarianaError: data: a list of dicts is rows, not data paths: ...; write the rows to a ...
+    """
     from mariana.sparse.inputs import expand_data_paths
 
     if data is None:
@@ -183,8 +191,29 @@ def data_paths(data: Data | None) -> list[str]:
     elif isinstance(data, os.PathLike):
         items = [os.fspath(data)]
     else:
-        items = [os.fspath(p) for p in data]
+        items = list(data) if _is_rows_or_paths(data) else None
+        if items is None or not all(isinstance(p, (str, os.PathLike)) for p in items):
+            raise MarianaError(_not_paths(data if items is None else items, what))
+        items = [os.fspath(p) for p in items]
     return expand_data_paths(items)
+
+
+def _is_rows_or_paths(data: Any) -> bool:
+    """An iterable of items (paths, or rows by mistake), not a frame, a dict or bytes."""
+    return (isinstance(data, Iterable) and not isinstance(data, (bytes, Mapping))
+            and not (hasattr(data, "to_dict") and hasattr(data, "columns")))
+
+
+def _not_paths(data: Any, what: str) -> str:
+    """Why `data` is not what `data_paths` takes, and what to do instead."""
+    files = "training and evaluation read files (a file, directory or glob, a comma-separated string or a list)"
+    if hasattr(data, "to_dict") and hasattr(data, "columns"):
+        return (f"{what}: a DataFrame is rows, not data paths: {files}; write it to a Parquet or TSV file first, "
+                "e.g. frame.to_parquet('train.parquet')")
+    if isinstance(data, list) and data and all(isinstance(r, Mapping) for r in data):
+        return (f"{what}: a list of dicts is rows, not data paths: {files}; write the rows to a Parquet or TSV "
+                "file first")
+    return f"{what}: expected data paths, got {type(data).__name__}: {files}"
 
 
 # ---- load, predict, evaluate --------------------------------------------------------

@@ -47,6 +47,7 @@ from mariana.sparse.errors import DataFormatError
 from mariana.sparse.schema import Schema
 
 GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"  # what some tools (Excel's "CSV UTF-8") write first; pyarrow skips it in data
 # What pyarrow's float parser accepts, less nan/inf: the fast and checked paths agree.
 NUMBER_RE = r"^[ \t]*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[ \t]*$"
 HOUR_RE = r"^[0-9]{8}$"
@@ -442,10 +443,10 @@ class BlockParser:
         s = self.schema
         raw = {c: _plain(table.column(c)) for c in self.needed}
         cols: dict[str, pa.Array] = {c: _as_text(raw[c]) for c in s.categorical}
-        cols.update({c: pc.cast(raw[c], pa.float64()) for c in s.numeric})
+        cols.update({c: _to_float64(raw[c]) for c in s.numeric})
         checks: list = []
         if s.label:
-            cols[s.label] = pc.cast(raw[s.label], pa.float64())
+            cols[s.label] = _to_float64(raw[s.label])
             _check(checks, pc.or_(pc.equal(cols[s.label], 0.0), pc.equal(cols[s.label], 1.0)),
                    f"{s.label} is not 0 or 1")
         for c in s.numeric:
@@ -467,6 +468,16 @@ class BlockParser:
         labels = cols[s.label].to_numpy(zero_copy_only=False).astype(np.float32) if s.label else None
         return Chunk(columns=out, labels=labels, num_rows=n, first_line=first_line,
                      lines=kept if bad else None)
+
+
+def _to_float64(col: pa.Array) -> pa.Array:
+    """Numbers (integers, floats, decimals, booleans) as float64, as a text file's become: an
+    integer beyond 2^53 loses precision there too, and is not an error here either.
+
+    >>> _to_float64(pa.array([2**64 - 1, None], pa.uint64())).to_pylist()
+    [1.8446744073709552e+19, None]
+    """
+    return pc.cast(col, pa.float64(), safe=False)
 
 
 def _check(checks: list, ok: pa.Array, why: str) -> None:
@@ -612,8 +623,9 @@ def check_columns(name: str, columns: pa.Schema, schema: Schema) -> None:
         problems.append(f"missing column{'s' if len(missing) > 1 else ''} {', '.join(shown)}")
     found = ", ".join(names[:12]) + (f", ... ({len(names)} columns)" if len(names) > 12 else "")
     kind = f"the {schema.name} schema's" + ("" if schema.label else " unlabeled")
+    unlabeled = unlabeled_hint(schema) if missing == [schema.label] and not wrong else ""
     raise DataFormatError(f"{name}: not in {kind} columns: {'; '.join(problems + wrong)} "
-                          f"(the file's columns: {found or 'none'})")
+                          f"(the file's columns: {found or 'none'}){unlabeled}")
 
 
 def _plain(col: pa.ChunkedArray) -> pa.Array:
@@ -774,6 +786,8 @@ class BlockTask:
             table = self.block if isinstance(self.block, pa.Table) else from_arrow_block(self.block)
             chunk = self.parser.parse_table(table, self.first_line, stats, self.path)
         else:
+            if self.first_of_file:
+                _check_not_gzipped_parquet(self.path, self.block)
             chunk = self.parser.parse(self.block, self.first_line, stats, self.skip_rows, self.num_lines)
         if self.first_of_file:
             _check_first_block(self.path, self.parser.schema, stats)
@@ -841,6 +855,7 @@ class Reader:
                 parser: BlockParser | None = None
                 for first_line, block, lines in iter_blocks(f, self.block_bytes, name=path):
                     if parser is None:
+                        _check_not_gzipped_parquet(path, block)
                         parser = self._pick_parser(block)
                         skip = 0
                         if self.schema.header:
@@ -871,12 +886,28 @@ class Reader:
 
 
 def _check_header(path: str, schema: Schema, block: bytes) -> None:
-    line = block.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8", "replace")
+    line = block.split(b"\n", 1)[0].rstrip(b"\r").removeprefix(UTF8_BOM).decode("utf-8", "replace")
     got = [c.strip('"') for c in line.split(schema.delimiter)]
     if got != list(schema.columns):
         kind = f"the {schema.name} schema" + ("" if schema.label else " without a label")
+        unlabeled = unlabeled_hint(schema) if schema.label and got == list(schema.without_label().columns) else ""
         raise DataFormatError(f"{path}: header does not match {kind}: {header_difference(schema.columns, got)}; "
-                              f"expected the {len(schema.columns)} columns {schema.delimiter.join(schema.columns)}")
+                              f"expected the {len(schema.columns)} columns {schema.delimiter.join(schema.columns)}"
+                              f"{unlabeled}")
+
+
+def unlabeled_hint(schema: Schema) -> str:
+    """What to say of rows that hold every column of `schema` but its label."""
+    return (f". The rows look unlabeled (every column but {schema.label!r}): training and evaluation need "
+            "the label; `mariana predict` takes unlabeled rows")
+
+
+def _check_not_gzipped_parquet(path: str, block: bytes) -> None:
+    """A text file's first block that is a Parquet file's start (gzip's output): say so, not 'malformed rows'."""
+    if bytes(block[:len(PARQUET_MAGIC)]) == PARQUET_MAGIC:
+        raise DataFormatError(f"{path}: a compressed Parquet file: Parquet files are read as they are, not "
+                              "compressed at file level (their own compression is inside them); decompress it, "
+                              "e.g. gunzip, and name the .parquet file")
 
 
 def header_difference(expected: tuple[str, ...] | list[str], got: list[str]) -> str:
@@ -896,10 +927,13 @@ def header_difference(expected: tuple[str, ...] | list[str], got: list[str]) -> 
 
 
 def _check_first_block(path: str, schema: Schema, st: ParseStats) -> None:
-    """A file whose first block is mostly malformed is in another format."""
+    """A file whose first block is mostly malformed is in another format; one whose rows
+    mostly lack one field, where a label is expected, is unlabeled (said so)."""
     total = st.rows_ok + st.rows_bad
     if total and st.rows_bad * 2 > total:
         first = f" (line {st.first_bad[0][0]}: {st.first_bad[0][1]})" if st.first_bad else ""
+        short = f"expected {len(schema.columns)} fields, got {len(schema.columns) - 1}"
+        unlabeled = schema.label and sum(b.reason == short for b in st.first_bad) * 2 > len(st.first_bad)
         raise DataFormatError(
             f"{path}: not in {schema.name} format: {st.rows_bad} of the first {total} rows "
-            f"are malformed{first}")
+            f"are malformed{first}{unlabeled_hint(schema) if unlabeled else ''}")

@@ -19,7 +19,7 @@ import numpy as np
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import ConfigError
-from mariana.sparse.parse import BlockTask, ParseStats, Reader, is_parquet, open_binary, open_parquet
+from mariana.sparse.parse import BlockTask, Chunk, ParseStats, Reader, is_parquet, open_binary, open_parquet
 
 
 def count_data_lines(path: str, header: bool) -> int:
@@ -146,10 +146,40 @@ class RowRange:
 
     def cut(self, task: BlockTask, chunk, block: SparseBatch) -> SparseBatch:
         """The rows of `block` (parsed from `task`) inside the range."""
+        lo, hi = self._bounds(task, chunk)
+        return block if (lo, hi) == (0, block.num_rows) else block.slice(lo, hi, block.batch_id)
+
+    def cut_stats(self, task: BlockTask, chunk: Chunk, stats: ParseStats) -> ParseStats:
+        """`stats` of the block `task` (parsed into `chunk`) for its lines inside the range: the
+        malformed ones of the other part are that part's. A data line is a row of `chunk` or
+        malformed, so the bad lines inside are the lines inside less the rows inside.
+
+        >>> r = RowRange({"a.tsv": 0}, 0, 3, {"a.tsv": 0})
+        >>> task = BlockTask(None, "a.tsv", 1, b"", 5)
+        >>> st = ParseStats(rows_ok=3, file="a.tsv")
+        >>> st.add_bad(2, "empty line"); st.add_bad(5, "empty line")
+        >>> part = r.cut_stats(task, Chunk({}, None, 3, lines=np.array([1, 3, 4])), st)
+        >>> part.rows_ok, part.rows_bad, [b.line for b in part.first_bad]
+        (2, 1, [2])
+        """
+        first = self.index(task.path, task.first_line + task.skip_rows)
+        lines = task.num_lines - task.skip_rows
+        if self.start <= first and first + lines <= self.stop:
+            return stats
+        lo, hi = self._bounds(task, chunk)
+        inside = max(0, min(self.stop, first + lines) - max(self.start, first))
+        part = ParseStats(rows_ok=hi - lo, rows_bad=inside - (hi - lo), file=stats.file)
+        part.first_bad = [b for b in stats.first_bad if self.start <= self.index(task.path, b.line) < self.stop]
+        return part
+
+    def _bounds(self, task: BlockTask, chunk: Chunk) -> tuple[int, int]:
+        """[lo, hi): the rows of `chunk` (parsed from `task`) inside the range."""
+        if not chunk.num_rows:
+            return 0, 0
         _, slots = task.row_slots(chunk)
         pos = self.index(task.path, task.first_line + task.skip_rows) + slots
         lo, hi = np.searchsorted(pos, [self.start, self.stop])
-        return block if (lo, hi) == (0, block.num_rows) else block.slice(int(lo), int(hi), block.batch_id)
+        return int(lo), int(hi)
 
 
 class BatchStream:
@@ -221,6 +251,8 @@ class BatchStream:
             return [], ParseStats(file=task.path), None  # another part's block: not even parsed
         chunk, stats = task.run()
         slots = task.row_slots(chunk) if self.slots else None
+        if self.rows is not None:  # the other part's malformed rows are not this part's
+            stats = self.rows.cut_stats(task, chunk, stats)
         if not chunk.num_rows:
             return [], stats, slots
         block = self.encoder.encode(chunk, batch_id=batch_id)

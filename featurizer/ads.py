@@ -79,10 +79,20 @@ def creative_ids(n: int, model_seed: int) -> list[str]:
 
 def plant(images: np.ndarray, digits: np.ndarray, model_seed: int) -> Planted:
     rng = np.random.default_rng([model_seed, 6])
-    ink = images.reshape(len(images), -1).mean(1)
     return Planted(alpha=rng.normal(0, 0.7, 10), beta=rng.normal(0, 0.5, (10, 10)), gamma=0.3,
-                   own=rng.normal(0, 0.2, len(images)), ink_z=(ink - ink.mean()) / ink.std(),
-                   digits=digits.astype(np.int64))
+                   own=rng.normal(0, 0.2, len(images)), ink_z=ink_z(images), digits=digits.astype(np.int64))
+
+
+def ink_z(images: np.ndarray) -> np.ndarray:
+    """(C,) each image's mean pixel, standardised over the C images; 0 where they do not vary
+    (one creative, or all with the same ink), which would otherwise be 0/0.
+
+    >>> ink_z(np.array([[0, 0], [2, 2]], np.uint8)).tolist(), ink_z(np.ones((1, 4), np.uint8)).tolist()
+    ([-1.0, 1.0], [0.0])
+    """
+    ink = images.reshape(len(images), -1).mean(1)
+    std = ink.std()
+    return (ink - ink.mean()) / std if std > 0 else np.zeros_like(ink)
 
 
 def _zipf_pick(rng: np.random.Generator, pool: np.ndarray, n: int, s: float) -> np.ndarray:
@@ -105,6 +115,9 @@ def _rows(world: World, planted: Planted, rng, old, new, n, spec, test) -> tuple
     logit -= np.where(c26 >= 0, world.main[CREATIVE_COL][np.maximum(c26, 0)], 0.0)  # C26 is the creative now
     k = _pick_creatives(rng, old, new, n, spec, test)
     logit += planted.effect(k, cats[:, SEGMENT_COL])
+    if not np.isfinite(logit).all():  # rng.random() < NaN is False: every such row would be a silent non-click
+        raise ValueError(f"the planted click model gave {int((~np.isfinite(logit)).sum())} of {n} rows a non-finite "
+                         "logit (a bug in the generator): no labels written")
     return logit, ints, cats, k
 
 

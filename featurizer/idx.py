@@ -46,12 +46,20 @@ class IdxFormatError(DataFormatError):
     """An IDX file that is truncated, too long, or not IDX at all."""
 
 
+class NotIdxError(IdxFormatError):
+    """A file that does not start as IDX files do (another kind of file); `why` without the path."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(f"{path}: {why}")
+        self.why = why
+
+
 def read_idx(path: str | os.PathLike, ndim: int | None = None) -> np.ndarray:
     """The array in an IDX file (gz or plain); `ndim` checks the number of dims."""
     path = os.fspath(path)
     raw = _read_bytes(path)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise IdxFormatError(f"{path}: not an IDX file (bad magic {raw[:4].hex() or 'empty'})")
+        raise NotIdxError(path, f"not an IDX file (bad magic {raw[:4].hex() or 'empty'})")
     dtype, dims = raw[2], raw[3]
     if dtype != UBYTE:
         raise IdxFormatError(f"{path}: IDX dtype code 0x{dtype:02x}, only uint8 (0x08) is supported")

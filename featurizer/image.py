@@ -140,6 +140,8 @@ def decode_image(raw, name: str, size: int = 28) -> np.ndarray:
 # Image files a creative may be uploaded as (trainer/images.py): decoded by Pillow.
 ENCODED_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp")
 MAX_PIXELS = 40_000_000  # a larger image is refused before it is decoded (a decompression bomb)
+MAX_FILE_BYTES = 64 << 20  # a larger image file is refused unread (ad creatives are KBs to a few MB)
+BAND_PIXELS = 1 << 20      # 16-bit grey is cut to 8 bits this many pixels at a time (see _top_bits)
 
 
 def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
@@ -182,10 +184,7 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
             pass
         key = img.info.get("transparency")
         if img.mode.startswith("I"):  # 16-bit grey (a PNG's I;16): its top 8 bits, as convert("L") would clip
-            wide = np.asarray(img, np.int64)
-            grey = (wide.clip(0, 65535) >> 8).astype(np.uint8)
-            img = Image.fromarray(grey if not isinstance(key, int)  # a tRNS grey level: those pixels clear
-                                  else np.dstack([grey, np.where(wide == key, 0, 255).astype(np.uint8)]))
+            img = _top_bits(img, key)
         elif key is not None and fmt == "PNG" and img.mode in ("1", "L", "RGB"):
             img.info["transparency"] = _png_key(raw, key)
         alpha = img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info  # an alpha channel or a tRNS colour
@@ -214,6 +213,30 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
         grey = Image.new("L", (size, size), 0)
         grey.paste(fit, ((size - fit.width) // 2, (size - fit.height) // 2))
     return np.asarray(grey, dtype=np.uint8).copy()
+
+
+def _top_bits(img, key):
+    """A 16- or 32-bit grey Pillow image -> "L" of each pixel's top 8 bits (of 16; negatives 0,
+    more bits 255), black where a tRNS grey level `key` makes it clear (what compositing its
+    alpha on black gives, averaged or not). A band of rows at a time: beside Pillow's own copy
+    only the (H, W) uint8 result, never the whole image widened (int64 is 8 bytes a pixel: a
+    90 KB 16-bit PNG once took 1 GB).
+
+    >>> from PIL import Image
+    >>> img = Image.fromarray(np.array([[0, 255, 256, 40000, 65535]], np.uint16))
+    >>> np.asarray(_top_bits(img, None)).tolist(), np.asarray(_top_bits(img, 256)).tolist()
+    ([[0, 0, 1, 156, 255]], [[0, 0, 0, 156, 255]])
+    """
+    from PIL import Image
+
+    w, h = img.size
+    out = np.empty((h, w), np.uint8)
+    rows = max(1, BAND_PIXELS // max(w, 1))
+    for y in range(0, h, rows):
+        band = np.asarray(img.crop((0, y, w, min(h, y + rows))))  # (rows, W) uint16 or int32: one band's copy
+        top = np.right_shift(band.clip(0, 65535), 8)
+        out[y:y + len(band)] = np.where(band == key, 0, top) if isinstance(key, int) else top
+    return Image.fromarray(out)
 
 
 def _png_key(raw: bytes, key):
@@ -302,17 +325,29 @@ class ImageFeaturizer:
                                 f"'mariana featurizer train --out {d}'") from None
         except json.JSONDecodeError as e:
             raise ModelDirError(f"{d}/{MANIFEST}: not valid JSON: {e}") from None
-        if manifest.get("format") != FORMAT:
-            raise ModelDirError(f"{d}: unknown featurizer format {manifest.get('format')!r} (expected {FORMAT})")
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        if found != FORMAT:
+            raise ModelDirError(f"{d}: unknown featurizer format {found!r} (expected {FORMAT})")
         try:
             weights = load_file(str(d / WEIGHTS))
+            sha = file_sha256(d / WEIGHTS)
         except (OSError, SafetensorError) as e:
             raise ModelDirError(f"{d}: cannot read {WEIGHTS}: {e}") from None
-        featurizer = cls(manifest, weights)
+        if manifest.get("weights_sha256") not in (None, sha):  # its features are cached under this digest
+            raise ModelDirError(f"{d}: {WEIGHTS} is not the file {MANIFEST} was written with (sha256 {sha[:12]}, "
+                                f"expected {str(manifest['weights_sha256'])[:12]}): restore it or train the "
+                                "featurizer again")
+        try:
+            featurizer = cls(manifest, weights)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelDirError(f"{d}/{MANIFEST}: a missing or bad field ({type(e).__name__}: {e}): "
+                                "train the featurizer again") from None
         featurizer.check_weights(str(d))
         return featurizer
 
     def check_weights(self, where: str) -> None:
+        """ModelDirError unless the ops are known, their weights present and finite, and they
+        take (N, size, size) images to (N, dim) features (tried on one blank row block)."""
         unknown = sorted({op.get("op") for op in self.ops + self.head_ops} - set(_OPS), key=str)
         if unknown:
             raise ModelDirError(f"{where}: unknown ops {unknown} in {MANIFEST}")
@@ -323,6 +358,25 @@ class ImageFeaturizer:
         bad = finite.nonfinite(self.weights)
         if bad:
             raise ModelDirError(f"{where}: {WEIGHTS} holds {finite.describe(bad)}: a corrupt featurizer, not loaded")
+        self._check_shapes(where)
+
+    def _check_shapes(self, where: str) -> None:
+        """A manifest whose dim or ops do not fit its weights, refused at load (not as a broadcast
+        error in the first embed)."""
+        try:
+            with torch.inference_mode():
+                h = self.run(self.ops, torch.zeros(ROW_BLOCK, 1, self.size, self.size))  # (ROW_BLOCK, dim)
+                self.run(self.head_ops, h)
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as e:
+            why = " ".join(str(e).split())[:200]
+            raise ModelDirError(f"{where}: the ops in {MANIFEST} do not fit the weights in {WEIGHTS} ({why}): "
+                                "a corrupt featurizer, not loaded") from None
+        shapes = {"features": tuple(h.shape[1:]), "output.mean": tuple(self.out_mean.shape),
+                  "output.std": tuple(self.out_std.shape)}
+        wrong = [f"{k} {v}" for k, v in shapes.items() if v != (self.dim,)]
+        if wrong:
+            raise ModelDirError(f"{where}: {MANIFEST} says dim {self.dim} but {WEIGHTS} gives {', '.join(wrong)}: "
+                                "the manifest does not fit the weights, not loaded")
 
     def embed(self, images: np.ndarray, batch_size: int = 256) -> np.ndarray:
         """uint8 (N, S, S) -> float32 (N, d); BadImage when the array is not that.

@@ -16,14 +16,14 @@ The order of the set is the files' names, then their class (`00042.png` before
 (featurizer.image.split_indices) does not hang on how the classes are named, and a
 folder written by `mariana gen images --format png` is in the order of its IDX twin.
 
-Bad input: a file of another kind, one whose header Pillow cannot read or says is
-too large, a directory inside a class directory, or a file outside any class
-directory is counted, named in `source` and left out before the set is formed
-(every rank of a job lists the same files). A file that passes that check but
-cannot be decoded later (damaged past its header) is a black image under its label,
-named once in `failures` however often it is decoded: the job goes on, and says so
-in its record. (Leaving it out of the loss would need its rank to tell the last
-partition's rank, which holds the labels and decodes nothing.)
+Bad input: a file of another kind, one over `MAX_FILE_BYTES` (each decode reads it
+whole), one whose header Pillow cannot read or says is too large, a directory inside a
+class directory, or a file outside any class directory is counted, named in `source`
+and left out before the set is formed (every rank of a job lists the same files). A
+file that passes that check but cannot be decoded later (damaged past its header) is a
+black image under its label, named once in `failures` however often it is decoded: the
+job goes on, and says so in its record. (Leaving it out of the loss would need its
+rank to tell the last partition's rank, which holds the labels and decodes nothing.)
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mariana.featurizer.image import ENCODED_SUFFIXES, MAX_PIXELS, MNIST_IMAGES, BadImage, ImageSet, decode_encoded
+from mariana.featurizer.image import (ENCODED_SUFFIXES, MAX_FILE_BYTES, MAX_PIXELS, MNIST_IMAGES, BadImage, ImageSet,
+                                      decode_encoded)
 from mariana.sparse.errors import DataFormatError
 
 SHOWN = 5  # skipped files or decode failures named in a record
@@ -122,6 +123,9 @@ def load_image_folder(root: str | os.PathLike, size: int = 28) -> ImageSet:
                 continue
             if p.suffix.lower() not in ENCODED_SUFFIXES:
                 skipped.append(f"{name}: not an image file kind ({', '.join(ENCODED_SUFFIXES)})")
+                continue
+            if (nbytes := p.stat().st_size) > MAX_FILE_BYTES:
+                skipped.append(f"{name}: {nbytes:,} bytes, over the {MAX_FILE_BYTES >> 20} MiB an image file may be")
                 continue
             try:
                 with Image.open(p) as img:  # the header only

@@ -55,11 +55,13 @@ def cmd_gen_ads(args: argparse.Namespace) -> int:
 
 def cmd_featurizer_train(args: argparse.Namespace) -> int:
     from mariana.featurizer.image import load_mnist
-    from mariana.trainer.featurizer_train import FeaturizerTrainConfig, progress_logger, train_and_export
+    from mariana.trainer.featurizer_train import (FeaturizerTrainConfig, check_featurizer_out, progress_logger,
+                                                  train_and_export)
 
     _need_dir(args.data, "--data")
     if args.epochs < 1:
         raise MarianaError("--epochs must be >= 1")
+    check_featurizer_out(args.out)
     data = load_mnist(args.data)
     report = train_and_export(data, args.out, FeaturizerTrainConfig(epochs=args.epochs, seed=args.seed),
                               progress_logger())
@@ -76,8 +78,9 @@ def cmd_featurize(args: argparse.Namespace) -> int:
 
     if not args.out.endswith(".npy"):
         raise MarianaError(f"--out {args.out}: the output is a .npy file")
+    _check_out_file(args.out)
     featurizer = ImageFeaturizer.load(args.model)
-    images = read_images(args.images)
+    images = read_images(args.images, featurizer.size)
     t0 = time.perf_counter()
     features = featurizer.embed(images, batch_size=args.batch_size)
     seconds = time.perf_counter() - t0
@@ -123,13 +126,19 @@ def cmd_featurize_creatives(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_images(path: str):
-    """uint8 (N, S, S) from an IDX file or a .npy (never pickled objects)."""
+IMAGES_TAKEN = "featurize --images takes an IDX file (gz or plain) or a .npy of uint8 (N, {size}, {size}) images"
+
+
+def read_images(path: str, size: int = 28):
+    """uint8 (N, size, size) from an IDX file or a .npy (never pickled objects)."""
     import numpy as np
 
-    from mariana.featurizer.idx import read_idx
+    from mariana.featurizer.idx import NotIdxError, read_idx
     from mariana.featurizer.image import check_images
 
+    if os.path.isdir(path):
+        raise MarianaError(f"{path}: a directory; {IMAGES_TAKEN.format(size=size)} (the images of a creatives "
+                           "dir: 'mariana featurize-creatives')")
     if not os.path.isfile(path):
         raise FileNotFoundError(2, "no such file", path)
     if path.endswith(".npy"):
@@ -138,8 +147,35 @@ def read_images(path: str):
         except ValueError as e:
             raise MarianaError(f"{path}: not a plain .npy array ({e})") from None
     else:
-        images = read_idx(path, ndim=3)
-    return check_images(images, path)
+        try:
+            images = read_idx(path, ndim=3)
+        except NotIdxError as e:
+            kind = _image_kind(path)
+            raise MarianaError(f"{path}: {f'a {kind} image, not an IDX file' if kind else e.why}; "
+                               f"{IMAGES_TAKEN.format(size=size)}") from None
+    return check_images(images, path, size)
+
+
+def _image_kind(path: str) -> str | None:
+    """The format Pillow reads `path` as (PNG, JPEG, ...), from its header; None when none."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            return img.format
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        return None
+
+
+def _check_out_file(path: str) -> None:
+    """--out names a file in a directory that exists: found before the work, not after it."""
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise MarianaError(f"--out {path}: a directory; --out names the .npy file to write")
+    if not os.path.isdir(where):
+        raise MarianaError(f"--out {path}: no directory {where} to write it in; create it, or name another --out")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise MarianaError(f"--out {path}: directory {where} is not writable")
 
 
 def _need_dir(path: str, flag: str) -> None:
@@ -192,7 +228,8 @@ def add_commands(sub) -> None:
     fsub = fz.add_subparsers(dest="action", required=True, metavar="ACTION")
     ft = fsub.add_parser("train", help="train the CNN on MNIST (8k/2k split) and export it frozen")
     ft.add_argument("--data", required=True, help="the MNIST dir")
-    ft.add_argument("--out", required=True, help="featurizer directory to write (replaced)")
+    ft.add_argument("--out", required=True, help="featurizer directory to write: new, empty, or a featurizer "
+                                                 "(replaced)")
     ft.add_argument("--epochs", type=int, default=5, help="passes over the training images (default 5)")
     ft.add_argument("--seed", type=seed_arg, default=0, help="seed of the initial weights and the order (default 0)")
     ft.add_argument("--json", action="store_true", help="print the report as one JSON line")
@@ -260,11 +297,13 @@ def train_image_main(argv: list[str]) -> int:
     from mariana.services.ranks import run_job
     from mariana.services.runtime import report
     from mariana.services.runtime.logs import setup_logging
+    from mariana.trainer.featurizer_train import check_featurizer_out
     from mariana.trainer.strategies import data_parallel as dp
 
     args = build_train_image_parser().parse_args(argv)
     ctx = dp.DistContext.from_env()
     setup_logging(-1 if args.quiet or ctx.rank > 0 else args.verbose)
+    check_featurizer_out(args.out)  # before any training: a directory of other files is refused, not replaced
     folder = args.data is not None and is_image_folder(args.data)
     data = load_image_folder(args.data) if folder else load_mnist(mnist_dir(args.data))
     from mariana.trainer.image import ImageConfig

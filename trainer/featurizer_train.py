@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from mariana.featurizer.image import (FORMAT, MANIFEST, SPLIT_SEED, TEST_IMAGES, WEIGHTS, ImageFeaturizer, ImageSet,
                               file_sha256, pixel_stats, split_indices, to_input)
+from mariana.sparse.errors import MarianaError
 from mariana.trainer.checkpoint import publish_dir
 from mariana.trainer.dense import DenseProgress, evaluate_dense, loss_fn, tensor_batches, train_dense
 from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops
@@ -130,6 +131,7 @@ def export_featurizer(model: ImageCNN, report: dict, data: ImageSet, out_dir: st
 def train_and_export(data: ImageSet, out_dir: str | Path, cfg: FeaturizerTrainConfig = FeaturizerTrainConfig(),
                      progress: Callable[[TrainProgress], None] | None = None) -> dict:
     """Train, export, and return the report (with the featurizer dir)."""
+    check_featurizer_out(out_dir)  # before the training, not after it
     model, report = train_featurizer(data, cfg, progress)
     out = export_featurizer(model, report, data, out_dir)
     return {"featurizer": str(out), **{k: v for k, v in report.items() if k != "train_index"}}
@@ -140,7 +142,8 @@ def write_featurizer(out_dir: str | os.PathLike, manifest: dict, tensors: dict[s
     beside it, then published as model versions are (trainer.checkpoint.publish_dir: fsynced,
     the umask's modes, two renames a moment apart, the old DIR aside and the new one in), so a
     reader finds the old featurizer or the new one, never part of one. When another writer
-    puts its DIR in place first, that one stays and this one is dropped."""
+    puts its DIR in place first, that one stays and this one is dropped. A DIR holding anything
+    but a featurizer is refused (check_featurizer_out): the replacement would delete it."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-featurizer-", dir=out.parent))
@@ -149,9 +152,51 @@ def write_featurizer(out_dir: str | os.PathLike, manifest: dict, tensors: dict[s
         body = {**manifest, "format": FORMAT, "weights_sha256": file_sha256(tmp / WEIGHTS), "torch": torch.__version__,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
+        check_featurizer_out(out)  # again: the dir may have been filled while the featurizer trained
         if not publish_dir(tmp, out, replace=True):
             log.info("%s: another writer put a featurizer there first; keeping it", out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def check_featurizer_out(path: str | os.PathLike, what: str = "--out") -> None:
+    """MarianaError unless `path` may take a featurizer: new, an empty directory, or a
+    featurizer directory (its manifest and weights, nothing else), which the new one replaces
+    whole. Anything else there would be deleted with it.
+
+    >>> check_featurizer_out("/no/such/dir")   # new: written there
+    >>> check_featurizer_out("")
+    Traceback (most recent call last):
+    mariana.sparse.errors.MarianaError: --out: empty; name the featurizer directory to write
+    """
+    p = os.fspath(path)
+    if not p:
+        raise MarianaError(f"{what}: empty; name the featurizer directory to write")
+    if not os.path.lexists(p):
+        return
+    if not os.path.isdir(p):
+        raise MarianaError(f"{what} {p}: exists and is not a directory; name the featurizer directory to write")
+    names = sorted(os.listdir(p))
+    other = [n for n in names if n not in (MANIFEST, WEIGHTS)]
+    if not names or (not other and _is_featurizer(Path(p))):
+        return
+    if _is_featurizer(Path(p)):
+        raise MarianaError(f"{what} {p}: a featurizer with {len(other)} other files beside it ({_listed(other)}), "
+                           "which replacing it would delete: move them, or name another directory")
+    raise MarianaError(f"{what} {p}: a directory that holds no featurizer ({len(names)} files: {_listed(names)}): "
+                       f"{what} takes a featurizer directory (replaced), or a new or empty one")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _is_featurizer(d: Path) -> bool:
+    """`d` holds a featurizer's manifest (its format named) and a weights file."""
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT and (d / WEIGHTS).is_file()

@@ -13,14 +13,16 @@ ads-with-images` writes) plus, optionally, one file per creative added later in
 `uploads/`: `<id>.png|.jpg|.jpeg|.gif|.bmp|.webp` (any size and colour: made
 28x28 grey by `featurizer.image.decode_encoded`), `<id>.raw` (784 bytes) or
 `<id>.npy` (28x28 uint8). An upload that cannot be read as one of these (a
-damaged file, a .raw of another size, a file of another kind) is corrupt:
-counted, named in the log and the record, and left out, so rows naming it get
-the unknown-creative fallback.
+damaged file, a .raw of another size, a file of another kind, one over
+MAX_FILE_BYTES, which is not read; a directory, FIFO or dangling symlink) is
+corrupt: counted, named in the log and the record, and left out, so rows naming
+it get the unknown-creative fallback.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,8 +32,8 @@ from typing import Callable
 import numpy as np
 
 from mariana.featurizer.creatives import FALLBACK, META_FILE, CreativeFeatures, load_creatives
-from mariana.featurizer.image import (ENCODED_SUFFIXES, BadImage, ImageFeaturizer, decode_encoded, load_mnist,
-                                      stack_images)
+from mariana.featurizer.image import (ENCODED_SUFFIXES, MANIFEST, MAX_FILE_BYTES, BadImage, ImageFeaturizer,
+                                      decode_encoded, load_mnist, stack_images)
 from mariana.sparse.errors import ConfigError
 from mariana.trainer.config import ImagesConfig
 from mariana.trainer.featurizer_train import FeaturizerTrainConfig, TrainProgress, progress_logger, train_and_export
@@ -86,29 +88,13 @@ def load_creative_set(path: str) -> CreativeSet:
     corrupt: list[str] = []
     up = cdir / UPLOADS_DIR
     if up.is_dir():
-        files = sorted(p for p in up.iterdir() if p.is_file() and not p.name.startswith("."))
         items, names = [], []
-        for p in files:
-            suffix = p.suffix.lower()
-            if suffix not in UPLOAD_SUFFIXES:
-                corrupt.append(f"{p.name}: not an upload kind ({', '.join(UPLOAD_SUFFIXES)})")
-                continue
-            if suffix == ".npy":
-                try:
-                    raw = np.load(p, allow_pickle=False)
-                except (ValueError, OSError, EOFError) as e:
-                    corrupt.append(f"{p.name}: not a readable .npy ({e})")
-                    continue
-            else:
-                raw = p.read_bytes()
-                if suffix != ".raw":
-                    try:
-                        raw = decode_encoded(raw, p.name)
-                    except BadImage as e:
-                        corrupt.append(str(e))
-                        continue
-            items.append(raw)
-            names.append(p)
+        for p in sorted(q for q in up.iterdir() if not q.name.startswith(".")):
+            try:
+                items.append(read_upload(p))
+                names.append(p)
+            except BadImage as e:
+                corrupt.append(str(e))
         good, keep, bad = stack_images(items, [p.name for p in names])
         corrupt += bad
         known = set(ids)
@@ -130,6 +116,37 @@ def load_creative_set(path: str) -> CreativeSet:
     return CreativeSet(cdir, ids, images, meta, corrupt)
 
 
+def read_upload(p: Path):
+    """One upload's image as stack_images takes it (784 raw bytes, an array, or decoded from an
+    image file), or BadImage naming the file and why. What is not a regular file (a directory,
+    a FIFO, a symlink to nothing) and a file over MAX_FILE_BYTES are refused unread."""
+    if not p.is_file():
+        raise BadImage(f"{p.name}: {_not_a_file(p)}; an upload is one image file")
+    suffix = p.suffix.lower()
+    if suffix not in UPLOAD_SUFFIXES:
+        raise BadImage(f"{p.name}: not an upload kind ({', '.join(UPLOAD_SUFFIXES)})")
+    try:
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise BadImage(f"{p.name}: {size:,} bytes, over the {MAX_FILE_BYTES >> 20} MiB an upload may be")
+        if suffix == ".npy":
+            return np.load(p, allow_pickle=False)
+        raw = p.read_bytes()
+    except (ValueError, EOFError) as e:
+        raise BadImage(f"{p.name}: not a readable .npy ({e})") from None
+    except OSError as e:
+        raise BadImage(f"{p.name}: cannot be read ({e.strerror or e})") from None
+    return raw if suffix == ".raw" else decode_encoded(raw, p.name)
+
+
+def _not_a_file(p: Path) -> str:
+    if p.is_symlink() and not p.exists():
+        return f"a symlink to {os.readlink(p)}, which does not exist"
+    if p.is_dir():
+        return "a directory"
+    return "not a regular file (a FIFO, socket or device)"
+
+
 def open_featurizer(cfg: ImagesConfig, cset: CreativeSet,
                     progress: Callable[[TrainProgress], None] | None = None) -> tuple[ImageFeaturizer, Path, str]:
     fdir, how = resolve_featurizer(cfg, cset.dir, cset.meta, progress)
@@ -148,8 +165,11 @@ def resolve_featurizer(cfg: ImagesConfig, cdir: Path, meta: dict,
     if cfg.featurizer:
         return Path(cfg.featurizer), "given"
     cache = cdir / CACHE_DIR
-    if (cache / "manifest.json").exists():
+    if (cache / MANIFEST).exists():
         return cache, "cached"
+    if os.path.lexists(cache) and not (cache.is_dir() and not any(cache.iterdir())):  # kept, not replaced
+        raise ConfigError(f"{cache}: not empty and no featurizer ({MANIFEST}) in it; the one trained on first use "
+                          "would replace what is there: move that away, or give --featurizer")
     mnist = cfg.mnist or (meta.get("source") or {}).get("dir")
     log.info("no featurizer in %s: training one on %s (first use; once per creatives dir)", cache, mnist)
     train_and_export(load_mnist(mnist), cache, FeaturizerTrainConfig(), progress or progress_logger(10.0))

@@ -63,6 +63,11 @@ def current_version(model_dir: str | os.PathLike) -> str:
         if VERSION_RE.match(d.resolve().name) and (d / MANIFEST).is_file():  # a version's own dir, named as a model's
             raise ModelDirError(f"{model_dir}: a version's directory, not a model directory: name the model "
                                 f"directory ({d.resolve().parent}), whose CURRENT says which version serves") from None
+        versions = list_versions(d)
+        if versions:  # candidates a retrain gate kept (promote false), or a CURRENT deleted by hand
+            shown = ", ".join(versions[-3:]) + (f" (and {len(versions) - 3} older)" if len(versions) > 3 else "")
+            raise ModelDirError(f"{model_dir}: no CURRENT file, so no version serves; it holds {shown}: pick one "
+                                f"with 'mariana model promote VERSION --model-dir {model_dir}'") from None
         raise ModelDirError(f"{model_dir}: holds no model (no CURRENT file); train one with 'mariana train'") from None
     if not VERSION_RE.match(name) or not (d / name).is_dir():
         raise ModelDirError(f"{model_dir}: CURRENT names {name!r}, which is not a version here")

@@ -105,6 +105,9 @@ def test_bad_model_dirs_raise_clear_errors(tmp_path):
         ModelBundle.load(str(tmp_path / "empty"))
     bad = tmp_path / "bad"
     (bad / "v000001").mkdir(parents=True)
+    with pytest.raises(ModelDirError, match="no CURRENT file, so no version serves; it holds v000001: pick one with "
+                                            "'mariana model promote VERSION"):
+        ModelBundle.load(str(bad))  # a retrain's candidate, never promoted, or a CURRENT deleted by hand
     (bad / "CURRENT").write_text("v000001\n")
     (bad / "v000001" / "manifest.json").write_text("{not json")
     with pytest.raises(ModelDirError, match="not valid JSON"):

@@ -147,6 +147,11 @@ class ImageFeatureEncoder:
     def dense_dim(self) -> int:
         return self.base.dense_dim + self.table.width
 
+    def share_ids(self, other) -> bool:
+        """The base encoder's `Encoder.share_ids` with `other`'s (an image encoder's, or a plain
+        one): the hashed ids are the base's alone; each version keeps its own creative table."""
+        return self.base.share_ids(getattr(other, "base", other))
+
     def encode(self, chunk: Chunk, batch_id: str = "") -> SparseBatch:
         return self.attach(self.base.encode(chunk, batch_id), chunk)
 

@@ -27,7 +27,8 @@ from collections import Counter
 import numpy as np
 
 from mariana.featurizer.creatives import FALLBACK, CreativeFeatures
-from mariana.services.runtime.creatives import CHUNK, TAG, namespace_of, split_value, stack_features, valid_features
+from mariana.services.runtime.creatives import (CHUNK, bad_value, namespace_of, split_value, stack_features,
+                                               valid_features)
 from mariana.services.sample_cache import SampleCache
 from mariana.trainer.config import ImagesConfig
 
@@ -121,8 +122,8 @@ class CreativeLookup:
                     if split is None:
                         if value is not None:
                             self.counters["creative_values_bad"] += 1
-                            log.warning("creative %r in %s: a value of %d bytes, expected %d; treated as unknown",
-                                        cid, self.key, len(value), TAG + 4 * self.dim)
+                            log.warning("creative %r in %s: %s; treated as unknown", cid, self.key,
+                                        bad_value(value, self.dim))
                         self.missing.add(cid)
                     else:
                         self.known[cid] = split[1]

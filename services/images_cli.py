@@ -99,12 +99,14 @@ def cmd_featurize_creatives(args: argparse.Namespace) -> int:
     from mariana.services import launcher
     from mariana.services.creative_cache import featurize_creatives
     from mariana.services.runtime.config import load_cluster_config
+    from mariana.services.runtime.redis_url import check_redis_url
     from mariana.services.sample_cache import SampleCache
     from mariana.trainer.config import ImagesConfig
 
     _need_dir(args.images, "--images")
     cfg = load_cluster_config(args.config)
     if args.redis_url:
+        check_redis_url(args.redis_url, "--redis-url")
         cfg.redis.url = args.redis_url
     else:
         running = launcher.cluster_info(cfg.cluster.path)

@@ -27,6 +27,7 @@ from redis.exceptions import BusyLoadingError, ConnectionError as RedisConnectio
 
 from mariana.services import protocol
 from mariana.services.runtime.config import ClusterConfig
+from mariana.services.runtime.redis_url import check_redis_url
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.errors import MarianaError
 
@@ -62,6 +63,7 @@ def unpack_batch(blob: bytes) -> SparseBatch:
 class SampleCache:
     def __init__(self, cfg: ClusterConfig, counters: Counter):
         self.cfg, self.counters = cfg, counters
+        check_redis_url(cfg.redis.url, "redis.url")  # one error line, not from_url's traceback
         self.redis = aioredis.Redis.from_url(cfg.redis.url, socket_timeout=10, socket_connect_timeout=2,
                                              retry_on_timeout=False)
 

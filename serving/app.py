@@ -306,6 +306,8 @@ def _metrics() -> Metrics:
                                                      "to its image table from the Redis creative cache.")
     m.counter("mariana_serve_unknown_creatives_total", "Instances naming a creative that the image model's table "
                                                        "lacks (scored with the fallback: zero features, flag 1).")
+    m.counter("mariana_serve_bad_creatives_total", "Creative cache entries that hold no usable features (wrong "
+                                                  "length, not finite, beyond 1e6): scored as unknown, said once.")
     m.histogram("mariana_serve_batch_requests", "Requests answered by one model call.",
                 buckets=(1, 2, 4, 8, 16, 32, 64, 128))
     m.counter("mariana_serve_batches_total", "Model calls, by where they ran: the event loop (small batches) "
@@ -328,6 +330,8 @@ def _model_event(app: web.Application, kind: str, info: dict) -> None:
         m.inc("mariana_serve_model_load_failures_total")
     elif kind == "creatives_added":
         m.inc("mariana_serve_creatives_added_total", info["added"])
+    elif kind == "creatives_bad":
+        m.inc("mariana_serve_bad_creatives_total", info["bad"])
 
 
 def _snapshot_path(run_dir: str, worker: int) -> str:

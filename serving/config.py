@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 
 from mariana.services.runtime.model_events import CHANNEL
+from mariana.services.runtime.redis_url import check_redis_url
 from mariana.sparse.errors import ConfigError
 from mariana.sparse.settings import load_settings
 
@@ -69,6 +70,7 @@ class ServeSection:
                 raise ConfigError(f"serve.{key} must be > 0, got {getattr(self, key)}")
         if self.creatives_seconds < 0:
             raise ConfigError(f"serve.creatives_seconds must be >= 0 (0: never), got {self.creatives_seconds}")
+        check_redis_url(self.redis_url, "serve.redis_url")  # else the watcher's tasks would die on it, unseen
 
     @property
     def worker_count(self) -> int:

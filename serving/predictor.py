@@ -43,6 +43,7 @@ class Predictor:
         self.bundle, self.model_dir, self.version = bundle, os.path.abspath(model_dir), version
         self.schema = bundle.schema  # with its label column: a row that carries one is not "unknown"
         self.loaded_at = time.time()
+        self.served_creatives: dict[bytes, bytes] = {}  # id -> features (bytes) of creatives added since loading
         self._lone = bundle.lone_scorer()  # one instance scored with few numpy calls, or none (`predict_lone`)
         # the most requests of one call scored one by one: LR's lone path makes no numpy call, so
         # each of a few requests costs what a lone one does; the DNN's make matrix products,
@@ -180,22 +181,27 @@ class Predictor:
             return None
         return img["featurizer_sha256"], int(self.bundle.images.dim)
 
-    def add_creatives(self, ids: list[bytes], features) -> int:
+    def add_creatives(self, ids: list[bytes], features) -> tuple[int, int]:
         """Extend the image table with creatives the version was not trained with (new ads,
-        featurized since by the same featurizer); ids it has are left as trained. Returns
-        how many were added. The table is replaced, not changed: a request being encoded
-        keeps the one it started with."""
+        featurized since by the same featurizer), and give those added so far the features
+        the cache holds now (an image replaced, featurized again); ids it was trained with
+        are left as trained. Returns (added, changed). The table is replaced, not changed:
+        a request being encoded keeps the one it started with."""
         from mariana.featurizer.creatives import CreativeFeatures
 
-        table = self.bundle.images
-        have = set(table.ids)
-        keep = [i for i, cid in enumerate(ids) if cid not in have]
-        if not keep:
-            return 0
-        new = CreativeFeatures(table.ids + [ids[i] for i in keep],
-                               np.concatenate([table.features, np.asarray(features, np.float32)[keep]]))
-        self.bundle.images = self.bundle.encoder.table = new
-        return len(keep)
+        table, features = self.bundle.images, np.asarray(features, np.float32)  # (n, d)
+        have, served = set(table.ids), self.served_creatives
+        last = {cid: i for i, cid in enumerate(ids)}  # an HSCAN may name an id twice
+        new = [i for cid, i in last.items() if cid not in have]
+        changed = [i for cid, i in last.items() if cid in served and served[cid] != features[i].tobytes()]
+        if not new and not changed:
+            return 0, 0
+        rows = np.concatenate([table.features, features[new]])
+        if changed:
+            rows[table.index([ids[i] for i in changed])] = features[changed]
+        served.update((ids[i], features[i].tobytes()) for i in new + changed)
+        self.bundle.images = self.bundle.encoder.table = CreativeFeatures(table.ids + [ids[i] for i in new], rows)
+        return len(new), len(changed)
 
     def info(self) -> dict:
         """What /v1/model says: the version, when and on what it was trained, its metrics."""

@@ -6,8 +6,9 @@ missed (Redis down, no Redis configured, a version promoted by hand).
 A new version is loaded on a thread of its own beside the one in service,
 warmed up, then swapped in; requests in flight finish on the version they
 started with. The version swapped out stays loaded, so going back to it (a
-rollback) is a swap without a load. A version that fails to load is logged and counted and not
-tried again until CURRENT changes; the old one keeps serving.
+rollback) is a swap without a load. A version that fails to load (or to swap in) is logged and
+counted and not tried again until CURRENT changes; the old one keeps serving. No error of one
+attempt ends a background task: each says it once and goes on.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class VersionWatcher:
         self.failed: str | None = None  # a CURRENT that would not load: not retried until it changes
         self.unreadable: str | None = None  # why CURRENT named no version at the last look (said once)
         self.previous: Predictor | None = None  # the version swapped out, kept loaded: rollbacks are instant
+        self.crashed: str | None = None  # the error a look for a new version last died of (said once)
+        self.bad_seen: set[bytes] = set()  # creatives whose cached value is no features (said once each)
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="mariana-load")
         self.tasks: list[asyncio.Task] = []
 
@@ -72,15 +75,10 @@ class VersionWatcher:
                 # one torch thread: a server's worker processes are its parallelism
                 new = await asyncio.get_running_loop().run_in_executor(self.loader, load_version,
                                                                        self.cfg.model_dir, version, 1)
+            shared = new.share_ids(self.holder.current)  # the ids met so far, kept
         except Exception as e:  # whatever a version's files hold, the watcher goes on watching
-            self.failed = version
-            if not isinstance(e, (MarianaError, OSError, KeyError, ValueError)):
-                e = f"{type(e).__name__}: {e}"  # not one of the reasons a load names: say what it was
-            log.error("%s: cannot load %s/%s: %s; serving %s still", self.name, self.cfg.model_dir, version, e,
-                      self.holder.version or "nothing")
-            self.on_event("load_failed", {"version": version, "error": str(e)})
+            self._load_failed(version, e)
             return False
-        shared = new.share_ids(self.holder.current)  # the ids met so far, kept
         old = self.holder.swap(new)
         self.previous, self.failed = old, None
         seconds = time.perf_counter() - t0
@@ -90,6 +88,15 @@ class VersionWatcher:
         self.on_event("swapped", {"version": version, "previous": old.version if old else None, "seconds": seconds,
                                   "ids_shared": shared})
         return True
+
+    def _load_failed(self, version: str, e: BaseException) -> None:
+        """Log and count a version that would not load or swap in: not tried again until CURRENT changes."""
+        self.failed = version
+        if not isinstance(e, (MarianaError, OSError, KeyError, ValueError)):
+            e = f"{type(e).__name__}: {e}"  # not one of the reasons a load names: say what it was
+        log.error("%s: cannot load %s/%s: %s; serving %s still", self.name, self.cfg.model_dir, version, e,
+                  self.holder.version or "nothing")
+        self.on_event("load_failed", {"version": version, "error": str(e)})
 
     def _unreadable(self, why: str) -> None:
         """Log (and, when a CURRENT names something that is not a version here, count as a
@@ -111,44 +118,85 @@ class VersionWatcher:
             except asyncio.TimeoutError:
                 pass
             self.poke.clear()
-            await self.check()
+            try:
+                await self.check()
+            except Exception as e:  # a bug, not a bad version (`check` says those): the watch goes on
+                why = f"{type(e).__name__}: {e}"
+                if why != self.crashed:
+                    self.crashed = why
+                    log.exception("%s: looking for a new version in %s failed: %s; serving %s still",
+                                  self.name, self.cfg.model_dir, why, self.holder.version or "nothing")
+                    self.on_event("load_failed", {"version": None, "error": why})
+            else:
+                self.crashed = None
 
     async def _creatives(self) -> None:
         """An image model's table grows with creatives featurized since it was trained
         (`mariana featurize-creatives`, or a later job, cached them in Redis under the
-        same featurizer): a new ad is scored from its pixels instead of the fallback."""
+        same featurizer): a new ad is scored from its pixels instead of the fallback.
+        Creatives added this way follow the cache: one whose image was replaced (featurized
+        again) gets its new features; those it was trained with stay as trained. Whatever
+        one read meets, the task goes on. (`serve.redis_url` was checked at config load.)"""
         import redis
         import redis.asyncio as aioredis
 
-        from mariana.services.runtime.creatives import namespace_of, read_all
-
-        client, warned = aioredis.Redis.from_url(self.cfg.redis_url, socket_connect_timeout=2), False
-        seen: tuple = ()  # (version, creatives cached) at the last read: nothing new, nothing to read
+        client, warned = aioredis.Redis.from_url(self.cfg.redis_url, socket_connect_timeout=2), None
+        seen: tuple = ()  # (version, creatives cached) at the last full read
         try:
             while True:
                 await asyncio.sleep(self.cfg.creatives_seconds)
                 p = self.holder.current
-                key = p.creative_key() if p is not None else None
-                if key is None:
+                if p is None or p.creative_key() is None:
                     continue
                 try:
-                    now = (p.version, await client.hlen(namespace_of(key[0])))
-                    if now == seen:
-                        continue
-                    ids, features = await read_all(client, *key)
-                    seen, warned = now, False
+                    seen, warned = await self._read_creatives(client, p, seen), None
                 except (redis.RedisError, OSError) as e:
-                    if not warned:
+                    if warned is None:
                         log.warning("%s: creative features unreadable on %s: %s", self.name, self.cfg.redis_url, e)
-                        warned = True
-                    continue
-                added = p.add_creatives(ids, features) if ids else 0
-                if added:
-                    log.info("%s: %s: %d creatives featurized since training added to its table (now %d)",
-                             self.name, p.version, added, len(p.bundle.images.ids))
-                    self.on_event("creatives_added", {"version": p.version, "added": added})
+                    warned = "redis"
+                except Exception as e:  # a bug: the table stays as it was; said once until it changes
+                    if f"{type(e).__name__}: {e}" != warned:
+                        log.exception("%s: %s: reading new creatives failed; its table stays as it is", self.name,
+                                      p.version)
+                    warned = f"{type(e).__name__}: {e}"
         finally:
             await client.aclose()
+
+    async def _read_creatives(self, client, p: Predictor, seen: tuple) -> tuple:
+        """One look at the creative cache for `p`; returns what `seen` becomes. A turn costs
+        an HLEN, and an HMGET of the creatives added since loading (an image replaced keeps the
+        count); the whole hash is read only when its count changed."""
+        from mariana.services.runtime.creatives import namespace_of, read_all, read_ids
+
+        key, bad = p.creative_key(), []
+        now = (p.version, await client.hlen(namespace_of(key[0])))
+        if now != seen:
+            ids, features = await read_all(client, *key, bad)
+        elif p.served_creatives:
+            ids, features = await read_ids(client, *key, list(p.served_creatives), bad)
+        else:
+            return now
+        self._bad_creatives(p, bad)
+        added, changed = p.add_creatives(ids, features)
+        if added or changed:
+            log.info("%s: %s: creatives featurized since training: %d added to its table (now %d), %d with new "
+                     "features", self.name, p.version, added, len(p.bundle.images.ids), changed)
+        if added:
+            self.on_event("creatives_added", {"version": p.version, "added": added})
+        return now
+
+    def _bad_creatives(self, p: Predictor, bad: list[tuple[bytes, str]]) -> None:
+        """Log the cache entries that are no features (NaN, absurd sizes, wrong lengths), once
+        per creative: they are scored as unknown (or keep the features last read)."""
+        new = [(cid, why) for cid, why in bad if cid not in self.bad_seen]
+        if not new:
+            return
+        self.bad_seen.update(cid for cid, _ in new)
+        cid, why = new[0]
+        log.warning("%s: %s: %d creative cache entries hold no usable features (first: %r: %s): left out, the "
+                    "creative scored as unknown or with the features last read; 'mariana featurize-creatives' "
+                    "embeds them again", self.name, p.version, len(new), cid, why)
+        self.on_event("creatives_bad", {"version": p.version, "bad": len(new)})
 
     async def _listen(self) -> None:
         """Subscribe to the announcements; reconnect with a growing delay when Redis is away."""
@@ -157,9 +205,9 @@ class VersionWatcher:
 
         delay, down_since = 0.5, None
         while True:
-            client = aioredis.Redis.from_url(self.cfg.redis_url, socket_connect_timeout=2)
             try:
-                async with client.pubsub() as pubsub:
+                async with aioredis.Redis.from_url(self.cfg.redis_url, socket_connect_timeout=2) as client, \
+                        client.pubsub() as pubsub:
                     await pubsub.subscribe(self.cfg.channel)
                     log.info("%s: listening for new versions on %s (%s)", self.name, self.cfg.redis_url,
                              self.cfg.channel)
@@ -172,12 +220,12 @@ class VersionWatcher:
                         if msg is not None and model_events.concerns(msg, self.cfg.model_dir):
                             log.info("%s: announced: %s %s", self.name, msg["event"], msg.get("version"))
                             self.poke.set()
-            except (redis.RedisError, OSError) as e:
+            except Exception as e:  # Redis away, or anything else: CURRENT is still polled
                 if down_since is None:
                     down_since = time.monotonic()
+                    if not isinstance(e, (redis.RedisError, OSError)):
+                        e = f"{type(e).__name__}: {e}"
                     log.warning("%s: redis %s unreachable (%s); polling CURRENT every %.1fs meanwhile", self.name,
                                 self.cfg.redis_url, e, self.cfg.watch_seconds)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
-            finally:
-                await client.aclose()

@@ -94,6 +94,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _job_config(args)
     if args.featurizer and not args.images:
         raise MarianaError("--featurizer goes with --images")
+    if args.notify:  # before the training, not after it
+        from mariana.services.runtime.redis_url import check_redis_url
+
+        check_redis_url(args.notify, "--notify")
     if args.mode == "cluster":
         record = _train_cluster(args, config)
     else:

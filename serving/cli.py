@@ -17,6 +17,7 @@ import json
 import os
 
 from mariana.services.runtime import report
+from mariana.services.runtime.redis_url import check_redis_url
 from mariana.sparse.errors import MarianaError
 
 
@@ -39,6 +40,8 @@ def cmd_model(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     model_dir = cfg.serve.model_dir
+    if getattr(args, "notify", None):  # before CURRENT moves, not after
+        check_redis_url(args.notify, "--notify")
     if args.action == "list":
         rows = _versions(model_dir)
         if args.json:

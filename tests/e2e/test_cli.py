@@ -203,6 +203,11 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
         (("train", "--data", gen_files["test"], "--set", "optim.linear=adagrad", "--set", "optim.lr=1e38",
           "--batch-size", "512",
           "--out", tmp_path / "o"), ["training diverged in epoch 1", "nothing to publish"]),
+        # a --notify URL no client can use: said before the training or the move of CURRENT, not after
+        (("train", "--data", gen_files["test"], "--notify", "localhost:6379", "--out", tmp_path / "o"),
+         ["--notify 'localhost:6379' is not a Redis URL"]),
+        (("model", "promote", "v000001", "--model-dir", models["dir"], "--notify", "http://x"),
+         ["--notify 'http://x' is not a Redis URL"]),
     ]
     with ThreadPoolExecutor(2) as pool:  # independent processes: two at a time on two cores
         results = list(pool.map(lambda case: run_cli(*case[0]), cases))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ from safetensors.numpy import load_file, save_file
 
 from mariana.sparse import finite
 from mariana.sparse.errors import ModelDirError
+
+log = logging.getLogger(__name__)
 
 FORMAT = "mariana-model/1"
 VERSION_RE = re.compile(r"^v(\d{6,})$")
@@ -109,18 +112,34 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
             raise CurrentMoved(f"{model_dir}: CURRENT names {before or 'no version'}, not {expect or 'no version'} "
                                "(another promotion moved it); it was left as it is", before)
         tmp = d / f".CURRENT.{os.getpid()}"
-        tmp.write_text(version + "\n")
-        fsync_file(tmp)
-        os.replace(tmp, d / "CURRENT")
+        try:
+            tmp.write_text(version + "\n")
+            fsync_file(tmp)
+            os.replace(tmp, d / "CURRENT")
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise ModelDirError(f"{model_dir}: cannot move CURRENT to {version}: {_why(e, d)}; CURRENT still names "
+                                f"{before or 'no version'}") from None
         fsync_dir(d)
         if reason is not None and before != version:
-            line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": before, "to": version,
-                    "reason": reason}
-            with open(d / PROMOTIONS, "a") as f:  # one short write: lines do not interleave
-                f.write(json.dumps(line) + "\n")
+            _record_move(d, before, version, reason)
     finally:
         os.close(fd)  # closing drops the lock
     return before
+
+
+def _record_move(d: Path, before: str | None, version: str, reason: str) -> None:
+    """A line in promotions.jsonl. CURRENT has moved already: a full disk here is a warning
+    (the move stands; a rollback from it may not find where it came from), not an error
+    that would have the caller undo a version CURRENT names."""
+    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "from": before, "to": version,
+            "reason": reason}
+    try:
+        with open(d / PROMOTIONS, "a") as f:  # one short write: lines do not interleave
+            f.write(json.dumps(line) + "\n")
+    except OSError as e:
+        log.warning("%s: CURRENT moved %s -> %s, but %s could not record it: %s", d, before, version, PROMOTIONS,
+                    _why(e, d))
 
 
 def promotions(model_dir: str | os.PathLike) -> list[dict]:
@@ -246,10 +265,10 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
     if make_current:
         try:
             set_current(d, version, reason)
-        except OSError as e:
+        except (OSError, ModelDirError) as e:  # CURRENT did not move (set_current says why)
             shutil.rmtree(d / version, ignore_errors=True)  # never left behind as a newest version nobody chose
-            raise ModelDirError(f"{model_dir}: wrote {version} but cannot move CURRENT to it: {_why(e, d)}; "
-                                f"{version} was removed{_current_note(d)}") from None
+            why = _why(e, d) if isinstance(e, OSError) else str(e).removeprefix(f"{d}: ")
+            raise ModelDirError(f"{model_dir}: wrote {version} but {why}; {version} was removed") from None
     return version
 
 

@@ -62,3 +62,23 @@ def test_a_model_dir_that_turns_read_only_fails_the_job_clearly(tmp_path):
     assert "rc=0" not in out and "rc=" in out, out
     assert "cannot write a new version: its filesystem is read-only" in out, out
     assert "CURRENT still names v000001" in out and "v000002" not in proc.stdout.split(), out
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_leaves_current_where_it_was_and_says_so(tmp_path):
+    """`model promote` on a full disk said only "no space left on device" and left its
+    .CURRENT.<pid> behind."""
+    data = tmp_path / "train.tsv"
+    generate_criteo(data, 3_000, seed=33)
+    m = tmp_path / "small"
+    m.mkdir()
+    promote = f"{sys.executable} -m mariana model promote v000001 --model-dir {m / 'ctr'}"
+    proc = namespaced(f"set -u; mount -t tmpfs -o size=400k none {m} && {train(data, m / 'ctr', 12)} && "
+                      f"{train(data, m / 'ctr', 12)} && {{ dd if=/dev/zero of={m}/fill bs=4k 2>/dev/null; "
+                      f"{promote}; echo rc=$?; }}; cat {m}/ctr/CURRENT; ls -a {m}/ctr")
+    out = proc.stdout + proc.stderr
+    assert "rc=0" not in out and "rc=2" in out, out
+    assert "cannot move CURRENT to v000001: no space left on its filesystem" in out, out
+    assert "CURRENT still names v000002" in out, out
+    assert proc.stdout.split()[proc.stdout.split().index("rc=2") + 1] == "v000002", out
+    assert not [n for n in proc.stdout.split() if n.startswith(".CURRENT")], out

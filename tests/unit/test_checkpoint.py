@@ -161,3 +161,15 @@ def test_a_version_written_before_a_restart_is_found_by_its_job_and_promoted_onc
     assert checkpoint.current_version(d) == "v000002" and again["promoted"] is True
     written_record(d, version, manifest, summary("j1"), promote=True)  # a second restart moves nothing
     assert [p["to"] for p in checkpoint.promotions(d)] == ["v000001", "v000002"]
+
+
+def test_a_move_of_current_it_cannot_record_stands_with_a_warning(tmp_path, caplog):
+    """promotions.jsonl unwritable after CURRENT moved: the version was removed while CURRENT
+    named it, and the error said "there is no CURRENT version"."""
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / checkpoint.PROMOTIONS).mkdir()  # an append to it fails, as on a full disk
+    weights = {"w": np.zeros(2, np.float32)}
+    version = checkpoint.save_version(d, {"model": {}}, weights, reason="trained")
+    assert version == "v000001" and checkpoint.current_version(d) == "v000001" and (d / version).is_dir()
+    assert "could not record it" in caplog.text

@@ -33,7 +33,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 from mariana.services import images_cli
@@ -699,7 +701,24 @@ def _main(argv: list[str] | None, build) -> int:
 
 
 def _guarded(run) -> int:
-    """`run()`'s exit code; a user's error as one line `mariana: error: ...` and exit code 2."""
+    """`run()`'s exit code; a user's error as one line `mariana: error: ...` and exit code 2.
+    SIGTERM stops a command as Ctrl-C does (its cleanup runs: a cluster job is cancelled, a
+    cluster started for it stopped, a version half-written removed); the default action
+    killed it where it stood. Services (`run`, `serve`) set handlers of their own."""
+    main = threading.current_thread() is threading.main_thread()  # (only there can a handler be set)
+    previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    try:
+        return _run_guarded(run)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt("stopped by SIGTERM")
+
+
+def _run_guarded(run) -> int:
     try:
         return run()
     except MarianaError as e:

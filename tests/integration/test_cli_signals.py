@@ -1,0 +1,68 @@
+"""SIGTERM to a command, as `kill`, `timeout` or systemd send it to the process alone, stops
+it as Ctrl-C does: its cleanup runs. The default action killed it where it stood: a
+cluster job submitted by `train --mode cluster` went on and published, and the cluster
+started for that job (redis, five services, a supervisor) was left running."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mariana.sparse.synth import generate_criteo
+from tests.conftest import ROOT
+from tests.integration.rankkill import children
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def test_sigterm_to_a_cluster_train_cancels_its_job_and_stops_the_cluster_it_started(tmp_path):
+    data = tmp_path / "train.tsv"
+    generate_criteo(data, 200_000, seed=41)
+    cfg = tmp_path / "cluster.toml"  # no cluster is up in its dir: the command starts one for the job
+    cfg.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\nsupervise = true\n')
+    log = tmp_path / "train.log"
+    with open(log, "w") as err:
+        client = subprocess.Popen([sys.executable, "-m", "mariana", "train", "--data", str(data), "--mode", "cluster",
+                                   "--cluster-config", str(cfg), "--epochs", "50", "--set", "train.batch_size=64",
+                                   "--out", str(tmp_path / "m")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "submitted" not in log.read_text() and client.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "submitted" in log.read_text(), log.read_text()
+        started = descendants(client.pid)
+        assert len(started) >= 6, started  # redis, the services, the supervisor
+        client.send_signal(signal.SIGTERM)
+        assert client.wait(90) == 130
+    finally:
+        for pid in ([client.pid] if client.poll() is None else []) + [p for p in started if alive(p)]:
+            os.kill(pid, signal.SIGKILL)  # a failed test leaves nothing running
+    text = log.read_text()
+    assert "mariana: interrupted" in text and "Traceback" not in text, text
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in started if alive(p)], text
+    assert not (tmp_path / "m").exists() or not list((tmp_path / "m").glob("v0*")), text

@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from mariana.services import webui
 from mariana.services.coord_openapi import document
 from mariana.services.coord_state import REDIS_STATS_SECONDS, JobRun, bad_request
+from mariana.services.jobstore import JobStoreError
 from mariana.services.runtime.auth import bearer_ok
 from mariana.services.runtime.exporter import render_service
 from mariana.services.runtime.report import dumps
@@ -40,7 +41,7 @@ class CoordinatorAPI:
         self.coord = coord
 
     def http_app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 20)
+        app = web.Application(client_max_size=1 << 20, middlewares=[store_errors])
         app.router.add_get("/healthz", lambda r: respond({"ok": True}))
         app.router.add_get("/v1/status", self.http_status)
         app.router.add_get("/v1/jobs", self.http_jobs)
@@ -173,8 +174,8 @@ class CoordinatorAPI:
             return bad_request(str(e))
         except OSError as e:
             return bad_request(f"{e.filename}: {e.strerror}")
+        self.coord.book.save(run)  # first: a job the store lacks would be lost at the next restart
         self.coord.jobs[run.id] = run
-        self.coord.book.save(run)
         self.coord.queue.put_nowait(run.id)
         log.info("%s: job %s submitted (%s, %d epochs)", self.coord.name, run.id, run.request["model"],
                  run.ledger.epochs)
@@ -242,3 +243,14 @@ def count_param(request: web.Request, name: str) -> int | None:
                                                            f"9 digits), got {text[:40]!r}"}),
                                  content_type="application/json")
     return int(text)
+
+
+@web.middleware
+async def store_errors(request: web.Request, handler):
+    """The state dir full or unwritable (JobStoreError) is the coordinator's trouble, said as
+    such: a 503 naming it, not a 500. A job it could not save was not queued."""
+    try:
+        return await handler(request)
+    except JobStoreError as e:
+        log.error("%s %s: %s", request.method, request.path, e)
+        return respond({"error": f"the coordinator cannot save its state: {e}"}, status=503)

@@ -114,7 +114,7 @@ OPENAPI = {
             "summary": "Cancel a queued or running job (bearer token); an ended job is left as it is, and "
                        "one writing its version refused (409: it ends done)",
             "security": [{"bearer": []}], "parameters": _ID,
-            "responses": {"200": _json(_SUMMARY, "The job after the request."), **_errors(401, 404, 409)}}},
+            "responses": {"200": _json(_SUMMARY, "The job after the request."), **_errors(401, 404, 409, 503)}}},
         "/v1/models": {"get": {"summary": "The model directories: versions, metrics, the one served, retrains",
                                "responses": {"200": _json({"type": "object", "required": ["models"],
                                                            "properties": {"models": {"type": "array"}}},

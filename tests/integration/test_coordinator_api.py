@@ -5,6 +5,8 @@ the coordinator up in its own metrics, and no open admin endpoints off loopback.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,7 +14,8 @@ import pytest
 from mariana.services import launcher
 from mariana.services.launcher import free_port
 from mariana.sparse.synth import generate_criteo
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
+from tests.debian import can_unshare_mounts
 from tests.integration.cluster import Cluster
 from tests.integration.test_metrics_endpoints import scrape
 
@@ -85,3 +88,47 @@ def test_a_coordinator_off_loopback_without_a_token_does_not_start(tmp_path):
     assert proc.returncode != 0 and "not a loopback address, and coordinator.token is empty" in proc.stderr, \
         proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+FULL_STATE = r"""
+import json, sys
+from pathlib import Path
+from tests.integration.cluster import Cluster
+root, data, state = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+out = {}
+with Cluster(root / "c", **{"coordinator.state_dir": str(state)}) as c:
+    fill = state / "fill"
+    try:
+        with open(fill, "wb") as f:
+            while True:
+                f.write(b"\0" * 65536)
+    except OSError:
+        pass
+    body = {"data": [data], "out": str(root / "m")}
+    out["full"] = c.request("POST", "/v1/jobs", body)
+    out["jobs"] = c.request("GET", "/v1/jobs")[1]["total"]
+    fill.unlink()
+    out["again"] = c.request("POST", "/v1/jobs", body)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_job_the_coordinator_cannot_save_is_a_503_and_not_queued(tmp_path):
+    """A state dir on a full disk answered a submit with a bare 500 and kept the job queued
+    in memory for good (it was added before it was saved); its cancel was a 500 too."""
+    if not can_unshare_mounts():
+        pytest.skip("unshare -m is not allowed here (needs root or CAP_SYS_ADMIN): no small filesystem to fill")
+    data = tmp_path / "train.tsv"
+    generate_criteo(data, 2_000, seed=4)
+    state = tmp_path / "state"
+    state.mkdir()
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=2m none {state} && exec '
+                           f'{sys.executable} -c "$0" {tmp_path} {data} {state}', FULL_STATE],
+                          cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    code, reply = out["full"]
+    assert code == 503 and "cannot save its state" in reply["error"], out
+    assert out["jobs"] == 0, out  # not queued: nothing to lose at the next restart
+    assert out["again"][0] == 201, out

@@ -51,17 +51,34 @@ class Supervisor:
             signal.signal(sig, lambda *_: self.stopping.set())
         state = self.state()
         state["supervisor"] = {"pid": os.getpid(), "start": procs.start_time(os.getpid())}
-        launcher._save_state(state)
+        unsaved = self.save(state, None)  # why cluster.json could not be written (said once; tried each tick)
         env = launcher._child_env()
         log.info("watching %d processes of %s", len(launcher._records(state)), self.root)
         while not self.stopping.wait(POLL_SECONDS):
-            state = launcher._load_state(self.root)
-            if state is None:
+            on_disk = launcher._load_state(self.root)
+            if on_disk is None:
                 break
-            if self.tick(state, env):
-                launcher._save_state(state)
+            if unsaved is None:  # else what is on disk is older than what this process knows
+                state = on_disk
+            if self.tick(state, env) or unsaved is not None:
+                unsaved = self.save(state, unsaved)
         log.info("stopped (%s)", "signalled" if self.stopping.is_set() else "cluster.json removed")
         return 0
+
+    def save(self, state: dict, unsaved: str | None) -> str | None:
+        """Write cluster.json; on a full or read-only disk, say so once and go on restarting
+        (the supervisor died there, and nothing was restarted any more). None once saved."""
+        try:
+            launcher._save_state(state)
+        except OSError as e:
+            why = f"{e.strerror or e}"
+            if why != unsaved:
+                log.error("cannot write %s (%s): restarts go on, but `status` and `down` see the pids saved "
+                          "before until it can be written", launcher.STATE_FILE, why)
+            return why
+        if unsaved is not None:
+            log.info("%s written again", launcher.STATE_FILE)
+        return None
 
     def tick(self, state: dict, env: dict) -> bool:
         """Restart what is due; True when `state` changed."""

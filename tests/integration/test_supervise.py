@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -15,6 +16,8 @@ import pytest
 from mariana.services import launcher
 from mariana.services.supervisor import Supervisor
 from mariana.sparse.synth import generate_criteo
+from tests.conftest import ROOT
+from tests.debian import can_unshare_mounts
 from tests.integration.cluster import Cluster
 
 SUPERVISED = {"cluster.supervise": True}
@@ -94,3 +97,45 @@ def test_killed_services_and_redis_come_back_and_the_cluster_trains(tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if alive(p)], "down left processes running"
+
+
+FULL_DIR = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+from tests.integration.cluster import Cluster
+root = Path(sys.argv[1])
+out = {}
+with Cluster(root / "c", **{"cluster.supervise": True}) as c:
+    c.wait_for(lambda: "watching" in (c.root / "logs" / "supervisor.log").read_text(), 30.0)
+    try:
+        with open(root / "c" / "fill", "wb") as f:
+            while True:
+                f.write(b"\0" * 65536)
+    except OSError:
+        pass
+    sup = json.loads((c.root / "cluster.json").read_text())["supervisor"]["pid"]
+    old = c.record("worker-0")["pid"]
+    c.kill("worker-0", signal.SIGKILL)
+    time.sleep(4)  # the restart is due after 0.5 s
+    out["supervisor_alive"] = os.path.exists(f"/proc/{sup}") and "Z" not in open(f"/proc/{sup}/stat").read().split()[2]
+    out["worker"] = c.wait_for(lambda: (lambda s: s if s["worker-0"]["alive"] and s["worker-0"]["pid"] != old
+                                        else None)(c.status()["services"]), 60.0)["worker-0"]["pid"]
+    out["log"] = (c.root / "logs" / "supervisor.log").read_text()[-2000:]
+    os.unlink(root / "c" / "fill")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_full_disk_does_not_stop_the_supervisor_restarting(tmp_path):
+    """The supervisor died of ENOSPC writing cluster.json after its first restart, and restarted nothing more."""
+    if not can_unshare_mounts():
+        pytest.skip("unshare -m is not allowed here (needs root or CAP_SYS_ADMIN): no small filesystem to fill")
+    (tmp_path / "c").mkdir()
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o size=8m none {tmp_path / "c"} && exec '
+                           f'{sys.executable} -c "$0" {tmp_path}', FULL_DIR], cwd=ROOT, capture_output=True,
+                          text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["supervisor_alive"] and out["worker"], out
+    assert "cannot write cluster.json" in out["log"], out["log"]

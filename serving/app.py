@@ -19,6 +19,7 @@ and counted. A 500 is a bug, logged with its trace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import json
 import logging
@@ -316,6 +317,8 @@ def _metrics() -> Metrics:
     m.gauge("mariana_serve_model_info", "Worker processes serving each model version.")
     m.counter("mariana_serve_model_swaps_total", "Model versions swapped in for another (the first load is not one).")
     m.counter("mariana_serve_model_load_failures_total", "Model versions that could not be loaded.")
+    m.counter("mariana_serve_snapshot_failures_total", "Metrics snapshots this worker could not write (a full "
+                                                       "TMPDIR): the sum the other workers answer is stale.")
     return m
 
 
@@ -356,7 +359,9 @@ def _carry_over(app: web.Application) -> None:
 
 
 def _write_snapshot(app: web.Application) -> str:
-    """This worker's metrics to <run>/metrics-<i>.json (atomically); returns the path."""
+    """This worker's metrics to <run>/metrics-<i>.json (atomically); returns the path.
+    A write that fails (a full TMPDIR, the run dir removed) is counted, and said once until
+    one works again: meanwhile /metrics sums this worker's last snapshot, stale."""
     st = app[SETTINGS]
     path = _snapshot_path(st["run_dir"], st["worker"])
     tmp = f"{path}.tmp"
@@ -364,9 +369,25 @@ def _write_snapshot(app: web.Application) -> str:
         with open(tmp, "w") as f:
             json.dump(app[METRICS].state(), f)
         os.replace(tmp, path)
-    except OSError as e:  # the run dir went away (the server is stopping)
-        log.debug("metrics snapshot not written: %s", e)
+    except OSError as e:
+        _snapshot_failed(app, tmp, e)
+    else:
+        if st.get("snapshot_error"):
+            log.warning("%s: its metrics snapshot is written again (%s): /metrics is up to date", st["name"], path)
+            st["snapshot_error"] = None
     return path
+
+
+def _snapshot_failed(app: web.Application, tmp: str, e: OSError) -> None:
+    st = app[SETTINGS]
+    with contextlib.suppress(OSError):
+        os.unlink(tmp)  # a part written before the disk filled up
+    app[METRICS].inc("mariana_serve_snapshot_failures_total")
+    if not st.get("snapshot_error"):
+        st["snapshot_error"] = str(e)
+        log.warning("%s: cannot write its metrics snapshot: %s: %s; until it can, /metrics as answered by the "
+                    "other workers holds this one's counts as they were: free space in %s (the server's TMPDIR)",
+                    st["name"], e.filename or tmp, (e.strerror or str(e)).lower(), os.path.dirname(tmp))
 
 
 async def _write_snapshots(app: web.Application) -> None:

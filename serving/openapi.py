@@ -147,11 +147,11 @@ OPENAPI = {
                                                    "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/v1/retrain": {"post": {"summary": "Start a retrain (bearer token)", "security": [{"bearer": []}],
                                  "responses": {"202": _json({"type": "object"}, "Started; poll status_url."),
-                                               **_errors(401, 403, 409)}}},
+                                               **_errors(401, 403, 409, 503)}}},
         "/v1/retrain/{id}": {"get": {
             "summary": "A retrain's state and decision (bearer token)", "security": [{"bearer": []}],
             "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}],
-            "responses": {"200": _json({"type": "object"}, "State."), **_errors(401, 403, 404)}}},
+            "responses": {"200": _json({"type": "object"}, "State."), **_errors(401, 403, 404, 503)}}},
     },
     "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
 }

@@ -15,6 +15,8 @@ promotions.jsonl) and is announced on Redis, so servers swap to it.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -292,8 +294,13 @@ class _Status:
             return
         self.data.update(fields, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         tmp = f"{self.path}.tmp"
-        Path(tmp).write_text(json.dumps(self.data))
-        os.replace(tmp, self.path)
+        try:
+            Path(tmp).write_text(json.dumps(self.data))
+            os.replace(tmp, self.path)
+        except OSError:  # a full or read-only filesystem: no half-written temp file left behind
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 # ---- started over HTTP ----------------------------------------------------------------
@@ -316,26 +323,40 @@ class RetrainRunner:
             lock = take_lock(model_dir)  # worker or two, cannot both be told 202
         except RetrainBusy as e:
             raise ServeError(409, str(e)) from None
+        except OSError as e:  # a read-only or unwritable model dir
+            raise _cannot_start(model_dir, e) from None
+        run = time.strftime("r%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
+        runs = os.path.join(model_dir, RUNS)
         try:
-            run = time.strftime("r%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(3)
-            runs = os.path.join(model_dir, RUNS)
-            os.makedirs(runs, exist_ok=True)
-            status = os.path.join(runs, f"{run}.json")
-            _Status(status).update(id=run, state="starting",
-                                   started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-            with open(os.path.join(runs, f"{run}.log"), "ab") as out:
-                child = subprocess.Popen(
-                    [sys.executable, "-m", "mariana", "retrain", "--config", self.config_path,
-                     "--status-file", status], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    start_new_session=True, pass_fds=(lock,), env=os.environ | {LOCK_FD_ENV: str(lock)})
-            os.ftruncate(lock, 0)  # its pid at once: a status asked before its Python is up finds it
-            os.write(lock, f"{child.pid}\n".encode())
+            child = self._spawn(run, runs, lock)
+        except OSError as e:  # a full filesystem, no process to be had, ...: nothing of this run stays
+            for leftover in (f"{run}.json", f"{run}.log"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(runs, leftover))
+            raise _cannot_start(model_dir, e) from None
         finally:
             os.close(lock)  # the child's copy holds the lock now (or, if it did not start, nobody)
         unpin(child.pid)  # a pinned worker's child would inherit its one CPU
         self.children.append(child)
         log.info("retrain %s started for %s (log: %s/%s.log)", run, model_dir, runs, run)
         return {"id": run, "state": "starting", "status_url": f"/v1/retrain/{run}"}
+
+    def _spawn(self, run: str, runs: str, lock: int) -> subprocess.Popen:
+        """`mariana retrain` for `run`, holding `lock`, its status and log under `runs`."""
+        os.makedirs(runs, exist_ok=True)
+        status = os.path.join(runs, f"{run}.json")
+        _Status(status).update(id=run, state="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        with open(os.path.join(runs, f"{run}.log"), "ab") as out:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "mariana", "retrain", "--config", self.config_path,
+                 "--status-file", status], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, pass_fds=(lock,), env=os.environ | {LOCK_FD_ENV: str(lock)})
+        # Its pid at once: a status asked before its Python is up finds it. Not written (a full
+        # disk), the child writes it itself, or fails saying why in its status.
+        with contextlib.suppress(OSError):
+            os.ftruncate(lock, 0)
+            os.write(lock, f"{child.pid}\n".encode())
+        return child
 
     def status(self, run: str) -> dict:
         self._reap()
@@ -346,6 +367,9 @@ class RetrainRunner:
             data = json.loads(Path(path).read_text())
         except ValueError:  # being replaced right now
             return {"id": run, "state": "unknown"}
+        except OSError as e:
+            raise ServeError(503, f"cannot read the status of retrain {run}: {path}: "
+                                  f"{(e.strerror or str(e)).lower()}; try again later") from None
         pid = data.get("pid")
         if data.get("state") not in ("done", "failed") and isinstance(pid, int) and not procs.running(pid):
             data.update(state="failed", error=f"the retrain process ended without a decision; see "
@@ -354,3 +378,15 @@ class RetrainRunner:
 
     def _reap(self) -> None:
         self.children = [c for c in self.children if c.poll() is None]
+
+
+def _cannot_start(model_dir: str, e: OSError) -> ServeError:
+    """503: the server cannot start a retrain now (an operator can mend it), naming the
+    file and the OS's reason, and what to do."""
+    where = f"{e.filename}: " if e.filename else ""
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+        todo = ("the retrain writes its lock, status, log and new version there: make the directory writable, "
+                "with free space, and try again")
+    else:
+        todo = "try again later"
+    return ServeError(503, f"cannot start a retrain of {model_dir}: {where}{(e.strerror or str(e)).lower()}; {todo}")

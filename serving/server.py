@@ -1,7 +1,8 @@
 """The server's processes: `serve.workers` worker processes share one port
 (SO_REUSEPORT: the kernel spreads connections over them), so a request is
 answered on any core; a supervisor starts them, restarts one that dies, and
-stops them on SIGTERM. With one worker there is no supervisor.
+stops them on SIGTERM (exit 0, also when it comes before they all listen: a stop asked for
+is no failure). With one worker there is no supervisor.
 
     supervisor (mariana serve)            reserves host:port, writes <run>/serve.toml
       ├─ worker 0 (mariana serve --worker-index 0 --run-dir <run>)
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -53,7 +55,8 @@ def run_worker(cfg: ServeConfig, index: int = 0, run_dir: str | None = None, con
         log.info("serve-%d: runs on CPU %d (serve.pin_workers)", index, cpu)
     sys.setswitchinterval(0.001)  # the event loop gets the GIL back from the model thread within 1 ms
     try:
-        return asyncio.run(_serve(cfg, index, run_dir, config_path))
+        with asyncio.Runner(loop_factory=_ServeLoop) as runner:
+            return runner.run(_serve(cfg, index, run_dir, config_path))
     except OSError as e:  # the port is taken, the host is not ours, ...
         log.error("serve-%d: cannot listen on %s:%d: %s", index, cfg.serve.host, cfg.serve.port, e)
         return 1
@@ -100,6 +103,46 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
     log.info("serve-%d: stopped after %d requests, %d predictions", index,
              m.value("mariana_serve_requests_total"), m.value("mariana_serve_predictions_total"))
     return 0
+
+
+class _ServeLoop(asyncio.SelectorEventLoop):
+    """asyncio's loop with its accept loop mended (CPython gh-151615, in 3.11): when accept()
+    fails for want of descriptors or memory, the loop stops listening, schedules a retry in a
+    second, and then -- the bug -- tries accept() again `backlog` (1024) times in the same pass,
+    each failure scheduling one more retry. The retries pile up: a worker held at 64 descriptors
+    went from 1,000 to 12,000 failed accepts a second, and from 17% to 83% of a core, in 12 s;
+    and each retry still pending when the server stops logs a traceback. Here a pass ends at
+    its first such failure, as upstream's fix makes it; the backlog stays 1024 for bursts."""
+
+    def _accept_connection(self, protocol_factory, sock, *args, **kwargs):
+        super()._accept_connection(protocol_factory, _OnePass(sock), *args, **kwargs)
+
+    def _start_serving(self, protocol_factory, sock, *args, **kwargs):
+        if sock.fileno() != -1:  # the retry of a server that stopped meanwhile: nothing to listen on
+            super()._start_serving(protocol_factory, sock, *args, **kwargs)
+
+
+class _OnePass:
+    """A listening socket for one pass of the accept loop: once an accept() failed for want
+    of resources, the next ones find the queue empty (BlockingIOError), which ends the pass."""
+
+    OUT_OF = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+    def __init__(self, sock):
+        self.sock = sock.sock if isinstance(sock, _OnePass) else sock  # a retry hands back the last pass's
+        self.out_of_resources = False
+
+    def accept(self):
+        if self.out_of_resources:
+            raise BlockingIOError(errno.EAGAIN, "this pass of the accept loop ended at a resource error")
+        try:
+            return self.sock.accept()
+        except OSError as e:
+            self.out_of_resources = e.errno in self.OUT_OF
+            raise
+
+    def __getattr__(self, name):  # fileno, family, getsockname, ...: the socket's own
+        return getattr(self.sock, name)
 
 
 # ---- the supervisor ------------------------------------------------------------------------
@@ -168,12 +211,14 @@ class _Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         for i in range(self.n):
-            self._start(i)
+            if not self.stopping:
+                self._start(i)
         s = self.cfg.serve
-        if not self._wait_ready():
+        if not self._wait_ready():  # a stop asked for (SIGTERM, SIGINT) is no failure: exit 0
+            log.info("serve: asked to stop before the workers were ready: stopping them")
+            sdnotify.notify("STOPPING=1", "STATUS=stopping")
             self._stop_all()
-            raise MarianaError(f"the workers did not all start listening on {s.host}:{s.port} "
-                               f"within {READY_SECONDS:.0f}s (see their log lines above)")
+            return 0
         log.info("serving %s on http://%s:%d with %d worker processes", s.model_dir, s.host, s.port, self.n)
         sdnotify.notify("READY=1", f"STATUS=serving on {s.host}:{s.port} with {self.n} workers")
         failed = False
@@ -223,12 +268,21 @@ class _Supervisor:
         return True
 
     def _wait_ready(self) -> bool:
+        """True once every worker listens, False when asked to stop meanwhile; MarianaError
+        (the workers stopped) when one exits first or they do not all listen in READY_SECONDS."""
+        s = self.cfg.serve
         deadline = time.monotonic() + READY_SECONDS
-        while time.monotonic() < deadline and not self.stopping:
+        while not self.stopping:
             if all(os.path.exists(os.path.join(self.run_dir, f"worker-{i}.ready")) for i in range(self.n)):
                 return True
-            if any(c.poll() is not None for c in self.children.values()):
-                return False
+            dead = [(i, c.returncode) for i, c in self.children.items() if c.poll() is not None]
+            if self.stopping:  # a Ctrl-C reaches the workers too: they may have died of it first
+                break
+            if dead or time.monotonic() > deadline:
+                self._stop_all()
+                why = (f"worker {dead[0][0]} exited with code {dead[0][1]} before it listened" if dead
+                       else f"the workers did not all start listening within {READY_SECONDS:.0f}s")
+                raise MarianaError(f"cannot serve on {s.host}:{s.port}: {why} (see the workers' log lines above)")
             time.sleep(0.05)
         return False
 

@@ -13,18 +13,21 @@ from mariana.services import protocol
 from mariana.services.assemble import (assemble_and_publish, check_model_side, check_request, data_bytes,
                                        job_validation, validate_exports, written_before)
 from mariana.services.coord_state import (MAX_RECONCILE_ROUNDS, MAX_RESENDS, POINT_SECONDS, TICK_SECONDS, JobRun,
-                                          JobStopped, job_ledger)
+                                          JobStopped, Stall, job_ledger)
 from mariana.services.jobspec import JobSpec
 from mariana.services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from mariana.services.ledger import STAGES, ChunkInfo, parse_step, reissue_leases_of
 from mariana.services.protocol import Message
 from mariana.services.runtime import failpoints, model_events
+from mariana.services.runtime.redis_url import redact
+from mariana.services.sample_cache import CacheRefused
 from mariana.services.transport import PeerTimeout, RemoteError
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.metrics import histogram_auc
 from mariana.trainer.strategies.local import best_epoch, valid_record
 
 log = logging.getLogger(__name__)
+REDIS_PING_SECONDS = 2.0  # how often a running job's Redis is checked (`check_redis`)
 
 
 class JobRunner:
@@ -71,6 +74,7 @@ class JobRunner:
             "auc": histogram_auc(d_hist[0], d_hist[1]) if d_hist is not None and d_rows > 0 else None})
 
     async def tick_job(self, run: JobRun) -> None:
+        await watch_job(self, run)
         for step, worker in run.ledger.expire_leases():
             log.warning("%s: job %s: lease of %s by %s lapsed; issuing it again", self.coord.name, run.id,
                         step, worker)
@@ -109,8 +113,8 @@ class JobRunner:
             if run.spec.config.images.creatives and run.spec.images is None:
                 await prepare_images(self.coord, run)  # before any shard or preprocess reads the spec
             for i in range(len(self.coord.shards)):
-                await self.start_shard(run, i)
-            if not led.source_done:
+                await self.start_shard(run, i)  # returns when the job failed waiting (watch_job)
+            if not led.source_done and run.state == "running":
                 await self.read_source(run)  # a loader that is reading it already goes on
             while led.epoch <= led.epochs:
                 await self.until(run, led.epoch_complete)
@@ -159,11 +163,13 @@ class JobRunner:
         while run.state == "running":
             try:
                 await self.coord.shards[i].call("StartJob", job=run.id, spec=run.spec.to_dict(), timeout=10.0)
+                unstall(run, f"ps-{i}")
                 return
             except RemoteError as e:  # the shard is up and refuses the job: retrying will not help
                 raise MarianaError(f"shard {i} cannot start the job: {e}") from None
             except PeerTimeout as e:
                 log.warning("%s: job %s: shard %d not ready: %s", self.coord.name, run.id, i, e)
+                stall(self.coord, run, f"ps-{i}", f"ps-{i}", "it did not answer StartJob")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
@@ -213,15 +219,20 @@ class JobRunner:
             if run.state != "running":
                 raise JobStopped()
             try:
-                return await self.coord.shards[i].call(type_, job=run.id, **fields, timeout=60.0)
+                reply = await self.coord.shards[i].call(type_, job=run.id, **fields, timeout=60.0)
             except (PeerTimeout, RemoteError) as e:
                 log.warning("%s: job %s: shard %d: %s: %s", self.coord.name, run.id, i, type_, e)
-                if isinstance(e, RemoteError):
-                    if e.code != "UnknownJob":
-                        raise MarianaError(f"shard {i} refused {type_}: {e}") from None
+                if isinstance(e, PeerTimeout):
+                    stall(self.coord, run, f"ps-{i}", f"ps-{i}", f"it did not answer {type_}")
+                elif e.code != "UnknownJob":
+                    raise MarianaError(f"shard {i} refused {type_}: {e}") from None
+                else:
                     await self.start_shard(run, i)  # it restarted: give it the job (it restores)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+                continue
+            unstall(run, f"ps-{i}")
+            return reply
 
     async def finish(self, run: JobRun) -> None:
         led = run.ledger
@@ -276,14 +287,7 @@ class JobRunner:
         log.info("%s: job %s done: %s/%s, %d rows applied of %d x %d epochs, auc %s", self.coord.name, run.id,
                  record["model_dir"], record["model_version"], record["rows_applied"],
                  record["rows_in_data"], run.ledger.epochs, record.get("auc"))
-        await self.announce(record)
-
-    async def announce(self, record: dict) -> None:
-        """Tell model servers (Redis pub/sub) that a version was written."""
-        promoted = record.get("promoted", True)
-        await model_events.publish_async(self.coord.cache.redis, "trained" if promoted else "candidate",
-                                         record["model_dir"], record["model_version"],
-                                         record["model_version"] if promoted else None)
+        await announce(self.coord, record)
 
     async def cleanup(self, run: JobRun) -> None:
         timeout = 2.0 if self.coord.stopping.is_set() else 10.0  # shutting down: do not outwait the drain
@@ -326,6 +330,14 @@ class JobRunner:
                            length=c.length, first_line=c.first_line, lines=c.lines, files=run.request["data"])
 
 
+async def announce(coord, record: dict) -> None:
+    """Tell model servers (Redis pub/sub) that a version was written."""
+    promoted = record.get("promoted", True)
+    await model_events.publish_async(coord.cache.redis, "trained" if promoted else "candidate",
+                                     record["model_dir"], record["model_version"],
+                                     record["model_version"] if promoted else None)
+
+
 async def rejoined(runner: JobRunner, run: JobRun, role: str, name: str) -> None:
     """What a service that restarted mid-job lost goes out again now, not after a lease
     (coordinator.lease_seconds) or a chunk (chunk_seconds) times out: a worker's leased
@@ -344,6 +356,96 @@ async def rejoined(runner: JobRunner, run: JobRun, role: str, name: str) -> None
                      name, len(lost))
         for c in lost:
             await runner.resend(run, c)
+
+
+# ---- what a running job waits for ------------------------------------------------------------
+#
+# A job that waits says so: each stall (a shard that does not answer, no live worker, loader or
+# preprocess while the job needs one, Redis away) is its phase, which the client and `mariana
+# status` show instead of "0 rows". A stall that lasts longer than cluster.start_seconds (Redis:
+# redis.retry_seconds, as long as the services themselves wait for it) fails the job with that
+# line: by then the service is not restarting (the supervisor brings one back in seconds), and
+# waiting on would only hide it. Redis refusing the credentials fails the job at once.
+
+def stall(coord, run: JobRun, key: str, who: str, why: str) -> None:
+    """`run` waits for `who` (`key`: one stall per service, or "worker", "redis")."""
+    held = run.stalls.get(key)
+    why = why.rstrip(".")
+    if held is None or held.why != why:
+        run.stalls[key] = Stall(who, why, held.since if held else time.monotonic())
+        log.warning("%s: job %s: %s", coord.name, run.id, run.stalls[key].text())
+
+
+def unstall(run: JobRun, key: str, why: str | None = None) -> None:
+    """`key` no longer holds the job up (only if the stall says `why`, when given)."""
+    held = run.stalls.get(key)
+    if held is not None and (why is None or held.why == why):
+        del run.stalls[key]
+
+
+def needed(cfg, led) -> list[tuple[str, str, list[str]]]:
+    """(key, who, instances of which one must be alive) for what the job needs now: the loader and
+    preprocess while the source is read (or chunks read again), workers while steps are out, the
+    shards in both cases. Between epochs and after them a job needs none of them on a heartbeat
+    (its own calls to the shards stall on their own)."""
+    def some(role: str) -> tuple[str, str, list[str]]:
+        n = cfg.count(role)
+        return role, f"{role}-0" if n == 1 else f"any {role}", [f"{role}-{i}" for i in range(n)]
+
+    reading = not led.source_done or bool(led.refill)
+    training = bool(led.ready or led.leased) and not led.epoch_complete()
+    out = [(f"ps-{i}", f"ps-{i}", [f"ps-{i}"]) for i in range(cfg.ps.count)] if reading or training else []
+    if reading:
+        out += [("loader-0", "loader-0", ["loader-0"]), some("preprocess")]
+    if training:
+        out.append(some("worker"))
+    return out
+
+
+async def watch_job(runner: JobRunner, run: JobRun) -> None:
+    """The job's stalls from the services' heartbeats and a PING of Redis (every tick); the job
+    fails when one has lasted too long (see above)."""
+    coord, cfg = runner.coord, runner.coord.cfg
+    quiet = 2 * cfg.coordinator.heartbeat_seconds  # twice what `mariana status` calls dead: no flicker
+    silent = f"no heartbeat in {quiet:g}s"
+    wanted = needed(cfg, run.ledger)
+    if time.time() - coord.boot > quiet:  # a coordinator just (re)started has not heard from all yet
+        for key, who, names in wanted:
+            if any(n in coord.services and coord.services[n].alive(quiet) for n in names):
+                unstall(run, key, silent)
+            elif key not in run.stalls:  # a shard's unanswered request says more
+                stall(coord, run, key, who, silent)
+        for key in set(run.stalls) - {k for k, _, _ in wanted} - {"redis"}:
+            unstall(run, key, silent)  # not needed any more
+    try:
+        await check_redis(coord, run, bool(wanted))
+    except CacheRefused as e:
+        runner.fail(run, str(e))
+        return
+    now = time.monotonic()
+    for key, held in list(run.stalls.items()):
+        bound, setting = ((cfg.redis.retry_seconds, "redis.retry_seconds") if key == "redis"
+                          else (cfg.cluster.start_seconds, "cluster.start_seconds"))
+        if now - held.since > bound:
+            runner.fail(run, f"gave up waiting for {held.who} after {bound:g}s ({setting}): {held.why}; "
+                             f"is it running? (`mariana status`; start it and submit the job again)")
+            return
+
+
+async def check_redis(coord, run: JobRun, needed_now: bool) -> None:
+    """A PING of the sample cache's Redis every couple of seconds while the job reads or writes
+    batches: a stall while it does not answer; CacheRefused when it refuses the credentials."""
+    if not needed_now:
+        unstall(run, "redis")
+        return
+    if time.monotonic() - run.redis_checked < REDIS_PING_SECONDS:
+        return
+    run.redis_checked = time.monotonic()
+    away = await coord.cache.ping()
+    if away is None:
+        unstall(run, "redis")
+    else:
+        stall(coord, run, "redis", f"the sample cache's Redis at {redact(coord.cfg.redis.url)}", away)
 
 
 # ---- a job's image features (the featurizer stage) ----------------------------------------

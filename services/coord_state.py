@@ -54,6 +54,20 @@ class ServiceInfo:
 
 
 @dataclass
+class Stall:
+    """Something a running job waits for and cannot do without (a shard that does not answer,
+    no live worker, Redis away): its phase says so while it lasts (`JobRun.waiting`), and the
+    job fails when it lasts too long (services/coord_jobs.py, `watch_job`)."""
+
+    who: str     # "ps-0", "any worker", "the sample cache's Redis at redis://..."
+    why: str     # "it did not answer StartJob"
+    since: float = field(default_factory=time.monotonic)
+
+    def text(self) -> str:
+        return f"waiting for {self.who}: {self.why} (is it running?)"
+
+
+@dataclass
 class JobRun:
     id: str
     request: dict                  # what was submitted (files, out, epochs, mode, ...)
@@ -73,6 +87,8 @@ class JobRun:
     phase: str | None = None       # what a running job does after its epochs ("evaluating on test.tsv")
     best_export: tuple | None = None  # (epoch, valid logloss, the shards' exports) of the best epoch so far
     writing: bool = False          # its version is being written: a cancel comes too late (`begin_writing`)
+    stalls: dict[str, Stall] = field(default_factory=dict)  # what it waits for, by key ("ps-0", "worker", "redis")
+    redis_checked: float = 0.0     # time.monotonic() of the coordinator's last PING for it (`watch_job`)
     _turn: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def begin_writing(self) -> bool:
@@ -100,7 +116,7 @@ class JobRun:
         out = {"id": self.id, "state": self.state, "error": self.error, "submitted": self.submitted,
                "started": self.started, "ended": self.ended, "model": self.request.get("model"),
                "mode": self.request.get("mode"), "data": self.request.get("data"), "restarts": self.restarts,
-               "phase": self.phase if self.state == "running" else None}
+               "phase": (self.waiting() or self.phase) if self.state == "running" else None}
         if self.final is not None:
             out.update(progress=self.final["progress"], cache=self.final["cache"])
         else:
@@ -108,6 +124,10 @@ class JobRun:
         if self.record:
             out["record"] = self.record
         return out
+
+    def waiting(self) -> str | None:
+        """What the job waits for (its stalls, the longest first), or None."""
+        return "; ".join(s.text() for s in sorted(self.stalls.values(), key=lambda s: s.since)) or None
 
     def epochs(self) -> list[dict]:
         return self.final["epochs"] if self.final is not None else self.ledger.epoch_summaries

@@ -132,15 +132,15 @@ class Preprocess(Service):
                 lookup_s = time.perf_counter() - t0
             batches, stats = await asyncio.to_thread(self.encode, codec, rows, parse, table, job, chunk)
             stats.update(parse_s=parse_s, image_s=lookup_s + stats.pop("attach_s", 0.0))
+            t0 = time.perf_counter()
+            size, kept = await self.cache.put_batches(job, chunk, [b for b, _ in batches]) if batches else (0, True)
+            stats.update(cache_s=time.perf_counter() - t0, bytes=size, kept=kept)
             error = ""
         except CacheUnavailable:
             raise  # Redis gone longer than redis.retry_seconds: this process exits non-zero (main)
-        except MarianaError as e:  # the file is not in the job's format, the creatives are unreadable: the job fails
-            batches, stats, error = [], {}, str(e)
+        except MarianaError as e:  # the file is not in the job's format, the creatives are unreadable, Redis
+            batches, stats, error = [], {}, str(e)  # refused the write (full, credentials): the job fails
             log.warning("%s: chunk %s of job %s: %s", self.name, chunk, job, e)
-        t0 = time.perf_counter()
-        size, kept = await self.cache.put_batches(job, chunk, [b for b, _ in batches]) if batches else (0, True)
-        stats.update(cache_s=time.perf_counter() - t0, bytes=size, kept=kept)
         self.counters["chunks"] += 1
         self.counters["batches"] += len(batches)
         self.counters["rows_bad"] += stats.get("rows_bad", 0)

@@ -11,7 +11,11 @@ batches are still written (workers read them from here) but expire after
 `cache.transient_seconds`, so a later epoch misses and falls back to the
 source. Every operation waits for Redis to come back (up to
 `redis.retry_seconds`) rather than failing: a restarted Redis is an empty
-cache, not an error.
+cache, not an error. A command Redis answers with an error is not an outage
+and is not waited out: a write refused for memory (maxmemory, noeviction),
+credentials it refuses (a wrong password in redis.url, or one it began to
+require), a read-only replica raise `CacheRefused` at once, and the job that
+needed the command fails saying so.
 """
 from __future__ import annotations
 
@@ -23,11 +27,14 @@ from typing import Awaitable, Callable, TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import BusyLoadingError, ConnectionError as RedisConnectionError, TimeoutError as RedisTimeout
+from redis.exceptions import (AuthenticationError, AuthenticationWrongNumberOfArgsError, AuthorizationError,
+                              BusyLoadingError, ClusterDownError, ConnectionError as RedisConnectionError,
+                              NoPermissionError, OutOfMemoryError, ReadOnlyError, RedisError, ResponseError,
+                              TimeoutError as RedisTimeout, TryAgainError)
 
 from mariana.services import protocol
 from mariana.services.runtime.config import ClusterConfig
-from mariana.services.runtime.redis_url import check_redis_url
+from mariana.services.runtime.redis_url import check_redis_url, redact
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.errors import MarianaError
 
@@ -38,6 +45,44 @@ PREFIX = "mariana"
 
 class CacheUnavailable(MarianaError):
     """Redis stayed unreachable longer than redis.retry_seconds."""
+
+
+class CacheRefused(MarianaError):
+    """Redis answered a command with an error that waiting does not cure (see `refusal`)."""
+
+
+# Errors of a Redis that is away, or busy for a moment: waited out (`SampleCache.retry`).
+OUTAGE = (RedisConnectionError, RedisTimeout, BusyLoadingError, TryAgainError, ClusterDownError, OSError)
+AUTH = (AuthenticationError, AuthorizationError, AuthenticationWrongNumberOfArgsError)
+
+
+def refusal(e: BaseException) -> str | None:
+    """What Redis refused and what to do, for an error that waiting does not cure; None for
+    an outage (OUTAGE) or an error that is not Redis's answer. Credentials come first: redis-py
+    counts a refused password as a ConnectionError.
+
+    >>> refusal(OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")).split(":")[0]
+    'refused a write'
+    >>> refusal(AuthenticationError("invalid username-password pair or user is disabled.")).split(":")[0]
+    'refused the credentials in redis.url'
+    >>> refusal(ResponseError("NOAUTH Authentication required.")).split(":")[0]
+    'refused the credentials in redis.url'
+    >>> refusal(RedisConnectionError("Connection refused")) is None
+    True
+    """
+    if isinstance(e, AUTH) or (isinstance(e, ResponseError) and str(e).startswith(("NOAUTH", "WRONGPASS"))):
+        return (f"refused the credentials in redis.url: {e} (give the user and password it expects: "
+                "redis://USER:PASSWORD@HOST:PORT/DB)")
+    if isinstance(e, NoPermissionError):
+        return f"does not let the user in redis.url run a command: {e} (grant it with ACL SETUSER)"
+    if isinstance(e, OutOfMemoryError):
+        return ("refused a write: OOM command not allowed when used memory > 'maxmemory': raise its maxmemory, "
+                "or lower cache.max_bytes below it so batches past that expire after use (see the config)")
+    if isinstance(e, ReadOnlyError):
+        return f"refused a write: {e} (redis.url names a read-only replica: name the primary)"
+    if isinstance(e, ResponseError) and not isinstance(e, OUTAGE):
+        return f"refused a command: {e}"
+    return None
 
 
 def batch_key(job: str, chunk: str, k: int) -> str:
@@ -71,25 +116,44 @@ class SampleCache:
         await self.redis.aclose()
 
     async def retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
-        """Run `op`, waiting out a Redis outage (logged once) up to redis.retry_seconds."""
-        t_down, delay = None, 0.05
+        """Run `op`, waiting out a Redis outage (logged once) up to redis.retry_seconds;
+        CacheRefused at once for a command Redis refuses (`refusal`)."""
+        t_down, delay, url = None, 0.05, redact(self.cfg.redis.url)
         while True:
             try:
                 result = await op()
                 if t_down is not None:
                     log.info("redis is back after %.1fs (%s)", time.monotonic() - t_down, what)
                 return result
-            except (RedisConnectionError, RedisTimeout, BusyLoadingError, OSError) as e:
+            except (RedisError, OSError) as e:
+                if (why := refusal(e)) is not None:
+                    self.counters["redis_refused"] += 1
+                    raise CacheRefused(f"{what}: the sample cache's Redis at {url} {why}") from None
+                if not isinstance(e, OUTAGE):
+                    raise
                 self.counters["redis_retries"] += 1
                 now = time.monotonic()
                 if t_down is None:
                     t_down = now
-                    log.warning("redis at %s unreachable (%s): %s; waiting", self.cfg.redis.url, what, e)
+                    log.warning("redis at %s unreachable (%s): %s; waiting", url, what, e)
                 if now - t_down > self.cfg.redis.retry_seconds:
-                    raise CacheUnavailable(f"redis at {self.cfg.redis.url} unreachable for "
-                                           f"{now - t_down:.0f}s ({what}): {e}") from None
+                    raise CacheUnavailable(f"redis at {url} unreachable for {now - t_down:.0f}s ({what}): {e}") \
+                        from None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def ping(self, timeout: float = 1.0) -> str | None:
+        """None when Redis answers PING; why not when it is away (an outage, not waited for);
+        CacheRefused when it refuses (the credentials)."""
+        try:
+            await asyncio.wait_for(self.redis.ping(), timeout)
+            return None
+        except asyncio.TimeoutError:
+            return f"no answer to PING in {timeout:g}s"
+        except (RedisError, OSError) as e:
+            if (why := refusal(e)) is not None:
+                raise CacheRefused(f"the sample cache's Redis at {redact(self.cfg.redis.url)} {why}") from None
+            return str(e) or type(e).__name__
 
     # ---- batches ------------------------------------------------------------------
 
@@ -106,7 +170,10 @@ class SampleCache:
                 for k, blob in enumerate(blobs):
                     pipe.set(batch_key(job, chunk, k), blob, ex=ttl)
                 pipe.expire(f"{PREFIX}:{job}:bytes", c.ttl_seconds)
-                await pipe.execute()
+                # the first error as Redis said it (raised, redis-py prefixes the command and a batch's bytes)
+                failed = [r for r in await pipe.execute(raise_on_error=False) if isinstance(r, Exception)]
+            if failed:
+                raise failed[0]
             return keep
 
         keep = await self.retry(f"caching chunk {chunk}", op)

@@ -43,7 +43,7 @@ from mariana.services.jobspec import JobSpec
 from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
-from mariana.services.sample_cache import SampleCache, unpack_batch
+from mariana.services.sample_cache import CacheRefused, SampleCache, unpack_batch
 from mariana.services.transport import Client, PeerTimeout, RemoteError
 from mariana.sparse import admission
 from mariana.sparse.batch import SparseBatch
@@ -227,7 +227,11 @@ class Feed:
         if not works:
             return []
         t0, leased_at = time.perf_counter(), time.monotonic()
-        blobs = await self.cache.get_many([w["key"] for w in works])
+        try:
+            blobs = await self.cache.get_many([w["key"] for w in works])
+        except CacheRefused as e:  # not an outage: the job cannot go on (its leases lapse meanwhile)
+            await self.report_refused(works[0], e)
+            return []
         batches = await asyncio.to_thread(_unpack_all, blobs)
         seconds = (time.perf_counter() - t0) / len(works)
         out = []
@@ -242,6 +246,20 @@ class Feed:
                 log.warning("%s: cached batch %s is corrupt: %s", self.svc.name, work["key"], batch)
             await self.report_miss(work)
         return out
+
+    async def report_refused(self, work: dict, e: CacheRefused) -> None:
+        """Redis refused the read (credentials, say): the job fails with that line. Told the way
+        preprocess tells a chunk it cannot cache (`Cached` with an error: the coordinator fails the
+        job); a Miss would only have the chunk read and cached again, and missed again."""
+        self.svc.counters["cache_refused"] += 1
+        log.error("%s: job %s: %s", self.svc.name, work["job"], e)
+        key = work["key"].rsplit(":", 2)  # <prefix>:<job>:b, chunk, k
+        try:
+            await self.svc.coordinator.call("Cached", job=work["job"], chunk=key[1] if len(key) == 3 else "",
+                                            batches=[], stats={}, error=f"{self.svc.name}: {e}")
+        except (PeerTimeout, RemoteError) as err:  # ended already; or the next lease finds it out again
+            log.warning("%s: could not report it: %s", self.svc.name, err)
+        await asyncio.sleep(1.0)  # the next Lease after the coordinator has heard
 
     async def report_miss(self, work: dict) -> None:
         try:

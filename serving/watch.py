@@ -24,6 +24,7 @@ from mariana.serving.dataplane import ModelHolder
 from mariana.serving.predictor import Predictor
 from mariana.serving.speech import load_version
 from mariana.services.runtime import model_events
+from mariana.services.runtime.redis_url import redact
 from mariana.sparse.errors import MarianaError
 from mariana.trainer import checkpoint
 
@@ -152,7 +153,8 @@ class VersionWatcher:
                     seen, warned = await self._read_creatives(client, p, seen), None
                 except (redis.RedisError, OSError) as e:
                     if warned is None:
-                        log.warning("%s: creative features unreadable on %s: %s", self.name, self.cfg.redis_url, e)
+                        log.warning("%s: creative features unreadable on %s: %s", self.name,
+                                    redact(self.cfg.redis_url), e)
                     warned = "redis"
                 except Exception as e:  # a bug: the table stays as it was; said once until it changes
                     if f"{type(e).__name__}: {e}" != warned:
@@ -209,7 +211,7 @@ class VersionWatcher:
                 async with aioredis.Redis.from_url(self.cfg.redis_url, socket_connect_timeout=2) as client, \
                         client.pubsub() as pubsub:
                     await pubsub.subscribe(self.cfg.channel)
-                    log.info("%s: listening for new versions on %s (%s)", self.name, self.cfg.redis_url,
+                    log.info("%s: listening for new versions on %s (%s)", self.name, redact(self.cfg.redis_url),
                              self.cfg.channel)
                     delay, down_since = 0.5, None
                     self.poke.set()  # anything announced while we were away
@@ -226,6 +228,6 @@ class VersionWatcher:
                     if not isinstance(e, (redis.RedisError, OSError)):
                         e = f"{type(e).__name__}: {e}"
                     log.warning("%s: redis %s unreachable (%s); polling CURRENT every %.1fs meanwhile", self.name,
-                                self.cfg.redis_url, e, self.cfg.watch_seconds)
+                                redact(self.cfg.redis_url), e, self.cfg.watch_seconds)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)

@@ -138,7 +138,8 @@ def submit(info: dict, body: dict) -> str:
 
 def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> dict:
     """The job's record once it is done; `on_progress` hears its progress (with "phase":
-    what it does after its epochs, or None) about once a second."""
+    what it waits for, "waiting for ps-0: ...", or does after its epochs; or None) about once
+    a second."""
     last, away = 0.0, None  # away: since when the coordinator has not answered
     try:
         while True:

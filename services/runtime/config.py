@@ -48,7 +48,8 @@ class ClusterSection:
     dir: str = "~/.mariana/cluster"     # state of a local cluster: pids, logs, checkpoints
     host: str = "127.0.0.1"             # where derived endpoints listen (loopback by default)
     base_port: int = 0                  # 0: endpoints must be given, or `mariana up` picks free ports
-    start_seconds: float = 60.0         # how long `mariana up` waits for every service to register
+    start_seconds: float = 60.0         # how long `mariana up` waits for every service to register, and a
+                                        # job for a service it needs that sends no heartbeat (then it fails)
     max_message_bytes: int = 256 << 20  # a bigger request is refused ("too_large") and counted
     supervise: bool = True              # `mariana up` restarts a service that dies (services/supervisor.py)
     memory_max_bytes: int = 0           # a service logs a warning near this much RSS; 0: its cgroup's memory.max

@@ -18,6 +18,8 @@ import logging
 import os
 import time
 
+from mariana.services.runtime.redis_url import redact
+
 log = logging.getLogger(__name__)
 CHANNEL = "mariana:models"
 EVENTS = ("trained", "promoted", "rollback", "candidate")
@@ -59,7 +61,7 @@ def publish(url: str, event: str, model_dir: str, version: str, current: str | N
             client.close()
     except redis.RedisError as e:
         log.warning("could not announce %s %s on %s: %s (servers will see it at their next poll)",
-                    event, version, url, e)
+                    event, version, redact(url), e)
         return 0
     log.info("announced %s %s of %s to %d subscriber(s)", event, version, model_dir, n)
     return n

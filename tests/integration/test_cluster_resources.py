@@ -1,0 +1,179 @@
+"""A cluster job whose resources fail it: a Redis that is full or refuses the credentials, a
+shard that is not running. Each fails the job with a line that says what is wrong (or, while
+it may still come back, says what the job waits for), never a job that sits at "0 rows".
+Real processes and a real redis-server (tests/integration/cluster.py)."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from mariana.services.launcher import free_port
+from mariana.sparse.synth import generate_criteo
+from tests.conftest import ROOT
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+JOB = {"hashing": {"bits": 16}, "train": {"batch_size": 1024, "epochs": 2}, "data": {"block_bytes": 131072},
+       "model": {"kind": "lr"}}
+SECRET = "s3kr1t-in-the-url"  # must never show in an error, a log line, or the HTTP API
+SERVICE_LOGS = ("coordinator-0", "loader-0", "preprocess-0", "worker-0", "ps-0")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("resources")
+    generate_criteo(d / "train.tsv", 30_000, seed=21)
+    generate_criteo(d / "test.tsv", 2_000, seed=22)
+    return {"train": d / "train.tsv", "test": d / "test.tsv"}
+
+
+def admin(c: Cluster, password: str | None = None) -> redis.Redis:
+    """A client of the cluster's Redis, past whatever redis.url says."""
+    port = int(c.cfg.redis.url.rsplit(":", 1)[1].split("/")[0])
+    return redis.Redis(host="127.0.0.1", port=port, password=password, socket_timeout=5)
+
+
+def failed(c: Cluster, job: str, timeout: float) -> dict:
+    summary = c.wait(job, timeout)
+    assert summary["state"] == "failed", f"{summary}\n{c.logs()}"
+    return summary
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_a_full_redis_fails_the_job_and_preprocess_goes_on(data, tmp_path):
+    """maxmemory reached (noeviction): the write is refused; the job fails saying so (it sat at
+    "0 rows" while preprocess died of a raw OutOfMemoryError and restarted again and again)."""
+    with Cluster(tmp_path / "c") as c:
+        r = admin(c)
+        r.config_set("maxmemory", "1mb")  # the default policy, noeviction: writes past it are refused
+        try:
+            pid = c.pid("preprocess-0")
+            job = c.submit([data["train"]], tmp_path / "m", [data["test"]], JOB)
+            summary = failed(c, job, 45)
+            time.sleep(1.0)  # preprocess has had its chunks in hand refused too
+            log = (c.root / "logs" / "preprocess-0.log").read_text()
+            preprocess_alive = alive(pid)
+        finally:
+            r.config_set("maxmemory", "0")
+    assert "refused a write: OOM command not allowed" in summary["error"], summary
+    assert "raise its maxmemory, or lower cache.max_bytes" in summary["error"], summary
+    assert preprocess_alive, log[-3000:]
+    assert "Traceback" not in log and "refused a write" in log, log[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_wrong_redis_password_fails_the_job_at_once_and_is_never_shown(data, tmp_path):
+    """A password in redis.url that Redis refuses: not an outage to wait out for redis.retry_seconds
+    (60 s here) but an error at once; and the password shows nowhere (the job's error, /v1/jobs,
+    /v1/status, the services' logs), the URL with *** in its place."""
+    url = f"redis://:{SECRET}@127.0.0.1:{free_port()}/0"
+    with Cluster(tmp_path / "c", **{"redis.url": url}) as c:
+        r = admin(c)
+        r.config_set("requirepass", "the-real-one")
+        r = admin(c, "the-real-one")
+        r.client_kill_filter(_type="normal", skipme=True)  # connections opened before it go again
+        t0 = time.monotonic()
+        job = c.submit([data["train"]], tmp_path / "m", [data["test"]], JOB)
+        summary = failed(c, job, 30)
+        seconds = time.monotonic() - t0
+        shown = json.dumps([c.request("GET", "/v1/jobs")[1], c.status(), c.job(job)])
+        logs = {n: (c.root / "logs" / f"{n}.log").read_text() for n in SERVICE_LOGS}
+        r.config_set("requirepass", "")
+    assert "refused the credentials in redis.url" in summary["error"], summary
+    assert url.replace(SECRET, "***") in summary["error"], summary
+    assert seconds < 20, seconds
+    assert SECRET not in shown
+    assert [n for n, text in logs.items() if SECRET in text] == []
+
+
+@pytest.mark.timeout(120)
+def test_redis_requiring_a_password_mid_job_fails_the_job_at_once(data, tmp_path):
+    """`config set requirepass` while a job trains: every new connection is refused; the job
+    fails at once with that line instead of each service waiting it out and restarting."""
+    with Cluster(tmp_path / "c") as c:
+        job = c.submit([data["train"]], tmp_path / "m", [data["test"]], JOB)
+        c.wait(job, 60, until=lambda s: s["state"] != "running" or s["progress"]["rows_total"] > 0)
+        r = admin(c)
+        r.config_set("requirepass", "sekret")
+        r = admin(c, "sekret")
+        r.client_kill_filter(_type="normal", skipme=True)
+        t0 = time.monotonic()
+        summary = failed(c, job, 30)
+        seconds = time.monotonic() - t0
+        r.config_set("requirepass", "")
+    assert "refused the credentials in redis.url" in summary["error"], summary
+    assert seconds < 20, seconds
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_refused_its_reads_fails_the_job(data, tmp_path):
+    """Redis refuses the worker's MGET (an ACL without it) while writes and PINGs go through:
+    the worker says so and the job fails with its line (the worker died of it, and the job
+    waited for one that could read)."""
+    with Cluster(tmp_path / "c") as c:
+        r = admin(c)
+        r.execute_command("ACL", "SETUSER", "default", "-mget")
+        try:
+            pid = c.pid("worker-0")
+            job = c.submit([data["train"]], tmp_path / "m", [data["test"]], JOB)
+            summary = failed(c, job, 30)
+            worker_alive = alive(pid)
+        finally:
+            r.execute_command("ACL", "SETUSER", "default", "+@all")
+    assert summary["error"].startswith("worker-0: reading "), summary  # "... 8 batches: the sample cache's ..."
+    assert "does not let the user in redis.url run a command" in summary["error"], summary
+    assert worker_alive
+
+
+@pytest.mark.timeout(120)
+def test_a_job_waiting_for_a_dead_shard_says_so_and_goes_on_when_it_is_back(data, tmp_path):
+    """ps-0 dead when the job is submitted: its phase says what it waits for (where the client
+    and `mariana status` show it); once ps-0 is back the phase clears and the job is done."""
+    with Cluster(tmp_path / "c") as c:
+        c.kill("ps-0", signal.SIGTERM)
+        job = c.submit([data["train"]], tmp_path / "m", [data["test"]], JOB)
+        waiting = c.wait(job, 30, until=lambda s: (s["phase"] or "").startswith("waiting for ps-0"))
+        listed = c.status()["jobs"][0]
+        c.restart("ps-0")
+        going = c.wait(job, 60, until=lambda s: s["state"] != "running" or s["progress"]["rows_total"] > 0)
+        summary = c.wait(job, 60)
+    assert waiting["state"] == "running" and "(is it running?)" in waiting["phase"], waiting
+    assert listed["id"] == job and listed["phase"].startswith("waiting for ps-0"), listed
+    assert going["phase"] is None or not going["phase"].startswith("waiting"), going
+    assert summary["state"] == "done", summary
+
+
+@pytest.mark.timeout(150)
+def test_the_client_shows_what_a_job_waits_for_and_it_fails_when_nothing_comes(data, tmp_path):
+    """`train --mode cluster` with ps-0 and worker-0 dead: the client prints what the job waits
+    for (it printed "epoch 1/2: 0 rows" for minutes), and after cluster.start_seconds of it the
+    job fails with that line."""
+    with Cluster(tmp_path / "c", **{"cluster.start_seconds": 15.0}) as c:
+        c.kill("ps-0", signal.SIGTERM)
+        c.kill("worker-0", signal.SIGTERM)
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "mariana", "train", "--mode", "cluster", "--cluster-config",
+                               c.info["config"], "--data", str(data["train"]), "--test-data", str(data["test"]),
+                               "--out", str(tmp_path / "m"), "--model", "lr", "--epochs", "2",
+                               "--set", "hashing.bits=16"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        seconds = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "job: waiting for ps-0:" in proc.stderr, proc.stderr[-3000:]
+    assert "gave up waiting for ps-0 after 15s (cluster.start_seconds)" in proc.stderr, proc.stderr[-3000:]
+    assert seconds < 100, seconds

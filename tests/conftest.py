@@ -37,6 +37,19 @@ def gen_files(tmp_path_factory) -> dict[str, Path]:
     return {"train": d / "train.tsv", "test": d / "test.tsv"}
 
 
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server on a free loopback port, for a module's tests."""
+    from mariana.services.launcher import RedisServer, free_port
+
+    server = RedisServer("127.0.0.1", free_port(), str(tmp_path_factory.mktemp("redis"))).start()
+    try:
+        server.wait_ready(10.0)
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
     d = data_dir() / "mnist"

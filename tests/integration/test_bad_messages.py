@@ -30,7 +30,7 @@ import zmq
 
 from mariana.services import protocol
 from mariana.services.assemble import check_request
-from mariana.services.launcher import RedisServer, free_port
+from mariana.services.launcher import free_port
 from mariana.services.protocol import Message
 from mariana.services.runtime.config import load_cluster_config, to_toml
 from mariana.services.runtime.lifecycle import DRAIN_SECONDS
@@ -425,15 +425,6 @@ class FakeCoordinator:
     def reply(self, to: Message, type_: str, **fields) -> None:
         self.send(protocol.encode(type_, to.msg_id, **fields))
 
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer("127.0.0.1", free_port(), str(tmp_path_factory.mktemp("redis"))).start()
-    try:
-        server.wait_ready(10.0)
-        yield server
-    finally:
-        server.stop()
 
 
 def free_endpoint() -> str:

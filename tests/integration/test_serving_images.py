@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import redis
 
-from mariana.services.launcher import RedisServer, free_port
 from tests.conftest import ROOT, run_cli
 from tests.integration.serving import Server, tsv_instances
 
@@ -22,15 +21,6 @@ pytestmark = pytest.mark.slow
 
 NEW_AD = b"newad001"  # a creative the version was not trained with
 
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer("127.0.0.1", free_port(), str(tmp_path_factory.mktemp("redis"))).start()
-    try:
-        server.wait_ready(10.0)
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

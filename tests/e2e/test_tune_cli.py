@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import ROOT, run_cli
 
 
@@ -72,23 +74,27 @@ def test_tune_takes_the_kind_from_its_config_and_searches_any(gen_files, tmp_pat
         assert record["model"] == ("dnn" if kind == "dnn" else "lr"), (args, record["model"])
 
 
-def test_an_interrupted_tune_keeps_its_trials_and_publishes_nothing(gen_files, tmp_path):
-    """Ctrl-C threw away every finished trial, after a traceback from optuna's log."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_tune_keeps_its_trials_and_publishes_nothing(gen_files, tmp_path, sig):
+    """Ctrl-C threw away every finished trial, after a traceback from optuna's log. (The
+    child gets SIGINT's default back: a pytest-xdist worker ignores it, and an ignored SIGINT
+    is inherited, so Python would install no KeyboardInterrupt for it.)"""
     out, err = tmp_path / "m", tmp_path / "stderr"
     with open(err, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "mariana", "tune", "--data", gen_files["train"], "--budget",
                                  "120", "--set", "hashing.bits=18", "--out", out], stderr=f, stdout=subprocess.DEVNULL,
-                                cwd=ROOT)
+                                cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 90
         while "trial 0 " not in err.read_text() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         assert "trial 0 " in err.read_text(), err.read_text()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         assert proc.wait(60) == 130
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
     text = err.read_text()
     assert "Traceback" not in text and "saved in" in text and "nothing published" in text, text
     [saved] = (out / "tune").glob("*.json")

@@ -77,7 +77,8 @@ class Coordinator(Service):
                              max_bytes=self.cfg.cluster.max_message_bytes, name=self.name)
         self.shards = [Client(self.ctx, ep, self.counters, timeout=30.0) for ep in self.cfg.ps.endpoints]
         self.cache = SampleCache(self.cfg, self.counters)
-        self.runner = web.AppRunner(self.api.http_app(), access_log=None, handle_signals=False)
+        self.runner = web.AppRunner(self.api.http_app(), access_log=None, handle_signals=False,
+                                    keepalive_timeout=self.cfg.cluster.keepalive_seconds)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.cfg.coordinator.http_host, self.cfg.coordinator.http_port)
         await site.start()

@@ -50,6 +50,8 @@ class ClusterSection:
     base_port: int = 0                  # 0: endpoints must be given, or `mariana up` picks free ports
     start_seconds: float = 60.0         # how long `mariana up` waits for every service to register, and a
                                         # job for a service it needs that sends no heartbeat (then it fails)
+    keepalive_seconds: float = 75.0     # an idle HTTP connection to the coordinator or a metrics port is
+                                        # closed after this (aiohttp's default, an hour, let idle sockets pile up)
     max_message_bytes: int = 256 << 20  # a bigger request is refused ("too_large") and counted
     supervise: bool = True              # `mariana up` restarts a service that dies (services/supervisor.py)
     memory_max_bytes: int = 0           # a service logs a warning near this much RSS; 0: its cgroup's memory.max

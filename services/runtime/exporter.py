@@ -71,7 +71,8 @@ class MetricsEndpoint:
     async def start(self) -> "MetricsEndpoint":
         app = web.Application()
         app.router.add_get("/metrics", self.handle)
-        self.runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self.runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                    keepalive_timeout=self.service.cfg.cluster.keepalive_seconds)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.host, self.port).start()
         return self

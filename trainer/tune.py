@@ -284,7 +284,7 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
             trial.error = str(e)
             _end(trial, "failed", t, on_trial)
             return math.inf
-        _settle(trial, run.valid)
+        _settle(trial, run.valid, cut_model=run.kept is not None)
         best = state["best"]
         if run.kept is not None and trial.value is not None and (best is None or trial.value < best.value):
             if state["run"] is not None:
@@ -340,16 +340,18 @@ def _pruning(ot, trial: Trial) -> Callable[[int, dict], None]:
     return on_valid
 
 
-def _settle(trial: Trial, valid: dict) -> None:
+def _settle(trial: Trial, valid: dict, cut_model: bool = True) -> None:
     """A finished trial's numbers from its validation record (the same as on_valid's). One
-    the budget stopped inside its first epoch is "unfinished", with no value: a model of
-    a few batches (256 rows of a budget of 0.01 s) was published and promoted over a good
-    one as the best of the search."""
+    the budget stopped inside its first epoch with a model of that part epoch (`cut_model`:
+    local mode, whose last epoch ends early at the deadline) is "unfinished", with no value:
+    a model of a few batches (256 rows of a budget of 0.01 s) was published and promoted
+    over a good one as the best of the search. (A cluster trial cut at the deadline keeps
+    no model, and its epochs are whole ones.)"""
     best = valid["epochs"][valid["best_epoch"] - 1] if valid["best_epoch"] else {}
     trial.value, trial.auc = best.get("logloss"), best.get("auc")
     trial.epochs, trial.best_epoch = len(valid["epochs"]), valid["best_epoch"]
     trial.state = "budget" if valid["stopped"] == "time budget" else "complete"
-    if trial.state == "budget" and trial.epochs <= 1:
+    if trial.state == "budget" and trial.epochs <= 1 and cut_model:
         trial.state, trial.value, trial.error = "unfinished", None, "the budget ended its first epoch"
 
 

@@ -249,9 +249,16 @@
                           loss: p.loss, auc: null});
   }
 
-  async function refreshHistory(job) {
-    if (!job) return;
+  // One load of a job's history at a time: the poll and a click may both ask, and two loads
+  // that started before either had points each added every point (300 where there were 150).
+  function refreshHistory(job) {
+    if (!job) return Promise.resolve();
     const m = memOf(job.id);
+    if (!m.historyLoading) m.historyLoading = loadHistory(job, m).finally(() => { m.historyLoading = null; });
+    return m.historyLoading;
+  }
+
+  async function loadHistory(job, m) {
     if (m.historyDone) return;
     if (!m.history && m.historyMissingAt && Date.now() - m.historyMissingAt < HISTORY_RETRY_MS) return;
     const ended = !["queued", "running"].includes(job.state);
@@ -264,7 +271,9 @@
     }
     const points = Array.isArray(r.data.points) ? r.data.points.filter((p) => isObj(p) && isNum(p.t)) : [];
     if (!m.history) m.history = {points: [], epochs: []};
-    for (const p of points) if (since === null || p.t > since) m.history.points.push(p);
+    const have = m.history.points;
+    const after = have.length ? have[have.length - 1].t : null;  // what is there now, not when asked
+    for (const p of points) if (after === null || p.t > after) have.push(p);
     if (Array.isArray(r.data.epochs)) m.history.epochs = r.data.epochs.filter(isObj);
     m.historyDone = ended;
   }

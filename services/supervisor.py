@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -62,8 +63,28 @@ class Supervisor:
                 state = on_disk
             if self.tick(state, env) or unsaved is not None:
                 unsaved = self.save(state, unsaved)
+        if unsaved is not None and self.save(state, unsaved) is not None:
+            self.stop_unrecorded(state)
         log.info("stopped (%s)", "signalled" if self.stopping.is_set() else "cluster.json removed")
         return 0
+
+    def stop_unrecorded(self, state: dict) -> None:
+        """The processes this supervisor started that cluster.json still does not name (it could
+        not be written): `down`, which stops what the file names, would leave them running."""
+        on_disk = launcher._load_state(self.root) or {}
+        known = {r["pid"] for r in launcher._records(on_disk)} if on_disk else set()
+        left = [r for r in launcher._records(state) if r["pid"] not in known and launcher._alive(r)]
+        for rec in left:
+            log.warning("stopping %s (pid %d): cluster.json does not name it", rec["name"], rec["pid"])
+            launcher._CHILDREN[rec["pid"]].terminate()
+        deadline = time.monotonic() + 10.0
+        for rec in left:
+            child = launcher._CHILDREN[rec["pid"]]
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
 
     def save(self, state: dict, unsaved: str | None) -> str | None:
         """Write cluster.json; on a full or read-only disk, say so once and go on restarting

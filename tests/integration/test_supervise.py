@@ -122,6 +122,19 @@ with Cluster(root / "c", **{"cluster.supervise": True}) as c:
                                         else None)(c.status()["services"]), 60.0)["worker-0"]["pid"]
     out["log"] = (c.root / "logs" / "supervisor.log").read_text()[-2000:]
     os.unlink(root / "c" / "fill")
+
+
+def running(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+deadline = time.monotonic() + 15
+while running(out["worker"]) and time.monotonic() < deadline:
+    time.sleep(0.2)
+out["worker_left_running"] = running(out["worker"])
 print(json.dumps(out))
 """
 
@@ -138,4 +151,5 @@ def test_a_full_disk_does_not_stop_the_supervisor_restarting(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["supervisor_alive"] and out["worker"], out
+    assert not out["worker_left_running"], out  # `down` stopped the worker restarted while cluster.json was stale
     assert "cannot write cluster.json" in out["log"], out["log"]

@@ -55,3 +55,11 @@ def wait_for_rank(parent: int, rank: int, timeout: float = 60.0) -> int:
                 return pid
         time.sleep(0.1)
     raise AssertionError(f"no rank {rank} under {parent}")
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (a reparented one is reaped by whatever PID 1 is)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -9,22 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from mariana.sparse.synth import generate_criteo
 from tests.conftest import ROOT
-from tests.integration.rankkill import children
+from tests.integration.rankkill import children, running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def descendants(pid: int) -> list[int]:
@@ -57,12 +49,12 @@ def test_sigterm_to_a_cluster_train_cancels_its_job_and_stops_the_cluster_it_sta
         client.send_signal(signal.SIGTERM)
         assert client.wait(90) == 130
     finally:
-        for pid in ([client.pid] if client.poll() is None else []) + [p for p in started if alive(p)]:
+        for pid in ([client.pid] if client.poll() is None else []) + [p for p in started if running(p)]:
             os.kill(pid, signal.SIGKILL)  # a failed test leaves nothing running
     text = log.read_text()
     assert "mariana: interrupted" in text and "Traceback" not in text, text
     deadline = time.monotonic() + 30
-    while any(alive(p) for p in started) and time.monotonic() < deadline:
+    while any(running(p) for p in started) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in started if alive(p)], text
+    assert not [p for p in started if running(p)], text
     assert not (tmp_path / "m").exists() or not list((tmp_path / "m").glob("v0*")), text

@@ -8,14 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from tests.conftest import ROOT, run_cli, run_cli_cases
-from tests.integration.rankkill import children, kill_a_rank, wait_for_rank
+from tests.integration.rankkill import children, kill_a_rank, running, wait_for_rank
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -174,14 +173,6 @@ def test_a_killed_partition_fails_the_job_with_a_clear_error(tmp_path, shapes):
     assert not run["children"]
 
 
-def gone(pid: int) -> bool:
-    """No such process, or a zombie (reparented ranks are reaped by whatever PID 1 is)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_launcher_stopped_takes_its_ranks_with_it(tmp_path, shapes, sig):
     """SIGTERM to `train image` alone (not its process group) left both ranks training at full
@@ -199,7 +190,7 @@ def test_a_launcher_stopped_takes_its_ranks_with_it(tmp_path, shapes, sig):
         parent.send_signal(sig)
         _, err = parent.communicate(timeout=60)  # (the ranks hold its pipes: their ends too)
     finally:
-        for pid in ([parent.pid] if parent.poll() is None else []) + [r for r in ranks if not gone(r)]:
+        for pid in ([parent.pid] if parent.poll() is None else []) + [r for r in ranks if running(r)]:
             try:
                 os.kill(pid, signal.SIGKILL)  # a failed test leaves nothing training
             except ProcessLookupError:
@@ -207,7 +198,7 @@ def test_a_launcher_stopped_takes_its_ranks_with_it(tmp_path, shapes, sig):
     if sig == signal.SIGTERM:
         assert parent.returncode == 130 and "mariana: interrupted" in err, err
     deadline = time.monotonic() + 30
-    while not all(gone(p) for p in ranks) and time.monotonic() < deadline:
+    while any(running(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert all(gone(p) for p in ranks), ranks
+    assert not any(running(p) for p in ranks), ranks
     assert not out.exists()

@@ -103,6 +103,7 @@ FULL_DIR = r"""
 import json, os, signal, sys, time
 from pathlib import Path
 from tests.integration.cluster import Cluster
+from tests.integration.rankkill import running
 root = Path(sys.argv[1])
 out = {}
 with Cluster(root / "c", **{"cluster.supervise": True}) as c:
@@ -122,13 +123,6 @@ with Cluster(root / "c", **{"cluster.supervise": True}) as c:
                                         else None)(c.status()["services"]), 60.0)["worker-0"]["pid"]
     out["log"] = (c.root / "logs" / "supervisor.log").read_text()[-2000:]
     os.unlink(root / "c" / "fill")
-
-
-def running(pid):
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 deadline = time.monotonic() + 15

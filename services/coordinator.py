@@ -40,6 +40,7 @@ from mariana.services.ledger import ChunkInfo, JobLedger, parse_step, stage_seco
 from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.auth import check_exposed
 from mariana.services.runtime.config import ROLES, ClusterConfig
+from mariana.services.runtime.http_idle import IdleClosingRunner
 from mariana.services.runtime.lifecycle import Service, cancel_and_wait, run_service
 from mariana.services.sample_cache import SampleCache, batch_key
 from mariana.services.transport import Client, Server
@@ -77,8 +78,8 @@ class Coordinator(Service):
                              max_bytes=self.cfg.cluster.max_message_bytes, name=self.name)
         self.shards = [Client(self.ctx, ep, self.counters, timeout=30.0) for ep in self.cfg.ps.endpoints]
         self.cache = SampleCache(self.cfg, self.counters)
-        self.runner = web.AppRunner(self.api.http_app(), access_log=None, handle_signals=False,
-                                    keepalive_timeout=self.cfg.cluster.keepalive_seconds)
+        self.runner = IdleClosingRunner(self.api.http_app(), access_log=None, handle_signals=False,
+                                        keepalive_timeout=self.cfg.cluster.keepalive_seconds)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.cfg.coordinator.http_host, self.cfg.coordinator.http_port)
         await site.start()

@@ -66,12 +66,13 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
     from aiohttp import web
 
     from mariana.serving.app import METRICS, create_app
+    from mariana.services.runtime.http_idle import IdleClosingRunner
     from mariana.services.runtime.tuning import freeze_imports
 
     s = cfg.serve
     app = create_app(cfg, index, run_dir, config_path)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=s.drain_seconds,
-                           keepalive_timeout=s.keepalive_seconds)
+    runner = IdleClosingRunner(app, access_log=None, handle_signals=False, shutdown_timeout=s.drain_seconds,
+                               keepalive_timeout=s.keepalive_seconds)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -27,6 +27,7 @@ from typing import Mapping
 
 from aiohttp import web
 
+from mariana.services.runtime.http_idle import IdleClosingRunner
 from mariana.services.runtime.metrics import Metrics, render
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,8 @@ class MetricsEndpoint:
     async def start(self) -> "MetricsEndpoint":
         app = web.Application()
         app.router.add_get("/metrics", self.handle)
-        self.runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                    keepalive_timeout=self.service.cfg.cluster.keepalive_seconds)
+        self.runner = IdleClosingRunner(app, access_log=None, handle_signals=False,
+                                        keepalive_timeout=self.service.cfg.cluster.keepalive_seconds)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.host, self.port).start()
         return self

@@ -22,7 +22,7 @@ def test_tune_prints_its_trials_and_publishes_the_best(gen_files, tmp_path):
     refit = manifest["tune"]["refit"]
     assert manifest["tune"]["trials"] >= 1 and (refit["done"] or manifest["valid"]["kept"] == "best"), refit
     assert refit["done"] == ("valid" not in manifest)
-    js = run_cli("tune", "--data", gen_files["train"], "--budget", "2", "--trials", "2", "--json",
+    js = run_cli("tune", "--data", gen_files["train"], "--budget", "30", "--trials", "2", "--json",  # 2 trials end it
                  "--set", "hashing.bits=18", "--out", tmp_path / "m", check=True)
     record = json.loads(js.stdout.strip().splitlines()[-1])
     assert record["model_version"] == "v000002" and len(record["trials"]) <= 2

@@ -171,8 +171,10 @@ def test_worker_killed_mid_epoch_its_batches_are_reissued(data, tmp_path):
 @pytest.mark.timeout(240)
 def test_a_restarted_worker_gets_its_lost_leases_issued_again_at_once(data, tmp_path):
     """A worker that restarts (the supervisor's job) says Hello with a new boot id: the steps
-    its old self leased are issued again then, not when their leases lapse."""
-    with Cluster(tmp_path / "c", workers=2) as c:
+    its old self leased are issued again then, not when their leases lapse. The leases are
+    long here: on a loaded GPU host the restart (importing torch) outlasted the 3 s ones, which
+    lapsed first, and nothing was left to issue again at the Hello."""
+    with Cluster(tmp_path / "c", workers=2, **{"coordinator.lease_seconds": 30.0}) as c:
         job = c.submit([data["small"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))
         c.wait(job, 60, until=progressed(10_000))
         c.wait_for(lambda: c.status()["services"]["worker-1"]["status"].get("steps", 0) >= 1, 60)

@@ -16,6 +16,7 @@ import tempfile
 from typing import Callable
 
 from mariana.sparse.errors import MarianaError
+from mariana.sparse.host import available_cpus
 
 
 def add_rank_flags(p, out_help: str) -> None:
@@ -87,7 +88,7 @@ def check_nproc(nproc: int, device: str) -> None:
                                "use --device cpu")
         what = f"{allowed} CUDA device{'s' if allowed > 1 else ''}, one rank per GPU"
     else:
-        cores = os.cpu_count() or 1
+        cores = available_cpus()
         allowed, what = OVERSUBSCRIBE * cores, f"{cores} CPU cores, {OVERSUBSCRIBE} ranks per core at most"
         if cores < nproc <= allowed:
             logging.getLogger("mariana").warning("%d ranks on %d cores: each gets a share of a core (fine to check "

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
 from mariana.services.sample_cache import CacheRefused, SampleCache, unpack_batch
 from mariana.services.transport import Client, PeerTimeout, RemoteError
+from mariana.sparse.host import available_cpus
 from mariana.sparse import admission
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.encode import Encoder
@@ -467,7 +467,7 @@ class JobModels:
         cfg = self.svc.cfg
         n = cfg.worker.threads or config.train.threads
         if not n:
-            n = 1 if config.model.kind == "lr" else max(1, (os.cpu_count() or 1) // cfg.worker.count)
+            n = 1 if config.model.kind == "lr" else max(1, available_cpus() // cfg.worker.count)
         torch.set_num_threads(n)
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from mariana.services.runtime.model_events import CHANNEL
 from mariana.services.runtime.redis_url import check_redis_url
 from mariana.sparse.errors import ConfigError
+from mariana.sparse.host import available_cpus
 from mariana.sparse.settings import load_settings
 
 
@@ -34,7 +35,8 @@ class ServeSection:
     model_dir: str = ""
     host: str = "127.0.0.1"
     port: int = 8080
-    workers: int = 0                    # processes sharing the port (SO_REUSEPORT); 0: one per core
+    workers: int = 0                    # processes sharing the port (SO_REUSEPORT); 0: one per CPU it may
+                                        # use (sparse/host.py: affinity, cgroup quota)
     pin_workers: bool = True            # with 2+ workers, worker i runs on one CPU (the i-th the server may
                                         # use, round robin): its caches stay warm (-21% CPU per request)
     max_body_bytes: int = 8 << 20       # a larger body is answered 413
@@ -74,7 +76,7 @@ class ServeSection:
 
     @property
     def worker_count(self) -> int:
-        return self.workers or os.cpu_count() or 1
+        return self.workers or available_cpus()
 
 
 @dataclass

@@ -143,7 +143,8 @@ class TrainConfig:
     batch_size: int | str = AUTO       # rows per step, or "auto": about rows/200, a power of 2 in 256..4096
                                        # (a DNN cluster job of W workers: rows/W's; trainer.job.resolve_auto)
     prefetch: int = 2                  # encoded blocks queued ahead of the trainer
-    threads: int = 0                   # the DNN's torch intra-op threads; 0 = every core (LR's step: numpy, 1)
+    threads: int = 0                   # the DNN's torch intra-op threads; 0 = every CPU it may use
+                                       # (affinity, cgroup quota: sparse/host.py; LR's step: numpy, 1)
     valid_fraction: float = 0.0        # hold out the last F of the training rows for validation
     patience: int = 1                  # epochs = "auto": stop after this many epochs without a better valid logloss
     max_epochs: int = 10               # epochs = "auto": the most epochs it may run

@@ -18,6 +18,8 @@ import logging
 import os
 from collections import Counter
 
+from mariana.sparse.host import cgroup_dirs
+
 log = logging.getLogger(__name__)
 
 CHECK_SECONDS = 5.0
@@ -35,20 +37,12 @@ def parse_limit(text: str) -> int | None:
 def cgroup_files() -> tuple[str, str] | None:
     """(limit file, usage file) of this process's memory cgroup: v2's memory.max and
     memory.current, or v1's memory.limit_in_bytes and memory.usage_in_bytes."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
+    found = cgroup_dirs("memory", "memory.limit_in_bytes")
+    if found is None:
         return None
-    for hier, controllers, path in lines:
-        if hier == "0" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
-            d = "/sys/fs/cgroup" + path
-            return os.path.join(d, "memory.max"), os.path.join(d, "memory.current")
-        if "memory" in controllers.split(","):
-            for d in ("/sys/fs/cgroup/memory" + path, "/sys/fs/cgroup/memory"):  # (a container sees its own root)
-                if os.path.exists(os.path.join(d, "memory.limit_in_bytes")):
-                    return os.path.join(d, "memory.limit_in_bytes"), os.path.join(d, "memory.usage_in_bytes")
-    return None
+    version, dirs = found
+    names = ("memory.max", "memory.current") if version == 2 else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    return os.path.join(dirs[0], names[0]), os.path.join(dirs[0], names[1])
 
 
 def _read(path: str) -> str | None:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mariana.sparse.errors import ConfigError
+from mariana.sparse.host import available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ def place_rank(device: torch.device, threads: int, ctx: DistContext) -> tuple[to
     (`threads`, or 0: the cores shared out among the ranks), which it sets."""
     if device.type == "cuda" and ctx.distributed:
         device = torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
-    threads = threads or max(1, (os.cpu_count() or 1) // ctx.world_size)
+    threads = threads or max(1, available_cpus() // ctx.world_size)
     torch.set_num_threads(threads)
     return device, threads
 

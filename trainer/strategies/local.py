@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Callable
 
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.errors import MarianaError
+from mariana.sparse.host import available_cpus
 from mariana.sparse.metrics import BinaryMetrics
 from mariana.sparse.parse import describe_bad
 from mariana.trainer.bundle import ModelBundle, Snapshot
@@ -98,7 +98,7 @@ def train_local(bundle: ModelBundle, paths: list[str],
     epoch's validation at DEBUG (a tuner's trials)."""
     cfg = bundle.config
     if uses_torch(bundle.model):  # LR's step is numpy's, single-threaded: no torch to set (or import)
-        set_threads(cfg.train.threads or os.cpu_count() or 1)
+        set_threads(cfg.train.threads or available_cpus())
     stream = BatchStream(paths, bundle.encoder, cfg.data.block_bytes, cfg.train.prefetch,
                          cfg.data.parse_threads, labeled=True, batch_rows=cfg.train.batch_size,
                          workers=cfg.data.parse_workers, rows=rows)

@@ -182,12 +182,12 @@ def data_paths(data: Data | None, what: str = "data") -> list[str]:
     ...
     mariana.sparse.errors.MarianaError: data: a list of dicts is rows, not data paths: ...; write the rows to a ...
     """
-    from mariana.sparse.inputs import expand_data_paths
+    from mariana.sparse.inputs import expand_data_paths, split_spec
 
     if data is None:
         return []
     if isinstance(data, str):
-        items = [p for p in data.split(",") if p]
+        items = split_spec(data)
     elif isinstance(data, os.PathLike):
         items = [os.fspath(data)]
     else:

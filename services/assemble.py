@@ -12,7 +12,7 @@ from typing import Callable
 
 from mariana.services.jobspec import JobSpec
 from mariana.sparse.errors import ConfigError, ModelDirError
-from mariana.sparse.inputs import expand_data_paths
+from mariana.sparse.inputs import expand_data_paths, split_spec
 from mariana.sparse.parse import Reader
 from mariana.sparse.schema import Schema
 from mariana.trainer import checkpoint
@@ -195,7 +195,7 @@ def cluster_image_record(job: JobSpec, ledger, images) -> dict:
 def _paths(body: dict, key: str) -> list[str]:
     value = body.get(key) or []
     if isinstance(value, str):
-        value = [p for p in value.split(",") if p]
+        value = split_spec(value)
     if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
         raise ConfigError(f"{key}: expected a list of file paths")
     for p in value:

@@ -363,12 +363,13 @@ def epochs_arg(text: str) -> int | str:
 
 
 def _paths(spec: str | None) -> list[str]:
-    """The files a comma-separated `--data`/`--test-data` names: files, directories (their
-    files, by name) and globs (sorted), expanded here, before any work or a cluster job's
-    submission (sparse/inputs.py); an item that names no file is an error naming it."""
-    from mariana.sparse.inputs import expand_data_paths
+    """The files a comma-separated `--data`/`--test-data` names (a comma in a file's name
+    stays in it): files, directories (their files, by name) and globs (sorted), expanded
+    here, before any work or a cluster job's submission (sparse/inputs.py); an item that
+    names no file is an error naming it."""
+    from mariana.sparse.inputs import expand_data_paths, split_spec
 
-    return expand_data_paths([p for p in (spec or "").split(",") if p])
+    return expand_data_paths(split_spec(spec or ""))
 
 
 def _job_config(args: argparse.Namespace):

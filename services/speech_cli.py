@@ -141,10 +141,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     """Per wav file: the digit and the posteriors (text: FILE DIGIT p0 .. p9; a file that
     cannot be read: FILE nan, and a count on stderr)."""
     from mariana.featurizer.speech import BadAudio, SpeechRecognizer
+    from mariana.sparse.inputs import split_spec
 
     rec = SpeechRecognizer.load(args.model)
     bad = []
-    for path in [p for p in args.data.split(",") if p]:
+    for path in split_spec(args.data):
         try:
             with open(path, "rb") as f:
                 out = rec.predict_wav(f.read(), path)

@@ -70,6 +70,22 @@ def visible(name: str, pattern: str = "") -> bool:
     return not name.startswith(HIDDEN) or os.path.basename(pattern).startswith(name[0])
 
 
+def split_spec(spec: str) -> list[str]:
+    """The items of a comma-separated `--data` value. A comma inside a file's name stays in
+    it: the longest run of items that, joined by commas again, names an existing path is one
+    item. Empty items (a trailing comma) are dropped.
+
+    >>> split_spec("a.tsv,b.tsv,")
+    ['a.tsv', 'b.tsv']
+    """
+    pieces, items, i = spec.split(","), [], 0
+    while i < len(pieces):
+        j = next((j for j in range(len(pieces), i + 1, -1) if os.path.lexists(",".join(pieces[i:j]))), i + 1)
+        items.append(",".join(pieces[i:j]))
+        i = j
+    return [p for p in items if p]
+
+
 def expand_data_paths(specs: list[str]) -> list[str]:
     """The files that `specs` (files, directories, globs) name, in order.
 

@@ -12,7 +12,7 @@ import pytest
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import ConfigError, DataFormatError
 from mariana.sparse.hashing import HashSpec
-from mariana.sparse.inputs import NoDataFiles, expand_data_paths
+from mariana.sparse.inputs import NoDataFiles, expand_data_paths, split_spec
 from mariana.sparse.parse import BlockParser, BlockTask, Reader, iter_spans, read_span, to_arrow_block
 from mariana.sparse.schema import Schema, avazu, criteo
 from mariana.sparse.synth import generate_criteo
@@ -60,6 +60,20 @@ def test_an_existing_name_with_glob_characters_is_taken_literally(tmp_path):
     odd = touch(tmp_path / "day[1].tsv")
     touch(tmp_path / "day1.tsv")
     assert expand_data_paths([str(odd)]) == [str(odd)]
+
+
+def test_a_comma_in_a_file_name_stays_in_it(tmp_path):
+    """`--data` is comma-separated; a file whose name holds a comma is still one item (the API's
+    string and the CLI's take the same path), and a missing one is named whole."""
+    from mariana.api import data_paths
+
+    odd, b, c = touch(tmp_path / "day,1.tsv"), touch(tmp_path / "b.tsv"), touch(tmp_path / "c,d")
+    spec = f"{b},{odd},{tmp_path / 'c,d'},"
+    assert split_spec(spec) == [str(b), str(odd), str(c)]
+    assert data_paths(spec) == [str(b), str(odd), str(c)]
+    assert split_spec(f"{tmp_path / 'day'},{b}") == [str(tmp_path / "day"), str(b)]  # no such file: split
+    with pytest.raises(NoDataFiles, match="/day: no such file"):
+        data_paths(f"{tmp_path / 'day'},{b}")
 
 
 @pytest.mark.parametrize("item,says", [

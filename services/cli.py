@@ -481,7 +481,8 @@ def _service_rows(st: dict, coord: dict) -> list[tuple]:
     rows = []
     for name in list(procs) + [n for n in services if n not in procs]:
         p, s = procs.get(name, {}), services.get(name, {})
-        alive = "-" if not s else ("yes" if s.get("alive") else "no")
+        # a process `up` started that has exited is not alive, whatever the coordinator last heard
+        alive = "no" if p and not p["running"] else "-" if not s else ("yes" if s.get("alive") else "no")
         pid = "-" if not p else f"{p['pid']}{'' if p['running'] else ' (exited)'}"
         seen = _ago(s["last_seen"]) + " ago" if s.get("last_seen") else "-"
         rate = s.get("rate") or {}

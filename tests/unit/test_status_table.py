@@ -1,0 +1,21 @@
+"""`mariana status`'s services table (services/cli.py)."""
+from __future__ import annotations
+
+import time
+
+from mariana.services.cli import _service_rows
+
+
+def test_a_process_that_exited_is_not_alive_whatever_the_coordinator_last_heard():
+    """The coordinator marks a service dead only once its heartbeats stop for a while; the
+    launcher sees the exit at once. The table said "ALIVE yes" beside "PID 5 (exited)"."""
+    now = time.time()
+    st = {"processes": {"worker-0": {"pid": 5, "running": False, "role": "worker", "index": 0, "restarts": 0},
+                        "ps-0": {"pid": 6, "running": True, "role": "ps", "index": 0, "restarts": 0}}}
+    coord = {"services": {"worker-0": {"alive": True, "last_seen": now, "role": "worker", "index": 0},
+                          "ps-0": {"alive": True, "last_seen": now, "role": "ps", "index": 0},
+                          "preprocess-0": {"alive": False, "last_seen": now - 60, "role": "preprocess", "index": 0}}}
+    rows = {r[0]: r for r in _service_rows(st, coord)}
+    assert rows["worker-0"][3:5] == ("no", "5 (exited)")
+    assert rows["ps-0"][3:5] == ("yes", "6")
+    assert rows["preprocess-0"][3:5] == ("no", "-")  # started elsewhere: the coordinator's word

@@ -155,6 +155,8 @@ def serve(cfg: ServeConfig, verbosity: list[str] = ()) -> int:
     the workers start from it, and POST /v1/retrain runs `mariana retrain` with it.
     """
     n = cfg.serve.worker_count
+    # resolved once, here: a worker pinned to one CPU would count 1 (and bind without SO_REUSEPORT)
+    cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, workers=n))
     run_dir = tempfile.mkdtemp(prefix="mariana-serve-")
     reserved = _reserve(cfg.serve.host, cfg.serve.port) if n > 1 else None
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 import msgpack
 
 from mariana.services.launcher import free_port
+from mariana.sparse.host import available_cpus
 from tests.conftest import ROOT
 
 
@@ -52,7 +53,7 @@ class Server:
         while True:
             body = self.wait_for("/readyz", timeout, want=200 if ready else None)
             workers = body.get("workers", {})
-            if workers.get("listening") == workers.get("of") == self.serve["workers"]:
+            if workers.get("listening") == workers.get("of") == (self.serve["workers"] or available_cpus()):
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"not every worker listens after {timeout:g}s: {body}\n{self.logs()}")

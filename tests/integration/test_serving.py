@@ -18,6 +18,7 @@ import msgpack
 import pytest
 
 from mariana.services.launcher import RedisServer, free_port
+from mariana.sparse.host import available_cpus
 from mariana.trainer import checkpoint
 from tests.conftest import ROOT, run_cli
 from tests.debian import debian_tool, promtool_check
@@ -204,6 +205,16 @@ def test_both_workers_answer_each_on_a_cpu_of_its_own(lr_server):
     if len(cpus) >= 2:  # serve.pin_workers: worker i on the i-th CPU
         assert [os.sched_getaffinity(workers[i]) for i in (0, 1)] == [{cpus[0]}, {cpus[1]}]
         assert "serve-1: runs on CPU" in lr_server.logs()
+
+
+def test_the_default_worker_count_is_one_per_cpu_alike_in_every_worker(models, tmp_path):
+    """serve.workers = 0, the default: one worker per CPU the server may use, counted once by
+    the supervisor. Counted again in a worker pinned to one CPU, it was 1: that worker bound
+    without SO_REUSEPORT beside the supervisor's reservation and exited (found the day it came)."""
+    with Server(tmp_path / "s", models["lr"], workers=0) as s:
+        assert s.get("/readyz")[1]["workers"]["of"] == available_cpus()
+        assert s.predict([{"I1": 1}])[0] == 200
+        assert "cannot listen" not in s.logs()
 
 
 # ---- versions come and go --------------------------------------------------------------

@@ -814,8 +814,8 @@ class Reader:
     """Streams validated `Chunk`s from one or more files, text or Parquet, mixed.
 
     `labeled=None` (prediction) accepts files with or without the label
-    column, decided by the first data block of each text file (by the columns
-    of a Parquet file). `tasks()` yields the blocks unparsed, for callers that
+    column, decided by the first data block of each text file; a label there is
+    read but neither used nor checked (a Parquet file's is not read). `tasks()` yields the blocks unparsed, for callers that
     parse them on several threads.
     """
 
@@ -868,8 +868,8 @@ class Reader:
     def _parquet_tasks(self, path: str) -> Iterator[BlockTask]:
         with open_parquet(path) as pf:
             columns = pf.schema_arrow
-            labeled = self.labeled if self.labeled is not None else self.schema.label in columns.names
-            parser = BlockParser(self.schema, labeled=labeled, threads=self.threads)
+            # prediction (labeled=None) reads the feature columns only: a label column there is not used
+            parser = BlockParser(self.schema, labeled=bool(self.labeled), threads=self.threads)
             check_columns(path, columns, parser.schema)
             rows = rows_per_block(pf, self.block_bytes, parser.needed)
             for row, table in table_blocks(pf, rows, parser.needed, name=path, threads=self.threads):
@@ -881,8 +881,9 @@ class Reader:
         sample = block[:1 << 16].split(b"\n")[self.schema.header:][:50]
         counts = [count_fields(ln.rstrip(b"\r"), self.schema) for ln in sample if ln]
         unlabeled = len(self.schema.columns) - 1
-        labeled = not (counts and sum(c == unlabeled for c in counts) > len(counts) // 2)
-        return BlockParser(self.schema, labeled=labeled, threads=self.threads)
+        if counts and sum(c == unlabeled for c in counts) > len(counts) // 2:
+            return BlockParser(self.schema, labeled=False, threads=self.threads)
+        return BlockParser(self.schema.label_ignored(), labeled=True, threads=self.threads)  # read, not checked
 
 
 def _check_header(path: str, schema: Schema, block: bytes) -> None:

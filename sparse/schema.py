@@ -10,7 +10,7 @@ CSV/TSV is described by a `Schema` built from config (`Schema.from_dict`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mariana.sparse.errors import ConfigError
 
@@ -89,6 +89,13 @@ class Schema:
             ignore=self.ignore, hour=self.hour, delimiter=self.delimiter,
             header=self.header, quoted=self.quoted,
         )
+
+    def label_ignored(self) -> "Schema":
+        """The same layout with the label column read but not used or checked (prediction:
+        a row whose label is missing or not 0/1 is still scored)."""
+        if not self.label:
+            return self
+        return replace(self, label="", ignore=self.ignore + (self.label,))
 
     def to_dict(self) -> dict:
         return {

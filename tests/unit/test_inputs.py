@@ -267,7 +267,32 @@ def test_unlabeled_parquet_for_prediction_keeps_one_slot_per_row(tmp_path):
     chunk, _ = task.run()
     assert chunk.labels is None and task.row_slots(chunk)[0] == 3 and task.row_slots(chunk)[1].tolist() == [0, 1, 2]
     labeled = next(Reader([str(tmp_path / "l.parquet")], criteo(), labeled=None).tasks()).run()[0]
-    assert labeled.labels.tolist() == [1, 0, 1]
+    assert labeled.labels is None and labeled.num_rows == 3  # prediction does not read a label column
+
+
+def test_prediction_scores_rows_whose_label_is_bad_or_missing(tmp_path):
+    """A label is not needed to predict: `mariana predict` printed nan for a row whose label was
+    'x', while the same row without its label column was scored. Training still refuses it."""
+    tsv = tmp_path / "p.tsv"
+    generate_criteo(str(tsv), 300, seed=6)
+    lines = tsv.read_text().splitlines()
+    bad = [("x" if i == 1 else "" if i == 2 else "0.5" if i == 3 else ln.split("\t", 1)[0])
+           + "\t" + ln.split("\t", 1)[1] for i, ln in enumerate(lines)]
+    (tmp_path / "bad.tsv").write_text("\n".join(bad) + "\n")
+    (tmp_path / "unl.tsv").write_text("\n".join(ln.split("\t", 1)[1] for ln in lines) + "\n")
+
+    def read(name, labeled):
+        reader = Reader([str(tmp_path / name)], criteo(), labeled=labeled)
+        return list(reader), reader.stats
+
+    (chunk, *_), stats = read("bad.tsv", None)
+    (plain, *_), _ = read("unl.tsv", None)
+    assert stats.rows_bad == 0 and chunk.num_rows == 300 and chunk.labels is None
+    for c, want in plain.columns.items():
+        got = chunk.columns[c]
+        assert got.equals(want) if hasattr(got, "equals") else np.array_equal(got, want, equal_nan=True), c
+    _, stats = read("bad.tsv", True)
+    assert stats.rows_bad == 3 and (stats.first_bad[0].line, stats.first_bad[0].reason) == (2, "label is not 0 or 1")
 
 
 def test_the_cluster_loader_sends_parquet_as_arrow_blocks_that_preprocess_parses(tmp_path):

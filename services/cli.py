@@ -39,6 +39,7 @@ import threading
 import time
 
 from mariana.services import images_cli
+from mariana.services.cli_parser import Parser
 from mariana.services.runtime import report
 from mariana.services.runtime.tuning import exiting, freeze_imports, tune_process
 from mariana.sparse.errors import MarianaError
@@ -519,7 +520,7 @@ def _cluster_flags(p: argparse.ArgumentParser, mode_help: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from mariana.services import __version__
 
-    p = argparse.ArgumentParser(prog="mariana", description="CTR training and serving platform")
+    p = Parser(prog="mariana", description="CTR training and serving platform")
     p.add_argument("--version", action="version", version=f"mariana {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
     p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
@@ -621,7 +622,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("predict", help="print one pCTR per input row (nan for a row that cannot be read)")
     pr.add_argument("--model", required=True, help="model directory (its CURRENT version)")
-    pr.add_argument("--data", required=True, help="labeled or unlabeled rows: files, directories or globs, comma-separated")
+    pr.add_argument("--data", required=True,
+                    help="labeled or unlabeled rows: files, directories or globs, comma-separated")
     pr.add_argument("--format", choices=FORMATS, help="the rows' format (default: the model's; must match it)")
     pr.add_argument("--skip-bad", action="store_true",
                     help="print nothing for a malformed row (default: nan, so output line N is input row N)")

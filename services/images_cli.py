@@ -18,6 +18,7 @@ import json
 import os
 import time
 
+from mariana.services.cli_parser import Parser
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.settings import count_arg, seed_arg
 
@@ -243,9 +244,9 @@ def add_commands(sub) -> None:
 def build_train_image_parser() -> argparse.ArgumentParser:
     from mariana.services.ranks import add_rank_flags
 
-    p = argparse.ArgumentParser(prog="mariana train image",
-                                description="train the image CNN as G data-parallel groups of P pipelined "
-                                            "partitions (G x P processes) and export it as a featurizer")
+    p = Parser(prog="mariana train image",
+               description="train the image CNN as G data-parallel groups of P pipelined "
+                           "partitions (G x P processes) and export it as a featurizer")
     p.add_argument("--data", help="a dir of MNIST-named IDX files (MNIST or `mariana gen images`), or an image "
                                   "folder: one sub-directory of PNG/JPEG/GIF/BMP/WebP files per class, decoded as "
                                   "batches need them (default: $MARIANA_DATA/mnist, else ../shared/data/mnist)")

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 
+from mariana.services.cli_parser import Parser
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.settings import seed_arg
 
@@ -27,9 +28,9 @@ from mariana.sparse.settings import seed_arg
 def build_train_parser() -> argparse.ArgumentParser:
     from mariana.services.ranks import add_rank_flags
 
-    p = argparse.ArgumentParser(prog="mariana train speech",
-                                description="train the frame-level speech DNN on spoken digits (FSDD), in one "
-                                            "process or N with synchronous data parallel")
+    p = Parser(prog="mariana train speech",
+               description="train the frame-level speech DNN on spoken digits (FSDD), in one "
+                           "process or N with synchronous data parallel")
     p.add_argument("--data", help="fsdd_recordings.tar.gz or its directory (default: $MARIANA_DATA/fsdd, "
                                   "else ../shared/data/fsdd)")
     p.add_argument("--split", default="official", help="official (recording index 0-4 held out: 2,700 / 300) "

@@ -240,3 +240,13 @@ def test_avazu_and_csv_formats_train(tmp_path):
     rec = last_json(run_cli("train", "--data", csv, "--test-data", csv, "--config", cfg,
                             "--out", tmp_path / "c", "--json", "--bits", "12", "--set", "hashing.numeric=both"))
     assert rec["train_rows"] == 500 and rec["auc"] > 0.99
+
+
+@pytest.mark.parametrize("argv", [["train", "--data", "x", "--format", "parquetx", "--out", "y"],
+                                  ["train", "speech", "--nproc", "x"], ["serve", "--workers", "x"], ["bogus"]])
+def test_a_usage_error_is_one_line_exit_2(argv):
+    """README: a bad flag prints one line `mariana ...: error: ...` and exits 2 (argparse's own
+    errors printed the usage block first)."""
+    proc = run_cli(*argv)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert ": error: argument " in proc.stderr and "--help` lists the options" in proc.stderr

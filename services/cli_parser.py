@@ -1,0 +1,17 @@
+"""The CLI's argument parser: argparse's, with a usage error on one line.
+
+The README promises that a bad flag, path or config key prints one line `mariana ...:
+error: ...` and exits 2. argparse's own errors printed the whole usage block first (13 lines
+for `mariana train --format parquetx`); the usage stays one `--help` away.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse.ArgumentParser whose usage errors are one line on stderr, exit code 2.
+    Sub-commands' parsers are of the same class (add_subparsers takes the parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")

@@ -4,7 +4,7 @@
     model_dir = "/var/lib/mariana/models/ctr"
     host = "127.0.0.1"            # loopback by default
     port = 8080
-    workers = 0                   # processes sharing the port; 0: one per core
+    workers = 0                   # processes sharing the port; 0: one per CPU it may use
     pin_workers = true            # with 2+ workers, each on a CPU of its own (round robin)
     redis_url = "redis://127.0.0.1:6379/0"   # new versions announced here ("" : poll only)
     token = "..."                 # bearer token of POST /v1/retrain ("" : the endpoint is off)
@@ -62,7 +62,7 @@ class ServeSection:
         if self.inline_bytes < 0:
             raise ConfigError(f"serve.inline_bytes must be >= 0, got {self.inline_bytes}")
         if self.workers < 0:
-            raise ConfigError(f"serve.workers must be >= 0 (0: one per core), got {self.workers}")
+            raise ConfigError(f"serve.workers must be >= 0 (0: one per CPU it may use), got {self.workers}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"serve.port must be in 0..65535, got {self.port}")
         if self.watch_seconds <= 0:

@@ -158,6 +158,8 @@ def serve(cfg: ServeConfig, verbosity: list[str] = ()) -> int:
     # resolved once, here: a worker pinned to one CPU would count 1 (and bind without SO_REUSEPORT)
     cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, workers=n))
     run_dir = tempfile.mkdtemp(prefix="mariana-serve-")
+    if n == 1 and cfg.serve.port:
+        _check_free(cfg.serve.host, cfg.serve.port)  # before the model loads, as the supervisor's reservation is
     reserved = _reserve(cfg.serve.host, cfg.serve.port) if n > 1 else None
     try:
         if reserved is not None:
@@ -175,6 +177,20 @@ def serve(cfg: ServeConfig, verbosity: list[str] = ()) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _check_free(host: str, port: int) -> int:
+    """The port (a concrete one for 0), after a plain bind that nothing else holds it; a
+    MarianaError (one line, exit 2) when it is taken or the host is not this machine's."""
+    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a past server's TIME_WAIT is no owner
+    try:
+        probe.bind((host, port))
+        return probe.getsockname()[1]
+    except OSError as e:
+        raise MarianaError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    finally:
+        probe.close()
+
+
 def _reserve(host: str, port: int) -> socket.socket:
     """Bind (not listen) host:port with SO_REUSEPORT: the workers bind it too, and a
     port 0 becomes one concrete port for all of them, kept across worker restarts.
@@ -182,15 +198,7 @@ def _reserve(host: str, port: int) -> socket.socket:
     First a plain bind: with SO_REUSEPORT alone, a second server started on a port
     that one already serves would join it and take half its connections."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    probe = socket.socket(family, socket.SOCK_STREAM)
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a past server's TIME_WAIT is no owner
-    try:
-        probe.bind((host, port))
-        port = probe.getsockname()[1]
-    except OSError as e:
-        raise MarianaError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    finally:
-        probe.close()
+    port = _check_free(host, port)
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:

@@ -417,9 +417,12 @@ def test_serve_refuses_a_missing_model_dir_and_a_taken_port(tmp_path, models):
     gone = run_cli("serve", "--model-dir", tmp_path / "nope", "--port", "0")
     assert gone.returncode == 2 and "no such model directory" in gone.stderr
     with Server(tmp_path / "s", models["lr"], workers=1) as s:
-        taken = subprocess.run(["timeout", "60", *_cli(), "serve", "--model-dir", str(models["lr"]),
-                                "--port", str(s.port), "--workers", "2"], capture_output=True, text=True)
-        assert taken.returncode != 0 and "Traceback" not in taken.stderr
+        for workers in ("2", "1"):  # one worker: the same one line, before the model loads (it logged and exited 1)
+            taken = subprocess.run(["timeout", "60", *_cli(), "serve", "--model-dir", str(models["lr"]),
+                                    "--port", str(s.port), "--workers", workers], capture_output=True, text=True)
+            assert taken.returncode == 2 and "Traceback" not in taken.stderr, taken.stderr
+            assert taken.stderr.strip().splitlines() == [f"mariana: error: cannot listen on 127.0.0.1:{s.port}: "
+                                                         "Address already in use"], taken.stderr
 
 
 def _cli() -> list[str]:

@@ -6,9 +6,12 @@ missed (Redis down, no Redis configured, a version promoted by hand).
 A new version is loaded on a thread of its own beside the one in service,
 warmed up, then swapped in; requests in flight finish on the version they
 started with. The version swapped out stays loaded, so going back to it (a
-rollback) is a swap without a load. A version that fails to load (or to swap in) is logged and
-counted and not tried again until CURRENT changes; the old one keeps serving. No error of one
-attempt ends a background task: each says it once and goes on.
+rollback) is a swap without a load. A version is known by its name and its manifest file
+(`files_of`): a version deleted and its name given again, or a version dir replaced in place,
+is loaded afresh, never taken for what is in memory under that name. A version that fails to
+load (or to swap in) is logged and counted and not tried again until CURRENT (or the version's
+files) changes; the old one keeps serving. No error of one attempt ends a background task: each
+says it once and goes on.
 """
 from __future__ import annotations
 
@@ -31,14 +34,28 @@ from mariana.trainer import checkpoint
 log = logging.getLogger(__name__)
 
 
+def files_of(model_dir: str, version: str) -> tuple | None:
+    """What a version's name stands for now, at the cost of one stat: its manifest file's
+    identity. A version written anew (the name given again after a deletion, a dir restored
+    from a backup, even with its times kept) has a new manifest file, so another inode or
+    change time (st_ctime cannot be set back). None when there is no manifest: the load says why."""
+    try:
+        st = os.stat(os.path.join(model_dir, version, checkpoint.MANIFEST))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns
+
+
 class VersionWatcher:
     def __init__(self, cfg: ServeSection, holder: ModelHolder, name: str,
                  on_event: Callable[[str, dict], None] = lambda kind, info: None):
         self.cfg, self.holder, self.name, self.on_event = cfg, holder, name, on_event
         self.poke = asyncio.Event()
-        self.failed: str | None = None  # a CURRENT that would not load: not retried until it changes
+        self.failed: tuple | None = None  # (version, files) that would not load: not retried until it changes
+        self.serving: tuple | None = None  # (version, files) of holder.current, as it was loaded
         self.unreadable: str | None = None  # why CURRENT named no version at the last look (said once)
         self.previous: Predictor | None = None  # the version swapped out, kept loaded: rollbacks are instant
+        self.kept: tuple | None = None  # (version, files) of `previous`
         self.crashed: str | None = None  # the error a look for a new version last died of (said once)
         self.bad_seen: set[bytes] = set()  # creatives whose cached value is no features (said once each)
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="mariana-load")
@@ -65,10 +82,11 @@ class VersionWatcher:
             self._unreadable(str(e))
             return False
         self.unreadable = None
-        if version == self.holder.version or version == self.failed:
+        key = (version, files_of(self.cfg.model_dir, version))  # taken before the load: a change after it shows
+        if key == self.serving or key == self.failed:
             return False
         t0 = time.perf_counter()
-        kept = self.previous is not None and self.previous.version == version
+        kept = self.previous is not None and key == self.kept
         try:
             if kept:
                 new = self.previous  # a rollback: the version just replaced is still loaded
@@ -78,10 +96,10 @@ class VersionWatcher:
                                                                        self.cfg.model_dir, version, 1)
             shared = new.share_ids(self.holder.current)  # the ids met so far, kept
         except Exception as e:  # whatever a version's files hold, the watcher goes on watching
-            self._load_failed(version, e)
+            self._load_failed(key, e)
             return False
         old = self.holder.swap(new)
-        self.previous, self.failed = old, None
+        self.previous, self.kept, self.serving, self.failed = old, self.serving, key, None
         seconds = time.perf_counter() - t0
         log.info("%s: serving %s (was %s), %s%s", self.name, version, old.version if old else "nothing",
                  "kept loaded since it was swapped out" if kept else f"loaded in {seconds:.2f}s",
@@ -90,9 +108,10 @@ class VersionWatcher:
                                   "ids_shared": shared})
         return True
 
-    def _load_failed(self, version: str, e: BaseException) -> None:
-        """Log and count a version that would not load or swap in: not tried again until CURRENT changes."""
-        self.failed = version
+    def _load_failed(self, key: tuple, e: BaseException) -> None:
+        """Log and count a version that would not load or swap in: not tried again until CURRENT
+        (or the version's files) changes."""
+        self.failed, version = key, key[0]
         if not isinstance(e, (MarianaError, OSError, KeyError, ValueError)):
             e = f"{type(e).__name__}: {e}"  # not one of the reasons a load names: say what it was
         log.error("%s: cannot load %s/%s: %s; serving %s still", self.name, self.cfg.model_dir, version, e,

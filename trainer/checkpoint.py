@@ -7,6 +7,7 @@
         weights.safetensors    dense parameters and the touched rows of each table
         optimizer.safetensors  optimizer state (to resume training)
       v000002/ ...
+      HIGHEST_VERSION          the highest version name ever given here: one deleted is not given again
       promotions.jsonl         one line per move of CURRENT: time, from, to, reason
       decisions.jsonl          one line per retrain verdict (serving/retrain.py)
 
@@ -25,6 +26,7 @@ import re
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,7 @@ OPTIMIZER = "optimizer.safetensors"
 MANIFEST = "manifest.json"
 PROMOTIONS = "promotions.jsonl"
 DECISIONS = "decisions.jsonl"
+HIGHEST = "HIGHEST_VERSION"
 
 
 def list_versions(model_dir: str | os.PathLike) -> list[str]:
@@ -101,9 +104,7 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
         raise ModelDirError(f"{model_dir}: {version!r} is not a version name (v000001, ...: see 'mariana model list')")
     if not (d / version).is_dir():
         raise ModelDirError(f"{model_dir}: no version {version!r}")
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with _locked(d):
         try:
             before = current_version(d)
         except ModelDirError:
@@ -123,9 +124,19 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
         fsync_dir(d)
         if reason is not None and before != version:
             _record_move(d, before, version, reason)
+    return before
+
+
+@contextmanager
+def _locked(d: Path):
+    """The model dir's lock (on the directory itself, so no file is left behind): its
+    moves of CURRENT and its version names are given one at a time, across processes."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(fd)  # closing drops the lock
-    return before
 
 
 def _record_move(d: Path, before: str | None, version: str, reason: str) -> None:
@@ -239,8 +250,8 @@ def read_manifest(model_dir: str | os.PathLike, version: str) -> dict:
 def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str, np.ndarray],
                  optimizer: dict[str, np.ndarray] | None = None, make_current: bool = True,
                  reason: str | None = None) -> str:
-    """Write a new version; returns its name (one more than the highest). With
-    `make_current`, CURRENT moves to it (recorded as `reason` when given)."""
+    """Write a new version; returns its name, one never given in this dir before
+    (`_new_name`). With `make_current`, CURRENT moves to it (recorded as `reason` when given)."""
     d = Path(model_dir)
     tmp = None
     try:
@@ -249,13 +260,14 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp / WEIGHTS))
         if optimizer:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIMIZER))
-        while True:
-            existing = list_versions(d)
-            version = f"v{(int(existing[-1][1:]) + 1) if existing else 1:06d}"
+        version = ""
+        while True:  # each turn a higher name: one taken meanwhile (a file, another writer) is passed over
+            version = _new_name(d, after=version)
             body = dict(manifest, format=FORMAT, version=version)
             (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
             if publish_dir(tmp, d / version):  # False: another writer took the name
                 break
+        _record_highest(d, version)
     except (OSError, SafetensorError) as e:
         raise ModelDirError(f"{model_dir}: cannot write a new version: {_why(e, d)}; nothing was published"
                             f"{_current_note(d)}") from None
@@ -270,6 +282,46 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
             why = _why(e, d) if isinstance(e, OSError) else str(e).removeprefix(f"{d}: ")
             raise ModelDirError(f"{model_dir}: wrote {version} but {why}; {version} was removed") from None
     return version
+
+
+def _new_name(d: Path, after: str = "") -> str:
+    """One more than the highest of: the names of the entries here (versions, and files or
+    links in the way), HIGHEST_VERSION (the highest name ever given: a version deleted does
+    not hand its name to the next, which a server still holding the deleted one would take
+    for it) and `after` (a name just lost to another writer)."""
+    taken = [int(m.group(1)) for m in map(VERSION_RE.match, os.listdir(d)) if m]
+    return f"v{max([_highest_given(d), int(after[1:] or 0), *taken]) + 1:06d}"
+
+
+def _record_highest(d: Path, version: str) -> None:
+    """HIGHEST_VERSION raised to the version just published (never lowered: writers finish
+    in any order, and take turns under the dir's lock). Unwritable, it is a warning: the
+    version stands, and the name stays taken as long as the version is there."""
+    tmp = d / f".{HIGHEST}.{os.getpid()}"
+    try:
+        with _locked(d):
+            if int(version[1:]) > _highest_given(d):
+                tmp.write_text(version + "\n")
+                fsync_file(tmp)
+                os.replace(tmp, d / HIGHEST)
+                fsync_dir(d)
+    except OSError as e:
+        log.warning("%s: published %s, but %s could not record it: %s", d, version, HIGHEST, _why(e, d))
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _highest_given(d: Path) -> int:
+    """The number HIGHEST_VERSION records; 0 without one (a model dir from before it)."""
+    try:
+        text = (d / HIGHEST).read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return 0
+    m = VERSION_RE.match(text)
+    if not m:
+        log.warning("%s/%s holds %r, not a version name: new names follow the versions here", d, HIGHEST, text[:40])
+        return 0
+    return int(m.group(1))
 
 
 def _why(e: BaseException, d: Path) -> str:

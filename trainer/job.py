@@ -93,7 +93,7 @@ def _check_model_dir(path: str) -> None:
                            "or a new or empty one")
 
 
-MODEL_DIR_FILES = {checkpoint.PROMOTIONS, checkpoint.DECISIONS, "tune"}  # a model dir's own, beside its versions
+MODEL_DIR_FILES = {checkpoint.PROMOTIONS, checkpoint.DECISIONS, checkpoint.HIGHEST, "tune"}  # its own, beside versions
 
 
 def check_trained(train_paths: list[str], rows: int, loss: float | None) -> None:

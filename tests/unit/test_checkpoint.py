@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -173,3 +174,50 @@ def test_a_move_of_current_it_cannot_record_stands_with_a_warning(tmp_path, capl
     version = checkpoint.save_version(d, {"model": {}}, weights, reason="trained")
     assert version == "v000001" and checkpoint.current_version(d) == "v000001" and (d / version).is_dir()
     assert "could not record it" in caplog.text
+
+
+WEIGHTS = {"w": np.zeros(2, np.float32)}
+
+
+def test_a_deleted_version_does_not_hand_its_name_to_the_next(tmp_path):
+    """Named "highest + 1", a version written after the highest was deleted took its name,
+    and a server still holding the deleted one served it under that name as the new one."""
+    d = tmp_path / "m"
+    for _ in range(2):
+        checkpoint.save_version(d, {"model": {}}, WEIGHTS)
+    checkpoint.set_current(d, "v000001")
+    shutil.rmtree(d / "v000002")
+    assert checkpoint.save_version(d, {"model": {}}, WEIGHTS) == "v000003"
+    for v in ("v000003", "v000001"):  # every version gone, CURRENT too: still no name given twice
+        shutil.rmtree(d / v)
+    (d / "CURRENT").unlink()
+    assert checkpoint.save_version(d, {"model": {}}, WEIGHTS) == "v000004"
+    assert (d / checkpoint.HIGHEST).read_text() == "v000004\n"
+
+
+@pytest.mark.timeout(20)
+def test_a_file_or_link_named_like_the_next_version_is_passed_over(tmp_path):
+    """A plain file named v000002 beside v000001 made `train` spin forever: the name came
+    from the directories alone, and the rename onto the file failed, the same name each turn."""
+    d = tmp_path / "m"
+    checkpoint.save_version(d, {"model": {}}, WEIGHTS)
+    (d / "v000002").touch()
+    (d / "v000003").symlink_to(tmp_path / "nowhere")
+    assert checkpoint.save_version(d, {"model": {}}, WEIGHTS) == "v000004"
+    assert checkpoint.current_version(d) == "v000004" and checkpoint.list_versions(d) == ["v000001", "v000004"]
+    assert (d / "v000002").is_file() and (d / "v000003").is_symlink()  # what was in the way is left as it was
+
+
+def test_a_model_dir_from_before_the_record_goes_on_from_its_versions(tmp_path):
+    """Without HIGHEST_VERSION (written by older code, or lost) the versions there give the
+    next name; from then on the record keeps a deleted name from being given again, and a
+    writer finishing late never lowers it."""
+    d = tmp_path / "m"
+    for v in ("v000001", "v000005"):
+        (d / v).mkdir(parents=True)
+    assert checkpoint.save_version(d, {"model": {}}, WEIGHTS) == "v000006"
+    shutil.rmtree(d / "v000006")
+    checkpoint._record_highest(d, "v000002")  # a writer of a lower name, done after
+    assert checkpoint.save_version(d, {"model": {}}, WEIGHTS) == "v000007"
+    (d / checkpoint.HIGHEST).write_text("garbage\n")  # unreadable: the versions there still count
+    assert checkpoint.save_version(d, {"model": {}}, WEIGHTS) == "v000008"

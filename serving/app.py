@@ -42,6 +42,7 @@ from mariana.services.runtime.report import dumps  # NaN (a metric of a version)
 
 log = logging.getLogger(__name__)
 SNAPSHOT_SECONDS = 1.0
+RETRAIN_REAP_SECONDS = 1.0
 HOLDER, BATCHER, WATCHER, METRICS, SETTINGS, RETRAIN = (web.AppKey(k, object) for k in (
     "holder", "batcher", "watcher", "metrics", "settings", "retrain"))
 
@@ -49,13 +50,15 @@ HOLDER, BATCHER, WATCHER, METRICS, SETTINGS, RETRAIN = (web.AppKey(k, object) fo
 def create_app(cfg: ServeConfig, worker: int = 0, run_dir: str | None = None,
                config_path: str | None = None) -> web.Application:
     """The app of one worker process; `run_dir` is shared by the server's workers
-    (their metrics snapshots), `config_path` is what POST /v1/retrain runs with."""
+    (their metrics snapshots); `config_path`, the server's resolved config, turns POST
+    /v1/retrain on (the retrain runs with a copy of it under the model dir, which outlives
+    the run dir: serving/retrain.py)."""
     s = cfg.serve
     app = web.Application(client_max_size=s.max_body_bytes, middlewares=[_errors_and_metrics])
     app[SETTINGS] = {"cfg": cfg, "worker": worker, "run_dir": run_dir, "name": f"serve-{worker}"}
-    app[METRICS] = _metrics()
+    m = app[METRICS] = _metrics()
     app[HOLDER] = ModelHolder()
-    app[RETRAIN] = RetrainRunner(cfg, config_path)
+    app[RETRAIN] = RetrainRunner(cfg, config_path, on_end=lambda v: m.inc("mariana_serve_retrains_total", verdict=v))
     app.router.add_post("/v1/predict", predict, expect_handler=_expect)
     app.router.add_get("/v1/model", model_info)
     app.router.add_get("/healthz", healthz)
@@ -70,7 +73,7 @@ def create_app(cfg: ServeConfig, worker: int = 0, run_dir: str | None = None,
 
 
 async def _lifecycle(app: web.Application):
-    """Start-up in order, shut-down in reverse: batcher, first load, watcher, snapshots."""
+    """Start-up in order, shut-down in reverse: batcher, first load, watcher, snapshots, retrains."""
     st, m = app[SETTINGS], app[METRICS]
     s = st["cfg"].serve
     def on_batch(n: int, where: str) -> None:
@@ -85,7 +88,11 @@ async def _lifecycle(app: web.Application):
     if st["run_dir"]:
         _carry_over(app)
     snapshots = asyncio.create_task(_write_snapshots(app)) if st["run_dir"] else None
+    retrains = asyncio.create_task(_reap_retrains(app))
     yield
+    retrains.cancel()
+    await asyncio.gather(retrains, return_exceptions=True)
+    app[RETRAIN].close()
     if snapshots:
         snapshots.cancel()
         await asyncio.gather(snapshots, return_exceptions=True)
@@ -317,6 +324,8 @@ def _metrics() -> Metrics:
     m.gauge("mariana_serve_model_info", "Worker processes serving each model version.")
     m.counter("mariana_serve_model_swaps_total", "Model versions swapped in for another (the first load is not one).")
     m.counter("mariana_serve_model_load_failures_total", "Model versions that could not be loaded.")
+    m.counter("mariana_serve_retrains_total", "Retrains started by POST /v1/retrain that ended, by verdict: "
+                                              "promoted, refused or failed (the reason is in the log).")
     m.counter("mariana_serve_snapshot_failures_total", "Metrics snapshots this worker could not write (a full "
                                                        "TMPDIR): the sum the other workers answer is stale.")
     return m
@@ -388,6 +397,17 @@ def _snapshot_failed(app: web.Application, tmp: str, e: OSError) -> None:
         log.warning("%s: cannot write its metrics snapshot: %s: %s; until it can, /metrics as answered by the "
                     "other workers holds this one's counts as they were: free space in %s (the server's TMPDIR)",
                     st["name"], e.filename or tmp, (e.strerror or str(e)).lower(), os.path.dirname(tmp))
+
+
+async def _reap_retrains(app: web.Application) -> None:
+    """A retrain this worker started is reaped (no zombie), logged and counted within a second
+    of its end, whether or not anyone asks for its status."""
+    while True:
+        await asyncio.sleep(RETRAIN_REAP_SECONDS)
+        try:
+            app[RETRAIN].reap()
+        except Exception:  # a status file that cannot be read, say: the next look tries again
+            log.exception("%s: cannot look at the retrains this worker started", app[SETTINGS]["name"])
 
 
 async def _write_snapshots(app: web.Application) -> None:

@@ -92,8 +92,10 @@ def _config(args: argparse.Namespace, **overrides):
     if getattr(args, "model_dir", None):
         overrides["serve.model_dir"] = os.path.abspath(args.model_dir)
     cfg = load_serve_config(args.config, overrides)
-    if not cfg.serve.model_dir:
-        raise MarianaError("no model directory: give --model-dir, or serve.model_dir in --config")
+    if not cfg.serve.model_dir:  # named as this command takes it: `retrain` has no --model-dir
+        how = "give --model-dir, or serve.model_dir in --config" if hasattr(args, "model_dir") else \
+            "set serve.model_dir in the [serve] section of --config"
+        raise MarianaError(f"no model directory: {how}")
     cfg.serve.model_dir = os.path.abspath(cfg.serve.model_dir)
     return cfg
 

@@ -3,12 +3,15 @@ the new model and the served one on a later window, promote only when the
 new one is not worse (AUC within `retrain.auc_tolerance`).
 
 Triggered by `mariana retrain --config FILE`, by POST /v1/retrain on a model
-server (which runs that command), or by the systemd timer in deploy/. One
-retrain per model directory at a time (a lock file). Every decision is a JSON
-line in <model_dir>/decisions.jsonl; a promotion moves CURRENT (recorded in
-promotions.jsonl) and is announced on Redis, so servers swap to it.
+server (which runs that command with a copy of its config kept under
+<model_dir>/.retrain/, so the retrain outlives the server), or by the systemd
+timer in deploy/. One retrain per model directory at a time (a lock file). Every
+decision is a JSON line in <model_dir>/decisions.jsonl: a candidate trained and
+then not gated (the eval failed) is one too, verdict "failed", with why. A
+promotion moves CURRENT (recorded in promotions.jsonl) and is announced on
+Redis, so servers swap to it.
 
-    {"time": ..., "verdict": "promoted" | "refused", "reason": "...",
+    {"time": ..., "verdict": "promoted" | "refused" | "failed", "reason": "...",
      "new_version": "v000004", "served_version": "v000003",
      "metrics": {"new": {"auc": ..., "logloss": ...}, "served": {...}},
      "auc_tolerance": 0.0, "train_data": [...], "eval_data": [...]}
@@ -16,6 +19,7 @@ promotions.jsonl) and is announced on Redis, so servers swap to it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -34,6 +38,7 @@ from mariana.featurizer.speech import is_speech_model
 from mariana.serving.config import ServeConfig
 from mariana.serving.errors import ServeError
 from mariana.services.runtime import model_events, procs
+from mariana.services.runtime.config import to_toml
 from mariana.services.runtime.tuning import unpin
 from mariana.sparse.errors import ConfigError, MarianaError, ModelDirError
 from mariana.sparse.inputs import NoDataFiles, expand_data_paths
@@ -66,8 +71,8 @@ def run_retrain(cfg: ServeConfig, status_file: str | None = None) -> dict:
     try:
         with model_lock(model_dir):
             decision = _retrain(cfg, model_dir, status)
-    except MarianaError as e:
-        status.update(state="failed", error=str(e))
+    except (Exception, KeyboardInterrupt) as e:  # a bug or a SIGTERM too: the status says why, not "training"
+        status.update(state="failed", error=_why(e))
         raise
     status.update(state="done", decision=decision)
     return decision
@@ -75,7 +80,6 @@ def run_retrain(cfg: ServeConfig, status_file: str | None = None) -> dict:
 
 def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     from mariana.trainer.job import check_has_rows, run_local_job
-    from mariana.trainer.strategies.local import evaluate
 
     r = cfg.retrain
     train, evals = windows(cfg)
@@ -83,6 +87,8 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     if served and is_speech_model(model_dir):
         raise ConfigError(f"{model_dir}: the version in service, {served}, is a speech model (mariana train "
                           "speech); retrain trains and gates click models")
+    if served:
+        check_served_loads(model_dir, served)
     config = job_config(cfg, served)
     schema = config.data.resolve_schema()
     Reader(evals, schema).probe()  # before hours of training: a file of another format fails now
@@ -103,6 +109,35 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
     new = record["model_version"]
     status.update(state="evaluating", new_version=new)
+    decision = {
+        "time": None, "verdict": None, "reason": None, "new_version": new, "served_version": served,
+        "auc_tolerance": r.auc_tolerance, "train_data": train, "eval_data": evals,
+        "train_rows": record["train_rows"], "train_seconds": record["train_seconds"], "warm_start": warm is not None,
+    }
+    try:
+        decision.update(_judge(model_dir, new, served, evals, r.auc_tolerance))
+    except (Exception, KeyboardInterrupt) as e:  # the candidate is saved: decisions.jsonl says why it stays
+        decision.update(verdict="failed", reason=f"the candidate could not be gated: {_why(e)}")
+        _record(model_dir, decision)
+        status.update(decision=decision)
+        log.error("retrain %s: failed %s (%s)", model_dir, new, decision["reason"])
+        if isinstance(e, MarianaError):
+            raise MarianaError(f"retrain {model_dir}: {new} was trained but could not be gated: {e}; recorded "
+                               f"as failed in {DECISIONS}, CURRENT still names {served or 'nothing'}") from None
+        raise
+    _record(model_dir, decision)
+    log.info("retrain %s: %s %s (%s)", model_dir, decision["verdict"], new, decision["reason"])
+    if decision["verdict"] == "promoted":
+        if cfg.serve.redis_url:
+            model_events.publish(cfg.serve.redis_url, "promoted", model_dir, new, new, cfg.serve.channel)
+    return decision
+
+
+def _judge(model_dir: str, new: str, served: str | None, evals: list[str], tolerance: float) -> dict:
+    """Score the candidate and the served version on the eval window, gate, and move
+    CURRENT on a promotion: the decision's verdict, reason, metrics and bad row count."""
+    from mariana.trainer.strategies.local import evaluate
+
     scores, parsed = {}, None
     for name, version in (("new", new), ("served", served)):
         if version:
@@ -110,28 +145,46 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     if parsed["rows_bad"]:
         log.warning("retrain %s: skipped %d malformed rows of the eval window (first: %s)", model_dir,
                     parsed["rows_bad"], describe_bad(parsed["first_bad"], 3))
-    verdict, reason = gate(scores["new"], scores.get("served"), r.auc_tolerance)
+    verdict, reason = gate(scores["new"], scores.get("served"), tolerance)
     if verdict == "promoted":
         try:  # only over the version it was gated against: a promotion or rollback meanwhile stands
             checkpoint.set_current(model_dir, new, reason="retrain", expect=served)
         except checkpoint.CurrentMoved as e:
             verdict, reason = "refused", (f"{reason}; but CURRENT moved from {served or 'nothing'} to {e.found} "
                                           f"during the retrain, and {new} was not gated against {e.found}")
-    decision = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "verdict": verdict, "reason": reason,
-        "new_version": new, "served_version": served,
-        "metrics": {k: _round(v) for k, v in scores.items()},
-        "auc_tolerance": r.auc_tolerance, "train_data": train, "eval_data": evals, "eval_bad_rows": parsed["rows_bad"],
-        "train_rows": record["train_rows"], "train_seconds": record["train_seconds"],
-        "warm_start": warm is not None,
-    }
+    return {"verdict": verdict, "reason": reason, "metrics": {k: _round(v) for k, v in scores.items()},
+            "eval_bad_rows": parsed["rows_bad"]}
+
+
+def check_served_loads(model_dir: str, served: str) -> None:
+    """ModelDirError, before any training, when the version in service cannot be loaded:
+    the candidate could not be scored against it, and would be left trained for nothing."""
+    try:
+        ModelBundle.load(model_dir, served)
+    except Exception as e:  # whatever stops the load stops the gate after the training
+        raise ModelDirError(f"{model_dir}: the version in service, {served}, cannot be loaded, and a candidate "
+                            f"could not be gated against it; nothing was trained: {_why(e)} (promote a version "
+                            "that loads, see 'mariana model list', then retrain)") from None
+
+
+def _record(model_dir: str, decision: dict) -> None:
+    """The decision, timed now, as a line of decisions.jsonl."""
+    decision["time"] = _now()
     with open(os.path.join(model_dir, DECISIONS), "a") as f:
         f.write(json.dumps(decision) + "\n")
-    log.info("retrain %s: %s %s (%s)", model_dir, verdict, new, reason)
-    if verdict == "promoted":
-        if cfg.serve.redis_url:
-            model_events.publish(cfg.serve.redis_url, "promoted", model_dir, new, new, cfg.serve.channel)
-    return decision
+
+
+def _why(e: BaseException) -> str:
+    """An exception as one line: ours say it all; another one (a bug) is named by its type."""
+    if isinstance(e, MarianaError):
+        return str(e)
+    if isinstance(e, KeyboardInterrupt):
+        return f"interrupted ({e})" if str(e) else "interrupted"
+    return f"{type(e).__name__}: {e}"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def gate(new: dict, served: dict | None, tolerance: float) -> tuple[str, str]:
@@ -226,14 +279,21 @@ def model_lock(model_dir: str):
     if fd is None:
         fd = take_lock(model_dir)
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        write_pid(fd, os.getpid())
         yield
     finally:
         os.close(fd)  # closing drops the lock
 
 
 LOCK_FD_ENV = "MARIANA_RETRAIN_LOCK_FD"
+
+
+def write_pid(fd: int, pid: int) -> None:
+    """`pid` as the lock file's whole content. At offset 0 whatever the descriptor's offset:
+    an inherited descriptor shares its server's, past the pid the server wrote, and a plain
+    write there would leave NUL bytes before the digits (an unreadable pid: a 409 naming none)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{pid}\n".encode(), 0)
 
 
 def take_lock(model_dir: str) -> int:
@@ -292,7 +352,7 @@ class _Status:
     def update(self, **fields) -> None:
         if not self.path:
             return
-        self.data.update(fields, updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        self.data.update(fields, updated=_now())
         tmp = f"{self.path}.tmp"
         try:
             Path(tmp).write_text(json.dumps(self.data))
@@ -307,18 +367,19 @@ class _Status:
 
 class RetrainRunner:
     """POST /v1/retrain: `mariana retrain --config FILE` as a child process; its status
-    file under <model_dir>/.retrain/ can be read by every worker of the server."""
+    file under <model_dir>/.retrain/ can be read by every worker of the server. The worker
+    that started a retrain says how it ended (`on_end(verdict)`, a log line) when it reaps it."""
 
-    def __init__(self, cfg: ServeConfig, config_path: str | None):
-        self.cfg, self.config_path = cfg, config_path
-        self.children: list[subprocess.Popen] = []
+    def __init__(self, cfg: ServeConfig, config_path: str | None, on_end=None):
+        self.cfg, self.config_path, self.on_end = cfg, config_path, on_end
+        self.children: dict[str, subprocess.Popen] = {}
 
     def start(self) -> dict:
         model_dir, r = self.cfg.serve.model_dir, self.cfg.retrain
         if not self.config_path or not (r.data or r.train_data):
             raise ServeError(403, "retrain is not configured on this server: start it with --config FILE "
                              "holding a [retrain] section (data, or train_data and eval_data)")
-        self._reap()
+        self.reap()
         try:  # taken here, before the child starts, and handed to it: two quick POSTs, from one
             lock = take_lock(model_dir)  # worker or two, cannot both be told 202
         except RetrainBusy as e:
@@ -330,36 +391,56 @@ class RetrainRunner:
         try:
             child = self._spawn(run, runs, lock)
         except OSError as e:  # a full filesystem, no process to be had, ...: nothing of this run stays
-            for leftover in (f"{run}.json", f"{run}.log"):
+            for leftover in (f"{run}.json", f"{run}.log", f"{run}.toml"):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(runs, leftover))
             raise _cannot_start(model_dir, e) from None
         finally:
             os.close(lock)  # the child's copy holds the lock now (or, if it did not start, nobody)
         unpin(child.pid)  # a pinned worker's child would inherit its one CPU
-        self.children.append(child)
-        log.info("retrain %s started for %s (log: %s/%s.log)", run, model_dir, runs, run)
+        self.children[run] = child
+        log.info("retrain %s started for %s (pid %d, log: %s/%s.log)", run, model_dir, child.pid, runs, run)
         return {"id": run, "state": "starting", "status_url": f"/v1/retrain/{run}"}
 
     def _spawn(self, run: str, runs: str, lock: int) -> subprocess.Popen:
-        """`mariana retrain` for `run`, holding `lock`, its status and log under `runs`."""
+        """`mariana retrain` for `run`, holding `lock`, its config, status and log under `runs`."""
+        write_pid(lock, os.getpid())  # until the child's: the lock names a live holder, for status()
         os.makedirs(runs, exist_ok=True)
+        config = os.path.join(runs, f"{run}.toml")
+        self._write_config(config)
         status = os.path.join(runs, f"{run}.json")
-        _Status(status).update(id=run, state="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        _Status(status).update(id=run, state="starting", started=_now(), config=config)
+        # The config is resolved (the environment applied): the server's MARIANA_SERVE__* and
+        # MARIANA_RETRAIN__* are not applied to it again, to override what the server runs with.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MARIANA_SERVE__", "MARIANA_RETRAIN__"))}
         with open(os.path.join(runs, f"{run}.log"), "ab") as out:
             child = subprocess.Popen(
-                [sys.executable, "-m", "mariana", "retrain", "--config", self.config_path,
-                 "--status-file", status], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, pass_fds=(lock,), env=os.environ | {LOCK_FD_ENV: str(lock)})
-        # Its pid at once: a status asked before its Python is up finds it. Not written (a full
-        # disk), the child writes it itself, or fails saying why in its status.
+                [sys.executable, "-m", "mariana", "retrain", "--config", config, "--status-file", status],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                pass_fds=(lock,), env=env | {LOCK_FD_ENV: str(lock)})
+        # Its pid at once, in the lock and the status: a status asked before its Python is up finds
+        # it, and one asked after it died without a word says so. (The child's first write, a second
+        # later, holds the same pid.) Not written (a full disk), the child writes it itself.
         with contextlib.suppress(OSError):
-            os.ftruncate(lock, 0)
-            os.write(lock, f"{child.pid}\n".encode())
+            write_pid(lock, child.pid)
+        with contextlib.suppress(OSError):
+            _Status(status).update(pid=child.pid)
         return child
 
+    def _write_config(self, path: str) -> None:
+        """The child's config, beside its status and log: the server's own (<run dir>/serve.toml)
+        goes when the server stops, and a retrain goes on after that. Without the admin token,
+        which the retrain does not use; 0600 all the same (a Redis URL may hold a password)."""
+        cfg = dataclasses.replace(self.cfg, serve=dataclasses.replace(self.cfg.serve, token=""))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(to_toml(cfg))
+
     def status(self, run: str) -> dict:
-        self._reap()
+        self.reap()
+        return self._read(run)
+
+    def _read(self, run: str) -> dict:
         path = os.path.join(self.cfg.serve.model_dir, RUNS, f"{run}.json")
         if not RUN_ID.match(run) or not os.path.exists(path):
             raise ServeError(404, f"no retrain {run!r}")
@@ -370,14 +451,59 @@ class RetrainRunner:
         except OSError as e:
             raise ServeError(503, f"cannot read the status of retrain {run}: {path}: "
                                   f"{(e.strerror or str(e)).lower()}; try again later") from None
-        pid = data.get("pid")
-        if data.get("state") not in ("done", "failed") and isinstance(pid, int) and not procs.running(pid):
-            data.update(state="failed", error=f"the retrain process ended without a decision; see "
-                                              f"{os.path.join(self.cfg.serve.model_dir, RUNS, run)}.log")
+        if data.get("state") not in ("done", "failed"):
+            gone = self._gone(run, data.get("pid"))
+            if gone:
+                data.update(state="failed", error=gone)
         return data
 
-    def _reap(self) -> None:
-        self.children = [c for c in self.children if c.poll() is None]
+    def _gone(self, run: str, pid) -> str | None:
+        """Why the process of an unfinished retrain is known to be gone, or None while it may run."""
+        where = f"see {os.path.join(self.cfg.serve.model_dir, RUNS, run)}.log"
+        if isinstance(pid, int):
+            return None if procs.running(pid) else f"the retrain process (pid {pid}) ended without a decision; {where}"
+        # No pid yet: from before its status was written until its pid is, the server that starts
+        # it holds the lock and names itself in it. Nobody alive named there: it will never run.
+        if running_retrain(self.cfg.serve.model_dir) is not None:
+            return None
+        return f"the retrain process ended before it recorded its pid (its server stopped as it started it?); {where}"
+
+    def reap(self) -> None:
+        """Forget the children that ended, saying how each did (its status file has the verdict)."""
+        for run, child in list(self.children.items()):
+            if child.poll() is None:
+                continue
+            del self.children[run]
+            try:
+                verdict, reason = outcome(self._read(run))
+            except ServeError as e:
+                verdict, reason = "failed", e.message
+            say = log.info if verdict in ("promoted", "refused") else log.warning
+            say("retrain %s of %s ended: %s (%s)", run, self.cfg.serve.model_dir, verdict, reason)
+            if self.on_end is not None:
+                self.on_end(verdict)
+
+    def close(self) -> None:
+        """At the worker's stop: the retrains still running go on without it; each one said once."""
+        self.reap()
+        for run, child in self.children.items():
+            log.info("retrain %s (pid %d) goes on after this server stops: GET /v1/retrain/%s or %s/%s will "
+                     "tell its verdict", run, child.pid, run, self.cfg.serve.model_dir, DECISIONS)
+
+
+def outcome(status: dict) -> tuple[str, str]:
+    """(verdict, reason) of a retrain's status: promoted or refused with the gate's reason, or
+    failed with the error.
+
+    >>> outcome({"state": "done", "decision": {"verdict": "refused", "new_version": "v2", "reason": "AUC"}})
+    ('refused', 'v2: AUC')
+    >>> outcome({"state": "failed", "error": "no window"})
+    ('failed', 'no window')
+    """
+    decision = status.get("decision") or {}
+    if status.get("state") == "done" and decision.get("verdict") in ("promoted", "refused"):
+        return decision["verdict"], f"{decision.get('new_version')}: {decision.get('reason')}"
+    return "failed", status.get("error") or f"it ended in state {status.get('state')!r}"
 
 
 def _cannot_start(model_dir: str, e: OSError) -> ServeError:

@@ -152,7 +152,8 @@ def serve(cfg: ServeConfig, verbosity: list[str] = ()) -> int:
     """Run the server: in this process with one worker, else supervise `worker_count`.
 
     The resolved config (flags and environment applied) goes to <run>/serve.toml:
-    the workers start from it, and POST /v1/retrain runs `mariana retrain` with it.
+    the workers start from it; POST /v1/retrain runs `mariana retrain` with a copy of it under
+    <model_dir>/.retrain/ (this one goes with the run dir).
     """
     n = cfg.serve.worker_count
     # resolved once, here: a worker pinned to one CPU would count 1 (and bind without SO_REUSEPORT)

@@ -1,0 +1,169 @@
+"""A retrain started over HTTP when things go wrong, on real processes: the server stops
+right after answering 202, the retrain's process dies, the served version cannot be
+loaded (before the training, or during it), a second POST meets a running retrain; and
+how the server reports each ending (a log line, mariana_serve_retrains_total)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mariana.sparse.synth import generate_criteo
+from tests.conftest import run_cli, run_cli_cases
+from tests.debian import debian_tool, promtool_check
+from tests.integration.serving import Server
+from tests.integration.test_retrain import decisions, retrain_config
+
+pytestmark = pytest.mark.slow
+TOKEN = "retrain-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> dict[str, Path]:
+    """A day to train on, a later one to score on, a small sample the served model knows,
+    and a recipe of 12 epochs: a training of ~1.5 s, long enough to act on while it runs."""
+    d = tmp_path_factory.mktemp("logs")
+    out = {name: d / f"{name}.tsv" for name in ("train", "eval", "small")}
+    generate_criteo(out["train"], 20_000, seed=21)
+    generate_criteo(out["eval"], 20_000, seed=22)
+    generate_criteo(out["small"], 2_000, seed=23)
+    out["job"] = d / "job.toml"
+    out["job"].write_text("[train]\nepochs = 12\n")
+    return out
+
+
+def served(tmp_path: Path, logs) -> Path:
+    model_dir = tmp_path / "models"
+    run_cli("-q", "train", "--data", logs["small"], "--model", "lr", "--out", model_dir, check=True)
+    return model_dir
+
+
+def windows(logs, **more) -> dict:
+    return {"train_data": [str(logs["train"])], "eval_data": [str(logs["eval"])], **more}
+
+
+def wait_state(s: Server, run: str, until: tuple[str, ...], timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while (state := s.get(f"/v1/retrain/{run}", AUTH)[1])["state"] not in until:
+        assert time.monotonic() < deadline, (state, s.logs())
+        time.sleep(0.01)
+    return state
+
+
+def wait_metric(s: Server, series: str, want: float, timeout: float = 20.0) -> str:
+    """The /metrics page once `series` (name and labels, exactly) reads `want`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = s.get("/metrics")[1]["text"]
+        if f"{series} {want:g}" in text.splitlines():
+            return text
+        assert time.monotonic() < deadline, (series, [line for line in text.splitlines() if "retrain" in line])
+        time.sleep(0.2)
+
+
+def test_a_retrain_outlives_its_server_and_a_dead_one_is_failed(logs, tmp_path):
+    """The retrain runs with a config of its own under .retrain/ (0600, no token): the server
+    stopped right after its 202, a server started again finds it done. One whose process
+    died before it said anything is failed with why, never "starting" for ever."""
+    model_dir = served(tmp_path, logs)
+    s = Server(tmp_path / "s", model_dir, serve={"token": TOKEN}, retrain=windows(logs))
+    with s:
+        status, killed = s.post("/v1/retrain", b"", headers=AUTH)
+        assert status == 202, killed
+        os.kill(int((model_dir / ".retrain.lock").read_text()), signal.SIGKILL)  # before its Python is up
+        state = wait_state(s, killed["id"], ("done", "failed"), timeout=20)
+        assert state["state"] == "failed" and "ended without a decision" in state["error"], state
+        # what a server that stopped as it started a retrain left, while no retrain runs: a status with no pid
+        orphan = "r20260101-000000-abcdef"
+        (model_dir / ".retrain" / f"{orphan}.json").write_text(json.dumps({"id": orphan, "state": "starting"}))
+        state = s.get(f"/v1/retrain/{orphan}", AUTH)[1]
+        assert state["state"] == "failed" and "before it recorded its pid" in state["error"], state
+        status, started = s.post("/v1/retrain", b"", headers=AUTH)
+        assert status == 202, started
+    assert s.returncode == 0  # stopped (SIGTERM) while its retrain starts
+    run = started["id"]
+    config = model_dir / ".retrain" / f"{run}.toml"
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600 and TOKEN not in config.read_text()
+    with s:  # the same server again, on a fresh run dir
+        state = wait_state(s, run, ("done", "failed"))
+        assert state["state"] == "done" and state["decision"]["verdict"] == "promoted", state
+
+
+def test_a_busy_retrain_is_named_and_its_verdict_logged_and_counted(logs, tmp_path):
+    """A 409 names the pid of the retrain running (the lock file holds it, without the NUL
+    bytes a write at the inherited descriptor's offset left); its end is a log line of the
+    server's and a count in mariana_serve_retrains_total{verdict}."""
+    model_dir = served(tmp_path, logs)
+    with Server(tmp_path / "s", model_dir, serve={"token": TOKEN},
+                retrain=windows(logs, job_config=str(logs["job"]))) as s:
+        status, started = s.post("/v1/retrain", b"", headers=AUTH)
+        assert status == 202, started
+        run = started["id"]
+        pid = wait_state(s, run, ("training",))["pid"]
+        status, busy = s.post("/v1/retrain", b"", headers=AUTH)
+        assert status == 409 and f"running already (pid {pid})" in busy["error"], busy
+        assert wait_state(s, run, ("done", "failed"))["decision"]["verdict"] == "promoted"
+        assert (model_dir / ".retrain.lock").read_bytes() == f"{pid}\n".encode()
+        text = wait_metric(s, 'mariana_serve_retrains_total{verdict="promoted"}', 1)
+        promtool_check(debian_tool("promtool", "prometheus"), text)
+        assert f"retrain {run} of {model_dir} ended: promoted (v000002: AUC " in s.log.read_text()
+
+
+def test_a_served_version_that_cannot_be_loaded_trains_nothing(logs, tmp_path):
+    """Checked before the training: one clear error, no candidate, no decision; over HTTP
+    the retrain is failed, saying so, in the status, the server's log and its counter."""
+    model_dir = served(tmp_path, logs)
+    os.truncate(model_dir / "v000001" / "weights.safetensors", 1000)
+    cfg = retrain_config(tmp_path, model_dir, **windows(logs))
+    proc = run_cli("retrain", "--config", cfg)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "the version in service, v000001, cannot be loaded" in proc.stderr and "nothing was trained" in proc.stderr
+    with Server(tmp_path / "s", model_dir, serve={"token": TOKEN}, retrain=windows(logs)) as s:
+        status, started = s.post("/v1/retrain", b"", headers=AUTH)
+        assert status == 202, started
+        state = wait_state(s, started["id"], ("done", "failed"))
+        assert state["state"] == "failed" and "v000001, cannot be loaded" in state["error"], state
+        wait_metric(s, 'mariana_serve_retrains_total{verdict="failed"}', 1)
+        ended = f"retrain {started['id']} of {model_dir} ended: failed ({model_dir}: the version in service"
+        assert ended in s.log.read_text()
+    assert sorted(p.name for p in model_dir.glob("v*")) == ["v000001"] and not (model_dir / "decisions.jsonl").exists()
+
+
+def test_a_candidate_that_cannot_be_gated_is_recorded_as_failed(logs, tmp_path):
+    """The served version goes bad while the candidate trains: the gate cannot score it, and
+    decisions.jsonl says so for the candidate left in the directory (verdict failed)."""
+    model_dir = served(tmp_path, logs)
+    cfg = retrain_config(tmp_path, model_dir, **windows(logs, job_config=str(logs["job"])))
+    status = tmp_path / "status.json"
+    proc = subprocess.Popen([sys.executable, "-m", "mariana", "retrain", "--config", str(cfg), "--status-file",
+                             str(status)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (status.exists() and json.loads(status.read_text() or "{}").get("state") in ("training", "failed")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    os.truncate(model_dir / "v000001" / "weights.safetensors", 1000)  # while it trains
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "v000002 was trained but could not be gated" in err, err
+    last = decisions(model_dir)[-1]
+    assert (last["verdict"], last["new_version"], last["served_version"]) == ("failed", "v000002", "v000001"), last
+    assert "cannot read tensors" in last["reason"], last
+    assert json.loads(status.read_text())["state"] == "failed"
+    assert (model_dir / "CURRENT").read_text().strip() == "v000001"
+
+
+def test_retrain_without_a_model_dir_names_what_it_takes(tmp_path):
+    """`mariana retrain` has no --model-dir: its error names only the config key."""
+    cfg = tmp_path / "retrain.toml"
+    cfg.write_text('[retrain]\ndata = "logs/*.tsv"\n')
+    (code, err), (model_code, model_err) = run_cli_cases([["retrain", "--config", cfg],
+                                                          ["model", "list", "--config", cfg]])
+    assert code == 2 and "serve.model_dir" in err and "--model-dir" not in err, err
+    assert model_code == 2 and "give --model-dir" in model_err, model_err  # `model` takes it

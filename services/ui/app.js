@@ -1192,13 +1192,16 @@
   }
 
   function decisionItem(d) {
+    // a line of decisions.jsonl as serving/retrain.py writes it: new_version, served_version,
+    // metrics.new and metrics.served (a "failed" line has no metrics)
     const verdict = str(d.verdict);
-    const cm = isObj(d.candidate_metrics) ? d.candidate_metrics : {};
-    const sm = isObj(d.served_metrics) ? d.served_metrics : {};
+    const metrics = isObj(d.metrics) ? d.metrics : {};
+    const cm = isObj(metrics.new) ? metrics.new : {};
+    const sm = isObj(metrics.served) ? metrics.served : {};
     return el("li", {"data-testid": "decision"},
       el("span", {class: "when"}, fmtTime(d.time)),
       el("span", {class: `badge ${verdict.toLowerCase().replace(/[^a-z]/g, "")}`}, verdict), " ",
-      el("span", {class: "mono"}, str(d.candidate)), " vs ", el("span", {class: "mono"}, str(d.served)),
+      el("span", {class: "mono"}, str(d.new_version)), " vs ", el("span", {class: "mono"}, str(d.served_version)),
       isNum(cm.auc) || isNum(sm.auc) ? el("span", {class: "muted"}, ` · AUC ${fmtFixed(cm.auc, 4)} vs ${fmtFixed(sm.auc, 4)}`)
         : null,
       d.reason ? el("div", {class: "muted"}, String(d.reason)) : null);

@@ -411,9 +411,11 @@ class CannedAPI:
         return {"services": services, "counters": {}, "jobs": list(self.jobs.values()), **more}
 
     def models(self) -> dict:
-        decision = {"time": NOW - 3650, "verdict": "promote", "candidate": "v000003", "served": "v000002",
-                    "candidate_metrics": {"auc": 0.8201}, "served_metrics": {"auc": None},
-                    "reason": "the served version has no test AUC"}
+        # a decisions.jsonl line as serving/retrain.py writes it (the page read other keys, so showed none)
+        decision = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(NOW - 3650)), "verdict": "promoted",
+                    "new_version": "v000003", "served_version": "v000002",
+                    "metrics": {"new": {"auc": 0.8201, "logloss": 0.4432}, "served": {"auc": 0.8017}},
+                    "reason": "AUC 0.820100 >= served 0.801700 - tolerance 0"}
         promotion = {"time": NOW - 3640, "version": "v000003", "previous": "v000002", "reason": "retrain"}
         return {"models": [{"dir": MODEL_DIR, "current": "v000003", "versions": self.versions,
                             "decisions": [decision], "promotions": [promotion]}]}
@@ -632,6 +634,9 @@ def test_browser_versions_table_shows_every_column_on_a_laptop(canned_page, arti
         assert wrap["left"] - 0.5 <= h["left"] and h["right"] <= wrap["right"] + 0.5, (h, wrap)
         assert 0 <= h["left"] and h["right"] <= view["width"], (h, view)
         assert 0 <= h["top"] and h["bottom"] <= view["height"], (h, view)
+    decision = page.locator("[data-testid=decision]")
+    expect(decision).to_contain_text("v000003 vs v000002")
+    expect(decision).to_contain_text("AUC 0.8201 vs 0.8017")
     job = table.locator('[data-version="v000003"] [data-testid=version-job]')
     expect(job).to_have_attribute("title", DONE_ID)  # shown short, the full id on hover
     expect(job).to_have_text("…4f9c2a")

@@ -167,3 +167,23 @@ def test_retrain_without_a_model_dir_names_what_it_takes(tmp_path):
                                                           ["model", "list", "--config", cfg]])
     assert code == 2 and "serve.model_dir" in err and "--model-dir" not in err, err
     assert model_code == 2 and "give --model-dir" in model_err, model_err  # `model` takes it
+
+
+def test_an_eval_window_the_served_model_was_trained_on_is_refused(logs, tmp_path):
+    """Scored on rows it learned from, the served model wins any gate; so is a model it was
+    warm-started from. Refused before any training, naming the file and the version."""
+    model_dir = tmp_path / "models"
+    run_cli("-q", "train", "--data", logs["eval"], "--model", "lr", "--out", model_dir, check=True)
+    cfg = retrain_config(tmp_path, model_dir, **windows(logs))
+    proc = run_cli("retrain", "--config", cfg)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{logs['eval']} is in the eval window, but the version in service was trained on it (v000001" \
+        in proc.stderr, proc.stderr
+    run_cli("-q", "train", "--data", logs["small"], "--model", "lr", "--init-from", model_dir, "--out", model_dir,
+            check=True)  # v000002 goes on from v000001, which learned from the eval window
+    proc = run_cli("retrain", "--config", cfg)
+    assert proc.returncode == 2 and "(v000001, which v000002 was warm-started from, learned from it)" in proc.stderr
+    assert sorted(p.name for p in model_dir.glob("v*")) == ["v000001", "v000002"]  # nothing trained
+    small = tmp_path / "other"  # the control: a served model that never saw the eval window passes the check
+    run_cli("-q", "train", "--data", logs["small"], "--model", "lr", "--out", small, check=True)
+    assert run_cli("retrain", "--config", retrain_config(tmp_path, small, **windows(logs))).returncode == 0

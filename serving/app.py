@@ -42,6 +42,7 @@ from mariana.services.runtime.report import dumps  # NaN (a metric of a version)
 
 log = logging.getLogger(__name__)
 SNAPSHOT_SECONDS = 1.0
+MEDIA = ("audio/", "image/", "video/")  # bodies no click model reads (a speech version's wav: its 400 said "not UTF-8")
 RETRAIN_REAP_SECONDS = 1.0
 HOLDER, BATCHER, WATCHER, METRICS, SETTINGS, RETRAIN = (web.AppKey(k, object) for k in (
     "holder", "batcher", "watcher", "metrics", "settings", "retrain"))
@@ -119,7 +120,11 @@ async def predict(request: web.Request) -> web.Response:
         close = False
         if predictor.audio:
             return await _recognize(app, predictor, body, request.content_type)
-        answer = await app[BATCHER].answer(predictor, body, fmt)
+        if request.content_type.startswith(MEDIA):  # a wav or an image for a click model: say what it takes
+            answer = error_answer(ServeError(415, f"{predictor.version} is a click model: POST instances as JSON "
+                                             f"(or msgpack), not {request.content_type}"), fmt, predictor.version)
+        else:
+            answer = await app[BATCHER].answer(predictor, body, fmt)
     m = app[METRICS]
     m.inc("mariana_serve_predictions_total", answer.instances)
     if answer.unknown_fields:

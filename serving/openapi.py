@@ -112,7 +112,8 @@ def _errors(*codes: int, kinds: tuple[str, ...] = ("application/json",)) -> dict
             403: "The admin endpoints are off (no serve.token), or retrain is not configured on this server.",
             404: "No such retrain.", 409: "A retrain is running already.",
             413: "The body or the instance count is over the limit.",
-            415: "A speech version takes a wav file (Content-Type: audio/wav), not instances.",
+            415: "A speech version takes a wav file (Content-Type: audio/wav), not instances; a click model "
+                 "takes instances, not an audio, image or video body.",
             503: "No model is loaded."}
     return {str(c): {"description": text[c], "content": {kind: {"schema": _ERROR} for kind in kinds}} for c in codes}
 
@@ -135,7 +136,7 @@ OPENAPI = {
             "responses": {"200": {"description": "One pCTR per instance, in order, and the version that gave them.",
                                   "content": {"application/json": {"schema": _PREDICT_RESP},
                                               "application/msgpack": {"schema": _PREDICT_RESP}}},
-                          **_errors(400, 408, 413, 503, kinds=("application/json", "application/msgpack"))}}},
+                          **_errors(400, 408, 413, 415, 503, kinds=("application/json", "application/msgpack"))}}},
         "/v1/model": {"get": {"summary": "The version in service: when, on what and how well it was trained",
                               "responses": {"200": _json({"type": "object"}, "Model information."),
                                             **_errors(503)}}},

@@ -95,6 +95,8 @@ MISTAKES = [  # (what, method, path, body, content type, status, words the error
      "application/json", 413, "51 instances in one request; at most 50"),
     ("too large a body", "POST", "/v1/predict", b'{"instances": [{"C1": "' + b"x" * 300_000 + b'"}]}',
      "application/json", 413, "at most 200000"),
+    ("a wav for a click model", "POST", "/v1/predict", b"RIFF\x24\x00\x00\x00WAVEfmt ", "audio/wav", 415,
+     "is a click model: POST instances as JSON (or msgpack), not audio/wav"),
     ("GET predict", "GET", "/v1/predict", None, None, 405, "GET is not allowed"),
     ("no such endpoint", "GET", "/v2/nothing", None, None, 404, "no such endpoint"),
     ("retrain without a token", "POST", "/v1/retrain", b"", None, 401, "bearer token"),

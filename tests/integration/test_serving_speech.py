@@ -118,7 +118,7 @@ def test_a_directory_moving_between_speech_and_click_versions_is_answered_by_the
         status, answer = s.predict([{"I1": 3, "C1": "68fd1e64"}])
         assert status == 200 and 0 < answer["pctr"][0] < 1
         status, _, answer = post_wav(s, wav_bytes(tone(6, 0, 2)))
-        assert status == 400 and "error" in answer  # a click model reads the body as JSON
+        assert status == 415 and "is a click model: POST instances" in answer["error"], answer  # not "not UTF-8"
         (d / "CURRENT").write_text("v000001\n")  # a rollback: the speech version was kept loaded
         serving(s, "v000001")
         assert "kept loaded since it was swapped out" in s.logs()

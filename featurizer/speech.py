@@ -386,6 +386,11 @@ def load_features(archive: str | os.PathLike | None = None, fe: FrontEnd = Front
 
 
 def _write_cache(entry: Path, f: SpeechFeatures) -> None:
+    """The entry written to a temp dir and renamed into place. An entry already there that reads
+    back is another process's, written first: kept. One that does not (junk, half a copy, an
+    older format) is moved aside and replaced; left alone, every run recomputed the features
+    and left it there. Moving it aside is a rename too, so a reader sees the old entry, none, or
+    a whole new one, and a second writer doing the same at once finds a whole entry either way."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
     try:
@@ -395,14 +400,36 @@ def _write_cache(entry: Path, f: SpeechFeatures) -> None:
                 "names": f.names, "digits": f.digits.tolist(), "speakers": f.speakers,
                 "indices": f.indices.tolist()}
         (tmp / "meta.json").write_text(json.dumps(meta))
-        os.rename(tmp, entry)
-    except OSError:
-        if entry.exists():  # another process cached it first
-            return
-        raise
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not entry.exists():
+                raise
+            if _read_cache(entry, f.front_end, f.archive_sha256) is not None:
+                return  # another process cached it first
+            _discard_entry(entry)
+            try:
+                os.rename(tmp, entry)
+            except OSError:
+                if _read_cache(entry, f.front_end, f.archive_sha256) is None:
+                    raise
+                # else another writer replaced it first, with a whole entry
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _discard_entry(entry: Path) -> None:
+    """Move an unreadable cache entry aside (atomically) and delete it. Another writer may have
+    moved it, or replaced it with a good one, in the meantime: then there is nothing to do here."""
+    trash = Path(tempfile.mkdtemp(prefix=".old-", dir=entry.parent))
+    try:
+        os.rename(entry, trash / "entry")
+        log.warning("speech: the feature cache entry %s was unreadable: replacing it", entry)
+    except FileNotFoundError:
+        pass
+    finally:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _read_cache(entry: Path, fe: FrontEnd, sha: str) -> SpeechFeatures | None:
@@ -412,11 +439,14 @@ def _read_cache(entry: Path, fe: FrontEnd, sha: str) -> SpeechFeatures | None:
         offsets = np.load(entry / "offsets.npy", allow_pickle=False)
     except (OSError, ValueError):
         return None
-    if meta.get("format") != CACHE_FORMAT or meta.get("archive_sha256") != sha or \
-            meta.get("front_end") != fe.to_dict() or offsets[-1] != len(frames):
+    if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT or meta.get("archive_sha256") != sha or \
+            meta.get("front_end") != fe.to_dict() or not len(offsets) or offsets[-1] != len(frames):
         return None
-    return SpeechFeatures(frames, offsets, meta["names"], np.array(meta["digits"], np.int64), meta["speakers"],
-                          np.array(meta["indices"], np.int64), fe, sha)
+    try:
+        return SpeechFeatures(frames, offsets, meta["names"], np.array(meta["digits"], np.int64), meta["speakers"],
+                              np.array(meta["indices"], np.int64), fe, sha)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 # ---- the frozen recognizer -------------------------------------------------------------

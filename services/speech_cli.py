@@ -56,13 +56,18 @@ def train_main(argv: list[str]) -> int:
     from mariana.services.runtime.logs import setup_logging
     from mariana.trainer.strategies import data_parallel as dp
 
+    from mariana.trainer.job import check_out_dir
+
     args = build_train_parser().parse_args(argv)
     setup_logging(-1 if args.quiet or dp.DistContext.from_env().rank > 0 else args.verbose)
     cfg = _config(args)
+    check_out_dir(args.out)  # as `mariana train` does: before any epoch (and any rank), not at the publish
 
     def check() -> None:  # fill the feature cache once, not in every rank, and check the split
         from mariana.featurizer.speech import fsdd_archive, load_features
-        load_features(fsdd_archive(args.data), cfg.front_end).split(cfg.split)
+        from mariana.trainer.speech import split_features
+        archive = fsdd_archive(args.data)
+        split_features(load_features(archive, cfg.front_end), cfg.split, archive)
 
     result = run_job(["train", "speech"], argv, args.nproc, cfg.device, lambda ctx, init: _train(cfg, args, ctx, init),
                      check)
@@ -119,6 +124,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
         raise MarianaError("--plot draws a click model's reliability; a speech model reports accuracy and "
                            "confusion (--json)")
+    _refuse_row_flags(args)
     rec = SpeechRecognizer.load(args.model)
     split = getattr(args, "split", None) or rec.manifest.get("train", {}).get("split", "official")
     t0 = time.perf_counter()
@@ -139,25 +145,50 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    """Per wav file: the digit and the posteriors (text: FILE DIGIT p0 .. p9; a file that
-    cannot be read: FILE nan, and a count on stderr)."""
-    from mariana.featurizer.speech import BadAudio, SpeechRecognizer
-    from mariana.sparse.inputs import split_spec
+    """Per wav file of --data (files, directories, globs: expanded as for click models): the digit
+    and the posteriors (text: FILE DIGIT p0 .. p9). A file that cannot be read prints FILE nan
+    (--skip-bad: nothing) and is counted on stderr; exit code 2 unless --skip-bad."""
+    from mariana.featurizer.speech import SpeechRecognizer
+    from mariana.sparse.inputs import expand_data_paths, split_spec
 
+    _refuse_row_flags(args)
+    paths = expand_data_paths(split_spec(args.data))
+    if not paths:
+        raise MarianaError("--data names no files")
     rec = SpeechRecognizer.load(args.model)
     bad = []
-    for path in split_spec(args.data):
-        try:
-            with open(path, "rb") as f:
-                out = rec.predict_wav(f.read(), path)
-        except (BadAudio, OSError) as e:
-            bad.append(f"{path}: {e.strerror.lower() if isinstance(e, OSError) and e.strerror else e}")
-            print(json.dumps({"file": path, "error": bad[-1]}) if args.json else f"{path}\tnan")
+    for path in paths:
+        out, error = _predict_file(rec, path)
+        if error is not None:
+            bad.append(error)
+            if not args.skip_bad:
+                print(json.dumps({"file": path, "error": error}) if args.json else f"{path}\tnan")
             continue
         print(json.dumps({"file": path, **out}) if args.json else
               f"{path}\t{out['digit']}\t" + " ".join(f"{p:.6f}" for p in out["posteriors"]))
     sys.stdout.flush()
     if bad:
-        print(f"mariana: {len(bad)} file(s) could not be read ({bad[0]})", file=sys.stderr)
-        return 2
-    return 0
+        what = "skipped" if args.skip_bad else "could not be read"
+        print(f"mariana: {len(bad)} file(s) {what} ({bad[0]})", file=sys.stderr)
+    return 2 if bad and not args.skip_bad else 0
+
+
+def _predict_file(rec, path: str) -> tuple[dict | None, str | None]:
+    """(the recognizer's answer, None), or (None, what is wrong with the file, named once)."""
+    from mariana.featurizer.speech import BadAudio
+
+    try:
+        with open(path, "rb") as f:
+            return rec.predict_wav(f.read(), path), None
+    except BadAudio as e:
+        return None, str(e)  # it names the file already
+    except OSError as e:
+        return None, f"{path}: {(e.strerror or str(e)).lower()}"
+
+
+def _refuse_row_flags(args: argparse.Namespace) -> None:
+    """Flags of `evaluate` / `predict` that describe a click model's rows mean nothing for wav
+    files: one line, not silently ignored."""
+    if getattr(args, "format", None):
+        raise MarianaError(f"--format is for a click model's rows; {args.model} holds a speech model, which reads "
+                           "wav files (drop --format)")

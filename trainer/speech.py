@@ -3,7 +3,8 @@ spoken digits, in one process or in N with synchronous data parallel
 (trainer/strategies/data_parallel.py). Read top to bottom:
 
     features = load_features(archive, front_end)     cached log-mel frames (featurizer/speech.py)
-    train, test = features.split(split)              official: index 0-4 held out; speaker:NAME
+    train, test = split_features(features, split)    official: index 0-4 held out; speaker:NAME;
+                                                      an empty part is an error, before any training
     x, y = context windows of the training frames     (frames, (2K+1) * n_mels), digit per frame
     model = SpeechDNN, inputs standardised by the training frames' mean and std
     join the process group; wrap the model in DDP with the exchange's hook
@@ -29,10 +30,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mariana.featurizer.speech import MODEL_KIND, FrontEnd, SpeechFeatures, fsdd_archive, load_features
-from mariana.sparse.errors import ConfigError
+from mariana.sparse.errors import ConfigError, MarianaError
 from mariana.trainer.checkpoint import save_version
 from mariana.trainer.config import DenseConfig
 from mariana.trainer.dense import make_optimizer, resolve_backend, resolve_device
+from mariana.trainer.job import check_out_dir
 from mariana.trainer.models.speech_dnn import SpeechDNN, SpeechDNNConfig, frozen_ops, utterance_scores
 from mariana.trainer.strategies import data_parallel as dp
 
@@ -60,8 +62,10 @@ class SpeechConfig:
         for key in ("epochs", "batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"speech: --{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
-        if self.threads < 0 or self.timeout_s <= 0:
-            raise ConfigError(f"speech: threads >= 0 and timeout_s > 0, got {self.threads}, {self.timeout_s}")
+        if self.threads < 0:
+            raise ConfigError(f"speech: --threads must be >= 0 (0: the cores / the ranks), got {self.threads}")
+        if not self.timeout_s > 0:  # (nan too)
+            raise ConfigError(f"speech: --timeout must be > 0 seconds, got {self.timeout_s:g}")
         self.exchange = str(dp.parse_exchange(self.exchange))
         self.dense()  # checks the optimizer, lr and device
 
@@ -87,11 +91,13 @@ def train_speech(cfg: SpeechConfig, data: str | os.PathLike | None, out: str | o
                  progress: Callable[[SpeechProgress], None] | None = None) -> dict:
     """Train as rank `ctx.rank` of `ctx.world_size` (joining the process group when there are
     several) and return the result record; rank 0 publishes a version to `out` (None: not)."""
+    if ctx.rank == 0 and out is not None:
+        check_out_dir(os.fspath(out))  # before the epochs, not after them
     device, threads = dp.place_rank(resolve_device(cfg.device), cfg.threads, ctx)
     dp.init_distributed(ctx, resolve_backend("auto", device), init_method, cfg.timeout_s)
     archive = fsdd_archive(data)
     feats = load_features(archive, cfg.front_end)
-    train, test = feats.split(cfg.split)
+    train, test = split_features(feats, cfg.split, archive)
     x, y, _ = train.windows()
     xt, _, ut = test.windows()
     x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
@@ -132,6 +138,24 @@ def train_speech(cfg: SpeechConfig, data: str | os.PathLike | None, out: str | o
         result["version"] = publish_speech(out, model, opt, cfg, result, feats)
         result["model_dir"] = os.path.abspath(out)
     return result
+
+
+def split_features(feats: SpeechFeatures, split: str, archive: os.PathLike) -> tuple[SpeechFeatures, SpeechFeatures]:
+    """(train, test) of `split`, or a MarianaError when either part is empty: no training
+    recordings left the model's input statistics undefined (a std() warning, then a division by
+    zero in the first step), and no test recordings published a version of accuracy 0.0 that
+    no test had measured. The docs promise neither, so both are refused before any training."""
+    train, test = feats.split(split)
+    where = f"--split {split} leaves no recordings to {{}} in {archive}: {{}}"
+    if not len(train):
+        why = "each has recording index 0-4, the official test part" if split == "official" else \
+            f"the archive holds only {split.split(':', 1)[1]}'s recordings"
+        raise MarianaError(where.format("train on", f"all {len(feats)} are held out ({why})"))
+    if not len(test):
+        why = "none has recording index 0-4, the official test part" if split == "official" else "none is held out"
+        raise MarianaError(where.format("test on", f"{why}; use an archive with held-out recordings, or "
+                                                   "another --split"))
+    return train, test
 
 
 def _fit(model, opt, exchange, counter, train, test, cfg: SpeechConfig, ctx: dp.DistContext, device,

@@ -429,18 +429,16 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
     torchrun does): RANK, WORLD_SIZE and LOCAL_RANK set, rendezvous through a file store in
     `workdir` (no port to clash). Returns when every rank exited 0. When one fails, the
     others get `grace_s` seconds to notice (their collectives fail or time out), then are
-    killed, and the first failure is raised as an error naming the rank."""
+    killed, and the first failure is raised as one error naming the rank. Each rank's stderr
+    comes through `RankStderr`: its log lines as they come, its own error line kept for that one."""
     import signal
     import subprocess
     import sys
-    import threading
     import time
-
-    from mariana.sparse.errors import MarianaError
 
     base = {**os.environ, **(env or {}), "WORLD_SIZE": str(nproc),
             "MARIANA_DIST_INIT": f"file://{os.path.abspath(workdir)}/rendezvous"}
-    procs = []
+    procs, relays = [], []
     failed: dict[int, tuple[float, int]] = {}  # rank -> (when seen, exit code)
 
     def stop(signum, frame):  # SIGTERM to the launcher alone left its ranks training on, and publishing
@@ -451,7 +449,9 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
     try:
         for rank in range(nproc):
             procs.append(subprocess.Popen([sys.executable, "-m", "mariana", *argv], preexec_fn=_die_with_parent,
-                                          env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+                                          env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                          stderr=subprocess.PIPE, text=True, errors="replace"))
+            relays.append(RankStderr(rank, nproc, procs[-1].stderr))
         while True:
             codes = [p.poll() for p in procs]  # every rank, each time: no short cut
             for rank, code in enumerate(codes):
@@ -469,11 +469,75 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for relay in relays:
+            relay.finish()
     if failed:
-        # the cause first: a rank killed by a signal (the others then fail on their collectives)
-        rank, (_, code) = min(failed.items(), key=lambda kv: (kv[1][1] >= 0, kv[1][0]))
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-        raise MarianaError(f"rank {rank} of {nproc} {how}; the job failed (the other ranks were stopped)")
+        raise _rank_failure(failed, relays, nproc)
+
+
+def _rank_failure(failed: dict[int, tuple[float, int]], relays: list["RankStderr"], nproc: int) -> Exception:
+    """The job's one error line: the rank that failed first, the cause before its consequences
+    (a rank killed by a signal, or one that failed on its own, before the ranks whose collectives
+    then failed, which may even abort on the way out), and that rank's own error if it had one."""
+    import signal
+
+    from mariana.sparse.errors import MarianaError
+
+    def order(item):
+        rank, (seen, code) = item
+        return relays[rank].collective_failed, code >= 0, seen
+    rank, (_, code) = min(failed.items(), key=order)
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    said = relays[rank].error
+    if said and relays[rank].collective_failed:  # no cause seen but this: say what kind, -v says the rest
+        said = "a collective timed out (--timeout)" if "timed out" in said.lower() else \
+            "a collective failed; -v shows its error"
+    why = f" ({said})" if said else ""
+    return MarianaError(f"rank {rank} of {nproc} {how}{why}; the job failed (the other ranks were stopped)")
+
+
+ERROR_PREFIX = "mariana: error: "
+
+
+class RankStderr:
+    """A rank's stderr, relayed to this process's line by line (its progress and log lines, a
+    traceback), up to the rank's own `mariana: error:` line: that line and what follows it go to
+    the debug log, and `error` keeps it for the job's one error line. A rank whose peer died
+    printed a long RuntimeError (gloo's "Connection closed by peer ... GLHF!", then "terminate
+    called without an active exception") before the launcher's line that says what happened."""
+
+    def __init__(self, rank: int, nproc: int, pipe) -> None:
+        self.rank, self.nproc = rank, nproc
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._relay, args=(pipe,), name=f"rank{rank}-stderr", daemon=True)
+        self._thread.start()
+
+    @property
+    def collective_failed(self) -> bool:
+        """Whether the rank's error was a failed collective (a consequence: services/ranks.py words it
+        `rank R of N: ...`) rather than a cause of its own."""
+        return self.error is not None and self.error.startswith(f"rank {self.rank} of {self.nproc}: ")
+
+    def finish(self, timeout_s: float = 5.0) -> None:
+        """Wait for the rest of the output (the rank has exited: its end of the pipe is closed)."""
+        self._thread.join(timeout_s)
+
+    def _relay(self, pipe) -> None:
+        import sys
+
+        with pipe:
+            for line in pipe:
+                if self.error is None and line.startswith(ERROR_PREFIX):
+                    self.error = line[len(ERROR_PREFIX):].strip()
+                if self.error is None:
+                    with _STDERR_LOCK:
+                        sys.stderr.write(line)
+                        sys.stderr.flush()
+                else:
+                    log.debug("rank %d of %d: %s", self.rank, self.nproc, line.rstrip())
+
+
+_STDERR_LOCK = threading.Lock()
 
 
 def _die_with_parent() -> None:

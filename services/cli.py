@@ -397,16 +397,22 @@ def _job_config(args: argparse.Namespace):
 
 
 def _model_and_data(args: argparse.Namespace):
-    """(the CURRENT version of --model, the --data paths), checked before any work."""
+    """(the version --model names: DIR's CURRENT, or DIR:vNNNNNN; the --data paths), checked
+    before any work. A version CURRENT does not name (a refused retrain candidate) can be scored."""
     from mariana.sparse.parse import Reader
-    from mariana.trainer.bundle import ModelBundle
+    from mariana.trainer.bundle import ModelBundle, parse_init_from
     from mariana.trainer.job import check_inputs
 
     paths = _paths(args.data)
     if not paths:
         raise MarianaError("--data names no files")
     check_inputs(paths)
-    bundle = ModelBundle.load(args.model)
+    model_dir, version = parse_init_from(args.model, "--model")
+    if version and not os.path.isdir(os.path.join(model_dir, version)):
+        raise MarianaError(f"{model_dir}: no such model directory" if not os.path.isdir(model_dir) else
+                           f"{model_dir}: no version {version} (`mariana model list --model-dir {model_dir}` "
+                           "lists them)")
+    bundle = ModelBundle.load(model_dir, version)
     if args.format and args.format != bundle.config.data.format:
         raise MarianaError(f"{args.model}: the model reads {bundle.config.data.format} rows; "
                            f"--format {args.format} does not match")
@@ -610,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.set_defaults(func=cmd_tune)
 
     e = sub.add_parser("evaluate", help="metrics of a model on labeled data")
-    e.add_argument("--model", required=True, help="model directory (its CURRENT version)")
+    e.add_argument("--model", required=True, help="model directory (its CURRENT version), or DIR:vNNNNNN")
     e.add_argument("--data", required=True, help="labeled rows: files, directories or globs, comma-separated")
     e.add_argument("--format", choices=FORMATS, help="the rows' format (default: the model's; must match it)")
     e.add_argument("--json", action="store_true", help="print the metrics as one JSON line")
@@ -621,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_evaluate)
 
     pr = sub.add_parser("predict", help="print one pCTR per input row (nan for a row that cannot be read)")
-    pr.add_argument("--model", required=True, help="model directory (its CURRENT version)")
+    pr.add_argument("--model", required=True, help="model directory (its CURRENT version), or DIR:vNNNNNN")
     pr.add_argument("--data", required=True,
                     help="labeled or unlabeled rows: files, directories or globs, comma-separated")
     pr.add_argument("--format", choices=FORMATS, help="the rows' format (default: the model's; must match it)")

@@ -390,8 +390,9 @@ def _flat(arrays: list[np.ndarray]) -> np.ndarray:
         else np.zeros(0, np.float32)
 
 
-def parse_init_from(spec: str) -> tuple[str, str | None]:
+def parse_init_from(spec: str, flag: str = "--init-from") -> tuple[str, str | None]:
     """'models' -> ('models', None): CURRENT; 'models:v000003' -> ('models', 'v000003').
+    (`--init-from`'s, and `--model`'s of evaluate and predict: `flag` names it in the error.)
 
     >>> parse_init_from("runs/m:v000012"), parse_init_from("runs/m")
     (('runs/m', 'v000012'), ('runs/m', None))
@@ -400,7 +401,7 @@ def parse_init_from(spec: str) -> tuple[str, str | None]:
     if sep and checkpoint.VERSION_RE.match(tail):
         return head, tail
     if sep and not tail and head:  # 'DIR:' with the version left out
-        raise ModelDirError(f"--init-from {spec!r}: name a version after the ':' (DIR:v000003), or DIR alone for the "
+        raise ModelDirError(f"{flag} {spec!r}: name a version after the ':' (DIR:v000003), or DIR alone for the "
                             "version its CURRENT names")
     return spec, None
 

@@ -250,3 +250,22 @@ def test_a_usage_error_is_one_line_exit_2(argv):
     proc = run_cli(*argv)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert ": error: argument " in proc.stderr and "--help` lists the options" in proc.stderr
+
+
+def test_evaluate_and_predict_take_a_version_current_does_not_name(gen_files, tmp_path):
+    """--model DIR:vNNNNNN scores that version (a refused retrain candidate "stays for a
+    look": it could not be scored); a missing one, or 'DIR:', is one clear line."""
+    m = tmp_path / "m"
+    for _ in range(2):
+        run_cli("-q", "train", "--data", gen_files["test"], "--out", m, check=True)
+    (m / "CURRENT").write_text("v000002\n")
+    one = last_json(run_cli("evaluate", "--model", f"{m}:v000001", "--data", gen_files["test"], "--json", check=True))
+    assert one["model_version"] == "v000001"
+    assert last_json(run_cli("evaluate", "--model", m, "--data", gen_files["test"], "--json",
+                             check=True))["model_version"] == "v000002"
+    pred = run_cli("predict", "--model", f"{m}:v000001", "--data", gen_files["test"], check=True).stdout.split()
+    assert len(pred) == one["rows"]
+    for spec, says in ((f"{m}:v000009", f"{m}: no version v000009"), (f"{m}:", "name a version after the ':'"),
+                       (f"{tmp_path / 'nope'}:v000001", "no such model directory")):
+        proc = run_cli("evaluate", "--model", spec, "--data", gen_files["test"])
+        assert proc.returncode == 2 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

@@ -279,9 +279,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _speech_model(model_dir: str) -> bool:
+def _speech_model(spec: str) -> bool:
+    """Whether --model (DIR or DIR:vNNNNNN) is a directory of speech versions."""
     from mariana.featurizer.speech import is_speech_model
-    return is_speech_model(model_dir)
+    from mariana.trainer.bundle import parse_init_from
+
+    return is_speech_model(parse_init_from(spec, "--model")[0])
 
 
 def cmd_run(args: argparse.Namespace) -> int:

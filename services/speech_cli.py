@@ -6,7 +6,8 @@ branch of `evaluate` and `predict` (services/cli.py routes to them):
                          --out MODEL_DIR [--json]
     torchrun --nproc-per-node N -m mariana train speech ...      (the same job under torchrun)
     mariana evaluate --model MODEL_DIR --data FSDD [--split ...]  (a speech version: utterance accuracy)
-    mariana predict --model MODEL_DIR --data FILE.wav[,...]      (the digit and its posteriors per file)
+    mariana predict --model MODEL_DIR --data WAVS [--skip-bad]   (the digit and its posteriors per file; WAVS:
+                                                                  files, directories or globs, comma-separated)
 
 FSDD is the archive fsdd_recordings.tar.gz or the directory holding it (default
 $MARIANA_DATA/fsdd, else ../shared/data/fsdd). With --nproc N > 1 this process
@@ -54,9 +55,8 @@ def train_main(argv: list[str]) -> int:
     from mariana.services.ranks import run_job
     from mariana.services.runtime import report
     from mariana.services.runtime.logs import setup_logging
-    from mariana.trainer.strategies import data_parallel as dp
-
     from mariana.trainer.job import check_out_dir
+    from mariana.trainer.strategies import data_parallel as dp
 
     args = build_train_parser().parse_args(argv)
     setup_logging(-1 if args.quiet or dp.DistContext.from_env().rank > 0 else args.verbose)
@@ -125,7 +125,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise MarianaError("--plot draws a click model's reliability; a speech model reports accuracy and "
                            "confusion (--json)")
     _refuse_row_flags(args)
-    rec = SpeechRecognizer.load(args.model)
+    rec = SpeechRecognizer.load(*_model_spec(args.model))
     split = getattr(args, "split", None) or rec.manifest.get("train", {}).get("split", "official")
     t0 = time.perf_counter()
     _, test = split_utterances(read_archive(fsdd_archive(args.data), rec.front_end.sample_rate), split)
@@ -138,7 +138,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     np.add.at(confusion, (digits, guesses), 1)
     record = {"accuracy": round(float((guesses == digits).mean()), 4), "errors": int((guesses != digits).sum()),
               "utterances": len(test), "split": split, "seconds": round(time.perf_counter() - t0, 3),
-              "model_dir": os.path.abspath(args.model), "model_version": rec.manifest.get("version"),
+              "model_dir": os.path.abspath(_model_spec(args.model)[0]), "model_version": rec.manifest.get("version"),
               "confusion": confusion.tolist() if args.json else None}
     report.print_record({k: v for k, v in record.items() if v is not None}, args.json)
     return 0
@@ -155,7 +155,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     paths = expand_data_paths(split_spec(args.data))
     if not paths:
         raise MarianaError("--data names no files")
-    rec = SpeechRecognizer.load(args.model)
+    rec = SpeechRecognizer.load(*_model_spec(args.model))
     bad = []
     for path in paths:
         out, error = _predict_file(rec, path)
@@ -192,3 +192,10 @@ def _refuse_row_flags(args: argparse.Namespace) -> None:
     if getattr(args, "format", None):
         raise MarianaError(f"--format is for a click model's rows; {args.model} holds a speech model, which reads "
                            "wav files (drop --format)")
+
+
+def _model_spec(spec: str) -> tuple[str, str | None]:
+    """--model DIR (its CURRENT) or DIR:vNNNNNN, as for click models."""
+    from mariana.trainer.bundle import parse_init_from
+
+    return parse_init_from(spec, "--model")

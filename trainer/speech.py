@@ -146,15 +146,15 @@ def split_features(feats: SpeechFeatures, split: str, archive: os.PathLike) -> t
     zero in the first step), and no test recordings published a version of accuracy 0.0 that
     no test had measured. The docs promise neither, so both are refused before any training."""
     train, test = feats.split(split)
-    where = f"--split {split} leaves no recordings to {{}} in {archive}: {{}}"
     if not len(train):
         why = "each has recording index 0-4, the official test part" if split == "official" else \
             f"the archive holds only {split.split(':', 1)[1]}'s recordings"
-        raise MarianaError(where.format("train on", f"all {len(feats)} are held out ({why})"))
+        raise MarianaError(f"--split {split} leaves no recordings to train on in {archive}: all {len(feats)} are "
+                           f"held out ({why})")
     if not len(test):
         why = "none has recording index 0-4, the official test part" if split == "official" else "none is held out"
-        raise MarianaError(where.format("test on", f"{why}; use an archive with held-out recordings, or "
-                                                   "another --split"))
+        raise MarianaError(f"--split {split} leaves no recordings to test on in {archive}: {why}; use an archive "
+                           "with held-out recordings, or another --split")
     return train, test
 
 

@@ -71,6 +71,42 @@ def test_the_feature_cache_is_keyed_by_the_archive_and_the_front_end(tmp_path, t
     assert len(train) == len(test) == 100 and x.shape == (len(y), 440) and utt.max() == 99
 
 
+def test_an_unreadable_cache_entry_is_replaced_not_recomputed_every_run(tmp_path, tones):
+    """A corrupt entry (meta.json not JSON, or JSON of the wrong shape) was taken for "another
+    process cached it first": kept for ever, and every run computed the features again (the
+    wrong shape was an AttributeError)."""
+    cache = tmp_path / "cache"
+    first = load_features(tones, FrontEnd(), cache)
+    (entry,) = cache.iterdir()
+    for junk in ("x\n", "[1]"):
+        (entry / "meta.json").write_text(junk)
+        again = load_features(tones, FrontEnd(), cache)
+        assert np.array_equal(again.frames, first.frames) and again.names == first.names
+        assert json.loads((entry / "meta.json").read_text())["format"] == speech.CACHE_FORMAT
+        assert [p.name for p in cache.iterdir()] == [entry.name]  # no temp dir or old entry left
+
+
+def test_processes_repairing_one_cache_entry_at_once_leave_one_whole_entry(tmp_path, tones):
+    """Each moves the junk aside and renames its own entry in: whichever comes second finds a
+    whole entry and keeps it (real processes, started together)."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    first = load_features(tones, FrontEnd(), cache)
+    (entry,) = cache.iterdir()
+    (entry / "meta.json").write_text("x")
+    code = ("import sys; from mariana.featurizer.speech import FrontEnd, load_features; "
+            "print(len(load_features(sys.argv[1], FrontEnd(), sys.argv[2])))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tones), str(cache)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0] and [o.strip() for o, _ in outs] == ["200"] * 3, outs
+    assert [p.name for p in cache.iterdir()] == [entry.name]
+    again = speech._read_cache(entry, FrontEnd(), first.archive_sha256)
+    assert again is not None and np.array_equal(again.frames, first.frames)
+
+
 def extensible(samples: np.ndarray, sub_format: int = 1) -> bytes:
     """A mono 16-bit 8 kHz wav written as WAVE_FORMAT_EXTENSIBLE (sub-format 1: PCM, 3: float)."""
     data = samples.astype("<i2").tobytes()

@@ -5,6 +5,7 @@
     mariana model list --model-dir DIR [--json]
     mariana model promote VERSION --model-dir DIR [--notify REDIS_URL]
     mariana model rollback --model-dir DIR [--notify REDIS_URL]
+    mariana model prune --keep N --model-dir DIR [--dry-run] [--json]
     mariana retrain --config FILE [--json]
 
 `model` and `retrain` take the model dir and Redis from `--config` (its
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from mariana.services.runtime import report
 from mariana.services.runtime.redis_url import check_redis_url
@@ -38,8 +40,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_model(args: argparse.Namespace) -> int:
     from mariana.trainer import checkpoint
 
+    if args.action != "prune" and (args.keep is not None or args.dry_run):
+        raise MarianaError(f"model {args.action}: --keep and --dry-run are for 'mariana model prune'")
     cfg = _config(args)
     model_dir = cfg.serve.model_dir
+    if args.action == "prune":
+        return _prune(args, model_dir)
     if getattr(args, "notify", None):  # before CURRENT moves, not after
         check_redis_url(args.notify, "--notify")
     if args.action == "list":
@@ -74,6 +80,43 @@ def cmd_model(args: argparse.Namespace) -> int:
 
         model_events.publish(url, reason, model_dir, target, target, cfg.serve.channel)
     return 0
+
+
+def _prune(args: argparse.Namespace, model_dir: str) -> int:
+    """`model prune`: one line per version removed (or, with --dry-run, that would be), what
+    stays and why, and the bytes freed; exit 1 when a version could not be removed."""
+    from mariana.trainer import checkpoint
+
+    if args.version or args.notify:
+        raise MarianaError("model prune takes no VERSION and no --notify: it moves no version (CURRENT, the "
+                           "rollback target and the newest --keep N stay)")
+    if args.keep is None or args.keep < 1:
+        got = "none given" if args.keep is None else f"got {args.keep}"
+        raise MarianaError(f"model prune: --keep N must be >= 1, the newest versions kept besides CURRENT and the "
+                           f"one a rollback goes back to ({got})")
+    result = checkpoint.prune(model_dir, args.keep, dry_run=args.dry_run)
+    if args.json:
+        print(report.dumps(result))
+    else:
+        _print_pruned(result)
+    for why in result["errors"]:
+        print(f"mariana: error: {why}", file=sys.stderr)
+    return 1 if result["errors"] else 0
+
+
+def _print_pruned(r: dict) -> None:
+    verb = "would remove" if r["dry_run"] else "removed"
+    for x in r["removed"]:
+        left = "  (left by an interrupted prune)" if x["leftover"] else ""
+        print(f"{verb} {x['name']}  {x['bytes']:,} bytes{left}")
+    print("kept " + ", ".join(f"{k['version']} ({', '.join(k['why'])})" for k in r["kept"]))
+    leftovers = sum(x["leftover"] for x in r["removed"])
+    what = f"{len(r['removed']) - leftovers} version(s)" + (f" and {leftovers} leftover(s)" if leftovers else "")
+    if r["dry_run"]:
+        print(f"{r['model_dir']}: would remove {what}, freeing {r['bytes_freed']:,} bytes (--dry-run: nothing "
+              "was removed)")
+    else:
+        print(f"{r['model_dir']}: removed {what}, {r['bytes_freed']:,} bytes freed")
 
 
 def cmd_retrain(args: argparse.Namespace) -> int:
@@ -114,7 +157,8 @@ def _versions(model_dir: str) -> list[dict]:
         try:
             m = checkpoint.read_manifest(model_dir, v)
         except MarianaError as e:
-            rows.append({"version": v, "current": v == current, "error": str(e)})
+            if os.path.isdir(os.path.join(model_dir, v)):  # else pruned since it was listed
+                rows.append({"version": v, "current": v == current, "error": str(e)})
             continue
         metrics, train = m.get("metrics") or {}, m.get("train") or {}
         rows.append({"version": v, "current": v == current, "created_at": m.get("created_at"),
@@ -137,20 +181,24 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--config", help="TOML with [serve] (and [retrain] for POST /v1/retrain)")
     s.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (default 8080; 0: any free one)")
-    s.add_argument("--workers", type=int, help="processes sharing the port (default: one per core)")
+    s.add_argument("--workers", type=int, help="processes sharing the port (default: one per CPU it may use)")
     s.add_argument("--redis-url", help="Redis where new versions are announced (default: poll CURRENT only)")
     s.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor
     s.add_argument("--run-dir", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
-    m = sub.add_parser("model", help="list the versions of a model directory, promote one, roll back")
-    m.add_argument("action", choices=("list", "promote", "rollback"),
-                   help="list the versions, promote VERSION to CURRENT, or roll back to the one served before")
+    m = sub.add_parser("model", help="list the versions of a model directory, promote one, roll back, prune")
+    m.add_argument("action", choices=("list", "promote", "rollback", "prune"),
+                   help="list the versions, promote VERSION to CURRENT, roll back to the one served before, or "
+                        "prune: remove the versions but CURRENT, the rollback target and the newest --keep N")
     m.add_argument("version", nargs="?", help="promote: the version to serve")
     m.add_argument("--model-dir", help="model directory (default: serve.model_dir of --config)")
     m.add_argument("--config", help="serve config (model dir, and the Redis to announce changes on)")
     m.add_argument("--notify", metavar="REDIS_URL", help="announce the change here (servers swap at once)")
-    m.add_argument("--json", action="store_true", help="list: print one JSON object")
+    m.add_argument("--keep", type=int, metavar="N", help="prune: the newest versions to keep (>= 1), besides "
+                   "CURRENT and the one a rollback goes back to")
+    m.add_argument("--dry-run", action="store_true", help="prune: say what would be removed, remove nothing")
+    m.add_argument("--json", action="store_true", help="list, prune: print one JSON object")
     m.set_defaults(func=cmd_model)
 
     r = sub.add_parser("retrain", help="train on the newest data window; promote only if not worse")

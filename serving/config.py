@@ -14,6 +14,7 @@
     train_files = 3               # the window trained on ...
     eval_files = 1                # ... and the later window both models are scored on
     auc_tolerance = 0.0           # promote when new AUC >= served AUC - tolerance
+    keep_versions = 7             # after each decision: CURRENT, its rollback target and the newest 7 stay
 
 Loaded like every config here: defaults <- TOML <- `MARIANA_SERVE__PORT`-style
 environment <- flags. Unknown keys and wrong types are errors naming the key.
@@ -91,12 +92,19 @@ class RetrainSection:
     mode: str = "local"                 # or "cluster": train on the cluster that is up
     cluster_config: str = ""            # cluster mode: its TOML (default: the built-in defaults)
     warm_start: bool = False            # go on from the served version's weights (daily incremental training)
+    keep_versions: int = 0              # after each decision, versions pruned to CURRENT, its rollback target and
+                                        # the newest this many (`mariana model prune --keep N`); 0: keep every one
+    keep_runs: int = 20                 # <model_dir>/.retrain/ files of finished retrains started over HTTP kept
+                                        # (the newest); 0: keep every one
 
     def __post_init__(self) -> None:
         if self.mode not in ("local", "cluster"):
             raise ConfigError(f"retrain.mode must be 'local' or 'cluster', got {self.mode!r}")
         if self.train_files < 1 or self.eval_files < 1:
             raise ConfigError("retrain.train_files and retrain.eval_files must be >= 1")
+        for key in ("keep_versions", "keep_runs"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"retrain.{key} must be >= 0 (0: keep every one), got {getattr(self, key)}")
         if not 0 <= self.auc_tolerance < 1:  # an AUC lies in [0, 1]: a tolerance of 1 or more gates nothing
             raise ConfigError(f"retrain.auc_tolerance must be in [0, 1), got {self.auc_tolerance}")
 

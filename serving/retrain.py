@@ -9,7 +9,10 @@ timer in deploy/. One retrain per model directory at a time (a lock file). Every
 decision is a JSON line in <model_dir>/decisions.jsonl: a candidate trained and
 then not gated (the eval failed) is one too, verdict "failed", with why. A
 promotion moves CURRENT (recorded in promotions.jsonl) and is announced on
-Redis, so servers swap to it.
+Redis, so servers swap to it. After the decision is recorded, the model dir is tidied:
+versions pruned to `retrain.keep_versions` (checkpoint.prune: CURRENT and its rollback
+target always stay) and the files of finished runs under .retrain/ beyond the newest
+`retrain.keep_runs` removed; a failure there is a warning, never a failed retrain.
 
     {"time": ..., "verdict": "promoted" | "refused" | "failed", "reason": "...",
      "new_version": "v000004", "served_version": "v000003",
@@ -121,6 +124,7 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         decision.update(verdict="failed", reason=f"the candidate could not be gated: {_why(e)}")
         _record(model_dir, decision)
         status.update(decision=decision)
+        tidy(cfg, status.path)
         log.error("retrain %s: failed %s (%s)", model_dir, new, decision["reason"])
         if isinstance(e, MarianaError):
             raise MarianaError(f"retrain {model_dir}: {new} was trained but could not be gated: {e}; recorded "
@@ -131,7 +135,83 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     if decision["verdict"] == "promoted":
         if cfg.serve.redis_url:
             model_events.publish(cfg.serve.redis_url, "promoted", model_dir, new, new, cfg.serve.channel)
+    tidy(cfg, status.path)
     return decision
+
+
+def tidy(cfg: ServeConfig, own_status: str | None) -> None:
+    """After a decision: the versions pruned to `retrain.keep_versions` and the files of
+    finished runs to `retrain.keep_runs` (0: that is not done). The decision is recorded and
+    stands: whatever goes wrong here is a warning."""
+    model_dir, r = cfg.serve.model_dir, cfg.retrain
+    if r.keep_versions:
+        try:
+            result = checkpoint.prune(model_dir, r.keep_versions)
+        except Exception as e:  # a bug too: the retrain did its work
+            log.warning("retrain %s: the old versions were not pruned: %s", model_dir, _why(e))
+        else:
+            if result["removed"]:
+                log.info("retrain %s: pruned %s (%s bytes freed); kept %s", model_dir,
+                         ", ".join(x["name"] for x in result["removed"]), f"{result['bytes_freed']:,}",
+                         ", ".join(k["version"] for k in result["kept"]))
+            for why in result["errors"]:
+                log.warning("retrain %s: prune: %s", model_dir, why)
+    if r.keep_runs:
+        try:
+            gone = prune_runs(model_dir, r.keep_runs, own_status)
+        except Exception as e:
+            log.warning("retrain %s: the files of old runs in %s/ were not removed: %s", model_dir, RUNS, _why(e))
+        else:
+            if gone:
+                log.info("retrain %s: removed the files of %d finished run(s) from %s/ (oldest %s)", model_dir,
+                         len(gone), RUNS, gone[0])
+
+
+RUN_FILE = re.compile(r"^(r\d{8}-\d{6}-[0-9a-f]{6})\.(json|log|toml|json\.tmp)$")
+
+
+def prune_runs(model_dir: str, keep: int, own_status: str | None = None) -> list[str]:
+    """Remove the files under <model_dir>/.retrain/ (<id>.json, .log, .toml) of finished runs
+    but the newest `keep` (ids sort by start time); returns the ids removed. Called by a
+    retrain, holding the model dir's retrain lock: no other retrain runs or starts meanwhile
+    (a server takes that lock before it starts one), so a run is done unless it is this one
+    (`own_status`), or its status names a live pid and no end (kept all the same)."""
+    runs = os.path.join(model_dir, RUNS)
+    try:
+        names = os.listdir(runs)
+    except FileNotFoundError:
+        return []
+    files: dict[str, list[str]] = {}
+    for name in names:
+        m = RUN_FILE.match(name)
+        if m:
+            files.setdefault(m.group(1), []).append(name)
+    own = os.path.abspath(own_status) if own_status else None
+    done = [run for run in sorted(files) if not _may_run(os.path.join(runs, f"{run}.json"), own)]
+    gone = done[:-keep]
+    for run in gone:
+        for name in files[run]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(runs, name))
+    return gone
+
+
+def _may_run(status: str, own: str | None) -> bool:
+    """Whether the run of this status file may still be running (see `prune_runs`)."""
+    if own is not None and os.path.abspath(status) == own:
+        return True
+    try:
+        data = json.loads(Path(status).read_text())
+    except FileNotFoundError:  # files of a run that never wrote a status: it never started
+        return False
+    except ValueError:  # not JSON (a status is replaced whole, never half-written): no run keeps it
+        return False
+    except OSError:  # unreadable: it cannot be told, and is left alone
+        return True
+    if not isinstance(data, dict) or data.get("state") in ("done", "failed"):
+        return False
+    pid = data.get("pid")
+    return isinstance(pid, int) and procs.running(pid)
 
 
 def _judge(model_dir: str, new: str, served: str | None, evals: list[str], tolerance: float) -> dict:

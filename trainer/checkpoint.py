@@ -10,10 +10,13 @@
       HIGHEST_VERSION          the highest version name ever given here: one deleted is not given again
       promotions.jsonl         one line per move of CURRENT: time, from, to, reason
       decisions.jsonl          one line per retrain verdict (serving/retrain.py)
+      .pruned-v000001-PID/     a version `prune` is removing (renamed aside, then deleted)
 
 A version is written into a hidden temp dir, fsynced, renamed into place
 atomically, and only then does `CURRENT` move (by an atomic rename too), so a
-reader never sees a half-written version.
+reader never sees a half-written version. `prune` removes old versions the same way
+round: renamed aside to a hidden name, then deleted. The lines of promotions.jsonl and
+decisions.jsonl stay: they are history, and may name versions no longer here.
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ MANIFEST = "manifest.json"
 PROMOTIONS = "promotions.jsonl"
 DECISIONS = "decisions.jsonl"
 HIGHEST = "HIGHEST_VERSION"
+PRUNED = ".pruned-"  # a version being removed by `prune`: `.pruned-v000003-<pid>`
+PRUNED_RE = re.compile(r"^\.pruned-v\d{6,}-\d+$")
 
 
 def list_versions(model_dir: str | os.PathLike) -> list[str]:
@@ -105,6 +110,8 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
     if not (d / version).is_dir():
         raise ModelDirError(f"{model_dir}: no version {version!r}")
     with _locked(d):
+        if not (d / version).is_dir():  # again, under the lock: a prune may have removed it since
+            raise ModelDirError(f"{model_dir}: no version {version!r} (removed meanwhile); CURRENT was left as it is")
         try:
             before = current_version(d)
         except ModelDirError:
@@ -197,7 +204,8 @@ def overview(model_dir: str | os.PathLike, limit: int = 50) -> dict | None:
         try:
             m = read_manifest(d, v)
         except ModelDirError as e:
-            versions.append({"version": v, "current": v == current, "error": str(e)})
+            if (d / v).is_dir():  # else pruned since it was listed: not a version any more
+                versions.append({"version": v, "current": v == current, "error": str(e)})
             continue
         train = m.get("train") or {}
         versions.append({"version": v, "current": v == current, "created": m.get("created_at"),
@@ -212,9 +220,29 @@ def overview(model_dir: str | os.PathLike, limit: int = 50) -> dict | None:
 def rollback_target(model_dir: str | os.PathLike, current: str | None = None) -> str:
     """The version served before the current one came in: the moves of CURRENT are a
     stack (a promotion pushes the version it replaced, a rollback pops), so repeated
-    rollbacks walk further back. Without a record, the version below CURRENT. `current`:
-    the version to roll back from (default: what CURRENT names now)."""
+    rollbacks walk further back. A version the record names that is no longer here (pruned,
+    deleted) is passed over, with a warning; when every one is gone, ModelDirError says so
+    (never a version below that was never served, such as a refused candidate). Without a
+    record, the version below CURRENT. `current`: the version to roll back from (default:
+    what CURRENT names now)."""
     current = current or current_version(model_dir)
+    target, gone = _rollback_walk(model_dir, current)
+    if target is None and gone:
+        raise ModelDirError(f"{model_dir}: nothing to roll back to: {_listed(gone)}, served before {current}, "
+                            f"{'is' if len(gone) == 1 else 'are'} no longer in the directory (pruned or deleted); "
+                            "promote a version by name instead (see 'mariana model list')")
+    if target is None:
+        raise ModelDirError(f"{model_dir}: nothing to roll back to (no version was served before {current})")
+    if gone:
+        log.warning("%s: %s, served before %s, %s no longer in the directory (pruned or deleted): a rollback goes "
+                    "to %s, served before %s", model_dir, _listed(gone), current, "is" if len(gone) == 1 else "are",
+                    target, "it" if len(gone) == 1 else "them")
+    return target
+
+
+def _rollback_walk(model_dir: str | os.PathLike, current: str) -> tuple[str | None, list[str]]:
+    """(the version a rollback from `current` goes to, None when there is none; the versions
+    the record names above it on the stack that are gone from the directory)."""
     stack: list[str] = []
     for rec in promotions(model_dir):
         if rec.get("reason") == "rollback":
@@ -223,14 +251,121 @@ def rollback_target(model_dir: str | os.PathLike, current: str | None = None) ->
         elif rec.get("from"):
             stack.append(rec["from"])
     versions = list_versions(model_dir)
+    gone: list[str] = []
     while stack:
         target = stack.pop()
-        if target != current and target in versions:
-            return target
+        if target == current:
+            continue
+        if target in versions:
+            return target, gone
+        if target not in gone:
+            gone.append(target)
+    if gone:  # the record names what served before, and none of it is here: no guess below
+        return None, gone
     older = [v for v in versions if int(v[1:]) < int(current[1:])]
-    if not older:
-        raise ModelDirError(f"{model_dir}: nothing to roll back to (no version was served before {current})")
-    return older[-1]
+    return (older[-1] if older else None), []
+
+
+def _listed(names: list[str]) -> str:
+    """
+    >>> _listed(["v000003"]), _listed(["v000003", "v000001"])
+    ('v000003', 'v000003 and v000001')
+    """
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
+
+
+def prune(model_dir: str | os.PathLike, keep: int, dry_run: bool = False) -> dict:
+    """Remove every version but the one CURRENT names, the one a rollback would go back to
+    now (`rollback_target`: so a rollback always works) and the newest `keep` (by name), and
+    what an interrupted prune left (hidden `.pruned-*` dirs); nothing else is touched. Under
+    the dir's lock, CURRENT re-read under it: no move of CURRENT lands meanwhile, and a version
+    published meanwhile is newer than any listed. Each version is renamed to a hidden name
+    (the dir fsynced) before it is deleted: a reader finds all of it or none, and a crash
+    leaves only a hidden dir, which the next prune removes. Returns what it kept and why,
+    what it removed with its bytes, the bytes freed, and the errors (a version that could not
+    be removed is left, and named there); with `dry_run` what it would remove.
+
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> for _ in range(4): _ = save_version(tmp.name, {}, {"w": np.zeros(1, np.float32)}, reason="trained")
+    >>> r = prune(tmp.name, keep=1)
+    >>> r["current"], r["rollback_target"], [x["name"] for x in r["removed"]], list_versions(tmp.name)
+    ('v000004', 'v000003', ['v000001', 'v000002'], ['v000003', 'v000004'])
+    >>> tmp.cleanup()
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the newest versions kept besides CURRENT and the rollback target), "
+                         f"got {keep}")
+    d = Path(model_dir)
+    _current_to_prune(d)  # a missing dir, no CURRENT: said before the lock is taken (it needs the dir)
+    with _locked(d):
+        current = _current_to_prune(d)  # again under the lock: CURRENT cannot move until it is released
+        target, _ = _rollback_walk(d, current)
+        kept, remove = _prune_plan(d, current, target, keep)
+        removed, errors = [], []
+        for name in remove:
+            item = {"name": name, "bytes": _size(d / name), "leftover": bool(PRUNED_RE.match(name))}
+            why = None if dry_run else _remove(d, name)
+            if why:
+                errors.append(why)
+            else:
+                removed.append(item)
+        if removed and not dry_run:
+            fsync_dir(d)
+    return {"model_dir": str(d), "dry_run": dry_run, "keep": keep, "current": current, "rollback_target": target,
+            "kept": kept, "removed": removed, "bytes_freed": sum(r["bytes"] for r in removed), "errors": errors}
+
+
+def _current_to_prune(d: Path) -> str:
+    try:
+        return current_version(d)
+    except ModelDirError as e:  # without a version known to serve, nothing is known safe to remove
+        raise ModelDirError(f"{e}; prune removed nothing") from None
+
+
+def _prune_plan(d: Path, current: str, target: str | None, keep: int) -> tuple[list[dict], list[str]]:
+    """([{version, why}] kept, names to remove: versions, then leftovers of a prune)."""
+    versions = list_versions(d)
+    links = [v for v in versions if (d / v).is_symlink()]  # not a version dir of this one: left as it is
+    why: dict[str, list[str]] = {v: ["a symbolic link"] if v in links else [] for v in versions}
+    why[current].append("CURRENT")
+    if target is not None:
+        why[target].append("rollback target")
+    for v in [v for v in versions if v not in links][-keep:]:
+        why[v].append(f"newest {keep}")
+    leftovers = sorted(e.name for e in os.scandir(d) if PRUNED_RE.match(e.name) and e.is_dir(follow_symlinks=False))
+    return ([{"version": v, "why": w} for v, w in why.items() if w],
+            [v for v in versions if not why[v]] + leftovers)
+
+
+def _remove(d: Path, name: str) -> str | None:
+    """Delete version (or leftover) `name`, a version renamed aside first; why not, or None."""
+    path = d / name
+    if VERSION_RE.match(name):
+        aside = d / f"{PRUNED}{name}-{os.getpid()}"
+        try:
+            os.rename(path, aside)
+        except OSError as e:
+            return f"{d}: cannot remove {name}: {_why(e, d)}; it was left as it is"
+        path = aside
+    try:
+        fsync_dir(d)  # the rename is on disk before any of its files goes
+        shutil.rmtree(path)
+    except OSError as e:
+        return (f"{d}: {name} was not all removed ({_why(e, d)}): what is left is {path.name}, which the next "
+                "prune removes")
+    return None
+
+
+def _size(path: Path) -> int:
+    """Bytes of the files under `path` (links not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def read_manifest(model_dir: str | os.PathLike, version: str) -> dict:

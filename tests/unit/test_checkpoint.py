@@ -1,5 +1,7 @@
 import json
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -221,3 +223,108 @@ def test_a_model_dir_from_before_the_record_goes_on_from_its_versions(tmp_path):
     assert checkpoint.save_version(d, {"model": {}}, WEIGHTS) == "v000007"
     (d / checkpoint.HIGHEST).write_text("garbage\n")  # unreadable: the versions there still count
     assert checkpoint.save_version(d, {"model": {}}, WEIGHTS) == "v000008"
+
+
+# ---- pruning --------------------------------------------------------------------------
+
+def moved(d, *steps) -> None:
+    """`steps`: (version, reason) moves of CURRENT, each written first if it is not there."""
+    for version, reason in steps:
+        while version not in checkpoint.list_versions(d):
+            checkpoint.save_version(d, {"model": {}}, WEIGHTS, make_current=False)
+        checkpoint.set_current(d, version, reason=reason)
+
+
+def test_a_rollback_passes_over_a_removed_version_and_never_lands_on_one_never_served(tmp_path, caplog):
+    """The stack's target gone (pruned, deleted): the one served before it, with a warning;
+    all of them gone: one clear error. Before, the fallback took the version below CURRENT by
+    name, here v000003, a candidate never served."""
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"), ("v000002", "promoted"))
+    checkpoint.save_version(d, {"model": {}}, WEIGHTS, make_current=False)  # v000003: a refused candidate
+    moved(d, ("v000004", "retrain"))
+    shutil.rmtree(d / "v000002")
+    assert checkpoint.rollback_target(d) == "v000001"
+    assert "v000002, served before v000004, is no longer in the directory" in caplog.text
+    shutil.rmtree(d / "v000001")
+    with pytest.raises(ModelDirError, match="nothing to roll back to: v000002 and v000001, served before v000004, "
+                                            "are no longer in the directory"):
+        checkpoint.rollback_target(d)
+
+
+def test_a_move_to_a_version_removed_while_it_waited_for_the_lock_is_refused(tmp_path):
+    """set_current checked the version before taking the dir's lock: a prune holding the lock
+    could remove it meanwhile, and CURRENT then named no version."""
+    import threading
+
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"))
+    checkpoint.save_version(d, {"model": {}}, WEIGHTS, make_current=False)
+    errors = []
+
+    def promote():
+        try:
+            checkpoint.set_current(d, "v000002", reason="promoted")
+        except ModelDirError as e:
+            errors.append(str(e))
+
+    with checkpoint._locked(d):  # as a prune holds it
+        t = threading.Thread(target=promote)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive()  # waiting for the lock
+        shutil.rmtree(d / "v000002")
+    t.join(10)
+    assert errors and "no version 'v000002' (removed meanwhile)" in errors[0]
+    assert checkpoint.current_version(d) == "v000001"
+
+
+def test_prune_reads_current_again_under_the_lock(tmp_path):
+    """A move of CURRENT that lands while prune waits for the lock: the version moved to stays."""
+    import threading
+
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"), ("v000002", "trained"), ("v000003", "trained"), ("v000004", "trained"))
+    result = {}
+    with checkpoint._locked(d):  # a promotion holding it: prune waits
+        t = threading.Thread(target=lambda: result.update(checkpoint.prune(d, keep=1)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive()
+        (d / "CURRENT").write_text("v000001\n")  # what that promotion wrote
+    t.join(10)
+    assert result["current"] == "v000001" and result["rollback_target"] == "v000003"
+    assert checkpoint.list_versions(d) == ["v000001", "v000003", "v000004"]
+
+
+def test_prune_renames_a_version_aside_before_deleting_it(tmp_path, monkeypatch):
+    """A delete that stops half way (a crash, an I/O error) leaves a hidden dir, never part of
+    a version under its name; the next prune removes it."""
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"), ("v000002", "trained"), ("v000003", "trained"))
+
+    def broken(path, *a, **k):
+        (Path(path) / checkpoint.WEIGHTS).unlink()  # half gone
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", broken)
+    result = checkpoint.prune(d, keep=1)
+    assert result["removed"] == [] and "v000001 was not all removed (Input/output error)" in result["errors"][0]
+    assert checkpoint.list_versions(d) == ["v000002", "v000003"]
+    hidden = [p.name for p in d.iterdir() if p.name.startswith(".pruned-")]
+    assert hidden == [f".pruned-v000001-{os.getpid()}"]
+    monkeypatch.undo()
+    again = checkpoint.prune(d, keep=1)
+    assert [(r["name"], r["leftover"]) for r in again["removed"]] == [(hidden[0], True)] and not again["errors"]
+    assert not (d / hidden[0]).exists()
+
+
+def test_prune_needs_a_current_version(tmp_path):
+    d = tmp_path / "m"
+    checkpoint.save_version(d, {"model": {}}, WEIGHTS, make_current=False)
+    with pytest.raises(ModelDirError, match="no CURRENT file.*prune removed nothing"):
+        checkpoint.prune(d, keep=1)
+    (d / "CURRENT").write_text("v000009\n")
+    with pytest.raises(ModelDirError, match="CURRENT names 'v000009'.*prune removed nothing"):
+        checkpoint.prune(d, keep=1)
+    assert checkpoint.list_versions(d) == ["v000001"]

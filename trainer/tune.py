@@ -264,6 +264,14 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
     state: dict = {"best": None, "run": None, "config": None, "trials": []}
 
     def objective(ot) -> float:
+        try:
+            return run_trial(ot)
+        except KeyboardInterrupt:  # Ctrl-C outside the training (picking the trial's params, say): the same end,
+            state["interrupted"] = True  # without optuna's traceback of a "failed" trial
+            ot.study.stop()
+            raise optuna.TrialPruned() from None
+
+    def run_trial(ot) -> float:
         trial = Trial(ot.number, search_space(ot, kind, base))
         state["trials"].append(trial)
         t = time.perf_counter()

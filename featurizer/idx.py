@@ -19,6 +19,7 @@ import gzip
 import hashlib
 import os
 import zlib
+from pathlib import Path
 
 import numpy as np
 
@@ -29,6 +30,22 @@ from mariana.sparse.parse import open_binary
 # featurizer/shapes.py writes them; here, so writing needs no torch).
 MNIST_IMAGES = "t10k-images-idx3-ubyte.gz"
 MNIST_LABELS = "t10k-labels-idx1-ubyte.gz"
+MNIST_TRAIN = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz")  # MNIST's 60k: not what the jobs read
+
+
+def mnist_file(d: str | os.PathLike, name: str) -> Path | None:
+    """`d`'s file `name` (one of the names above), gzipped or plain (the name less `.gz`, as
+    MNIST is often unpacked: read_idx reads both); None when it has neither.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); write_idx(os.path.join(d, "t10k-labels-idx1-ubyte"), np.zeros(2, np.uint8))
+    >>> mnist_file(d, MNIST_LABELS).name, mnist_file(d, MNIST_IMAGES)
+    ('t10k-labels-idx1-ubyte', None)
+    """
+    for p in (Path(d) / name, Path(d) / name.removesuffix(".gz")):
+        if p.is_file():
+            return p
+    return None
 
 
 def file_sha256(path: str | os.PathLike) -> str:

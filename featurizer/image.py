@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from mariana.featurizer.idx import MNIST_IMAGES, MNIST_LABELS, IdxFormatError, file_sha256, read_idx
+from mariana.featurizer.idx import (MNIST_IMAGES, MNIST_LABELS, MNIST_TRAIN, IdxFormatError, file_sha256, mnist_file,
+                                   read_idx)
 from mariana.sparse import finite
 from mariana.sparse.errors import DataFormatError, ModelDirError
 
@@ -78,13 +79,22 @@ def mnist_dir(root: str | os.PathLike | None = None) -> Path:
     return Path(data) / "mnist"
 
 
+TRAIN_NOT_READ = (" (MNIST's train-* files are not: its 10k test set, t10k-*, is split into 8k training and 2k "
+                  "held-out images)")
+
+
 def load_mnist(root: str | os.PathLike | None = None) -> ImageSet:
-    """The MNIST images and labels in `root` (see `mnist_dir`), checked against each other."""
+    """The MNIST images and labels in `root` (see `mnist_dir`), gzipped or plain, checked
+    against each other. Only MNIST's 10k test files are read: the featurizer and the image job
+    split them 8k/2k, and `gen ads-with-images` draws its creatives from the 2k."""
     d = mnist_dir(root)
-    paths = {"images": d / MNIST_IMAGES, "labels": d / MNIST_LABELS}
-    for p in paths.values():
-        if not p.exists():
-            raise DataFormatError(f"{p}: no such file (the MNIST IDX files; set MARIANA_DATA or pass the dir)")
+    paths = {"images": mnist_file(d, MNIST_IMAGES), "labels": mnist_file(d, MNIST_LABELS)}
+    for name, p in zip((MNIST_IMAGES, MNIST_LABELS), paths.values()):
+        if p is None:
+            train = any(mnist_file(d, t) for t in MNIST_TRAIN)
+            raise DataFormatError(f"{d}: no {name} (or {name.removesuffix('.gz')}): the MNIST IDX files read are "
+                                  f"{MNIST_IMAGES} and {MNIST_LABELS}, gzipped or plain"
+                                  f"{TRAIN_NOT_READ if train else ''}; set MARIANA_DATA or pass the dir")
     images, labels = read_idx(paths["images"], ndim=3), read_idx(paths["labels"], ndim=1)
     if len(images) != len(labels):
         raise IdxFormatError(f"{d}: {len(images)} images but {len(labels)} labels")

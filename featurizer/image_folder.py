@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mariana.featurizer.idx import mnist_file
 from mariana.featurizer.image import (ENCODED_SUFFIXES, MAX_FILE_BYTES, MAX_PIXELS, MNIST_IMAGES, BadImage, ImageSet,
                                       decode_encoded)
 from mariana.sparse.errors import DataFormatError
@@ -90,7 +91,7 @@ class EncodedImages:
 def is_image_folder(path: str | os.PathLike) -> bool:
     """A directory with at least one class sub-directory (and not the MNIST IDX files)."""
     d = Path(path)
-    return d.is_dir() and not (d / MNIST_IMAGES).exists() and any(_classes(d))
+    return d.is_dir() and mnist_file(d, MNIST_IMAGES) is None and any(_classes(d))
 
 
 def _classes(d: Path) -> list[Path]:

@@ -56,20 +56,36 @@ def cmd_gen_ads(args: argparse.Namespace) -> int:
 
 def cmd_featurizer_train(args: argparse.Namespace) -> int:
     from mariana.featurizer.image import load_mnist
-    from mariana.trainer.featurizer_train import (FeaturizerTrainConfig, check_featurizer_out, progress_logger,
-                                                  train_and_export)
+    from mariana.trainer.featurizer_train import FeaturizerTrainConfig, progress_logger, train_and_export
 
     _need_dir(args.data, "--data")
     if args.epochs < 1:
         raise MarianaError("--epochs must be >= 1")
-    check_featurizer_out(args.out)
+    _check_image_out(args.out)
     data = load_mnist(args.data)
+    _check_featurizer_data(args.data, data)
     report = train_and_export(data, args.out, FeaturizerTrainConfig(epochs=args.epochs, seed=args.seed),
                               progress_logger())
     print(json.dumps(report) if args.json else
           f"featurizer written to {report['featurizer']}: test accuracy {report['test_accuracy']:.4f} "
           f"on {report['test_images']} held-out images ({report['train_seconds']} s)")
     return 0
+
+
+def _check_featurizer_data(name: str, data) -> None:
+    """What featurizer train's fixed shape needs (else a traceback deep in torch or the split):
+    the small preset's side and more images than the 2,000 it holds out."""
+    from mariana.featurizer.image import TEST_IMAGES
+    from mariana.trainer.models.image_cnn import ImageCNNConfig
+
+    side, (n, h, w) = ImageCNNConfig().size, data.images.shape
+    if (h, w) != (side, side):
+        raise MarianaError(f"--data {name}: {h}x{w} images; featurizer train takes {side}x{side} (MNIST's): "
+                           "`mariana train image` trains other sides (--preset wide: 64x64)")
+    if n <= TEST_IMAGES:
+        raise MarianaError(f"--data {name}: {n:,} images; featurizer train holds out {TEST_IMAGES:,} and trains on "
+                           "the rest, so it needs more (MNIST's 10k test set): `mariana train image --test-images N` "
+                           "takes smaller sets")
 
 
 def cmd_featurize(args: argparse.Namespace) -> int:
@@ -247,7 +263,8 @@ def build_train_image_parser() -> argparse.ArgumentParser:
     p = Parser(prog="mariana train image",
                description="train the image CNN as G data-parallel groups of P pipelined "
                            "partitions (G x P processes) and export it as a featurizer")
-    p.add_argument("--data", help="a dir of MNIST-named IDX files (MNIST or `mariana gen images`), or an image "
+    p.add_argument("--data", help="a dir of MNIST-named IDX files, t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte "
+                                  "(.gz or plain: MNIST's 10k test set, or `mariana gen images`), or an image "
                                   "folder: one sub-directory of PNG/JPEG/GIF/BMP/WebP files per class, decoded as "
                                   "batches need them (default: $MARIANA_DATA/mnist, else ../shared/data/mnist)")
     p.add_argument("--preset", default=None, help="small | mnist (32/64 channels) | wide (6 blocks, 64x64); "
@@ -287,38 +304,115 @@ def build_train_image_parser() -> argparse.ArgumentParser:
 
 def _log_skipped(source: dict) -> None:
     import logging
+    log = logging.getLogger("mariana")
     if source["skipped"]:
-        logging.getLogger("mariana").warning("%s: %d files left out (not images this job can read): %s",
-                                             source["dir"], source["skipped"], "; ".join(source["first_skipped"]))
+        log.warning("%s: %d files left out (not images this job can read): %s",
+                    source["dir"], source["skipped"], "; ".join(source["first_skipped"]))
+    empty = [c for c, n in zip(source["classes"], source["per_class"]) if n == 0]
+    if empty:  # still a class (labels are the sorted folders' positions), one the model never sees an image of
+        log.warning("%s: %s no image this job can read (%s): the model gets a class it never sees for each; "
+                    "remove them, or put their images in", source["dir"],
+                    "1 class folder holds" if len(empty) == 1 else f"{len(empty)} class folders hold", _listed(empty))
+
+
+DATA_TAKEN = ("--data takes a directory of MNIST-named IDX files (t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte, "
+              ".gz or plain) or an image folder (one sub-folder of image files per class)")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _train_data(data: str | None):
+    """(the --data set, whether it is an image folder, the dir's name for messages): the dir the
+    user typed, else the default MNIST dir. What is neither set is one line saying what it holds."""
+    from mariana.featurizer.idx import MNIST_IMAGES, MNIST_LABELS, MNIST_TRAIN, mnist_file
+    from mariana.featurizer.image import ENCODED_SUFFIXES, load_mnist, mnist_dir
+    from mariana.featurizer.image_folder import is_image_folder, load_image_folder
+
+    d = mnist_dir(data)
+    shown = f"--data {data}" if data else f"{d} (the default data dir; no --data given)"
+    if not d.exists():
+        raise MarianaError(f"{shown}: no such directory; {DATA_TAKEN}")
+    if not d.is_dir():
+        raise MarianaError(f"{shown}: a file, not a directory; {DATA_TAKEN}")
+    if is_image_folder(d):
+        return load_image_folder(d), True, str(d)
+    names = sorted(p.name for p in d.iterdir() if not p.name.startswith("."))
+    mnist = [n for n in (MNIST_IMAGES, MNIST_LABELS, *MNIST_TRAIN) if mnist_file(d, n)]
+    loose = [n for n in names if os.path.splitext(n)[1].lower() in ENCODED_SUFFIXES]
+    if loose and not mnist:
+        raise MarianaError(f"{shown}: {len(loose)} image files ({_listed(loose)}) but no class sub-folders: an image "
+                           "folder needs one sub-folder per class (DIR/<class>/<files>; the labels are the sorted "
+                           "class folders' positions)")
+    if not mnist:
+        held = f"{len(names)} file{'' if len(names) == 1 else 's'}{': ' if names else ''}{_listed(names)}"
+        raise MarianaError(f"{shown}: neither MNIST-named IDX files nor class sub-folders ({held}); {DATA_TAKEN}")
+    return load_mnist(d), False, str(d)
+
+
+def _check_image_out(path: str) -> None:
+    """--out of `train image` and `featurizer train`: what check_featurizer_out allows (new, empty,
+    or a featurizer) and somewhere it can be written, since the featurizer is only written once
+    the training is done: an hour's work must not end at `afile: file exists` for `afile/x`."""
+    import tempfile
+
+    from mariana.trainer.featurizer_train import check_featurizer_out
+    from mariana.trainer.job import check_path_name
+
+    check_featurizer_out(path)
+    check_path_name(path, "--out")
+    where = os.path.dirname(os.path.abspath(path))  # the featurizer is built in a temp dir beside it
+    while not os.path.lexists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise MarianaError(f"--out {path}: {where} is a file, not a directory; name a directory that can be created")
+    try:  # os.access trusts the mode bits: root "may" write anywhere, a read-only mount passes too
+        os.rmdir(tempfile.mkdtemp(prefix=".mariana-probe-", dir=where))
+    except OSError as e:
+        raise MarianaError(f"--out {path}: cannot create a directory in {where} ({e.strerror})") from None
+
+
+def _preset(args, data, folder: bool, name: str) -> str:
+    """--preset, else the one whose side the images have (image folders: any size, scaled)."""
+    if args.preset:
+        return args.preset
+    if folder:  # files are scaled to the model's side: the wide model for images of 64 px and more
+        return "wide" if max(data.source["first_image_size"]) >= 64 else "mnist"
+    side = data.images.shape[1]
+    if side in (preset := {64: "wide", 28: "mnist"}):
+        return preset[side]
+    raise MarianaError(f"{name}: {side}x{data.images.shape[2]} images; {_preset_sides()}")
+
+
+def _preset_sides() -> str:
+    """What the presets take and what to do about other sides (IDX files are not scaled)."""
+    from mariana.trainer.image import PRESETS
+
+    sides: dict[int, list[str]] = {}
+    for key, cnn in PRESETS.items():
+        sides.setdefault(cnn.size, []).append(key)
+    takes = " or ".join(f"{s}x{s} ({', '.join(keys)})" for s, keys in sorted(sides.items()))
+    return (f"the presets take {takes}: write the IDX files at one of those sizes (`mariana gen images --size`), or "
+            "give an image folder, whose files are scaled to the preset's side")
 
 
 def train_image_main(argv: list[str]) -> int:
     import logging
 
-    from mariana.featurizer.image import load_mnist, mnist_dir
-    from mariana.featurizer.image_folder import is_image_folder, load_image_folder
     from mariana.services.ranks import run_job
     from mariana.services.runtime import report
     from mariana.services.runtime.logs import setup_logging
-    from mariana.trainer.featurizer_train import check_featurizer_out
     from mariana.trainer.strategies import data_parallel as dp
 
     args = build_train_image_parser().parse_args(argv)
     ctx = dp.DistContext.from_env()
     setup_logging(-1 if args.quiet or ctx.rank > 0 else args.verbose)
-    check_featurizer_out(args.out)  # before any training: a directory of other files is refused, not replaced
-    folder = args.data is not None and is_image_folder(args.data)
-    data = load_image_folder(args.data) if folder else load_mnist(mnist_dir(args.data))
-    from mariana.trainer.image import ImageConfig
+    _check_image_out(args.out)  # before any training: a directory of other files is refused, not replaced
+    data, folder, name = _train_data(args.data)
+    from mariana.trainer.image import ImageConfig, check_data
 
-    if args.preset:
-        preset = args.preset
-    elif folder:  # files are scaled to the model's side: the wide model for images of 64 px and more
-        preset = "wide" if max(data.source["first_image_size"]) >= 64 else "mnist"
-    else:
-        preset = {64: "wide", 28: "mnist"}.get(data.images.shape[1])
-    if preset is None:
-        raise MarianaError(f"{args.data}: {data.images.shape[1]}x{data.images.shape[2]} images; give --preset")
+    preset = _preset(args, data, folder, name)
     cfg = ImageConfig(preset=preset, partitions=args.partitions, groups=args.groups, schedule=args.schedule,
                       microbatches=args.microbatches, recompute=args.recompute, balance=args.balance,
                       cut_after=tuple(n for n in args.cut_after.split(",") if n), prefetch=args.prefetch,
@@ -331,12 +425,9 @@ def train_image_main(argv: list[str]) -> int:
     if folder:
         data.images.size = cfg.cnn.size
         _log_skipped(data.source)
-    if not 0 < cfg.test_images < len(data.images):
-        raise MarianaError(f"--test-images {cfg.test_images}: must be between 1 and {len(data.images) - 1} "
-                           f"({len(data.images)} images)")
     if data.images.shape[1] != cfg.cnn.size:
-        raise MarianaError(f"{args.data}: {data.images.shape[1]}x{data.images.shape[2]} images, but preset "
-                           f"{preset!r} takes {cfg.cnn.size}x{cfg.cnn.size}")
+        raise MarianaError(f"{name}: {data.images.shape[1]}x{data.images.shape[2]} images, but preset "
+                           f"{preset!r} takes {cfg.cnn.size}x{cfg.cnn.size}; {_preset_sides()}")
     nproc = args.partitions * args.groups
     log = logging.getLogger("mariana")
 
@@ -348,13 +439,14 @@ def train_image_main(argv: list[str]) -> int:
         from mariana.trainer.featurizer_train import export_featurizer
         from mariana.trainer.image import train_image
 
-        model, record = train_image(cfg, data, ctx, init_method, progress)
+        model, record = train_image(cfg, data, ctx, init_method, progress, name)
         if model is None:
             return None
         out = export_featurizer(model, record, data, args.out)
         return {"featurizer": str(out), **{k: v for k, v in record.items() if k != "train_index"}}
 
-    result = run_job(["train", "image"], argv, nproc, cfg.device, train_rank)
+    result = run_job(["train", "image"], argv, nproc, cfg.device, train_rank,
+                     check=lambda: check_data(cfg, data, name))  # the split, the batch, the classes: once, up front
     if result is not None:
         report.print_record(result if args.json else {k: v for k, v in result.items()
                                                       if k not in ("per_epoch", "config")}, args.json)

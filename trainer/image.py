@@ -22,6 +22,7 @@ to bottom:
 """
 from __future__ import annotations
 
+import datetime
 import gc
 import logging
 import queue
@@ -51,6 +52,7 @@ from mariana.trainer.strategies.model_parallel import (Layout, Partition, Pipeli
 
 log = logging.getLogger(__name__)
 
+MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()  # what the process group's timedelta holds
 STATS_IMAGES = 2000  # images read from files: the pixel statistics' sample (stats_sample)
 PRESETS = {"small": ImageCNNConfig(), "mnist": ImageCNNConfig(channels=(32, 64), embed_dim=128),
            "wide": ImageCNNConfig.wide()}
@@ -106,6 +108,15 @@ class ImageConfig:
             raise ConfigError("--prefetch, --decode-workers and --shift must be >= 0 and --lr > 0")
         if self.classes == 1 or self.classes < 0:
             raise ConfigError(f"classes {self.classes}: at least 2 (0: the preset's)")
+        if self.shift >= self.cnn.size:  # every pixel moved out of the frame: blank images, a useless featurizer
+            raise ConfigError(f"--shift {self.shift}: at most {self.cnn.size - 1} for the {self.cnn.size}x"
+                              f"{self.cnn.size} images of preset {self.preset!r} (a shift of {self.cnn.size} px or "
+                              "more trains on blank images; the default is 3)")
+        if self.threads < 0:  # torch.set_num_threads would refuse it on every rank, in a traceback
+            raise ConfigError(f"--threads {self.threads}: must be >= 0 (0: the cores shared out among the ranks)")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # 0 fails in gloo's start-up; nan, inf, 1e300 in timedelta
+            raise ConfigError(f"--timeout {self.timeout_s:g}: must be a number of seconds > 0 (what any collective "
+                              "may wait for a lost rank; default 120)")
 
     @property
     def cnn(self) -> ImageCNNConfig:
@@ -223,25 +234,50 @@ def manual_cuts(names: list[str], cut_after: tuple[str, ...], parts: int) -> lis
     return list(zip(starts, ends + [len(names)]))
 
 
+def check_data(cfg: ImageConfig, data: ImageSet, name: str = "the images") -> tuple[np.ndarray, np.ndarray]:
+    """The (train, test) positions of `data`, or ConfigError where the job could not learn
+    from it: the CLI asks before any rank starts, each rank again. Labels of one class alone
+    train to accuracy 1.0 and export a featurizer whose features mean nothing.
+
+    >>> one_class = ImageSet(np.zeros((40, 28, 28), np.uint8), np.full(40, 3, np.uint8), {})
+    >>> check_data(ImageConfig(batch_size=8, test_images=4), one_class, "d")
+    Traceback (most recent call last):
+    mariana.sparse.errors.ConfigError: d: all 36 training images have label 3: a classifier needs images of two ...
+    """
+    if data.images.shape[1] != cfg.cnn.size:
+        raise ConfigError(f"{name}: the images are {data.images.shape[1]}x{data.images.shape[2]}; preset "
+                          f"{cfg.preset!r} takes {cfg.cnn.size}x{cfg.cnn.size}")
+    if not 0 < cfg.test_images < len(data.images):
+        raise ConfigError(f"--test-images {cfg.test_images}: must be between 1 and {len(data.images) - 1} "
+                          f"({len(data.images)} images)")
+    train_idx, test_idx = split_indices(len(data.images), cfg.test_images)
+    if len(train_idx) < cfg.batch_size:
+        raise ConfigError(f"{len(train_idx)} training images ({len(data.images)} less {len(test_idx)} held out), "
+                          f"fewer than one batch of {cfg.batch_size}: lower --batch-size or --test-images")
+    labels = data.labels[train_idx]
+    if int(labels.max()) >= cfg.cnn.classes:
+        raise ConfigError(f"{name}: labels up to {int(labels.max())}, but the model has {cfg.cnn.classes} classes")
+    if len(kinds := np.unique(labels)) < 2:
+        classes = data.source.get("classes")
+        which = f"are in class folder {classes[kinds[0]]!r}" if classes else f"have label {kinds[0]}"
+        raise ConfigError(f"{name}: all {len(labels)} training images {which}: a classifier needs images of two "
+                          "classes at least (with one it learns nothing: accuracy 1.0, features that mean nothing)")
+    return train_idx, test_idx
+
+
 def train_image(cfg: ImageConfig, data: ImageSet, ctx: dp.DistContext = dp.DistContext(),
                 init_method: str | None = None,
-                progress: Callable[[dict], None] | None = None) -> tuple[ImageCNN | None, dict]:
-    """Train as rank `ctx.rank`; returns (the whole model on rank 0, else None; the record)."""
+                progress: Callable[[dict], None] | None = None,
+                name: str = "the images") -> tuple[ImageCNN | None, dict]:
+    """Train as rank `ctx.rank`; returns (the whole model on rank 0, else None; the record).
+    `name`: the data's, as messages give it (check_data)."""
     layout = Layout(cfg.groups, cfg.partitions)
     if ctx.world_size != layout.world_size:
         raise ConfigError(f"--groups {cfg.groups} x --partitions {cfg.partitions} needs {layout.world_size} "
                           f"processes, not {ctx.world_size}")
     device, _ = dp.place_rank(resolve_device(cfg.device), cfg.threads, ctx)
-    if data.images.shape[1] != cfg.cnn.size:
-        raise ConfigError(f"the images are {data.images.shape[1]}x{data.images.shape[2]}; preset {cfg.preset!r} "
-                          f"takes {cfg.cnn.size}x{cfg.cnn.size}")
-    train_idx, test_idx = split_indices(len(data.images), cfg.test_images)
-    if len(train_idx) < cfg.batch_size:
-        raise ConfigError(f"{len(train_idx)} training images ({len(data.images)} less {len(test_idx)} held out), "
-                          f"fewer than one batch of {cfg.batch_size}: lower --batch-size or --test-images")
+    train_idx, test_idx = check_data(cfg, data, name)
     y = torch.from_numpy(data.labels[train_idx].astype(np.int64))
-    if int(y.max()) >= cfg.cnn.classes:
-        raise ConfigError(f"labels up to {int(y.max())}, but the model has {cfg.cnn.classes} classes")
     files = isinstance(data.images, EncodedImages)
     workers = cfg.decode_workers if files and cfg.prefetch and cfg.decode_workers > 1 else 1
     dp.init_distributed(ctx, resolve_backend("auto", device), init_method, cfg.timeout_s)

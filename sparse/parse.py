@@ -815,7 +815,8 @@ class Reader:
 
     `labeled=None` (prediction) accepts files with or without the label
     column, decided by the first data block of each text file; a label there is
-    read but neither used nor checked (a Parquet file's is not read). `tasks()` yields the blocks unparsed, for callers that
+    read but neither used nor checked (a Parquet file's is not read). `tasks()`
+    yields the blocks unparsed, for callers that
     parse them on several threads.
     """
 

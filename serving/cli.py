@@ -49,11 +49,14 @@ def cmd_model(args: argparse.Namespace) -> int:
     if getattr(args, "notify", None):  # before CURRENT moves, not after
         check_redis_url(args.notify, "--notify")
     if args.action == "list":
-        rows = _versions(model_dir)
+        rows, broken = _versions(model_dir), _current_problem(model_dir)
         if args.json:
-            print(report.dumps({"model_dir": model_dir, "versions": rows}))
+            print(report.dumps({"model_dir": model_dir, "versions": rows, **({"current_error": broken} if broken
+                                                                              else {})}))
         else:
             _print_versions(model_dir, rows)
+            if broken:  # "(serving nothing)" alone read as an empty directory, while servers went on serving
+                print(f"  {broken}: a server keeps what it loaded; `mariana model promote VERSION` sets CURRENT")
         return 0
     if args.action == "promote":
         if not args.version:
@@ -166,6 +169,20 @@ def _versions(model_dir: str) -> list[dict]:
                      "logloss": metrics.get("logloss"), "rows": train.get("rows", m.get("rows_trained")),
                      "data": train.get("data"), "job": train.get("job")})
     return rows
+
+
+def _current_problem(model_dir: str) -> str | None:
+    """Why CURRENT names no version here, when there is a CURRENT file (a directory without one
+    holds no model yet: nothing to say)."""
+    from mariana.trainer import checkpoint
+
+    if not os.path.exists(os.path.join(model_dir, "CURRENT")):
+        return None
+    try:
+        checkpoint.current_version(model_dir)
+    except MarianaError as e:
+        return str(e).removeprefix(f"{model_dir}: ")
+    return None
 
 
 def _print_versions(model_dir: str, rows: list[dict]) -> None:

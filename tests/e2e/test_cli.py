@@ -269,3 +269,16 @@ def test_evaluate_and_predict_take_a_version_current_does_not_name(gen_files, tm
                        (f"{tmp_path / 'nope'}:v000001", "no such model directory")):
         proc = run_cli("evaluate", "--model", spec, "--data", gen_files["test"])
         assert proc.returncode == 2 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_model_list_says_when_current_names_no_version(gen_files, tmp_path):
+    """It printed "(serving nothing)" alone, as for an empty directory, while servers went on
+    serving what they had loaded and retrains failed on it."""
+    m = tmp_path / "m"
+    run_cli("-q", "train", "--data", gen_files["test"], "--out", m, check=True)
+    assert "CURRENT" not in run_cli("model", "list", "--model-dir", m, check=True).stdout.split("\n", 1)[1]
+    (m / "CURRENT").write_text("v000099\n")
+    text = run_cli("model", "list", "--model-dir", m, check=True).stdout
+    assert "CURRENT names 'v000099', which is not a version here" in text and "model promote VERSION" in text
+    js = json.loads(run_cli("model", "list", "--model-dir", m, "--json", check=True).stdout)
+    assert js["current_error"] == "CURRENT names 'v000099', which is not a version here"

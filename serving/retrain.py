@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 DECISIONS = checkpoint.DECISIONS
 LOCK = ".retrain.lock"
 RUNS = ".retrain"  # status files and logs of retrains started over HTTP
-RUN_ID = re.compile(r"^r\d{8}-\d{6}-[0-9a-f]{6}$")
+_RUN = r"r\d{8}-\d{6}-[0-9a-f]{6}"  # a retrain run's id: its start time, then 6 hex digits
+RUN_ID = re.compile(f"^{_RUN}$")
 
 
 class RetrainBusy(MarianaError):
@@ -167,7 +168,7 @@ def tidy(cfg: ServeConfig, own_status: str | None) -> None:
                          len(gone), RUNS, gone[0])
 
 
-RUN_FILE = re.compile(r"^(r\d{8}-\d{6}-[0-9a-f]{6})\.(json|log|toml|json\.tmp)$")
+RUN_FILE = re.compile(f"^({_RUN})\\.(json|log|toml|json\\.tmp)$")
 
 
 def prune_runs(model_dir: str, keep: int, own_status: str | None = None) -> list[str]:

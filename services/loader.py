@@ -30,7 +30,7 @@ from mariana.services.runtime.lifecycle import Service, cancel_and_wait, run_ser
 from mariana.services.sample_cache import SampleCache
 from mariana.services.transport import PeerTimeout, RemoteError, make_socket
 from mariana.sparse.errors import DataFormatError, MarianaError
-from mariana.sparse.parse import iter_spans, open_binary, read_span, span_head
+from mariana.sparse.parse import iter_spans, open_binary, read_span, span_end, span_head
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class Loader(Service):
                 # tests: sent, its offset not recorded (the chunk on the wire first, as a SIGTERM's drain lets it go)
                 failpoints.reached("loader.chunk_sent", flush=lambda: self.ctx.destroy(linger=5000))
                 chunks += 1
-                await self.cache.set_offset(job, {"file": fi, "offset": offset + len(block),
+                await self.cache.set_offset(job, {"file": fi, "offset": span_end(offset, block),
                                                   "line": first_line + lines, "chunks": chunks})
 
     async def send_chunk(self, job: str, fi: int, path: str, offset: int, first_line: int, block: bytes,

@@ -7,7 +7,8 @@ C++ CSV reader into binary columns. Rows are then checked column-wise:
 - wrong field count -> malformed ("expected 40 fields, got 24");
 - label other than 0/1 -> malformed;
 - a numeric field that is neither empty nor a number -> malformed;
-- an hour field that is not a valid YYMMDDHH -> malformed.
+- an hour field that is not a valid YYMMDDHH -> malformed;
+- a line longer than 16 MiB -> malformed (read past, never held whole).
 
 Malformed rows are skipped and counted in `ParseStats`, which keeps the line
 numbers and reasons of the first few. Memory is bounded by the block size,
@@ -51,7 +52,8 @@ UTF8_BOM = b"\xef\xbb\xbf"  # what some tools (Excel's "CSV UTF-8") write first;
 # What pyarrow's float parser accepts, less nan/inf: the fast and checked paths agree.
 NUMBER_RE = r"^[ \t]*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[ \t]*$"
 HOUR_RE = r"^[0-9]{8}$"
-MAX_LINE_BYTES = 16 << 20
+MAX_LINE_BYTES = 16 << 20  # a longer line is a malformed row (`overlong_marker`); a file's first, not text
+OVERLONG_LINE = b"\x00mariana-overlong-line\x00"
 FIRST_BAD_KEPT = 10
 PARQUET_MAGIC = b"PAR1"
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -176,7 +178,10 @@ def iter_spans(stream: BinaryIO, block_bytes: int, name: str = "", offset: int =
     """Yield (byte offset, first line number, bytes of whole lines, number of
     lines) from `stream` positioned at `offset` (of the decompressed bytes),
     whose first line is number `line_no`: a reader that recorded where it got
-    to resumes there. The last line gains a newline if the file lacks one.
+    to resumes there. The last line gains a newline if the file lacks one. A
+    line longer than MAX_LINE_BYTES is read and dropped, a block at a time, and
+    its span is `overlong_marker` (one malformed row to the parser; `span_end`
+    says where the next span starts); a file's first line that long is an error.
 
     A span is the whole lines of the `block_bytes` (or the first multiple of it
     that holds a newline) from where it starts, whatever was read before it: a
@@ -199,19 +204,21 @@ def iter_spans(stream: BinaryIO, block_bytes: int, name: str = "", offset: int =
         return
     carry = b""
     while True:
-        try:
-            data = stream.read(block_bytes - len(carry) % block_bytes)  # the span so far to a multiple of it
-        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-            raise DataFormatError(f"{name}: cannot read past line {line_no}: {e}") from None
+        data = _read(stream, block_bytes - len(carry) % block_bytes, name, line_no)  # the span to a multiple of it
         if not data:
             break
         data = carry + data if carry else data
         cut = data.rfind(b"\n") + 1
         if cut == 0:
             if len(data) > MAX_LINE_BYTES:
-                raise DataFormatError(
-                    f"{name}: line {line_no} is longer than {MAX_LINE_BYTES >> 20} MiB; "
-                    "not a line-oriented text file?")
+                if line_no == 1:
+                    raise DataFormatError(
+                        f"{name}: line 1 is longer than {MAX_LINE_BYTES >> 20} MiB; not a line-oriented text file?")
+                length, carry = _skip_line(stream, block_bytes, len(data), name, line_no)
+                yield offset, line_no, overlong_marker(length), 1
+                offset += length
+                line_no += 1
+                continue
             carry = data
             continue
         block, carry = data[:cut], data[cut:]
@@ -219,8 +226,49 @@ def iter_spans(stream: BinaryIO, block_bytes: int, name: str = "", offset: int =
         yield offset, line_no, block, lines
         offset += cut
         line_no += lines
-    if carry:
-        yield offset, line_no, carry + b"\n", 1
+    if carry:  # the last line without its newline, or the lines read after an overlong one
+        block = carry if carry.endswith(b"\n") else carry + b"\n"
+        yield offset, line_no, block, block.count(b"\n")
+
+
+def _read(stream: BinaryIO, size: int, name: str, line_no: int) -> bytes:
+    try:
+        return stream.read(size)
+    except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise DataFormatError(f"{name}: cannot read past line {line_no}: {e}") from None
+
+
+def _skip_line(stream: BinaryIO, block_bytes: int, seen: int, name: str, line_no: int) -> tuple[int, bytes]:
+    """(the line's length with its newline, the bytes read after it) for a line of which
+    `seen` bytes, none a newline, were read: the rest is read and dropped a block at a time,
+    so what comes after it is less than a block, as a reader resumed after it would read."""
+    while piece := _read(stream, block_bytes, name, line_no):
+        end = piece.find(b"\n") + 1
+        if end:
+            return seen + end, piece[end:]
+        seen += len(piece)
+    return seen, b""
+
+
+def overlong_marker(length: int) -> bytes:
+    """The line a span holds in place of one longer than MAX_LINE_BYTES (`length` bytes with
+    its newline): the parser counts it as a malformed row, and `span_end` knows its length.
+
+    >>> overlong_marker(20 << 20)
+    b'\\x00mariana-overlong-line\\x0020971520\\n'
+    """
+    return OVERLONG_LINE + b"%d\n" % length
+
+
+def span_end(offset: int, block: bytes) -> int:
+    """The offset of the bytes after a span of `iter_spans`: where a reader resumes.
+
+    >>> span_end(10, b"a\\nb\\n"), span_end(10, overlong_marker(20 << 20))
+    (14, 20971530)
+    """
+    if bytes(block[:len(OVERLONG_LINE)]) == OVERLONG_LINE:
+        return offset + int(bytes(block[len(OVERLONG_LINE):-1]))
+    return offset + len(block)
 
 
 def read_span(path: str, offset: int, length: int) -> bytes:
@@ -232,6 +280,11 @@ def read_span(path: str, offset: int, length: int) -> bytes:
     with open_binary(path) as f:
         f.seek(offset)
         data = f.read(length)
+        if b"\n" not in data:  # perhaps a line too long to send: the marker that stood for it
+            f.seek(offset)
+            long, _ = _skip_line(f, 1 << 20, 0, path, 0)
+            if long > MAX_LINE_BYTES:
+                data = overlong_marker(long)
     if len(data) == length - 1 and not data.endswith(b"\n"):
         data += b"\n"  # the file's last line, without its newline
     if len(data) != length or not data.endswith(b"\n"):
@@ -299,6 +352,8 @@ class BlockParser:
         """
         if num_lines is None:
             num_lines = bytes(block).count(b"\n")
+        if bytes(block[:len(OVERLONG_LINE)]) == OVERLONG_LINE:  # what iter_spans yields for a line too long
+            return self._parse_checked(bytes(block), first_line, stats, skip_rows)
         chunk = self._parse_fast(block, first_line, skip_rows, num_lines)
         if chunk is not None:
             stats.rows_ok += chunk.num_rows
@@ -367,6 +422,10 @@ class BlockParser:
         good, numbers = [], []
         for i in range(skip_rows, len(pieces)):
             text = pieces[i][:-1] if pieces[i].endswith(b"\r") else pieces[i]
+            if text.startswith(OVERLONG_LINE):
+                bad.append((first_line + i, f"line of {int(text[len(OVERLONG_LINE):]):,} bytes, longer than the "
+                                            f"{MAX_LINE_BYTES >> 20} MiB a row may have"))
+                continue
             n = count_fields(text, self.schema)
             if not text:
                 bad.append((first_line + i, "empty line"))

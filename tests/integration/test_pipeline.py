@@ -284,6 +284,28 @@ def test_redis_restarted_mid_job_refills_from_the_source(data, tmp_path):
     assert record["cache_misses"] > 0, record
 
 
+@pytest.mark.timeout(240)
+def test_a_line_over_16_mib_is_one_malformed_row_read_again_from_the_source(data, tmp_path):
+    """A 17 MiB line in the middle of a file stopped a cluster job ("longer than 16 MiB"). It is
+    one malformed row now: the loader reads past it a block at a time and sends a marker in its
+    place, whose span the loader reads again the same when Redis has lost the cache."""
+    lines = Path(data["small"]).read_bytes().splitlines(keepends=True)
+    path = tmp_path / "long.tsv"
+    path.write_bytes(b"".join(lines[:25_000]) + b"\t".join([b"1"] + [b"x" * (17 << 15)] * 32) + b"\n"
+                     + b"".join(lines[25_000:]))
+    with Cluster(tmp_path / "c", workers=1) as c:
+        job = c.submit([path], tmp_path / "m", [], job_config("lr", epochs=2))
+        c.wait(job, 90, until=progressed(10_000, epoch=2))
+        c.kill("redis", signal.SIGKILL)
+        time.sleep(1.0)
+        c.restart("redis")  # every chunk of epoch 2 read again, the marker's too
+        record = done_record(c, job)
+        log = (tmp_path / "c" / "logs" / "loader-0.log").read_text()
+    assert record["rows_in_data"] == 50_000 and record["bad_rows"] == 1, record
+    assert_exactly_once(record, 2)
+    assert record["cache_misses"] > 0 and "cannot re-read" not in log, record
+
+
 @pytest.mark.timeout(300)
 def test_coordinator_killed_and_restarted_mid_job_keeps_history_and_completes(data, tmp_path):
     """SIGKILL the coordinator in epoch 1 (source half read) and again in epoch 2: each new

@@ -56,12 +56,13 @@ def cmd_gen_ads(args: argparse.Namespace) -> int:
 
 def cmd_featurizer_train(args: argparse.Namespace) -> int:
     from mariana.featurizer.image import load_mnist
-    from mariana.trainer.featurizer_train import FeaturizerTrainConfig, progress_logger, train_and_export
+    from mariana.trainer.featurizer_train import (FeaturizerTrainConfig, check_featurizer_out, progress_logger,
+                                                  train_and_export)
 
     _need_dir(args.data, "--data")
     if args.epochs < 1:
         raise MarianaError("--epochs must be >= 1")
-    _check_image_out(args.out)
+    check_featurizer_out(args.out)
     data = load_mnist(args.data)
     _check_featurizer_data(args.data, data)
     report = train_and_export(data, args.out, FeaturizerTrainConfig(epochs=args.epochs, seed=args.seed),
@@ -351,28 +352,6 @@ def _train_data(data: str | None):
     return load_mnist(d), False, str(d)
 
 
-def _check_image_out(path: str) -> None:
-    """--out of `train image` and `featurizer train`: what check_featurizer_out allows (new, empty,
-    or a featurizer) and somewhere it can be written, since the featurizer is only written once
-    the training is done: an hour's work must not end at `afile: file exists` for `afile/x`."""
-    import tempfile
-
-    from mariana.trainer.featurizer_train import check_featurizer_out
-    from mariana.trainer.job import check_path_name
-
-    check_featurizer_out(path)
-    check_path_name(path, "--out")
-    where = os.path.dirname(os.path.abspath(path))  # the featurizer is built in a temp dir beside it
-    while not os.path.lexists(where):
-        where = os.path.dirname(where)
-    if not os.path.isdir(where):
-        raise MarianaError(f"--out {path}: {where} is a file, not a directory; name a directory that can be created")
-    try:  # os.access trusts the mode bits: root "may" write anywhere, a read-only mount passes too
-        os.rmdir(tempfile.mkdtemp(prefix=".mariana-probe-", dir=where))
-    except OSError as e:
-        raise MarianaError(f"--out {path}: cannot create a directory in {where} ({e.strerror})") from None
-
-
 def _preset(args, data, folder: bool, name: str) -> str:
     """--preset, else the one whose side the images have (image folders: any size, scaled)."""
     if args.preset:
@@ -403,12 +382,13 @@ def train_image_main(argv: list[str]) -> int:
     from mariana.services.ranks import run_job
     from mariana.services.runtime import report
     from mariana.services.runtime.logs import setup_logging
+    from mariana.trainer.featurizer_train import check_featurizer_out
     from mariana.trainer.strategies import data_parallel as dp
 
     args = build_train_image_parser().parse_args(argv)
     ctx = dp.DistContext.from_env()
     setup_logging(-1 if args.quiet or ctx.rank > 0 else args.verbose)
-    _check_image_out(args.out)  # before any training: a directory of other files is refused, not replaced
+    check_featurizer_out(args.out)  # before any training: a directory of other files is refused, not replaced
     data, folder, name = _train_data(args.data)
     from mariana.trainer.image import ImageConfig, check_data
 

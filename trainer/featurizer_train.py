@@ -29,6 +29,7 @@ from mariana.featurizer.image import (FORMAT, MANIFEST, SPLIT_SEED, TEST_IMAGES,
 from mariana.sparse.errors import MarianaError
 from mariana.trainer.checkpoint import publish_dir
 from mariana.trainer.dense import DenseProgress, evaluate_dense, loss_fn, tensor_batches, train_dense
+from mariana.trainer.job import check_can_create_in, check_path_name
 from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,11 @@ def check_featurizer_out(path: str | os.PathLike, what: str = "--out") -> None:
     featurizer directory (its manifest and weights, nothing else), which the new one replaces
     whole. Anything else there would be deleted with it.
 
-    >>> check_featurizer_out("/no/such/dir")   # new: written there
+    The featurizer is built beside it, so its parent must be a directory where one can be
+    made (`check_can_create_in`), or become one: found before the training, not after it.
+
+    >>> import tempfile
+    >>> check_featurizer_out(tempfile.gettempdir() + "/no/such/dir")   # new: written there
     >>> check_featurizer_out("")
     Traceback (most recent call last):
     mariana.sparse.errors.MarianaError: --out: empty; name the featurizer directory to write
@@ -174,8 +179,12 @@ def check_featurizer_out(path: str | os.PathLike, what: str = "--out") -> None:
     p = os.fspath(path)
     if not p:
         raise MarianaError(f"{what}: empty; name the featurizer directory to write")
+    check_path_name(p, what)
+    check_can_create_in(os.path.dirname(os.path.abspath(p)), what, shown=p)
     if not os.path.lexists(p):
         return
+    if not os.path.exists(p):
+        check_can_create_in(p, what)  # a dangling symbolic link: named as one
     if not os.path.isdir(p):
         raise MarianaError(f"{what} {p}: exists and is not a directory; name the featurizer directory to write")
     names = sorted(os.listdir(p))

@@ -42,18 +42,33 @@ def check_out_dir(path: str) -> None:
         if not os.path.isdir(path):
             raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", path)
         _check_model_dir(path)
-        probe = path
-    else:
-        probe = os.path.dirname(os.path.abspath(path))
-        while not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise PermissionError(errno.EACCES, "not writable", probe)
-    try:  # os.access trusts the mode bits: root "may" write /proc, a read-only mount passes too
-        os.rmdir(tempfile.mkdtemp(prefix=".mariana-probe-", dir=probe))
+    check_can_create_in(path, "the model directory (--out)")
+
+
+def check_can_create_in(path: str | os.PathLike, what: str, shown: str | os.PathLike | None = None) -> None:
+    """MarianaError unless a directory can be made in `path`, or, where `path` does not exist,
+    in its nearest existing ancestor (which must then be a directory): probed with a real
+    mkdir, since os.access trusts the mode bits (root "may" write /proc; a read-only mount
+    passes too). A dangling symbolic link on the way is named as one: os.makedirs would
+    only say "File exists" once the work was done. `shown`: the path the user named.
+
+    >>> check_can_create_in("/proc/m/x", "--out")
+    Traceback (most recent call last):
+    mariana.sparse.errors.MarianaError: --out /proc/m/x: cannot create a directory in /proc (No such file or directory)
+    """
+    shown = os.fspath(path if shown is None else shown)
+    where = os.path.abspath(path)
+    while not os.path.lexists(where):
+        where = os.path.dirname(where)
+    if not os.path.exists(where):
+        raise MarianaError(f"{what} {shown}: {where} is a symbolic link to {os.readlink(where)!r}, which does not "
+                           "exist; make its target, or name another directory")
+    if not os.path.isdir(where):
+        raise MarianaError(f"{what} {shown}: {where} is a file, not a directory; name a directory that can be created")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mariana-probe-", dir=where))
     except OSError as e:
-        raise PermissionError(e.errno or errno.EACCES, f"cannot create a directory in it ({e.strerror})",
-                              probe) from None
+        raise MarianaError(f"{what} {shown}: cannot create a directory in {where} ({e.strerror})") from None
 
 
 def check_path_name(path: str, what: str) -> None:

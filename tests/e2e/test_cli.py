@@ -185,7 +185,7 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
         (("train", "--data", gen_files["test"], "--out", ""), ["the model directory (--out) is empty"]),
         # writable by its mode bits, not in fact: found before training, not at the publish after it
         (("train", "--data", gen_files["test"], "--out", "/proc/mariana-model"),
-         ["/proc: cannot create a directory in it"]),
+         ["--out) /proc/mariana-model: cannot create a directory in /proc ("]),
         (("train", "--data", gen_files["test"], "--test-data", empty, "--out", tmp_path / "o"),
          ["no valid test rows in", "empty.tsv"]),
         (("train", "--data", gen_files["test"], "--patience", "3", "--out", tmp_path / "o"),

@@ -96,7 +96,7 @@ def test_train_refuses_a_bad_out_before_training(fsdd, tmp_path):
     assert "rank" not in runs[1][1]  # found before any rank started
     assert_one_line(*runs[2], "the model directory (--out) is empty: name one")
     assert_one_line(*runs[3], "data: holds 1 other files (day1.tsv) and no model")
-    assert_one_line(*runs[4], "/proc: cannot create a directory in it")
+    assert_one_line(*runs[4], "(--out) /proc/m: cannot create a directory in /proc (")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "data"], list(tmp_path.iterdir())
 
 

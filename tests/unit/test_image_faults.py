@@ -67,6 +67,29 @@ def test_a_featurizer_out_of_other_files_is_refused_before_training_and_kept(tmp
     check_featurizer_out(tmp_path / "new" / "deeper")
 
 
+@pytest.mark.parametrize("check", ["model", "featurizer"])
+def test_an_out_dir_that_cannot_be_made_is_named_before_any_work(tmp_path, check):
+    """One helper (trainer.job.check_can_create_in) checks where a model or a featurizer directory
+    will be made, before the training: a file on the way, and a dangling symbolic link (at
+    --out or above it), which os.makedirs reports only as "File exists" once the work is done."""
+    from mariana.trainer.featurizer_train import check_featurizer_out
+    from mariana.trainer.job import check_out_dir
+
+    fn = check_out_dir if check == "model" else check_featurizer_out
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(MarianaError, match=f"{tmp_path}/afile is a file, not a directory"):
+        fn(str(tmp_path / "afile" / "m"))
+    for out in (tmp_path / "gone", tmp_path / "gone" / "m"):
+        with pytest.raises(MarianaError, match=f"{tmp_path}/gone is a symbolic link to '{tmp_path}/nowhere', "
+                                               "which does not exist"):
+            fn(str(out))
+    (tmp_path / "nowhere").mkdir()  # the link's target made: both may be written
+    fn(str(tmp_path / "gone" / "m"))
+    fn(str(tmp_path / "new" / "deeper"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "gone", "nowhere"]  # the probes left nothing
+
+
 def test_the_featurizer_cache_of_a_creatives_dir_is_not_trained_over_other_files(tmp_path):
     from mariana.sparse.errors import ConfigError
     from mariana.trainer.config import ImagesConfig

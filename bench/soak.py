@@ -122,7 +122,8 @@ class Soak:
         config.write_text(
             f'[serve]\nmodel_dir = "{self.models}"\nport = {self.port}\nworkers = {self.args.workers}\n'
             f'redis_url = "{self.redis.url}"\ntoken = "{TOKEN}"\nwatch_seconds = 2.0\n'
-            f'[retrain]\ntrain_data = ["{self.windows[1]}"]\neval_data = ["{self.test}"]\nauc_tolerance = 0.002\n')
+            f'[retrain]\ntrain_data = ["{self.windows[1]}"]\neval_data = ["{self.test}"]\nauc_tolerance = 0.002\n'
+            'skip_unchanged = false\n')  # the same window each time: a candidate (and load) each time
         self.serve_log = open(out / "serve.log", "ab")
         self.server = start_process([sys.executable, "-m", "mariana", "serve", "--config", config], self.serve_log)
         deadline = time.monotonic() + 60

@@ -468,7 +468,8 @@ def _print_status(st: dict) -> None:
             {**v, "auc": (v.get("metrics") or {}).get("auc"), "logloss": (v.get("metrics") or {}).get("logloss")}
             for v in m["versions"]], most=10)
         for d in m.get("decisions", [])[:5]:
-            print(f"  retrain {d.get('time')}: {d.get('verdict')} {d.get('new_version')} ({d.get('reason')})")
+            print(f"  retrain {d.get('time')}: {d.get('verdict')} {d.get('new_version') or d.get('served_version')} "
+                  f"({d.get('reason')})")
 
 
 STATUS_JOBS = 20  # the newest jobs `status` lists (the coordinator keeps every job)

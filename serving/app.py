@@ -330,7 +330,8 @@ def _metrics() -> Metrics:
     m.counter("mariana_serve_model_swaps_total", "Model versions swapped in for another (the first load is not one).")
     m.counter("mariana_serve_model_load_failures_total", "Model versions that could not be loaded.")
     m.counter("mariana_serve_retrains_total", "Retrains started by POST /v1/retrain that ended, by verdict: "
-                                              "promoted, refused or failed (the reason is in the log).")
+                                              "promoted, refused, skipped (nothing new to learn) or failed (the reason "
+                                              "is in the log).")
     m.counter("mariana_serve_snapshot_failures_total", "Metrics snapshots this worker could not write (a full "
                                                        "TMPDIR): the sum the other workers answer is stale.")
     return m

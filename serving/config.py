@@ -92,6 +92,8 @@ class RetrainSection:
     mode: str = "local"                 # or "cluster": train on the cluster that is up
     cluster_config: str = ""            # cluster mode: its TOML (default: the built-in defaults)
     warm_start: bool = False            # go on from the served version's weights (daily incremental training)
+    skip_unchanged: bool = True         # no training when the served version learned this very window, with
+                                        # this recipe, and no file of it changed since (decision "skipped")
     keep_versions: int = 0              # after each decision, versions pruned to CURRENT, its rollback target and
                                         # the newest this many (`mariana model prune --keep N`); 0: keep every one
     keep_runs: int = 20                 # <model_dir>/.retrain/ files of finished retrains started over HTTP kept

@@ -14,7 +14,10 @@ versions pruned to `retrain.keep_versions` (checkpoint.prune: CURRENT and its ro
 target always stay) and the files of finished runs under .retrain/ beyond the newest
 `retrain.keep_runs` removed; a failure there is a warning, never a failed retrain.
 
-    {"time": ..., "verdict": "promoted" | "refused" | "failed", "reason": "...",
+A retrain with nothing new to learn (`nothing_new`: the served version was trained on
+this very window with this recipe, unchanged since) trains nothing: verdict "skipped".
+
+    {"time": ..., "verdict": "promoted" | "refused" | "failed" | "skipped", "reason": "...",
      "new_version": "v000004", "served_version": "v000003",
      "metrics": {"new": {"auc": ..., "logloss": ...}, "served": {...}},
      "auc_tolerance": 0.0, "train_data": [...], "eval_data": [...]}
@@ -95,6 +98,14 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         check_served_loads(model_dir, served)
         check_unseen(model_dir, served, evals)
     config = job_config(cfg, served)
+    same = nothing_new(model_dir, served, train, config) if served and r.skip_unchanged else None
+    if same:
+        decision = {"time": None, "verdict": "skipped", "reason": same, "new_version": None, "served_version": served,
+                    "train_data": train, "eval_data": evals}
+        _record(model_dir, decision)
+        log.info("retrain %s: skipped (%s)", model_dir, same)
+        tidy(cfg, status.path)
+        return decision
     schema = config.data.resolve_schema()
     Reader(evals, schema).probe()  # before hours of training: a file of another format fails now
     check_has_rows(evals, schema, "eval window")
@@ -262,6 +273,29 @@ def check_unseen(model_dir: str, served: str, evals: list[str]) -> None:
             raise ConfigError(f"retrain windows: {path} is in the eval window, but the version in service was "
                               f"trained on it ({what} learned from it): it would be scored on rows it has seen; "
                               "score on a later window (retrain.data's newest files, or retrain.eval_data)")
+
+
+def nothing_new(model_dir: str, served: str, train: list[str], config: JobConfig) -> str | None:
+    """Why a retrain would learn nothing new, or None: the version in service was trained on
+    these very files, in this order, with this recipe, and none of them has been written since
+    that version was. A timer that retrains while no new log has come would otherwise add a
+    copy of the served model each time (or, warm-started, train on the same rows again), and
+    `keep_versions` would prune the versions a rollback needs to make room for the copies."""
+    manifest = checkpoint.read_manifest(model_dir, served)
+    trained = (manifest.get("train") or {}).get("data")
+    if not isinstance(trained, list) or [os.path.realpath(p) for p in trained if isinstance(p, str)] != \
+            [os.path.realpath(p) for p in train]:
+        return None
+    try:
+        if from_dict(JobConfig, manifest.get("config") or {}) != config:
+            return None
+    except (MarianaError, TypeError, ValueError):  # a recipe this version cannot read back: not the same one
+        return None
+    written = os.stat(os.path.join(model_dir, served, checkpoint.MANIFEST)).st_mtime
+    if any(os.stat(p).st_mtime >= written for p in train):
+        return None
+    return (f"{served}, in service, was trained on these {len(train)} file(s) with this recipe, and none has "
+            "changed since: nothing new to learn (retrain.skip_unchanged = false trains anyway)")
 
 
 def learned_from(model_dir: str, version: str, most: int = 1000) -> dict[str, str]:
@@ -609,15 +643,19 @@ class RetrainRunner:
 
 
 def outcome(status: dict) -> tuple[str, str]:
-    """(verdict, reason) of a retrain's status: promoted or refused with the gate's reason, or
-    failed with the error.
+    """(verdict, reason) of a retrain's status: promoted or refused with the gate's reason,
+    skipped with why, or failed with the error.
 
     >>> outcome({"state": "done", "decision": {"verdict": "refused", "new_version": "v2", "reason": "AUC"}})
     ('refused', 'v2: AUC')
+    >>> outcome({"state": "done", "decision": {"verdict": "skipped", "new_version": None, "reason": "nothing new"}})
+    ('skipped', 'nothing new')
     >>> outcome({"state": "failed", "error": "no window"})
     ('failed', 'no window')
     """
     decision = status.get("decision") or {}
+    if status.get("state") == "done" and decision.get("verdict") == "skipped":
+        return "skipped", str(decision.get("reason"))
     if status.get("state") == "done" and decision.get("verdict") in ("promoted", "refused"):
         return decision["verdict"], f"{decision.get('new_version')}: {decision.get('reason')}"
     return "failed", status.get("error") or f"it ended in state {status.get('state')!r}"

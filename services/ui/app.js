@@ -1201,7 +1201,9 @@
     return el("li", {"data-testid": "decision"},
       el("span", {class: "when"}, fmtTime(d.time)),
       el("span", {class: `badge ${verdict.toLowerCase().replace(/[^a-z]/g, "")}`}, verdict), " ",
-      el("span", {class: "mono"}, str(d.new_version)), " vs ", el("span", {class: "mono"}, str(d.served_version)),
+      d.new_version == null && d.served_version != null  // "skipped": nothing trained
+        ? el("span", {class: "mono"}, str(d.served_version))
+        : [el("span", {class: "mono"}, str(d.new_version)), " vs ", el("span", {class: "mono"}, str(d.served_version))],
       isNum(cm.auc) || isNum(sm.auc) ? el("span", {class: "muted"}, ` · AUC ${fmtFixed(cm.auc, 4)} vs ${fmtFixed(sm.auc, 4)}`)
         : null,
       d.reason ? el("div", {class: "muted"}, String(d.reason)) : null);

@@ -195,7 +195,8 @@ def planted_runs(d: Path, n: int, live_pid: int) -> list[str]:
 def test_retrain_keeps_versions_and_runs_bounded(days, tmp_path):
     d = served_model(tmp_path, days)  # v1
     ids = planted_runs(d, 25, os.getpid())
-    windows = {"train_data": [str(days["day2"])], "eval_data": [str(days["day3"])], "keep_versions": 2, "keep_runs": 3}
+    windows = {"train_data": [str(days["day2"])], "eval_data": [str(days["day3"])], "keep_versions": 2, "keep_runs": 3,
+               "skip_unchanged": False}  # the same window again and again: a version each time
     promote = retrain_config(tmp_path, d, auc_tolerance=0.5, **windows)
     (tmp_path / "r").mkdir()
     refuse = retrain_config(tmp_path / "r", d, **{**windows, "eval_data": [str(days["clicks"])]})

@@ -4,6 +4,7 @@ every decision is recorded, and a server swaps to what was promoted."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -46,8 +47,8 @@ def served_model(tmp_path: Path, days) -> Path:
     return model_dir
 
 
-def retrain_config(tmp_path: Path, model_dir: Path, **retrain) -> Path:
-    path = tmp_path / "retrain.toml"
+def retrain_config(tmp_path: Path, model_dir: Path, file: str = "retrain.toml", **retrain) -> Path:
+    path = tmp_path / file
     lines = ["[serve]", f'model_dir = "{model_dir}"', "[retrain]"] + [f"{k} = {json.dumps(v)}" for k, v in retrain.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -86,6 +87,40 @@ def test_the_gate_refuses_a_worse_model_and_promotes_a_better_one(days, tmp_path
     assert (model_dir / "CURRENT").read_text().strip() == "v000001"
 
 
+def test_a_retrain_with_nothing_new_to_learn_trains_nothing(days, tmp_path):
+    """A timer retraining while no new log came trained the same window again and again: each
+    time a copy of the served model (promoted, equal AUC), and retrain.keep_versions pruned the
+    versions a rollback needs to make room for the copies. Now such a retrain is "skipped";
+    a file written since, or skip_unchanged = false, trains again."""
+    model_dir = served_model(tmp_path, days)  # v000001, trained on days["small"]
+    window = {"train_data": [str(days["small"])], "eval_data": [str(days["day4"])]}
+    same = retrain_config(tmp_path, model_dir, **window)
+    skipped = json.loads(run_cli("retrain", "--config", same, "--json", check=True).stdout)
+    assert skipped["verdict"] == "skipped" and skipped["new_version"] is None, skipped
+    assert skipped["reason"].startswith("v000001, in service, was trained on these 1 file(s) with this recipe, and "
+                                        "none has changed since: nothing new to learn"), skipped
+    assert sorted(p.name for p in model_dir.glob("v0*")) == ["v000001"]
+    forced = json.loads(run_cli("retrain", "--config", retrain_config(tmp_path, model_dir, "forced.toml",
+                                                                      skip_unchanged=False, **window), "--json", check=True).stdout)
+    assert forced["verdict"] in ("promoted", "refused") and forced["new_version"] == "v000002", forced
+    again = json.loads(run_cli("retrain", "--config", same, "--json", check=True).stdout)
+    assert again["verdict"] == "skipped", again  # whichever of the two is in service learned this window
+    other = json.loads(run_cli("retrain", "--config", retrain_config(
+        tmp_path, model_dir, "other.toml", train_data=[str(days["small"])], eval_data=[str(days["day4"])],
+        job_config=str(recipe(tmp_path))), "--json", check=True).stdout)
+    assert other["new_version"] == "v000003", other  # another recipe: something new to learn
+    os.utime(days["small"])  # written since: trained again
+    touched = json.loads(run_cli("retrain", "--config", same, "--json", check=True).stdout)
+    assert touched["new_version"] == "v000004", touched
+    assert [d["verdict"] for d in decisions(model_dir)][0:1] == ["skipped"]
+
+
+def recipe(tmp_path: Path) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text('[model]\nkind = "lr"\n[train]\nbatch_size = 512\n')
+    return path
+
+
 def test_a_warm_start_retrain_goes_on_from_the_served_version(days, tmp_path):
     """Daily incremental training: the candidate starts from the served version's weights
     and optimizer state (its manifest names that parent) and sees only the new day."""
@@ -97,7 +132,8 @@ def test_a_warm_start_retrain_goes_on_from_the_served_version(days, tmp_path):
     manifest = json.loads((model_dir / decision["new_version"] / "manifest.json").read_text())
     assert manifest["parent"]["version"] == "v000001" and manifest["parent"]["model_dir"] == str(model_dir)
     assert manifest["rows_trained"] == 3_000 + 20_000  # the parent's rows, then the day's
-    cold = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"])], eval_data=[str(days["day4"])])
+    cold = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"])], eval_data=[str(days["day4"])],
+                          skip_unchanged=False)  # the served version learned day 2: trained again on purpose
     decision = json.loads(run_cli("retrain", "--config", cold, "--json", check=True).stdout)
     manifest = json.loads((model_dir / decision["new_version"] / "manifest.json").read_text())
     assert decision["warm_start"] is False and "parent" not in manifest and manifest["rows_trained"] == 20_000

@@ -100,8 +100,8 @@ def test_a_retrain_with_nothing_new_to_learn_trains_nothing(days, tmp_path):
     assert skipped["reason"].startswith("v000001, in service, was trained on these 1 file(s) with this recipe, and "
                                         "none has changed since: nothing new to learn"), skipped
     assert sorted(p.name for p in model_dir.glob("v0*")) == ["v000001"]
-    forced = json.loads(run_cli("retrain", "--config", retrain_config(tmp_path, model_dir, "forced.toml",
-                                                                      skip_unchanged=False, **window), "--json", check=True).stdout)
+    force = retrain_config(tmp_path, model_dir, "forced.toml", skip_unchanged=False, **window)
+    forced = json.loads(run_cli("retrain", "--config", force, "--json", check=True).stdout)
     assert forced["verdict"] in ("promoted", "refused") and forced["new_version"] == "v000002", forced
     again = json.loads(run_cli("retrain", "--config", same, "--json", check=True).stdout)
     assert again["verdict"] == "skipped", again  # whichever of the two is in service learned this window

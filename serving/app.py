@@ -174,7 +174,10 @@ async def readyz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """Every worker's counts, summed. This worker writes its snapshot before reading
     the others': what a scrape reports is then on disk, so the next scrape, answered
-    by whichever worker, never reports less (a drop would look like a counter reset)."""
+    by whichever worker, never reports less (a drop would look like a counter reset).
+    A worker that is down (the supervisor removed its ready file) adds its counts, which
+    its successor goes on from, but not its gauges: it serves no version, has nothing in
+    flight."""
     app = request.app
     m, st = app[METRICS], app[SETTINGS]
     states = [m.state()]
@@ -184,9 +187,12 @@ async def metrics(request: web.Request) -> web.Response:
             if path != own:
                 try:
                     with open(path) as f:
-                        states.append(json.load(f))
+                        state = json.load(f)
                 except (OSError, ValueError):
                     continue  # being replaced right now: it is in the next scrape
+                if not os.path.exists(path.replace("metrics-", "worker-").replace(".json", ".ready")):
+                    state = {k: v for k, v in state.items() if m.definitions.get(k, {}).get("type") != "gauge"}
+                states.append(state)
     return web.Response(text=render(m.definitions, merge(states)), content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 

@@ -20,6 +20,7 @@ supervised workers are started without $NOTIFY_SOCKET.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -275,6 +276,8 @@ class _Supervisor:
             return False
         delay = RESTART_DELAYS[min(self.quick_deaths[i], len(RESTART_DELAYS) - 1)]
         log.warning("serve: worker %d exited with code %s; starting it again in %.1fs", i, code, delay)
+        with contextlib.suppress(FileNotFoundError):  # /readyz and /metrics: not listening, serving nothing
+            os.remove(os.path.join(self.run_dir, f"worker-{i}.ready"))
         time.sleep(delay)
         self._start(i)
         return True

@@ -161,19 +161,27 @@ def test_a_worker_killed_and_started_again_goes_on_from_its_counts(models, tmp_p
             answer = s.get("/healthz")[1]
             pids[answer["worker"]] = answer["pid"]
         os.kill(pids[0], signal.SIGKILL)
-        deadline = time.monotonic() + 30
+        deadline, seen_down = time.monotonic() + 30, set()
         while time.monotonic() < deadline:  # until the new worker 0 answers
             try:
                 answer = s.get("/healthz")[1]
+                seen_down.add((s.get("/readyz")[1]["workers"]["listening"],
+                               s.metric("mariana_serve_model_info")))
             except OSError:
                 continue
             if answer["worker"] == 0 and answer["pid"] != pids[0]:
                 break
         else:
             pytest.fail(f"worker 0 was not started again: {s.logs()}")
+        # while it was down (0.5 s or more) no answer counted it as listening, or serving a version
+        assert (1, 1) in seen_down, seen_down
         for _ in range(20):  # scrapes answered by both workers, the new one included
             assert s.metric("mariana_serve_predictions_total") >= before
         assert "counters go on from the previous worker's" in s.logs()
+        deadline = time.monotonic() + 10
+        while s.get("/readyz")[1]["workers"]["listening"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s.metric("mariana_serve_model_info") == 2
 
 
 def test_metrics_openapi_and_model_info(lr_server):

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 class Coordinator(Service):
     role = "coordinator"
+    COUNTERS = Service.COUNTERS + Service.REDIS_COUNTERS + Service.CREATIVE_COUNTERS + ("late_reports",)
 
     def __init__(self, cfg: ClusterConfig, index: int = 0):
         super().__init__(cfg, index)

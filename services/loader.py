@@ -41,6 +41,7 @@ class JobEnded(Exception):
 
 class Loader(Service):
     role = "loader"
+    COUNTERS = Service.COUNTERS + Service.REDIS_COUNTERS + ("chunks_sent", "bytes_sent", "chunks_resent")
 
     def __init__(self, cfg: ClusterConfig, index: int = 0):
         super().__init__(cfg, index)
@@ -97,7 +98,17 @@ class Loader(Service):
 
     async def read(self, job: str, files: list[str], block_bytes: int, until: tuple[int, int] | None = None) -> None:
         """Every chunk of `files` (of those before `until` = (file, lines): the training rows of
-        a job that holds its tail out), from where a previous run of this loader got to."""
+        a job that holds its tail out), from where a previous run of this loader got to. Once
+        done, the job is no longer among those it reads (its status), nor its files kept (a
+        Resend names them)."""
+        try:
+            await self._read(job, files, block_bytes, until)
+        finally:
+            if self.reading.get(job) is asyncio.current_task():
+                del self.reading[job]
+                self.files.pop(job, None)
+
+    async def _read(self, job: str, files: list[str], block_bytes: int, until: tuple[int, int] | None) -> None:
         error, chunks = "", 0
         last = len(files) - 1 if until is None else until[0]
         try:

@@ -53,6 +53,9 @@ class JobCodec:
 
 class Preprocess(Service):
     role = "preprocess"
+    COUNTERS = Service.COUNTERS + Service.REDIS_COUNTERS + Service.CREATIVE_COUNTERS + (
+        "chunks", "batches", "rows_bad", "creative_lookups", "creatives_unknown", "unknown_jobs",
+        "chunks_refused_stopping", "creative_fetches", "creative_values_bad")
 
     def __init__(self, cfg: ClusterConfig, index: int = 0):
         super().__init__(cfg, index)

@@ -57,6 +57,8 @@ class JobEnded(MarianaError):
 
 class ParamServer(Service):
     role = "ps"
+    COUNTERS = Service.COUNTERS + ("pulls", "rows_pulled", "steps_applied", "rows_applied", "duplicate_pushes",
+                                   "checkpoints", "checkpoint_failures", "restored_jobs")
 
     def __init__(self, cfg: ClusterConfig, index: int = 0):
         super().__init__(cfg, index)

@@ -473,6 +473,9 @@ class JobModels:
 
 class Worker(Service):
     role = "worker"
+    COUNTERS = Service.COUNTERS + Service.REDIS_COUNTERS + (
+        "steps", "rows", "steps_abandoned", "separate_pulls", "lapsed_in_hand", "cache_misses", "cache_refused",
+        "shard_retries")
 
     def __init__(self, cfg: ClusterConfig, index: int = 0):
         super().__init__(cfg, index)

@@ -34,7 +34,7 @@ from mariana.serving.config import ServeConfig
 from mariana.serving.dataplane import Batcher, ModelHolder, error_answer
 from mariana.serving.errors import ServeError
 from mariana.serving.openapi import document, speech_document
-from mariana.serving.retrain import RetrainRunner
+from mariana.serving.retrain import VERDICTS, RetrainRunner
 from mariana.serving.watch import VersionWatcher
 from mariana.services.runtime.auth import bearer_ok
 from mariana.services.runtime.metrics import Metrics, merge, render
@@ -316,7 +316,7 @@ def _http_error_text(request: web.Request, e: web.HTTPException) -> str:
 
 def _metrics() -> Metrics:
     m = Metrics()
-    m.counter("mariana_serve_requests_total", "HTTP requests answered, by route and status code.")
+    m.counter("mariana_serve_requests_total", "HTTP requests answered, by route and status code.", start=())
     m.histogram("mariana_serve_request_seconds", "Time from request to answer, by route.",
                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
     m.counter("mariana_serve_predictions_total", "Instances scored.")
@@ -330,14 +330,14 @@ def _metrics() -> Metrics:
     m.histogram("mariana_serve_batch_requests", "Requests answered by one model call.",
                 buckets=(1, 2, 4, 8, 16, 32, 64, 128))
     m.counter("mariana_serve_batches_total", "Model calls, by where they ran: the event loop (small batches) "
-                                             "or the model thread.")
+                                             "or the model thread.", start=({"where": "loop"}, {"where": "thread"}))
     m.gauge("mariana_serve_in_flight", "Requests being answered (scrapes of /metrics left out).")
     m.gauge("mariana_serve_model_info", "Worker processes serving each model version.")
     m.counter("mariana_serve_model_swaps_total", "Model versions swapped in for another (the first load is not one).")
     m.counter("mariana_serve_model_load_failures_total", "Model versions that could not be loaded.")
     m.counter("mariana_serve_retrains_total", "Retrains started by POST /v1/retrain that ended, by verdict: "
                                               "promoted, refused, skipped (nothing new to learn) or failed (the reason "
-                                              "is in the log).")
+                                              "is in the log).", start=tuple({"verdict": v} for v in VERDICTS))
     m.counter("mariana_serve_snapshot_failures_total", "Metrics snapshots this worker could not write (a full "
                                                        "TMPDIR): the sum the other workers answer is stale.")
     return m

@@ -56,6 +56,7 @@ from mariana.trainer.config import JobConfig, load_config
 
 log = logging.getLogger(__name__)
 DECISIONS = checkpoint.DECISIONS
+VERDICTS = ("promoted", "refused", "skipped", "failed")  # how a retrain ends (`outcome`)
 LOCK = ".retrain.lock"
 RUNS = ".retrain"  # status files and logs of retrains started over HTTP
 _RUN = r"r\d{8}-\d{6}-[0-9a-f]{6}"  # a retrain run's id: its start time, then 6 hex digits

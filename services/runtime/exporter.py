@@ -41,7 +41,7 @@ def render_service(role: str, index: int, counters: Mapping[str, float], status:
     for key, value in sorted(counters.items()):
         name = f"mariana_{role}_{_name(key)}_total"
         if name not in m.definitions:
-            m.counter(name, f"Count of {key} since this {role} started.")
+            m.counter(name, f"Count of {key} since this {role} started.", start=())
             m.inc(name, value, **labels)
     for key, value in status.items():
         name = f"mariana_{role}_{_name(key)}"

@@ -3,8 +3,11 @@ labels, kept as a plain dict that is JSON as it stands, so processes serving
 one endpoint can write theirs to a file and any of them can answer a scrape
 with the sum (`merge`), rendered in the text exposition format.
 
+A counter is 0 from its definition (an unlabelled one, or each label set given as
+`start`), not absent until its first event: `increase(x[10m]) > 0` sees the first one.
+
 >>> m = Metrics()
->>> m.counter("requests_total", "Requests answered.")
+>>> m.counter("requests_total", "Requests answered.", start=())  # labels not known beforehand
 >>> m.histogram("latency_seconds", "Request latency.", buckets=(0.01, 0.1))
 >>> m.inc("requests_total", code="200"); m.observe("latency_seconds", 0.05)
 >>> print(render(m.definitions, merge([m.state(), m.state()])), end="")
@@ -35,8 +38,17 @@ class Metrics:
         self.definitions: dict[str, dict] = {}
         self._values: State = {}
 
-    def counter(self, name: str, help: str) -> None:
+    def counter(self, name: str, help: str, start: tuple[dict[str, str], ...] = ({},)) -> None:
+        """`start`: the label sets that are 0 from now on (default: the unlabelled series;
+        `()`: none, for a counter whose label values come with its events).
+
+        >>> m = Metrics(); m.counter("a", "."); m.counter("b", ".", start=({"x": "1"}, {"x": "2"}))
+        >>> m.state()
+        {'a': {'': 0}, 'b': {'x="1"': 0, 'x="2"': 0}}
+        """
         self._define(name, "counter", help)
+        for labels in start:
+            self._values[name][_labels(labels)] = 0
 
     def gauge(self, name: str, help: str) -> None:
         self._define(name, "gauge", help)
@@ -68,7 +80,7 @@ class Metrics:
     def value(self, name: str, **labels: str) -> float:
         """One series (a histogram's count); with no labels, the sum of all of them.
 
-        >>> m = Metrics(); m.counter("c", "."); m.inc("c", code="200"); m.inc("c", 2, code="400")
+        >>> m = Metrics(); m.counter("c", ".", start=()); m.inc("c", code="200"); m.inc("c", 2, code="400")
         >>> m.value("c"), m.value("c", code="400")
         (3, 2)
         """

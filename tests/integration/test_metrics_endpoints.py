@@ -75,6 +75,11 @@ def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
                     assert series.get(counter, value) >= value, (name, key)  # scraped after the heartbeat
         assert series_of(c, "worker", "steps") > 0 and series_of(c, "ps", "steps_applied") > 0
         assert series_of(c, "loader", "chunks_sent") > 0 and series_of(c, "preprocess", "batches") > 0
+        # what nothing happened to is 0, not absent: increase() sees the first event
+        assert coord[f"mariana_coordinator_bad_messages_total{own}"] == 0
+        assert scrape(c.cfg.metrics_port("ps", 0))[2]['mariana_ps_checkpoint_failures_total{index="0",role="ps"}'] == 0
+        # a loader done with a job no longer says it reads it (it listed every job it ever read)
+        assert c.wait_for(lambda: c.status()["services"]["loader-0"]["status"]["reading"] == [] or None, 10.0)
 
 
 def series_of(c: Cluster, role: str, counter: str) -> float:

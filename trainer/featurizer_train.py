@@ -29,8 +29,8 @@ from mariana.featurizer.image import (FORMAT, MANIFEST, SPLIT_SEED, TEST_IMAGES,
 from mariana.sparse.errors import MarianaError
 from mariana.trainer.checkpoint import publish_dir
 from mariana.trainer.dense import DenseProgress, evaluate_dense, loss_fn, tensor_batches, train_dense
-from mariana.trainer.job import check_can_create_in, check_path_name
 from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops
+from mariana.trainer.paths import check_can_create_in, check_path_name
 
 log = logging.getLogger(__name__)
 

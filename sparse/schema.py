@@ -119,8 +119,15 @@ class Schema:
         for key in ("columns", "numeric", "categorical", "ignore"):
             if key in kw:
                 if not isinstance(kw[key], (list, tuple)) or not all(isinstance(x, str) for x in kw[key]):
-                    raise ConfigError(f"schema.{key}: expected a list of column names")
+                    raise ConfigError(f"schema.{key}: expected a list of column names, got {kw[key]!r}")
                 kw[key] = tuple(kw[key])
+        for key, want in (("name", "a name"), ("label", "a column name ('' for none)"),
+                          ("hour", "a column name ('' for none)"), ("delimiter", "one character")):
+            if key in kw and not isinstance(kw[key], str):  # a list or a number reached code that wants text
+                raise ConfigError(f"schema.{key}: expected {want}, got {kw[key]!r}")
+        for key in ("header", "quoted"):
+            if key in kw and not isinstance(kw[key], bool):  # "false" is true to Python
+                raise ConfigError(f"schema.{key}: expected true or false, got {kw[key]!r}")
         kw["hour"] = kw.get("hour") or None
         return cls(**kw)
 

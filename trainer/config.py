@@ -38,6 +38,9 @@ class DataConfig:
             raise ConfigError(f"data.format: unknown format {self.format!r} (use one of {list(FORMATS)})")
         if self.format == "csv" and not self.schema:
             raise ConfigError("data.format = 'csv' needs a [data.schema] table (columns, label, numeric, categorical)")
+        if self.format != "csv" and self.schema:  # it was read as the built-in layout, the table ignored
+            raise ConfigError(f"data.schema is for data.format = 'csv', but data.format is {self.format!r} (its "
+                              "layout is built in): set format = \"csv\" to read the files with the schema, or drop it")
         if not 1024 <= self.block_bytes <= 1 << 30:
             raise ConfigError(f"data.block_bytes must be in [1024, 2^30], got {self.block_bytes}")
         if self.parse_workers < 1:

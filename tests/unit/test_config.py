@@ -75,6 +75,27 @@ def test_csv_schema_from_config():
     assert JobConfig().to_dict()["train"]["epochs"] == 1
 
 
+@pytest.mark.parametrize("key, value, says", [
+    ("label", ["y"], "schema.label: expected a column name ('' for none), got ['y']"),  # a TypeError traceback
+    ("hour", ["a"], "schema.hour: expected a column name ('' for none), got ['a']"),
+    ("delimiter", 9, "schema.delimiter: expected one character, got 9"),
+    ("name", 5, "schema.name: expected a name, got 5"),
+    ("header", "false", "schema.header: expected true or false, got 'false'"),  # was read as true
+    ("quoted", 0, "schema.quoted: expected true or false, got 0"),
+])
+def test_a_csv_schema_of_the_wrong_types_is_one_error(key, value, says):
+    schema = {"columns": ["y", "a"], "label": "y", "categorical": ["a"], key: value}
+    cfg = load_config(env={}, overrides={"data.format": "csv", "data.schema": schema})
+    with pytest.raises(ConfigError) as e:
+        cfg.data.resolve_schema()
+    assert str(e.value) == says
+
+
+def test_a_schema_with_a_built_in_format_is_an_error():
+    with pytest.raises(ConfigError, match="data.schema is for data.format = 'csv', but data.format is 'criteo'"):
+        load_config(env={}, overrides={"data.schema": {"columns": ["y", "a"], "label": "y", "categorical": ["a"]}})
+
+
 def test_cluster_example_config_lists_every_key_with_its_default():
     from pathlib import Path
 

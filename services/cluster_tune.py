@@ -30,7 +30,8 @@ from mariana.trainer.config import JobConfig
 from mariana.trainer.job import absolute_paths
 from mariana.trainer.strategies.local import best_epoch, valid_record
 from mariana.trainer.tune import (SEARCH, SearchFailed, SearchInterrupted, Trial, TrialRun, check_search, refit_plan,
-                          refit_reserve, save_trials, saved_when_interrupted, summarize, trials_path, tune)
+                          refit_reserve, save_trials, saved_when_interrupted, summarize, trials_kept, trials_path,
+                          tune)
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.25  # how late the pruner hears an epoch, and the deadline is noticed
@@ -144,7 +145,8 @@ def run_cluster_tune(config: JobConfig, data: list[str], test_data: list[str], v
             meta["seconds"] = round(result.seconds, 2)
             kept = result.kept
             if fraction:
-                kept, meta["refit"] = refit_job(info, body, result, fraction, t0 + budget)
+                with trials_kept(out, result, meta, path):
+                    kept, meta["refit"] = refit_job(info, body, result, fraction, t0 + budget)
         summary = summarize(result, meta, path)
         record = publish_best(kept, out, promote, summary)
     finally:  # after the session: a cluster started for the search has stopped writing into it

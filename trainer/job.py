@@ -323,7 +323,7 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
     every row, the tail included, for its best epoch count, and publishes that model (as
     a grid search's refit does; for a log the tail is its newest rows)."""
     from mariana.trainer.tune import (SEARCH, LocalTrials, SearchInterrupted, check_search, refit_reserve,
-                                      save_trials, saved_when_interrupted, summarize, tune)
+                                      save_trials, saved_when_interrupted, summarize, trials_kept, tune)
 
     check_search(config, budget)
     t0 = time.perf_counter()
@@ -341,9 +341,11 @@ def run_tune_job(config: JobConfig, train_paths: list[str], test_paths: list[str
         raise saved_when_interrupted(e, out_dir, meta) from None
     bundle, trained = result.kept
     meta["seconds"] = round(result.seconds, 2)
+    trials_file = None
     if fraction:
-        bundle, trained, meta["refit"] = refit_best(result, job, fraction, t0 + budget)
-    trials_file = save_trials(out_dir, result, meta)
+        with trials_kept(out_dir, result, meta) as trials_file:
+            bundle, trained, meta["refit"] = refit_best(result, job, fraction, t0 + budget)
+    trials_file = save_trials(out_dir, result, meta, trials_file)
     summary = summarize(result, meta, trials_file)
     record = publish(bundle, job, trained, out_dir, promote, extra={"tune": summary})
     record["tune"] = summary

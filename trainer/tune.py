@@ -24,8 +24,9 @@ import logging
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 from mariana.sparse.errors import MarianaError
 from mariana.trainer.bundle import ModelBundle
@@ -401,6 +402,22 @@ def saved_when_interrupted(e: SearchInterrupted, model_dir: str, meta: dict) -> 
     best = f"; the best so far: trial {result.best.number}" if result.best else ""
     return SearchInterrupted(f"{len(result.trials)} trials ({finished} finished) saved in {path}{best}; "
                              "nothing published")
+
+
+@contextmanager
+def trials_kept(model_dir: str, result: TuneResult, meta: dict, path: str | None = None) -> Iterator[str]:
+    """The search's trials saved (`save_trials`, at `path`) before the work that follows the
+    search (the refit), which may take long: interrupted or failed there, the trials stay,
+    and the error says where they are (they were lost with the refit's Ctrl-C)."""
+    path = save_trials(model_dir, result, meta, path)
+    kept = f"the search's {len(result.trials)} trials are saved in {path}; nothing published"
+    try:
+        yield path
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM
+        raise SearchInterrupted(f"{str(e) + ' ' if str(e) else ''}during the refit of trial {result.best.number}: "
+                                f"{kept}") from None
+    except MarianaError as e:
+        raise MarianaError(f"the refit of trial {result.best.number} failed: {e}; {kept}") from None
 
 
 def summarize(result: TuneResult, meta: dict, trials_file: str) -> dict:

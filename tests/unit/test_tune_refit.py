@@ -1,0 +1,39 @@
+"""The search's trials are saved before the refit that follows it: a Ctrl-C, a SIGTERM or an
+error during the refit lost every trial (an exploratory run: 8 trials, 20 s of search, gone,
+no trials file), though the docs say an interrupted tune keeps its trials."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mariana.sparse.errors import MarianaError
+from mariana.trainer.config import JobConfig
+from mariana.trainer.tune import SearchInterrupted, Trial, TuneResult, trials_kept
+
+
+def result() -> TuneResult:
+    trials = [Trial(0, {"optim.lr": 0.1}, "complete", 0.45, 0.7, 3, 2, 1.0),
+              Trial(1, {"optim.lr": 0.2}, "pruned", 0.47, 0.69, 1, 1, 0.5)]
+    return TuneResult(trials[0], None, JobConfig(), trials, 1.5)
+
+
+@pytest.mark.parametrize("raised, caught, says", [
+    (KeyboardInterrupt("stopped by SIGTERM"), SearchInterrupted, "stopped by SIGTERM during the refit of trial 0: "),
+    (KeyboardInterrupt(), SearchInterrupted, "during the refit of trial 0: "),  # "mariana: interrupted: during"
+    (MarianaError("the loss went NaN"), MarianaError, "the refit of trial 0 failed: the loss went NaN; "),
+])
+def test_the_trials_stay_saved_when_the_refit_is_interrupted_or_fails(tmp_path, raised, caught, says):
+    with pytest.raises(caught) as e:
+        with trials_kept(str(tmp_path / "m"), result(), {"budget_seconds": 10}):
+            raise raised
+    [saved] = (tmp_path / "m" / "tune").glob("*.json")
+    assert str(e.value) == f"{says}the search's 2 trials are saved in {saved}; nothing published"
+    kept = json.loads(saved.read_text())
+    assert kept["best_trial"] == 0 and [t["state"] for t in kept["trials"]] == ["complete", "pruned"]
+
+
+def test_the_file_the_refit_kept_is_the_one_the_publish_completes(tmp_path):
+    with trials_kept(str(tmp_path / "m"), result(), {"budget_seconds": 10}) as path:
+        pass
+    assert list((tmp_path / "m" / "tune").glob("*.json")) == [tmp_path / "m" / "tune" / path.rsplit("/", 1)[1]]

@@ -18,7 +18,7 @@ from mariana.services.jobspec import JobSpec
 from mariana.services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from mariana.services.ledger import STAGES, ChunkInfo, parse_step, reissue_leases_of
 from mariana.services.protocol import Message
-from mariana.services.runtime import failpoints, model_events
+from mariana.services.runtime import failpoints, memwatch, model_events
 from mariana.services.runtime.redis_url import redact
 from mariana.services.sample_cache import CacheRefused
 from mariana.services.transport import PeerTimeout, RemoteError
@@ -47,31 +47,13 @@ class JobRunner:
                 continue
             try:
                 await self.tick_job(run)
+                sample_rss(self.coord, run)
                 if time.monotonic() - last_point >= POINT_SECONDS:
                     last_point = time.monotonic()
-                    self.add_point(run)
+                    add_point(self.coord, run)
                     self.coord.book.save(run)
             except Exception:  # a bug here must not stop leases from lapsing for good
                 log.exception("%s: job %s: periodic check failed", self.coord.name, run.id)
-
-    def add_point(self, run: JobRun) -> None:
-        """A history point: rows, rows/s, and the loss and progressive AUC of the steps
-        done since the previous point."""
-        led, now = run.ledger, time.time()
-        rows = sum(led.rows_done.values())
-        loss = sum(led.loss_sum.values())
-        hist = sum(led.hist.values()) if led.hist else None
-        t0, rows0, loss0, hist0 = run.last_point or (run.started or now, 0, 0.0, None)
-        run.last_point = (now, rows, loss, hist)
-        if rows == rows0 and run.state == "running":
-            return  # nothing new: no flat stretch of points while the job waits
-        d_hist = None if hist is None else hist - (0 if hist0 is None else hist0)
-        d_rows = rows - rows0
-        self.coord.store.add_point(run.id, {
-            "t": round(now, 3), "epoch": min(led.epoch, led.epochs), "rows_total": rows,
-            "rows_per_s": round(d_rows / max(now - t0, 1e-9), 1),
-            "loss": (loss - loss0) / d_rows if d_rows > 0 else None,
-            "auc": histogram_auc(d_hist[0], d_hist[1]) if d_hist is not None and d_rows > 0 else None})
 
     async def tick_job(self, run: JobRun) -> None:
         await watch_job(self, run)
@@ -272,6 +254,8 @@ class JobRunner:
             "workers": self.coord.cfg.worker.count, "ps": self.coord.cfg.ps.count,
             "preprocess": self.coord.cfg.preprocess.count, "job": run.id,
         })
+        if run.peak_rss_mb:  # else (a job shorter than a tick) the coordinator's own, as publish_version gave it
+            record["peak_rss_mb"] = round(run.peak_rss_mb, 1)
         if run.state != "running":  # cancelled before its version was written (a cancel is refused after)
             raise JobStopped()
         # Journaled before the shards drop the job: a coordinator restarted from here on ends the
@@ -328,6 +312,35 @@ class JobRunner:
     async def send_resend(self, run: JobRun, c: ChunkInfo) -> None:
         await self.coord.command("loader", "Resend", job=run.id, chunk=c.id, file=c.file, offset=c.offset,
                            length=c.length, first_line=c.first_line, lines=c.lines, files=run.request["data"])
+
+
+def add_point(coord, run: JobRun) -> None:
+    """A history point: rows, rows/s, and the loss and progressive AUC of the steps
+    done since the previous point."""
+    led, now = run.ledger, time.time()
+    rows = sum(led.rows_done.values())
+    loss = sum(led.loss_sum.values())
+    hist = sum(led.hist.values()) if led.hist else None
+    t0, rows0, loss0, hist0 = run.last_point or (run.started or now, 0, 0.0, None)
+    run.last_point = (now, rows, loss, hist)
+    if rows == rows0 and run.state == "running":
+        return  # nothing new: no flat stretch of points while the job waits
+    d_hist = None if hist is None else hist - (0 if hist0 is None else hist0)
+    d_rows = rows - rows0
+    coord.store.add_point(run.id, {
+        "t": round(now, 3), "epoch": min(led.epoch, led.epochs), "rows_total": rows,
+        "rows_per_s": round(d_rows / max(now - t0, 1e-9), 1),
+        "loss": (loss - loss0) / d_rows if d_rows > 0 else None,
+        "auc": histogram_auc(d_hist[0], d_hist[1]) if d_hist is not None and d_rows > 0 else None})
+
+
+def sample_rss(coord, run: JobRun) -> None:
+    """The job's peak_rss_mb: the largest resident set of one process of the cluster while
+    it ran, the coordinator's now and each service's last heartbeat (not the coordinator's
+    own lifetime peak, VmHWM, which a job before this one may have set)."""
+    beats = [s.status.get("resident_memory_bytes") for s in coord.services.values() if s.role != "coordinator"]
+    now = [memwatch.rss_bytes()] + [v for v in beats if isinstance(v, (int, float))]
+    run.peak_rss_mb = max(run.peak_rss_mb, max(now) / (1 << 20))
 
 
 async def announce(coord, record: dict) -> None:
@@ -637,7 +650,7 @@ class JobJournal:
     def ended(self, run: JobRun) -> None:
         """A job reached done, failed or cancelled: freeze its numbers, keep its history,
         drop its journal."""
-        self.coord.job_runner.add_point(run)
+        add_point(self.coord, run)
         self.coord.inputs.forget(run.id)
         run.final = run.to_saved()["final"]
         self.save(run)

@@ -89,6 +89,7 @@ class JobRun:
     writing: bool = False          # its version is being written: a cancel comes too late (`begin_writing`)
     stalls: dict[str, Stall] = field(default_factory=dict)  # what it waits for, by key ("ps-0", "worker", "redis")
     redis_checked: float = 0.0     # time.monotonic() of the coordinator's last PING for it (`watch_job`)
+    peak_rss_mb: float = 0.0       # the largest RSS of one process of the cluster while it ran (`JobRunner.tick`)
     _turn: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def begin_writing(self) -> bool:

@@ -1,6 +1,6 @@
 """Every service's Prometheus endpoint: GET /metrics on its own port renders
 its `counters` (as `mariana_<role>_<name>_total` counters) and the other
-numbers of its `status()` (as `mariana_<role>_<name>` gauges), labelled with
+numbers of its `heartbeat_status()` (as `mariana_<role>_<name>` gauges), labelled with
 role and index, in the text format of services/runtime/metrics.py.
 
 The lifecycle starts it after the service's start() and stops it before its
@@ -80,7 +80,7 @@ class MetricsEndpoint:
 
     async def handle(self, request: web.Request) -> web.Response:
         s = self.service
-        text = render_service(s.role, s.index, s.counters, s.status(), s.boot)
+        text = render_service(s.role, s.index, s.counters, s.heartbeat_status(), s.boot)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def stop(self) -> None:

@@ -73,6 +73,11 @@ class Service:
         """Numbers sent with each heartbeat (shown by `mariana status`)."""
         return dict(self.counters)
 
+    def heartbeat_status(self) -> dict:
+        """`status()` and the resident set in bytes (a cluster job's peak_rss_mb is the largest
+        one while it ran): what each heartbeat sends and /metrics shows."""
+        return {**self.status(), "resident_memory_bytes": memwatch.rss_bytes()}
+
     # ---- shared plumbing ---------------------------------------------------------------
 
     def spawn(self, coro) -> asyncio.Task:
@@ -106,7 +111,7 @@ class Service:
 
     async def hello(self) -> None:
         reply = await self.coordinator.call("Hello", role=self.role, index=self.index, pid=os.getpid(),
-                                            boot=self.boot, status=self.status(), timeout=2.0)
+                                            boot=self.boot, status=self.heartbeat_status(), timeout=2.0)
         boot = reply.get("boot")
         if boot is not None and self.coordinator_boot is not None and boot != self.coordinator_boot:
             # The coordinator restarted: what was in flight to it is lost; send it again now

@@ -44,7 +44,8 @@ def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
     generate_criteo(data, 5_000, seed=5)
     with Cluster(tmp_path / "c", workers=2, ps=1, preprocess=1) as c:
         job = c.submit([data], tmp_path / "m", config={"hashing": {"bits": 16}, "train": {"batch_size": 512}})
-        assert c.wait(job)["state"] == "done", c.logs()
+        summary = c.wait(job)
+        assert summary["state"] == "done", c.logs()
 
         def reported_numbers() -> dict | None:  # a job of 5,000 rows can end before a service's next heartbeat
             services = c.status()["services"]
@@ -80,12 +81,16 @@ def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
         assert scrape(c.cfg.metrics_port("ps", 0))[2]['mariana_ps_checkpoint_failures_total{index="0",role="ps"}'] == 0
         # a loader done with a job no longer says it reads it (it listed every job it ever read)
         assert c.wait_for(lambda: c.status()["services"]["loader-0"]["status"]["reading"] == [] or None, 10.0)
+        # each heartbeat says its RSS (a gauge here); a job's peak_rss_mb is the largest one while it ran
+        assert all(s["status"]["resident_memory_bytes"] > 0 for n, s in services.items()
+                   if not n.startswith("coordinator"))
+        assert series_of(c, "ps", "resident_memory_bytes", total=False) > 0 and summary["record"]["peak_rss_mb"] > 0
 
 
-def series_of(c: Cluster, role: str, counter: str) -> float:
-    """A counter summed over a role's instances, as scraped."""
-    total = 0.0
+def series_of(c: Cluster, role: str, counter: str, total: bool = True) -> float:
+    """A counter (or, `total=False`, a gauge) summed over a role's instances, as scraped."""
+    suffix, summed = "_total" if total else "", 0.0
     for index in range(c.cfg.count(role)):
-        total += scrape(c.cfg.metrics_port(role, index))[2].get(
-            f'mariana_{role}_{counter}_total{{index="{index}",role="{role}"}}', 0.0)
-    return total
+        summed += scrape(c.cfg.metrics_port(role, index))[2].get(
+            f'mariana_{role}_{counter}{suffix}{{index="{index}",role="{role}"}}', 0.0)
+    return summed

@@ -543,3 +543,27 @@ def test_steps_replayed_after_the_last_epoch_go_out_and_complete_it_again():
     assert led.replaying() and not led.epoch_complete() and led.rows_done[1] == 10
     assert finish_all(led) == ["e1/f0o0:1"]
     assert not led.replaying() and led.epoch_complete() and led.rows_done[1] == 20
+
+
+def test_a_cluster_jobs_peak_rss_is_of_its_own_run_not_the_coordinators_lifetime():
+    """A cluster job's record said peak_rss_mb 1197.8 for an LR job that ran after a DNN job:
+    the coordinator's lifetime peak (VmHWM). Now the largest RSS of one process while the job
+    ran: the coordinator's current one and each service's last heartbeat (its resident_memory_bytes)."""
+    from types import SimpleNamespace
+
+    from mariana.services.coord_jobs import sample_rss
+    from mariana.services.runtime.memwatch import rss_bytes
+
+    services = {"coordinator-0": SimpleNamespace(role="coordinator", status={"resident_memory_bytes": 9e15}),
+                "ps-0": SimpleNamespace(role="ps", status={"resident_memory_bytes": 123456 << 20}),
+                "worker-0": SimpleNamespace(role="worker", status={})}  # before its first heartbeat
+    run = SimpleNamespace(peak_rss_mb=0.0)
+    sample_rss(SimpleNamespace(services=services), run)
+    assert run.peak_rss_mb == 123456.0
+    services["ps-0"].status["resident_memory_bytes"] = 10 << 20  # a peak stays the peak
+    sample_rss(SimpleNamespace(services=services), run)
+    assert run.peak_rss_mb == 123456.0
+    del services["ps-0"]
+    run.peak_rss_mb = 0.0
+    sample_rss(SimpleNamespace(services=services), run)
+    assert 0 < run.peak_rss_mb <= rss_bytes() / (1 << 20) * 1.5  # the coordinator's own, measured now

@@ -324,6 +324,13 @@
     return Math.round(total);
   }
 
+  // The jobs table's rows/s: an ended job's own (its record: every epoch's rows over their seconds),
+  // a running one's epoch so far (the last epoch's alone made a 2-epoch job read 2.7x its pace).
+  function jobRate(job) {
+    if (job.state !== "running" && isObj(job.record) && isNum(job.record.rows_per_s)) return job.record.rows_per_s;
+    return progressOf(job).rows_per_s;
+  }
+
   // A running job's pace now: its last history point, else its epoch's average.
   function currentRate(job) {
     const h = memOf(job.id).history;
@@ -453,7 +460,7 @@
       el("td", {title: fmtTimeTitle(job.started)}, fmtTime(job.started)),
       el("td", {title: fmtTimeTitle(job.ended)}, fmtTime(job.ended)),
       el("td", {class: "num", "data-testid": "job-rows"}, fmtInt(rowsTotal(job))),
-      el("td", {class: "num"}, isNum(p.rows_per_s) ? fmtInt(p.rows_per_s) : DASH),
+      el("td", {class: "num", "data-testid": "job-rate"}, isNum(jobRate(job)) ? fmtInt(jobRate(job)) : DASH),
       el("td", {class: "num"}, fmtFixed(p.loss, 4)),
       el("td", {class: "num", "data-testid": "job-cache", title: cacheTitle(cache)}, fmtPct(cache.rate)));
   }

@@ -479,6 +479,18 @@ def test_browser_survives_a_malformed_address_and_says_how_many_jobs_it_lists(ca
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_browser_jobs_table_gives_an_ended_job_its_own_rows_per_second(canned_page):
+    """The table showed a finished job's last epoch's pace (9,000 here) as its rows/s; its
+    record's (every epoch: 402.7) is its own. A running job shows its epoch so far."""
+    expect, open_page = canned_page
+    page = open_page()
+    expect(page.locator(f"[data-testid=job-row][data-job='{DONE_ID}'] [data-testid=job-rate]")).to_have_text("403")
+    expect(page.locator(f"[data-testid=job-row][data-job='{FINISHING_ID}'] [data-testid=job-rate]")).to_have_text(
+        "9,000")
+    expect(page.locator(f"[data-testid=job-row][data-job='{DONE_ID}'] [data-testid=job-rows]")).to_have_text(
+        "120,000")
+
+
 def test_browser_labels_the_progressive_auc_and_shows_the_test_auc(canned_page, artifacts):
     """The AUC chart is of training rows scored before each update (it reads ~0.85 here), so it
     says so; a finished job's test AUC (0.8201) is in its caption and a dashed line on it."""

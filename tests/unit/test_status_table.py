@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from mariana.services.cli import _service_rows
+from mariana.services.cli import _job_row, _service_rows
 
 
 def test_a_process_that_exited_is_not_alive_whatever_the_coordinator_last_heard():
@@ -19,3 +19,14 @@ def test_a_process_that_exited_is_not_alive_whatever_the_coordinator_last_heard(
     assert rows["worker-0"][3:5] == ("no", "5 (exited)")
     assert rows["ps-0"][3:5] == ("yes", "6")
     assert rows["preprocess-0"][3:5] == ("no", "-")  # started elsewhere: the coordinator's word
+
+
+def test_an_ended_jobs_row_gives_its_own_rows_and_pace_not_its_last_epochs():
+    """A 2-epoch job showed ROWS 100,000 and ROWS/S 359,712 (its last epoch's); its record said
+    200,000 rows at 132,100 rows/s. A running job shows its epoch's pace so far."""
+    progress = {"epoch": 2, "epochs": 2, "rows": 100_000, "rows_total": 200_000, "rows_per_s": 359_712.0,
+                "loss": 0.45, "fraction": 1.0}
+    done = {"id": "j1", "state": "done", "model": "lr", "progress": progress, "record": {"rows_per_s": 132_100.4}}
+    running = {**done, "id": "j2", "state": "running", "record": {}}
+    assert _job_row(done)[5:7] == ("200,000", "132,100")
+    assert _job_row(running)[5:7] == ("200,000", "359,712")

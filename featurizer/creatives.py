@@ -44,6 +44,9 @@ def load_creatives(path: str | os.PathLike) -> tuple[list[bytes], np.ndarray, di
         raise DataFormatError(f"{d}: missing {Path(e.filename).name}") from None
     except (json.JSONDecodeError, ValueError) as e:
         raise DataFormatError(f"{d}: unreadable creatives: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("ids", []), list):
+        raise DataFormatError(f"{d}: {META_FILE} must be a JSON object whose \"ids\" is a list of creative ids, "
+                              f"got {json.dumps(meta)[:60]}")
     ids = [str(i).encode() for i in meta.get("ids", [])]
     if images.dtype != np.uint8 or images.ndim != 3 or len(images) != len(ids):
         raise DataFormatError(f"{d}: {IMAGES_FILE} must be (len(ids)={len(ids)}, S, S) uint8, "
@@ -123,6 +126,20 @@ class CreativeFeatures:
         return cls(ids, np.asarray(arrays["images.features"], np.float32))
 
 
+def check_image_field(field: str, schema) -> None:
+    """DataFormatError unless `field` (images.field) is a categorical column of `schema`: the
+    column whose text names a row's creative. Checked when a job is submitted too: a cluster
+    job with a number column there had its preprocess fail on every chunk, for ever.
+
+    >>> from mariana.sparse.schema import criteo
+    >>> check_image_field("I1", criteo())
+    Traceback (most recent call last):
+    mariana.sparse.errors.DataFormatError: images.field 'I1' is not a categorical column of schema 'criteo'
+    """
+    if field not in schema.categorical:
+        raise DataFormatError(f"images.field {field!r} is not a categorical column of schema {schema.name!r}")
+
+
 class ImageFeatureEncoder:
     """An `Encoder` whose batches carry the row's creative features at the end
     of the dense block: dense = [numeric dense (Dn) | features (d) | unknown flag].
@@ -132,9 +149,7 @@ class ImageFeatureEncoder:
     """
 
     def __init__(self, base: Encoder, table: CreativeFeatures, field: str):
-        if field not in base.schema.categorical:
-            raise DataFormatError(f"images.field {field!r} is not a categorical column of schema "
-                                  f"{base.schema.name!r}")
+        check_image_field(field, base.schema)
         self.base, self.table, self.field = base, table, field
         self.schema, self.spec = base.schema, base.spec
         self.sparse_fields, self.dense_fields = base.sparse_fields, base.dense_fields

@@ -10,6 +10,7 @@ import os
 import time
 from typing import Callable
 
+from mariana.featurizer.creatives import check_image_field
 from mariana.services.jobspec import JobSpec
 from mariana.sparse.errors import ConfigError, ModelDirError
 from mariana.sparse.inputs import expand_data_paths, split_spec
@@ -74,6 +75,8 @@ def check_data(body: dict, workers: int = 1) -> tuple[dict, JobSpec]:
         _absolute("init_from", init)
     options = _run_options(body)
     schema = config.data.resolve_schema()
+    if config.images.creatives:
+        check_image_field(config.images.field, schema)
     check_inputs(data + tests + valid)
     Reader(data + tests + valid, schema).probe()
     train_rows, held = validation(config, schema, data, valid)  # local mode's split: the tail of the data

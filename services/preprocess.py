@@ -144,6 +144,10 @@ class Preprocess(Service):
         except MarianaError as e:  # the file is not in the job's format, the creatives are unreadable, Redis
             batches, stats, error = [], {}, str(e)  # refused the write (full, credentials): the job fails
             log.warning("%s: chunk %s of job %s: %s", self.name, chunk, job, e)
+        except Exception as e:  # a bug: the job fails with it; the chunk would fail the same on every resend,
+            batches, stats = [], {}  # and this process, had it exited, would have been restarted to meet it again
+            error = f"internal error in {self.name} on chunk {chunk}: {type(e).__name__}: {e}"
+            log.exception("%s: chunk %s of job %s failed", self.name, chunk, job)
         self.counters["chunks"] += 1
         self.counters["batches"] += len(batches)
         self.counters["rows_bad"] += stats.get("rows_bad", 0)

@@ -7,6 +7,7 @@ import argparse
 import io
 import json
 import os
+import re
 import tracemalloc
 
 import numpy as np
@@ -253,3 +254,30 @@ def test_featurize_checks_its_out_path_before_any_work(tmp_path):
                               out=str(tmp_path / "nonexist" / "o.npy"), batch_size=256)
     with pytest.raises(MarianaError, match=r"--out .*o.npy: no directory .*nonexist to write it in"):
         cmd_featurize(args)
+
+
+@pytest.mark.parametrize("meta", ['["a"]', "5", "null", '{"ids": 5}'])
+def test_a_creatives_json_of_the_wrong_shape_is_one_error(tmp_path, meta):
+    """Valid JSON of another shape ended in an AttributeError traceback (exit 1; in cluster
+    mode "internal error: AttributeError")."""
+    from mariana.featurizer.creatives import META_FILE, load_creatives
+
+    _creatives(tmp_path / "c")
+    (tmp_path / "c" / META_FILE).write_text(meta)
+    with pytest.raises(MarianaError, match=rf'{META_FILE} must be a JSON object whose "ids" is a list of creative '
+                                           rf"ids, got {re.escape(meta)}"):
+        load_creatives(tmp_path / "c")
+
+
+def test_a_cluster_job_whose_image_field_is_not_a_text_column_is_refused_when_submitted(tmp_path):
+    """With images.field = I1 (a number column) a cluster job was taken (201), and its
+    preprocess failed on every chunk, restarted, failed again: the job ran at 0 rows for ever
+    and held up every job queued behind it. Local mode said so at once; now the job's check does."""
+    from mariana.services.assemble import check_data
+    from mariana.sparse.synth import generate_criteo
+
+    generate_criteo(tmp_path / "t.tsv", 200, seed=1)
+    body = {"data": [str(tmp_path / "t.tsv")], "out": str(tmp_path / "m"),
+            "config": {"images": {"creatives": str(tmp_path / "c"), "field": "I1"}}}
+    with pytest.raises(MarianaError, match="images.field 'I1' is not a categorical column of schema 'criteo'"):
+        check_data(body)

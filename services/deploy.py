@@ -23,6 +23,8 @@ path is an error; under a staging prefix the report ends with a warning.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shlex
 import shutil
 import site
@@ -112,11 +114,20 @@ def plan_install(prefix: str, mariana: str | None = None, redis_server: str | No
              for unit in sorted((plan.source / "systemd").iterdir())
              if unit.suffix in (".service", ".timer", ".target")}
     _check_sandbox(plan, texts, units, mariana, redis_server)
+    if root == Path("/"):  # this host's layout: units whose program is not there would fail to start
+        for option, program in (("--mariana", mariana), ("--redis-server", redis_server)):
+            if not (os.path.isfile(program) and os.access(program, os.X_OK)):
+                what = "is not a file" if os.path.exists(program) else "does not exist"
+                raise MarianaError(f"{option} {program}: {what} (an executable file) on this host: every unit that "
+                                   "runs it would fail to start; name the installed program")
     for name, text in texts.items():
         _add(plan, units / name, text, replace=True)
     etc = root / "etc" / "mariana"
     for src, name in CONFIGS.items():
-        _add(plan, etc / name, (plan.source / src).read_text(), replace=False)
+        text = (plan.source / src).read_text()
+        if name == "cluster.toml":  # a new cluster config gets its own admin token (any local user could submit)
+            text = re.sub(r'^token = ""', f'token = "{secrets.token_urlsafe(24)}"', text, count=1, flags=re.M)
+        _add(plan, etc / name, text, replace=False)
     plan.commands = _commands(plan, etc / "cluster.toml")
     _check_writable(plan)
     return plan
@@ -124,8 +135,8 @@ def plan_install(prefix: str, mariana: str | None = None, redis_server: str | No
 
 def _program(option: str, path: str) -> str:
     """A program the units run: ExecStart= takes an absolute path with no whitespace (it
-    would split there). Whether it exists is not checked: with --prefix the units may be
-    for another host's layout."""
+    would split there). Whether it exists is checked for an install at / only (`plan_install`):
+    with --prefix the units may be for another host's layout."""
     if not os.path.isabs(path):
         raise MarianaError(f"{option} {path!r}: give an absolute path (systemd's ExecStart= takes no relative one)")
     if any(c.isspace() for c in path):

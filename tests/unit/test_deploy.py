@@ -137,7 +137,12 @@ def test_install_writes_units_and_configs_and_says_what_to_run(tmp_path):
     worker = (units / "mariana-worker@.service").read_text()
     assert f"ExecStart={MARIANA} run worker --config /etc/mariana/cluster.toml --index %i" in worker
     assert "/opt/mariana/.venv" not in "".join(p.read_text() for p in units.iterdir())
-    assert (etc / "cluster.toml").read_text() == (DEPLOY / "config/cluster.systemd.toml").read_text()
+    # the shipped config, with an admin token of its own (any local user could submit jobs without one)
+    written, shipped = (etc / "cluster.toml").read_text(), (DEPLOY / "config/cluster.systemd.toml").read_text()
+    token = load_cluster_config(etc / "cluster.toml", env={}).coordinator.token
+    assert len(token) == 32 and written == shipped.replace('token = ""', f'token = "{token}"', 1)
+    run_cli("deploy", "install", "--prefix", tmp_path / "again", check=True)
+    assert load_cluster_config(tmp_path / "again/etc/mariana/cluster.toml", env={}).coordinator.token != token
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in etc.iterdir()}
     assert modes == {"cluster.toml": "0o640", "serve.toml": "0o640", "redis.conf": "0o640",  # tokens
                      "prometheus.yml": "0o644"}, modes
@@ -307,6 +312,9 @@ def test_systemd_configs_redis_and_prometheus_agree_on_ports():
     (("--mariana", "/opt/my mariana/bin/mariana"), "a path with whitespace splits ExecStart="),
     (("--redis-server", "bin/redis-server"), "--redis-server 'bin/redis-server': give an absolute path"),
     (("--prefix", ""), "--prefix is empty"),
+    (("--mariana", "/nope/mariana"), "--mariana /nope/mariana: does not exist (an executable file) on this host: "
+                                     "every unit that runs it would fail to start"),  # at /: this host's layout
+    (("--mariana", "/usr/bin"), "--mariana /usr/bin: is not a file (an executable file) on this host"),
 ])
 def test_programs_the_units_cannot_run_are_refused(args, says):
     """systemd-analyze verify calls these units fatal: refused before anything is written."""

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import time
 from collections import Counter
 
@@ -27,7 +28,8 @@ respond = functools.partial(web.json_response, dumps=dumps)  # NaN (a diverged j
 
 
 JOB_COUNTERS = {"batches_reissued": "Batches of the running job leased again after a lease ran out.",
-                "cache_hits": "Batches of the running job read from the Redis sample cache.",
+                "cache_hits": "Steps of the running job's epochs after the first whose batch came from the Redis sample "
+                              "cache without a refill from the source (epoch 1 reads every batch as it is cached).",
                 "cache_misses": "Batches of the running job a worker found missing from the sample cache.",
                 "batches_replayed": "Steps of the running job trained again for a shard restored from an "
                                     "older checkpoint."}
@@ -131,6 +133,8 @@ class CoordinatorAPI:
         run = self.job_or_404(request)
         try:
             since = float(request.query.get("since", 0))
+            if not math.isfinite(since):
+                raise ValueError
         except ValueError:
             return bad_request(f"since must be a number (unix seconds), got {request.query['since']!r}")
         return respond({"job": run.id, "points": self.coord.store.points(run.id, since),

@@ -33,8 +33,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not os.path.isdir(cfg.serve.model_dir):
         raise MarianaError(f"{cfg.serve.model_dir}: no such model directory (train one with 'mariana train "
                            "--out DIR', or create it empty to serve what is published there later)")
+    _check_not_inside(cfg.serve.model_dir)
     verbosity = ["-q"] if args.quiet else ["-v"] * args.verbose
     return serve(cfg, verbosity)
+
+
+def _check_not_inside(model_dir: str) -> None:
+    """MarianaError when `model_dir` holds a manifest.json of its own: a version's directory
+    (models/v000001) or a featurizer's, never a model directory (whose versions hold theirs).
+    The server would wait for ever for a version to appear there."""
+    if not os.path.isfile(os.path.join(model_dir, "manifest.json")):
+        return
+    try:
+        with open(os.path.join(model_dir, "manifest.json")) as f:
+            kind = str(json.load(f).get("format", ""))
+    except (OSError, ValueError, AttributeError):
+        kind = ""
+    what = ("a featurizer (mariana featurizer train), not a model directory" if kind.startswith("mariana-featurizer")
+            else "one version's files, not a model directory: name the directory that holds v000001, ... and CURRENT")
+    raise MarianaError(f"{model_dir}: holds a manifest.json of its own: {what}")
 
 
 def cmd_model(args: argparse.Namespace) -> int:

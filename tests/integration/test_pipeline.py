@@ -340,6 +340,7 @@ def test_coordinator_killed_and_restarted_mid_job_keeps_history_and_completes(da
         models = {m["dir"]: m for m in c.request("GET", "/v1/models")[1]["models"]}
         cache, redis_info = c.job(job)["cache"], c.status()["redis"]
         assert c.request("GET", f"/v1/jobs/{job}/history?since=soon")[0] == 400
+        assert c.request("GET", f"/v1/jobs/{job}/history?since=nan")[0] == 400  # every point compares False
         log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
     assert "resumed from" in log and "goes on at epoch 2" in log, log[-3000:]
     assert_exactly_once(record, 2)

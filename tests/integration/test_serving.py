@@ -426,6 +426,11 @@ def test_sigterm_answers_what_is_in_flight_and_exits_0(models, tmp_path):
 def test_serve_refuses_a_missing_model_dir_and_a_taken_port(tmp_path, models):
     gone = run_cli("serve", "--model-dir", tmp_path / "nope", "--port", "0")
     assert gone.returncode == 2 and "no such model directory" in gone.stderr
+    # a version's directory (or a featurizer's) waited for ever for a version to appear in it
+    inside = run_cli("serve", "--model-dir", models["lr"] / "v000001", "--port", "0")
+    assert inside.returncode == 2 and inside.stderr.strip().endswith(
+        "v000001: holds a manifest.json of its own: one version's files, not a model directory: name the directory "
+        "that holds v000001, ... and CURRENT"), inside.stderr
     with Server(tmp_path / "s", models["lr"], workers=1) as s:
         for workers in ("2", "1"):  # one worker: the same one line, before the model loads (it logged and exited 1)
             taken = subprocess.run(["timeout", "60", *_cli(), "serve", "--model-dir", str(models["lr"]),

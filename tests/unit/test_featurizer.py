@@ -245,6 +245,11 @@ def _only(d, cls):
 def test_featurizer_load_errors_name_the_dir(tmp_path, featurizer_dir):
     with pytest.raises(ModelDirError, match="no featurizer here"):
         ImageFeaturizer.load(tmp_path)
+    clicks = tmp_path / "clicks"  # a click model's dir: the hint said to train a featurizer into it (refused)
+    (clicks / "v000001").mkdir(parents=True)
+    (clicks / "CURRENT").write_text("v000001\n")
+    with pytest.raises(ModelDirError, match="clicks: a click model's directory \\(its versions\\), not a featurizer"):
+        ImageFeaturizer.load(clicks)
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "manifest.json").write_text((featurizer_dir / "manifest.json").read_text())

@@ -240,3 +240,18 @@ def test_the_first_trial_is_the_jobs_own_config_even_outside_the_search_ranges(g
     assert params["model.embed_dim"] == 5 and params["model.hidden"] == [24, 12]
     assert params["optim.embed_lr"] == 0.9 and params["hashing.bucket_scale"] == 3.0
     assert params["train.batch_size"] == 700 and params["optim.ftrl_l1"] == 1e-3  # log scale: 0 -> its floor
+
+
+def test_an_epoch_cut_by_the_deadline_is_recorded_as_the_budgets_stop(gen_files, tmp_path, monkeypatch):
+    """A trial's epoch cut short by tune's deadline was recorded as a patience stop ("no better
+    valid logloss for 1 epoch(s)", state complete) when patience would have stopped there too:
+    the patience check came first. The deadline cut it; the record says so."""
+    from mariana.trainer.strategies.local import EarlyStop, Validation, train_local
+
+    monkeypatch.setattr(EarlyStop, "should_stop", lambda self: True)  # patience met at this epoch as well
+    cfg = config(**{"train.epochs": "auto", "train.batch_size": 256})
+    bundle = ModelBundle(cfg, cfg.data.resolve_schema())
+    train, valid = RowRange.of_files([str(gen_files["train"])], 0.1, header=False)
+    result = train_local(bundle, [str(gen_files["train"])], rows=train, deadline=time.perf_counter() - 1,
+                         valid=Validation([str(gen_files["train"])], valid, source="the tail"))
+    assert result.valid["stopped"] == "time budget" and result.rows_per_epoch[0] < train.rows, result.valid

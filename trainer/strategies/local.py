@@ -117,6 +117,7 @@ def train_local(bundle: ModelBundle, paths: list[str],
         result.train_rows += rows_seen
         result.train_loss = loss
         if tracker is not None:
+            tracker.out_of_time = out_of_time  # a cut epoch: the budget stopped it, whatever patience says
             t_valid = time.perf_counter()
             metrics, parsed = evaluate(bundle, valid.paths, valid.rows)
             valid_seconds = time.perf_counter() - t_valid
@@ -131,8 +132,6 @@ def train_local(bundle: ModelBundle, paths: list[str],
             if cfg.train.auto and tracker.should_stop():
                 break
         if out_of_time:
-            if tracker is not None:
-                tracker.out_of_time = True
             break
     result.train_seconds = time.perf_counter() - t_start
     result.parse = stream.stats.to_dict()

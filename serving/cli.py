@@ -63,6 +63,8 @@ def cmd_model(args: argparse.Namespace) -> int:
     model_dir = cfg.serve.model_dir
     if args.action == "prune":
         return _prune(args, model_dir)
+    if args.action == "config":
+        return _print_config(model_dir, args.version)
     if getattr(args, "notify", None):  # before CURRENT moves, not after
         check_redis_url(args.notify, "--notify")
     if args.action == "list":
@@ -99,6 +101,21 @@ def cmd_model(args: argparse.Namespace) -> int:
         from mariana.services.runtime import model_events
 
         model_events.publish(url, reason, model_dir, target, target, cfg.serve.channel)
+    return 0
+
+
+def _print_config(model_dir: str, version: str | None) -> int:
+    """`model config [VERSION]`: the config a version was trained with (default CURRENT's) as
+    TOML, for `--config`: a warm start from it, or a tuned config trained again."""
+    from mariana.services.runtime.config import tables_to_toml
+    from mariana.trainer import checkpoint
+
+    version = version or checkpoint.current_version(model_dir)
+    config = checkpoint.read_manifest(model_dir, version).get("config")
+    if not isinstance(config, dict):
+        raise MarianaError(f"{model_dir}/{version}: its manifest records no config (not a click model's version?)")
+    print(f"# the config {model_dir}/{version} was trained with (mariana model config)")
+    print(tables_to_toml(config), end="")
     return 0
 
 
@@ -221,11 +238,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--run-dir", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
-    m = sub.add_parser("model", help="list the versions of a model directory, promote one, roll back, prune")
-    m.add_argument("action", choices=("list", "promote", "rollback", "prune"),
-                   help="list the versions, promote VERSION to CURRENT, roll back to the one served before, or "
-                        "prune: remove the versions but CURRENT, the rollback target and the newest --keep N")
-    m.add_argument("version", nargs="?", help="promote: the version to serve")
+    m = sub.add_parser("model", help="list the versions of a model directory, promote one, roll back, prune, "
+                                     "print a version's config")
+    m.add_argument("action", choices=("list", "promote", "rollback", "prune", "config"),
+                   help="list the versions, promote VERSION to CURRENT, roll back to the one served before, "
+                        "prune: remove the versions but CURRENT, the rollback target and the newest --keep N, or "
+                        "config: print the config VERSION (default CURRENT) was trained with, as TOML for --config")
+    m.add_argument("version", nargs="?", help="promote: the version to serve; config: the version (default CURRENT)")
     m.add_argument("--model-dir", help="model directory (default: serve.model_dir of --config)")
     m.add_argument("--config", help="serve config (model dir, and the Redis to announce changes on)")
     m.add_argument("--notify", metavar="REDIS_URL", help="announce the change here (servers swap at once)")

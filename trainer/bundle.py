@@ -479,8 +479,9 @@ def check_parent(spec: str, parent: JobConfig, parent_schema: Schema, config: Jo
         diffs.append("images: " + ("the version has image features, this job none" if parent.images.creatives
                                    else "this job has image features, the version none"))
     if diffs:
-        fix = (f"give this job the version's settings ({set_options(pairs)}, or the version's config in a "
-               "--config file)" if len(pairs) == len(diffs) else "train from scratch instead")
+        fix = (f"give this job the version's settings ({set_options(pairs)}, or its whole config: "
+               "`mariana model config --model-dir DIR VERSION > job.toml`, then --config job.toml)"
+               if len(pairs) == len(diffs) else "train from scratch instead")
         raise ConfigError(f"{flag} {spec}: the version does not match this job ({'; '.join(diffs)}): "
                           f"a warm start needs the same ids and model: {fix}")
 

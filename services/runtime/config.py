@@ -269,6 +269,29 @@ def to_toml(cfg) -> str:
     return "\n".join(lines)
 
 
+def tables_to_toml(d: dict, prefix: str = "") -> str:
+    """Nested tables of scalars and lists (a model version's "config") as TOML that
+    `--config` reads back: None values left out (a key's default), dicts as [a.b] tables.
+
+    >>> print(tables_to_toml({"data": {"format": "csv", "schema": {"label": "y"}}, "train": {"epochs": 1,
+    ...                                                                                "x": None}}), end="")
+    [data]
+    format = "csv"
+    <BLANKLINE>
+    [data.schema]
+    label = "y"
+    <BLANKLINE>
+    [train]
+    epochs = 1
+    """
+    scalars = [f"{k} = {_toml_value(v)}" for k, v in d.items() if v is not None and not isinstance(v, dict)]
+    out = ([f"[{prefix}]", *scalars, ""] if prefix and scalars else [])
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.append(tables_to_toml(v, f"{prefix}.{k}" if prefix else k))
+    return "\n".join(x for x in out if x is not None)
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

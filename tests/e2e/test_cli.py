@@ -282,3 +282,30 @@ def test_model_list_says_when_current_names_no_version(gen_files, tmp_path):
     assert "CURRENT names 'v000099', which is not a version here" in text and "model promote VERSION" in text
     js = json.loads(run_cli("model", "list", "--model-dir", m, "--json", check=True).stdout)
     assert js["current_error"] == "CURRENT names 'v000099', which is not a version here"
+
+
+def test_model_config_prints_a_versions_config_that_a_warm_start_takes(gen_files, tmp_path):
+    """A warm start from a tuned version needs its settings; the refusal pointed at "the
+    version's config in a --config file", which no command wrote (and a manifest is JSON).
+    `mariana model config` prints it as TOML; trained with it, the warm start keeps every
+    tuned setting (the defaults had replaced them where only the mismatched keys were set)."""
+    from mariana.sparse.settings import from_dict
+    from mariana.trainer.config import JobConfig, load_config
+
+    parent = tmp_path / "tuned"
+    run_cli("-q", "train", "--data", gen_files["test"], "--out", parent, "--set", "optim.ftrl_l2=26.1",
+            "--set", "hashing.bucket_scale=2.0", "--batch-size", "1024", check=True)
+    refused = run_cli("train", "--data", gen_files["test"], "--out", tmp_path / "w", "--init-from", parent)
+    assert refused.returncode == 2 and "`mariana model config --model-dir DIR VERSION > job.toml`" in refused.stderr
+    printed = run_cli("model", "config", "--model-dir", parent, check=True).stdout
+    assert printed.startswith(f"# the config {parent}/v000001 was trained with")
+    (tmp_path / "job.toml").write_text(printed)
+    manifest = json.loads((parent / "v000001" / "manifest.json").read_text())
+    assert load_config(str(tmp_path / "job.toml"), env={}) == from_dict(JobConfig, manifest["config"])
+    run_cli("-q", "train", "--data", gen_files["test"], "--out", tmp_path / "w", "--init-from", parent,
+            "--config", tmp_path / "job.toml", check=True)
+    child = json.loads((tmp_path / "w" / "v000001" / "manifest.json").read_text())
+    assert child["config"]["optim"]["ftrl_l2"] == 26.1 and child["config"]["train"]["batch_size"] == 1024
+    assert child["parent"]["version"] == "v000001"
+    missing = run_cli("model", "config", "v000009", "--model-dir", parent)
+    assert missing.returncode == 2 and "v000009" in missing.stderr and "Traceback" not in missing.stderr

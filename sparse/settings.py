@@ -115,6 +115,8 @@ def parse_set_option(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"--set expects key=value, got {item!r}")
     key, raw = item.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"--set expects key=value, got {item!r} (no key before the '=')")
     return key.strip(), _parse_scalar(raw.strip())
 
 

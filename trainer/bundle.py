@@ -403,6 +403,9 @@ def parse_init_from(spec: str, flag: str = "--init-from") -> tuple[str, str | No
     if sep and not tail and head:  # 'DIR:' with the version left out
         raise ModelDirError(f"{flag} {spec!r}: name a version after the ':' (DIR:v000003), or DIR alone for the "
                             "version its CURRENT names")
+    if sep and head and os.path.isdir(head) and not os.path.exists(spec):  # 'DIR:1', 'DIR:latest'
+        raise ModelDirError(f"{flag} {spec!r}: {tail!r} is not a version name: DIR:vNNNNNN (e.g. {head}:v000001; "
+                            "'mariana model list' names them), or DIR alone for the version its CURRENT names")
     return spec, None
 
 

@@ -266,7 +266,8 @@ def test_evaluate_and_predict_take_a_version_current_does_not_name(gen_files, tm
     pred = run_cli("predict", "--model", f"{m}:v000001", "--data", gen_files["test"], check=True).stdout.split()
     assert len(pred) == one["rows"]
     for spec, says in ((f"{m}:v000009", f"{m}: no version v000009"), (f"{m}:", "name a version after the ':'"),
-                       (f"{tmp_path / 'nope'}:v000001", "no such model directory")):
+                       (f"{tmp_path / 'nope'}:v000001", "no such model directory"),
+                       (f"{m}:1", "'1' is not a version name: DIR:vNNNNNN")):  # was "no such model directory"
         proc = run_cli("evaluate", "--model", spec, "--data", gen_files["test"])
         assert proc.returncode == 2 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 

@@ -57,6 +57,8 @@ def test_set_option_parsing():
     assert parse_set_option("model.kind=dnn") == ("model.kind", "dnn")
     with pytest.raises(ConfigError):
         parse_set_option("no-equals")
+    with pytest.raises(ConfigError, match=r"--set expects key=value, got '=3' \(no key before the '='\)"):
+        parse_set_option("=3")  # was "config: unknown key ''"
 
 
 def test_csv_schema_from_config():

@@ -320,7 +320,8 @@ def _metrics() -> Metrics:
     m.histogram("mariana_serve_request_seconds", "Time from request to answer, by route.",
                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
     m.counter("mariana_serve_predictions_total", "Instances scored.")
-    m.counter("mariana_serve_unknown_fields_total", "Fields of instances that the model does not know (ignored).")
+    m.counter("mariana_serve_unknown_fields_total", "Fields of instances that the model does not know (ignored; "
+                                                    "counted in requests refused for another reason too).")
     m.counter("mariana_serve_creatives_added_total", "Creatives featurized after the version was trained, added "
                                                      "to its image table from the Redis creative cache.")
     m.counter("mariana_serve_unknown_creatives_total", "Instances naming a creative that the image model's table "
@@ -334,7 +335,8 @@ def _metrics() -> Metrics:
     m.gauge("mariana_serve_in_flight", "Requests being answered (scrapes of /metrics left out).")
     m.gauge("mariana_serve_model_info", "Worker processes serving each model version.")
     m.counter("mariana_serve_model_swaps_total", "Model versions swapped in for another (the first load is not one).")
-    m.counter("mariana_serve_model_load_failures_total", "Model versions that could not be loaded.")
+    m.counter("mariana_serve_model_load_failures_total", "Model versions that could not be loaded, by each worker "
+                                                         "(one bad version counts once per worker).")
     m.counter("mariana_serve_retrains_total", "Retrains started by POST /v1/retrain that ended, by verdict: "
                                               "promoted, refused, skipped (nothing new to learn) or failed (the reason "
                                               "is in the log).", start=tuple({"verdict": v} for v in VERDICTS))

@@ -531,8 +531,11 @@
     $("job-body").hidden = !job;
     const pinned = state.pinned !== null && job && String(job.id) === state.pinned;
     $("job-follow").hidden = !pinned;
-    $("job-follow-hint").textContent = job && !pinned ? (job.state === "running" ? "following the running job"
-      : "the newest job") : "";
+    // a #job=ID the coordinator does not know (a typo, a job of another cluster): said, not passed over
+    const which = job && job.state === "running" ? "the running job" : "the newest job";
+    $("job-follow-hint").textContent = !job || pinned ? ""
+      : state.pinned !== null ? `no job ${state.pinned} here; showing ${which}`
+      : job.state === "running" ? "following the running job" : which;
     if (!job) {
       $("job-title").textContent = "Job";
       $("job-state-badge").replaceChildren();

@@ -479,6 +479,13 @@ def test_browser_survives_a_malformed_address_and_says_how_many_jobs_it_lists(ca
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_browser_says_when_the_job_in_its_address_is_not_known(canned_page):
+    """/ui/#job=ID of a job the coordinator does not know showed the newest job, saying nothing."""
+    expect, open_page = canned_page
+    page = open_page(job="j-no-such-job")
+    expect(page.locator("#job-follow-hint")).to_have_text("no job j-no-such-job here; showing the running job")
+
+
 def test_browser_jobs_table_gives_an_ended_job_its_own_rows_per_second(canned_page):
     """The table showed a finished job's last epoch's pace (9,000 here) as its rows/s; its
     record's (every epoch: 402.7) is its own. A running job shows its epoch so far."""

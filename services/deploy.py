@@ -76,6 +76,9 @@ class Hidden:
     units: tuple[str, ...]
 
 
+UNIT_DOCS = "file:///opt/mariana/deploy/README.md"  # the units' Documentation= as shipped
+
+
 def deploy_dir() -> Path:
     """deploy/ of the checkout this module runs from, else the one installed with the wheel."""
     candidates = [Path(__file__).resolve().parents[1] / "deploy",
@@ -110,7 +113,9 @@ def plan_install(prefix: str, mariana: str | None = None, redis_server: str | No
     mariana = _program("--mariana", mariana) if mariana is not None else default_mariana()
     redis_server = _program("--redis-server", redis_server) if redis_server is not None else default_redis_server()
     units = root / "etc" / "systemd" / "system"
+    docs = (plan.source / "README.md").as_uri()  # the units' Documentation=: this install's copy
     texts = {unit.name: unit.read_text().replace(UNIT_MARIANA, mariana).replace(UNIT_REDIS, redis_server)
+             .replace(UNIT_DOCS, docs)
              for unit in sorted((plan.source / "systemd").iterdir())
              if unit.suffix in (".service", ".timer", ".target")}
     _check_sandbox(plan, texts, units, mariana, redis_server)

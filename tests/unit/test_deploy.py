@@ -137,6 +137,8 @@ def test_install_writes_units_and_configs_and_says_what_to_run(tmp_path):
     worker = (units / "mariana-worker@.service").read_text()
     assert f"ExecStart={MARIANA} run worker --config /etc/mariana/cluster.toml --index %i" in worker
     assert "/opt/mariana/.venv" not in "".join(p.read_text() for p in units.iterdir())
+    # Documentation= names this install's README (it named /opt/mariana/deploy/README.md, never written)
+    assert f"Documentation={(DEPLOY / 'README.md').as_uri()}" in worker and (DEPLOY / "README.md").is_file()
     # the shipped config, with an admin token of its own (any local user could submit jobs without one)
     written, shipped = (etc / "cluster.toml").read_text(), (DEPLOY / "config/cluster.systemd.toml").read_text()
     token = load_cluster_config(etc / "cluster.toml", env={}).coordinator.token

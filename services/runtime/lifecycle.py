@@ -25,6 +25,7 @@ from collections import Counter
 import zmq.asyncio
 
 from mariana.services.runtime import failpoints, memwatch, sdnotify
+from mariana.services.runtime.accept_loop import MendedLoop
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.exporter import start_metrics
 from mariana.services.transport import Client, PeerTimeout, RemoteError
@@ -268,7 +269,8 @@ def run_service(service: Service) -> int:
     try:
         if os.environ.get("MARIANA_PROFILE"):
             return _profiled(service, os.environ["MARIANA_PROFILE"])
-        return asyncio.run(_run(service))
+        with asyncio.Runner(loop_factory=MendedLoop) as runner:  # metrics ports, the coordinator's API
+            return runner.run(_run(service))
     except (MarianaError, OSError, zmq.ZMQError) as e:  # e.g. an endpoint already in use
         log.error("%s: %s", service.name, e)
         return 1
@@ -279,7 +281,8 @@ def _profiled(service: Service, out_dir: str) -> int:
 
     prof = cProfile.Profile()
     try:
-        return prof.runcall(asyncio.run, _run(service))
+        with asyncio.Runner(loop_factory=MendedLoop) as runner:
+            return prof.runcall(runner.run, _run(service))
     finally:
         os.makedirs(out_dir, exist_ok=True)
         prof.dump_stats(os.path.join(out_dir, f"{service.name}.prof"))

@@ -139,7 +139,7 @@ def test_accept_errors_out_of_descriptors_are_logged_once_per_10s_with_a_count(t
     assert "raise its open-file limit" in log and "(said at most once per 10s)" in log, log[-4000:]
     left_out = re.search(r": \[Errno 24\] Too many open files \((\d+) more in the last 1\ds, not logged\)", lines[1])
     assert left_out, lines
-    # one failed accept a second (a retry each), not thousands: serving/server.py's _ServeLoop
+    # one failed accept a second (a retry each), not thousands: services/runtime/accept_loop.MendedLoop
     assert 5 <= int(left_out[1]) <= 15, lines
     assert "Exception in callback" not in log, log[-4000:]  # no retry left over to fail once it stopped
     assert s.log.stat().st_size < 20_000, s.log.stat().st_size

@@ -1,7 +1,8 @@
 """Every counter a pipeline service increments is declared by its role (Service.COUNTERS), so
 its /metrics series is 0 from the start: a series that first appears at its first event hides
 that event from Prometheus' increase() (an exploratory run: the coordinator showed no counter
-of its own after five jobs, a ps no checkpoints until its first one)."""
+of its own after five jobs, a ps no checkpoints until its first one). And the loop services
+run on (their HTTP ports)."""
 from __future__ import annotations
 
 import re
@@ -40,3 +41,22 @@ def test_a_service_that_has_counted_nothing_renders_its_counters_at_zero():
     text = render_service("ps", 0, counters, {"jobs": 0}, 1.0)
     assert 'mariana_ps_checkpoints_total{index="0",role="ps"} 0' in text
     assert 'mariana_ps_bad_messages_total{index="0",role="ps"} 0' in text
+
+
+def test_services_run_on_the_loop_whose_accept_loop_is_mended(monkeypatch):
+    """A metrics port or the coordinator's API out of descriptors retried accept() `backlog`
+    times a pass (CPython gh-151615), as the model server did before it got MendedLoop."""
+    import asyncio
+
+    from mariana.services.runtime import lifecycle
+    from mariana.services.runtime.accept_loop import MendedLoop
+
+    seen = []
+
+    async def fake_run(service):
+        seen.append(type(asyncio.get_running_loop()))
+        return 0
+
+    monkeypatch.setattr(lifecycle, "_run", fake_run)
+    monkeypatch.delenv("MARIANA_PROFILE", raising=False)
+    assert lifecycle.run_service(object()) == 0 and seen == [MendedLoop]

@@ -709,15 +709,16 @@ def _main(argv: list[str] | None, build) -> int:
     tune_process()
     mode = _train_mode(sys.argv[1:] if argv is None else argv)
     if mode is not None:  # `mariana train speech ...`: a parser of its own
-        return _guarded(lambda: TRAIN_MODES[mode][1](_mode_argv(sys.argv[1:] if argv is None else argv)))
+        return _guarded(lambda: TRAIN_MODES[mode][1](_mode_argv(sys.argv[1:] if argv is None else argv)),
+                        exiting=argv is None)
     parser = build()
     _logging_flags_everywhere(parser)
     args = parser.parse_args(argv)
     setup_logging(-1 if args.quiet else args.verbose)
-    return _guarded(lambda: args.func(args))
+    return _guarded(lambda: args.func(args), exiting=argv is None)
 
 
-def _guarded(run) -> int:
+def _guarded(run, exiting: bool = False) -> int:
     """`run()`'s exit code; a user's error as one line `mariana: error: ...` and exit code 2.
     SIGTERM stops a command as Ctrl-C does (its cleanup runs: a cluster job is cancelled, a
     cluster started for it stopped, a version half-written removed); the default action
@@ -725,7 +726,7 @@ def _guarded(run) -> int:
     main = threading.current_thread() is threading.main_thread()  # (only there can a handler be set)
     previous = signal.signal(signal.SIGTERM, _terminated) if main else None
     try:
-        return _run_guarded(run)
+        return _run_guarded(run, exiting and main)
     finally:
         if main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
@@ -735,7 +736,10 @@ def _terminated(signum, frame) -> None:
     raise KeyboardInterrupt("stopped by SIGTERM")
 
 
-def _run_guarded(run) -> int:
+def _run_guarded(run, exiting: bool = False) -> int:
+    """`exiting`: the process ends after this command; a second Ctrl-C while the first one's
+    cleanup runs (threads joined, a generator's finally) is then ignored, not a traceback
+    ("Exception ignored in: <generator object BatchStream.__iter__>")."""
     try:
         return run()
     except MarianaError as e:
@@ -749,6 +753,8 @@ def _run_guarded(run) -> int:
         where = f"{e.filename}: " if e.filename else ""
         return _fail(f"{where}{(e.strerror or str(e)).lower()}")
     except KeyboardInterrupt as e:  # a tune's says what it kept
+        if exiting:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"mariana: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         return 130
 

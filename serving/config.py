@@ -88,6 +88,9 @@ class RetrainSection:
     train_data: list[str] = field(default_factory=list)  # or name the windows outright
     eval_data: list[str] = field(default_factory=list)
     auc_tolerance: float = 0.0          # the new model may be this much below the served one's AUC
+    gate: list[str] = field(default_factory=lambda: ["auc"])  # what the new model must not be worse on:
+                                        # "auc", and/or "logloss" (calibration counts there: pCTRs that bid)
+    logloss_tolerance: float = 0.0      # "logloss" in gate: the new logloss may be this fraction above the served
     job_config: str = ""                # a job TOML; default: the served model's own config
     mode: str = "local"                 # or "cluster": train on the cluster that is up
     cluster_config: str = ""            # cluster mode: its TOML (default: the built-in defaults)
@@ -109,6 +112,14 @@ class RetrainSection:
                 raise ConfigError(f"retrain.{key} must be >= 0 (0: keep every one), got {getattr(self, key)}")
         if not 0 <= self.auc_tolerance < 1:  # an AUC lies in [0, 1]: a tolerance of 1 or more gates nothing
             raise ConfigError(f"retrain.auc_tolerance must be in [0, 1), got {self.auc_tolerance}")
+        if not self.gate or not set(self.gate) <= set(GATE_METRICS):
+            raise ConfigError(f"retrain.gate must name one or both of {list(GATE_METRICS)}, got {self.gate}")
+        if not 0 <= self.logloss_tolerance < 1:
+            raise ConfigError(f"retrain.logloss_tolerance must be in [0, 1) (0.01: 1% above the served model's "
+                              f"logloss), got {self.logloss_tolerance}")
+
+
+GATE_METRICS = ("auc", "logloss")  # what retrain.gate may hold
 
 
 @dataclass

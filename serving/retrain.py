@@ -1,6 +1,7 @@
 """Batch retrain with a promotion gate: train on a window of the logs, score
 the new model and the served one on a later window, promote only when the
-new one is not worse (AUC within `retrain.auc_tolerance`).
+new one is not worse (AUC within `retrain.auc_tolerance`; with `retrain.gate =
+["auc", "logloss"]`, its logloss too, within `retrain.logloss_tolerance`).
 
 Triggered by `mariana retrain --config FILE`, by POST /v1/retrain on a model
 server (which runs that command with a copy of its config kept under
@@ -128,11 +129,13 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     status.update(state="evaluating", new_version=new)
     decision = {
         "time": None, "verdict": None, "reason": None, "new_version": new, "served_version": served,
-        "auc_tolerance": r.auc_tolerance, "train_data": train, "eval_data": evals,
+        "auc_tolerance": r.auc_tolerance, "gate": list(r.gate),
+        **({"logloss_tolerance": r.logloss_tolerance} if "logloss" in r.gate else {}),
+        "train_data": train, "eval_data": evals,
         "train_rows": record["train_rows"], "train_seconds": record["train_seconds"], "warm_start": warm is not None,
     }
     try:
-        decision.update(_judge(model_dir, new, served, evals, r.auc_tolerance))
+        decision.update(_judge(model_dir, new, served, evals, r))
     except (Exception, KeyboardInterrupt) as e:  # the candidate is saved: decisions.jsonl says why it stays
         decision.update(verdict="failed", reason=f"the candidate could not be gated: {_why(e)}")
         _record(model_dir, decision)
@@ -227,7 +230,7 @@ def _may_run(status: str, own: str | None) -> bool:
     return isinstance(pid, int) and procs.running(pid)
 
 
-def _judge(model_dir: str, new: str, served: str | None, evals: list[str], tolerance: float) -> dict:
+def _judge(model_dir: str, new: str, served: str | None, evals: list[str], r) -> dict:
     """Score the candidate and the served version on the eval window, gate, and move
     CURRENT on a promotion: the decision's verdict, reason, metrics and bad row count."""
     from mariana.trainer.strategies.local import evaluate
@@ -239,7 +242,7 @@ def _judge(model_dir: str, new: str, served: str | None, evals: list[str], toler
     if parsed["rows_bad"]:
         log.warning("retrain %s: skipped %d malformed rows of the eval window (first: %s)", model_dir,
                     parsed["rows_bad"], describe_bad(parsed["first_bad"], 3))
-    verdict, reason = gate(scores["new"], scores.get("served"), tolerance)
+    verdict, reason = gate(scores["new"], scores.get("served"), r.auc_tolerance, r.gate, r.logloss_tolerance)
     if verdict == "promoted":
         try:  # only over the version it was gated against: a promotion or rollback meanwhile stands
             checkpoint.set_current(model_dir, new, reason="retrain", expect=served)
@@ -339,14 +342,30 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def gate(new: dict, served: dict | None, tolerance: float) -> tuple[str, str]:
-    """('promoted' | 'refused', why), on AUC over the same later window.
+def gate(new: dict, served: dict | None, tolerance: float, metrics: tuple[str, ...] | list[str] = ("auc",),
+         logloss_tolerance: float = 0.0) -> tuple[str, str]:
+    """('promoted' | 'refused', why), on the same later window: AUC (`tolerance` below the
+    served one's at most) and, with "logloss" in `metrics`, the logloss (`logloss_tolerance`,
+    a fraction, above the served one's at most: a model that ranks as well but whose pCTRs
+    are off, which AUC cannot see, is refused).
 
     >>> gate({"auc": 0.70}, {"auc": 0.71}, 0.02)
     ('promoted', 'AUC 0.700000 >= served 0.710000 - tolerance 0.02')
     >>> gate({"auc": 0.60}, {"auc": 0.71}, 0.0)[0]
     'refused'
+    >>> gate({"auc": 0.72, "logloss": 0.718}, {"auc": 0.71, "logloss": 0.483}, 0.0, ("auc", "logloss"))
+    ('refused', 'logloss 0.718000 > served 0.483000 x (1 + tolerance 0)')
     """
+    checks = [_auc_check(new, served, tolerance)] if "auc" in metrics else []
+    if "logloss" in metrics:
+        checks.append(_logloss_check(new, served, logloss_tolerance))
+    refused = [why for verdict, why in checks if verdict == "refused"]
+    if refused:
+        return "refused", "; ".join(refused)
+    return "promoted", "; ".join(why for _, why in checks)
+
+
+def _auc_check(new: dict, served: dict | None, tolerance: float) -> tuple[str, str]:
     auc = new.get("auc")
     if auc is None or not math.isfinite(auc):
         return "refused", "the new model's AUC on the eval window is undefined (the window holds one class only)"
@@ -358,6 +377,20 @@ def gate(new: dict, served: dict | None, tolerance: float) -> tuple[str, str]:
     if auc >= base - tolerance:
         return "promoted", f"AUC {auc:.6f} >= served {base:.6f} - tolerance {tolerance:g}"
     return "refused", f"AUC {auc:.6f} < served {base:.6f} - tolerance {tolerance:g}"
+
+
+def _logloss_check(new: dict, served: dict | None, tolerance: float) -> tuple[str, str]:
+    loss = new.get("logloss")
+    if loss is None or not math.isfinite(loss):
+        return "refused", "the new model's logloss on the eval window is undefined"
+    if served is None:
+        return "promoted", f"nothing was served; logloss {loss:.6f}"
+    base = served.get("logloss")
+    if base is None or not math.isfinite(base):
+        return "promoted", f"the served model's logloss on the eval window is undefined; new logloss {loss:.6f}"
+    if loss <= base * (1 + tolerance):
+        return "promoted", f"logloss {loss:.6f} <= served {base:.6f} x (1 + tolerance {tolerance:g})"
+    return "refused", f"logloss {loss:.6f} > served {base:.6f} x (1 + tolerance {tolerance:g})"
 
 
 def windows(cfg: ServeConfig) -> tuple[list[str], list[str]]:

@@ -87,6 +87,28 @@ def test_the_gate_refuses_a_worse_model_and_promotes_a_better_one(days, tmp_path
     assert (model_dir / "CURRENT").read_text().strip() == "v000001"
 
 
+def test_the_gate_can_hold_the_logloss_too(days, tmp_path):
+    """retrain.gate = ["logloss"] judges the candidate's logloss (AUC alone cannot see pCTRs
+    that are off); with both, a better candidate passes both and the reason names both."""
+    model_dir = served_model(tmp_path, days)
+    shuffled = retrain_config(tmp_path, model_dir, "ll.toml", train_data=[str(days["shuffled"])],
+                              eval_data=[str(days["day4"])], gate=["logloss"])
+    refused = json.loads(run_cli("retrain", "--config", shuffled, "--json", check=True).stdout)
+    assert refused["verdict"] == "refused" and refused["gate"] == ["logloss"], refused
+    why = refused["reason"]
+    assert why.startswith("logloss ") and "> served" in why and "AUC" not in why, why
+    both = retrain_config(tmp_path, model_dir, "both.toml", train_data=[str(days["day2"]), str(days["day3"])],
+                          eval_data=[str(days["day4"])], gate=["auc", "logloss"], logloss_tolerance=0.01)
+    promoted = json.loads(run_cli("retrain", "--config", both, "--json", check=True).stdout)
+    assert promoted["verdict"] == "promoted" and promoted["logloss_tolerance"] == 0.01, promoted
+    assert "AUC " in promoted["reason"] and "logloss " in promoted["reason"] and "(1 + tolerance 0.01)" in \
+        promoted["reason"], promoted
+    bad = retrain_config(tmp_path, model_dir, "bad.toml", gate=["ndcg"])
+    proc = run_cli("retrain", "--config", bad)
+    assert proc.returncode == 2 and "retrain.gate must name one or both of ['auc', 'logloss'], got ['ndcg']" in \
+        proc.stderr, proc.stderr
+
+
 def test_a_retrain_with_nothing_new_to_learn_trains_nothing(days, tmp_path):
     """A timer retraining while no new log came trained the same window again and again: each
     time a copy of the served model (promoted, equal AUC), and retrain.keep_versions pruned the

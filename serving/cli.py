@@ -24,6 +24,7 @@ from mariana.sparse.errors import MarianaError
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from mariana.serving.config import check_retrain_files
     from mariana.serving.server import run_worker, serve
 
     cfg = _config(args, **{"serve.host": args.host, "serve.port": args.port, "serve.workers": args.workers,
@@ -34,6 +35,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise MarianaError(f"{cfg.serve.model_dir}: no such model directory (train one with 'mariana train "
                            "--out DIR', or create it empty to serve what is published there later)")
     _check_not_inside(cfg.serve.model_dir)
+    check_retrain_files(cfg)
     verbosity = ["-q"] if args.quiet else ["-v"] * args.verbose
     return serve(cfg, verbosity)
 

@@ -122,6 +122,15 @@ class RetrainSection:
 GATE_METRICS = ("auc", "logloss")  # what retrain.gate may hold
 
 
+def check_retrain_files(cfg: "ServeConfig") -> None:
+    """ConfigError unless the files the [retrain] section names exist: checked when a server
+    starts, not when its first retrain (the nightly timer's) fails on a typo."""
+    r = cfg.retrain
+    for key, path in (("retrain.job_config", r.job_config), ("retrain.cluster_config", r.cluster_config)):
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{key}: {path}: " + ("is not a file" if os.path.exists(path) else "no such file"))
+
+
 @dataclass
 class ServeConfig:
     serve: ServeSection = field(default_factory=ServeSection)

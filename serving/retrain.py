@@ -100,7 +100,8 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         check_served_loads(model_dir, served)
         check_unseen(model_dir, served, evals)
     config = job_config(cfg, served)
-    same = nothing_new(model_dir, served, train, config) if served and r.skip_unchanged else None
+    same = (nothing_new(model_dir, served, train, config) or refused_before(model_dir, served, train, evals, config)
+            if served and r.skip_unchanged else None)
     if same:
         decision = {"time": None, "verdict": "skipped", "reason": same, "new_version": None, "served_version": served,
                     "train_data": train, "eval_data": evals}
@@ -300,6 +301,37 @@ def nothing_new(model_dir: str, served: str, train: list[str], config: JobConfig
         return None
     return (f"{served}, in service, was trained on these {len(train)} file(s) with this recipe, and none has "
             "changed since: nothing new to learn (retrain.skip_unchanged = false trains anyway)")
+
+
+def refused_before(model_dir: str, served: str, train: list[str], evals: list[str], config: JobConfig) -> str | None:
+    """Why a retrain would decide nothing new, or None: a candidate trained on these very
+    windows with this recipe was refused against the version still in service, and no file
+    of either window has been written since it was made. A timer with no new logs added a
+    refused copy each time (which took the newest slots that `keep_versions` keeps)."""
+    def same(a, b) -> bool:
+        return isinstance(a, list) and [os.path.realpath(p) for p in a if isinstance(p, str)] == \
+            [os.path.realpath(p) for p in b]
+
+    for d in reversed(checkpoint.decisions(model_dir)):
+        if d.get("verdict") == "skipped" or d.get("served_version") != served \
+                or not same(d.get("train_data"), train) or not same(d.get("eval_data"), evals):
+            continue
+        if d.get("verdict") != "refused" or not isinstance(d.get("new_version"), str):
+            return None  # the newest decision on these windows against it is another one
+        candidate = d["new_version"]
+        try:
+            manifest = checkpoint.read_manifest(model_dir, candidate)
+            if from_dict(JobConfig, manifest.get("config") or {}) != config:
+                return None
+            made = os.stat(os.path.join(model_dir, candidate, checkpoint.MANIFEST)).st_mtime
+        except (MarianaError, OSError, TypeError, ValueError):  # pruned, or unreadable: not known to be the same
+            return None
+        if any(os.stat(p).st_mtime >= made for p in train + evals):
+            return None
+        return (f"{candidate} was trained on this window with this recipe and refused against {served}, still in "
+                f"service, and no file of either window has changed since: nothing new to decide "
+                "(retrain.skip_unchanged = false trains anyway)")
+    return None
 
 
 def learned_from(model_dir: str, version: str, most: int = 1000) -> dict[str, str]:
@@ -663,7 +695,7 @@ class RetrainRunner:
                 verdict, reason = outcome(self._read(run))
             except ServeError as e:
                 verdict, reason = "failed", e.message
-            say = log.info if verdict in ("promoted", "refused") else log.warning
+            say = log.info if verdict in ("promoted", "refused", "skipped") else log.warning
             say("retrain %s of %s ended: %s (%s)", run, self.cfg.serve.model_dir, verdict, reason)
             if self.on_end is not None:
                 self.on_end(verdict)

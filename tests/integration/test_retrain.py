@@ -137,6 +137,25 @@ def test_a_retrain_with_nothing_new_to_learn_trains_nothing(days, tmp_path):
     assert [d["verdict"] for d in decisions(model_dir)][0:1] == ["skipped"]
 
 
+def test_a_refused_candidate_is_not_trained_again_on_the_same_windows(days, tmp_path):
+    """skip_unchanged looked only at what the served version learned: a candidate refused on
+    a window was trained and refused again on each timer tick with no new logs (a refused
+    copy each time, taking the newest slots keep_versions keeps)."""
+    model_dir = served_model(tmp_path, days)
+    worse = retrain_config(tmp_path, model_dir, train_data=[str(days["shuffled"])], eval_data=[str(days["day4"])])
+    first = json.loads(run_cli("retrain", "--config", worse, "--json", check=True).stdout)
+    assert first["verdict"] == "refused" and first["new_version"] == "v000002", first
+    for _ in range(2):  # the skipped line in between does not hide the refusal from the next one
+        again = json.loads(run_cli("retrain", "--config", worse, "--json", check=True).stdout)
+        assert again["verdict"] == "skipped" and again["reason"].startswith(
+            "v000002 was trained on this window with this recipe and refused against v000001, still in service"), again
+    assert sorted(p.name for p in model_dir.glob("v0*")) == ["v000001", "v000002"]
+    other_eval = retrain_config(tmp_path, model_dir, "e5.toml", train_data=[str(days["shuffled"])],
+                                eval_data=[str(days["day3"])])
+    assert json.loads(run_cli("retrain", "--config", other_eval, "--json", check=True).stdout)["new_version"] == \
+        "v000003"  # another eval window: decided anew
+
+
 def recipe(tmp_path: Path) -> Path:
     path = tmp_path / "job.toml"
     path.write_text('[model]\nkind = "lr"\n[train]\nbatch_size = 512\n')

@@ -426,6 +426,12 @@ def test_sigterm_answers_what_is_in_flight_and_exits_0(models, tmp_path):
 def test_serve_refuses_a_missing_model_dir_and_a_taken_port(tmp_path, models):
     gone = run_cli("serve", "--model-dir", tmp_path / "nope", "--port", "0")
     assert gone.returncode == 2 and "no such model directory" in gone.stderr
+    typo = tmp_path / "typo.toml"  # found when the nightly retrain first ran
+    typo.write_text(f'[serve]\nmodel_dir = "{models["lr"]}"\n[retrain]\nmode = "cluster"\n'
+                    f'cluster_config = "{tmp_path / "nope.toml"}"\n')
+    missing = run_cli("serve", "--config", typo, "--port", "0")
+    assert missing.returncode == 2 and missing.stderr.strip().endswith(
+        f"retrain.cluster_config: {tmp_path / 'nope.toml'}: no such file"), missing.stderr
     # a version's directory (or a featurizer's) waited for ever for a version to appear in it
     inside = run_cli("serve", "--model-dir", models["lr"] / "v000001", "--port", "0")
     assert inside.returncode == 2 and inside.stderr.strip().endswith(

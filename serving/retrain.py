@@ -119,11 +119,21 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     if warm:
         log.info("retrain %s: warm start from the served version %s (%s mode)", model_dir, served, r.mode)
     if r.mode == "cluster":
-        from mariana.services.runtime.cluster_job import run_cluster_job
+        from mariana.services.runtime.cluster_job import Unreachable, run_cluster_job
         from mariana.services.runtime.config import load_cluster_config
 
-        record = run_cluster_job(config, train, [], model_dir, load_cluster_config(r.cluster_config or None),
-                                 promote=False, init_from=warm)
+        try:
+            record = run_cluster_job(config, train, [], model_dir, load_cluster_config(r.cluster_config or None),
+                                     promote=False, init_from=warm, on_submit=lambda job: status.update(job=job))
+        except Unreachable as e:  # the job goes on without this retrain: what it writes is never gated
+            job = status.data.get("job") or "its job"
+            decision = {"time": None, "verdict": "failed", "new_version": None, "served_version": served,
+                        "job": status.data.get("job"), "train_data": train, "eval_data": evals,
+                        "reason": f"the retrain lost its cluster ({e}); the version {job} writes, if it does, is "
+                                  "not gated and not served"}
+            _record(model_dir, decision)
+            status.update(decision=decision)
+            raise
     else:
         record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
     new = record["model_version"]
@@ -567,9 +577,9 @@ class _Status:
                 self.data = {}
 
     def update(self, **fields) -> None:
+        self.data.update(fields, updated=_now())  # kept without a file too: the retrain reads its job back
         if not self.path:
             return
-        self.data.update(fields, updated=_now())
         tmp = f"{self.path}.tmp"
         try:
             Path(tmp).write_text(json.dumps(self.data))
@@ -695,10 +705,42 @@ class RetrainRunner:
                 verdict, reason = outcome(self._read(run))
             except ServeError as e:
                 verdict, reason = "failed", e.message
+            if verdict == "failed":
+                reason += self._abandoned(run)
             say = log.info if verdict in ("promoted", "refused", "skipped") else log.warning
             say("retrain %s of %s ended: %s (%s)", run, self.cfg.serve.model_dir, verdict, reason)
             if self.on_end is not None:
                 self.on_end(verdict)
+
+    def _abandoned(self, run: str) -> str:
+        """A retrain of ours that ended without a decision (killed) and left a cluster job: the job
+        cancelled, since nothing would gate what it writes, and a "failed" decision recorded
+        (the job went on and wrote a candidate no line named). What to add to its reason."""
+        try:
+            data = self._read(run)
+        except ServeError:
+            return ""
+        job, model_dir = data.get("job"), self.cfg.serve.model_dir
+        if not job or data.get("decision"):
+            return ""
+        from mariana.services.runtime.cluster_job import cancel_in
+        from mariana.services.runtime.config import load_cluster_config
+
+        try:
+            state = cancel_in(load_cluster_config(self.cfg.retrain.cluster_config or None), job)
+            what = f"its cluster job {job} cancelled" if state == "cancelled" else \
+                f"its cluster job {job} {state}: its version, if any, is not gated"
+        except (MarianaError, OSError) as e:
+            what = f"its cluster job {job} could not be cancelled ({e}): the version it writes is not gated"
+        decision = {"time": None, "verdict": "failed", "new_version": data.get("new_version"), "job": job,
+                    "served_version": data.get("served_version"), "train_data": data.get("train_data"),
+                    "eval_data": data.get("eval_data"),
+                    "reason": f"the retrain process ended without a decision; {what}"}
+        try:
+            _record(model_dir, decision)
+        except OSError as e:
+            log.warning("retrain %s: cannot record its end in %s: %s", run, DECISIONS, e)
+        return f"; {what}"
 
     def close(self) -> None:
         """At the worker's stop: the retrains still running go on without it; each one said once."""

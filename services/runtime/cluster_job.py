@@ -63,8 +63,10 @@ def cancel_job(info: dict, job: str) -> dict:
 def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], out: str, cluster: ClusterConfig,
                     mode: str = "async", staleness: int | None = None,
                     on_progress: Callable[[dict], None] | None = None, asked: tuple[str, ...] = (),
-                    promote: bool = True, valid_data: list[str] | None = None, init_from: str | None = None) -> dict:
+                    promote: bool = True, valid_data: list[str] | None = None, init_from: str | None = None,
+                    on_submit: Callable[[str], None] | None = None) -> dict:
     """`asked`: the roles whose counts the user gave; a running cluster must have those.
+    `on_submit(job)` hears the job's id once the coordinator has taken it (a retrain keeps it).
     `promote=False` writes the version without moving CURRENT (a retrain's candidate).
     Relative paths (files, `out`, the config's path keys) are this process's: they go to
     the coordinator absolute, and it refuses relative ones. `valid_data` (or the tail of the
@@ -83,7 +85,21 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
     with cluster_session(cluster, asked) as info:
         job = submit(info, body)
         log.info("job %s submitted to %s", job, info["http"])
+        if on_submit is not None:
+            on_submit(job)
         return wait(info, job, on_progress)
+
+
+def cancel_in(cluster: ClusterConfig, job: str) -> str:
+    """Cancel `job` on the cluster up in `cluster`'s dir: its state after the request
+    ("cancelled", "writing": too late, "done", ...); MarianaError when no cluster is up there
+    or its coordinator does not answer."""
+    from mariana.services import launcher
+
+    info = launcher.cluster_info(cluster.cluster.path)
+    if info is None:
+        raise Unreachable(f"no cluster is up in {cluster.cluster.path}")
+    return str(cancel_job(info, job).get("state"))
 
 
 def absolute_init_from(spec: str) -> str:

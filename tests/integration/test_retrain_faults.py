@@ -187,3 +187,34 @@ def test_an_eval_window_the_served_model_was_trained_on_is_refused(logs, tmp_pat
     small = tmp_path / "other"  # the control: a served model that never saw the eval window passes the check
     run_cli("-q", "train", "--data", logs["small"], "--model", "lr", "--out", small, check=True)
     assert run_cli("retrain", "--config", retrain_config(tmp_path, small, **windows(logs))).returncode == 0
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_cluster_retrain_cancels_its_job_and_says_so(logs, tmp_path):
+    """A cluster retrain killed (kill -9) while its job ran left the job running: it wrote a
+    candidate no decision named, never gated (a second exploratory round). The server that
+    started it now cancels the job and records a "failed" decision saying so."""
+    from tests.integration.cluster import Cluster
+
+    model_dir = served(tmp_path, logs)
+    with Cluster(tmp_path / "c") as c:
+        retrain = windows(logs, mode="cluster", cluster_config=str(c.info["config"]), job_config=str(logs["job"]))
+        with Server(tmp_path / "s", model_dir, serve={"token": TOKEN}, retrain=retrain) as s:
+            status, started = s.post("/v1/retrain", b"", headers=AUTH)
+            assert status == 202, started
+            deadline = time.monotonic() + 90
+            while "job" not in (state := s.get(f"/v1/retrain/{started['id']}", AUTH)[1]):
+                assert time.monotonic() < deadline and state["state"] not in ("done", "failed"), (state, s.logs())
+                time.sleep(0.05)
+            os.kill(state["pid"], signal.SIGKILL)
+            wait_state(s, started["id"], ("failed",))
+            deadline = time.monotonic() + 30
+            while "its cluster job" not in s.logs():
+                assert time.monotonic() < deadline, s.logs()
+                time.sleep(0.2)
+        job = c.job(state["job"])
+    assert job["state"] == "cancelled", job
+    last = decisions(model_dir)[-1]
+    assert last["verdict"] == "failed" and last["job"] == state["job"], last
+    assert last["reason"] == f"the retrain process ended without a decision; its cluster job {state['job']} cancelled"
+    assert sorted(p.name for p in model_dir.glob("v0*")) == ["v000001"]  # nothing written after all

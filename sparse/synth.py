@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 
+from mariana.sparse.errors import MarianaError
 from mariana.sparse.hashing import fmix64
 from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
 
@@ -160,6 +161,38 @@ def _table(world: World, labels, ints, cats) -> pa.Table:
     return pa.table(cols)
 
 
+def output_file(path: str | os.PathLike) -> tuple[str, bool]:
+    """(the path a generator writes, whether straight to it rather than through a temp file
+    renamed over it). A symbolic link's target is written (the link stays); os.devnull is
+    written straight. Anything else that is not a regular file (a device, a FIFO or a shell's
+    `>(...)`, a socket, a directory) is refused: the rename made /dev/stdout, /dev/full or a
+    device node a regular file, and left a named pipe's reader with nothing.
+
+    >>> output_file("/dev/zero")
+    Traceback (most recent call last):
+    mariana.sparse.errors.MarianaError: /dev/zero: is a device, not a regular file: a generator writes a file (a temporary one renamed over it); name a file
+    """
+    import stat
+
+    out = os.fspath(path)
+    if not out:
+        raise MarianaError("the output file name is empty: name the file to write")
+    if out == os.devnull:
+        return out, True
+    try:
+        mode = os.stat(out).st_mode  # through links: /dev/stdout, /dev/fd/63
+    except FileNotFoundError:
+        if os.path.islink(out):
+            raise MarianaError(f"{out}: is a symbolic link to {os.readlink(out)!r}, which does not exist") from None
+        return out, False
+    if stat.S_ISREG(mode):
+        return os.path.realpath(out), False
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (a named pipe, or a shell's >(...))"
+            if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
+    raise MarianaError(f"{out}: is {kind}, not a regular file: a generator writes a file (a temporary one renamed "
+                       "over it); name a file")
+
+
 def generate_criteo(out: str | os.PathLike, rows: int, seed: int = 0, model_seed: int = 20140621,
                     chunk_rows: int = 200_000,
                     progress: Callable[[int, float], None] | None = None) -> dict:
@@ -171,8 +204,8 @@ def generate_criteo(out: str | os.PathLike, rows: int, seed: int = 0, model_seed
 
     world = make_world(model_seed)
     rng = np.random.default_rng([seed, model_seed])
-    out = os.fspath(out)
-    tmp = f"{out}.tmp-{os.getpid()}"
+    out, straight = output_file(out)
+    tmp = out if straight else f"{out}.tmp-{os.getpid()}"
     sink = pa.CompressedOutputStream(tmp, "gzip") if out.endswith(".gz") else pa.OSFile(tmp, "wb")
     opts = pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     t0, done, positives = time.perf_counter(), 0, 0
@@ -187,9 +220,10 @@ def generate_criteo(out: str | os.PathLike, rows: int, seed: int = 0, model_seed
                 positives += int(labels.sum())
                 if progress:
                     progress(done, time.perf_counter() - t0)
-        os.replace(tmp, out)
+        if not straight:
+            os.replace(tmp, out)
     finally:
-        if os.path.exists(tmp):
+        if not straight and os.path.exists(tmp):
             os.unlink(tmp)
     return {"rows": done, "positives": positives, "ctr": positives / max(done, 1),
             "seconds": round(time.perf_counter() - t0, 3), "path": out}

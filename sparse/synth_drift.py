@@ -53,6 +53,7 @@ import pyarrow.csv as pa_csv
 from mariana.sparse.hashing import fmix64
 from mariana.sparse.metrics import BinaryMetrics
 from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
+from mariana.sparse.synth import output_file
 
 DEFAULT_MODEL_SEED = 1515
 CHUNK_ROWS = 100_000        # fixed: each chunk has its own generator, so a row range can be redrawn alone
@@ -315,8 +316,8 @@ def generate_drift(path: str | os.PathLike, rows: int, seed: int = 0, model_seed
     if rows < 0:
         raise ValueError("rows must be >= 0")
     world = make_world(model_seed)
-    out = os.fspath(path)
-    tmp = out if out == os.devnull else f"{out}.tmp-{os.getpid()}"
+    out, straight = output_file(path)
+    tmp = out if straight else f"{out}.tmp-{os.getpid()}"
     sink = pa.CompressedOutputStream(tmp, "gzip") if out.endswith(".gz") else pa.OSFile(tmp, "wb")
     opts = pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     metrics, fifths = BinaryMetrics(), np.zeros((5, 2))

@@ -32,3 +32,41 @@ def test_different_seeds_share_the_planted_model(tmp_path):
     vocab = lambda p: {ln.split("\t")[14] for ln in p.read_text().splitlines()}  # noqa: E731
     x, y = vocab(tmp_path / "x.tsv"), vocab(tmp_path / "y.tsv")
     assert x != y and len(x & y) > 0.5 * min(len(x), len(y))
+
+
+def test_a_generator_writes_regular_files_only_and_through_a_link(tmp_path):
+    """The output went in through a temp file renamed over it: `--out /dev/stdout` (or
+    /dev/full, or a device node) became a regular file, run as root; a named pipe was
+    replaced and its reader got nothing; a symbolic link was replaced by a file. Now a link's
+    target is written, os.devnull straight, anything else that is not a regular file refused."""
+    import os
+
+    import pytest
+
+    from mariana.sparse.errors import MarianaError
+    from mariana.sparse.synth import output_file
+    from mariana.sparse.synth_drift import generate_drift
+
+    real = tmp_path / "real.tsv"
+    real.write_text("old\n")
+    (tmp_path / "link.tsv").symlink_to(real)
+    info = generate_criteo(tmp_path / "link.tsv", 10, seed=1)
+    assert (tmp_path / "link.tsv").is_symlink() and len(real.read_text().splitlines()) == 10
+    assert info["path"] == str(real)
+    os.mkfifo(tmp_path / "pipe.tsv")
+    for gen in (generate_criteo, generate_drift):
+        with pytest.raises(MarianaError, match=r"pipe.tsv: is a FIFO \(a named pipe, or a shell's >\(...\)\), not "
+                                               "a regular file"):
+            gen(tmp_path / "pipe.tsv", 10)
+    assert (tmp_path / "pipe.tsv").is_fifo()
+    with pytest.raises(MarianaError, match="/dev/zero: is a device, not a regular file"):
+        output_file("/dev/zero")  # only looked at: never written
+    (tmp_path / "gone.tsv").symlink_to(tmp_path / "nowhere" / "x.tsv")
+    with pytest.raises(MarianaError, match="gone.tsv: is a symbolic link to .*, which does not exist"):
+        output_file(tmp_path / "gone.tsv")
+    with pytest.raises(MarianaError, match="the output file name is empty"):
+        output_file("")
+    assert output_file(os.devnull) == (os.devnull, True)
+    assert generate_criteo(os.devnull, 10)["rows"] == 10 and os.path.exists(os.devnull)
+    assert not os.path.isfile(os.devnull)  # still the device
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gone.tsv", "link.tsv", "pipe.tsv", "real.tsv"]

@@ -39,8 +39,8 @@ def check_out_dir(path: str) -> None:
         raise MarianaError("the model directory (--out) is empty: name one")
     check_path_name(path, "the model directory (--out)")
     if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a directory", path)
+        if not os.path.isdir(path):  # the user's mistake, not the filesystem's: a MarianaError for the API too
+            raise MarianaError(f"{path}: exists and is not a directory")
         _check_model_dir(path)
     check_can_create_in(path, "the model directory (--out)")
 

@@ -169,7 +169,7 @@ def cli_error(*args: str) -> str:
     return proc.stderr.strip().removeprefix("mariana: error: ")
 
 
-def test_bad_input_raises_the_error_the_cli_prints(trained, tmp_path):
+def test_bad_input_raises_the_error_the_cli_prints(trained, gen_files, tmp_path):
     result, _ = trained
     missing = str(tmp_path / "nope.tsv")
     with pytest.raises(NoDataFiles) as e:
@@ -181,6 +181,12 @@ def test_bad_input_raises_the_error_the_cli_prints(trained, tmp_path):
     with pytest.raises(ConfigError) as e:
         mariana.train(missing, out=tmp_path / "m", **{"train.epoch": 2})
     assert str(e.value) == cli_error("train", "--data", missing, "--out", tmp_path / "m", "--set", "train.epoch=2")
+    afile = tmp_path / "afile"  # an --out that is a file: a raw NotADirectoryError here, outside MarianaError
+    afile.write_text("x")
+    with pytest.raises(MarianaError) as e:
+        mariana.train(gen_files["test"], out=afile)
+    assert str(e.value) == cli_error("train", "--data", gen_files["test"], "--out", afile) == \
+        f"{afile}: exists and is not a directory"
 
 
 @pytest.mark.parametrize("call,error,says", [

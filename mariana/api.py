@@ -166,10 +166,27 @@ def train(data: Data, model: str | None = None, config: JobConfig | PathLike | M
     train_paths = data_paths(data)
     test_paths, valid_paths = data_paths(test_data, "test_data"), data_paths(valid_data, "valid_data")
     temporary = out is None
-    out_dir = tempfile.mkdtemp(prefix="mariana-model-") if temporary else os.fspath(out)
+    out_dir = tempfile.mkdtemp(prefix="mariana-model-") if temporary else _path("out", out)
     record = run_local_job(cfg, train_paths, test_paths, out_dir, valid_paths=valid_paths,
                            init_from=None if init_from is None else os.fspath(init_from))
     return Result.of(record, temporary)
+
+
+def _path(name: str, value: Any) -> str:
+    """`value` as a path, or ConfigError naming the argument (os.fspath's TypeError did not).
+
+    >>> _path("out", None)
+    Traceback (most recent call last):
+    mariana.sparse.errors.ConfigError: out: expected a path (str or os.PathLike), got None
+    """
+    try:
+        return os.fspath(value)
+    except TypeError:
+        raise ConfigError(f"{name}: expected a path (str or os.PathLike), got {_shown(value)}") from None
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if isinstance(value, (int, float, bool, type(None))) else f"a {type(value).__name__}"
 
 
 def data_paths(data: Data | None, what: str = "data") -> list[str]:
@@ -224,7 +241,7 @@ def load(model_dir: PathLike, version: str | None = None) -> "Model":
     from mariana.trainer import checkpoint
     from mariana.trainer.bundle import ModelBundle
 
-    model_dir = os.fspath(model_dir)
+    model_dir = _path("model_dir", model_dir)
     if version is None:
         version = checkpoint.current_version(model_dir)
     elif version not in checkpoint.list_versions(model_dir):

@@ -217,6 +217,7 @@ def _cluster_progress():
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from mariana.services.runtime import reliability
     from mariana.sparse.parse import describe_bad
+    from mariana.trainer.bundle import parse_init_from
     from mariana.trainer.strategies.local import evaluate
 
     if _speech_model(args.model):
@@ -238,7 +239,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         log.warning("skipped %d malformed rows (%s)", parse["rows_bad"], describe_bad(parse["first_bad"]))
     record = {"auc": metrics["auc"], "logloss": metrics["logloss"], "calibration": metrics["calibration"],
               "ne": metrics["ne"], "ece": metrics["ece"], "rows": metrics["count"], "bad_rows": parse["rows_bad"],
-              "seconds": round(time.perf_counter() - t0, 3), "model_dir": os.path.abspath(args.model),
+              "seconds": round(time.perf_counter() - t0, 3),
+              "model_dir": os.path.abspath(parse_init_from(args.model, "--model")[0]),  # DIR of DIR:vNNNNNN
               "model_version": bundle.manifest.get("version")}
     table = metrics["reliability"]
     if args.plot:

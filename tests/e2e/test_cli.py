@@ -260,7 +260,7 @@ def test_evaluate_and_predict_take_a_version_current_does_not_name(gen_files, tm
         run_cli("-q", "train", "--data", gen_files["test"], "--out", m, check=True)
     (m / "CURRENT").write_text("v000002\n")
     one = last_json(run_cli("evaluate", "--model", f"{m}:v000001", "--data", gen_files["test"], "--json", check=True))
-    assert one["model_version"] == "v000001"
+    assert one["model_version"] == "v000001" and one["model_dir"] == str(m)  # not ".../m:v000001"
     assert last_json(run_cli("evaluate", "--model", m, "--data", gen_files["test"], "--json",
                              check=True))["model_version"] == "v000002"
     pred = run_cli("predict", "--model", f"{m}:v000001", "--data", gen_files["test"], check=True).stdout.split()

@@ -963,8 +963,25 @@ def unlabeled_hint(schema: Schema) -> str:
             "the label; `mariana predict` takes unlabeled rows")
 
 
+COMPRESSED = {b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip",
+              b"\x04\x22\x4d\x18": "lz4"}  # magic bytes of what is read as text otherwise: "malformed rows"
+
+
 def _check_not_gzipped_parquet(path: str, block: bytes) -> None:
-    """A text file's first block that is a Parquet file's start (gzip's output): say so, not 'malformed rows'."""
+    """A text file's first block that is a Parquet file's start (gzip's output), or a file
+    compressed by a tool Mariana does not read: say so, not 'malformed rows'.
+
+    >>> try:
+    ...     _check_not_gzipped_parquet("a.bz2", b"BZh91AY&SY...")
+    ... except DataFormatError as e:
+    ...     print(str(e)[:46])
+    a.bz2: compressed with bzip2: Mariana reads pl
+    """
+    head = bytes(block[:8])
+    for magic, tool in COMPRESSED.items():
+        if head.startswith(magic) and not (tool == "bzip2" and not head[3:4].isdigit()):  # "BZh" + level 1-9
+            raise DataFormatError(f"{path}: compressed with {tool}: Mariana reads plain text, gzip and Parquet "
+                                  "files; decompress it (or recompress it with gzip)")
     if bytes(block[:len(PARQUET_MAGIC)]) == PARQUET_MAGIC:
         raise DataFormatError(f"{path}: a compressed Parquet file: Parquet files are read as they are, not "
                               "compressed at file level (their own compression is inside them); decompress it, "

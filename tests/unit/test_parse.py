@@ -135,6 +135,22 @@ def test_wrong_format_is_an_error(tmp_path):
         read_all(write(tmp_path, "z.bin", bytes(range(256)) * 50))
 
 
+def test_a_file_compressed_by_another_tool_is_named_so(tmp_path):
+    """A .bz2 (or xz, zstd, zip) file was read as text: "not in criteo format: 243 of the first
+    243 rows are malformed". A text file that starts with "BZh" and no level digit is text."""
+    import bz2
+    import lzma
+
+    text = (GOOD + "\n") * 50
+    for name, data, tool in (("a.bz2", bz2.compress(text.encode()), "bzip2"),
+                             ("a.xz", lzma.compress(text.encode()), "xz")):
+        with pytest.raises(DataFormatError, match=f"{name}: compressed with {tool}: Mariana reads plain text, gzip "
+                                                  "and Parquet files"):
+            read_all(write(tmp_path, name, data))
+    chunks, stats = read_all(write(tmp_path, "bzh.tsv", "BZhx\n" + text), block_bytes=1 << 16)
+    assert sum(c.num_rows for c in chunks) == 50 and stats.rows_bad == 1
+
+
 def test_a_file_whose_first_line_is_overlong_is_not_text(tmp_path, monkeypatch):
     monkeypatch.setattr("mariana.sparse.parse.MAX_LINE_BYTES", 4096)
     with pytest.raises(DataFormatError, match="line 1 is longer than 0 MiB; not a line-oriented text file"):

@@ -38,6 +38,11 @@ class PeerTimeout(MarianaError):
     """A peer did not answer in time (dead, restarting or overloaded)."""
 
 
+class PeerRestarted(PeerTimeout):
+    """A request failed at once because its peer restarted (`Client.fail_pending`): the one
+    line saying so is the caller's who saw the restart, not one per request."""
+
+
 class RemoteError(MarianaError):
     """A peer answered with an `Error` message."""
 
@@ -216,7 +221,7 @@ class Client:
         n = 0
         for fut in self.pending.values():
             if not fut.done():
-                fut.set_exception(PeerTimeout(f"{self.endpoint}: {reason}"))
+                fut.set_exception(PeerRestarted(f"{self.endpoint}: {reason}"))
                 n += 1
         return n
 

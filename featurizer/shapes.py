@@ -71,14 +71,20 @@ def draw(label: int, rng: np.random.Generator, size: int = 64) -> np.ndarray:
 FORMATS = ("idx", "png", "jpeg")
 
 
+MAX_BYTES = 8 << 30  # pixels gen images draws in memory before it writes them
+
+
 def generate_images(out: str | os.PathLike, n: int, seed: int = 0, size: int = 64, fmt: str = "idx",
                     quality: int = 90) -> dict:
     """Write OUT/t10k-images-idx3-ubyte.gz ((n, size, size) uint8) and OUT/t10k-labels-idx1-ubyte.gz
     (labels 0..9, each image's drawn uniformly); returns a record with the class counts and hashes.
     `fmt` png or jpeg: an image folder instead (featurizer/image_folder.py), OUT/<k>-<class>/<i>.png
     (or .jpg at `quality`), the files named by their index so the folder's order is the IDX's."""
-    if n < 1 or size < 8:
-        raise ValueError(f"gen images: --rows >= 1 and --size >= 8, got {n}, {size}")
+    if n < 1 or not 8 <= size <= 4096:
+        raise ValueError(f"gen images: --rows >= 1 and --size in 8..4096, got {n}, {size}")
+    if n * size * size > MAX_BYTES:  # held at once: past this, numpy's MemoryError said to lower hashing.bits
+        raise ValueError(f"gen images: {n:,} images of {size}x{size} are {n * size * size / 2**30:.1f} GiB, more "
+                         f"than the {MAX_BYTES >> 30} GiB gen images holds at once: fewer --rows or a smaller --size")
     if fmt not in FORMATS:
         raise ValueError(f"gen images: --format {fmt!r}: use one of {list(FORMATS)}")
     if not 1 <= quality <= 95:

@@ -748,7 +748,8 @@ def _run_guarded(run, exiting: bool = False) -> int:
     except MarianaError as e:
         return _fail(str(e))
     except MemoryError:
-        return _fail("out of memory: lower hashing.bits (tables have 2^bits rows) or data.block_bytes")
+        return _fail("out of memory (a training job: lower hashing.bits, tables have 2^bits rows, or "
+                     "data.block_bytes)")
     except BrokenPipeError:  # `mariana predict ... | head` (an OSError: it must come first)
         sys.stderr.close()
         return 0

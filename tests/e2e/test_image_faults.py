@@ -54,6 +54,10 @@ def _cases(s: dict[str, Path]) -> list[tuple[list, list[str]]]:
     default_mnist = data_dir() / "mnist"
     train = ["train", "image", *TINY]
     return [
+        (["gen", "images", "--rows", "10", "--size", "100000", "--out", t / "big"],  # "out of memory: lower
+         ["--size in 8..4096, got 10, 100000"]),                                    # hashing.bits"
+        (["gen", "images", "--rows", "1000000", "--size", "4096", "--out", t / "big"],
+         ["1,000,000 images of 4096x4096 are 15625.0 GiB, more than the 8 GiB gen images holds at once"]),
         ([*train, "--data", s["shapes"], "--out", s["afile"] / "x"],  # trained, then "afile: file exists"
          [f"--out {s['afile'] / 'x'}: {s['afile']} is a file, not a directory"]),
         (["featurizer", "train", "--data", default_mnist, "--epochs", "1", "--out", s["afile"] / "y"],

@@ -84,7 +84,10 @@ def dotted_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
         if "." not in key and "__" not in key and key not in SHORTCUTS:
             raise ConfigError(f"unknown override {key!r}: name a config key as section.key "
                               f"(**{{'train.epochs': 2}} or train__epochs=2) or use one of {', '.join(SHORTCUTS)}")
-        out[SHORTCUTS.get(key, key.replace("__", "."))] = value
+        dotted = SHORTCUTS.get(key, key.replace("__", "."))
+        if dotted in out and out[dotted] != value:  # epochs=1 and train.epochs=2: the last one won, unsaid
+            raise ConfigError(f"two overrides of {dotted} disagree: {out[dotted]!r} and {value!r} ({key}); give one")
+        out[dotted] = value
     return out
 
 

@@ -194,6 +194,8 @@ def test_bad_input_raises_the_error_the_cli_prints(trained, gen_files, tmp_path)
     (lambda: mariana.train(__file__, epochs_=2), ConfigError, "unknown override 'epochs_'"),
     (lambda: mariana.load_config(hashing__bits=99), ConfigError, "hashing.bits must be in 1..32"),
     (lambda: mariana.load_config("/no/such.toml"), ConfigError, "config file not found"),
+    (lambda: mariana.load_config(epochs=1, **{"train.epochs": 2}), ConfigError,
+     r"two overrides of train.epochs disagree: 1 and 2 \(train.epochs\); give one"),
     (lambda: mariana.load(None), ConfigError, r"model_dir: expected a path \(str or os.PathLike\), got None"),
     (lambda: mariana.train(__file__, out=123), ConfigError, r"out: expected a path \(str or os.PathLike\), got 123"),
 ])

@@ -177,6 +177,10 @@ def output_file(path: str | os.PathLike) -> tuple[str, bool]:
     out = os.fspath(path)
     if not out:
         raise MarianaError("the output file name is empty: name the file to write")
+    other = next((x for x in (".parquet", ".pq", ".bz2", ".xz", ".zst", ".zip") if out.lower().endswith(x)), None)
+    if other or (out.lower().endswith(".gz") and not out.endswith(".gz")):
+        raise MarianaError(f"{out}: a name ending in {other or out[-3:]}, but the generators write text (gzip for a "
+                           "name ending in .gz): name the file .tsv or .tsv.gz")
     if out == os.devnull:
         return out, True
     try:
@@ -202,6 +206,8 @@ def generate_criteo(out: str | os.PathLike, rows: int, seed: int = 0, model_seed
     """
     import pyarrow.compute  # noqa: F401  (binds pa.compute)
 
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        raise ValueError(f"rows must be an integer >= 0, got {rows!r}")
     world = make_world(model_seed)
     rng = np.random.default_rng([seed, model_seed])
     out, straight = output_file(out)

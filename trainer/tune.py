@@ -233,6 +233,9 @@ def check_search(config: JobConfig, budget: float) -> None:
     if not 0 < budget < math.inf:
         raise MarianaError(f"tune: --budget must be a finite number of seconds > 0, got {budget} "
                            "(--trials N bounds the search by count)")
+    if config.train.epochs not in (1, "auto"):  # 1: the default, untouched; anything else was meant, and is dropped
+        log.warning("tune: train.epochs = %r is not used: every trial stops on its validation logloss (epochs = "
+                    "\"auto\"), up to train.max_epochs (%d)", config.train.epochs, config.train.max_epochs)
 
 
 def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", max_trials: int | None = None,

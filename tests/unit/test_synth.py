@@ -70,3 +70,18 @@ def test_a_generator_writes_regular_files_only_and_through_a_link(tmp_path):
     assert generate_criteo(os.devnull, 10)["rows"] == 10 and os.path.exists(os.devnull)
     assert not os.path.isfile(os.devnull)  # still the device
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gone.tsv", "link.tsv", "pipe.tsv", "real.tsv"]
+
+
+def test_a_generator_refuses_a_name_of_another_format_and_bad_row_counts(tmp_path):
+    """`--out x.parquet` got TSV, `.bz2` plain text; generate_criteo(path, -1) wrote an empty file."""
+    import pytest
+
+    from mariana.sparse.errors import MarianaError
+
+    for name in ("x.parquet", "x.tsv.bz2", "x.TSV.GZ"):
+        with pytest.raises(MarianaError, match="the generators write text"):
+            generate_criteo(tmp_path / name, 10)
+    for rows in (-1, 1.5, "10", True):
+        with pytest.raises(ValueError, match="rows must be an integer >= 0"):
+            generate_criteo(tmp_path / "x.tsv", rows)
+    assert not list(tmp_path.iterdir())

@@ -37,3 +37,14 @@ def test_the_file_the_refit_kept_is_the_one_the_publish_completes(tmp_path):
     with trials_kept(str(tmp_path / "m"), result(), {"budget_seconds": 10}) as path:
         pass
     assert list((tmp_path / "m" / "tune").glob("*.json")) == [tmp_path / "m" / "tune" / path.rsplit("/", 1)[1]]
+
+
+def test_a_train_epochs_tune_does_not_use_is_said(caplog):
+    """`tune --set train.epochs=3` ran with no word that every trial stops on validation instead."""
+    from mariana.trainer.config import load_config
+    from mariana.trainer.tune import check_search
+
+    check_search(load_config(env={}), 10.0)
+    assert "is not used" not in caplog.text  # the default, untouched
+    check_search(load_config(overrides={"train.epochs": 3}, env={}), 10.0)
+    assert "tune: train.epochs = 3 is not used: every trial stops on its validation logloss" in caplog.text

@@ -81,8 +81,10 @@ def test_killed_services_and_redis_come_back_and_the_cluster_trains(tmp_path):
         assert all(r["last_exit"]["ran_seconds"] >= 0 for r in recs.values())
         st = launcher.status(str(c.root))
         assert st["supervisor"]["running"] and st["processes"]["worker-0"]["restarts"] == 1
+        # each registered again (restarts 1): "alive" alone may be the killed one's last heartbeat, still recent
         services = c.wait_for(lambda: (lambda s: s if s["worker-0"]["alive"] and s["ps-0"]["alive"] and
-                                       s["worker-0"]["restarts"] == 1 else None)(c.status()["services"]), 60.0)
+                                       s["worker-0"]["restarts"] == 1 and s["ps-0"]["restarts"] == 1 else None)(
+            c.status()["services"]), 60.0)
         assert services["ps-0"]["restarts"] == 1
         job = c.submit([data], tmp_path / "m", config={"hashing": {"bits": 16}, "train": {"epochs": 2}})
         summary = c.wait(job, timeout=180)

@@ -314,9 +314,11 @@ def test_systemd_configs_redis_and_prometheus_agree_on_ports():
     (("--mariana", "/opt/my mariana/bin/mariana"), "a path with whitespace splits ExecStart="),
     (("--redis-server", "bin/redis-server"), "--redis-server 'bin/redis-server': give an absolute path"),
     (("--prefix", ""), "--prefix is empty"),
-    (("--mariana", "/nope/mariana"), "--mariana /nope/mariana: does not exist (an executable file) on this host: "
-                                     "every unit that runs it would fail to start"),  # at /: this host's layout
-    (("--mariana", "/usr/bin"), "--mariana /usr/bin: is not a file (an executable file) on this host"),
+    # at /: this host's layout (a redis-server the sandbox lets run: a checkout's own may sit under /tmp)
+    (("--mariana", "/nope/mariana", "--redis-server", "/bin/sh"),
+     "--mariana /nope/mariana: does not exist (an executable file) on this host: every unit that runs it would fail"),
+    (("--mariana", "/usr/bin", "--redis-server", "/bin/sh"),
+     "--mariana /usr/bin: is not a file (an executable file) on this host"),
 ])
 def test_programs_the_units_cannot_run_are_refused(args, says):
     """systemd-analyze verify calls these units fatal: refused before anything is written."""

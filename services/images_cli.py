@@ -28,8 +28,11 @@ def cmd_gen_images(args: argparse.Namespace) -> int:
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise MarianaError(f"{args.out}: exists and is not a directory; --out names the directory to write")
+    if args.quality is not None and args.format != "jpeg":  # it was taken and ignored
+        raise MarianaError(f"--quality is for --format jpeg, not {args.format}")
     try:
-        result = generate_images(args.out, args.rows, args.seed, args.size, args.format, args.quality)
+        result = generate_images(args.out, args.rows, args.seed, args.size, args.format,
+                                 90 if args.quality is None else args.quality)
     except ValueError as e:
         raise MarianaError(str(e)) from None
     print(json.dumps(result))
@@ -221,7 +224,7 @@ def add_gen_ads(gsub) -> None:
     gi.add_argument("--size", type=int, default=64, help="side in pixels (default 64: the wide CNN's input)")
     gi.add_argument("--format", choices=("idx", "png", "jpeg"), default="idx", help="idx: MNIST-named IDX files; "
                     "png / jpeg: an image folder, OUT/<k>-<class>/<index>.png|.jpg (what `train image` decodes)")
-    gi.add_argument("--quality", type=int, default=90, help="--format jpeg: the JPEG quality (1-95)")
+    gi.add_argument("--quality", type=int, help="--format jpeg: the JPEG quality (1-95, default 90)")
     gi.add_argument("--out", required=True, help="directory: t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz "
                                                  "(or the image folder)")
     gi.set_defaults(func=cmd_gen_images)

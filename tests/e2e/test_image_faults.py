@@ -56,6 +56,8 @@ def _cases(s: dict[str, Path]) -> list[tuple[list, list[str]]]:
     return [
         (["gen", "images", "--rows", "10", "--size", "100000", "--out", t / "big"],  # "out of memory: lower
          ["--size in 8..4096, got 10, 100000"]),                                    # hashing.bits"
+        (["gen", "images", "--rows", "10", "--quality", "50", "--out", t / "q"], ["--quality is for --format jpeg, "
+                                                                               "not idx"]),  # taken, then ignored
         (["gen", "images", "--rows", "1000000", "--size", "4096", "--out", t / "big"],
          ["1,000,000 images of 4096x4096 are 15625.0 GiB, more than the 8 GiB gen images holds at once"]),
         ([*train, "--data", s["shapes"], "--out", s["afile"] / "x"],  # trained, then "afile: file exists"

@@ -235,8 +235,9 @@ def _read(stream: BinaryIO, size: int, name: str, line_no: int) -> bytes:
     try:
         return stream.read(size)
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-        raise DataFormatError(f"{name}: cannot read past line {line_no} (the {size:,} bytes read from there on hold "
-                              f"the fault, not line {line_no} itself): {e}; is the file truncated or corrupt?") from None
+        raise DataFormatError(f"{name}: cannot read past line {line_no} (the {size:,} bytes read from there on "
+                              f"hold the fault, not line {line_no} itself): {e}; is the file truncated or corrupt?") \
+            from None
 
 
 def _skip_line(stream: BinaryIO, block_bytes: int, seen: int, name: str, line_no: int) -> tuple[int, bytes]:

@@ -28,8 +28,9 @@ respond = functools.partial(web.json_response, dumps=dumps)  # NaN (a diverged j
 
 
 JOB_COUNTERS = {"batches_reissued": "Batches of the running job leased again after a lease ran out.",
-                "cache_hits": "Steps of the running job's epochs after the first whose batch came from the Redis sample "
-                              "cache without a refill from the source (epoch 1 reads every batch as it is cached).",
+                "cache_hits": "Steps of the running job's epochs after the first whose batch came from the Redis "
+                              "sample cache without a refill from the source (epoch 1 reads every batch as it is "
+                              "cached).",
                 "cache_misses": "Batches of the running job a worker found missing from the sample cache.",
                 "batches_replayed": "Steps of the running job trained again for a shard restored from an "
                                     "older checkpoint."}

@@ -13,8 +13,9 @@ class MendedLoop(asyncio.SelectorEventLoop):
     each failure scheduling one more retry. The retries pile up: a worker held at 64 descriptors
     went from 1,000 to 12,000 failed accepts a second, and from 17% to 83% of a core, in 12 s;
     and each retry still pending when the server stops logs a traceback. Here a pass ends at
-    its first such failure, as upstream's fix makes it; the backlog stays 1024 for bursts. Every HTTP server here runs on it: the model
-    server's workers, and the coordinator's API and the services' metrics ports (lifecycle)."""
+    its first such failure, as upstream's fix makes it; the backlog stays 1024 for bursts.
+    Every HTTP server here runs on it: the model server's workers, and the coordinator's API
+    and the services' metrics ports (lifecycle)."""
 
     def _accept_connection(self, protocol_factory, sock, *args, **kwargs):
         super()._accept_connection(protocol_factory, _OnePass(sock), *args, **kwargs)

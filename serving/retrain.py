@@ -398,41 +398,37 @@ def gate(new: dict, served: dict | None, tolerance: float, metrics: tuple[str, .
     >>> gate({"auc": 0.72, "logloss": 0.718}, {"auc": 0.71, "logloss": 0.483}, 0.0, ("auc", "logloss"))
     ('refused', 'logloss 0.718000 > served 0.483000 x (1 + tolerance 0)')
     """
-    checks = [_auc_check(new, served, tolerance)] if "auc" in metrics else []
-    if "logloss" in metrics:
-        checks.append(_logloss_check(new, served, logloss_tolerance))
+    tolerances = {"auc": tolerance, "logloss": logloss_tolerance}
+    checks = [_check(m, new, served, tolerances[m]) for m in GATE_CHECKS if m in metrics]
     refused = [why for verdict, why in checks if verdict == "refused"]
     if refused:
         return "refused", "; ".join(refused)
     return "promoted", "; ".join(why for _, why in checks)
 
 
-def _auc_check(new: dict, served: dict | None, tolerance: float) -> tuple[str, str]:
-    auc = new.get("auc")
-    if auc is None or not math.isfinite(auc):
-        return "refused", "the new model's AUC on the eval window is undefined (the window holds one class only)"
-    if served is None:
-        return "promoted", f"nothing was served; AUC {auc:.6f}"
-    base = served.get("auc")
-    if base is None or not math.isfinite(base):
-        return "promoted", f"the served model's AUC on the eval window is undefined; new AUC {auc:.6f}"
-    if auc >= base - tolerance:
-        return "promoted", f"AUC {auc:.6f} >= served {base:.6f} - tolerance {tolerance:g}"
-    return "refused", f"AUC {auc:.6f} < served {base:.6f} - tolerance {tolerance:g}"
+# metric -> (its name in a reason, why it may be undefined, whether a candidate passes (new, served,
+# tolerance), the rule as said when it passes, and when it does not)
+GATE_CHECKS = {
+    "auc": ("AUC", " (the window holds one class only)", lambda v, b, t: v >= b - t,
+            "{v} >= served {b} - tolerance {t}", "{v} < served {b} - tolerance {t}"),
+    "logloss": ("logloss", "", lambda v, b, t: v <= b * (1 + t),
+                "{v} <= served {b} x (1 + tolerance {t})", "{v} > served {b} x (1 + tolerance {t})"),
+}
 
 
-def _logloss_check(new: dict, served: dict | None, tolerance: float) -> tuple[str, str]:
-    loss = new.get("logloss")
-    if loss is None or not math.isfinite(loss):
-        return "refused", "the new model's logloss on the eval window is undefined"
+def _check(metric: str, new: dict, served: dict | None, tolerance: float) -> tuple[str, str]:
+    name, undefined, passes, said_ok, said_no = GATE_CHECKS[metric]
+    value = new.get(metric)
+    if value is None or not math.isfinite(value):
+        return "refused", f"the new model's {name} on the eval window is undefined{undefined}"
     if served is None:
-        return "promoted", f"nothing was served; logloss {loss:.6f}"
-    base = served.get("logloss")
+        return "promoted", f"nothing was served; {name} {value:.6f}"
+    base = served.get(metric)
     if base is None or not math.isfinite(base):
-        return "promoted", f"the served model's logloss on the eval window is undefined; new logloss {loss:.6f}"
-    if loss <= base * (1 + tolerance):
-        return "promoted", f"logloss {loss:.6f} <= served {base:.6f} x (1 + tolerance {tolerance:g})"
-    return "refused", f"logloss {loss:.6f} > served {base:.6f} x (1 + tolerance {tolerance:g})"
+        return "promoted", f"the served model's {name} on the eval window is undefined; new {name} {value:.6f}"
+    ok = passes(value, base, tolerance)
+    said = (said_ok if ok else said_no).format(v=f"{value:.6f}", b=f"{base:.6f}", t=f"{tolerance:g}")
+    return ("promoted" if ok else "refused"), f"{name} {said}"
 
 
 def windows(cfg: ServeConfig) -> tuple[list[str], list[str]]:

@@ -30,7 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from mariana.serving import codec
-from mariana.serving.config import ServeConfig
+from mariana.serving.config import ServeConfig, ready_path
 from mariana.serving.dataplane import Batcher, ModelHolder, error_answer
 from mariana.serving.errors import ServeError
 from mariana.serving.openapi import document, speech_document
@@ -163,7 +163,7 @@ async def readyz(request: web.Request) -> web.Response:
     processes listen yet (a load balancer needs one; a benchmark wants them all)."""
     st = request.app[SETTINGS]
     run_dir, n = st["run_dir"], st["cfg"].serve.worker_count
-    listening = len(glob.glob(os.path.join(run_dir, "worker-*.ready"))) if run_dir else 1
+    listening = len(glob.glob(ready_path(run_dir, "*"))) if run_dir else 1
     workers = {"listening": listening, "of": n}
     version = request.app[HOLDER].version
     if version is None:
@@ -190,7 +190,8 @@ async def metrics(request: web.Request) -> web.Response:
                         state = json.load(f)
                 except (OSError, ValueError):
                     continue  # being replaced right now: it is in the next scrape
-                if not os.path.exists(path.replace("metrics-", "worker-").replace(".json", ".ready")):
+                worker = os.path.basename(path)[len("metrics-"):-len(".json")]
+                if not os.path.exists(ready_path(st["run_dir"], worker)):
                     state = {k: v for k, v in state.items() if m.definitions.get(k, {}).get("type") != "gauge"}
                 states.append(state)
     return web.Response(text=render(m.definitions, merge(states)), content_type="text/plain", charset="utf-8",

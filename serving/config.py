@@ -122,6 +122,12 @@ class RetrainSection:
 GATE_METRICS = ("auc", "logloss")  # what retrain.gate may hold
 
 
+def ready_path(run_dir: str, index: int | str) -> str:
+    """<run>/worker-<index>.ready: there while worker `index` listens (/readyz counts them; the
+    supervisor removes a dead worker's, and /metrics then leaves out its gauges)."""
+    return os.path.join(run_dir, f"worker-{index}.ready")
+
+
 def check_retrain_files(cfg: "ServeConfig") -> None:
     """ConfigError unless the files the [retrain] section names exist: checked when a server
     starts, not when its first retrain (the nightly timer's) fails on a typo."""

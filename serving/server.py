@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from mariana.serving.config import ServeConfig
+from mariana.serving.config import ServeConfig, ready_path
 from mariana.services.runtime import sdnotify
 from mariana.services.runtime.accept_loop import MendedLoop
 from mariana.services.runtime.config import to_toml
@@ -89,7 +89,7 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
         log.info("serve-%d: listening on http://%s:%d (pid %d, model dir %s)", index, s.host, port, os.getpid(),
                  s.model_dir)
         if run_dir:
-            open(os.path.join(run_dir, f"worker-{index}.ready"), "w").close()
+            open(ready_path(run_dir, index), "w").close()
         # A lone worker is systemd's main process (a supervised one has no NOTIFY_SOCKET: no-ops).
         sdnotify.notify("READY=1", f"STATUS=serving on {s.host}:{port}")
         period = sdnotify.watchdog_period()
@@ -237,7 +237,7 @@ class _Supervisor:
         delay = RESTART_DELAYS[min(self.quick_deaths[i], len(RESTART_DELAYS) - 1)]
         log.warning("serve: worker %d exited with code %s; starting it again in %.1fs", i, code, delay)
         with contextlib.suppress(FileNotFoundError):  # /readyz and /metrics: not listening, serving nothing
-            os.remove(os.path.join(self.run_dir, f"worker-{i}.ready"))
+            os.remove(ready_path(self.run_dir, i))
         time.sleep(delay)
         self._start(i)
         return True
@@ -248,7 +248,7 @@ class _Supervisor:
         s = self.cfg.serve
         deadline = time.monotonic() + READY_SECONDS
         while not self.stopping:
-            if all(os.path.exists(os.path.join(self.run_dir, f"worker-{i}.ready")) for i in range(self.n)):
+            if all(os.path.exists(ready_path(self.run_dir, i)) for i in range(self.n)):
                 return True
             dead = [(i, c.returncode) for i, c in self.children.items() if c.poll() is not None]
             if self.stopping:  # a Ctrl-C reaches the workers too: they may have died of it first

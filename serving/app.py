@@ -416,11 +416,12 @@ def _snapshot_failed(app: web.Application, tmp: str, e: OSError) -> None:
 
 async def _reap_retrains(app: web.Application) -> None:
     """A retrain this worker started is reaped (no zombie), logged and counted within a second
-    of its end, whether or not anyone asks for its status."""
+    of its end, whether or not anyone asks for its status. On a thread: a retrain that died
+    has its cluster job cancelled over HTTP (up to 30 s), which must not hold the predictions."""
     while True:
         await asyncio.sleep(RETRAIN_REAP_SECONDS)
         try:
-            app[RETRAIN].reap()
+            await asyncio.to_thread(app[RETRAIN].reap)
         except Exception:  # a status file that cannot be read, say: the next look tries again
             log.exception("%s: cannot look at the retrains this worker started", app[SETTINGS]["name"])
 

@@ -602,7 +602,6 @@ class RetrainRunner:
         if not self.config_path or not (r.data or r.train_data):
             raise ServeError(403, "retrain is not configured on this server: start it with --config FILE "
                              "holding a [retrain] section (data, or train_data and eval_data)")
-        self.reap()
         try:  # taken here, before the child starts, and handed to it: two quick POSTs, from one
             lock = take_lock(model_dir)  # worker or two, cannot both be told 202
         except RetrainBusy as e:
@@ -660,7 +659,7 @@ class RetrainRunner:
             f.write(to_toml(cfg))
 
     def status(self, run: str) -> dict:
-        self.reap()
+        """(Not reaped here: `reap` may cancel a cluster job over HTTP, off the event loop.)"""
         return self._read(run)
 
     def _read(self, run: str) -> dict:

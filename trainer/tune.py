@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Protocol
 from mariana.sparse.errors import MarianaError
 from mariana.trainer.bundle import ModelBundle
 from mariana.sparse.settings import from_dict
-from mariana.trainer.config import JobConfig
+from mariana.trainer.config import AUTO, JobConfig
 from mariana.trainer.data import RowRange
 from mariana.trainer.strategies.local import Validation, train_local
 
@@ -177,13 +177,18 @@ def default_params(base: JobConfig, kind: str) -> dict:
     return p
 
 
+def trial_max_epochs(base: JobConfig) -> int:
+    """The epochs a trial may run at most (early stopping ends most far sooner)."""
+    return max(base.train.max_epochs, TRIAL_MAX_EPOCHS)
+
+
 def apply_params(base: JobConfig, params: dict) -> JobConfig:
     """A copy of `base` with the dotted keys of `params` set (checked like any config)."""
     tree = copy.deepcopy(base.to_dict())
     for dotted, value in params.items():
         section, key = dotted.split(".", 1)
         tree[section][key] = value
-    tree["train"].update(epochs="auto", max_epochs=max(tree["train"]["max_epochs"], TRIAL_MAX_EPOCHS))
+    tree["train"].update(epochs=AUTO, max_epochs=trial_max_epochs(base))
     return from_dict(JobConfig, tree)
 
 
@@ -233,9 +238,9 @@ def check_search(config: JobConfig, budget: float) -> None:
     if not 0 < budget < math.inf:
         raise MarianaError(f"tune: --budget must be a finite number of seconds > 0, got {budget} "
                            "(--trials N bounds the search by count)")
-    if config.train.epochs not in (1, "auto"):  # 1: the default, untouched; anything else was meant, and is dropped
+    if config.train.epochs not in (1, AUTO):  # 1: the default, untouched; anything else was meant, and is dropped
         log.warning("tune: train.epochs = %r is not used: every trial stops on its validation logloss (epochs = "
-                    "\"auto\"), up to train.max_epochs (%d)", config.train.epochs, config.train.max_epochs)
+                    "\"auto\"), after %d epochs at most", config.train.epochs, trial_max_epochs(config))
 
 
 def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", max_trials: int | None = None,

@@ -22,7 +22,6 @@ to bottom:
 """
 from __future__ import annotations
 
-import datetime
 import gc
 import logging
 import queue
@@ -52,7 +51,6 @@ from mariana.trainer.strategies.model_parallel import (Layout, Partition, Pipeli
 
 log = logging.getLogger(__name__)
 
-MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()  # what the process group's timedelta holds
 STATS_IMAGES = 2000  # images read from files: the pixel statistics' sample (stats_sample)
 PRESETS = {"small": ImageCNNConfig(), "mnist": ImageCNNConfig(channels=(32, 64), embed_dim=128),
            "wide": ImageCNNConfig.wide()}
@@ -112,11 +110,7 @@ class ImageConfig:
             raise ConfigError(f"--shift {self.shift}: at most {self.cnn.size - 1} for the {self.cnn.size}x"
                               f"{self.cnn.size} images of preset {self.preset!r} (a shift of {self.cnn.size} px or "
                               "more trains on blank images; the default is 3)")
-        if self.threads < 0:  # torch.set_num_threads would refuse it on every rank, in a traceback
-            raise ConfigError(f"--threads {self.threads}: must be >= 0 (0: the cores shared out among the ranks)")
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # 0 fails in gloo's start-up; nan, inf, 1e300 in timedelta
-            raise ConfigError(f"--timeout {self.timeout_s:g}: must be a number of seconds > 0 (what any collective "
-                              "may wait for a lost rank; default 120)")
+        dp.check_rank_flags(self.threads, self.timeout_s)
 
     @property
     def cnn(self) -> ImageCNNConfig:

@@ -66,6 +66,9 @@ class SpeechConfig:
             raise ConfigError(f"speech: --threads must be >= 0 (0: the cores / the ranks), got {self.threads}")
         if not self.timeout_s > 0:  # (nan too)
             raise ConfigError(f"speech: --timeout must be > 0 seconds, got {self.timeout_s:g}")
+        if self.timeout_s > dp.MAX_TIMEOUT_S:  # inf or 1e300 failed in the process group's timedelta on every rank
+            raise ConfigError(f"speech: --timeout {self.timeout_s:g}: more seconds than a timeout can hold "
+                              f"({dp.MAX_TIMEOUT_S:.3g} at most)")
         self.exchange = str(dp.parse_exchange(self.exchange))
         self.dense()  # checks the optimizer, lr and device
 

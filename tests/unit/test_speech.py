@@ -265,3 +265,14 @@ print(before, raises(torch.device("cpu")), raises("cpu"), torch.cuda.is_availabl
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] != "None" and out[1:] == ["None", "None", "True"], out
+
+
+def test_a_speech_timeout_past_what_a_timedelta_holds_is_refused():
+    """--timeout inf or 1e300 passed the check and failed in datetime.timedelta on every rank
+    (image mode refused them already; both now use data_parallel.MAX_TIMEOUT_S)."""
+    from mariana.sparse.errors import ConfigError
+    from mariana.trainer.speech import SpeechConfig
+
+    for t in (float("inf"), 1e300):
+        with pytest.raises(ConfigError, match="more seconds than a timeout can hold"):
+            SpeechConfig(timeout_s=t)

@@ -138,6 +138,20 @@ def place_rank(device: torch.device, threads: int, ctx: DistContext) -> tuple[to
     return device, threads
 
 
+MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()  # what the process group's timedelta holds
+
+
+def check_rank_flags(threads: int, timeout_s: float) -> None:
+    """ConfigError unless --threads and --timeout (`services.ranks.add_rank_flags`, every
+    multi-rank mode's) can be used: a negative thread count failed in torch on every rank, a
+    timeout of 0 in gloo's start-up, nan, inf or 1e300 in the process group's timedelta."""
+    if threads < 0:
+        raise ConfigError(f"--threads {threads}: must be >= 0 (0: the cores shared out among the ranks)")
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ConfigError(f"--timeout {timeout_s:g}: must be a number of seconds > 0 (what any collective "
+                          "may wait for a lost rank; default 120)")
+
+
 def init_distributed(ctx: DistContext, backend: str, init_method: str | None = None,
                      timeout_s: float = 60.0) -> None:
     """Join the process group. Every collective after this times out after `timeout_s`, so a

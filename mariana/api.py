@@ -171,7 +171,7 @@ def train(data: Data, model: str | None = None, config: JobConfig | PathLike | M
     temporary = out is None
     out_dir = tempfile.mkdtemp(prefix="mariana-model-") if temporary else _path("out", out)
     record = run_local_job(cfg, train_paths, test_paths, out_dir, valid_paths=valid_paths,
-                           init_from=None if init_from is None else os.fspath(init_from))
+                           init_from=None if init_from is None else _path("init_from", init_from))
     return Result.of(record, temporary)
 
 

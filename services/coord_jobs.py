@@ -338,7 +338,9 @@ def sample_rss(coord, run: JobRun) -> None:
     """The job's peak_rss_mb: the largest resident set of one process of the cluster while
     it ran, the coordinator's now and each service's last heartbeat (not the coordinator's
     own lifetime peak, VmHWM, which a job before this one may have set)."""
-    beats = [s.status.get("resident_memory_bytes") for s in coord.services.values() if s.role != "coordinator"]
+    within = coord.cfg.coordinator.heartbeat_seconds  # a service gone since: its last number is not of this job
+    beats = [s.status.get("resident_memory_bytes") for s in coord.services.values()
+             if s.role != "coordinator" and s.alive(within)]
     now = [memwatch.rss_bytes()] + [v for v in beats if isinstance(v, (int, float))]
     run.peak_rss_mb = max(run.peak_rss_mb, max(now) / (1 << 20))
 

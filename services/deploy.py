@@ -131,7 +131,9 @@ def plan_install(prefix: str, mariana: str | None = None, redis_server: str | No
     for src, name in CONFIGS.items():
         text = (plan.source / src).read_text()
         if name == "cluster.toml":  # a new cluster config gets its own admin token (any local user could submit)
-            text = re.sub(r'^token = ""', f'token = "{secrets.token_urlsafe(24)}"', text, count=1, flags=re.M)
+            text, n = re.subn(r'^token = ""', f'token = "{secrets.token_urlsafe(24)}"', text, count=1, flags=re.M)
+            if n != 1:  # the template changed: no config goes out without its token
+                raise MarianaError(f"{plan.source / src}: no 'token = \"\"' line to put the admin token in")
         _add(plan, etc / name, text, replace=False)
     plan.commands = _commands(plan, etc / "cluster.toml")
     _check_writable(plan)

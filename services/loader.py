@@ -28,7 +28,7 @@ from mariana.services.runtime import failpoints
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, cancel_and_wait, run_service
 from mariana.services.sample_cache import SampleCache
-from mariana.services.transport import PeerTimeout, RemoteError, make_socket
+from mariana.services.transport import PeerTimeout, RemoteError, make_socket, timeout_log
 from mariana.sparse.errors import DataFormatError, MarianaError
 from mariana.sparse.parse import iter_spans, open_binary, read_span, span_end, span_head
 
@@ -200,7 +200,7 @@ class Loader(Service):
             except PeerTimeout as e:
                 if self.coordinator.closed:  # stopped: the coordinator learns it again from the next loader
                     raise asyncio.CancelledError(f"{type_} not sent: {self.name} is stopping") from None
-                log.warning("%s: %s not acknowledged (%s); again", self.name, type_, e)
+                timeout_log(log, e)("%s: %s not acknowledged (%s); again", self.name, type_, e)
             except RemoteError as e:
                 log.warning("%s: coordinator refused %s: %s", self.name, type_, e)
                 return False

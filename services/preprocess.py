@@ -34,7 +34,7 @@ from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
 from mariana.services.sample_cache import CacheUnavailable, SampleCache, pack_batch
-from mariana.services.transport import PeerTimeout, RemoteError, make_socket
+from mariana.services.transport import PeerTimeout, RemoteError, make_socket, timeout_log
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.parse import BlockParser, BlockTask, Chunk, ParseStats, preload
@@ -198,7 +198,7 @@ class Preprocess(Service):
             except PeerTimeout as e:
                 if self.stopping.is_set() and self.coordinator.closed:
                     return  # shut down: the coordinator reads the chunk again on its timeout
-                log.warning("%s: Cached %s not acknowledged (%s); again", self.name, chunk, e)
+                timeout_log(log, e)("%s: Cached %s not acknowledged (%s); again", self.name, chunk, e)
             except RemoteError as e:
                 log.warning("%s: coordinator refused Cached %s: %s", self.name, chunk, e)
                 return

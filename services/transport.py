@@ -43,6 +43,12 @@ class PeerRestarted(PeerTimeout):
     line saying so is the caller's who saw the restart, not one per request."""
 
 
+def timeout_log(logger: logging.Logger, e: PeerTimeout):
+    """How `logger` says a request that `e` ended: at DEBUG when its peer restarted (the caller
+    that saw the restart said so, once), else as a warning."""
+    return logger.debug if isinstance(e, PeerRestarted) else logger.warning
+
+
 class RemoteError(MarianaError):
     """A peer answered with an `Error` message."""
 

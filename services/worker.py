@@ -43,7 +43,7 @@ from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
 from mariana.services.sample_cache import CacheRefused, SampleCache, unpack_batch
-from mariana.services.transport import Client, PeerRestarted, PeerTimeout, RemoteError
+from mariana.services.transport import Client, PeerTimeout, RemoteError, timeout_log
 from mariana.sparse.host import available_cpus
 from mariana.sparse import admission
 from mariana.sparse.batch import SparseBatch
@@ -287,9 +287,7 @@ class Feed:
             await self.svc.coordinator.call("Done", worker=self.svc.name, reports=reports, released=released)
         except PeerTimeout as e:  # the next Lease carries them (a duplicate report is ignored)
             self.reports[:0] = reports
-            # a restart was said once ("N requests in flight are sent again"), not once per Done in flight
-            say = log.debug if isinstance(e, PeerRestarted) else log.warning
-            say("%s: %d reports not delivered: %s", self.svc.name, len(reports), e)
+            timeout_log(log, e)("%s: %d reports not delivered: %s", self.svc.name, len(reports), e)
         except RemoteError as e:  # the leases lapse; the re-issued steps are no-ops on the shards
             log.warning("%s: %d reports refused: %s", self.svc.name, len(reports), e)
 

@@ -133,6 +133,7 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
                                   "not gated and not served"}
             _record(model_dir, decision)
             status.update(decision=decision)
+            tidy(cfg, status.path)  # as after every decision
             raise
     else:
         record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)

@@ -262,13 +262,18 @@ def overlong_marker(length: int) -> bytes:
     return OVERLONG_LINE + b"%d\n" % length
 
 
+def is_overlong(block) -> bool:
+    """Whether a span is `overlong_marker`'s (it stands for a line too long to hold)."""
+    return bytes(block[:len(OVERLONG_LINE)]) == OVERLONG_LINE
+
+
 def span_end(offset: int, block: bytes) -> int:
     """The offset of the bytes after a span of `iter_spans`: where a reader resumes.
 
     >>> span_end(10, b"a\\nb\\n"), span_end(10, overlong_marker(20 << 20))
     (14, 20971530)
     """
-    if bytes(block[:len(OVERLONG_LINE)]) == OVERLONG_LINE:
+    if is_overlong(block):
         return offset + int(bytes(block[len(OVERLONG_LINE):-1]))
     return offset + len(block)
 
@@ -354,7 +359,7 @@ class BlockParser:
         """
         if num_lines is None:
             num_lines = bytes(block).count(b"\n")
-        if bytes(block[:len(OVERLONG_LINE)]) == OVERLONG_LINE:  # what iter_spans yields for a line too long
+        if is_overlong(block):  # what iter_spans yields for a line too long
             return self._parse_checked(bytes(block), first_line, stats, skip_rows)
         chunk = self._parse_fast(block, first_line, skip_rows, num_lines)
         if chunk is not None:

@@ -45,8 +45,6 @@ def check_out_dir(path: str) -> None:
     check_can_create_in(path, "the model directory (--out)")
 
 
-
-
 def _check_model_dir(path: str) -> None:
     """An existing --out is a model directory, or holds nothing a version would land among:
     versions written into a directory of data files would be read as data by the next

@@ -34,7 +34,6 @@ from mariana.sparse.errors import ConfigError, MarianaError
 from mariana.trainer.checkpoint import save_version
 from mariana.trainer.config import DenseConfig
 from mariana.trainer.dense import make_optimizer, resolve_backend, resolve_device
-from mariana.trainer.job import check_out_dir
 from mariana.trainer.models.speech_dnn import SpeechDNN, SpeechDNNConfig, frozen_ops, utterance_scores
 from mariana.trainer.strategies import data_parallel as dp
 
@@ -94,8 +93,6 @@ def train_speech(cfg: SpeechConfig, data: str | os.PathLike | None, out: str | o
                  progress: Callable[[SpeechProgress], None] | None = None) -> dict:
     """Train as rank `ctx.rank` of `ctx.world_size` (joining the process group when there are
     several) and return the result record; rank 0 publishes a version to `out` (None: not)."""
-    if ctx.rank == 0 and out is not None:
-        check_out_dir(os.fspath(out))  # before the epochs, not after them
     device, threads = dp.place_rank(resolve_device(cfg.device), cfg.threads, ctx)
     dp.init_distributed(ctx, resolve_backend("auto", device), init_method, cfg.timeout_s)
     archive = fsdd_archive(data)

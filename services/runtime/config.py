@@ -289,7 +289,7 @@ def tables_to_toml(d: dict, prefix: str = "") -> str:
     for k, v in d.items():
         if isinstance(v, dict):
             out.append(tables_to_toml(v, f"{prefix}.{k}" if prefix else k))
-    return "\n".join(x for x in out if x is not None)
+    return "\n".join(out)
 
 
 def _toml_value(v: Any) -> str:

@@ -554,16 +554,23 @@ def test_a_cluster_jobs_peak_rss_is_of_its_own_run_not_the_coordinators_lifetime
     from mariana.services.coord_jobs import sample_rss
     from mariana.services.runtime.memwatch import rss_bytes
 
-    services = {"coordinator-0": SimpleNamespace(role="coordinator", status={"resident_memory_bytes": 9e15}),
-                "ps-0": SimpleNamespace(role="ps", status={"resident_memory_bytes": 123456 << 20}),
-                "worker-0": SimpleNamespace(role="worker", status={})}  # before its first heartbeat
+    import time
+
+    from mariana.services.coord_state import ServiceInfo
+
+    now = time.time()
+    services = {"coordinator-0": ServiceInfo("coordinator", 0, last_seen=now, status={"resident_memory_bytes": 9e15}),
+                "ps-0": ServiceInfo("ps", 0, last_seen=now, status={"resident_memory_bytes": 123456 << 20}),
+                "ps-1": ServiceInfo("ps", 1, last_seen=now - 600, status={"resident_memory_bytes": 9e15}),  # gone
+                "worker-0": ServiceInfo("worker", 0, last_seen=now, status={})}  # before its first heartbeat
+    coord = SimpleNamespace(services=services, cfg=SimpleNamespace(coordinator=SimpleNamespace(heartbeat_seconds=5)))
     run = SimpleNamespace(peak_rss_mb=0.0)
-    sample_rss(SimpleNamespace(services=services), run)
+    sample_rss(coord, run)
     assert run.peak_rss_mb == 123456.0
     services["ps-0"].status["resident_memory_bytes"] = 10 << 20  # a peak stays the peak
-    sample_rss(SimpleNamespace(services=services), run)
+    sample_rss(coord, run)
     assert run.peak_rss_mb == 123456.0
     del services["ps-0"]
     run.peak_rss_mb = 0.0
-    sample_rss(SimpleNamespace(services=services), run)
+    sample_rss(coord, run)
     assert 0 < run.peak_rss_mb <= rss_bytes() / (1 << 20) * 1.5  # the coordinator's own, measured now

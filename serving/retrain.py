@@ -103,12 +103,8 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     same = (nothing_new(model_dir, served, train, config) or refused_before(model_dir, served, train, evals, config)
             if served and r.skip_unchanged else None)
     if same:
-        decision = {"time": None, "verdict": "skipped", "reason": same, "new_version": None, "served_version": served,
-                    "train_data": train, "eval_data": evals}
-        _record(model_dir, decision)
-        log.info("retrain %s: skipped (%s)", model_dir, same)
-        tidy(cfg, status.path)
-        return decision
+        return _finish(cfg, status, {"time": None, "verdict": "skipped", "reason": same, "new_version": None,
+                                     "served_version": served, "train_data": train, "eval_data": evals})
     schema = config.data.resolve_schema()
     Reader(evals, schema).probe()  # before hours of training: a file of another format fails now
     check_has_rows(evals, schema, "eval window")
@@ -127,13 +123,10 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
                                      promote=False, init_from=warm, on_submit=lambda job: status.update(job=job))
         except Unreachable as e:  # the job goes on without this retrain: what it writes is never gated
             job = status.data.get("job") or "its job"
-            decision = {"time": None, "verdict": "failed", "new_version": None, "served_version": served,
-                        "job": status.data.get("job"), "train_data": train, "eval_data": evals,
-                        "reason": f"the retrain lost its cluster ({e}); the version {job} writes, if it does, is "
-                                  "not gated and not served"}
-            _record(model_dir, decision)
-            status.update(decision=decision)
-            tidy(cfg, status.path)  # as after every decision
+            _finish(cfg, status, {"time": None, "verdict": "failed", "new_version": None, "served_version": served,
+                                  "job": status.data.get("job"), "train_data": train, "eval_data": evals,
+                                  "reason": f"the retrain lost its cluster ({e}); the version {job} writes, if it "
+                                            "does, is not gated and not served"})
             raise
     else:
         record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
@@ -150,19 +143,26 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         decision.update(_judge(model_dir, new, served, evals, r))
     except (Exception, KeyboardInterrupt) as e:  # the candidate is saved: decisions.jsonl says why it stays
         decision.update(verdict="failed", reason=f"the candidate could not be gated: {_why(e)}")
-        _record(model_dir, decision)
-        status.update(decision=decision)
-        tidy(cfg, status.path)
-        log.error("retrain %s: failed %s (%s)", model_dir, new, decision["reason"])
+        _finish(cfg, status, decision)
         if isinstance(e, MarianaError):
             raise MarianaError(f"retrain {model_dir}: {new} was trained but could not be gated: {e}; recorded "
                                f"as failed in {DECISIONS}, CURRENT still names {served or 'nothing'}") from None
         raise
+    return _finish(cfg, status, decision)
+
+
+def _finish(cfg: ServeConfig, status: "_Status", decision: dict) -> dict:
+    """How every retrain that reached a decision ends: the decision recorded in
+    decisions.jsonl and the status file, logged, a promotion announced on Redis (after it
+    is recorded: a server that hears of it can read why), then the model dir tidied."""
+    model_dir = cfg.serve.model_dir
     _record(model_dir, decision)
-    log.info("retrain %s: %s %s (%s)", model_dir, decision["verdict"], new, decision["reason"])
-    if decision["verdict"] == "promoted":
-        if cfg.serve.redis_url:
-            model_events.publish(cfg.serve.redis_url, "promoted", model_dir, new, new, cfg.serve.channel)
+    status.update(decision=decision)
+    verdict, new = decision["verdict"], decision["new_version"]
+    log.log(logging.ERROR if verdict == "failed" else logging.INFO, "retrain %s: %s%s (%s)", model_dir, verdict,
+            f" {new}" if new else "", decision["reason"])
+    if verdict == "promoted" and cfg.serve.redis_url:
+        model_events.publish(cfg.serve.redis_url, "promoted", model_dir, new, new, cfg.serve.channel)
     tidy(cfg, status.path)
     return decision
 
@@ -298,17 +298,8 @@ def nothing_new(model_dir: str, served: str, train: list[str], config: JobConfig
     copy of the served model each time (or, warm-started, train on the same rows again), and
     `keep_versions` would prune the versions a rollback needs to make room for the copies."""
     manifest = checkpoint.read_manifest(model_dir, served)
-    trained = (manifest.get("train") or {}).get("data")
-    if not isinstance(trained, list) or [os.path.realpath(p) for p in trained if isinstance(p, str)] != \
-            [os.path.realpath(p) for p in train]:
-        return None
-    try:
-        if from_dict(JobConfig, manifest.get("config") or {}) != config:
-            return None
-    except (MarianaError, TypeError, ValueError):  # a recipe this version cannot read back: not the same one
-        return None
-    written = os.stat(os.path.join(model_dir, served, checkpoint.MANIFEST)).st_mtime
-    if any(os.stat(p).st_mtime >= written for p in train):
+    if not _same_files((manifest.get("train") or {}).get("data"), train) \
+            or not _made_by(model_dir, served, config, train):
         return None
     return (f"{served}, in service, was trained on these {len(train)} file(s) with this recipe, and none has "
             "changed since: nothing new to learn (retrain.skip_unchanged = false trains anyway)")
@@ -319,30 +310,36 @@ def refused_before(model_dir: str, served: str, train: list[str], evals: list[st
     windows with this recipe was refused against the version still in service, and no file
     of either window has been written since it was made. A timer with no new logs added a
     refused copy each time (which took the newest slots that `keep_versions` keeps)."""
-    def same(a, b) -> bool:
-        return isinstance(a, list) and [os.path.realpath(p) for p in a if isinstance(p, str)] == \
-            [os.path.realpath(p) for p in b]
-
     for d in reversed(checkpoint.decisions(model_dir)):
         if d.get("verdict") == "skipped" or d.get("served_version") != served \
-                or not same(d.get("train_data"), train) or not same(d.get("eval_data"), evals):
+                or not _same_files(d.get("train_data"), train) or not _same_files(d.get("eval_data"), evals):
             continue
-        if d.get("verdict") != "refused" or not isinstance(d.get("new_version"), str):
-            return None  # the newest decision on these windows against it is another one
-        candidate = d["new_version"]
-        try:
-            manifest = checkpoint.read_manifest(model_dir, candidate)
-            if from_dict(JobConfig, manifest.get("config") or {}) != config:
-                return None
-            made = os.stat(os.path.join(model_dir, candidate, checkpoint.MANIFEST)).st_mtime
-        except (MarianaError, OSError, TypeError, ValueError):  # pruned, or unreadable: not known to be the same
-            return None
-        if any(os.stat(p).st_mtime >= made for p in train + evals):
-            return None
+        candidate = d.get("new_version")
+        if d.get("verdict") != "refused" or not isinstance(candidate, str) \
+                or not _made_by(model_dir, candidate, config, train + evals):
+            return None  # the newest decision on these windows against it is another one, or its candidate differs
         return (f"{candidate} was trained on this window with this recipe and refused against {served}, still in "
                 f"service, and no file of either window has changed since: nothing new to decide "
                 "(retrain.skip_unchanged = false trains anyway)")
     return None
+
+
+def _same_files(recorded, paths: list[str]) -> bool:
+    """Whether `recorded` (read from a manifest or a decision: any JSON) lists `paths`, in order."""
+    return isinstance(recorded, list) and [os.path.realpath(p) for p in recorded if isinstance(p, str)] == \
+        [os.path.realpath(p) for p in paths]
+
+
+def _made_by(model_dir: str, version: str, config: JobConfig, paths: list[str]) -> bool:
+    """Whether `version` was made with the recipe `config`, after every file of `paths` was
+    last written. False when that cannot be told (pruned, unreadable, a recipe not read back)."""
+    try:
+        if from_dict(JobConfig, checkpoint.read_manifest(model_dir, version).get("config") or {}) != config:
+            return False
+        made = os.stat(os.path.join(model_dir, version, checkpoint.MANIFEST)).st_mtime
+        return all(os.stat(p).st_mtime < made for p in paths)
+    except (MarianaError, OSError, TypeError, ValueError):
+        return False
 
 
 def learned_from(model_dir: str, version: str, most: int = 1000) -> dict[str, str]:

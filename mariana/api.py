@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
-from mariana.sparse.errors import ConfigError, DataFormatError, MarianaError, ModelDirError
+from mariana.sparse.errors import ConfigError, DataFormatError, MarianaError
 from mariana.sparse.settings import from_dict
 from mariana.trainer.config import JobConfig
 from mariana.trainer.config import load_config as _load_job_config
@@ -247,9 +247,8 @@ def load(model_dir: PathLike, version: str | None = None) -> "Model":
     model_dir = _path("model_dir", model_dir)
     if version is None:
         version = checkpoint.current_version(model_dir)
-    elif version not in checkpoint.list_versions(model_dir):
-        have = ", ".join(checkpoint.list_versions(model_dir)) or "none"
-        raise ModelDirError(f"{model_dir}: no version {version!r} (versions: {have})")
+    else:
+        checkpoint.require_version(model_dir, version)
     return Model(ModelBundle.load(model_dir, version), model_dir, version)
 
 

@@ -406,6 +406,7 @@ def _model_and_data(args: argparse.Namespace):
     """(the version --model names: DIR's CURRENT, or DIR:vNNNNNN; the --data paths), checked
     before any work. A version CURRENT does not name (a refused retrain candidate) can be scored."""
     from mariana.sparse.parse import Reader
+    from mariana.trainer import checkpoint
     from mariana.trainer.bundle import ModelBundle, parse_init_from
     from mariana.trainer.job import check_inputs
 
@@ -414,10 +415,8 @@ def _model_and_data(args: argparse.Namespace):
         raise MarianaError("--data names no files")
     check_inputs(paths)
     model_dir, version = parse_init_from(args.model, "--model")
-    if version and not os.path.isdir(os.path.join(model_dir, version)):
-        raise MarianaError(f"{model_dir}: no such model directory" if not os.path.isdir(model_dir) else
-                           f"{model_dir}: no version {version} (`mariana model list --model-dir {model_dir}` "
-                           "lists them)")
+    if version:
+        checkpoint.require_version(model_dir, version)
     bundle = ModelBundle.load(model_dir, version)
     if args.format and args.format != bundle.config.data.format:
         raise MarianaError(f"{args.model}: the model reads {bundle.config.data.format} rows; "

@@ -463,9 +463,7 @@ def parent_version(spec: str) -> tuple[str, str]:
     model_dir, version = parse_init_from(spec)
     if version is None:
         return model_dir, checkpoint.current_version(model_dir)
-    if not os.path.isdir(os.path.join(model_dir, version)):
-        have = ", ".join(checkpoint.list_versions(model_dir)) or "none"
-        raise ModelDirError(f"{model_dir}: no version {version} to warm-start from (versions: {have})")
+    checkpoint.require_version(model_dir, version, "to warm-start from")
     return model_dir, version
 
 

@@ -62,6 +62,27 @@ def list_versions(model_dir: str | os.PathLike) -> list[str]:
                   key=lambda n: int(VERSION_RE.match(n).group(1)))
 
 
+def require_version(model_dir: str | os.PathLike, version: str, purpose: str = "") -> None:
+    """ModelDirError unless `version` names a version directory of `model_dir`, in the one
+    wording every command uses; `purpose` ("to warm-start from") follows the version named.
+
+    >>> try:
+    ...     require_version("/nonexistent", "v000001")
+    ... except ModelDirError as e:
+    ...     print(e)
+    /nonexistent: no such model directory
+    """
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise ModelDirError(f"{model_dir}: {'not a directory' if d.exists() else 'no such model directory'}")
+    if VERSION_RE.match(version) and (d / version).is_dir():
+        return
+    have = list_versions(d)
+    shown = ", ".join(have) if len(have) <= 6 else f"{', '.join(have[:2])}, ... {', '.join(have[-3:])}: {len(have)}"
+    raise ModelDirError(f"{model_dir}: no version {version!r}{' ' + purpose if purpose else ''} "
+                        f"(versions: {shown or 'none'}; 'mariana model list' shows them)")
+
+
 def current_version(model_dir: str | os.PathLike) -> str:
     d = Path(model_dir)
     if not d.exists():
@@ -107,8 +128,7 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
     d = Path(model_dir)
     if not VERSION_RE.match(version):  # a path or "." would leave CURRENT naming no version of this dir
         raise ModelDirError(f"{model_dir}: {version!r} is not a version name (v000001, ...: see 'mariana model list')")
-    if not (d / version).is_dir():
-        raise ModelDirError(f"{model_dir}: no version {version!r}")
+    require_version(d, version)
     with _locked(d):
         if not (d / version).is_dir():  # again, under the lock: a prune may have removed it since
             raise ModelDirError(f"{model_dir}: no version {version!r} (removed meanwhile); CURRENT was left as it is")
@@ -524,8 +544,7 @@ def read_weights(vdir: Path) -> dict[str, np.ndarray]:
 def check_version(model_dir: str | os.PathLike, version: str) -> None:
     """What a promotion checks before CURRENT moves, for a version of any kind: a version
     name of this dir, its manifest and weights readable, the weights finite."""
-    if not VERSION_RE.match(version) or not (Path(model_dir) / version).is_dir():
-        raise ModelDirError(f"{model_dir}: no version {version!r} (see 'mariana model list')")
+    require_version(model_dir, version)
     read_manifest(model_dir, version)
     read_weights(Path(model_dir) / version)
 

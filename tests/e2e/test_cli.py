@@ -265,7 +265,8 @@ def test_evaluate_and_predict_take_a_version_current_does_not_name(gen_files, tm
                              check=True))["model_version"] == "v000002"
     pred = run_cli("predict", "--model", f"{m}:v000001", "--data", gen_files["test"], check=True).stdout.split()
     assert len(pred) == one["rows"]
-    for spec, says in ((f"{m}:v000009", f"{m}: no version v000009"), (f"{m}:", "name a version after the ':'"),
+    for spec, says in ((f"{m}:v000009", f"{m}: no version 'v000009' (versions: v000001, v000002;"),
+                       (f"{m}:", "name a version after the ':'"),
                        (f"{tmp_path / 'nope'}:v000001", "no such model directory"),
                        (f"{m}:1", "'1' is not a version name: DIR:vNNNNNN")):  # was "no such model directory"
         proc = run_cli("evaluate", "--model", spec, "--data", gen_files["test"])

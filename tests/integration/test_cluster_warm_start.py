@@ -84,7 +84,7 @@ def test_a_mismatched_or_missing_cluster_warm_start_is_refused_before_it_starts(
         cases = [
             ({"hashing": {"bits": 20}}, str(parent), "hashing.bits: the version has 18, this job 20"),
             ({"model": {"kind": "lr"}}, str(parent), "model.kind: the version has 'dnn', this job 'lr'"),
-            ({}, f"{parent}:v000009", "no version v000009 to warm-start from (versions: v000001)"),
+            ({}, f"{parent}:v000009", "no version 'v000009' to warm-start from (versions: v000001;"),
             ({}, str(tmp_path / "none"), "no such model directory"),
             ({}, "m:v000001", "init_from: 'm:v000001' is a relative path"),
         ]

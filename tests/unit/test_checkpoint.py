@@ -121,6 +121,26 @@ def test_bad_model_dirs_raise_clear_errors(tmp_path):
         ModelBundle.load(str(bad))
 
 
+def test_a_version_that_is_not_there_is_named_with_those_that_are(tmp_path):
+    """One wording wherever a command names a version (evaluate/predict DIR:vN, a warm start,
+    promote, the Python API): the versions there, the middle elided when there are many."""
+    d = tmp_path / "m"
+    for n in range(1, 10):
+        (d / f"v{n:06d}").mkdir(parents=True)
+    (d / "v000010").write_text("a file, not a version")
+    checkpoint.require_version(d, "v000009")
+    with pytest.raises(ModelDirError, match=r"no version 'v000010' to warm-start from \(versions: v000001, v000002, "
+                                            r"\.\.\. v000007, v000008, v000009: 9; 'mariana model list' shows them\)"):
+        checkpoint.require_version(d, "v000010", "to warm-start from")
+    for name in ("../m/v000001", str(d / "v000001"), ".", ""):  # a path is no version name of this dir
+        with pytest.raises(ModelDirError, match=f"no version {name!r}"):
+            checkpoint.require_version(d, name)
+    with pytest.raises(ModelDirError, match=r"no version 'v000001' \(versions: none;"):
+        checkpoint.require_version(tmp_path, "v000001")
+    with pytest.raises(ModelDirError, match="not a directory"):
+        checkpoint.require_version(d / "v000010", "v000001")
+
+
 def test_versions_are_readable_by_other_users(tmp_path, gen_files):
     import os
     import stat

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -190,13 +191,40 @@ def output_file(path: str | os.PathLike) -> tuple[str, bool]:
     except FileNotFoundError:
         if os.path.islink(out):
             raise MarianaError(f"{out}: is a symbolic link to {os.readlink(out)!r}, which does not exist") from None
-        return out, False
+        return _in_writable_dir(out, path), False
     if stat.S_ISREG(mode):
-        return os.path.realpath(out), False
+        return _in_writable_dir(os.path.realpath(out), path), False
     kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (a named pipe, or a shell's >(...))"
             if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
     raise MarianaError(f"{out}: is {kind}, not a regular file: a generator writes a file (a temporary one renamed "
                        "over it); name a file")
+
+
+def _in_writable_dir(out: str, named: str | os.PathLike) -> str:
+    """`out`, when its directory exists and takes the temp file written beside it."""
+    where = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(where):
+        raise MarianaError(f"{os.fspath(named)}: directory {where} does not exist")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise MarianaError(f"{os.fspath(named)}: directory {where} is not writable")
+    return out
+
+
+@contextmanager
+def output_stream(path: str | os.PathLike) -> Iterator[tuple[pa.NativeFile, str]]:
+    """(a stream to write a generator's rows to, the path they end up at), for the file
+    `output_file` allows: gzip when the name ends in .gz; written to a temp file beside it that
+    is renamed over it once the block ends without an exception, and removed if it does not."""
+    out, straight = output_file(path)
+    tmp = out if straight else f"{out}.tmp-{os.getpid()}"
+    try:
+        with (pa.CompressedOutputStream(tmp, "gzip") if out.endswith(".gz") else pa.OSFile(tmp, "wb")) as sink:
+            yield sink, out
+        if not straight:
+            os.replace(tmp, out)
+    finally:
+        if not straight and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def generate_criteo(out: str | os.PathLike, rows: int, seed: int = 0, model_seed: int = 20140621,
@@ -212,26 +240,17 @@ def generate_criteo(out: str | os.PathLike, rows: int, seed: int = 0, model_seed
         raise ValueError(f"rows must be an integer >= 0, got {rows!r}")
     world = make_world(model_seed)
     rng = np.random.default_rng([seed, model_seed])
-    out, straight = output_file(out)
-    tmp = out if straight else f"{out}.tmp-{os.getpid()}"
-    sink = pa.CompressedOutputStream(tmp, "gzip") if out.endswith(".gz") else pa.OSFile(tmp, "wb")
     opts = pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     t0, done, positives = time.perf_counter(), 0, 0
-    try:
-        with sink:
-            while done < rows:
-                n = min(chunk_rows, rows - done)
-                logit, ints, cats = _draw(world, n, rng)
-                labels = rng.random(n) < 1 / (1 + np.exp(-logit))
-                pa_csv.write_csv(_table(world, labels, ints, cats), sink, opts)
-                done += n
-                positives += int(labels.sum())
-                if progress:
-                    progress(done, time.perf_counter() - t0)
-        if not straight:
-            os.replace(tmp, out)
-    finally:
-        if not straight and os.path.exists(tmp):
-            os.unlink(tmp)
+    with output_stream(out) as (sink, out):
+        while done < rows:
+            n = min(chunk_rows, rows - done)
+            logit, ints, cats = _draw(world, n, rng)
+            labels = rng.random(n) < 1 / (1 + np.exp(-logit))
+            pa_csv.write_csv(_table(world, labels, ints, cats), sink, opts)
+            done += n
+            positives += int(labels.sum())
+            if progress:
+                progress(done, time.perf_counter() - t0)
     return {"rows": done, "positives": positives, "ctr": positives / max(done, 1),
             "seconds": round(time.perf_counter() - t0, 3), "path": out}

@@ -53,7 +53,7 @@ import pyarrow.csv as pa_csv
 from mariana.sparse.hashing import fmix64
 from mariana.sparse.metrics import BinaryMetrics
 from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
-from mariana.sparse.synth import output_file
+from mariana.sparse.synth import output_stream
 
 DEFAULT_MODEL_SEED = 1515
 CHUNK_ROWS = 100_000        # fixed: each chunk has its own generator, so a row range can be redrawn alone
@@ -316,27 +316,18 @@ def generate_drift(path: str | os.PathLike, rows: int, seed: int = 0, model_seed
     if rows < 0:
         raise ValueError("rows must be >= 0")
     world = make_world(model_seed)
-    out, straight = output_file(path)
-    tmp = out if straight else f"{out}.tmp-{os.getpid()}"
-    sink = pa.CompressedOutputStream(tmp, "gzip") if out.endswith(".gz") else pa.OSFile(tmp, "wb")
     opts = pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     metrics, fifths = BinaryMetrics(), np.zeros((5, 2))
     t0, done = time.perf_counter(), 0
-    try:
-        with sink:
-            for first, p, labels, ints, cats in _chunks(world, rows, seed, model_seed):
-                pa_csv.write_csv(_table(world, labels, ints, cats), sink, opts)
-                metrics.update(labels, p)
-                fifth = np.arange(first, first + p.size) * 5 // rows
-                fifths += np.stack([np.bincount(fifth, labels, 5), np.bincount(fifth, minlength=5)], axis=1)
-                done += p.size
-                if progress:
-                    progress(done, time.perf_counter() - t0)
-        if tmp != out:
-            os.replace(tmp, out)
-    finally:
-        if tmp != out and os.path.exists(tmp):
-            os.unlink(tmp)
+    with output_stream(path) as (sink, out):
+        for first, p, labels, ints, cats in _chunks(world, rows, seed, model_seed):
+            pa_csv.write_csv(_table(world, labels, ints, cats), sink, opts)
+            metrics.update(labels, p)
+            fifth = np.arange(first, first + p.size) * 5 // rows
+            fifths += np.stack([np.bincount(fifth, labels, 5), np.bincount(fifth, minlength=5)], axis=1)
+            done += p.size
+            if progress:
+                progress(done, time.perf_counter() - t0)
     r = metrics.result()
     return {"rows": done, "positives": int(metrics.positives), "ctr": metrics.positives / max(done, 1),
             "ctr_by_fifth": [round(float(a / b), 5) if b else None for a, b in fifths],

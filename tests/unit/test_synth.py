@@ -72,6 +72,28 @@ def test_a_generator_writes_regular_files_only_and_through_a_link(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gone.tsv", "link.tsv", "pipe.tsv", "real.tsv"]
 
 
+def test_a_generator_that_fails_midway_leaves_the_old_file_and_no_temp_file(tmp_path):
+    """Both generators write through `output_stream`: the old file stands until the new one is
+    whole, and a missing directory is named before anything is drawn (it was checked by the
+    CLI alone, so the Python API wrote nothing and said "No such file" from pyarrow)."""
+    import pytest
+
+    from mariana.sparse.errors import MarianaError
+    from mariana.sparse.synth_drift import generate_drift
+
+    def stop(done, seconds):
+        raise KeyboardInterrupt
+
+    for gen in (generate_criteo, generate_drift):
+        old = tmp_path / "old.tsv.gz"
+        old.write_bytes(b"old")
+        with pytest.raises(KeyboardInterrupt):
+            gen(old, 300_000, progress=stop)
+        assert old.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["old.tsv.gz"]
+        with pytest.raises(MarianaError, match=r"x.tsv: directory .*/no/dir does not exist"):
+            gen(tmp_path / "no" / "dir" / "x.tsv", 10)
+
+
 def test_a_generator_refuses_a_name_of_another_format_and_bad_row_counts(tmp_path):
     """`--out x.parquet` got TSV, `.bz2` plain text; generate_criteo(path, -1) wrote an empty file."""
     import pytest

@@ -130,12 +130,27 @@ def export_featurizer(model: ImageCNN, report: dict, data: ImageSet, out_dir: st
 
 
 def train_and_export(data: ImageSet, out_dir: str | Path, cfg: FeaturizerTrainConfig = FeaturizerTrainConfig(),
-                     progress: Callable[[TrainProgress], None] | None = None) -> dict:
-    """Train, export, and return the report (with the featurizer dir)."""
+                     progress: Callable[[TrainProgress], None] | None = None, name: str = "the image set") -> dict:
+    """Train, export, and return the report (with the featurizer dir); `name` says which
+    images an error is about ("--data DIR")."""
     check_featurizer_out(out_dir)  # before the training, not after it
+    check_featurizer_data(data, cfg, name)
     model, report = train_featurizer(data, cfg, progress)
     out = export_featurizer(model, report, data, out_dir)
     return {"featurizer": str(out), **{k: v for k, v in report.items() if k != "train_index"}}
+
+
+def check_featurizer_data(data: ImageSet, cfg: FeaturizerTrainConfig, name: str) -> None:
+    """MarianaError, before any training, for images the featurizer cannot train on (else a
+    traceback deep in torch or the split): of the model's side, and more of them than the
+    `cfg.test_images` it holds out."""
+    side, (n, h, w) = cfg.cnn.size, data.images.shape
+    if (h, w) != (side, side):
+        raise MarianaError(f"{name}: {h}x{w} images; featurizer train takes {side}x{side}: `mariana train image` "
+                           "trains other sides (--preset wide: 64x64)")
+    if n <= cfg.test_images:
+        raise MarianaError(f"{name}: {n:,} images; featurizer train holds out {cfg.test_images:,} and trains on the "
+                           "rest, so it needs more: `mariana train image --test-images N` takes smaller sets")
 
 
 def write_featurizer(out_dir: str | os.PathLike, manifest: dict, tensors: dict[str, torch.Tensor]) -> Path:

@@ -68,6 +68,23 @@ def test_a_featurizer_out_of_other_files_is_refused_before_training_and_kept(tmp
     check_featurizer_out(tmp_path / "new" / "deeper")
 
 
+def test_featurizer_data_is_checked_against_the_config_it_trains_with(tmp_path):
+    """The check was the CLI's, against the default config's side and hold-out: the Python
+    API trained into a traceback, and a config holding out fewer images was refused."""
+    from mariana.featurizer.image import ImageSet
+    from mariana.trainer.featurizer_train import (FeaturizerTrainConfig, check_featurizer_data,
+                                                  train_and_export)
+    from mariana.trainer.models.image_cnn import ImageCNNConfig
+
+    few = ImageSet(np.zeros((160, 28, 28), np.uint8), np.arange(160, dtype=np.uint8) % 10, {})
+    check_featurizer_data(few, FeaturizerTrainConfig(test_images=100), "few")
+    with pytest.raises(MarianaError, match="^the image set: 160 images; featurizer train holds out 2,000 and"):
+        train_and_export(few, tmp_path / "f")
+    with pytest.raises(MarianaError, match="^few: 28x28 images; featurizer train takes 32x32"):
+        check_featurizer_data(few, FeaturizerTrainConfig(test_images=100, cnn=ImageCNNConfig(size=32)), "few")
+    assert not (tmp_path / "f").exists()
+
+
 @pytest.mark.parametrize("check", ["model", "featurizer"])
 def test_an_out_dir_that_cannot_be_made_is_named_before_any_work(tmp_path, check):
     """One helper (trainer.job.check_can_create_in) checks where a model or a featurizer directory

@@ -273,17 +273,19 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
     state: dict = {"best": None, "run": None, "config": None, "trials": []}
 
     def objective(ot) -> float:
+        t, trial = time.perf_counter(), None
         try:
-            return run_trial(ot)
-        except KeyboardInterrupt:  # Ctrl-C outside the training (picking the trial's params, say): the same end,
-            state["interrupted"] = True  # without optuna's traceback of a "failed" trial
+            trial = Trial(ot.number, search_space(ot, kind, base))
+            state["trials"].append(trial)
+            return run_trial(ot, trial, t)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: this trial ends the search; those before it are kept
+            state["interrupted"] = True
+            if trial is not None and trial.state == "running":
+                _end(trial, "interrupted", t, on_trial)
             ot.study.stop()
-            raise optuna.TrialPruned() from None
+            raise optuna.TrialPruned() from None  # no traceback from optuna's log of a failed trial
 
-    def run_trial(ot) -> float:
-        trial = Trial(ot.number, search_space(ot, kind, base))
-        state["trials"].append(trial)
-        t = time.perf_counter()
+    def run_trial(ot, trial: Trial, t: float) -> float:
         try:
             config = apply_params(base, trial.params)
             run = runner.run(trial, config, _pruning(ot, trial), search_deadline())
@@ -292,11 +294,6 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
             raise
         except SearchFailed:
             raise
-        except KeyboardInterrupt:  # Ctrl-C, SIGTERM: this trial ends the search; those before it are kept
-            state["interrupted"] = True
-            _end(trial, "interrupted", t, on_trial)
-            ot.study.stop()
-            raise optuna.TrialPruned() from None  # no traceback from optuna's log of a failed trial
         except MarianaError as e:  # a diverging config: a failed trial, the search goes on
             trial.error = str(e)
             _end(trial, "failed", t, on_trial)

@@ -48,3 +48,39 @@ def test_a_train_epochs_tune_does_not_use_is_said(caplog):
     assert "is not used" not in caplog.text  # the default, untouched
     check_search(load_config(overrides={"train.epochs": 3}, env={}), 10.0)
     assert "tune: train.epochs = 3 is not used: every trial stops on its validation logloss" in caplog.text
+
+
+class _StopsAtTrial:
+    """A trial runner (the interface LocalTrials and ClusterTrials implement) whose trial
+    `stop` is interrupted by Ctrl-C inside its training; the trials before it complete."""
+
+    def __init__(self, stop: int):
+        self.stop = stop
+
+    def run(self, trial, config, on_valid, deadline):
+        from mariana.trainer.tune import TrialRun
+
+        if trial.number == self.stop:
+            raise KeyboardInterrupt
+        valid = {"epochs": [{"logloss": 0.5 - trial.number / 100, "auc": 0.7}], "best_epoch": 1, "stopped": ""}
+        return TrialRun(valid, None)
+
+    def discard(self, run) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stop", [0, 2])
+def test_a_ctrl_c_inside_a_trial_ends_the_search_with_that_trial_interrupted(stop):
+    """One handler now ends the search for a Ctrl-C anywhere in a trial (its params picked,
+    its training, its bookkeeping); the trial that was running says "interrupted", those
+    before it keep their own ends."""
+    from mariana.trainer.config import load_config
+    from mariana.trainer.tune import tune
+
+    ended = []
+    with pytest.raises(SearchInterrupted) as e:
+        tune(load_config(overrides={"train.batch_size": 512}, env={}), _StopsAtTrial(stop), 60.0,
+             on_trial=lambda t: ended.append((t.number, t.state)))
+    trials = e.value.result.trials
+    assert [t.state for t in trials] == ["complete"] * stop + ["interrupted"]
+    assert ended == [(t.number, t.state) for t in trials]

@@ -455,20 +455,20 @@ def is_speech_model(model_dir: str | os.PathLike) -> bool:
     """Whether a model directory's CURRENT version is a speech model (False when unreadable)."""
     try:
         return _version_manifest(Path(model_dir))[1].get("kind") == MODEL_KIND
-    except (MarianaError, OSError):
+    except (MarianaError, OSError, ValueError):  # ValueError: bytes not UTF-8, NUL bytes in CURRENT
         return False
 
 
 def _version_manifest(model_dir: Path, version: str | None = None) -> tuple[Path, dict]:
     if version is None:
         try:
-            version = (model_dir / "CURRENT").read_text().strip()
+            version = (model_dir / "CURRENT").read_bytes().decode("utf-8", "replace").strip()
         except OSError:
             raise ModelDirError(f"{model_dir}: not a model directory (no CURRENT)") from None
     vdir = model_dir / version
     try:
-        manifest = json.loads((vdir / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        manifest = json.loads((vdir / "manifest.json").read_bytes())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8, a NUL in the version name
         raise ModelDirError(f"{vdir}: no readable manifest.json ({e})") from None
     if not isinstance(manifest, dict):
         raise ModelDirError(f"{vdir}/manifest.json: a JSON {type(manifest).__name__}, not an object")

@@ -146,7 +146,8 @@ def _prune(args: argparse.Namespace, model_dir: str) -> int:
 def _print_pruned(r: dict) -> None:
     verb = "would remove" if r["dry_run"] else "removed"
     for x in r["removed"]:
-        left = "  (left by an interrupted prune)" if x["leftover"] else ""
+        left = ("" if not x["leftover"] else "  (left by an interrupted prune)" if x["name"].startswith(".pruned-")
+                else "  (left by an interrupted write)")
         print(f"{verb} {x['name']}  {x['bytes']:,} bytes{left}")
     print("kept " + ", ".join(f"{k['version']} ({', '.join(k['why'])})" for k in r["kept"]))
     leftovers = sum(x["leftover"] for x in r["removed"])
@@ -199,9 +200,9 @@ def _versions(model_dir: str) -> list[dict]:
             if os.path.isdir(os.path.join(model_dir, v)):  # else pruned since it was listed
                 rows.append({"version": v, "current": v == current, "error": str(e)})
             continue
-        metrics, train = m.get("metrics") or {}, m.get("train") or {}
+        metrics, train, model = (m.get(k) if isinstance(m.get(k), dict) else {} for k in ("metrics", "train", "model"))
         rows.append({"version": v, "current": v == current, "created_at": m.get("created_at"),
-                     "kind": (m.get("model") or {}).get("kind"), "auc": metrics.get("auc"),
+                     "kind": model.get("kind"), "auc": metrics.get("auc"),
                      "logloss": metrics.get("logloss"), "rows": train.get("rows", m.get("rows_trained")),
                      "data": train.get("data"), "job": train.get("job")})
     return rows

@@ -20,6 +20,7 @@ decisions.jsonl stay: they are history, and may name versions no longer here.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -51,6 +52,12 @@ DECISIONS = "decisions.jsonl"
 HIGHEST = "HIGHEST_VERSION"
 PRUNED = ".pruned-"  # a version being removed by `prune`: `.pruned-v000003-<pid>`
 PRUNED_RE = re.compile(r"^\.pruned-v\d{6,}-\d+$")
+TMP = ".tmp-"  # a version being written: `.tmp-<host>-<pid>-<random>` (before: `.tmp-<random>`)
+_HOST = os.uname().nodename.replace("-", "_")
+# what a writer killed midway leaves: its temp version dir, CURRENT or HIGHEST_VERSION temp file, a dir set aside
+_DEBRIS_RE = re.compile(r"^(?:\.tmp-(?P<host>[^-]+)-(?P<pid>\d+)-\w+|\.(?:CURRENT|HIGHEST_VERSION)\.(?P<pid2>\d+)"
+                        r"|\.old-v\d{6,}-(?P<pid3>\d+)|(?P<old>\.tmp-\w{8}))$")
+OLD_DEBRIS_S = 86400.0  # a temp dir without its writer's name is removed once it is a day old
 
 
 def list_versions(model_dir: str | os.PathLike) -> list[str]:
@@ -90,7 +97,7 @@ def current_version(model_dir: str | os.PathLike) -> str:
     if not d.is_dir():
         raise ModelDirError(f"{model_dir}: not a directory")
     try:
-        name = (d / "CURRENT").read_text().strip()
+        raw = (d / "CURRENT").read_bytes()
     except FileNotFoundError:
         if VERSION_RE.match(d.resolve().name) and (d / MANIFEST).is_file():  # a version's own dir, named as a model's
             raise ModelDirError(f"{model_dir}: a version's directory, not a model directory: name the model "
@@ -101,7 +108,10 @@ def current_version(model_dir: str | os.PathLike) -> str:
             raise ModelDirError(f"{model_dir}: no CURRENT file, so no version serves; it holds {shown}: pick one "
                                 f"with 'mariana model promote VERSION --model-dir {model_dir}'") from None
         raise ModelDirError(f"{model_dir}: holds no model (no CURRENT file); train one with 'mariana train'") from None
-    if not VERSION_RE.match(name) or not (d / name).is_dir():
+    except OSError as e:
+        raise ModelDirError(f"{d / 'CURRENT'}: cannot read it: {e.strerror or e}") from None
+    name = raw.decode("utf-8", "replace").strip()
+    if not VERSION_RE.match(name) or not (d / name).is_dir():  # NUL bytes, a garbled file: no version name
         raise ModelDirError(f"{model_dir}: CURRENT names {name!r}, which is not a version here")
     return name
 
@@ -145,13 +155,33 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
             fsync_file(tmp)
             os.replace(tmp, d / "CURRENT")
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only filesystem refuses this too: the first error says why
+                tmp.unlink(missing_ok=True)
             raise ModelDirError(f"{model_dir}: cannot move CURRENT to {version}: {_why(e, d)}; CURRENT still names "
                                 f"{before or 'no version'}") from None
-        fsync_dir(d)
+        # CURRENT has moved: from here on nothing undoes it, and what fails is a warning
+        _sync_after_rename(d, f"CURRENT moved {before} -> {version}")
         if reason is not None and before != version:
+            last = _last_move_to(d)
+            if before is not None and last is not None and last != before:  # a move of CURRENT left unrecorded
+                _record_move(d, last, before, "unrecorded")  # (killed before its line, or CURRENT edited by hand)
             _record_move(d, before, version, reason)
     return before
+
+
+def _last_move_to(d: Path) -> str | None:
+    moves = promotions(d)
+    return moves[-1]["to"] if moves else None
+
+
+def _sync_after_rename(d: Path, what: str) -> None:
+    """fsync `d` after a rename into it; a failure is a warning: the rename is done (readers see
+    it) and must not be undone or reported as not done, but it may not outlive a power loss."""
+    try:
+        fsync_dir(d)
+    except OSError as e:
+        log.warning("%s: %s, but the directory could not be synced to disk (%s): a power loss may undo it",
+                    d, what, _why(e, d))
 
 
 @contextmanager
@@ -192,14 +222,17 @@ def decisions(model_dir: str | os.PathLike) -> list[dict]:
 
 def _json_lines(path: Path) -> list[dict]:
     try:
-        text = path.read_text()
+        text = path.read_bytes()
     except FileNotFoundError:
+        return []
+    except OSError as e:  # a directory in its place, a file of another owner: read as none, said
+        log.warning("%s: cannot read it (%s): read as holding no record", path, e.strerror or e)
         return []
     out = []
     for line in text.splitlines():
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (UnicodeDecodeError, json.JSONDecodeError):  # a damaged line: skipped, as the docs say
             continue
         if isinstance(rec, dict):
             out.append(rec)
@@ -264,12 +297,15 @@ def _rollback_walk(model_dir: str | os.PathLike, current: str) -> tuple[str | No
     """(the version a rollback from `current` goes to, None when there is none; the versions
     the record names above it on the stack that are gone from the directory)."""
     stack: list[str] = []
-    for rec in promotions(model_dir):
+    moves = promotions(model_dir)
+    for rec in moves:
         if rec.get("reason") == "rollback":
             if stack:
                 stack.pop()
         elif rec.get("from"):
             stack.append(rec["from"])
+    if moves and moves[-1]["to"] != current and isinstance(moves[-1]["to"], str):
+        stack.append(moves[-1]["to"])  # CURRENT moved from the last version recorded, unrecorded (a kill between)
     versions = list_versions(model_dir)
     gone: list[str] = []
     while stack:
@@ -322,6 +358,7 @@ def prune(model_dir: str | os.PathLike, keep: int, dry_run: bool = False) -> dic
         target, _ = _rollback_walk(d, current)
         kept, remove = _prune_plan(d, current, target, keep)
         removed, errors = [], []
+        removed += [{**x, "leftover": True} for x in sweep_debris(d, dry_run)]
         for name in remove:
             item = {"name": name, "bytes": _size(d / name), "leftover": bool(PRUNED_RE.match(name))}
             why = None if dry_run else _remove(d, name)
@@ -333,6 +370,55 @@ def prune(model_dir: str | os.PathLike, keep: int, dry_run: bool = False) -> dic
             fsync_dir(d)
     return {"model_dir": str(d), "dry_run": dry_run, "keep": keep, "current": current, "rollback_target": target,
             "kept": kept, "removed": removed, "bytes_freed": sum(r["bytes"] for r in removed), "errors": errors}
+
+
+def sweep_debris(d: Path, dry_run: bool = False) -> list[dict]:
+    """Remove what writers killed midway left in model dir `d` (temp version dirs, temp CURRENT
+    files, dirs set aside): those of this host whose process is gone, and nameless old-style
+    temp dirs a day old. A writer on another host sharing the dir is never guessed dead.
+    Returns [{name, bytes}] removed (with `dry_run`, what it would remove); errors are skipped."""
+    gone = []
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return gone
+    for e in entries:
+        m = _DEBRIS_RE.match(e.name)
+        if m is None:
+            continue
+        pid = m.group("pid") or m.group("pid2") or m.group("pid3")
+        try:
+            if m.group("old"):
+                dead = time.time() - e.stat(follow_symlinks=False).st_mtime > OLD_DEBRIS_S
+            else:
+                dead = (m.group("host") in (None, _HOST)) and not _running(int(pid))
+        except OSError:
+            continue
+        if not dead:
+            continue
+        size = _size(Path(e.path)) if e.is_dir(follow_symlinks=False) else e.stat(follow_symlinks=False).st_size
+        if not dry_run:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    shutil.rmtree(e.path)
+                else:
+                    os.unlink(e.path)
+            except OSError:
+                continue
+        gone.append({"name": e.name, "bytes": size})
+    return sorted(gone, key=lambda x: x["name"])
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _current_to_prune(d: Path) -> str:
@@ -392,9 +478,13 @@ def read_manifest(model_dir: str | os.PathLike, version: str) -> dict:
     """A version's manifest alone (no arrays): for listings."""
     vdir = Path(model_dir) / version
     try:
-        manifest = json.loads((vdir / MANIFEST).read_text())
+        manifest = json.loads((vdir / MANIFEST).read_bytes())
     except FileNotFoundError:
         raise ModelDirError(f"{vdir}: no {MANIFEST}") from None
+    except OSError as e:
+        raise ModelDirError(f"{vdir}/{MANIFEST}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ModelDirError(f"{vdir}/{MANIFEST}: not UTF-8 text (byte {e.start}): a damaged file") from None
     except json.JSONDecodeError as e:
         raise ModelDirError(f"{vdir}/{MANIFEST}: not valid JSON: {e}") from None
     if not isinstance(manifest, dict):
@@ -411,7 +501,8 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
     tmp = None
     try:
         d.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d))
+        sweep_debris(d)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP}{_HOST}-{os.getpid()}-", dir=d))
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp / WEIGHTS))
         if optimizer:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIMIZER))
@@ -425,7 +516,7 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
         _record_highest(d, version)
     except (OSError, SafetensorError) as e:
         raise ModelDirError(f"{model_dir}: cannot write a new version: {_why(e, d)}; nothing was published"
-                            f"{_current_note(d)}") from None
+                            f"{current_note(d, 'still ')}") from None
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -433,9 +524,17 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
         try:
             set_current(d, version, reason)
         except (OSError, ModelDirError) as e:  # CURRENT did not move (set_current says why)
-            shutil.rmtree(d / version, ignore_errors=True)  # never left behind as a newest version nobody chose
             why = _why(e, d) if isinstance(e, OSError) else str(e).removeprefix(f"{d}: ")
-            raise ModelDirError(f"{model_dir}: wrote {version} but {why}; {version} was removed") from None
+            try:
+                moved = current_version(d) == version
+            except ModelDirError:
+                moved = False
+            if moved:  # never undo a version CURRENT names
+                raise ModelDirError(f"{model_dir}: wrote {version}, and CURRENT names it, but {why}") from None
+            shutil.rmtree(d / version, ignore_errors=True)  # never left behind as a newest version nobody chose
+            left = (f"{version} could not be removed: it is there, not current (promote it or remove it)"
+                    if (d / version).exists() else f"{version} was removed")
+            raise ModelDirError(f"{model_dir}: wrote {version} but {why}; {left}") from None
     return version
 
 
@@ -485,7 +584,9 @@ def _why(e: BaseException, d: Path) -> str:
     if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in str(e):
         try:
             st = os.statvfs(d)
-            text = f"no space left on its filesystem ({st.f_bavail * st.f_frsize:,} bytes free)"
+            text = (f"no space left on its filesystem ({st.f_bavail * st.f_frsize:,} bytes free)" if st.f_favail
+                    or not st.f_files else f"no inodes left on its filesystem (it holds as many files as it "
+                    f"can, {st.f_files:,}; {st.f_bavail * st.f_frsize:,} bytes free)")
         except OSError:
             text = "no space left on its filesystem"
     elif isinstance(e, OSError) and e.errno == errno.EROFS:
@@ -493,9 +594,10 @@ def _why(e: BaseException, d: Path) -> str:
     return text
 
 
-def _current_note(d: Path) -> str:
+def current_note(d: str | os.PathLike, still: str = "") -> str:
+    """The end of an error that leaves the model dir: "; CURRENT {still}names vN", or that none does."""
     try:
-        return f"; CURRENT still names {current_version(d)}"
+        return f"; CURRENT {still}names {current_version(d)}"
     except ModelDirError:
         return "; there is no CURRENT version"
 
@@ -515,7 +617,22 @@ def load_version(model_dir: str | os.PathLike, version: str | None = None,
         opt = load_file(str(vdir / OPTIMIZER)) if with_optimizer else {}
     except (OSError, SafetensorError) as e:
         raise ModelDirError(f"{vdir}: cannot read tensors: {e}") from None
+    _check_optimizer_values(vdir, opt)
     return manifest, weights, opt
+
+
+def _check_optimizer_values(vdir: Path, opt: dict[str, np.ndarray]) -> None:
+    """ModelDirError for optimizer state no optimizer writes: a NaN or an infinity, or a sum of
+    squares below 0 (FTRL's n, AdaGrad's sum_sq). Going on from it diverged, and the error
+    blamed the learning rates; one bad row was copied into the next version in silence."""
+    bad = finite.nonfinite(opt)
+    if bad:
+        raise ModelDirError(f"{vdir}: {OPTIMIZER} holds {finite.describe(bad)}: a corrupt version, not warm-started "
+                            "from; name another version, or train from scratch")
+    negative = [k for k, v in opt.items() if k.rsplit(".", 1)[-1] in ("n", "sum_sq") and v.size and v.min() < 0]
+    if negative:
+        raise ModelDirError(f"{vdir}: {OPTIMIZER} holds a sum of squares below 0 in {', '.join(sorted(negative))}: "
+                            "a corrupt version, not warm-started from; name another version, or train from scratch")
 
 
 def check_optimizer_state(vdir: str | os.PathLike) -> None:
@@ -531,7 +648,11 @@ def read_weights(vdir: Path) -> dict[str, np.ndarray]:
     """A version's weights, refused (ModelDirError) when they cannot be read or hold a NaN
     or an infinity: such a version would answer NaN."""
     try:
+        with open(vdir / WEIGHTS, "rb"):  # safetensors says "No such file" for a file it may not read
+            pass
         weights = load_file(str(vdir / WEIGHTS))
+    except PermissionError as e:
+        raise ModelDirError(f"{vdir}/{WEIGHTS}: cannot read it: {e.strerror}") from None
     except (OSError, SafetensorError) as e:
         raise ModelDirError(f"{vdir}: cannot read tensors: {e}") from None
     bad = finite.nonfinite(weights)
@@ -571,7 +692,7 @@ def publish_dir(tmp: Path, final: Path, replace: bool = False) -> bool:
             if not final.exists():
                 raise
             return False
-        fsync_dir(final.parent)
+        _sync_after_rename(final.parent, f"{final.name} was put in place")
         return True
     finally:
         if aside.exists():

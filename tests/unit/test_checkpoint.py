@@ -312,9 +312,10 @@ def test_prune_reads_current_again_under_the_lock(tmp_path):
         t.join(0.3)
         assert t.is_alive()
         (d / "CURRENT").write_text("v000001\n")  # what that promotion wrote
+        checkpoint._record_move(d, "v000004", "v000001", "promoted")
     t.join(10)
-    assert result["current"] == "v000001" and result["rollback_target"] == "v000003"
-    assert checkpoint.list_versions(d) == ["v000001", "v000003", "v000004"]
+    assert result["current"] == "v000001" and result["rollback_target"] == "v000004"
+    assert checkpoint.list_versions(d) == ["v000001", "v000004"]
 
 
 def test_prune_renames_a_version_aside_before_deleting_it(tmp_path, monkeypatch):
@@ -348,3 +349,126 @@ def test_prune_needs_a_current_version(tmp_path):
     with pytest.raises(ModelDirError, match="CURRENT names 'v000009'.*prune removed nothing"):
         checkpoint.prune(d, keep=1)
     assert checkpoint.list_versions(d) == ["v000001"]
+
+
+def test_a_disk_error_after_current_moved_never_undoes_the_move(tmp_path, monkeypatch, caplog):
+    """EIO from the directory's fsync after CURRENT was renamed: save_version removed the
+    version CURRENT then named (nothing servable was left), and a promotion said only
+    "input/output error" though CURRENT had moved, with no line in promotions.jsonl."""
+    import errno
+
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"))
+
+    def eio(path):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(checkpoint, "fsync_dir", eio)
+    assert checkpoint.save_version(d, {"model": {}}, WEIGHTS, reason="trained") == "v000002"
+    assert checkpoint.current_version(d) == "v000002" and checkpoint.list_versions(d) == ["v000001", "v000002"]
+    assert "CURRENT moved v000001 -> v000002, but the directory could not be synced" in caplog.text
+    assert checkpoint.set_current(d, "v000001", reason="promoted") == "v000002"
+    assert [(m["from"], m["to"]) for m in checkpoint.promotions(d)][-2:] == [("v000001", "v000002"),
+                                                                             ("v000002", "v000001")]
+
+
+def test_a_version_that_cannot_be_removed_is_not_said_removed(tmp_path, monkeypatch):
+    """CURRENT could not move and the new version could not be removed either (a filesystem
+    gone read-only): the error said "v000002 was removed" while it stayed, listed."""
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"))
+    monkeypatch.setattr(checkpoint.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only")))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda *a, **k: None)
+    with pytest.raises(ModelDirError, match="wrote v000002 but cannot move CURRENT to v000002: its filesystem is "
+                                            "read-only; CURRENT still names v000001; v000002 could not be removed: "
+                                            r"it is there, not current \(promote it or remove it\)"):
+        checkpoint.save_version(d, {"model": {}}, WEIGHTS, reason="trained")
+
+
+def test_a_move_of_current_left_unrecorded_is_reconciled(tmp_path):
+    """Killed between CURRENT's rename and its promotions.jsonl line (2 of 30 kills in an
+    exploratory run), a rollback went to the version before the last one recorded, and prune
+    removed the one really served before."""
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"), ("v000002", "trained"))
+    checkpoint.save_version(d, {"model": {}}, WEIGHTS, make_current=False)
+    (d / "CURRENT").write_text("v000003\n")  # the move whose line was never written
+    assert checkpoint.rollback_target(d) == "v000002"
+    kept = checkpoint.prune(d, keep=1, dry_run=True)["kept"]
+    assert {k["version"]: k["why"] for k in kept}["v000002"] == ["rollback target"]
+    moved(d, ("v000004", "trained"))  # the next move writes the missing line first
+    assert [(m["from"], m["to"], m["reason"]) for m in checkpoint.promotions(d)][-2:] == [
+        ("v000002", "v000003", "unrecorded"), ("v000003", "v000004", "trained")]
+    assert checkpoint.rollback_target(d) == "v000003"
+    checkpoint.set_current(d, "v000003", reason="rollback")
+    assert checkpoint.rollback_target(d) == "v000002"
+
+
+def test_what_killed_writers_leave_is_swept_and_a_live_writers_is_not(tmp_path):
+    """A SIGKILL during a save left its .tmp-* version dir (and .CURRENT.<pid> files) for ever:
+    7 dirs, 16 MB, after 10 kills; prune and list never saw them. The next save, and prune,
+    now remove those of writers gone from this host; a live writer's and another host's stay."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    host = checkpoint._HOST
+    debris = [f".tmp-{host}-{dead}-abcd1234", f".CURRENT.{dead}", f".HIGHEST_VERSION.{dead}", f".old-v000009-{dead}"]
+    stay = [f".tmp-{host}-{os.getpid()}-live0001", f".tmp-otherhost-{dead}-abcd1234", ".tmp-young123"]
+    for name in debris + stay:
+        if "CURRENT" in name or "HIGHEST" in name:
+            (d / name).write_text("v000009\n")
+        else:
+            (d / name).mkdir()
+            (d / name / checkpoint.WEIGHTS).write_bytes(b"x" * 1000)
+    old = d / ".tmp-aged1234"  # a temp dir from before writers were named, a day old
+    old.mkdir()
+    os.utime(old, (0, 0))
+    r = checkpoint.prune(d, keep=1, dry_run=True)
+    assert sorted(x["name"] for x in r["removed"] if x["leftover"]) == sorted(debris + [old.name])
+    assert all((d / n).exists() for n in debris)  # a dry run
+    checkpoint.save_version(d, {"model": {}}, WEIGHTS, reason="trained")
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == sorted(stay)
+
+
+def test_damaged_bytes_in_a_model_dir_are_errors_not_tracebacks(tmp_path, caplog):
+    """A CURRENT of NUL bytes (what a power loss leaves) or not UTF-8, a manifest with one bit
+    flipped, a promotions.jsonl line not UTF-8: UnicodeDecodeError and "embedded null byte"
+    tracebacks from predict, evaluate, model list, rollback, prune and serve."""
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"), ("v000002", "trained"))
+    for junk in (b"\0" * 8, b"\xff\n"):
+        (d / "CURRENT").write_bytes(junk)
+        with pytest.raises(ModelDirError, match="CURRENT names .*, which is not a version here"):
+            checkpoint.current_version(d)
+    (d / "CURRENT").write_text("v000002\n")
+    manifest = d / "v000001" / checkpoint.MANIFEST
+    body = bytearray(manifest.read_bytes())
+    body[5] |= 0x80
+    manifest.write_bytes(bytes(body))
+    with pytest.raises(ModelDirError, match=r"v000001/manifest.json: not UTF-8 text \(byte 5\): a damaged file"):
+        checkpoint.read_manifest(d, "v000001")
+    with open(d / checkpoint.PROMOTIONS, "ab") as f:
+        f.write(b'{"from": "v000002", "to": "\xff"}\n')
+    assert checkpoint.rollback_target(d) == "v000001"  # the damaged line skipped, as the docstring says
+
+
+def test_optimizer_state_no_optimizer_writes_is_refused_for_a_warm_start(tmp_path):
+    """FTRL's n at -1 or NaN: the warm start diverged and the error blamed the learning rates;
+    with one bad row it went on in silence and copied the row into the next version."""
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "m"
+    checkpoint.save_version(d, {"model": {}}, WEIGHTS, {"table.linear.n": np.ones((4, 1), np.float32),
+                                                        "table.linear.z": np.zeros((4, 1), np.float32)})
+    opt = d / "v000001" / checkpoint.OPTIMIZER
+    checkpoint.load_version(d, "v000001", with_optimizer=True)
+    for n, says in ((-1.0, r"a sum of squares below 0 in table.linear.n"), (np.nan, "NaN or infinite values")):
+        bad = np.ones((4, 1), np.float32)
+        bad[2] = n
+        save_file({"table.linear.n": bad, "table.linear.z": np.zeros((4, 1), np.float32)}, str(opt))
+        with pytest.raises(ModelDirError, match=f"optimizer.safetensors holds {says}"):
+            checkpoint.load_version(d, "v000001", with_optimizer=True)

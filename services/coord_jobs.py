@@ -260,7 +260,12 @@ class JobRunner:
             raise JobStopped()
         # Journaled before the shards drop the job: a coordinator restarted from here on ends the
         # job with this record; it never exports again (from shards that hold nothing any more).
-        self.coord.book.journal(run, "published", {"record": record})
+        try:
+            self.coord.book.journal(run, "published", {"record": record})
+        except (MarianaError, OSError) as e:  # the version is out, CURRENT moved: the job is done all the same
+            log.error("%s: job %s: %s/%s is published, but the job store could not record it (%s): a coordinator "
+                      "restarted before the job ends would export it again", self.coord.name, run.id,
+                      record["model_dir"], record["model_version"], e)
         await self.complete(run, record)
 
     async def complete(self, run: JobRun, record: dict) -> None:
@@ -655,8 +660,12 @@ class JobJournal:
         add_point(self.coord, run)
         self.coord.inputs.forget(run.id)
         run.final = run.to_saved()["final"]
-        self.save(run)
-        self.coord.store.drop_events(run.id)
+        try:
+            self.save(run)
+            self.coord.store.drop_events(run.id)
+        except (MarianaError, OSError) as e:  # a full disk: the job ended all the same, and status shows it
+            log.error("%s: job %s %s, but the job store could not record its end: %s", self.coord.name, run.id,
+                      run.state, e)
 
     def new_job(self, body: dict, checked: tuple[dict, dict, int] | None = None) -> JobRun:
         """A job from its body, checked here (`check_request`), or, with `checked` = (request,

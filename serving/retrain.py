@@ -156,13 +156,21 @@ def _finish(cfg: ServeConfig, status: "_Status", decision: dict) -> dict:
     decisions.jsonl and the status file, logged, a promotion announced on Redis (after it
     is recorded: a server that hears of it can read why), then the model dir tidied."""
     model_dir = cfg.serve.model_dir
-    _record(model_dir, decision)
-    status.update(decision=decision)
     verdict, new = decision["verdict"], decision["new_version"]
+    try:
+        _record(model_dir, decision)
+    except OSError as e:  # a full disk, a file of another owner: the verdict stands (CURRENT may have moved)
+        unrecorded = f"{DECISIONS} could not record it: {e.strerror or e}"
+    else:
+        unrecorded = None
+    status.update(decision=decision)
     log.log(logging.ERROR if verdict == "failed" else logging.INFO, "retrain %s: %s%s (%s)", model_dir, verdict,
             f" {new}" if new else "", decision["reason"])
-    if verdict == "promoted" and cfg.serve.redis_url:
+    if verdict == "promoted" and cfg.serve.redis_url:  # the servers swap to what CURRENT names, recorded or not
         model_events.publish(cfg.serve.redis_url, "promoted", model_dir, new, new, cfg.serve.channel)
+    if unrecorded:
+        raise MarianaError(f"retrain {model_dir}: {verdict}{' ' + new if new else ''} ({decision['reason']}), but "
+                           f"{unrecorded}{checkpoint.current_note(model_dir)}")
     tidy(cfg, status.path)
     return decision
 

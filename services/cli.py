@@ -593,8 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--valid-fraction", type=float, help="hold out the last F of the training rows for "
                     "validation (default 0.1 when no --valid-data)")
     tu.add_argument("--test-data", help="file(s) the best model is scored on (never used to choose)")
-    tu.add_argument("--budget", type=float, required=True, help="seconds of wall time for the search; the trial "
-                    "under way at the end stops after its epoch")
+    tu.add_argument("--budget", type=float, required=True, help="seconds of wall time for the search, from the "
+                    "command's start; the trial under way at the deadline stops there, its last epoch cut short "
+                    "(one cut inside its first epoch is unfinished, never the best)")
     tu.add_argument("--trials", type=int, help="stop after this many trials (default: only the budget)")
     tu.add_argument("--model", choices=("lr", "dnn", "any"),
                     help="model kind to tune (any: the kind is searched too; default: model.kind of --config or "

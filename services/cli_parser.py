@@ -15,3 +15,11 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A sub-command's parser refuses what it does not know itself: argparse hands it up to
+        the top parser, whose error pointed at `mariana --help`, which lists no option of it."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and " " in self.prog and self._subparsers is None:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras

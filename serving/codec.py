@@ -31,6 +31,8 @@ def decode(body: bytes, fmt: str, max_instances: int) -> tuple[list, int]:
     obj = _msgpack(body) if fmt == MSGPACK else _json(body)
     if not isinstance(obj, dict):
         raise bad_request(f"the body must be an object with an 'instances' array, got {_kind(obj)}")
+    if fmt == MSGPACK and "instances" not in obj and b"instances" in obj:  # a client that packs every string as bin
+        obj["instances"] = obj.pop(b"instances")
     if "instances" not in obj:
         raise bad_request("the body has no 'instances' (an array of objects, one per row to score)")
     instances = obj["instances"]

@@ -6,8 +6,9 @@ with `epochs = "auto"` (early stopping on the validation rows) and reports each
 epoch's validation logloss, so a successive-halving pruner stops trials that are
 behind the others at the same epoch. The first trial is the job's own config (the
 defaults), so the tuned model is never worse on validation than the default one.
-At the deadline the trial under way stops after its epoch's validation and counts
-with its best epoch. The best trial's model is kept in memory, scored on the test
+At the deadline the trial under way stops: in this process its last epoch is cut short
+and scored, and it counts with its best epoch ("unfinished", never the best, when the
+cut came inside its first epoch); a cluster trial's job is cancelled. The best trial's model is kept in memory, scored on the test
 files and saved; the trials go to `<model dir>/tune/<time>.json` and the version's
 manifest records the chosen config and the search.
 

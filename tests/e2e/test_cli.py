@@ -198,6 +198,8 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
          ["name a version after the ':'"]),
         (("gen", "criteo", "--rows", "10", "--seed", "-1", "--out", tmp_path / "g.tsv"),
          ["--seed: expected an integer in [0, 4294967295], got '-1'"]),
+        (("train", "--data", gen_files["test"], "--out", tmp_path / "o", "--bogus"),  # was `mariana --help`
+         ["mariana train: error: unrecognized arguments: --bogus (`mariana train --help` lists the options)"]),
         (("train", "--data", gen_files["test"], "--set", "model.seed=-1", "--out", tmp_path / "o"),
          ["model.seed must be an integer in [0, 4294967295], got -1"]),
         (("train", "--data", gen_files["test"], "--set", "optim.linear=adagrad", "--set", "optim.lr=1e38",

@@ -151,6 +151,10 @@ def test_field_names_packed_as_msgpack_bin_are_field_names(server):
     before = server.metric("mariana_serve_unknown_fields_total")
     status2, as_bin = server.post("/v1/predict", binary, fmt="msgpack")
     assert status == status2 == 200 and as_bin["pctr"] == as_text["pctr"]
+    every = msgpack.packb({b"instances": [{k.encode(): v.encode() if isinstance(v, str) else v
+                                           for k, v in row.items()}]}, use_bin_type=True)
+    status3, all_bin = server.post("/v1/predict", every, fmt="msgpack")  # "instances" too: it had "no 'instances'"
+    assert status3 == 200 and all_bin["pctr"] == as_text["pctr"], all_bin
     _, empty = server.predict([{}])
     assert as_bin["pctr"] != empty["pctr"]  # its fields were read, not ignored
     assert server.metric("mariana_serve_unknown_fields_total") == before

@@ -48,7 +48,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Watch until SIGTERM/SIGINT or until cluster.json is gone (`down` removed it)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.stopping.set())
         state = self.state()
         state["supervisor"] = {"pid": os.getpid(), "start": procs.start_time(os.getpid())}

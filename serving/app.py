@@ -109,7 +109,7 @@ async def predict(request: web.Request) -> web.Response:
     try:
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise ServeError(413, f"a body of {request.content_length} bytes; at most {s.max_body_bytes} "
-                             "(serve.max_body_bytes): split the request")
+                             "(serve.max_body_bytes): split the request", close=True)  # the body is left unread
         body = await _read(request, s)
         predictor = app[HOLDER].current
         if predictor is None:
@@ -243,8 +243,11 @@ async def _expect(request: web.Request) -> None:
         return None
     if request.version != aiohttp.HttpVersion11:  # HTTP/1.0 has no 100 Continue: the body just follows
         return None
-    if request.headers.get("Expect", "").lower() != "100-continue":
-        raise web.HTTPExpectationFailed(text=f"Unknown Expect: {request.headers.get('Expect', '')}")
+    if request.headers.get("Expect", "").lower() != "100-continue":  # answered before the middleware: counted here
+        request.app[METRICS].inc("mariana_serve_requests_total", route="/v1/predict", code="417")
+        raise web.HTTPExpectationFailed(text=dumps({"error": f"Expect: {request.headers.get('Expect', '')} is not "
+                                                             "one this server meets (only 100-continue)"}),
+                                        content_type="application/json")
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the answer's own size starts after it, as in aiohttp's handler
 
@@ -253,13 +256,16 @@ async def _read(request: web.Request, s) -> bytes:
     """The whole body, or ServeError: 413 over serve.max_body_bytes, 400 when it cannot be
     decoded (a Content-Encoding it is not in, a broken chunked stream), 408 when it does not
     all arrive in serve.body_seconds, 499 (nginx's "client closed request") when the client
-    leaves meanwhile. The last three close the connection."""
+    leaves meanwhile. Each closes the connection (after a 413 the rest of the body, never
+    read, would be taken for the next request)."""
     try:
         async with asyncio.timeout(s.body_seconds):
-            return await request.read()
+            if request.content.is_eof():  # the whole body came with the head: no task, no watch
+                return await request.read()
+            return await _read_watched(request)
     except web.HTTPRequestEntityTooLarge:
         raise ServeError(413, f"the body is over {s.max_body_bytes} bytes (serve.max_body_bytes): "
-                              "split the request") from None
+                              "split the request", close=True) from None
     except web.RequestPayloadError as e:
         why = " ".join(str(getattr(e.__cause__, "message", None) or e).split())
         # The parser is done with this body (it feeds it no more): marked ended, so aiohttp does
@@ -271,6 +277,27 @@ async def _read(request: web.Request, s) -> bytes:
                          close=True) from None
     except ConnectionError:
         raise ServeError(499, "the client closed the connection before its body arrived", close=True) from None
+
+
+async def _read_watched(request: web.Request) -> bytes:
+    """request.read() of a body still arriving, ended with the parser's error when the rest of
+    it is malformed (a broken chunked stream, a Content-Encoding it is not in): aiohttp queues
+    that error as the connection's next message and never hands it to the body being read,
+    which waited for serve.body_seconds and answered a false 408."""
+    read = asyncio.ensure_future(request.read())
+    try:
+        while True:
+            done, _ = await asyncio.wait([read], timeout=0.1)
+            if done:
+                return read.result()
+            for message, _ in getattr(request.protocol, "_messages", ()):  # aiohttp's queue (3.9-3.14)
+                if type(message).__name__ == "_ErrInfo":
+                    request.content.feed_eof()  # done with: not read again after the answer
+                    why = " ".join(str(getattr(message, "message", "") or "malformed").split())
+                    raise ServeError(400, f"the body cannot be read: {why}", close=True)
+    finally:
+        if not read.done():
+            read.cancel()
 
 
 @web.middleware
@@ -302,6 +329,8 @@ async def _errors_and_metrics(request: web.Request, handler):
     finally:
         if counted:
             m.inc("mariana_serve_in_flight", -1)
+    if request.app[SETTINGS].get("draining"):  # stopping: a client's next request goes to another worker
+        response.force_close()
     m.inc("mariana_serve_requests_total", route=route, code=str(response.status))
     m.observe("mariana_serve_request_seconds", time.perf_counter() - t0, route=route)
     return response
@@ -321,6 +350,8 @@ def _metrics() -> Metrics:
     m.histogram("mariana_serve_request_seconds", "Time from request to answer, by route.",
                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
     m.counter("mariana_serve_predictions_total", "Instances scored.")
+    m.counter("mariana_serve_bad_http_total", "Requests aiohttp's parser refused before any route (a malformed "
+              "head, chunked stream or Content-Encoding), each answered 400 by aiohttp.")
     m.counter("mariana_serve_unknown_fields_total", "Fields of instances that the model does not know (ignored; "
                                                     "counted in requests refused for another reason too).")
     m.counter("mariana_serve_creatives_added_total", "Creatives featurized after the version was trained, added "

@@ -66,18 +66,22 @@ def run_worker(cfg: ServeConfig, index: int = 0, run_dir: str | None = None, con
 async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path: str | None) -> int:
     from aiohttp import web
 
-    from mariana.serving.app import METRICS, create_app
+    from mariana.serving.app import METRICS, SETTINGS, create_app
     from mariana.services.runtime.http_idle import IdleClosingRunner
     from mariana.services.runtime.tuning import freeze_imports
 
     s = cfg.serve
     app = create_app(cfg, index, run_dir, config_path)
+    # lingering_time: how long a connection answered before its body was all read (a 408, a 413) reads the rest
+    # before it closes (aiohttp's 10 s held the socket of a client too slow to send it anyway)
     runner = IdleClosingRunner(app, access_log=None, handle_signals=False, shutdown_timeout=s.drain_seconds,
-                               keepalive_timeout=s.keepalive_seconds)
+                               keepalive_timeout=s.keepalive_seconds, lingering_time=LINGER_SECONDS)
     await runner.setup()
+    client_errors = _ClientErrors(app[METRICS])
+    logging.getLogger("aiohttp.server").addFilter(client_errors)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: the terminal closed; never orphaned
         loop.add_signal_handler(sig, stop.set)
     freeze_imports()  # the model is loaded: the collector need not walk torch's and aiohttp's objects again
     watchdog = None
@@ -97,14 +101,57 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
         await stop.wait()
         log.info("serve-%d: stopping: answering the requests in flight (up to %.0fs)", index, s.drain_seconds)
         sdnotify.notify("STOPPING=1", "STATUS=stopping")
+        app[SETTINGS]["draining"] = True
+        await _drain(runner, app[METRICS], s.drain_seconds)
     finally:
         await runner.cleanup()
+        logging.getLogger("aiohttp.server").removeFilter(client_errors)
         if watchdog is not None:
             watchdog.cancel()
     m = app[METRICS]
     log.info("serve-%d: stopped after %d requests, %d predictions", index,
              m.value("mariana_serve_requests_total"), m.value("mariana_serve_predictions_total"))
     return 0
+
+
+LINGER_SECONDS = 2.0
+
+
+async def _drain(runner, metrics, seconds: float) -> None:
+    """Stop taking connections, then wait up to `seconds` for the requests in flight, those
+    whose bodies are still arriving included. aiohttp's own shutdown (runner.cleanup) marks
+    every connection closing first, and a closing connection drops what it receives: a
+    request whose body was still coming in was never answered. Answers given meanwhile close
+    their connections (SETTINGS "draining"): keep-alive clients go to another worker."""
+    loop = asyncio.get_running_loop()
+    for site in list(runner.sites):
+        server = getattr(site, "_server", None)  # the listening asyncio.Server (aiohttp's field, 3.9-3.14)
+        if server is not None:
+            server.close()  # stops accepting; the connections it made stay open
+    deadline = loop.time() + seconds
+    while metrics.value("mariana_serve_in_flight") > 0 and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+
+
+class _ClientErrors(logging.Filter):
+    """aiohttp answers a request its parser refuses (a malformed head, a broken chunked stream,
+    a Content-Encoding it cannot decode) with a 400 of its own, before any route, and logged an
+    ERROR with an 11-line traceback for each: any client could fill the log. Such a record is
+    counted (mariana_serve_bad_http_total) and logged as one line at debug level instead."""
+
+    def __init__(self, metrics) -> None:
+        super().__init__()
+        self.metrics = metrics
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        self.metrics.inc("mariana_serve_bad_http_total")
+        log.debug("a request aiohttp's parser refused: %s", " ".join(str(exc).split())[:300])
+        return False
 
 
 # ---- the supervisor ------------------------------------------------------------------------
@@ -177,12 +224,12 @@ class _Supervisor:
         self.children: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}
         self.quick_deaths: dict[int, int] = {}
-        self.stopping = False
+        self.stopping, self.signalled = False, ""
         self.watchdog_period, self.next_ping = sdnotify.watchdog_period(), 0.0
 
     def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP killed this process and left its
+            signal.signal(sig, self._on_signal)  # workers serving with no supervisor (none restarted, /readyz lying)
         for i in range(self.n):
             if not self.stopping:
                 self._start(i)
@@ -204,6 +251,8 @@ class _Supervisor:
                         self.stopping = True
                         break
             self._feed_watchdog()
+        if self.signalled:
+            log.info("serve: %s: stopping the workers", self.signalled)
         sdnotify.notify("STOPPING=1", "STATUS=stopping")
         self._stop_all()
         return 1 if failed else 0
@@ -219,7 +268,7 @@ class _Supervisor:
             self.next_ping = time.monotonic() + self.watchdog_period
 
     def _on_signal(self, signum, frame) -> None:
-        self.stopping = True
+        self.stopping, self.signalled = True, signal.Signals(signum).name
 
     def _start(self, i: int) -> None:
         cmd = [sys.executable, "-m", "mariana", *self.verbosity, "serve", "--config", self.resolved,

@@ -172,7 +172,7 @@ async def cancel_and_wait(tasks, grace: float = 0.1) -> None:
 async def _run(service: Service) -> int:
     loop = asyncio.get_running_loop()
     service.stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # one signal owner
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # one signal owner; SIGHUP stops too, cleanly
         loop.add_signal_handler(sig, service.stopping.set)
     service.ctx = zmq.asyncio.Context()
     t0 = time.monotonic()

@@ -131,6 +131,55 @@ def test_expect_continue_for_a_body_over_the_limit_is_answered_413_at_once(serve
     assert answer.startswith(b"HTTP/1.1 200"), answer
 
 
+@pytest.mark.parametrize("tail", [b"5\r\n" + BODY + b"\r\n0\r\n\r\n", b"zz\r\n{}\r\n0\r\n\r\n"],
+                         ids=["chunk-size-lies", "chunk-size-not-hex"])
+def test_a_broken_chunked_stream_after_the_head_is_400_at_once(server, tail):
+    """Sent a moment after the head, the parser's error was queued as the next request and
+    never reached the body being read: 60 s of nothing, then a false 408."""
+    head = (b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head)
+        time.sleep(0.3)
+        sock.sendall(tail)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 400") and b"the body cannot be read" in got, got
+    assert time.monotonic() - t0 < 0.9 and "Traceback" not in server.logs()  # body_seconds is 1 here
+
+
+def test_requests_the_parser_refuses_are_counted_and_no_traceback_is_logged(server):
+    """aiohttp answers these itself, before any route: each logged an 11-line ERROR traceback
+    (any client could fill the log) and none was counted."""
+    before = server.metric("mariana_serve_bad_http_total")
+    for bad in (b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+                post_head(4, "Transfer-Encoding: chunked\r\n") + b"body"):
+        got, closed = raw(server, bad, wait=3)
+        assert got.startswith(b"HTTP/1.") and b" 400 " in got.split(b"\r\n")[0], got
+    assert server.metric("mariana_serve_bad_http_total") == before + 2
+    assert "Traceback" not in server.logs() and "Error handling request" not in server.logs()
+
+
+def test_an_expect_other_than_100_continue_is_a_counted_json_417(server):
+    got, _ = raw(server, post_head(len(BODY), "Expect: bogus\r\nConnection: close\r\n"), wait=3)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 417") and b"application/json" in head, got
+    assert "Expect: bogus is not one this server meets" in json.loads(body)["error"]
+    assert 'mariana_serve_requests_total{code="417",route="/v1/predict"} 1' in server.get("/metrics")[1]["text"]
+
+
+def test_a_413_before_the_body_closes_the_connection(server):
+    """With Expect: 100-continue the body never comes: what the client sent next on the
+    connection was read as that body (a GET behind it never answered)."""
+    t0 = time.monotonic()
+    got, closed = raw(server, post_head(5_000_000, "Expect: 100-continue\r\n") + b"GET /healthz HTTP/1.1\r\n"
+                      b"Host: x\r\n\r\n", wait=8)
+    assert got.startswith(b"HTTP/1.1 413") and b"Connection: close" in got.split(b"\r\n\r\n")[0], got
+    assert closed and time.monotonic() - t0 < 5
+
+
 @pytest.mark.parametrize("value,status", [(b"Bearer s3cr\xe9t", 401), (b"Bearer \xff\xfe", 401),
                                           (b"bearer s3cret", 403), (b"BEARER  s3cret ", 403)],
                          ids=["latin-1", "not text", "lower-case scheme", "spaces"])

@@ -107,10 +107,16 @@ async def predict(request: web.Request) -> web.Response:
     app, s = request.app, request.app[SETTINGS]["cfg"].serve
     fmt = codec.format_of(request.content_type)
     try:
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in _ENCODINGS:  # aiohttp read any other as none, and the answer said "not UTF-8"
+            raise ServeError(415, f"Content-Encoding {encoding!r} is not one this server reads (gzip, deflate, "
+                                  "x-gzip, or none)", close=True)
         if request.content_length is not None and request.content_length > s.max_body_bytes:
             raise ServeError(413, f"a body of {request.content_length} bytes; at most {s.max_body_bytes} "
                              "(serve.max_body_bytes): split the request", close=True)  # the body is left unread
         body = await _read(request, s)
+        if encoding == "x-gzip":  # gzip by its old name (RFC 9110 8.4.1.3), which aiohttp does not decode
+            body = _gunzip(body, s.max_body_bytes)
         predictor = app[HOLDER].current
         if predictor is None:
             raise ServeError(503, f"no model is loaded yet (nothing in service in {s.model_dir})")
@@ -279,6 +285,26 @@ async def _read(request: web.Request, s) -> bytes:
         raise ServeError(499, "the client closed the connection before its body arrived", close=True) from None
 
 
+_ENCODINGS = ("", "identity", "gzip", "deflate", "x-gzip")
+
+
+def _gunzip(body: bytes, limit: int) -> bytes:
+    import zlib
+
+    d = zlib.decompressobj(wbits=31)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise ServeError(400, f"the body cannot be read: not gzip, as its Content-Encoding says ({e})",
+                         close=True) from None
+    if len(out) > limit:
+        raise ServeError(413, f"the body is over {limit} bytes (serve.max_body_bytes) once decompressed: "
+                              "split the request")
+    if not d.eof:
+        raise ServeError(400, "the body cannot be read: its gzip stream ends before it is complete", close=True)
+    return out
+
+
 async def _read_watched(request: web.Request) -> bytes:
     """request.read() of a body still arriving, ended with the parser's error when the rest of
     it is malformed (a broken chunked stream, a Content-Encoding it is not in): aiohttp queues
@@ -337,8 +363,8 @@ async def _errors_and_metrics(request: web.Request, handler):
 
 
 def _http_error_text(request: web.Request, e: web.HTTPException) -> str:
-    if e.status == 404:
-        return f"no such endpoint: {request.path} (see /openapi.json)"
+    if e.status == 404:  # a CONNECT names host:port, no path
+        return f"no such endpoint: {request.path or request.raw_path or request.method} (see /openapi.json)"
     if e.status == 405:
         return f"{request.method} is not allowed on {request.path} (allowed: {e.headers.get('Allow', '')})"
     return e.reason or e.text or f"HTTP {e.status}"

@@ -80,7 +80,7 @@ _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 def _json(body: bytes):
     try:
-        return _DECODER.decode(body.decode("utf-8"))
+        return _DECODER.decode(body.decode("utf-8").removeprefix("\ufeff"))  # a BOM, which RFC 8259 lets a reader skip
     except UnicodeDecodeError as e:
         raise bad_request(f"the body is not UTF-8 text (byte {e.start}); send JSON, or msgpack with "
                           "Content-Type: application/msgpack") from None
@@ -99,6 +99,8 @@ def _msgpack(body: bytes):
 
 def _msgpack_reason(e: Exception) -> str:
     """msgpack's own message, or (FormatError and StackError carry none) what it means."""
+    if "exceeds max_" in str(e):  # "4294967295 exceeds max_array_len(16)": the limit is the body's length
+        return "a count in it is larger than its bytes could hold (a truncated body, or not msgpack)"
     if str(e):
         return str(e)
     if isinstance(e, msgpack.FormatError):

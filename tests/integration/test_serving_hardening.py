@@ -170,6 +170,33 @@ def test_an_expect_other_than_100_continue_is_a_counted_json_417(server):
     assert 'mariana_serve_requests_total{code="417",route="/v1/predict"} 1' in server.get("/metrics")[1]["text"]
 
 
+@pytest.mark.parametrize("encoding,body,status,says", [
+    ("x-gzip", __import__("gzip").compress(BODY), 200, None),  # gzip's old name: was "not UTF-8 text (byte 1)"
+    ("gzip, identity", __import__("gzip").compress(BODY), 415, "Content-Encoding 'gzip, identity' is not one"),
+    ("bogus", BODY, 415, "Content-Encoding 'bogus' is not one this server reads"),  # was read as none: 200
+    ("x-gzip", __import__("gzip").compress(BODY)[:-12], 400, "its gzip stream ends before it is complete"),
+    ("", b"\xef\xbb\xbf" + BODY, 200, None),  # a BOM: "Expecting value: line 1 column 1"
+])
+def test_content_encodings_it_does_not_read_are_refused_and_gzips_old_name_is_read(server, encoding, body, status,
+                                                                                   says):
+    extra = (f"Content-Encoding: {encoding}\r\n" if encoding else "") + "Connection: close\r\n"
+    got, _ = raw(server, post_head(len(body), extra) + body)
+    head, _, answer = got.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status}".encode()), got
+    if says:
+        assert says in json.loads(answer)["error"]
+    else:
+        assert json.loads(answer)["pctr"][0] == server.predict([{"I1": 3, "C1": "68fd1e64"}])[1]["pctr"][0]
+
+
+def test_a_msgpack_count_larger_than_its_body_is_said_so():
+    from mariana.serving.codec import MSGPACK, decode
+    from mariana.serving.errors import ServeError
+
+    with pytest.raises(ServeError, match="a count in it is larger than its bytes could hold"):
+        decode(b"\xdd\xff\xff\xff\xff" + b"\x00" * 11, MSGPACK, 10)  # was "exceeds max_array_len(16)"
+
+
 def test_a_413_before_the_body_closes_the_connection(server):
     """With Expect: 100-continue the body never comes: what the client sent next on the
     connection was read as that body (a GET behind it never answered)."""

@@ -35,6 +35,7 @@ from mariana.services.runtime import procs
 from mariana.services.runtime.config import ClusterConfig, to_toml
 from mariana.services.runtime.sdnotify import child_env
 from mariana.sparse.errors import MarianaError
+from mariana.sparse.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -333,13 +334,7 @@ def _records(state: dict) -> list[dict]:
 
 def _write_private(path: str, text: str) -> str:
     """Write atomically, readable by the owner only (the file holds the admin token)."""
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # O_CREAT leaves the mode of an existing file alone
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
+    return write_atomically(path, lambda f: f.write(text), mode=0o600)
 
 
 def _save_state(state: dict) -> None:

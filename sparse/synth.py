@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 
 from mariana.sparse.errors import MarianaError
+from mariana.sparse.files import why
 from mariana.sparse.hashing import fmix64
 from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
 
@@ -222,6 +223,8 @@ def output_stream(path: str | os.PathLike) -> Iterator[tuple[pa.NativeFile, str]
             yield sink, out
         if not straight:
             os.replace(tmp, out)
+    except OSError as e:  # pyarrow's: "error writing bytes to file. detail: [errno 28] ..."
+        raise MarianaError(f"{out}: cannot write it: {why(e)}") from None
     finally:
         if not straight and os.path.exists(tmp):
             os.unlink(tmp)

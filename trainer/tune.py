@@ -8,9 +8,10 @@ behind the others at the same epoch. The first trial is the job's own config (th
 defaults), so the tuned model is never worse on validation than the default one.
 At the deadline the trial under way stops: in this process its last epoch is cut short
 and scored, and it counts with its best epoch ("unfinished", never the best, when the
-cut came inside its first epoch); a cluster trial's job is cancelled. The best trial's model is kept in memory, scored on the test
-files and saved; the trials go to `<model dir>/tune/<time>.json` and the version's
-manifest records the chosen config and the search.
+cut came inside its first epoch); a cluster trial's job is cancelled. The best trial's
+model is kept in memory, scored on the test files and saved; the trials go to
+`<model dir>/tune/<time>.json` and the version's manifest records the chosen config and
+the search.
 
 The search is one loop whatever trains a trial: a `TrialRunner` runs one config and
 hands back its validation record. `LocalTrials` trains in this process
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 from mariana.sparse.errors import MarianaError
+from mariana.sparse.files import why, write_atomically
 from mariana.trainer.bundle import ModelBundle
 from mariana.sparse.settings import from_dict
 from mariana.trainer.config import AUTO, JobConfig
@@ -442,10 +444,11 @@ def trials_path(model_dir: str) -> str:
 def save_trials(model_dir: str, result: TuneResult, meta: dict, path: str | None = None) -> str:
     """The trials as JSON in `path` (default: `trials_path(model_dir)`); returns the path."""
     path = path or trials_path(model_dir)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump({**meta, "best_trial": result.best.number if result.best else None,
-                   "trials": [t.to_dict() for t in result.trials]}, f, indent=1, allow_nan=False)
-    os.replace(path + ".tmp", path)
-    return path
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as e:
+        raise MarianaError(f"{os.path.dirname(path)}: cannot create it for the trials: {why(e)}") from None
+    body = {**meta, "best_trial": result.best.number if result.best else None,
+            "trials": [t.to_dict() for t in result.trials]}
+    return write_atomically(path, lambda f: json.dump(body, f, indent=1, allow_nan=False))
 

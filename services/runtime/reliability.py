@@ -10,6 +10,7 @@ import os
 import tempfile
 
 from mariana.sparse.errors import MarianaError
+from mariana.sparse.files import write_atomically
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 
@@ -87,4 +88,5 @@ def plot(table: list[dict], path: str, title: str = "") -> None:
                width=widths, align="edge", color="#93c5fd", edgecolor="#2563eb", lw=0.6)
     bottom.set(xlabel="predicted CTR (pCTR)", ylabel=f"rows per {unit:g}")
     bottom.grid(alpha=0.3, axis="y")
-    fig.savefig(path, dpi=120)
+    fmt = os.path.splitext(path)[1].lower().lstrip(".")
+    write_atomically(path, lambda f: fig.savefig(f, format=fmt, dpi=120), binary=True)  # no 0-byte file on a full disk

@@ -82,3 +82,26 @@ def test_a_full_disk_leaves_current_where_it_was_and_says_so(tmp_path):
     assert "CURRENT still names v000002" in out, out
     assert proc.stdout.split()[proc.stdout.split().index("rc=2") + 1] == "v000002", out
     assert not [n for n in proc.stdout.split() if n.startswith(".CURRENT")], out
+
+
+@pytest.mark.timeout(300)
+def test_files_written_on_a_full_disk_are_named_and_leave_nothing_behind(tmp_path):
+    """`gen` said "error writing bytes to file. detail: [errno 28]", `evaluate --plot` left a
+    0-byte png, `tune` lost its trials and left a .tmp, naming no file: now one line names
+    the file and says the disk is full, and no temp file stays."""
+    data = tmp_path / "train.tsv"
+    generate_criteo(data, 3_000, seed=31)
+    full = tmp_path / "full"
+    full.mkdir()
+    m = f"{sys.executable} -m mariana"
+    proc = namespaced(f"set -u; {train(data, tmp_path / 'ctr', 12)} && mount -t tmpfs -o size=64k none {full} && "
+                      f"{m} gen criteo --rows 20000 --out {full}/g.tsv; echo rc=$?; "
+                      f"head -c 60000 /dev/zero > {full}/filler; "
+                      f"{m} evaluate --model {tmp_path / 'ctr'} --data {data} --plot {full}/big.png; echo rc=$?; "
+                      f"ls -a {full}")
+    out = proc.stdout + proc.stderr
+    assert f"mariana: error: {full}/g.tsv: cannot write it: no space left on its filesystem" in out, out
+    assert f"mariana: error: {full}/big.png: cannot write it: no space left on its filesystem" in out, out
+    assert out.count("rc=2") == 2, out
+    listed = proc.stdout.split("rc=")[-1].split()[1:]
+    assert [n for n in listed if n not in (".", "..")] == ["filler"], out  # no temp files, no partial file

@@ -1,0 +1,55 @@
+"""Writing a file whole or not at all, with an error a person can act on.
+
+A full disk, a read-only filesystem or a directory of another owner surfaced as
+"mariana: error: no space left on device", naming no file, and left the temp file
+(`cluster.toml.tmp`, a trials `.json.tmp`, a 0-byte plot) behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+from typing import IO, Callable
+
+from mariana.sparse.errors import MarianaError
+
+_REASONS = {errno.ENOSPC: "no space left on its filesystem", errno.EDQUOT: "the disk quota is used up",
+            errno.EROFS: "its filesystem is read-only", errno.EACCES: "permission denied",
+            errno.EPERM: "operation not permitted"}
+
+
+def why(e: OSError) -> str:
+    """An OSError as a reason: its errno's words (pyarrow's carry the errno in the text).
+
+    >>> why(OSError("error writing bytes to file. detail: [errno 28] No space left on device"))
+    'no space left on its filesystem'
+    >>> why(OSError(errno.EIO, "Input/output error"))
+    'Input/output error'
+    """
+    code = e.errno
+    if code is None:
+        m = re.search(r"\[errno (\d+)\]", str(e), re.IGNORECASE)
+        code = int(m.group(1)) if m else None
+    return _REASONS.get(code) or e.strerror or str(e)
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False,
+                     mode: int | None = None) -> str:
+    """`write(f)` into a temp file beside `path`, then renamed over it: readers find the old
+    file or the new one. On an error the temp file is removed and MarianaError names `path`
+    and why. `mode`: the file's permission bits (default: the umask's). Returns `path`."""
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        if mode is not None:
+            os.fchmod(fd, mode)  # O_CREAT leaves the mode of a file that was there alone
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise MarianaError(f"{path}: cannot write it: {why(e)}") from None
+    return path

@@ -12,8 +12,9 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 
-def kill_a_rank(argv: list[str], env: dict | None = None, rank: int = 1, after_s: float = 1.0) -> dict:
-    """Start `python -m mariana ARGV`, SIGKILL its rank `rank` `after_s` seconds after that
+def kill_a_rank(argv: list[str], env: dict | None = None, rank: int = 1, after_s: float = 1.0,
+                sig: int = signal.SIGKILL) -> dict:
+    """Start `python -m mariana ARGV`, SIGKILL (or `sig`) its rank `rank` `after_s` seconds after that
     process appears; returns {"returncode", "stderr", "seconds" (from the kill to the job's
     exit), "children" (its processes left behind)}."""
     parent = subprocess.Popen([sys.executable, "-m", "mariana", *argv], cwd=ROOT, env=env or dict(os.environ),
@@ -21,7 +22,7 @@ def kill_a_rank(argv: list[str], env: dict | None = None, rank: int = 1, after_s
     try:
         victim = wait_for_rank(parent.pid, rank)
         time.sleep(after_s)  # into the steps
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
         t0 = time.monotonic()
         _, err = parent.communicate(timeout=60)
     finally:

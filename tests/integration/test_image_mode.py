@@ -173,6 +173,19 @@ def test_a_killed_partition_fails_the_job_with_a_clear_error(tmp_path, shapes):
     assert not run["children"]
 
 
+@pytest.mark.parametrize("layout", [["--partitions", "2"], ["--groups", "2"]], ids=["P2", "G2"])
+def test_a_stopped_rank_fails_the_job_within_its_timeout(tmp_path, shapes, layout):
+    """A rank that stops answering (SIGSTOP) without closing its sockets: the pipeline's and
+    the exchange's groups were made without --timeout, so gloo gave them 30 minutes and the
+    job hung (still running after 300 s in an exploratory run)."""
+    run = kill_a_rank(["train", "image", "--data", str(shapes), *layout, "--epochs", "100000", "--batch-size", "64",
+                       "--test-images", "128", "--timeout", "5", "--out", str(tmp_path / "f")],
+                      after_s=2.0, sig=signal.SIGSTOP)
+    assert run["returncode"] == 2 and run["seconds"] < 40, run
+    assert "mariana: error: rank" in run["stderr"] and not (tmp_path / "f").exists()
+    assert not run["children"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_launcher_stopped_takes_its_ranks_with_it(tmp_path, shapes, sig):
     """SIGTERM to `train image` alone (not its process group) left both ranks training at full

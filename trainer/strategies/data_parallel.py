@@ -157,10 +157,22 @@ def init_distributed(ctx: DistContext, backend: str, init_method: str | None = N
     """Join the process group. Every collective after this times out after `timeout_s`, so a
     rank that dies fails the others with an error instead of a hang. `init_method` None:
     env:// (MASTER_ADDR / MASTER_PORT, as torchrun sets them)."""
+    global _timeout
     if not ctx.distributed or dist.is_initialized():
         return
+    _timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=init_method or "env://", rank=ctx.rank,
-                            world_size=ctx.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+                            world_size=ctx.world_size, timeout=_timeout)
+
+
+_timeout: datetime.timedelta | None = None
+
+
+def new_group(ranks: list[int]):
+    """dist.new_group with the timeout init_distributed was given: without one, gloo gives a
+    group 30 minutes, and a rank stopped (SIGSTOP) hung the image mode's pipeline and its
+    exchange for that long, whatever --timeout said."""
+    return dist.new_group(ranks, timeout=_timeout)
 
 
 def shutdown_distributed() -> None:

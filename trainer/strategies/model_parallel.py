@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mariana.sparse.errors import ConfigError
 from mariana.trainer.memory import SavedActivations, recomputation
+from mariana.trainer.strategies.data_parallel import new_group
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -314,8 +315,8 @@ class PipelineStep:
         self.dp_group = self.pp_group = None
         if dist.is_initialized() and layout.world_size > 1:
             # every rank creates every group, in the same order (new_group is collective)
-            dp = [dist.new_group(layout.dp_ranks(p)) for p in range(layout.partitions)]
-            pp = [dist.new_group(layout.pp_ranks(g)) for g in range(layout.groups)]
+            dp = [new_group(layout.dp_ranks(p)) for p in range(layout.partitions)]
+            pp = [new_group(layout.pp_ranks(g)) for g in range(layout.groups)]
             self.dp_group, self.pp_group = dp[self.part], pp[self.group]
         self.schedule = self.stage = None
         if layout.partitions > 1:

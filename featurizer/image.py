@@ -332,8 +332,9 @@ class ImageFeaturizer:
             manifest = json.loads((d / MANIFEST).read_text())
         except FileNotFoundError:
             if (d / "CURRENT").is_file() or any(d.glob("v[0-9][0-9][0-9][0-9][0-9][0-9]*")):
-                raise ModelDirError(f"{d}: a click model's directory (its versions), not a featurizer: name the "
-                                    "featurizer directory ('mariana featurizer train --out DIR' makes one)") from None
+                raise ModelDirError(f"{d}: a model directory (versions of a click or speech model), not a "
+                                    "featurizer: name the featurizer directory ('mariana featurizer train --out DIR' "
+                                    "makes one)") from None
             raise ModelDirError(f"{d}: no featurizer here (no {MANIFEST}); train one with "
                                 f"'mariana featurizer train --out {d}'") from None
         except json.JSONDecodeError as e:

@@ -149,8 +149,9 @@ def read_images(path: str, size: int = 28):
     if path.endswith(".npy"):
         try:
             images = np.load(path, allow_pickle=False)
-        except ValueError as e:
-            raise MarianaError(f"{path}: not a plain .npy array ({e})") from None
+        except ValueError as e:  # numpy's words for a header it cannot read invite an unsafe load: not repeated
+            why = "it holds Python objects, which are never loaded" if "pickle" in str(e) else str(e)
+            raise MarianaError(f"{path}: not a plain .npy array of images ({why})") from None
     else:
         try:
             images = read_idx(path, ndim=3)

@@ -107,6 +107,9 @@ def current_version(model_dir: str | os.PathLike) -> str:
             shown = ", ".join(versions[-3:]) + (f" (and {len(versions) - 3} older)" if len(versions) > 3 else "")
             raise ModelDirError(f"{model_dir}: no CURRENT file, so no version serves; it holds {shown}: pick one "
                                 f"with 'mariana model promote VERSION --model-dir {model_dir}'") from None
+        if (d / MANIFEST).is_file():  # a featurizer (mariana featurizer train, train image): no versions
+            raise ModelDirError(f"{model_dir}: an image featurizer, not a model directory: 'mariana featurize "
+                                f"--model {model_dir}' runs it") from None
         raise ModelDirError(f"{model_dir}: holds no model (no CURRENT file); train one with 'mariana train'") from None
     except OSError as e:
         raise ModelDirError(f"{d / 'CURRENT'}: cannot read it: {e.strerror or e}") from None
@@ -498,6 +501,10 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
     """Write a new version; returns its name, one never given in this dir before
     (`_new_name`). With `make_current`, CURRENT moves to it (recorded as `reason` when given)."""
     d = Path(model_dir)
+    bad = finite.nonfinite(weights)
+    if bad:  # a version no server loads; CURRENT would have named it (a speech run diverged at --lr 1e8)
+        raise ModelDirError(f"{model_dir}: nothing was published: the trained weights hold {finite.describe(bad)} "
+                            f"(training diverged: lower the learning rate){current_note(d, 'still ')}")
     tmp = None
     try:
         d.mkdir(parents=True, exist_ok=True)

@@ -161,6 +161,11 @@ def write_featurizer(out_dir: str | os.PathLike, manifest: dict, tensors: dict[s
     puts its DIR in place first, that one stays and this one is dropped. A DIR holding anything
     but a featurizer is refused (check_featurizer_out): the replacement would delete it."""
     out = Path(out_dir)
+    bad = sorted(k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all()))
+    if bad:  # it replaced a good featurizer with one that loads nowhere (an image run at --lr 1e6)
+        raise MarianaError(f"{out}: not written: the trained weights hold NaN or infinite values (in "
+                           f"{', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}): training diverged; lower --lr"
+                           f"{'; the featurizer there is kept' if (out / MANIFEST).exists() else ''}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-featurizer-", dir=out.parent))
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import queue
 import threading
 import time
@@ -102,8 +103,15 @@ class ImageConfig:
             raise ConfigError(f"--balance {self.balance!r}: use memory or time")
         if self.cut_after:
             manual_cuts([name for name, _ in ImageCNN(self.cnn).fine_stages()], self.cut_after, self.partitions)
-        if self.prefetch < 0 or self.shift < 0 or self.decode_workers < 0 or not self.lr > 0:
-            raise ConfigError("--prefetch, --decode-workers and --shift must be >= 0 and --lr > 0")
+        for key in ("prefetch", "decode_workers", "shift"):  # one message named all four and no value
+            if getattr(self, key) < 0:
+                raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(self, key)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):  # inf trained to NaN weights and exported them
+            raise ConfigError(f"--lr must be a positive number, got {self.lr:g}")
+        if self.schedule == "1f1b" and self.microbatches < self.partitions:  # each rank's traceback from torch
+            raise ConfigError(f"--microbatches {self.microbatches}: the 1f1b schedule needs at least one per "
+                              f"partition (--partitions {self.partitions}); give --microbatches "
+                              f"{self.partitions} or more, or --schedule gpipe")
         if self.classes == 1 or self.classes < 0:
             raise ConfigError(f"classes {self.classes}: at least 2 (0: the preset's)")
         if self.shift >= self.cnn.size:  # every pixel moved out of the frame: blank images, a useless featurizer
@@ -241,6 +249,8 @@ def check_data(cfg: ImageConfig, data: ImageSet, name: str = "the images") -> tu
     if data.images.shape[1] != cfg.cnn.size:
         raise ConfigError(f"{name}: the images are {data.images.shape[1]}x{data.images.shape[2]}; preset "
                           f"{cfg.preset!r} takes {cfg.cnn.size}x{cfg.cnn.size}")
+    if len(data.images) < 2:  # "must be between 1 and -1 (0 images)"
+        raise ConfigError(f"{name}: {len(data.images)} images: nothing to train and test on")
     if not 0 < cfg.test_images < len(data.images):
         raise ConfigError(f"--test-images {cfg.test_images}: must be between 1 and {len(data.images) - 1} "
                           f"({len(data.images)} images)")

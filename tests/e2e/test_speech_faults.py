@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from mariana.trainer import checkpoint
 from tests.conftest import _CASES, ROOT, data_dir, run_cli
 from tests.integration.rankkill import children, wait_for_rank
 
@@ -201,3 +203,27 @@ def test_predict_and_evaluate_refuse_empty_data_and_row_flags(model, fsdd, tmp_p
     assert_one_line(*runs[1], "none/*.wav: the pattern matches no files")
     for run in runs[2:]:
         assert_one_line(*run, "--format is for a click model's rows", "holds a speech model, which reads wav files")
+
+
+def test_a_diverged_run_publishes_nothing_and_current_stays(model, fsdd, tmp_path):
+    """--lr 1e8: the weights went NaN, and the version was published and made CURRENT, exit 0
+    (evaluate and predict then refused it as corrupt)."""
+    m = tmp_path / "m"
+    shutil.copytree(model, m)
+    code, err = cases_in(tmp_path, [["train", "speech", "--data", fsdd["both"], "--epochs", "1", "--batch-size", "64",
+                                     "--lr", "1e8", "--out", m]], {"MARIANA_CACHE": str(model.parent / "cache")})[0]
+    assert code == 2 and "nothing was published: the trained weights hold NaN or infinite values" in err, err
+    assert "CURRENT still names v000001" in err and (m / "CURRENT").read_text().strip() == "v000001"
+    assert checkpoint.list_versions(m) == ["v000001"]
+
+
+def test_evaluate_refuses_a_split_that_holds_out_what_the_model_learned(model, fsdd, tmp_path):
+    """Trained with --split official, evaluated with --split speaker:theo: theo's recordings
+    5+ were learned, and were scored as held out (0.986 against a held-out 0.963), silently."""
+    env = {"MARIANA_CACHE": str(model.parent / "cache")}
+    runs = cases_in(tmp_path, [["evaluate", "--model", model, "--data", fsdd["both"], "--split", "speaker:theo"],
+                               ["evaluate", "--model", model, "--data", fsdd["both"], "--split", "official", "--json"]],
+                    env)
+    assert_one_line(*runs[0], "--split speaker:theo: 20 of its 40 held-out recordings are ones this model was "
+                              "trained on (it was trained with --split official)")
+    assert runs[1][0] == 0, runs[1]

@@ -142,6 +142,10 @@ BAD_IMAGE = [
     (["--partitions", "2", "--cut-after", "conv9"], "--cut-after 'conv9': not a stage; the stages are ['conv1', "),
     (["--partitions", "2", "--cut-after", "head"], "each partition non-empty"),
     (["--cut-after", "conv1"], "the last stage of each partition but the last: 0 of"),
+    (["--lr", "inf"], "--lr must be a positive number, got inf"),  # trained to NaN weights, exported, exit 0
+    (["--shift", "-1"], "--shift must be >= 0, got -1"),  # named all four flags and no value
+    (["--partitions", "2", "--microbatches", "1"],  # a torch traceback from each rank
+     "--microbatches 1: the 1f1b schedule needs at least one per partition (--partitions 2)"),
 ]
 
 

@@ -472,3 +472,13 @@ def test_optimizer_state_no_optimizer_writes_is_refused_for_a_warm_start(tmp_pat
         save_file({"table.linear.n": bad, "table.linear.z": np.zeros((4, 1), np.float32)}, str(opt))
         with pytest.raises(ModelDirError, match=f"optimizer.safetensors holds {says}"):
             checkpoint.load_version(d, "v000001", with_optimizer=True)
+
+
+def test_a_featurizer_named_as_a_model_directory_is_said_to_be_one(tmp_path):
+    """`mariana predict --model FEATURIZER_DIR` said "holds no model (no CURRENT file); train
+    one with 'mariana train'"."""
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / checkpoint.MANIFEST).write_text('{"format": "mariana-featurizer/1"}')
+    with pytest.raises(ModelDirError, match="f: an image featurizer, not a model directory: 'mariana featurize "
+                                            "--model .*/f' runs it"):
+        checkpoint.current_version(tmp_path / "f")

@@ -248,7 +248,8 @@ def test_featurizer_load_errors_name_the_dir(tmp_path, featurizer_dir):
     clicks = tmp_path / "clicks"  # a click model's dir: the hint said to train a featurizer into it (refused)
     (clicks / "v000001").mkdir(parents=True)
     (clicks / "CURRENT").write_text("v000001\n")
-    with pytest.raises(ModelDirError, match="clicks: a click model's directory \\(its versions\\), not a featurizer"):
+    with pytest.raises(ModelDirError, match="clicks: a model directory \\(versions of a click or speech model\\), "
+                                            "not a featurizer"):
         ImageFeaturizer.load(clicks)
     broken = tmp_path / "broken"
     broken.mkdir()

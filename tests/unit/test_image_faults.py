@@ -68,6 +68,21 @@ def test_a_featurizer_out_of_other_files_is_refused_before_training_and_kept(tmp
     check_featurizer_out(tmp_path / "new" / "deeper")
 
 
+def test_a_diverged_featurizer_is_not_written_over_a_good_one(tmp_path):
+    """An image run at --lr 1e6 exported NaN weights over a good featurizer, exit 0; it loaded
+    nowhere after."""
+    from mariana.trainer.featurizer_train import write_featurizer
+
+    out = tmp_path / "f"
+    write_featurizer(out, {"dim": 2}, {"w": torch.ones(2)})
+    before = (out / WEIGHTS).read_bytes()
+    with pytest.raises(MarianaError, match=r"f: not written: the trained weights hold NaN or infinite values "
+                                           r"\(in output.std\): training diverged; lower --lr; the featurizer there "
+                                           "is kept"):
+        write_featurizer(out, {"dim": 2}, {"w": torch.ones(2), "output.std": torch.tensor([1.0, float("inf")])})
+    assert (out / WEIGHTS).read_bytes() == before
+
+
 def test_featurizer_data_is_checked_against_the_config_it_trains_with(tmp_path):
     """The check was the CLI's, against the default config's side and hold-out: the Python
     API trained into a traceback, and a config holding out fewer images was refused."""
@@ -298,3 +313,18 @@ def test_a_cluster_job_whose_image_field_is_not_a_text_column_is_refused_when_su
             "config": {"images": {"creatives": str(tmp_path / "c"), "field": "I1"}}}
     with pytest.raises(MarianaError, match="images.field 'I1' is not a categorical column of schema 'criteo'"):
         check_data(body)
+
+
+def test_a_npy_of_garbage_or_objects_is_refused_without_numpy_advice(tmp_path):
+    """7 bytes of garbage named .npy got numpy's "This file contains pickled (object) data. If
+    you trust the file you can load it unsafely": wrong, and an invitation to load pickles."""
+    from mariana.services.images_cli import read_images
+
+    garbage = tmp_path / "g.npy"
+    garbage.write_bytes(b"\x93NUMPY\x01")
+    objects = tmp_path / "o.npy"
+    np.save(objects, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    for path in (garbage, objects):
+        with pytest.raises(MarianaError, match=f"{path.name}: not a plain .npy array of images") as e:
+            read_images(str(path))
+        assert "unsafely" not in str(e.value) and "trust" not in str(e.value)

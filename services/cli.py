@@ -751,7 +751,8 @@ def _run_guarded(run, exiting: bool = False) -> int:
     except KeyboardInterrupt as e:  # a tune's says what it kept
         if exiting:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        print(f"mariana: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
+        if not os.environ.get("MARIANA_DIST_RESULT"):  # a rank of our launcher: it says this once for the job
+            print(f"mariana: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
         return 130
 
 

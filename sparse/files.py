@@ -19,6 +19,16 @@ _REASONS = {errno.ENOSPC: "no space left on its filesystem", errno.EDQUOT: "the 
             errno.EPERM: "operation not permitted"}
 
 
+class WriteError(MarianaError, OSError):
+    """A file that could not be written: a MarianaError (one line, exit 2) that is an OSError
+    too, so that a caller going on through a full disk (the cluster's supervisor) still does;
+    `strerror` is the reason alone."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: cannot write it: {reason}")
+        self.strerror = reason
+
+
 def why(e: OSError) -> str:
     """An OSError as a reason: its errno's words (pyarrow's carry the errno in the text).
 
@@ -37,7 +47,7 @@ def why(e: OSError) -> str:
 def write_atomically(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False,
                      mode: int | None = None) -> str:
     """`write(f)` into a temp file beside `path`, then renamed over it: readers find the old
-    file or the new one. On an error the temp file is removed and MarianaError names `path`
+    file or the new one. On an error the temp file is removed and WriteError names `path`
     and why. `mode`: the file's permission bits (default: the umask's). Returns `path`."""
     path = os.fspath(path)
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
@@ -51,5 +61,5 @@ def write_atomically(path: str | os.PathLike, write: Callable[[IO], None], binar
     except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise MarianaError(f"{path}: cannot write it: {why(e)}") from None
+        raise WriteError(path, why(e)) from None
     return path

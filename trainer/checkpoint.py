@@ -113,7 +113,10 @@ def current_version(model_dir: str | os.PathLike) -> str:
         raise ModelDirError(f"{model_dir}: holds no model (no CURRENT file); train one with 'mariana train'") from None
     except OSError as e:
         raise ModelDirError(f"{d / 'CURRENT'}: cannot read it: {e.strerror or e}") from None
-    name = raw.decode("utf-8", "replace").strip()
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:  # a damaged file: its bytes shown as they are
+        raise ModelDirError(f"{model_dir}: CURRENT is not text ({raw[:40]!r}), so it names no version here") from None
     if not VERSION_RE.match(name) or not (d / name).is_dir():  # NUL bytes, a garbled file: no version name
         raise ModelDirError(f"{model_dir}: CURRENT names {name!r}, which is not a version here")
     return name

@@ -69,7 +69,10 @@ class SpeechConfig:
             raise ConfigError(f"speech: --timeout {self.timeout_s:g}: more seconds than a timeout can hold "
                               f"({dp.MAX_TIMEOUT_S:.3g} at most)")
         self.exchange = str(dp.parse_exchange(self.exchange))
-        self.dense()  # checks the optimizer, lr and device
+        try:
+            self.dense()  # checks the optimizer, lr and device
+        except ConfigError as e:  # named by this command's flags (--lr), not the dense config's keys (dense.lr)
+            raise ConfigError(f"speech: {str(e).replace('dense.', '--')}") from None
 
     def dense(self) -> DenseConfig:
         return DenseConfig(device=self.device, loss="cross_entropy", optimizer=self.optimizer, lr=self.lr,

@@ -212,8 +212,8 @@ def test_a_launcher_stopped_takes_its_ranks_with_it(tmp_path, shapes, sig):
                 os.kill(pid, signal.SIGKILL)  # a failed test leaves nothing training
             except ProcessLookupError:
                 pass
-    if sig == signal.SIGTERM:
-        assert parent.returncode == 130 and "mariana: interrupted" in err, err
+    if sig == signal.SIGTERM:  # said once for the job, not once more by each rank it stopped
+        assert parent.returncode == 130 and err.count("mariana: interrupted") == 1, err
     deadline = time.monotonic() + 30
     while any(running(p) for p in ranks) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -66,8 +66,9 @@ def test_an_image_model_swaps_to_its_next_version(image_model, tmp_path):
 
 
 def test_an_error_looking_for_a_version_is_said_once_and_the_watch_goes_on(image_model, tmp_path):
-    """A CURRENT that is not text makes the look for a new version raise something no load
-    names: logged once, counted, the old version serving; a good CURRENT later swaps in."""
+    """A CURRENT that is not text (it raised a UnicodeDecodeError in the look for a new
+    version): logged once as naming no version, counted, the old version serving; a good
+    CURRENT later swaps in."""
     m = model_copy(image_model, tmp_path)
     with Server(tmp_path / "serve", m) as srv:
         srv.wait_for("/readyz")
@@ -78,7 +79,8 @@ def test_an_error_looking_for_a_version_is_said_once_and_the_watch_goes_on(image
         assert srv.get("/v1/model")[1]["model_version"] == "v000001" and srv.get("/readyz")[0] == 200
         (m / "CURRENT").write_text("v000002\n")
         wait_until(lambda: srv.get("/v1/model")[1].get("model_version") == "v000002", 15, srv)
-        assert srv.log.read_text().count("looking for a new version in") == 1, srv.logs()
+        assert srv.log.read_text().count("CURRENT is not text (b'\\xff\\xfe\\n'), so it names no version") == 1, \
+            srv.logs()
 
 
 # ---- the creative cache ------------------------------------------------------------------------

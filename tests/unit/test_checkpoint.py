@@ -440,9 +440,10 @@ def test_damaged_bytes_in_a_model_dir_are_errors_not_tracebacks(tmp_path, caplog
     tracebacks from predict, evaluate, model list, rollback, prune and serve."""
     d = tmp_path / "m"
     moved(d, ("v000001", "trained"), ("v000002", "trained"))
-    for junk in (b"\0" * 8, b"\xff\n"):
+    for junk, says in ((b"\0" * 8, "CURRENT names .*, which is not a version here"),
+                       (b"\xff\n", r"CURRENT is not text \(b'\\xff\\n'\), so it names no version here")):
         (d / "CURRENT").write_bytes(junk)
-        with pytest.raises(ModelDirError, match="CURRENT names .*, which is not a version here"):
+        with pytest.raises(ModelDirError, match=says):
             checkpoint.current_version(d)
     (d / "CURRENT").write_text("v000002\n")
     manifest = d / "v000001" / checkpoint.MANIFEST

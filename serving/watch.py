@@ -97,6 +97,8 @@ class VersionWatcher:
             shared = new.share_ids(self.holder.current)  # the ids met so far, kept
         except Exception as e:  # whatever a version's files hold, the watcher goes on watching
             self._load_failed(key, e)
+            if self.holder.current is None:
+                await self._fall_back(version)
             return False
         old = self.holder.swap(new)
         self.previous, self.kept, self.serving, self.failed = old, self.serving, key, None
@@ -107,6 +109,26 @@ class VersionWatcher:
         self.on_event("swapped", {"version": version, "previous": old.version if old else None, "seconds": seconds,
                                   "ids_shared": shared})
         return True
+
+    async def _fall_back(self, version: str) -> None:
+        """Nothing in service, and CURRENT's `version` does not load: the version served before
+        it (checkpoint.rollback_target), when that loads, until CURRENT changes. A worker that
+        started or restarted after the version in service was damaged on disk answered 503
+        while the others served it from memory (29 of 60 requests)."""
+        try:
+            target = checkpoint.rollback_target(self.cfg.model_dir, version)
+            new = await asyncio.get_running_loop().run_in_executor(self.loader, load_version, self.cfg.model_dir,
+                                                                   target, 1)
+        except Exception as e:  # nothing served before it, or that will not load either: 503 it is
+            log.error("%s: no version served before %s loads either (%s): /readyz says 503 until CURRENT names "
+                      "one that loads", self.name, version, e if isinstance(e, MarianaError) else type(e).__name__)
+            return
+        self.holder.swap(new)
+        self.serving = (target, files_of(self.cfg.model_dir, target))
+        log.error("%s: serving %s, the version served before %s, until CURRENT names a version that loads",
+                  self.name, target, version)
+        self.on_event("swapped", {"version": target, "previous": None, "seconds": 0.0, "ids_shared": False,
+                                  "fallback_for": version})
 
     def _load_failed(self, key: tuple, e: BaseException) -> None:
         """Log and count a version that would not load or swap in: not tried again until CURRENT

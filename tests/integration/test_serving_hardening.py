@@ -273,6 +273,29 @@ def test_a_version_with_nan_weights_is_refused_and_the_old_one_serves(model, tmp
         assert f"NaN or infinite values (in {name}" in s.logs() and "serving v000001 still" in s.logs()
 
 
+def test_a_worker_that_starts_after_its_version_was_damaged_serves_the_one_before(model, tmp_path):
+    """A worker (re)started after the version in service was damaged on disk answered 503,
+    while the workers that had it in memory served it: 29 of 60 requests 503 with one of two
+    workers restarted, all of them once both were."""
+    d = tmp_path / "models"
+    shutil.copytree(model, d)
+    shutil.copytree(d / "v000001", d / "v000002")
+    checkpoint.set_current(d, "v000002", reason="promoted")
+    with open(d / "v000002" / checkpoint.WEIGHTS, "r+b") as f:
+        f.truncate(100)
+    with Server(tmp_path / "s", d, serve={"watch_seconds": 0.2}) as s:
+        s.wait_for("/readyz")
+        status, answer = s.predict([{"I1": 3}])
+        assert status == 200 and answer["model_version"] == "v000001", answer
+        assert "serving v000001, the version served before v000002, until CURRENT names a version that loads" \
+            in s.logs()
+        assert s.metric("mariana_serve_model_load_failures_total") == 1
+        shutil.rmtree(d / "v000002")
+        shutil.copytree(d / "v000001", d / "v000002")  # mended: its files change, and it is loaded
+        wait_for_metric(s, "mariana_serve_model_swaps_total", 1)
+        assert s.predict([{"I1": 3}])[1]["model_version"] == "v000002"
+
+
 def test_a_current_naming_no_version_is_said_once_and_counted(model, tmp_path):
     d = tmp_path / "models"
     shutil.copytree(model, d)

@@ -86,9 +86,9 @@ def test_a_full_disk_leaves_current_where_it_was_and_says_so(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_files_written_on_a_full_disk_are_named_and_leave_nothing_behind(tmp_path):
-    """`gen` said "error writing bytes to file. detail: [errno 28]", `evaluate --plot` left a
-    0-byte png, `tune` lost its trials and left a .tmp, naming no file: now one line names
-    the file and says the disk is full, and no temp file stays."""
+    """`gen` said "error writing bytes to file. detail: [errno 28]" and `evaluate --plot` left
+    a 0-byte png, naming no file: now one line names the file and says the disk is full, and
+    no temp file stays (tune's trials and `mariana up`'s files go through the same writer)."""
     data = tmp_path / "train.tsv"
     generate_criteo(data, 3_000, seed=31)
     full = tmp_path / "full"

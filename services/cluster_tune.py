@@ -151,7 +151,11 @@ def run_cluster_tune(config: JobConfig, data: list[str], test_data: list[str], v
         record = publish_best(kept, out, promote, summary)
     finally:  # after the session: a cluster started for the search has stopped writing into it
         shutil.rmtree(body["out"], ignore_errors=True)
-    save_trials(out, result, {**meta, "model_version": record["model_version"]}, path)
+    try:
+        save_trials(out, result, {**meta, "model_version": record["model_version"]}, path)
+    except MarianaError as e:  # after the publish: the version stands, and the error says it is out
+        raise MarianaError(f"{e}; the best trial's model was published all the same, as "
+                           f"{record['model_dir']}/{record['model_version']}") from None
     return {**record, "tune": summary, "trials": [t.to_dict() for t in result.trials]}
 
 

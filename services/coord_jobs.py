@@ -664,8 +664,8 @@ class JobJournal:
             self.save(run)
             self.coord.store.drop_events(run.id)
         except (MarianaError, OSError) as e:  # a full disk: the job ended all the same, and status shows it
-            log.error("%s: job %s %s, but the job store could not record its end: %s", self.coord.name, run.id,
-                      run.state, e)
+            log.error("%s: job %s %s, but the job store could not record its end (%s): a coordinator restarted "
+                      "before it can may resume the job", self.coord.name, run.id, run.state, e)
 
     def new_job(self, body: dict, checked: tuple[dict, dict, int] | None = None) -> JobRun:
         """A job from its body, checked here (`check_request`), or, with `checked` = (request,

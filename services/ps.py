@@ -235,7 +235,8 @@ class ParamServer(Service):
                 t0 = time.perf_counter()
                 try:
                     version = await asyncio.to_thread(self.write, job, arrays, manifest)
-                except MarianaError as e:  # a full or read-only disk: keep serving, try again next time
+                except MarianaError as e:  # a full or read-only disk, tables gone NaN (a diverging job):
+                    # keep serving, try again next time
                     self.dirty.add(job)
                     self.counters["checkpoint_failures"] += 1
                     log.error("%s: checkpoint of job %s failed (still serving; a restart now would replay "

@@ -47,7 +47,7 @@ class Supervisor:
         return state
 
     def run(self) -> int:
-        """Watch until SIGTERM/SIGINT or until cluster.json is gone (`down` removed it)."""
+        """Watch until SIGTERM/SIGINT/SIGHUP or until cluster.json is gone (`down` removed it)."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.stopping.set())
         state = self.state()

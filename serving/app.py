@@ -317,7 +317,8 @@ async def _read_watched(request: web.Request) -> bytes:
             if done:
                 return read.result()
             for message, _ in getattr(request.protocol, "_messages", ()):  # aiohttp's queue (3.9-3.14)
-                if type(message).__name__ == "_ErrInfo":
+                if type(message).__name__ == "_ErrInfo" and not read.done() and not request.content.is_eof():
+                    # (a body that ended meanwhile is whole: the error is a pipelined next request's)
                     request.content.feed_eof()  # done with: not read again after the answer
                     why = " ".join(str(getattr(message, "message", "") or "malformed").split())
                     raise ServeError(400, f"the body cannot be read: {why}", close=True)

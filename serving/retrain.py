@@ -160,7 +160,7 @@ def _finish(cfg: ServeConfig, status: "_Status", decision: dict) -> dict:
     try:
         _record(model_dir, decision)
     except OSError as e:  # a full disk, a file of another owner: the verdict stands (CURRENT may have moved)
-        unrecorded = f"{DECISIONS} could not record it: {e.strerror or e}"
+        unrecorded = f"{DECISIONS} could not record it ({e.strerror or e})"
     else:
         unrecorded = None
     status.update(decision=decision)
@@ -168,9 +168,10 @@ def _finish(cfg: ServeConfig, status: "_Status", decision: dict) -> dict:
             f" {new}" if new else "", decision["reason"])
     if verdict == "promoted" and cfg.serve.redis_url:  # the servers swap to what CURRENT names, recorded or not
         model_events.publish(cfg.serve.redis_url, "promoted", model_dir, new, new, cfg.serve.channel)
-    if unrecorded:
-        raise MarianaError(f"retrain {model_dir}: {verdict}{' ' + new if new else ''} ({decision['reason']}), but "
-                           f"{unrecorded}{checkpoint.current_note(model_dir)}")
+    if unrecorded:  # the verdict stands and the retrain ended: said, never reported as failed
+        log.error("retrain %s: %s%s, but %s%s", model_dir, verdict, f" {new}" if new else "", unrecorded,
+                  checkpoint.current_note(model_dir))
+        status.update(unrecorded=unrecorded)
     tidy(cfg, status.path)
     return decision
 

@@ -47,7 +47,7 @@ QUICK_DEATHS = 5            # a worker dying this many times in a row within 10 
 # ---- one worker --------------------------------------------------------------------------
 
 def run_worker(cfg: ServeConfig, index: int = 0, run_dir: str | None = None, config_path: str | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a clean stop, 1 when it could not start."""
+    """Serve until SIGTERM/SIGINT/SIGHUP; 0 after a clean stop, 1 when it could not start."""
     from mariana.services.runtime.tuning import pin_to_cpu
 
     # Before any thread starts (they inherit it): a worker that stays on its core keeps its caches.
@@ -74,7 +74,8 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
     app = create_app(cfg, index, run_dir, config_path)
     # lingering_time: how long a connection answered before its body was all read (a 408, a 413) reads the rest
     # before it closes (aiohttp's 10 s held the socket of a client too slow to send it anyway)
-    runner = IdleClosingRunner(app, access_log=None, handle_signals=False, shutdown_timeout=s.drain_seconds,
+    # shutdown_timeout: what aiohttp's own shutdown gives a request still running after _drain's serve.drain_seconds
+    runner = IdleClosingRunner(app, access_log=None, handle_signals=False, shutdown_timeout=min(2.0, s.drain_seconds),
                                keepalive_timeout=s.keepalive_seconds, lingering_time=LINGER_SECONDS)
     await runner.setup()
     client_errors = _ClientErrors(app[METRICS])
@@ -128,9 +129,10 @@ async def _drain(runner, metrics, seconds: float) -> None:
         server = getattr(site, "_server", None)  # the listening asyncio.Server (aiohttp's field, 3.9-3.14)
         if server is not None:
             server.close()  # stops accepting; the connections it made stay open
-    deadline = loop.time() + seconds
-    while metrics.value("mariana_serve_in_flight") > 0 and loop.time() < deadline:
-        await asyncio.sleep(0.02)
+    deadline, idle = loop.time() + seconds, 0
+    while idle < 2 and loop.time() < deadline:  # none twice in a row: a request whose head was just parsed
+        await asyncio.sleep(0.02)  # reaches the middleware's count on the loop's next turn
+        idle = idle + 1 if metrics.value("mariana_serve_in_flight") == 0 else 0
 
 
 class _ClientErrors(logging.Filter):

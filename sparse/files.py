@@ -24,9 +24,15 @@ class WriteError(MarianaError, OSError):
     too, so that a caller going on through a full disk (the cluster's supervisor) still does;
     `strerror` is the reason alone."""
 
-    def __init__(self, path: str, reason: str):
+    def __init__(self, path: str, reason: str, code: int | None = None):
         super().__init__(f"{path}: cannot write it: {reason}")
-        self.strerror = reason
+        self.path, self.strerror, self.errno = path, reason, code
+
+    def __reduce__(self):
+        return type(self), (self.path, self.strerror, self.errno)
+
+    def __str__(self) -> str:  # OSError's would be "[Errno 28] <the reason alone>"
+        return str(self.args[0])
 
 
 def why(e: OSError) -> str:
@@ -55,11 +61,15 @@ def write_atomically(path: str | os.PathLike, write: Callable[[IO], None], binar
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
         if mode is not None:
             os.fchmod(fd, mode)  # O_CREAT leaves the mode of a file that was there alone
-        with os.fdopen(fd, "wb" if binary else "w") as f:
+        with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())  # whole on disk before the rename makes it the file
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:  # a ValueError from json.dump, a Ctrl-C: the temp file goes too
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise WriteError(path, why(e)) from None
+        if isinstance(e, OSError) and not isinstance(e, WriteError):
+            raise WriteError(path, why(e), e.errno) from None
+        raise
     return path

@@ -11,10 +11,14 @@
       promotions.jsonl         one line per move of CURRENT: time, from, to, reason
       decisions.jsonl          one line per retrain verdict (serving/retrain.py)
       .pruned-v000001-PID/     a version `prune` is removing (renamed aside, then deleted)
+      .tmp-HOST-PID-XXXX/      a version being written (its writer holds an flock on it)
 
 A version is written into a hidden temp dir, fsynced, renamed into place
 atomically, and only then does `CURRENT` move (by an atomic rename too), so a
-reader never sees a half-written version. `prune` removes old versions the same way
+reader never sees a half-written version. What a writer killed midway leaves (a temp
+dir no one holds, a `.CURRENT.PID` file) is removed by the next save and by `prune`
+(`sweep_debris`). Once CURRENT has moved nothing undoes the move, and a move left
+unrecorded is reconciled from the record (`_unrecorded_move`). `prune` removes old versions the same way
 round: renamed aside to a hidden name, then deleted. The lines of promotions.jsonl and
 decisions.jsonl stay: they are history, and may name versions no longer here.
 """
@@ -55,9 +59,9 @@ PRUNED_RE = re.compile(r"^\.pruned-v\d{6,}-\d+$")
 TMP = ".tmp-"  # a version being written: `.tmp-<host>-<pid>-<random>` (before: `.tmp-<random>`)
 _HOST = os.uname().nodename.replace("-", "_")
 # what a writer killed midway leaves: its temp version dir, CURRENT or HIGHEST_VERSION temp file, a dir set aside
-_DEBRIS_RE = re.compile(r"^(?:\.tmp-(?P<host>[^-]+)-(?P<pid>\d+)-\w+|\.(?:CURRENT|HIGHEST_VERSION)\.(?P<pid2>\d+)"
-                        r"|\.old-v\d{6,}-(?P<pid3>\d+)|(?P<old>\.tmp-\w{8}))$")
-OLD_DEBRIS_S = 86400.0  # a temp dir without its writer's name is removed once it is a day old
+_TMP_RE = re.compile(r"^\.tmp-(?:[^-]+-\d+-)?\w+$")  # a version being written (a writer's, or older: nameless)
+_MOVE_RE = re.compile(r"^\.(?:CURRENT|HIGHEST_VERSION)\.\d+$")  # set_current's and _record_highest's temp file
+UNLOCKED_S = 60.0  # a temp version dir its writer has not held locked this long is left over
 
 
 def list_versions(model_dir: str | os.PathLike) -> list[str]:
@@ -85,7 +89,8 @@ def require_version(model_dir: str | os.PathLike, version: str, purpose: str = "
     if VERSION_RE.match(version) and (d / version).is_dir():
         return
     have = list_versions(d)
-    shown = ", ".join(have) if len(have) <= 6 else f"{', '.join(have[:2])}, ... {', '.join(have[-3:])}: {len(have)}"
+    shown = ", ".join(have) if len(have) <= 6 else f"{', '.join(have[:2])}, ... {', '.join(have[-3:])}; " \
+        f"{len(have)} in all"
     raise ModelDirError(f"{model_dir}: no version {version!r}{' ' + purpose if purpose else ''} "
                         f"(versions: {shown or 'none'}; 'mariana model list' shows them)")
 
@@ -107,7 +112,7 @@ def current_version(model_dir: str | os.PathLike) -> str:
             shown = ", ".join(versions[-3:]) + (f" (and {len(versions) - 3} older)" if len(versions) > 3 else "")
             raise ModelDirError(f"{model_dir}: no CURRENT file, so no version serves; it holds {shown}: pick one "
                                 f"with 'mariana model promote VERSION --model-dir {model_dir}'") from None
-        if (d / MANIFEST).is_file():  # a featurizer (mariana featurizer train, train image): no versions
+        if _is_featurizer(d):  # mariana featurizer train's, train image's: no versions
             raise ModelDirError(f"{model_dir}: an image featurizer, not a model directory: 'mariana featurize "
                                 f"--model {model_dir}' runs it") from None
         raise ModelDirError(f"{model_dir}: holds no model (no CURRENT file); train one with 'mariana train'") from None
@@ -120,6 +125,14 @@ def current_version(model_dir: str | os.PathLike) -> str:
     if not VERSION_RE.match(name) or not (d / name).is_dir():  # NUL bytes, a garbled file: no version name
         raise ModelDirError(f"{model_dir}: CURRENT names {name!r}, which is not a version here")
     return name
+
+
+def _is_featurizer(d: Path) -> bool:
+    try:
+        manifest = json.loads((d / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("mariana-featurizer")
 
 
 class CurrentMoved(ModelDirError):
@@ -168,16 +181,35 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
         # CURRENT has moved: from here on nothing undoes it, and what fails is a warning
         _sync_after_rename(d, f"CURRENT moved {before} -> {version}")
         if reason is not None and before != version:
-            last = _last_move_to(d)
-            if before is not None and last is not None and last != before:  # a move of CURRENT left unrecorded
-                _record_move(d, last, before, "unrecorded")  # (killed before its line, or CURRENT edited by hand)
+            missing = _unrecorded_move(promotions(d), before)
+            if missing is not None:  # killed before its line, a line a full disk refused, CURRENT edited by hand
+                _record_move(d, *missing)
             _record_move(d, before, version, reason)
     return before
 
 
-def _last_move_to(d: Path) -> str | None:
-    moves = promotions(d)
-    return moves[-1]["to"] if moves else None
+def _served_stack(moves: list[dict]) -> list[str]:
+    """The versions served before, as the recorded moves leave them: a promotion pushes the
+    version it replaced, a rollback pops."""
+    stack: list[str] = []
+    for rec in moves:
+        if rec.get("reason") == "rollback":
+            if stack:
+                stack.pop()
+        elif rec.get("from"):
+            stack.append(rec["from"])
+    return stack
+
+
+def _unrecorded_move(moves: list[dict], current: str | None) -> tuple[str, str, str] | None:
+    """(from, to, reason) of a move of CURRENT to `current` that left no line, or None: a
+    rollback when `current` is the version a rollback from the last one recorded goes to,
+    else a move from it ("unrecorded")."""
+    last = moves[-1]["to"] if moves else None
+    if current is None or not isinstance(last, str) or last == current:
+        return None
+    stack = _served_stack(moves)
+    return last, current, "rollback" if stack and stack[-1] == current else "unrecorded"
 
 
 def _sync_after_rename(d: Path, what: str) -> None:
@@ -302,16 +334,9 @@ def rollback_target(model_dir: str | os.PathLike, current: str | None = None) ->
 def _rollback_walk(model_dir: str | os.PathLike, current: str) -> tuple[str | None, list[str]]:
     """(the version a rollback from `current` goes to, None when there is none; the versions
     the record names above it on the stack that are gone from the directory)."""
-    stack: list[str] = []
     moves = promotions(model_dir)
-    for rec in moves:
-        if rec.get("reason") == "rollback":
-            if stack:
-                stack.pop()
-        elif rec.get("from"):
-            stack.append(rec["from"])
-    if moves and moves[-1]["to"] != current and isinstance(moves[-1]["to"], str):
-        stack.append(moves[-1]["to"])  # CURRENT moved from the last version recorded, unrecorded (a kill between)
+    missing = _unrecorded_move(moves, current)  # a move to CURRENT that left no line: as if it had
+    stack = _served_stack(moves + ([{"from": missing[0], "to": missing[1], "reason": missing[2]}] if missing else []))
     versions = list_versions(model_dir)
     gone: list[str] = []
     while stack:
@@ -364,7 +389,7 @@ def prune(model_dir: str | os.PathLike, keep: int, dry_run: bool = False) -> dic
         target, _ = _rollback_walk(d, current)
         kept, remove = _prune_plan(d, current, target, keep)
         removed, errors = [], []
-        removed += [{**x, "leftover": True} for x in sweep_debris(d, dry_run)]
+        removed += [{**x, "leftover": True} for x in sweep_debris(d, dry_run, locked=True)]
         for name in remove:
             item = {"name": name, "bytes": _size(d / name), "leftover": bool(PRUNED_RE.match(name))}
             why = None if dry_run else _remove(d, name)
@@ -378,53 +403,57 @@ def prune(model_dir: str | os.PathLike, keep: int, dry_run: bool = False) -> dic
             "kept": kept, "removed": removed, "bytes_freed": sum(r["bytes"] for r in removed), "errors": errors}
 
 
-def sweep_debris(d: Path, dry_run: bool = False) -> list[dict]:
-    """Remove what writers killed midway left in model dir `d` (temp version dirs, temp CURRENT
-    files, dirs set aside): those of this host whose process is gone, and nameless old-style
-    temp dirs a day old. A writer on another host sharing the dir is never guessed dead.
-    Returns [{name, bytes}] removed (with `dry_run`, what it would remove); errors are skipped."""
+def sweep_debris(d: Path, dry_run: bool = False, locked: bool = False) -> list[dict]:
+    """Remove what writers killed midway left in model dir `d`: temp version dirs no writer
+    holds (save_version keeps an flock on its temp dir until the version is in place; one
+    that can be locked here and has not changed for UNLOCKED_S is left over, whatever host or
+    PID namespace wrote it), and temp CURRENT / HIGHEST_VERSION files, which are only written
+    under the dir's lock and so are left over whenever this holds it. Returns [{name, bytes}]
+    removed (with `dry_run`, what it would remove); what cannot be told or removed is left.
+    `locked`: the caller holds the dir's lock (prune) and it is not taken again."""
     gone = []
     try:
-        entries = list(os.scandir(d))
+        with contextlib.nullcontext() if locked else _locked(d):
+            entries = list(os.scandir(d))
+            for e in entries:
+                if _MOVE_RE.match(e.name) and e.is_file(follow_symlinks=False):
+                    gone += _remove_debris(e, dry_run)
     except OSError:
         return gone
     for e in entries:
-        m = _DEBRIS_RE.match(e.name)
-        if m is None:
-            continue
-        pid = m.group("pid") or m.group("pid2") or m.group("pid3")
-        try:
-            if m.group("old"):
-                dead = time.time() - e.stat(follow_symlinks=False).st_mtime > OLD_DEBRIS_S
-            else:
-                dead = (m.group("host") in (None, _HOST)) and not _running(int(pid))
-        except OSError:
-            continue
-        if not dead:
-            continue
-        size = _size(Path(e.path)) if e.is_dir(follow_symlinks=False) else e.stat(follow_symlinks=False).st_size
-        if not dry_run:
-            try:
-                if e.is_dir(follow_symlinks=False):
-                    shutil.rmtree(e.path)
-                else:
-                    os.unlink(e.path)
-            except OSError:
-                continue
-        gone.append({"name": e.name, "bytes": size})
+        if _TMP_RE.match(e.name) and e.is_dir(follow_symlinks=False) and _abandoned(e):
+            gone += _remove_debris(e, dry_run)
     return sorted(gone, key=lambda x: x["name"])
 
 
-def _running(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+def _abandoned(e: os.DirEntry) -> bool:
+    """Whether temp version dir `e` is unlocked (its writer is gone) and unchanged for UNLOCKED_S."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        if time.time() - e.stat(follow_symlinks=False).st_mtime < UNLOCKED_S:
+            return False
+        fd = os.open(e.path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
         return False
-    except PermissionError:  # another user's process
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    return True
+    except OSError:  # held (a writer at work), or a filesystem without locks: not known to be left over
+        return False
+    finally:
+        os.close(fd)
+
+
+def _remove_debris(e: os.DirEntry, dry_run: bool) -> list[dict]:
+    try:
+        size = _size(Path(e.path)) if e.is_dir(follow_symlinks=False) else e.stat(follow_symlinks=False).st_size
+        if not dry_run:
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path)
+            else:
+                os.unlink(e.path)
+    except OSError:
+        return []
+    return [{"name": e.name, "bytes": size}]
 
 
 def _current_to_prune(d: Path) -> str:
@@ -508,11 +537,14 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
     if bad:  # a version no server loads; CURRENT would have named it (a speech run diverged at --lr 1e8)
         raise ModelDirError(f"{model_dir}: nothing was published: the trained weights hold {finite.describe(bad)} "
                             f"(training diverged: lower the learning rate){current_note(d, 'still ')}")
-    tmp = None
+    tmp = held = None
     try:
         d.mkdir(parents=True, exist_ok=True)
         sweep_debris(d)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP}{_HOST}-{os.getpid()}-", dir=d))
+        held = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        with contextlib.suppress(OSError):  # a filesystem without locks: sweep_debris then never takes it
+            fcntl.flock(held, fcntl.LOCK_EX)  # until the version is in place: sweep_debris leaves it alone
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp / WEIGHTS))
         if optimizer:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIMIZER))
@@ -528,6 +560,8 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
         raise ModelDirError(f"{model_dir}: cannot write a new version: {_why(e, d)}; nothing was published"
                             f"{current_note(d, 'still ')}") from None
     finally:
+        if held is not None:
+            os.close(held)  # the lock goes with it
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     if make_current:

@@ -19,17 +19,34 @@ def kill_a_rank(argv: list[str], env: dict | None = None, rank: int = 1, after_s
     exit), "children" (its processes left behind)}."""
     parent = subprocess.Popen([sys.executable, "-m", "mariana", *argv], cwd=ROOT, env=env or dict(os.environ),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks: list[int] = []
     try:
         victim = wait_for_rank(parent.pid, rank)
         time.sleep(after_s)  # into the steps
+        ranks = children(parent.pid)  # before the kill: once the parent is gone, its leftovers are not its children
         os.kill(victim, sig)
         t0 = time.monotonic()
         _, err = parent.communicate(timeout=60)
     finally:
         if parent.poll() is None:
             parent.kill()
+    time.sleep(0.5)
+    left = [pid for pid in ranks if _alive(pid)]
+    for pid in left:  # a failed test leaves no rank behind (a stopped one would stay for ever)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return {"returncode": parent.returncode, "stderr": err, "seconds": time.monotonic() - t0,
-            "children": children(parent.pid)}
+            "children": children(parent.pid) + left}
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, reaped by no one yet, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def children(pid: int) -> list[int]:

@@ -323,3 +323,20 @@ def test_admin_endpoints_are_off_without_a_token(days, tmp_path):
     with Server(tmp_path / "s", model_dir) as s:
         status, answer = s.post("/v1/retrain", b"", headers={"Authorization": "Bearer "})
         assert status == 403 and "serve.token" in answer["error"]
+
+
+def test_a_promotion_whose_decision_cannot_be_written_stands_and_says_so(days, tmp_path):
+    """decisions.jsonl unwritable (a full disk, a file of another owner): the retrain exited
+    2 with "permission denied" while its candidate was in service, unannounced, and its
+    status said failed. The promotion stands, the retrain ends, and the log says it was not
+    recorded."""
+    model_dir = served_model(tmp_path, days)
+    (model_dir / "decisions.jsonl").mkdir()  # an append to it fails, as to a file it may not write
+    config = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"]), str(days["day3"])],
+                            eval_data=[str(days["day4"])])
+    proc = run_cli("retrain", "--config", config, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["verdict"] == "promoted"
+    assert (model_dir / "CURRENT").read_text().strip() == "v000002"
+    assert "promoted v000002, but decisions.jsonl could not record it (Is a directory); CURRENT names v000002" \
+        in proc.stderr, proc.stderr

@@ -6,6 +6,7 @@ bad. Each gets a 4xx or is refused with a log line, counted, and the server goes
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import time
@@ -138,7 +139,6 @@ def test_a_broken_chunked_stream_after_the_head_is_400_at_once(server, tail):
     never reached the body being read: 60 s of nothing, then a false 408."""
     head = (b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
-    t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(head)
         time.sleep(0.3)
@@ -146,8 +146,8 @@ def test_a_broken_chunked_stream_after_the_head_is_400_at_once(server, tail):
         got = b""
         while chunk := sock.recv(65536):
             got += chunk
-    assert got.startswith(b"HTTP/1.1 400") and b"the body cannot be read" in got, got
-    assert time.monotonic() - t0 < 0.9 and "Traceback" not in server.logs()  # body_seconds is 1 here
+    assert got.startswith(b"HTTP/1.1 400") and b"the body cannot be read" in got, got  # not the 408 of body_seconds
+    assert "Traceback" not in server.logs()
 
 
 def test_requests_the_parser_refuses_are_counted_and_no_traceback_is_logged(server):
@@ -290,8 +290,9 @@ def test_a_worker_that_starts_after_its_version_was_damaged_serves_the_one_befor
         assert "serving v000001, the version served before v000002, until CURRENT names a version that loads" \
             in s.logs()
         assert s.metric("mariana_serve_model_load_failures_total") == 1
+        shutil.copytree(d / "v000001", d / ".mended")  # put in place whole: a poll never sees half of it
         shutil.rmtree(d / "v000002")
-        shutil.copytree(d / "v000001", d / "v000002")  # mended: its files change, and it is loaded
+        os.rename(d / ".mended", d / "v000002")  # mended: its files change, and it is loaded
         wait_for_metric(s, "mariana_serve_model_swaps_total", 1)
         assert s.predict([{"I1": 3}])[1]["model_version"] == "v000002"
 

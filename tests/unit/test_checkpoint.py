@@ -1,6 +1,7 @@
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -130,7 +131,8 @@ def test_a_version_that_is_not_there_is_named_with_those_that_are(tmp_path):
     (d / "v000010").write_text("a file, not a version")
     checkpoint.require_version(d, "v000009")
     with pytest.raises(ModelDirError, match=r"no version 'v000010' to warm-start from \(versions: v000001, v000002, "
-                                            r"\.\.\. v000007, v000008, v000009: 9; 'mariana model list' shows them\)"):
+                                            r"\.\.\. v000007, v000008, v000009; 9 in all; 'mariana model list' "
+                                            r"shows them\)"):
         checkpoint.require_version(d, "v000010", "to warm-start from")
     for name in ("../m/v000001", str(d / "v000001"), ".", ""):  # a path is no version name of this dir
         with pytest.raises(ModelDirError, match=f"no version {name!r}"):
@@ -404,34 +406,53 @@ def test_a_move_of_current_left_unrecorded_is_reconciled(tmp_path):
     assert checkpoint.rollback_target(d) == "v000002"
 
 
+def test_a_rollback_left_unrecorded_is_taken_for_one(tmp_path):
+    """v1 -> v2 -> v3, then CURRENT back to v2 with no line (a rollback whose line a full disk
+    refused, or done by hand): taken for a promotion, the next rollback went to v3, the
+    version just abandoned; it goes to v1, and the next move records the rollback."""
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"), ("v000002", "trained"), ("v000003", "trained"))
+    (d / "CURRENT").write_text("v000002\n")
+    assert checkpoint.rollback_target(d) == "v000001"
+    moved(d, ("v000004", "trained"))
+    assert [(m["from"], m["to"], m["reason"]) for m in checkpoint.promotions(d)][-2:] == [
+        ("v000003", "v000002", "rollback"), ("v000002", "v000004", "trained")]
+    assert checkpoint.rollback_target(d) == "v000002"
+
+
 def test_what_killed_writers_leave_is_swept_and_a_live_writers_is_not(tmp_path):
     """A SIGKILL during a save left its .tmp-* version dir (and .CURRENT.<pid> files) for ever:
     7 dirs, 16 MB, after 10 kills; prune and list never saw them. The next save, and prune,
-    now remove those of writers gone from this host; a live writer's and another host's stay."""
-    import subprocess
-    import sys
+    now remove a temp dir no writer holds locked (whatever host or PID namespace wrote it),
+    and the temp files of a move of CURRENT (written under the dir's lock only)."""
+    import fcntl
 
     d = tmp_path / "m"
     moved(d, ("v000001", "trained"))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
-    host = checkpoint._HOST
-    debris = [f".tmp-{host}-{dead}-abcd1234", f".CURRENT.{dead}", f".HIGHEST_VERSION.{dead}", f".old-v000009-{dead}"]
-    stay = [f".tmp-{host}-{os.getpid()}-live0001", f".tmp-otherhost-{dead}-abcd1234", ".tmp-young123"]
-    for name in debris + stay:
-        if "CURRENT" in name or "HIGHEST" in name:
-            (d / name).write_text("v000009\n")
-        else:
-            (d / name).mkdir()
-            (d / name / checkpoint.WEIGHTS).write_bytes(b"x" * 1000)
-    old = d / ".tmp-aged1234"  # a temp dir from before writers were named, a day old
-    old.mkdir()
-    os.utime(old, (0, 0))
-    r = checkpoint.prune(d, keep=1, dry_run=True)
-    assert sorted(x["name"] for x in r["removed"] if x["leftover"]) == sorted(debris + [old.name])
-    assert all((d / n).exists() for n in debris)  # a dry run
-    checkpoint.save_version(d, {"model": {}}, WEIGHTS, reason="trained")
-    assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == sorted(stay)
+
+    def temp_dir(name: str, age: float) -> Path:
+        (d / name).mkdir()
+        (d / name / checkpoint.WEIGHTS).write_bytes(b"x" * 1000)
+        os.utime(d / name, (time.time() - age, time.time() - age))
+        return d / name
+
+    dead = [temp_dir(".tmp-host_a-123-abcd1234", 120).name, temp_dir(".tmp-aged1234", 120).name]
+    for name in (".CURRENT.99999999", ".HIGHEST_VERSION.99999999"):
+        (d / name).write_text("v000009\n")
+        dead.append(name)
+    live = temp_dir(".tmp-host_b-456-live0001", 120)  # a writer at work, on any host: it holds the lock
+    young = temp_dir(".tmp-young123", 0)  # unlocked for less than a minute: just made, not locked yet
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        r = checkpoint.prune(d, keep=1, dry_run=True)
+        assert sorted(x["name"] for x in r["removed"] if x["leftover"]) == sorted(dead)
+        assert all((d / n).exists() for n in dead)  # a dry run
+        assert next(x for x in r["removed"] if x["name"] == dead[0])["bytes"] == 1000
+        checkpoint.save_version(d, {"model": {}}, WEIGHTS, reason="trained")
+        assert sorted(p.name for p in d.iterdir() if p.name.startswith(".")) == sorted([live.name, young.name])
+    finally:
+        os.close(fd)
 
 
 def test_damaged_bytes_in_a_model_dir_are_errors_not_tracebacks(tmp_path, caplog):

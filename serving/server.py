@@ -237,7 +237,7 @@ class _Supervisor:
                 self._start(i)
         s = self.cfg.serve
         if not self._wait_ready():  # a stop asked for (SIGTERM, SIGINT) is no failure: exit 0
-            log.info("serve: asked to stop before the workers were ready: stopping them")
+            log.info("serve: asked to stop before the workers were ready (%s): stopping them", self.signalled)
             sdnotify.notify("STOPPING=1", "STATUS=stopping")
             self._stop_all()
             return 0

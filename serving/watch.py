@@ -35,15 +35,21 @@ log = logging.getLogger(__name__)
 
 
 def files_of(model_dir: str, version: str) -> tuple | None:
-    """What a version's name stands for now, at the cost of one stat: its manifest file's
-    identity. A version written anew (the name given again after a deletion, a dir restored
-    from a backup, even with its times kept) has a new manifest file, so another inode or
-    change time (st_ctime cannot be set back). None when there is no manifest: the load says why."""
+    """What a version's name stands for now, at the cost of two stats: its manifest's and its
+    weights' identities. A version written anew (the name given again after a deletion, a dir
+    restored from a backup, even with its times kept) has a new manifest file, so another inode
+    or change time (st_ctime cannot be set back); weights put back by hand into a version that
+    would not load change the key too, and it is tried again. None when there is no manifest."""
     try:
         st = os.stat(os.path.join(model_dir, version, checkpoint.MANIFEST))
     except OSError:
         return None
-    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns
+    try:
+        w = os.stat(os.path.join(model_dir, version, checkpoint.WEIGHTS))
+        weights = (w.st_ino, w.st_mtime_ns, w.st_ctime_ns, w.st_size)
+    except OSError:
+        weights = None
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, weights
 
 
 class VersionWatcher:
@@ -79,7 +85,10 @@ class VersionWatcher:
         try:
             version = checkpoint.current_version(self.cfg.model_dir)
         except MarianaError as e:  # no model yet, or a CURRENT naming no version: said once, until it changes
+            first = str(e) != self.unreadable
             self._unreadable(str(e))
+            if first and self.holder.current is None:
+                await self._fall_back_to_record()
             return False
         self.unreadable = None
         key = (version, files_of(self.cfg.model_dir, version))  # taken before the load: a change after it shows
@@ -129,6 +138,28 @@ class VersionWatcher:
                   self.name, target, version)
         self.on_event("swapped", {"version": target, "previous": None, "seconds": 0.0, "ids_shared": False,
                                   "fallback_for": version})
+
+    async def _fall_back_to_record(self) -> None:
+        """Nothing in service and CURRENT names no version (NUL bytes, a name not here): the
+        version promotions.jsonl says CURRENT was moved to last, when it is here and loads. A
+        worker restarted while CURRENT was damaged answered 503 while the others served that
+        version from memory."""
+        moves = checkpoint.promotions(self.cfg.model_dir)
+        target = moves[-1]["to"] if moves else None
+        if not isinstance(target, str) or not checkpoint.VERSION_RE.match(target):
+            return
+        try:
+            new = await asyncio.get_running_loop().run_in_executor(self.loader, load_version, self.cfg.model_dir,
+                                                                   target, 1)
+        except Exception as e:  # gone, or damaged too: 503 it is
+            log.error("%s: nor does %s, the version CURRENT was last moved to, load (%s)", self.name, target,
+                      e if isinstance(e, MarianaError) else type(e).__name__)
+            return
+        self.holder.swap(new)
+        self.serving = (target, files_of(self.cfg.model_dir, target))
+        log.error("%s: serving %s, the version CURRENT was last moved to (promotions.jsonl), until CURRENT names a "
+                  "version", self.name, target)
+        self.on_event("swapped", {"version": target, "previous": None, "seconds": 0.0, "ids_shared": False})
 
     def _load_failed(self, key: tuple, e: BaseException) -> None:
         """Log and count a version that would not load or swap in: not tried again until CURRENT

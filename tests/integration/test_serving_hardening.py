@@ -284,6 +284,7 @@ def test_a_worker_that_starts_after_its_version_was_damaged_serves_the_one_befor
     shutil.copytree(model, d)
     shutil.copytree(d / "v000001", d / "v000002")
     checkpoint.set_current(d, "v000002", reason="promoted")
+    good = (d / "v000002" / checkpoint.WEIGHTS).read_bytes()
     with open(d / "v000002" / checkpoint.WEIGHTS, "r+b") as f:
         f.truncate(100)
     with Server(tmp_path / "s", d, serve={"watch_seconds": 0.2}) as s:
@@ -293,11 +294,24 @@ def test_a_worker_that_starts_after_its_version_was_damaged_serves_the_one_befor
         assert "serving v000001, the version served before v000002, until CURRENT names a version that loads" \
             in s.logs()
         assert s.metric("mariana_serve_model_load_failures_total") == 1
-        shutil.copytree(d / "v000001", d / ".mended")  # put in place whole: a poll never sees half of it
-        shutil.rmtree(d / "v000002")
-        os.rename(d / ".mended", d / "v000002")  # mended: its files change, and it is loaded
+        (d / ".mended").write_bytes(good)  # its weights put back (whole: a poll never sees half of them); the
+        os.replace(d / ".mended", d / "v000002" / checkpoint.WEIGHTS)  # manifest untouched, it was never retried
         wait_for_metric(s, "mariana_serve_model_swaps_total", 1)
         assert s.predict([{"I1": 3}])[1]["model_version"] == "v000002"
+
+
+def test_a_worker_that_starts_while_current_is_damaged_serves_the_version_last_moved_to(model, tmp_path):
+    """A worker restarted while CURRENT held NUL bytes (what a power loss leaves) answered 503,
+    while its siblings served the version from memory: it now serves the version
+    promotions.jsonl says CURRENT was moved to last."""
+    d = tmp_path / "models"
+    shutil.copytree(model, d)
+    (d / "CURRENT").write_bytes(b"\0" * 8)
+    with Server(tmp_path / "s", d, serve={"watch_seconds": 0.2}) as s:
+        s.wait_for("/readyz")
+        status, answer = s.predict([{"I1": 3}])
+        assert status == 200 and answer["model_version"] == "v000001", answer
+        assert "serving v000001, the version CURRENT was last moved to (promotions.jsonl)" in s.logs()
 
 
 def test_a_current_naming_no_version_is_said_once_and_counted(model, tmp_path):

@@ -163,7 +163,7 @@ def _finish(cfg: ServeConfig, status: "_Status", decision: dict) -> dict:
         unrecorded = f"{DECISIONS} could not record it ({e.strerror or e})"
     else:
         unrecorded = None
-    status.update(decision=decision)
+    status.update(decision=decision, **({"unrecorded": unrecorded} if unrecorded else {}))
     log.log(logging.ERROR if verdict == "failed" else logging.INFO, "retrain %s: %s%s (%s)", model_dir, verdict,
             f" {new}" if new else "", decision["reason"])
     if verdict == "promoted" and cfg.serve.redis_url:  # the servers swap to what CURRENT names, recorded or not
@@ -171,7 +171,6 @@ def _finish(cfg: ServeConfig, status: "_Status", decision: dict) -> dict:
     if unrecorded:  # the verdict stands and the retrain ended: said, never reported as failed
         log.error("retrain %s: %s%s, but %s%s", model_dir, verdict, f" {new}" if new else "", unrecorded,
                   checkpoint.current_note(model_dir))
-        status.update(unrecorded=unrecorded)
     tidy(cfg, status.path)
     return decision
 
@@ -308,7 +307,7 @@ def nothing_new(model_dir: str, served: str, train: list[str], config: JobConfig
     `keep_versions` would prune the versions a rollback needs to make room for the copies."""
     manifest = checkpoint.read_manifest(model_dir, served)
     if not _same_files((manifest.get("train") or {}).get("data"), train) \
-            or not _made_by(model_dir, served, config, train):
+            or not _made_by(model_dir, served, config, train, manifest):
         return None
     return (f"{served}, in service, was trained on these {len(train)} file(s) with this recipe, and none has "
             "changed since: nothing new to learn (retrain.skip_unchanged = false trains anyway)")
@@ -339,11 +338,13 @@ def _same_files(recorded, paths: list[str]) -> bool:
         [os.path.realpath(p) for p in paths]
 
 
-def _made_by(model_dir: str, version: str, config: JobConfig, paths: list[str]) -> bool:
-    """Whether `version` was made with the recipe `config`, after every file of `paths` was
-    last written. False when that cannot be told (pruned, unreadable, a recipe not read back)."""
+def _made_by(model_dir: str, version: str, config: JobConfig, paths: list[str], manifest: dict | None = None) -> bool:
+    """Whether `version` (its `manifest`, when read already) was made with the recipe `config`,
+    after every file of `paths` was last written. False when that cannot be told (pruned,
+    unreadable, a recipe not read back)."""
     try:
-        if from_dict(JobConfig, checkpoint.read_manifest(model_dir, version).get("config") or {}) != config:
+        manifest = manifest if manifest is not None else checkpoint.read_manifest(model_dir, version)
+        if from_dict(JobConfig, manifest.get("config") or {}) != config:
             return False
         made = os.stat(os.path.join(model_dir, version, checkpoint.MANIFEST)).st_mtime
         return all(os.stat(p).st_mtime < made for p in paths)

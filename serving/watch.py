@@ -120,45 +120,36 @@ class VersionWatcher:
         return True
 
     async def _fall_back(self, version: str) -> None:
-        """Nothing in service, and CURRENT's `version` does not load: the version served before
-        it (checkpoint.rollback_target), when that loads, until CURRENT changes. A worker that
-        started or restarted after the version in service was damaged on disk answered 503
-        while the others served it from memory (29 of 60 requests)."""
+        """Nothing in service and CURRENT's `version` does not load: the version served before it."""
         try:
             target = checkpoint.rollback_target(self.cfg.model_dir, version)
-            new = await asyncio.get_running_loop().run_in_executor(self.loader, load_version, self.cfg.model_dir,
-                                                                   target, 1)
-        except Exception as e:  # nothing served before it, or that will not load either: 503 it is
-            log.error("%s: no version served before %s loads either (%s): /readyz says 503 until CURRENT names "
-                      "one that loads", self.name, version, e if isinstance(e, MarianaError) else type(e).__name__)
+        except MarianaError:  # nothing was served before it
             return
-        self.holder.swap(new)
-        self.serving = (target, files_of(self.cfg.model_dir, target))
-        log.error("%s: serving %s, the version served before %s, until CURRENT names a version that loads",
-                  self.name, target, version)
-        self.on_event("swapped", {"version": target, "previous": None, "seconds": 0.0, "ids_shared": False,
-                                  "fallback_for": version})
+        await self._serve_instead(target, f"the version served before {version}")
 
     async def _fall_back_to_record(self) -> None:
         """Nothing in service and CURRENT names no version (NUL bytes, a name not here): the
-        version promotions.jsonl says CURRENT was moved to last, when it is here and loads. A
-        worker restarted while CURRENT was damaged answered 503 while the others served that
-        version from memory."""
+        version promotions.jsonl says CURRENT was moved to last."""
         moves = checkpoint.promotions(self.cfg.model_dir)
         target = moves[-1]["to"] if moves else None
-        if not isinstance(target, str) or not checkpoint.VERSION_RE.match(target):
-            return
+        if isinstance(target, str) and checkpoint.VERSION_RE.match(target):
+            await self._serve_instead(target, "the version CURRENT was last moved to (promotions.jsonl)")
+
+    async def _serve_instead(self, target: str, what: str) -> None:
+        """Serve `target` (`what`, in the log) while nothing is in service and CURRENT gives no
+        version that loads, until CURRENT or its version's files change. A worker started or
+        restarted after the version in service was damaged on disk, or CURRENT was, answered
+        503 while the others served that version from memory (29 of 60 requests)."""
         try:
             new = await asyncio.get_running_loop().run_in_executor(self.loader, load_version, self.cfg.model_dir,
                                                                    target, 1)
         except Exception as e:  # gone, or damaged too: 503 it is
-            log.error("%s: nor does %s, the version CURRENT was last moved to, load (%s)", self.name, target,
-                      e if isinstance(e, MarianaError) else type(e).__name__)
+            log.error("%s: nor does %s, %s, load (%s): /readyz says 503 until CURRENT names a version that loads",
+                      self.name, target, what, e if isinstance(e, MarianaError) else type(e).__name__)
             return
         self.holder.swap(new)
         self.serving = (target, files_of(self.cfg.model_dir, target))
-        log.error("%s: serving %s, the version CURRENT was last moved to (promotions.jsonl), until CURRENT names a "
-                  "version", self.name, target)
+        log.error("%s: serving %s, %s, until CURRENT names a version that loads", self.name, target, what)
         self.on_event("swapped", {"version": target, "previous": None, "seconds": 0.0, "ids_shared": False})
 
     def _load_failed(self, key: tuple, e: BaseException) -> None:

@@ -14,7 +14,8 @@ from typing import IO, Callable
 
 from mariana.sparse.errors import MarianaError
 
-_REASONS = {errno.ENOSPC: "no space left on its filesystem", errno.EDQUOT: "the disk quota is used up",
+DISK_FULL = "no space left on its filesystem"
+_REASONS = {errno.ENOSPC: DISK_FULL, errno.EDQUOT: "the disk quota is used up",
             errno.EROFS: "its filesystem is read-only", errno.EACCES: "permission denied",
             errno.EPERM: "operation not permitted"}
 

@@ -25,7 +25,6 @@ decisions.jsonl stay: they are history, and may name versions no longer here.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
@@ -43,6 +42,7 @@ from safetensors.numpy import load_file, save_file
 
 from mariana.sparse import finite
 from mariana.sparse.errors import ModelDirError
+from mariana.sparse.files import DISK_FULL, why
 
 log = logging.getLogger(__name__)
 
@@ -623,18 +623,17 @@ def _highest_given(d: Path) -> int:
 
 
 def _why(e: BaseException, d: Path) -> str:
-    """What went wrong writing into `d`, with the free space when it is the disk."""
-    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-    if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in str(e):
+    """What went wrong writing into `d` (sparse.files.why's words for an OSError), with the
+    free space, or the inodes, when the disk is full (safetensors' errors say so in text)."""
+    text = why(e) if isinstance(e, OSError) else str(e)
+    if text == DISK_FULL or "No space left" in str(e):
         try:
             st = os.statvfs(d)
             text = (f"no space left on its filesystem ({st.f_bavail * st.f_frsize:,} bytes free)" if st.f_favail
                     or not st.f_files else f"no inodes left on its filesystem (it holds as many files as it "
                     f"can, {st.f_files:,}; {st.f_bavail * st.f_frsize:,} bytes free)")
         except OSError:
-            text = "no space left on its filesystem"
-    elif isinstance(e, OSError) and e.errno == errno.EROFS:
-        text = "its filesystem is read-only"
+            text = DISK_FULL
     return text
 
 

@@ -478,6 +478,8 @@ async def _reap_retrains(app: web.Application) -> None:
     has its cluster job cancelled over HTTP (up to 30 s), which must not hold the predictions."""
     while True:
         await asyncio.sleep(RETRAIN_REAP_SECONDS)
+        if not app[RETRAIN].children:  # nearly always: no thread hop once a second in every worker
+            continue
         try:
             await asyncio.to_thread(app[RETRAIN].reap)
         except Exception:  # a status file that cannot be read, say: the next look tries again

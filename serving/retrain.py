@@ -684,7 +684,7 @@ class RetrainRunner:
         if data.get("state") not in ("done", "failed"):
             gone = self._gone(run, data.get("pid"))
             if gone:
-                data.update(state="failed", error=gone)
+                data.update(state="failed", error=gone, killed=True)  # (not a failure it recorded itself)
         return data
 
     def _gone(self, run: str, pid) -> str | None:
@@ -705,24 +705,23 @@ class RetrainRunner:
                 continue
             del self.children[run]
             try:
-                verdict, reason = outcome(self._read(run))
+                data = self._read(run)
+                verdict, reason = outcome(data)
             except ServeError as e:
-                verdict, reason = "failed", e.message
-            if verdict == "failed":
-                reason += self._abandoned(run)
+                data, verdict, reason = {}, "failed", e.message
+            if data.get("killed"):
+                reason += self._abandoned(run, data)
             say = log.info if verdict in ("promoted", "refused", "skipped") else log.warning
             say("retrain %s of %s ended: %s (%s)", run, self.cfg.serve.model_dir, verdict, reason)
             if self.on_end is not None:
                 self.on_end(verdict)
 
-    def _abandoned(self, run: str) -> str:
-        """A retrain of ours that ended without a decision (killed) and left a cluster job: the job
-        cancelled, since nothing would gate what it writes, and a "failed" decision recorded
-        (the job went on and wrote a candidate no line named). What to add to its reason."""
-        try:
-            data = self._read(run)
-        except ServeError:
-            return ""
+    def _abandoned(self, run: str, data: dict) -> str:
+        """A retrain of ours that was killed (it ended without a status of its own end, `data`)
+        and left a cluster job: the job cancelled, since nothing would gate what it writes, and
+        a "failed" decision recorded (the job went on and wrote a candidate no line named). A
+        retrain whose job failed or was cancelled ended by itself and recorded so. What to add
+        to its reason."""
         job, model_dir = data.get("job"), self.cfg.serve.model_dir
         if not job or data.get("decision"):
             return ""

@@ -189,7 +189,7 @@ async def metrics(request: web.Request) -> web.Response:
     states = [m.state()]
     if st["run_dir"]:
         own = _write_snapshot(app)
-        for path in glob.glob(os.path.join(st["run_dir"], "metrics-*.json")):
+        for path in glob.glob(_snapshot_path(st["run_dir"], "*")):
             if path != own:
                 try:
                     with open(path) as f:
@@ -419,7 +419,7 @@ def _model_event(app: web.Application, kind: str, info: dict) -> None:
         m.inc("mariana_serve_bad_creatives_total", info["bad"])
 
 
-def _snapshot_path(run_dir: str, worker: int) -> str:
+def _snapshot_path(run_dir: str, worker: int | str) -> str:
     return os.path.join(run_dir, f"metrics-{worker}.json")
 
 

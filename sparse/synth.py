@@ -230,6 +230,12 @@ def output_stream(path: str | os.PathLike) -> Iterator[tuple[pa.NativeFile, str]
             os.unlink(tmp)
 
 
+def check_rows(rows) -> None:
+    """ValueError unless `rows` is an integer >= 0 (1.5 or True wrote what they were taken for)."""
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        raise ValueError(f"rows must be an integer >= 0, got {rows!r}")
+
+
 def generate_criteo(out: str | os.PathLike, rows: int, seed: int = 0, model_seed: int = 20140621,
                     chunk_rows: int = 200_000,
                     progress: Callable[[int, float], None] | None = None) -> dict:
@@ -239,8 +245,7 @@ def generate_criteo(out: str | os.PathLike, rows: int, seed: int = 0, model_seed
     """
     import pyarrow.compute  # noqa: F401  (binds pa.compute)
 
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
-        raise ValueError(f"rows must be an integer >= 0, got {rows!r}")
+    check_rows(rows)
     world = make_world(model_seed)
     rng = np.random.default_rng([seed, model_seed])
     opts = pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")

@@ -53,7 +53,7 @@ import pyarrow.csv as pa_csv
 from mariana.sparse.hashing import fmix64
 from mariana.sparse.metrics import BinaryMetrics
 from mariana.sparse.schema import CRITEO_CATEGORICAL, CRITEO_NUMERIC
-from mariana.sparse.synth import output_stream
+from mariana.sparse.synth import check_rows, output_stream
 
 DEFAULT_MODEL_SEED = 1515
 CHUNK_ROWS = 100_000        # fixed: each chunk has its own generator, so a row range can be redrawn alone
@@ -313,8 +313,7 @@ def generate_drift(path: str | os.PathLike, rows: int, seed: int = 0, model_seed
     `true_*` score the planted probabilities against the drawn labels (the best
     any model can do on these rows in expectation).
     """
-    if rows < 0:
-        raise ValueError("rows must be >= 0")
+    check_rows(rows)
     world = make_world(model_seed)
     opts = pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     metrics, fifths = BinaryMetrics(), np.zeros((5, 2))

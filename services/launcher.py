@@ -382,15 +382,21 @@ def _root(cluster_dir: str) -> str:
 
 # ---- up ---------------------------------------------------------------------------------
 
-def up(cfg: ClusterConfig, wait: bool = True) -> dict:
-    """Start redis (if embedded) and every service; with wait, return once all have registered."""
+def up(cfg: ClusterConfig, wait: bool = True, owner: int | None = None) -> dict:
+    """Start redis (if embedded) and every service; with wait, return once all have registered.
+    `owner`: the pid of the process whose temporary cluster this is (`mariana train --mode
+    cluster`, a retrain, with no cluster up): the supervisor stops the cluster once that process
+    is gone, however it ended (a SIGKILL runs no `finally`), even with `cluster.supervise` off
+    (then it restarts nothing)."""
     cfg = resolve(cfg)
     root = cfg.cluster.path
     _refuse_running(root)
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     state = {"dir": root, "config": _write_private(os.path.join(root, CONFIG_FILE), to_toml(cfg)),
              "http": http_url(cfg), "token": cfg.coordinator.token, "started_at": time.time(),
-             "redis": None, "services": []}
+             "redis": None, "services": [], "restart": cfg.cluster.supervise}
+    if owner is not None:
+        state["owner"] = {"name": "owner", "pid": owner, "start": procs.start_time(owner)}
     t0 = time.monotonic()
     try:
         _start_processes(cfg, state)
@@ -400,7 +406,7 @@ def up(cfg: ClusterConfig, wait: bool = True) -> dict:
         _stop_all(state, timeout=10.0)
         _remove_state(root)
         raise
-    if cfg.cluster.supervise:
+    if cfg.cluster.supervise or owner is not None:
         _start_supervisor(state)
     log.info("cluster up in %s: %d services, %s, %.1fs", root, len(state["services"]), state["http"],
              time.monotonic() - t0)

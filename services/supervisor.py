@@ -55,18 +55,39 @@ class Supervisor:
         unsaved = self.save(state, None)  # why cluster.json could not be written (said once; tried each tick)
         env = launcher._child_env()
         log.info("watching %d processes of %s", len(launcher._records(state)), self.root)
+        why = "signalled"
         while not self.stopping.wait(POLL_SECONDS):
             on_disk = launcher._load_state(self.root)
             if on_disk is None:
+                why = "cluster.json removed"
                 break
             if unsaved is None:  # else what is on disk is older than what this process knows
                 state = on_disk
-            if self.tick(state, env) or unsaved is not None:
+            if self.owner_gone(state):
+                why = "its owner is gone"
+                break
+            if state.get("restart", True) and self.tick(state, env) or unsaved is not None:
                 unsaved = self.save(state, unsaved)
         if unsaved is not None and self.save(state, unsaved) is not None:
             self.stop_unrecorded(state)
-        log.info("stopped (%s)", "signalled" if self.stopping.is_set() else "cluster.json removed")
+        log.info("stopped (%s)", why)
         return 0
+
+    def owner_gone(self, state: dict) -> bool:
+        """A temporary cluster (`launcher.up(owner=...)`) whose owner has ended: stopped here, its
+        dir left with its logs. Its owner stops it itself when it ends normally; killed, it
+        cannot, and the cluster (its job, Redis, every service) would run on with nobody to
+        use or stop it."""
+        owner = state.get("owner")
+        if not owner or launcher._alive(owner):
+            return False
+        log.warning("pid %d, which started this temporary cluster, is gone: stopping the cluster (its job with it)",
+                    owner["pid"])
+        summary = launcher._stop_all(state, timeout=10.0)
+        launcher._remove_state(self.root)
+        log.info("stopped %d processes, killed %d; logs kept in %s", len(summary["stopped"]), len(summary["killed"]),
+                 os.path.join(self.root, "logs"))
+        return True
 
     def stop_unrecorded(self, state: dict) -> None:
         """The processes this supervisor started that cluster.json still does not name (it could

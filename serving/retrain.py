@@ -118,15 +118,23 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         from mariana.services.runtime.cluster_job import Unreachable, run_cluster_job
         from mariana.services.runtime.config import load_cluster_config
 
+        def submitted(job: str, info: dict) -> None:  # a killed retrain's server cancels the job (`_abandoned`)
+            status.update(job=job, **({"temporary_cluster": info["dir"]} if info.get("temporary") else {}))
+
         try:
             record = run_cluster_job(config, train, [], model_dir, load_cluster_config(r.cluster_config or None),
-                                     promote=False, init_from=warm, on_submit=lambda job: status.update(job=job))
-        except Unreachable as e:  # the job goes on without this retrain: what it writes is never gated
-            job = status.data.get("job") or "its job"
+                                     promote=False, init_from=warm, on_submit=submitted)
+        except Unreachable as e:
+            job = status.data.get("job")
+            if job is None:
+                what = "no job was submitted"
+            elif status.data.get("temporary_cluster"):
+                what = f"its job {job} ended with the temporary cluster it started, stopped now"
+            else:  # the job goes on without this retrain: what it writes is never gated
+                what = f"the version its job {job} writes, if it does, is not gated and not served"
             _finish(cfg, status, {"time": None, "verdict": "failed", "new_version": None, "served_version": served,
-                                  "job": status.data.get("job"), "train_data": train, "eval_data": evals,
-                                  "reason": f"the retrain lost its cluster ({e}); the version {job} writes, if it "
-                                            "does, is not gated and not served"})
+                                  "job": job, "train_data": train, "eval_data": evals,
+                                  "reason": f"the retrain lost its cluster ({e}); {what}"})
             raise
     else:
         record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
@@ -725,15 +733,10 @@ class RetrainRunner:
         job, model_dir = data.get("job"), self.cfg.serve.model_dir
         if not job or data.get("decision"):
             return ""
-        from mariana.services.runtime.cluster_job import cancel_in
-        from mariana.services.runtime.config import load_cluster_config
-
-        try:
-            state = cancel_in(load_cluster_config(self.cfg.retrain.cluster_config or None), job)
-            what = f"its cluster job {job} cancelled" if state == "cancelled" else \
-                f"its cluster job {job} {state}: its version, if any, is not gated"
-        except (MarianaError, OSError) as e:
-            what = f"its cluster job {job} could not be cancelled ({e}): the version it writes is not gated"
+        if data.get("temporary_cluster"):
+            what = _stop_temporary(data["temporary_cluster"], job)
+        else:
+            what = _cancel(self.cfg, job)
         decision = {"time": None, "verdict": "failed", "new_version": data.get("new_version"), "job": job,
                     "served_version": data.get("served_version"), "train_data": data.get("train_data"),
                     "eval_data": data.get("eval_data"),
@@ -750,6 +753,31 @@ class RetrainRunner:
         for run, child in self.children.items():
             log.info("retrain %s (pid %d) goes on after this server stops: GET /v1/retrain/%s or %s/%s will "
                      "tell its verdict", run, child.pid, run, self.cfg.serve.model_dir, DECISIONS)
+
+
+def _cancel(cfg: ServeConfig, job: str) -> str:
+    """A killed retrain's job on the configured cluster cancelled: what to say of it."""
+    from mariana.services.runtime.cluster_job import cancel_in
+    from mariana.services.runtime.config import load_cluster_config
+
+    try:
+        state = cancel_in(load_cluster_config(cfg.retrain.cluster_config or None), job)
+    except (MarianaError, OSError) as e:
+        return f"its cluster job {job} could not be cancelled ({e}): the version it writes is not gated"
+    return f"its cluster job {job} cancelled" if state == "cancelled" else \
+        f"its cluster job {job} {state}: its version, if any, is not gated"
+
+
+def _stop_temporary(cluster_dir: str, job: str) -> str:
+    """A killed retrain's temporary cluster stopped (its supervisor stops it when the retrain's
+    process is gone; this makes sure): what to say of it."""
+    from mariana.services.runtime.cluster_job import stop_temporary
+
+    try:
+        stop_temporary(cluster_dir)
+    except (MarianaError, OSError) as e:
+        return f"its cluster job {job} ran on a temporary cluster in {cluster_dir} that could not be stopped ({e})"
+    return f"its cluster job {job} ended with the temporary cluster it ran on ({cluster_dir}), stopped"
 
 
 def outcome(status: dict) -> tuple[str, str]:

@@ -64,9 +64,10 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
                     mode: str = "async", staleness: int | None = None,
                     on_progress: Callable[[dict], None] | None = None, asked: tuple[str, ...] = (),
                     promote: bool = True, valid_data: list[str] | None = None, init_from: str | None = None,
-                    on_submit: Callable[[str], None] | None = None) -> dict:
+                    on_submit: Callable[[str, dict], None] | None = None) -> dict:
     """`asked`: the roles whose counts the user gave; a running cluster must have those.
-    `on_submit(job)` hears the job's id once the coordinator has taken it (a retrain keeps it).
+    `on_submit(job, info)` hears the job's id once the coordinator has taken it, and the
+    cluster's `cluster_session` info (a retrain keeps both).
     `promote=False` writes the version without moving CURRENT (a retrain's candidate).
     Relative paths (files, `out`, the config's path keys) are this process's: they go to
     the coordinator absolute, and it refuses relative ones. `valid_data` (or the tail of the
@@ -86,7 +87,7 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
         job = submit(info, body)
         log.info("job %s submitted to %s", job, info["http"])
         if on_submit is not None:
-            on_submit(job)
+            on_submit(job, info)
         return wait(info, job, on_progress)
 
 
@@ -102,6 +103,17 @@ def cancel_in(cluster: ClusterConfig, job: str) -> str:
     return str(cancel_job(info, job).get("state"))
 
 
+def stop_temporary(cluster_dir: str) -> None:
+    """Stop a temporary cluster (`cluster_session`) whose owner was killed, if its supervisor
+    has not already; its dir stays, with its logs."""
+    from mariana.services import launcher
+
+    try:
+        launcher.down(cluster_dir, timeout=10.0)
+    except launcher.ClusterNotUp:
+        pass
+
+
 def absolute_init_from(spec: str) -> str:
     """'models:v000003' -> '/abs/models:v000003': the coordinator refuses relative paths."""
     model_dir, version = parse_init_from(spec)
@@ -112,7 +124,9 @@ def absolute_init_from(spec: str) -> str:
 def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iterator[dict]:
     """The cluster up in `cluster`'s dir (`launcher.cluster_info`), or one started here in
     a fresh temporary dir and stopped when the block ends (its dir removed, or kept with
-    its logs when the block failed). `asked`: the roles whose counts a running one must have."""
+    its logs when the block failed), or when this process is killed (its supervisor stops it:
+    `launcher.up`'s owner); its info says `"temporary": True`. `asked`: the roles whose counts
+    a running one must have."""
     from mariana.services import launcher
 
     info = launcher.cluster_info(cluster.cluster.path)
@@ -123,10 +137,13 @@ def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iter
     cluster.cluster.dir = tempfile.mkdtemp(prefix="mariana-cluster-")
     log.info("no cluster is up: starting one (%d workers, %d ps, %d preprocess) in %s",
              cluster.worker.count, cluster.ps.count, cluster.preprocess.count, cluster.cluster.dir)
-    launcher.up(cluster)
+    launcher.up(cluster, owner=os.getpid())
     ok = False
     try:
-        yield launcher.cluster_info(cluster.cluster.dir)
+        info = launcher.cluster_info(cluster.cluster.dir)
+        if info is None:
+            raise Unreachable(f"the coordinator of the cluster started in {cluster.cluster.dir} stopped as it started")
+        yield {**info, "temporary": True}
         ok = True
     finally:
         launcher.down(cluster.cluster.dir)
@@ -167,6 +184,9 @@ def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> di
                     away = now
                     log.warning("%s; waiting up to %gs for it (a restarted coordinator goes on with job %s)",
                                 e, AWAY_SECONDS, job)
+                if now - away > AWAY_SECONDS and info.get("temporary"):
+                    raise Unreachable(f"{e} for {AWAY_SECONDS:g}s; job {job} ends with the temporary cluster "
+                                      f"this command started for it, stopped now") from None
                 if now - away > AWAY_SECONDS:
                     raise Unreachable(f"{e} for {AWAY_SECONDS:g}s; job {job} goes on when the cluster is up "
                                       f"again (`mariana up`; its record: `mariana status`)") from None

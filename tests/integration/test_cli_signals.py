@@ -58,3 +58,41 @@ def test_sigterm_to_a_cluster_train_cancels_its_job_and_stops_the_cluster_it_sta
         time.sleep(0.2)
     assert not [p for p in started if running(p)], text
     assert not (tmp_path / "m").exists() or not list((tmp_path / "m").glob("v0*")), text
+
+
+def test_a_killed_cluster_train_leaves_no_cluster_running(tmp_path):
+    """SIGKILL runs no cleanup: the cluster `train --mode cluster` started for its job (redis, the
+    services) ran on for ever, its job with it. Its supervisor stops it once the command is gone,
+    even with `cluster.supervise` off (then it restarts nothing)."""
+    data = tmp_path / "train.tsv"
+    generate_criteo(data, 100_000, seed=42)
+    cfg = tmp_path / "cluster.toml"
+    cfg.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\nsupervise = false\n')
+    log = tmp_path / "train.log"
+    with open(log, "w") as err:
+        client = subprocess.Popen([sys.executable, "-m", "mariana", "train", "--data", str(data), "--mode", "cluster",
+                                   "--cluster-config", str(cfg), "--epochs", "50", "--set", "train.batch_size=64",
+                                   "--out", str(tmp_path / "m")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                  env={**os.environ, "TMPDIR": str(tmp_path)})  # the temporary cluster's dir
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "submitted" not in log.read_text() and client.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "submitted" in log.read_text(), log.read_text()
+        started = descendants(client.pid)
+        assert len(started) >= 6, started  # redis, the services, the supervisor
+        client.kill()
+        client.wait(10)
+        deadline = time.monotonic() + 30
+        while any(running(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [p for p in started if running(p)]
+    finally:
+        for pid in ([client.pid] if client.poll() is None else []) + [p for p in started if running(p)]:
+            os.kill(pid, signal.SIGKILL)  # a failed test leaves nothing running
+    assert not left, log.read_text()
+    (cluster_dir,) = tmp_path.glob("mariana-cluster-*")
+    supervisor_log = (cluster_dir / "logs" / "supervisor.log").read_text()
+    assert "which started this temporary cluster, is gone" in supervisor_log, supervisor_log
+    assert not (cluster_dir / "cluster.json").exists()

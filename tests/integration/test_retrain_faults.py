@@ -18,6 +18,7 @@ import pytest
 from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli, run_cli_cases
 from tests.debian import debian_tool, promtool_check
+from tests.integration.rankkill import running
 from tests.integration.serving import Server
 from tests.integration.test_retrain import decisions, retrain_config
 
@@ -218,3 +219,38 @@ def test_a_killed_cluster_retrain_cancels_its_job_and_says_so(logs, tmp_path):
     assert last["verdict"] == "failed" and last["job"] == state["job"], last
     assert last["reason"] == f"the retrain process ended without a decision; its cluster job {state['job']} cancelled"
     assert sorted(p.name for p in model_dir.glob("v0*")) == ["v000001"]  # nothing written after all
+
+
+def test_a_killed_retrain_on_a_temporary_cluster_stops_it_and_says_so(logs, tmp_path):
+    """With no cluster up in its config's dir, a cluster retrain runs its job on a temporary one.
+    Killed (kill -9), it left that cluster running for ever (its job too), and the server looked
+    for the job in the configured dir, where no cluster was: "could not be cancelled". The
+    temporary cluster now stops once its retrain is gone, and the decision says so."""
+    model_dir = served(tmp_path, logs)
+    cluster_cfg = tmp_path / "cluster.toml"
+    cluster_cfg.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\n')  # nothing is up there
+    retrain = windows(logs, mode="cluster", cluster_config=str(cluster_cfg), job_config=str(logs["job"]))
+    with Server(tmp_path / "s", model_dir, serve={"token": TOKEN}, retrain=retrain,
+                prefix=["env", f"TMPDIR={tmp_path}"]) as s:
+        status, started = s.post("/v1/retrain", b"", headers=AUTH)
+        assert status == 202, started
+        deadline = time.monotonic() + 90
+        while "job" not in (state := s.get(f"/v1/retrain/{started['id']}", AUTH)[1]):
+            assert time.monotonic() < deadline and state["state"] not in ("done", "failed"), (state, s.logs())
+            time.sleep(0.05)
+        (cluster_dir,) = tmp_path.glob("mariana-cluster-*")
+        assert state["temporary_cluster"] == str(cluster_dir), state
+        pids = [r["pid"] for r in json.loads((cluster_dir / "cluster.json").read_text())["services"]]
+        os.kill(state["pid"], signal.SIGKILL)
+        wait_state(s, started["id"], ("failed",))
+        deadline = time.monotonic() + 30
+        while "its cluster job" not in s.logs():
+            assert time.monotonic() < deadline, s.logs()
+            time.sleep(0.2)
+    last = decisions(model_dir)[-1]
+    assert last["verdict"] == "failed" and last["job"] == state["job"], last
+    assert last["reason"] == (f"the retrain process ended without a decision; its cluster job {state['job']} ended "
+                              f"with the temporary cluster it ran on ({cluster_dir}), stopped"), last
+    assert not (cluster_dir / "cluster.json").exists()
+    assert not [p for p in pids if running(p)], pids
+    assert sorted(p.name for p in model_dir.glob("v0*")) == ["v000001"]

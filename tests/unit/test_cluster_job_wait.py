@@ -63,3 +63,13 @@ def test_a_coordinator_away_for_longer_than_the_bound_is_an_error_that_says_the_
     info = {"http": f"http://127.0.0.1:{free_port()}"}  # nothing ever listens
     with pytest.raises(cluster_job.Unreachable, match="for 0.5s; job j1 goes on when the cluster is up again"):
         cluster_job.wait(info, "j1", None)
+
+
+def test_a_lost_temporary_cluster_is_said_to_end_its_job_not_to_go_on(monkeypatch):
+    """The cluster the command started for its job is stopped when the command gives up on it:
+    "goes on when the cluster is up again (`mariana up`)" sent the user to a cluster that was gone."""
+    monkeypatch.setattr(cluster_job, "AWAY_SECONDS", 0.5)
+    info = {"http": f"http://127.0.0.1:{free_port()}", "temporary": True}
+    with pytest.raises(cluster_job.Unreachable) as e:
+        cluster_job.wait(info, "j1", None)
+    assert "job j1 ends with the temporary cluster" in str(e.value) and "mariana up" not in str(e.value)

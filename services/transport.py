@@ -16,6 +16,7 @@ returns an awaitable (a held lease) runs as a task.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import itertools
 import logging
@@ -43,10 +44,11 @@ class PeerRestarted(PeerTimeout):
     line saying so is the caller's who saw the restart, not one per request."""
 
 
-def timeout_log(logger: logging.Logger, e: PeerTimeout):
+def timeout_log(logger: logging.Logger, e: BaseException, level: int = logging.WARNING):
     """How `logger` says a request that `e` ended: at DEBUG when its peer restarted (the caller
-    that saw the restart said so, once), else as a warning."""
-    return logger.debug if isinstance(e, PeerRestarted) else logger.warning
+    that saw the restart said so, once, and every request in flight failed with it), else at
+    `level`."""
+    return logger.debug if isinstance(e, PeerRestarted) else functools.partial(logger.log, level)
 
 
 class RemoteError(MarianaError):
@@ -222,8 +224,9 @@ class Client:
             log.exception("command %s from %s failed", msg.type, self.endpoint)
 
     def fail_pending(self, reason: str) -> int:
-        """Fail every request in flight with PeerTimeout (the peer restarted: it will never
-        answer them); their callers retry now instead of at their timeout."""
+        """Fail every request in flight with PeerRestarted (the peer restarted: it will never
+        answer them); their callers retry now instead of at their timeout, and say so at DEBUG
+        (`timeout_log`): the caller that saw the restart said it once."""
         n = 0
         for fut in self.pending.values():
             if not fut.done():

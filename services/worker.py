@@ -199,7 +199,7 @@ class Feed:
         except (PeerTimeout, RemoteError) as e:
             if isinstance(e, PeerTimeout):  # maybe never delivered: the reports go with the next request
                 self.reports[:0] = done
-            log.info("%s: lease: %s; asking again", self.svc.name, e)
+            timeout_log(log, e, logging.INFO)("%s: lease: %s; asking again", self.svc.name, e)
             await asyncio.sleep(0.5)
             return []
         finally:
@@ -258,14 +258,14 @@ class Feed:
             await self.svc.coordinator.call("Cached", job=work["job"], chunk=key[1] if len(key) == 3 else "",
                                             batches=[], stats={}, error=f"{self.svc.name}: {e}")
         except (PeerTimeout, RemoteError) as err:  # ended already; or the next lease finds it out again
-            log.warning("%s: could not report it: %s", self.svc.name, err)
+            timeout_log(log, err)("%s: could not report it: %s", self.svc.name, err)
         await asyncio.sleep(1.0)  # the next Lease after the coordinator has heard
 
     async def report_miss(self, work: dict) -> None:
         try:
             await self.svc.coordinator.call("Miss", job=work["job"], step=work["step"], key=work["key"])
         except (PeerTimeout, RemoteError) as e:  # the lease lapses and the batch is issued again
-            log.warning("%s: could not report a cache miss for %s: %s", self.svc.name, work["step"], e)
+            timeout_log(log, e)("%s: could not report a cache miss for %s: %s", self.svc.name, work["step"], e)
 
     def report(self, done: dict) -> None:
         """A step done (a `Report` record), for the next Lease; sent now while a Lease is held."""

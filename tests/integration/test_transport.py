@@ -242,3 +242,39 @@ def test_a_closed_client_answers_at_once_and_lets_a_retry_loop_be_cancelled():
 
     cancelled, tries = run(body())
     assert cancelled and tries < 100_000, tries
+
+
+def test_requests_failed_by_a_peer_restart_are_said_once_not_each(caplog):
+    """fail_pending fails every request in flight with PeerRestarted (the caller that saw the
+    restart says so); each caller's own line about it is DEBUG, and a real timeout or an Error
+    answer stays a warning (or the caller's level): a worker warned once per cache miss and
+    report in flight while its coordinator restarted."""
+    import logging
+
+    from mariana.services.transport import PeerRestarted, timeout_log
+
+    async def body():
+        ctx = zmq.asyncio.Context()
+        ep = endpoint()
+        silent = ctx.socket(zmq.ROUTER)  # takes requests, never answers
+        silent.bind(ep)
+        client = Client(ctx, ep, Counter(), timeout=5.0)
+        calls = [asyncio.create_task(client.call("GetJob", job="j")) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        failed = client.fail_pending("the peer restarted")
+        errors = await asyncio.gather(*calls, return_exceptions=True)
+        client.close()
+        silent.close()
+        ctx.destroy(linger=0)
+        return failed, errors
+
+    failed, errors = run(body())
+    assert failed == 3 and all(isinstance(e, PeerRestarted) for e in errors), errors
+    log = logging.getLogger("test-timeout-log")
+    caplog.set_level(logging.DEBUG, logger="test-timeout-log")
+    for e in errors:
+        timeout_log(log, e)("could not report: %s", e)
+    timeout_log(log, PeerTimeout("no answer in 5s"))("could not report: %s", "no answer")
+    timeout_log(log, RemoteError("bad_request", "no such job"))("refused: %s", "no such job")
+    timeout_log(log, PeerTimeout("no answer in 5s"), logging.INFO)("lease: %s", "no answer")
+    assert [r.levelname for r in caplog.records] == ["DEBUG"] * 3 + ["WARNING", "WARNING", "INFO"]

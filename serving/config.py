@@ -129,12 +129,24 @@ def ready_path(run_dir: str, index: int | str) -> str:
 
 
 def check_retrain_files(cfg: "ServeConfig") -> None:
-    """ConfigError unless the files the [retrain] section names exist: checked when a server
-    starts, not when its first retrain (the nightly timer's) fails on a typo."""
+    """ConfigError unless the config files the [retrain] section names exist and load (valid
+    TOML, known keys, values of the right types): checked when a server starts, not when its
+    first retrain (the nightly timer's) fails on a typo."""
+    from mariana.services.runtime.config import load_cluster_config
+    from mariana.trainer.config import load_config
+
     r = cfg.retrain
-    for key, path in (("retrain.job_config", r.job_config), ("retrain.cluster_config", r.cluster_config)):
-        if path and not os.path.isfile(path):
+    for key, path, load in (("retrain.job_config", r.job_config, load_config),
+                            ("retrain.cluster_config", r.cluster_config, load_cluster_config)):
+        if not path:
+            continue
+        if not os.path.isfile(path):
             raise ConfigError(f"{key}: {path}: " + ("is not a file" if os.path.exists(path) else "no such file"))
+        try:
+            load(path)
+        except ConfigError as e:
+            where = "" if str(e).startswith(path) else f"{path}: "  # a TOML error names its file already
+            raise ConfigError(f"{key}: {where}{e}") from None
 
 
 @dataclass

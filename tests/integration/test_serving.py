@@ -432,6 +432,14 @@ def test_serve_refuses_a_missing_model_dir_and_a_taken_port(tmp_path, models):
     missing = run_cli("serve", "--config", typo, "--port", "0")
     assert missing.returncode == 2 and missing.stderr.strip().endswith(
         f"retrain.cluster_config: {tmp_path / 'nope.toml'}: no such file"), missing.stderr
+    # files that exist but do not load failed only when the nightly retrain ran
+    (tmp_path / "job.toml").write_text("[trian]\nepochs = 2\n")
+    (tmp_path / "cluster.toml").write_text('[cluster]\ndir = "unclosed\n')
+    for key, name, why in (("job_config", "job.toml", "config: unknown key 'trian' (known: data, hashing, "),
+                           ("cluster_config", "cluster.toml", "not valid TOML")):
+        typo.write_text(f'[serve]\nmodel_dir = "{models["lr"]}"\n[retrain]\n{key} = "{tmp_path / name}"\n')
+        bad = run_cli("serve", "--config", typo, "--port", "0")
+        assert bad.returncode == 2 and f"retrain.{key}: {tmp_path / name}: {why}" in bad.stderr, bad.stderr
     # a version's directory (or a featurizer's) waited for ever for a version to appear in it
     inside = run_cli("serve", "--model-dir", models["lr"] / "v000001", "--port", "0")
     assert inside.returncode == 2 and inside.stderr.strip().endswith(

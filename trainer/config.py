@@ -283,26 +283,29 @@ class DenseConfig:
     batch_size: int = 64          # rows per step of one process
     epochs: int = 1
     seed: int = 0
+    # how its errors name a setting: "dense." + key in a config file; a command that makes one
+    # from its own flags (train speech) gives "--", and its errors name the flags
+    named: dataclasses.InitVar[str] = "dense."
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, named: str) -> None:
         if not DEVICE_RE.match(self.device):
-            raise ConfigError(f"dense.device: unknown device {self.device!r} (use 'cpu', 'cuda', 'cuda:N' or 'auto')")
+            raise ConfigError(f"{named}device: unknown device {self.device!r} (use 'cpu', 'cuda', 'cuda:N' or 'auto')")
         for key, known in (("backend", BACKENDS), ("loss", LOSSES), ("optimizer", OPTIMIZERS)):
             if getattr(self, key) not in known:
-                raise ConfigError(f"dense.{key}: unknown {key} {getattr(self, key)!r} (use one of {list(known)})")
+                raise ConfigError(f"{named}{key}: unknown {key} {getattr(self, key)!r} (use one of {list(known)})")
         if self.backend == "nccl" and self.device == "cpu":
-            raise ConfigError("dense.backend = 'nccl' needs a CUDA device, not dense.device = 'cpu'")
+            raise ConfigError(f"{named}backend = 'nccl' needs a CUDA device, not {named}device = 'cpu'")
         for key in ("world_size", "batch_size", "epochs"):
             if getattr(self, key) < 1:
-                raise ConfigError(f"dense.{key} must be >= 1, got {getattr(self, key)}")
+                raise ConfigError(f"{named}{key} must be >= 1, got {getattr(self, key)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ConfigError(f"dense.lr must be a positive number, got {self.lr}")
+            raise ConfigError(f"{named}lr must be a positive number, got {self.lr}")
         for key in ("momentum", "weight_decay"):
             if not (getattr(self, key) >= 0 and math.isfinite(getattr(self, key))):
-                raise ConfigError(f"dense.{key} must be >= 0, got {getattr(self, key)}")
+                raise ConfigError(f"{named}{key} must be >= 0, got {getattr(self, key)}")
         if self.momentum and self.optimizer != "sgd":
-            raise ConfigError(f"dense.momentum is for optimizer 'sgd', not {self.optimizer!r}")
-        check_seed("dense.seed", self.seed)
+            raise ConfigError(f"{named}momentum is for optimizer 'sgd', not {self.optimizer!r}")
+        check_seed(f"{named}seed", self.seed)
 
 
 @dataclass

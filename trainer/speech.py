@@ -61,22 +61,16 @@ class SpeechConfig:
         for key in ("epochs", "batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"speech: --{key.replace('_', '-')} must be >= 1, got {getattr(self, key)}")
-        if self.threads < 0:
-            raise ConfigError(f"speech: --threads must be >= 0 (0: the cores / the ranks), got {self.threads}")
-        if not self.timeout_s > 0:  # (nan too)
-            raise ConfigError(f"speech: --timeout must be > 0 seconds, got {self.timeout_s:g}")
-        if self.timeout_s > dp.MAX_TIMEOUT_S:  # inf or 1e300 failed in the process group's timedelta on every rank
-            raise ConfigError(f"speech: --timeout {self.timeout_s:g}: more seconds than a timeout can hold "
-                              f"({dp.MAX_TIMEOUT_S:.3g} at most)")
-        self.exchange = str(dp.parse_exchange(self.exchange))
         try:
-            self.dense()  # checks the optimizer, lr and device
-        except ConfigError as e:  # named by this command's flags (--lr), not the dense config's keys (dense.lr)
-            raise ConfigError(f"speech: {str(e).replace('dense.', '--')}") from None
+            dp.check_rank_flags(self.threads, self.timeout_s)
+            self.exchange = str(dp.parse_exchange(self.exchange))
+            self.dense(named="--")  # checks the optimizer, lr and device, named by this command's flags
+        except ConfigError as e:
+            raise ConfigError(f"speech: {e}") from None
 
-    def dense(self) -> DenseConfig:
+    def dense(self, named: str = "dense.") -> DenseConfig:
         return DenseConfig(device=self.device, loss="cross_entropy", optimizer=self.optimizer, lr=self.lr,
-                           batch_size=self.batch_size, epochs=self.epochs, seed=self.seed)
+                           batch_size=self.batch_size, epochs=self.epochs, seed=self.seed, named=named)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "hidden": list(self.hidden), "front_end": self.front_end.to_dict()}

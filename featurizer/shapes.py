@@ -69,13 +69,14 @@ def draw(label: int, rng: np.random.Generator, size: int = 64) -> np.ndarray:
 
 
 FORMATS = ("idx", "png", "jpeg")
+JPEG_QUALITY = 90  # gen images --format jpeg's default
 
 
 MAX_BYTES = 8 << 30  # pixels gen images draws in memory before it writes them
 
 
 def generate_images(out: str | os.PathLike, n: int, seed: int = 0, size: int = 64, fmt: str = "idx",
-                    quality: int = 90) -> dict:
+                    quality: int = JPEG_QUALITY) -> dict:
     """Write OUT/t10k-images-idx3-ubyte.gz ((n, size, size) uint8) and OUT/t10k-labels-idx1-ubyte.gz
     (labels 0..9, each image's drawn uniformly); returns a record with the class counts and hashes.
     `fmt` png or jpeg: an image folder instead (featurizer/image_folder.py), OUT/<k>-<class>/<i>.png
@@ -107,7 +108,7 @@ def generate_images(out: str | os.PathLike, n: int, seed: int = 0, size: int = 6
     return {**record, "images_sha256": file_sha256(d / MNIST_IMAGES)}
 
 
-def write_folder(d: Path, images: np.ndarray, labels: np.ndarray, fmt: str, quality: int = 90) -> int:
+def write_folder(d: Path, images: np.ndarray, labels: np.ndarray, fmt: str, quality: int = JPEG_QUALITY) -> int:
     """Each image as d/<label>-<class>/<index>.png|.jpg; returns the bytes written."""
     from PIL import Image
 

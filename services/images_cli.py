@@ -32,7 +32,7 @@ def cmd_gen_images(args: argparse.Namespace) -> int:
         raise MarianaError(f"--quality is for --format jpeg, not {args.format}")
     try:
         result = generate_images(args.out, args.rows, args.seed, args.size, args.format,
-                                 90 if args.quality is None else args.quality)
+                                 **({} if args.quality is None else {"quality": args.quality}))
     except ValueError as e:
         raise MarianaError(str(e)) from None
     print(json.dumps(result))

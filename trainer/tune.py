@@ -34,7 +34,7 @@ from mariana.sparse.errors import MarianaError
 from mariana.sparse.files import why, write_atomically
 from mariana.trainer.bundle import ModelBundle
 from mariana.sparse.settings import from_dict
-from mariana.trainer.config import AUTO, JobConfig
+from mariana.trainer.config import AUTO, JobConfig, TrainConfig
 from mariana.trainer.data import RowRange
 from mariana.trainer.strategies.local import Validation, train_local
 
@@ -241,7 +241,7 @@ def check_search(config: JobConfig, budget: float) -> None:
     if not 0 < budget < math.inf:
         raise MarianaError(f"tune: --budget must be a finite number of seconds > 0, got {budget} "
                            "(--trials N bounds the search by count)")
-    if config.train.epochs not in (1, AUTO):  # 1: the default, untouched; anything else was meant, and is dropped
+    if config.train.epochs not in (TrainConfig.epochs, AUTO):  # the default is untouched; anything else was meant
         log.warning("tune: train.epochs = %r is not used: every trial stops on its validation logloss (epochs = "
                     "\"auto\"), after %d epochs at most", config.train.epochs, trial_max_epochs(config))
 

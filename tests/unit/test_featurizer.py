@@ -413,3 +413,15 @@ def test_gen_images_is_deterministic_balanced_and_reads_as_mnist(tmp_path):
     assert np.array_equal(load_mnist(tmp_path / "d").images, small)
     bad = run_cli("gen", "images", "--rows", "0", "--out", tmp_path / "e")
     assert bad.returncode == 2 and "--rows >= 1" in bad.stderr
+
+
+
+def test_gen_images_help_states_the_jpeg_quality_it_uses(capsys):
+    """The CLI leaves the default to generate_images (it wrote its own 90 beside it); its help,
+    built without importing the generator, states the same value."""
+    from mariana.cli import build_parser
+    from mariana.featurizer.shapes import JPEG_QUALITY
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["gen", "images", "--help"])
+    assert f"default {JPEG_QUALITY})" in " ".join(capsys.readouterr().out.split())

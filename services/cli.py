@@ -209,10 +209,10 @@ def _cluster_progress():
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from mariana.services.runtime import reliability
     from mariana.sparse.parse import describe_bad
-    from mariana.trainer.bundle import parse_init_from
     from mariana.trainer.strategies.local import evaluate
 
-    if _speech_model(args.model):
+    model = _model_arg(args)
+    if _speech_model(model[0]):
         from mariana.services import speech_cli
         return speech_cli.cmd_evaluate(args)
     if args.split:
@@ -220,7 +220,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.plot:
         reliability.check_plot_path(args.plot)  # before the work, not after it
     _parses_data()
-    bundle, paths = _model_and_data(args)
+    bundle, paths = _model_and_data(args, model)
     t0 = time.perf_counter()
     metrics, parse = evaluate(bundle, paths)
     if not metrics["count"]:
@@ -232,7 +232,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     record = {"auc": metrics["auc"], "logloss": metrics["logloss"], "calibration": metrics["calibration"],
               "ne": metrics["ne"], "ece": metrics["ece"], "rows": metrics["count"], "bad_rows": parse["rows_bad"],
               "seconds": round(time.perf_counter() - t0, 3),
-              "model_dir": os.path.abspath(parse_init_from(args.model, "--model")[0]),  # DIR of DIR:vNNNNNN
+              "model_dir": os.path.abspath(model[0]),  # DIR of DIR:vNNNNNN
               "model_version": bundle.manifest.get("version")}
     table = metrics["reliability"]
     if args.plot:
@@ -251,11 +251,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from mariana.sparse.parse import describe_bad
     from mariana.trainer.data import BatchStream
 
-    if _speech_model(args.model):
+    model = _model_arg(args)
+    if _speech_model(model[0]):
         from mariana.services import speech_cli
         return speech_cli.cmd_predict(args)
     _parses_data()
-    bundle, paths = _model_and_data(args)
+    bundle, paths = _model_and_data(args, model)
     stream = BatchStream(paths, bundle.encoder, bundle.config.data.block_bytes, labeled=None, slots=True)
     out = sys.stdout
     for batch, (lines, slots) in stream:
@@ -274,12 +275,18 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def _speech_model(spec: str) -> bool:
-    """Whether --model (DIR or DIR:vNNNNNN) is a directory of speech versions."""
-    from mariana.featurizer.speech import is_speech_model
+def _model_arg(args: argparse.Namespace) -> tuple[str, str | None]:
+    """--model (DIR or DIR:vNNNNNN) as (DIR, version or None), read once for the whole command."""
     from mariana.trainer.bundle import parse_init_from
 
-    return is_speech_model(parse_init_from(spec, "--model")[0])
+    return parse_init_from(args.model, "--model")
+
+
+def _speech_model(model_dir: str) -> bool:
+    """Whether --model's directory holds speech versions."""
+    from mariana.featurizer.speech import is_speech_model
+
+    return is_speech_model(model_dir)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -394,19 +401,20 @@ def _job_config(args: argparse.Namespace):
     return config
 
 
-def _model_and_data(args: argparse.Namespace):
-    """(the version --model names: DIR's CURRENT, or DIR:vNNNNNN; the --data paths), checked
-    before any work. A version CURRENT does not name (a refused retrain candidate) can be scored."""
+def _model_and_data(args: argparse.Namespace, model: tuple[str, str | None]):
+    """(the version `model` (`_model_arg`) names: DIR's CURRENT, or DIR:vNNNNNN; the --data
+    paths), checked before any work. A version CURRENT does not name (a refused retrain
+    candidate) can be scored."""
     from mariana.sparse.parse import Reader
     from mariana.trainer import checkpoint
-    from mariana.trainer.bundle import ModelBundle, parse_init_from
+    from mariana.trainer.bundle import ModelBundle
     from mariana.trainer.job import check_inputs
 
     paths = _paths(args.data)
     if not paths:
         raise MarianaError("--data names no files")
     check_inputs(paths)
-    model_dir, version = parse_init_from(args.model, "--model")
+    model_dir, version = model
     if version:
         checkpoint.require_version(model_dir, version)
     bundle = ModelBundle.load(model_dir, version)

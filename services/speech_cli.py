@@ -143,7 +143,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise MarianaError("--plot draws a click model's reliability; a speech model reports accuracy and "
                            "confusion (--json)")
     _refuse_row_flags(args)
-    rec = SpeechRecognizer.load(*_model_spec(args.model))
+    model_dir, version = _model_spec(args.model)
+    rec = SpeechRecognizer.load(model_dir, version)
     trained = rec.manifest.get("train", {})
     split = getattr(args, "split", None) or trained.get("split", "official")
     t0 = time.perf_counter()
@@ -160,7 +161,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     np.add.at(confusion, (digits, guesses), 1)
     record = {"accuracy": round(float((guesses == digits).mean()), 4), "errors": int((guesses != digits).sum()),
               "utterances": len(test), "split": split, "seconds": round(time.perf_counter() - t0, 3),
-              "model_dir": os.path.abspath(_model_spec(args.model)[0]), "model_version": rec.manifest.get("version"),
+              "model_dir": os.path.abspath(model_dir), "model_version": rec.manifest.get("version"),
               "confusion": confusion.tolist() if args.json else None}
     report.print_record({k: v for k, v in record.items() if v is not None}, args.json)
     return 0

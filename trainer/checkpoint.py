@@ -258,14 +258,26 @@ def decisions(model_dir: str | os.PathLike) -> list[dict]:
     return [rec for rec in _json_lines(Path(model_dir) / DECISIONS) if "verdict" in rec]
 
 
+_UNREADABLE: dict[str, str] = {}  # journal -> why it could not be read, as last said
+
+
 def _json_lines(path: Path) -> list[dict]:
+    """The records of a journal (promotions.jsonl, decisions.jsonl); damaged lines skipped. One
+    that cannot be read is read as holding none, and said once until it can be read again (the
+    web UI and the serve watcher read them every second or so)."""
     try:
         text = path.read_bytes()
     except FileNotFoundError:
+        _UNREADABLE.pop(str(path), None)
         return []
     except OSError as e:  # a directory in its place, a file of another owner: read as none, said
-        log.warning("%s: cannot read it (%s): read as holding no record", path, e.strerror or e)
+        why = str(e.strerror or e)
+        if _UNREADABLE.get(str(path)) != why:
+            _UNREADABLE[str(path)] = why
+            log.warning("%s: cannot read it (%s): read as holding no record", path, why)
         return []
+    if _UNREADABLE.pop(str(path), None) is not None:
+        log.info("%s: readable again", path)
     out = []
     for line in text.splitlines():
         try:

@@ -504,3 +504,24 @@ def test_a_featurizer_named_as_a_model_directory_is_said_to_be_one(tmp_path):
     with pytest.raises(ModelDirError, match="f: an image featurizer, not a model directory: 'mariana featurize "
                                             "--model .*/f' runs it"):
         checkpoint.current_version(tmp_path / "f")
+
+
+def test_an_unreadable_journal_is_said_once_until_it_reads_again(tmp_path, caplog):
+    """The web UI and every serve worker's watcher read the journals each second or so: a
+    decisions.jsonl that could not be read (a directory in its place, another owner's file)
+    was a warning each time."""
+    caplog.set_level("INFO", logger="mariana.trainer.checkpoint")
+    journal = tmp_path / "decisions.jsonl"
+    journal.mkdir()
+    for _ in range(3):
+        assert checkpoint.decisions(tmp_path) == []
+    journal.rmdir()
+    journal.write_text('{"verdict": "promoted"}\n')
+    assert checkpoint.decisions(tmp_path) == [{"verdict": "promoted"}]
+    journal.unlink()
+    journal.mkdir()
+    checkpoint.decisions(tmp_path)
+    said = [r.getMessage() for r in caplog.records]
+    assert [m.split(": ", 1)[1] for m in said] == ["cannot read it (Is a directory): read as holding no record",
+                                                   "readable again",
+                                                   "cannot read it (Is a directory): read as holding no record"], said

@@ -99,10 +99,10 @@ def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
     a = np.ascontiguousarray(array)
     if a.dtype != np.uint8 or not 1 <= a.ndim <= MAX_DIMS:
         raise ValueError(f"write_idx takes uint8 arrays of 1..{MAX_DIMS} dims, got {a.dtype} {a.shape}")
-    body = bytes([0, 0, UBYTE, a.ndim]) + np.array(a.shape, ">u4").tobytes() + a.tobytes()
     opener = gzip.open if os.fspath(path).endswith(".gz") else open
-    with opener(path, "wb") as f:
-        f.write(body)
+    with opener(path, "wb") as f:  # the header, then the pixels from where they are (no copy of them)
+        f.write(bytes([0, 0, UBYTE, a.ndim]) + np.array(a.shape, ">u4").tobytes())
+        f.write(memoryview(a).cast("B"))
 
 
 def _read_bytes(path: str) -> bytes:

@@ -970,7 +970,8 @@ def unlabeled_hint(schema: Schema) -> str:
             "the label; `mariana predict` takes unlabeled rows")
 
 
-COMPRESSED = {b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip",
+COMPRESSED = {**{b"BZh%d" % level: "bzip2" for level in range(1, 10)}, b"\xfd7zXZ\x00": "xz",
+              b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip",
               b"\x04\x22\x4d\x18": "lz4"}  # magic bytes of what is read as text otherwise: "malformed rows"
 
 
@@ -986,7 +987,7 @@ def _check_not_gzipped_parquet(path: str, block: bytes) -> None:
     """
     head = bytes(block[:8])
     for magic, tool in COMPRESSED.items():
-        if head.startswith(magic) and not (tool == "bzip2" and not head[3:4].isdigit()):  # "BZh" + level 1-9
+        if head.startswith(magic):
             raise DataFormatError(f"{path}: compressed with {tool}: Mariana reads plain text, gzip and Parquet "
                                   "files; decompress it (or recompress it with gzip)")
     if bytes(block[:len(PARQUET_MAGIC)]) == PARQUET_MAGIC:

@@ -379,6 +379,12 @@ def train_image_main(argv: list[str]) -> int:
     from mariana.trainer.image import ImageConfig, check_data
 
     preset = _preset(args, data, folder, name)
+    if args.partitions >= 1 and args.groups >= 1 and not ctx.distributed:  # (below 1: ImageConfig names the flag)
+        from mariana.services.ranks import check_nproc
+        try:  # before the batch's split into groups, which --groups 100 failed first, naming the batch size
+            check_nproc(args.partitions * args.groups, args.device)
+        except MarianaError as e:
+            raise MarianaError(f"--partitions {args.partitions} x --groups {args.groups}: {e}") from None
     cfg = ImageConfig(preset=preset, partitions=args.partitions, groups=args.groups, schedule=args.schedule,
                       microbatches=args.microbatches, recompute=args.recompute, balance=args.balance,
                       cut_after=tuple(n for n in args.cut_after.split(",") if n), prefetch=args.prefetch,
@@ -411,7 +417,7 @@ def train_image_main(argv: list[str]) -> int:
         out = export_featurizer(model, record, data, args.out)
         return {"featurizer": str(out), **{k: v for k, v in record.items() if k != "train_index"}}
 
-    result = run_job(["train", "image"], argv, nproc, cfg.device, train_rank,
+    result = run_job(["train", "image"], argv, nproc, cfg.device, train_rank, nproc_checked=True,
                      check=lambda: check_data(cfg, data, name))  # the split, the batch, the classes: once, up front
     if result is not None:
         report.print_record(result if args.json else {k: v for k, v in result.items()

@@ -32,9 +32,10 @@ def add_rank_flags(p, out_help: str) -> None:
 
 
 def run_job(mode_argv: list[str], argv: list[str], nproc: int, device: str, train_rank: Callable,
-            check: Callable | None = None) -> dict | None:
+            check: Callable | None = None, nproc_checked: bool = False) -> dict | None:
     """The record to print (None: this process is a rank that is not to print). `nproc` is
-    checked against the machine (check_nproc) unless this process is already a rank."""
+    checked against the machine (check_nproc) unless this process is already a rank, or the
+    caller checked it (`nproc_checked`: before its other checks, naming its own flags)."""
     from mariana.trainer.strategies import data_parallel as dp
 
     ctx = dp.DistContext.from_env()
@@ -50,7 +51,8 @@ def run_job(mode_argv: list[str], argv: list[str], nproc: int, device: str, trai
                 json.dump(record, f)
             return None
         return record if ctx.rank == 0 else None
-    check_nproc(nproc, device)
+    if not nproc_checked:
+        check_nproc(nproc, device)
     if nproc == 1:
         return train_rank(ctx, None)
     if check is not None:

@@ -48,64 +48,65 @@ def sets(tmp_path_factory) -> dict[str, Path]:
     return out | {"ctr": d / "ctr.tsv", "afile": d / "afile", "tmp": d}
 
 
-def _cases(s: dict[str, Path]) -> list[tuple[list, list[str]]]:
-    """(argv, what stderr must say): each a fault a user met, each refused before training."""
+def _cases(s: dict[str, Path]) -> list[tuple[str, list, list[str]]]:
+    """(id, argv, what stderr must say): each a fault a user met, each refused before training."""
     t = s["tmp"]
     default_mnist = data_dir() / "mnist"
     train = ["train", "image", *TINY]
     return [
-        (["gen", "images", "--rows", "10", "--size", "100000", "--out", t / "big"],  # "out of memory: lower
-         ["--size in 8..4096, got 10, 100000"]),                                    # hashing.bits"
-        (["gen", "images", "--rows", "10", "--quality", "50", "--out", t / "q"], ["--quality is for --format jpeg, "
-                                                                               "not idx"]),  # taken, then ignored
-        (["gen", "images", "--rows", "1000000", "--size", "4096", "--out", t / "big"],
+        ("gen-size", ["gen", "images", "--rows", "10", "--size", "100000", "--out", t / "big"],  # "out of memory:
+         ["--size in 8..4096, got 10, 100000"]),                                               # lower hashing.bits"
+        ("gen-quality-of-idx", ["gen", "images", "--rows", "10", "--quality", "50", "--out", t / "q"],
+         ["--quality is for --format jpeg, not idx"]),  # taken, then ignored
+        ("gen-too-big", ["gen", "images", "--rows", "1000000", "--size", "4096", "--out", t / "big"],
          ["1,000,000 images of 4096x4096 are 15625.0 GiB, more than the 8 GiB gen images holds at once"]),
-        ([*train, "--data", s["shapes"], "--out", s["afile"] / "x"],  # trained, then "afile: file exists"
+        ("out-under-a-file", [*train, "--data", s["shapes"], "--out", s["afile"] / "x"],  # trained, then "file exists"
          [f"--out {s['afile'] / 'x'}: {s['afile']} is a file, not a directory"]),
-        (["featurizer", "train", "--data", default_mnist, "--epochs", "1", "--out", s["afile"] / "y"],
+        ("featurizer-out-under-a-file",
+         ["featurizer", "train", "--data", default_mnist, "--epochs", "1", "--out", s["afile"] / "y"],
          [f"--out {s['afile'] / 'y'}: {s['afile']} is a file, not a directory"]),
-        ([*train, "--data", s["shapes"], "--threads", "-1", "--out", t / "o1"],  # a torch traceback
+        ("negative-threads", [*train, "--data", s["shapes"], "--threads", "-1", "--out", t / "o1"],  # a traceback
          ["--threads -1: must be >= 0"]),
-        ([*train, "--data", s["shapes"], "--timeout", "0", "--out", t / "o2"],  # accepted; gloo's error at P=2
+        ("zero-timeout", [*train, "--data", s["shapes"], "--timeout", "0", "--out", t / "o2"],  # gloo's error at P=2
          ["--timeout 0: must be a number of seconds > 0"]),
-        ([*train, "--data", s["shapes"], "--shift", "28", "--out", t / "o3"],  # trained on blank images
+        ("shift-of-the-side", [*train, "--data", s["shapes"], "--shift", "28", "--out", t / "o3"],  # blank images
          ["--shift 28: at most 27 for the 28x28 images of preset 'mnist'"]),
-        (["train", "image", "--preset", "wide", "--out", t / "o4"],  # "None: 28x28 images"
+        ("default-data-named", ["train", "image", "--preset", "wide", "--out", t / "o4"],  # "None: 28x28 images"
          [f"{default_mnist}: 28x28 images, but preset 'wide' takes 64x64"]),
-        ([*train, "--data", s["side20"], "--out", t / "o5"],  # "give --preset", which no preset could take
+        ("side-no-preset-takes", [*train, "--data", s["side20"], "--out", t / "o5"],  # "give --preset"
          [f"{s['side20']}: 20x20 images; the presets take 28x28 (small, mnist) or 64x64 (wide)", "image folder"]),
-        ([*train, "--data", s["train_only"], "--out", t / "o6"],  # a t10k message without saying why
+        ("mnist-train-files", [*train, "--data", s["train_only"], "--out", t / "o6"],  # a t10k message, no why
          ["no t10k-images-idx3-ubyte.gz (or t10k-images-idx3-ubyte)", "MNIST's train-* files are not"]),
-        ([*train, "--data", s["ctr"], "--out", t / "o7"],  # "ctr.tsv/t10k-images-idx3-ubyte.gz: no such file"
+        ("data-is-a-file", [*train, "--data", s["ctr"], "--out", t / "o7"],  # "ctr.tsv/t10k-...: no such file"
          [f"--data {s['ctr']}: a file, not a directory; --data takes a directory of MNIST-named IDX files"]),
-        ([*train, "--data", s["loose"], "--out", t / "o8"],  # the MNIST message for a folder of PNG files
+        ("pngs-without-class-folders", [*train, "--data", s["loose"], "--out", t / "o8"],  # the MNIST message
          [f"--data {s['loose']}: 3 image files (000.png, 001.png, 002.png) but no class sub-folders"]),
-        ([*train, "--data", s["one_class"], "--out", t / "o9"],  # trained to accuracy 1.0 in silence
+        ("one-class-idx", [*train, "--data", s["one_class"], "--out", t / "o9"],  # accuracy 1.0 in silence
          [f"{s['one_class']}: all 128 training images have label 4: a classifier needs images of two classes"]),
-        ([*train, "--data", s["one_full_class"], "--out", t / "o10"],  # class b: 0 images, no word of it
+        ("empty-class-folder", [*train, "--data", s["one_full_class"], "--out", t / "o10"],  # class b: 0 images
          ["1 class folder holds no image this job can read (b)",
           f"{s['one_full_class']}: all 40 training images are in class folder 'a'"]),
-        (["featurizer", "train", "--data", s["shapes"], "--epochs", "1", "--out", t / "o11"],  # ValueError traceback
-         [f"--data {s['shapes']}: 160 images; featurizer train holds out 2,000"]),
+        ("featurizer-few-images", ["featurizer", "train", "--data", s["shapes"], "--epochs", "1", "--out", t / "o11"],
+         [f"--data {s['shapes']}: 160 images; featurizer train holds out 2,000"]),  # ValueError traceback
+        ("more-ranks-than-allowed", [*train, "--data", s["shapes"], "--groups", "100", "--out", t / "o12"],
+         ["--partitions 1 x --groups 100: 100 ranks: must be between 1 and"]),  # named the batch size
     ]
 
 
 @pytest.fixture(scope="module")
 def refused(sets) -> list:
     """Every case of _cases, run in one `mariana` process (the CLI and torch imported once)."""
-    return run_cli_cases([argv for argv, _ in _cases(sets)])
+    return run_cli_cases([argv for _, argv, _ in _cases(sets)])
 
 
-CASE_IDS = ["out-under-a-file", "featurizer-out-under-a-file", "negative-threads", "zero-timeout",
-            "shift-of-the-side", "default-data-named", "side-no-preset-takes", "mnist-train-files", "data-is-a-file",
-            "pngs-without-class-folders", "one-class-idx", "empty-class-folder", "featurizer-few-images"]
-
+CASE_IDS = [case_id for case_id, _, _ in _cases({k: Path(k) for k in (
+    "tmp", "shapes", "afile", "side20", "train_only", "ctr", "loose", "one_class", "one_full_class")})]
 NEED_MNIST = ("featurizer-out-under-a-file", "default-data-named")  # the real MNIST: what users lose work on
 
 
 @pytest.mark.parametrize("case", range(len(CASE_IDS)), ids=CASE_IDS)
 def test_a_mistake_is_one_error_line_before_any_training(sets, refused, case):
-    (code, stderr), (_, needles) = refused[case], _cases(sets)[case]
+    (code, stderr), (_, _, needles) = refused[case], _cases(sets)[case]
     if CASE_IDS[case] in NEED_MNIST and not (data_dir() / "mnist" / MNIST_IMAGES).exists():
         pytest.skip("the default MNIST dir is not here (set MARIANA_DATA to the shared data dir)")
     assert code == 2, (code, stderr)

@@ -44,8 +44,31 @@ log = logging.getLogger(__name__)
 SNAPSHOT_SECONDS = 1.0
 MEDIA = ("audio/", "image/", "video/")  # bodies no click model reads (a speech version's wav: its 400 said "not UTF-8")
 RETRAIN_REAP_SECONDS = 1.0
-HOLDER, BATCHER, WATCHER, METRICS, SETTINGS, RETRAIN = (web.AppKey(k, object) for k in (
-    "holder", "batcher", "watcher", "metrics", "settings", "retrain"))
+HOLDER, BATCHER, WATCHER, METRICS, SETTINGS, RETRAIN, HOT = (web.AppKey(k, object) for k in (
+    "holder", "batcher", "watcher", "metrics", "settings", "retrain", "hot"))
+
+
+class _Hot:
+    """What every prediction touches, bound once per app: the predict handler and the
+    middleware read these attributes instead of `request.app[KEY]` (aiohttp's `request.app`
+    and `Application.__getitem__` are Python calls: about ten a request), and update the
+    metrics by label texts made once (`Metrics.key`)."""
+
+    def __init__(self, serve, metrics: Metrics, holder: ModelHolder, settings: dict) -> None:
+        self.serve, self.metrics, self.holder, self.settings = serve, metrics, holder, settings
+        self.batcher: Batcher | None = None  # made at start-up (`_lifecycle`)
+        self.in_flight = metrics.key()
+        self.keys: dict[tuple[str, int], str] = {}  # (route, status) -> the requests_total series
+        self.routes: dict[str, str] = {}             # route -> the request_seconds series
+
+    def count(self, route: str, status: int, seconds: float) -> None:
+        m = self.metrics
+        key = self.keys.get((route, status))
+        if key is None:  # a route and a code met for the first time (both come from few values)
+            key = self.keys[route, status] = m.key(route=route, code=str(status))
+            self.routes[route] = m.key(route=route)
+        m.add("mariana_serve_requests_total", key)
+        m.observe_at("mariana_serve_request_seconds", self.routes[route], seconds)
 
 
 def create_app(cfg: ServeConfig, worker: int = 0, run_dir: str | None = None,
@@ -55,12 +78,13 @@ def create_app(cfg: ServeConfig, worker: int = 0, run_dir: str | None = None,
     /v1/retrain on (the retrain runs with a copy of it under the model dir, which outlives
     the run dir: serving/retrain.py)."""
     s = cfg.serve
-    app = web.Application(client_max_size=s.max_body_bytes, middlewares=[_errors_and_metrics])
-    app[SETTINGS] = {"cfg": cfg, "worker": worker, "run_dir": run_dir, "name": f"serve-{worker}"}
-    m = app[METRICS] = _metrics()
-    app[HOLDER] = ModelHolder()
+    settings = {"cfg": cfg, "worker": worker, "run_dir": run_dir, "name": f"serve-{worker}"}
+    m = _metrics()
+    hot = _Hot(s, m, ModelHolder(), settings)
+    app = web.Application(client_max_size=s.max_body_bytes, middlewares=[_errors_and_metrics(hot)])
+    app[SETTINGS], app[METRICS], app[HOLDER], app[HOT] = settings, m, hot.holder, hot
     app[RETRAIN] = RetrainRunner(cfg, config_path, on_end=lambda v: m.inc("mariana_serve_retrains_total", verdict=v))
-    app.router.add_post("/v1/predict", predict, expect_handler=_expect)
+    app.router.add_post("/v1/predict", _predict(hot), expect_handler=_expect)
     app.router.add_get("/v1/model", model_info)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -68,7 +92,7 @@ def create_app(cfg: ServeConfig, worker: int = 0, run_dir: str | None = None,
     app.router.add_get("/openapi.json", openapi)
     app.router.add_post("/v1/retrain", retrain_start)
     app.router.add_get("/v1/retrain/{id}", retrain_status)
-    app[SETTINGS]["paths"] = frozenset(r.canonical for r in app.router.resources())
+    settings["paths"] = frozenset(r.canonical for r in app.router.resources())
     app.cleanup_ctx.append(_lifecycle)
     return app
 
@@ -77,11 +101,14 @@ async def _lifecycle(app: web.Application):
     """Start-up in order, shut-down in reverse: batcher, first load, watcher, snapshots, retrains."""
     st, m = app[SETTINGS], app[METRICS]
     s = st["cfg"].serve
-    def on_batch(n: int, where: str) -> None:
-        m.observe("mariana_serve_batch_requests", n)
-        m.inc("mariana_serve_batches_total", where=where)
+    where_keys = {where: m.key(where=where) for where in ("loop", "thread")}
+    none = m.key()
 
-    batcher = app[BATCHER] = Batcher(s.batch_requests, s.max_instances, s.inline_bytes, on_batch)
+    def on_batch(n: int, where: str) -> None:
+        m.observe_at("mariana_serve_batch_requests", none, n)
+        m.add("mariana_serve_batches_total", where_keys[where])
+
+    batcher = app[BATCHER] = app[HOT].batcher = Batcher(s.batch_requests, s.max_instances, s.inline_bytes, on_batch)
     batcher.start()
     watcher = app[WATCHER] = VersionWatcher(s, app[HOLDER], st["name"], on_event=lambda k, i: _model_event(app, k, i))
     await watcher.check()  # what it cannot load it logs, and /readyz says 503 until there is a version
@@ -103,45 +130,53 @@ async def _lifecycle(app: web.Application):
 
 # ---- endpoints ------------------------------------------------------------------------
 
-async def predict(request: web.Request) -> web.Response:
-    app, s = request.app, request.app[SETTINGS]["cfg"].serve
-    fmt = codec.format_of(request.content_type)
-    try:
-        encoding = request.headers.get("Content-Encoding", "").strip().lower()
-        if encoding not in _ENCODINGS:  # aiohttp read any other as none, and the answer said "not UTF-8"
-            raise ServeError(415, f"Content-Encoding {encoding!r} is not one this server reads (gzip, deflate, "
-                                  "x-gzip, or none)", close=True)
-        if request.content_length is not None and request.content_length > s.max_body_bytes:
-            raise ServeError(413, f"a body of {request.content_length} bytes; at most {s.max_body_bytes} "
-                             "(serve.max_body_bytes): split the request", close=True)  # the body is left unread
-        body = await _read(request, s)
-        if encoding == "x-gzip":  # gzip by its old name (RFC 9110 8.4.1.3), which aiohttp does not decode
-            body = _gunzip(body, s.max_body_bytes)
-        predictor = app[HOLDER].current
-        if predictor is None:
-            raise ServeError(503, f"no model is loaded yet (nothing in service in {s.model_dir})")
-    except ServeError as e:
-        answer, close = error_answer(e, fmt, app[HOLDER].version), e.close
-    else:
-        close = False
-        if predictor.audio:
-            return await _recognize(app, predictor, body, request.content_type)
-        if request.content_type.startswith(MEDIA):  # a wav or an image for a click model: say what it takes
-            answer = error_answer(ServeError(415, f"{predictor.version} is a click model: POST instances as JSON "
-                                             f"(or msgpack), not {request.content_type}"), fmt, predictor.version)
+def _predict(hot: _Hot):
+    """POST /v1/predict's handler, bound to its app's `_Hot`."""
+    s, holder, m = hot.serve, hot.holder, hot.metrics
+    no_labels = m.key()
+
+    async def predict(request: web.Request) -> web.Response:
+        content_type = request.content_type
+        fmt = codec.format_of(content_type)
+        try:
+            encoding = request.headers.get("Content-Encoding", "").strip().lower()
+            if encoding not in _ENCODINGS:  # aiohttp read any other as none, and the answer said "not UTF-8"
+                raise ServeError(415, f"Content-Encoding {encoding!r} is not one this server reads (gzip, deflate, "
+                                      "x-gzip, or none)", close=True)
+            length = request.content_length
+            if length is not None and length > s.max_body_bytes:
+                raise ServeError(413, f"a body of {length} bytes; at most {s.max_body_bytes} "
+                                 "(serve.max_body_bytes): split the request", close=True)  # the body is left unread
+            body = await _read(request, s)
+            if encoding == "x-gzip":  # gzip by its old name (RFC 9110 8.4.1.3), which aiohttp does not decode
+                body = _gunzip(body, s.max_body_bytes)
+            predictor = holder.current
+            if predictor is None:
+                raise ServeError(503, f"no model is loaded yet (nothing in service in {s.model_dir})")
+        except ServeError as e:
+            answer, close = error_answer(e, fmt, holder.version), e.close
         else:
-            answer = await app[BATCHER].answer(predictor, body, fmt)
-    m = app[METRICS]
-    m.inc("mariana_serve_predictions_total", answer.instances)
-    if answer.unknown_fields:
-        m.inc("mariana_serve_unknown_fields_total", answer.unknown_fields)
-    if answer.unknown_creatives:
-        m.inc("mariana_serve_unknown_creatives_total", answer.unknown_creatives)
-    headers = {"X-Model-Version": answer.version} if answer.version else {}
-    response = web.Response(body=answer.body, status=answer.status, content_type=answer.content_type, headers=headers)
-    if close:
-        response.force_close()
-    return response
+            close = False
+            if predictor.audio:
+                return await _recognize(request.app, predictor, body, content_type)
+            if content_type.startswith(MEDIA):  # a wav or an image for a click model: say what it takes
+                answer = error_answer(ServeError(415, f"{predictor.version} is a click model: POST instances as "
+                                                 f"JSON (or msgpack), not {content_type}"), fmt, predictor.version)
+            else:
+                answer = await hot.batcher.answer(predictor, body, fmt)
+        m.add("mariana_serve_predictions_total", no_labels, answer.instances)
+        if answer.unknown_fields:
+            m.add("mariana_serve_unknown_fields_total", no_labels, answer.unknown_fields)
+        if answer.unknown_creatives:
+            m.add("mariana_serve_unknown_creatives_total", no_labels, answer.unknown_creatives)
+        headers = {"X-Model-Version": answer.version} if answer.version else {}
+        response = web.Response(body=answer.body, status=answer.status, content_type=answer.content_type,
+                                headers=headers)
+        if close:
+            response.force_close()
+        return response
+
+    return predict
 
 
 async def _recognize(app: web.Application, predictor, body: bytes, content_type: str) -> web.Response:
@@ -265,9 +300,9 @@ async def _read(request: web.Request, s) -> bytes:
     leaves meanwhile. Each closes the connection (after a 413 the rest of the body, never
     read, would be taken for the next request)."""
     try:
+        if request.content.is_eof():  # the whole body came with the head: no timer, no task, no watch
+            return await request.read()
         async with asyncio.timeout(s.body_seconds):
-            if request.content.is_eof():  # the whole body came with the head: no task, no watch
-                return await request.read()
             return await _read_watched(request)
     except web.HTTPRequestEntityTooLarge:
         raise ServeError(413, f"the body is over {s.max_body_bytes} bytes (serve.max_body_bytes): "
@@ -327,40 +362,45 @@ async def _read_watched(request: web.Request) -> bytes:
             read.cancel()
 
 
-@web.middleware
-async def _errors_and_metrics(request: web.Request, handler):
-    t0 = time.perf_counter()
-    m = request.app[METRICS]
-    resource = request.match_info.route.resource
-    # a method an endpoint does not take (405) matches no route, but its path is one of ours
-    route = resource.canonical if resource else request.path if request.path in request.app[SETTINGS]["paths"] \
-        else "other"
-    counted = route != "/metrics"  # a scrape would see itself, and leave itself in the snapshot it writes
-    if counted:
-        m.inc("mariana_serve_in_flight", 1)
-    try:
-        response = await handler(request)
-    except ServeError as e:
-        challenge = {"WWW-Authenticate": 'Bearer realm="mariana"'} if e.status == 401 else None
-        response = web.json_response({"error": e.message}, status=e.status, headers=challenge)
-        if e.close:
-            response.force_close()
-    except web.HTTPException as e:  # aiohttp's own: no such route, method not allowed, ...
-        response = web.json_response({"error": _http_error_text(request, e)}, status=e.status,
-                                     headers={k: v for k, v in e.headers.items() if k == "Allow"})
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("%s: %s %s failed", request.app[SETTINGS]["name"], request.method, request.path)
-        response = web.json_response({"error": "internal error (logged)"}, status=500)
-    finally:
+def _errors_and_metrics(hot: _Hot):
+    """The middleware of every route: a client's mistake (ServeError, aiohttp's own 404/405)
+    answered as JSON, a bug as a logged 500; each request counted by route and code, timed,
+    and counted in flight while it runs."""
+    m, settings = hot.metrics, hot.settings
+
+    @web.middleware
+    async def errors_and_metrics(request: web.Request, handler):
+        t0 = time.perf_counter()
+        resource = request.match_info.route.resource
+        # a method an endpoint does not take (405) matches no route, but its path is one of ours
+        route = resource.canonical if resource else request.path if request.path in settings["paths"] else "other"
+        counted = route != "/metrics"  # a scrape would see itself, and leave itself in the snapshot it writes
         if counted:
-            m.inc("mariana_serve_in_flight", -1)
-    if request.app[SETTINGS].get("draining"):  # stopping: a client's next request goes to another worker
-        response.force_close()
-    m.inc("mariana_serve_requests_total", route=route, code=str(response.status))
-    m.observe("mariana_serve_request_seconds", time.perf_counter() - t0, route=route)
-    return response
+            m.add("mariana_serve_in_flight", hot.in_flight, 1)
+        try:
+            response = await handler(request)
+        except ServeError as e:
+            challenge = {"WWW-Authenticate": 'Bearer realm="mariana"'} if e.status == 401 else None
+            response = web.json_response({"error": e.message}, status=e.status, headers=challenge)
+            if e.close:
+                response.force_close()
+        except web.HTTPException as e:  # aiohttp's own: no such route, method not allowed, ...
+            response = web.json_response({"error": _http_error_text(request, e)}, status=e.status,
+                                         headers={k: v for k, v in e.headers.items() if k == "Allow"})
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("%s: %s %s failed", settings["name"], request.method, request.path)
+            response = web.json_response({"error": "internal error (logged)"}, status=500)
+        finally:
+            if counted:
+                m.add("mariana_serve_in_flight", hot.in_flight, -1)
+        if settings.get("draining"):  # stopping: a client's next request goes to another worker
+            response.force_close()
+        hot.count(route, response.status, time.perf_counter() - t0)
+        return response
+
+    return errors_and_metrics
 
 
 def _http_error_text(request: web.Request, e: web.HTTPException) -> str:

@@ -42,7 +42,8 @@ def print_record(record: dict, as_json: bool) -> None:
     if table:
         from mariana.services.runtime import reliability
 
-        print(f"\nreliability ({len(table)} buckets of about equal rows, by pCTR):")
+        what = "1 bucket" if len(table) == 1 else f"{len(table)} buckets of about equal rows"
+        print(f"\nreliability ({what}, by pCTR):")
         for line in reliability.table_lines(table):
             print(f"  {line}")
 

@@ -45,6 +45,19 @@ def test_plot_writes_a_png(model, gen_files, tmp_path):
     assert rec["plot"] == str(out) and out.read_bytes()[:8] == PNG and out.stat().st_size > 10_000
 
 
+def test_plot_of_rows_without_a_click(model, gen_files, tmp_path):
+    """1,000 rows and no click: 100 rows a bucket, whose Wilson interval's lower end rounded to
+    3.5e-18, above the observed 0: matplotlib refused the negative error bar (a traceback)."""
+    rows = [line.split("\t", 1) for line in gen_files["test"].read_text().splitlines()[:1000]]
+    data = tmp_path / "no-clicks.tsv"
+    data.write_text("".join(f"0\t{rest}\n" for _, rest in rows))
+    out = tmp_path / "rel.png"
+    rec = json.loads(run_cli("evaluate", "--model", model, "--data", data, "--json", "--plot", out,
+                             check=True).stdout.strip().splitlines()[-1])
+    assert out.read_bytes()[:8] == PNG
+    assert all(b["ctr_lo"] == b["ctr"] == 0 for b in rec["reliability"]), rec["reliability"]
+
+
 def unwritable_dir(tmp_path: Path) -> Path:
     d = tmp_path / "ro"
     d.mkdir()

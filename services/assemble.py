@@ -12,6 +12,7 @@ from typing import Callable
 
 from mariana.featurizer.creatives import check_image_field
 from mariana.services.jobspec import JobSpec
+from mariana.services.ledger import parse_step
 from mariana.sparse.errors import ConfigError, ModelDirError
 from mariana.sparse.inputs import expand_data_paths, split_spec
 from mariana.sparse.parse import Reader
@@ -226,14 +227,29 @@ def train_summary(request: dict, ledger, num_shards: int, train_seconds: float,
                   valid: dict | None) -> TrainSummary:
     """What the record and the manifest say of a cluster job's training, from its ledger."""
     rows_per_epoch = [int(ledger.rows_done[e]) for e in range(1, ledger.epochs + 1)]
-    last = valid["best_epoch"] if valid and valid["kept"] == "best" and valid["best_epoch"] else ledger.epochs
+    last = kept_epoch(ledger, valid)
     train_loss = ledger.loss_sum[last] / rows_per_epoch[last - 1] if rows_per_epoch and rows_per_epoch[last - 1] \
         else None
     return TrainSummary(request["data"], rows_per_epoch, ledger.epoch_seconds, train_seconds,
                         sum(rows_per_epoch) / max(sum(ledger.epoch_seconds), 1e-9), train_loss,
                         ledger.counters["bad_rows"], valid,
                         run={"mode": "cluster/" + request["mode"], "shards": num_shards, "job": ledger.job,
-                             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                             "parse": parse_summary(ledger)})
+
+
+def kept_epoch(ledger, valid: dict | None) -> int:
+    """The epoch whose weights the version holds: the best one when `--epochs auto` kept it
+    (`valid`), else the last."""
+    return valid["best_epoch"] if valid and valid["kept"] == "best" and valid["best_epoch"] else ledger.epochs
+
+
+def parse_summary(ledger) -> dict:
+    """A pass over the data as the preprocess instances parsed it: local mode's
+    `ParseStats.to_dict()` (`clicks` None where a chunk came without its count)."""
+    c = ledger.counters
+    return {"rows_ok": c["rows_in_data"], "rows_bad": c["bad_rows"], "first_bad": list(ledger.first_bad),
+            "clicks": None if c["chunks_without_clicks"] else c["clicks_in_data"]}
 
 
 def written_before(request: dict, ledger, num_shards: int, started: float) -> dict | None:
@@ -260,11 +276,13 @@ def assemble_and_publish(request: dict, job: JobSpec, exports: list, ledger, num
     job cancelled while it was evaluated)."""
     phase = on_phase or (lambda text: None)
     summary = train_summary(request, ledger, num_shards, train_seconds, valid)
-    check_trained(request["data"], sum(summary.rows_per_epoch), summary.loss)
+    check_trained(request["data"], sum(summary.rows_per_epoch), summary.loss, summary.run["parse"])
     bundle = ModelBundle.from_shard_exports(job.config, job.schema, exports, images)
     parent = job.init_from  # a warm start: counts go on from the parent's, as in local mode
-    bundle.rows_trained = sum(summary.rows_per_epoch) + (parent["rows_trained"] if parent else 0)
-    bundle.steps = len(ledger.done) + (parent["steps"] if parent else 0)
+    # what the weights learned from: up to the kept epoch (`--epochs auto` keeps the best), as local mode counts
+    kept = kept_epoch(ledger, valid)
+    bundle.rows_trained = sum(summary.rows_per_epoch[:kept]) + (parent["rows_trained"] if parent else 0)
+    bundle.steps = sum(1 for step in ledger.done if parse_step(step)[0] <= kept) + (parent["steps"] if parent else 0)
     if parent:
         bundle.parent = {k: parent[k] for k in ("model_dir", "version", "rows_trained")}
     tested = ({}, None)

@@ -24,6 +24,7 @@ from mariana.services.sample_cache import CacheRefused
 from mariana.services.transport import PeerTimeout, RemoteError
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.metrics import histogram_auc
+from mariana.sparse.parse import describe_bad
 from mariana.trainer.strategies.local import best_epoch, valid_record
 
 log = logging.getLogger(__name__)
@@ -276,6 +277,9 @@ class JobRunner:
         log.info("%s: job %s done: %s/%s, %d rows applied of %d x %d epochs, auc %s", self.coord.name, run.id,
                  record["model_dir"], record["model_version"], record["rows_applied"],
                  record["rows_in_data"], run.ledger.epochs, record.get("auc"))
+        if record.get("bad_rows"):  # as local mode warns (the manifest's train.parse names the first)
+            log.warning("%s: job %s skipped %d malformed training rows per pass (first: %s)", self.coord.name,
+                        run.id, record["bad_rows"], describe_bad(run.ledger.first_bad, 3))
         await announce(self.coord, record)
 
     async def cleanup(self, run: JobRun) -> None:
@@ -617,7 +621,11 @@ class JobJournal:
                 run.restarts += 1
                 events = 0
                 for kind, data in self.coord.store.events(run.id):
-                    run.ledger.apply(kind, data)
+                    try:
+                        run.ledger.apply(kind, data)
+                    except (KeyError, TypeError, ValueError) as e:  # a damaged event: the rest still replays
+                        log.warning("%s: job %s: journal event %s left out: %s", self.coord.name, run.id, kind, e)
+                        continue
                     events += 1
                 led = run.ledger
                 log.info("%s: job %s resumed from %d journal events: epoch %d/%d, %d steps done, source %s",

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from mariana.services.jobspec import JobSpec
 from mariana.services.ledger import JobLedger
+from mariana.sparse.parse import FIRST_BAD_KEPT
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.25
@@ -165,8 +166,16 @@ class JobStopped(Exception):
 
 
 def numbers(stats: dict) -> dict:
-    """The numbers of a Cached report's stats (what the ledger reads), for the journal."""
-    return {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+    """What the ledger reads of a Cached report's stats, for the journal: its numbers, and its
+    first malformed rows (`first_bad`: at most FIRST_BAD_KEPT, each a line number, a reason and
+    a file name, cut short), never anything else a peer put there."""
+    out = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+    bad = stats.get("first_bad")
+    if isinstance(bad, list):
+        out["first_bad"] = [{"line": b["line"], "reason": b["reason"][:300], "file": b["file"][:1000]}
+                            for b in bad[:FIRST_BAD_KEPT] if isinstance(b, dict) and type(b.get("line")) is int
+                            and isinstance(b.get("reason"), str) and isinstance(b.get("file"), str)]
+    return out
 
 
 def bad_request(message: str) -> web.Response:

@@ -36,7 +36,7 @@ from mariana.services.remote_inputs import RemoteInputs
 from mariana.services.coord_jobs import EpochValidation, JobJournal, JobRunner, rejoined
 from mariana.services.coord_state import JobRun, ServiceInfo, numbers
 from mariana.services.jobstore import JobStore
-from mariana.services.ledger import ChunkInfo, JobLedger, parse_step, stage_seconds_of
+from mariana.services.ledger import ChunkInfo, chunk_event, parse_step, stage_seconds_of
 from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.auth import check_exposed
 from mariana.services.runtime.config import ROLES, ClusterConfig
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 class Coordinator(Service):
     role = "coordinator"
-    COUNTERS = Service.COUNTERS + Service.REDIS_COUNTERS + Service.CREATIVE_COUNTERS + ("late_reports",)
+    COUNTERS = Service.COUNTERS + Service.REDIS_COUNTERS + Service.CREATIVE_COUNTERS + ("late_reports", "late_batches_dropped")
 
     def __init__(self, cfg: ClusterConfig, index: int = 0):
         super().__init__(cfg, index)
@@ -150,8 +150,7 @@ class Coordinator(Service):
         return protocol.encode("Welcome", msg.msg_id, boot=self.boot)
 
     async def on_Lease(self, peer: bytes, msg: Message) -> list:
-        """Up to `want` steps at once (one round trip per few steps); the steps the worker
-        finished since its last Lease ride along in `done`, recorded before anything is leased."""
+        """Up to `want` steps at once; the steps finished since the last Lease ride along in `done`, recorded first."""
         worker, want = msg["worker"], msg.get("want", 1)
         if not isinstance(want, int) or isinstance(want, bool) or not 1 <= want <= protocol.MAX_LEASE:
             raise BadMessage("field", f"Lease.want must be an integer in [1, {protocol.MAX_LEASE}], got {want!r:.40}")
@@ -249,7 +248,7 @@ class Coordinator(Service):
     async def on_ChunkSent(self, peer: bytes, msg: Message) -> list:
         run = self.job_of(msg)
         c = ChunkInfo(msg["chunk"], msg["file"], msg["offset"], msg["length"], msg["first_line"], msg["lines"])
-        self.book.journal(run, "sent", JobLedger.chunk_event(c, float(msg["seconds"])))
+        self.book.journal(run, "sent", chunk_event(c, float(msg["seconds"])))
         return protocol.encode("Ok", msg.msg_id)
 
     async def on_SourceDone(self, peer: bytes, msg: Message) -> list:
@@ -267,6 +266,7 @@ class Coordinator(Service):
         return protocol.encode("Ok", msg.msg_id)
 
     async def on_Cached(self, peer: bytes, msg: Message) -> list:
+        await drop_late(self, msg)  # a job that ended meanwhile: refused below, as any report about one
         run = self.job_of(msg)
         if msg.get("error"):
             self.job_runner.fail(run, msg["error"])
@@ -354,3 +354,21 @@ class Coordinator(Service):
 def main(cfg: ClusterConfig, index: int) -> int:
     check_exposed(cfg.coordinator.http_host, cfg.coordinator.token, "coordinator")
     return run_service(Coordinator(cfg, index))
+
+
+async def drop_late(coord: Coordinator, msg: Message) -> None:
+    """A chunk cached after its job ended (a preprocess still at work when the job was cancelled
+    or failed in epoch 1): its batches deleted now, since the job's cleanup has run already (they
+    stayed for cache.ttl_seconds, a week, and filled a bounded Redis)."""
+    run = coord.jobs.get(msg["job"])
+    if run is None or run.state not in ("done", "failed", "cancelled") or not isinstance(msg["batches"], list):
+        return
+    try:
+        n = await coord.cache.drop_late(run.id, str(msg["chunk"]), len(msg["batches"]))
+    except Exception as e:  # Redis away: they expire with cache.ttl_seconds
+        log.warning("%s: job %s: could not drop the batches of %s, cached after the job ended: %s", coord.name,
+                    run.id, msg["chunk"], e)
+        return
+    coord.counters["late_batches_dropped"] += n
+    log.info("%s: job %s is %s: dropped %d keys of chunk %s, cached after it ended", coord.name, run.id,
+             run.state, n, msg["chunk"])

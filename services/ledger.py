@@ -33,10 +33,30 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from mariana.sparse.metrics import HIST_BINS, histogram_auc
+from mariana.sparse.parse import FIRST_BAD_KEPT
 
 log = logging.getLogger(__name__)
 
 STAGES = ("read", "parse", "image", "hash", "cache", "fetch", "pull", "compute", "push")
+
+
+def _count_parse(ledger: "JobLedger", counts: dict[str, int], first_bad: list) -> None:
+    """A chunk's parse counted once, as local mode's `ParseStats` counts a pass: rows, clicks
+    (none: a preprocess of before they were counted, and the job's count is unknown), the
+    first malformed rows."""
+    ledger.counters["rows_in_data"] += counts.get("rows_ok", 0)
+    ledger.counters["bad_rows"] += counts.get("rows_bad", 0)
+    if "clicks" not in counts:
+        ledger.counters["chunks_without_clicks"] += 1
+    else:
+        ledger.counters["clicks_in_data"] += counts["clicks"]
+    ledger.first_bad.extend(list(first_bad)[:max(0, FIRST_BAD_KEPT - len(ledger.first_bad))])
+
+
+def chunk_event(c: ChunkInfo, seconds: float) -> dict:
+    """The journal's "sent" event of a chunk the loader sent."""
+    return {"chunk": {k: v for k, v in asdict(c).items()
+                      if k in ("id", "file", "offset", "length", "first_line", "lines")}, "seconds": seconds}
 
 
 def step_id(epoch: int, batch: str) -> str:
@@ -125,6 +145,7 @@ class JobLedger(LedgerReport):
     refill_queue: deque = field(default_factory=deque)    # chunks to read again, in miss order
     lost: set = field(default_factory=set)                # steps that could not be produced
     missed_steps: set = field(default_factory=set)        # steps whose batch had to be read again
+    replayed: set = field(default_factory=set)            # steps out again for a shard: loss counted already
     rows_done: Counter = field(default_factory=Counter)   # epoch -> rows reported done
     loss_sum: Counter = field(default_factory=Counter)    # epoch -> summed logloss
     worker_done: Counter = field(default_factory=Counter)  # worker -> steps done first by it
@@ -134,6 +155,7 @@ class JobLedger(LedgerReport):
     epoch_seconds: list[float] = field(default_factory=list)
     epoch_summaries: list[dict] = field(default_factory=list)  # {epoch, seconds, rows, loss, auc} per finished one
     hist: dict = field(default_factory=dict)               # epoch -> (2, bins) positives/negatives per logit bin
+    first_bad: list = field(default_factory=list)          # the first malformed rows of the data, as parsed
     data_bytes: int = 0                                    # size of the sources (0: unknown): progress in epoch 1
     published: dict | None = None                          # the record of the version written (then: only the end)
 
@@ -171,11 +193,6 @@ class JobLedger(LedgerReport):
             raise ValueError(f"unknown journal event {kind!r}")
         return True
 
-    @staticmethod
-    def chunk_event(c: ChunkInfo, seconds: float) -> dict:
-        return {"chunk": {k: v for k, v in asdict(c).items()
-                          if k in ("id", "file", "offset", "length", "first_line", "lines")}, "seconds": seconds}
-
     # ---- chunks (epoch 1, and refills) -------------------------------------------------
 
     def chunk_sent(self, c: ChunkInfo, seconds: float = 0.0) -> bool:
@@ -192,7 +209,7 @@ class JobLedger(LedgerReport):
         one first cached after epoch 1 gave up on it. Raises ValueError, changing
         nothing, for stats that are not numbers."""
         seconds = {stage: float(stats.get(f"{stage}_s", 0.0)) for stage in ("parse", "image", "hash", "cache")}
-        rows_ok, rows_bad = int(stats.get("rows_ok", 0)), int(stats.get("rows_bad", 0))
+        counts = {k: int(stats[k]) for k in ("rows_ok", "rows_bad", "clicks") if k in stats}
         image_rows, image_unknown = int(stats.get("image_rows", 0)), int(stats.get("image_unknown", 0))
         batches = [(int(k), int(rows)) for k, rows in batches]
         c = self.chunks.get(chunk)
@@ -208,8 +225,7 @@ class JobLedger(LedgerReport):
         for stage, s in seconds.items():
             self.stage_seconds[stage] += s
         if first_time:
-            self.counters["rows_in_data"] += rows_ok
-            self.counters["bad_rows"] += rows_bad
+            _count_parse(self, counts, stats.get("first_bad") or [])
             self.counters["creative_lookups"] += image_rows
             self.counters["creatives_unknown"] += image_unknown
             for k, rows in c.batches:
@@ -317,13 +333,14 @@ class JobLedger(LedgerReport):
 
     def step_done(self, step: str, worker: str, rows: int, loss_sum: float, times: dict,
                   hist: list | None = None) -> bool:
-        """Record a step done; False for a duplicate (already done). `hist`: the batch's
-        [positives, negatives] per logit bin, for the progressive AUC."""
+        """Record a step done; False for a duplicate. `hist`: [positives, negatives] per logit bin (the AUC)."""
         if step in self.done:
             self.counters["duplicate_done"] += 1
             return False
         epoch, name = parse_step(step)
-        if self.batch_rows.get(name, rows) != rows:  # exactly-once counts rows as the chunk's parse gave them
+        if name not in self.batch_rows or not 1 <= epoch <= self.epochs:  # never issued: made up by the sender
+            raise ValueError(f"{step} is no step of job {self.job}")
+        if self.batch_rows[name] != rows:  # exactly-once counts rows as the chunk's parse gave them
             self.counters["row_count_mismatches"] += 1
             log.warning("job %s: step %s done with %d rows, its batch had %d when first cached", self.job, step,
                         rows, self.batch_rows[name])
@@ -332,11 +349,13 @@ class JobLedger(LedgerReport):
         self.leased.pop(step, None)
         self.done.add(step)
         self.lost.discard(step)
-        self.rows_done[epoch] += rows
-        self.loss_sum[epoch] += loss_sum
+        self.rows_done[epoch] += rows  # (a replay took its rows off; its loss and AUC counts stayed)
         self.worker_done[worker] += 1
-        if h is not None:
-            self.hist[epoch] = self.hist.get(epoch, 0) + h
+        if step not in self.replayed:
+            self.loss_sum[epoch] += loss_sum
+            if h is not None:
+                self.hist[epoch] = self.hist.get(epoch, 0) + h
+        self.replayed.discard(step)
         for stage, s in seconds.items():
             self.stage_seconds[stage] += s
         if epoch >= 2 and step not in self.missed_steps:
@@ -366,6 +385,7 @@ class JobLedger(LedgerReport):
             self.done.discard(step)
             epoch, _ = parse_step(step)
             self.rows_done[epoch] -= self.batch_rows.get(parse_step(step)[1], 0)
+            self.replayed.add(step)
             self.ready.appendleft(step)
         self.counters["batches_replayed"] += len(steps)
         return len(steps)

@@ -182,7 +182,7 @@ class Preprocess(Service):
             for k, b in enumerate(block.split(codec.batch_rows)):
                 b.batch_id = f"{chunk}:{k}"
                 out.append((pack_batch(job, b), b.num_rows))
-        stats = {"rows_ok": parse.rows_ok, "rows_bad": parse.rows_bad,
+        stats = {"rows_ok": parse.rows_ok, "rows_bad": parse.rows_bad, "clicks": parse.clicks,
                  "first_bad": parse.to_dict()["first_bad"], "hash_s": time.perf_counter() - t0 - attach_s}
         if table is not None:
             stats.update(image_rows=rows.num_rows, image_unknown=image_unknown, attach_s=attach_s)

@@ -196,10 +196,22 @@ class SampleCache:
 
     # ---- loader offsets --------------------------------------------------------------
 
+    async def drop_late(self, job: str, chunk: str, batches: int) -> int:
+        """The keys a preprocess wrote for a chunk of a job that ended meanwhile (its cleanup ran
+        before they came; they outlived it for cache.ttl_seconds, a week, and filled a
+        bounded Redis), with the job's counters written since; returns how many."""
+        keys = [batch_key(job, chunk, k) for k in range(batches)] + [f"{PREFIX}:{job}:bytes", f"{PREFIX}:{job}:loader"]
+        return await self.retry(f"dropping late batches of job {job}", lambda: self.redis.unlink(*keys))
+
     async def set_offset(self, job: str, where: dict) -> None:
         key = f"{PREFIX}:{job}:loader"
-        await self.retry("recording the loader offset",
-                         lambda: self.redis.hset(key, mapping={k: str(v) for k, v in where.items()}))
+
+        async def op():  # expires as the batches do: a job that ends without its cleanup leaves nothing for ever
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.hset(key, mapping={k: str(v) for k, v in where.items()})
+                pipe.expire(key, self.cfg.cache.ttl_seconds)
+                await pipe.execute()
+        await self.retry("recording the loader offset", op)
 
     async def get_offset(self, job: str) -> dict:
         raw = await self.retry("reading the loader offset", lambda: self.redis.hgetall(f"{PREFIX}:{job}:loader"))

@@ -79,6 +79,13 @@ class ParseStats:
     rows_bad: int = 0
     first_bad: list[BadRow] = field(default_factory=list)
     file: str = ""
+    clicks: int = 0  # valid rows labeled 1 (a job whose rows are all of one label learns nothing)
+
+    def add_ok(self, chunk: "Chunk") -> None:
+        """Count a chunk's valid rows, and its clicks."""
+        self.rows_ok += chunk.num_rows
+        if chunk.labels is not None:
+            self.clicks += int(np.count_nonzero(chunk.labels))
 
     def add_bad(self, line: int, reason: str) -> None:
         self.rows_bad += 1
@@ -88,6 +95,7 @@ class ParseStats:
     def merge(self, other: "ParseStats") -> "ParseStats":
         self.rows_ok += other.rows_ok
         self.rows_bad += other.rows_bad
+        self.clicks += other.clicks
         room = FIRST_BAD_KEPT - len(self.first_bad)
         self.first_bad.extend(other.first_bad[:max(room, 0)])
         return self
@@ -97,7 +105,7 @@ class ParseStats:
         return f"{head} (first: {describe_bad(self.to_dict()['first_bad'])})" if self.first_bad else head
 
     def to_dict(self) -> dict:
-        return {"rows_ok": self.rows_ok, "rows_bad": self.rows_bad,
+        return {"rows_ok": self.rows_ok, "rows_bad": self.rows_bad, "clicks": self.clicks,
                 "first_bad": [b._asdict() for b in self.first_bad]}
 
 
@@ -363,7 +371,7 @@ class BlockParser:
             return self._parse_checked(bytes(block), first_line, stats, skip_rows)
         chunk = self._parse_fast(block, first_line, skip_rows, num_lines)
         if chunk is not None:
-            stats.rows_ok += chunk.num_rows
+            stats.add_ok(chunk)
             return chunk
         return self._parse_checked(bytes(block), first_line, stats, skip_rows)
 
@@ -416,7 +424,7 @@ class BlockParser:
         chunk = self._validate(table, np.asarray(lines, np.int64), bad, first_line)
         for line, why in sorted(bad):
             stats.add_bad(line, why)
-        stats.rows_ok += chunk.num_rows
+        stats.add_ok(chunk)
         return chunk
 
     def _split_lines(self, block: bytes, first_line: int, skip_rows: int,
@@ -526,14 +534,14 @@ class BlockParser:
         for line, why in bad:
             stats.add_bad(line, why)
         n = len(kept)
-        stats.rows_ok += n
         out: dict[str, object] = {c: cols[c] for c in s.categorical}
         out.update({c: cols[c].to_numpy(zero_copy_only=False) for c in s.numeric})
         if s.hour:
             out["hour_of_day"], out["weekday"] = _split_hour(cols[s.hour])
         labels = cols[s.label].to_numpy(zero_copy_only=False).astype(np.float32) if s.label else None
-        return Chunk(columns=out, labels=labels, num_rows=n, first_line=first_line,
-                     lines=kept if bad else None)
+        chunk = Chunk(columns=out, labels=labels, num_rows=n, first_line=first_line, lines=kept if bad else None)
+        stats.add_ok(chunk)
+        return chunk
 
 
 def _to_float64(col: pa.Array) -> pa.Array:

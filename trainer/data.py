@@ -168,7 +168,8 @@ class RowRange:
             return stats
         lo, hi = self._bounds(task, chunk)
         inside = max(0, min(self.stop, first + lines) - max(self.start, first))
-        part = ParseStats(rows_ok=hi - lo, rows_bad=inside - (hi - lo), file=stats.file)
+        clicks = int(np.count_nonzero(chunk.labels[lo:hi])) if chunk.labels is not None else 0
+        part = ParseStats(rows_ok=hi - lo, rows_bad=inside - (hi - lo), file=stats.file, clicks=clicks)
         part.first_bad = [b for b in stats.first_bad if self.start <= self.index(task.path, b.line) < self.stop]
         return part
 

@@ -61,18 +61,34 @@ def _check_model_dir(path: str) -> None:
 MODEL_DIR_FILES = {checkpoint.PROMOTIONS, checkpoint.DECISIONS, checkpoint.HIGHEST, "tune"}  # its own, beside versions
 
 
-def check_trained(train_paths: list[str], rows: int, loss: float | None) -> None:
-    """Refuse to publish a model whose training saw no rows or whose loss is not a
+def check_trained(train_paths: list[str], rows: int, loss: float | None, parse: dict | None = None) -> None:
+    """Refuse to publish a model whose training saw no rows, rows of one label only (`parse`,
+    a pass's `ParseStats.to_dict()`, when it counted the clicks), or whose loss is not a
     number: nothing is ever served from it (local, cluster and retrain jobs alike).
 
     >>> check_trained(["a.tsv"], 0, None)
     Traceback (most recent call last):
     ...
     mariana.sparse.errors.MarianaError: no valid training rows in a.tsv: nothing to publish
+    >>> check_trained(["a.tsv"], 9, 0.1, {"rows_ok": 9, "clicks": 0, "rows_bad": 3, "first_bad": [
+    ...     {"file": "a.tsv", "line": 2, "reason": "label is not 0 or 1 ('-1')"}]})
+    Traceback (most recent call last):
+    ...
+    mariana.sparse.errors.MarianaError: every valid training row in a.tsv is a non-click (label 0; 3 malformed rows \
+skipped, the first: a.tsv:2: label is not 0 or 1 ('-1')): a click model needs both, nothing to publish
     """
     names = ", ".join(os.path.basename(p) for p in train_paths) or "the training data"
     if rows <= 0:
         raise MarianaError(f"no valid training rows in {names}: nothing to publish")
+    clicks = (parse or {}).get("clicks")
+    if clicks is not None and parse["rows_ok"] and clicks in (0, parse["rows_ok"]):
+        # labels -1/+1 (Vowpal Wabbit's) lose every click as malformed; a day's log may hold none
+        what, label = ("non-click", 0) if clicks == 0 else ("click", 1)
+        bad = parse.get("rows_bad", 0)
+        first = describe_bad(parse.get("first_bad") or [], 1)
+        skipped = f"; {bad} malformed rows skipped" + (f", the first: {first}" if first else "") if bad else ""
+        raise MarianaError(f"every valid training row in {names} is a {what} (label {label}{skipped}): a click model "
+                           "needs both, nothing to publish")
     if loss is None or not math.isfinite(loss):
         raise MarianaError(f"training on {names} diverged (train loss {loss}): nothing to publish; {LOWER_RATES}")
 
@@ -186,7 +202,7 @@ def publish(bundle: ModelBundle, job: JobInputs, trained: TrainResult, out_dir: 
     if trained.parse["rows_bad"]:
         log.warning("skipped %d malformed training rows per pass (first: %s)", trained.parse["rows_bad"],
                     describe_bad(trained.parse["first_bad"], 3))
-    check_trained(job.train, trained.train_rows, trained.train_loss)
+    check_trained(job.train, trained.train_rows, trained.train_loss, trained.parse)
     tested = evaluate(bundle, job.test) if job.test else ({}, None)
     if tested[1] and tested[1]["rows_bad"]:
         log.warning("skipped %d malformed test rows (first: %s)", tested[1]["rows_bad"],

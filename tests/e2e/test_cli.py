@@ -146,7 +146,18 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
     emptydir.mkdir()
     bad_tail = tmp_path / "bad_tail.tsv"  # the last tenth, validation's under --epochs auto, malformed
     bad_tail.write_text("".join(gen_files["test"].read_text().splitlines(keepends=True)[:900]) + "2\tx\n" * 100)
+    # Vowpal Wabbit's -1/+1 labels: every click malformed, a model of non-clicks published and promoted
+    lines = [ln.split("\t", 1) for ln in gen_files["test"].read_text().splitlines()[:2000]]
+    plus_minus = tmp_path / "pm1.tsv"
+    plus_minus.write_text("".join(f"{'-1' if label == '1' else label}\t{rest}\n" for label, rest in lines))
+    no_clicks = tmp_path / "no_clicks.tsv"
+    no_clicks.write_text("".join(f"0\t{rest}\n" for _, rest in lines))
     cases = [
+        (("train", "--data", plus_minus, "--out", tmp_path / "o"),
+         ["every valid training row in pm1.tsv is a non-click (label 0; ", "malformed rows skipped, the first: "
+          "pm1.tsv:", "label is not 0 or 1", "a click model needs both, nothing to publish"]),
+        (("train", "--data", no_clicks, "--out", tmp_path / "o"),
+         ["every valid training row in no_clicks.tsv is a non-click (label 0): a click model needs both"]),
         (("train", "--data", tmp_path / "missing.tsv", "--out", tmp_path / "o"), ["missing.tsv", "no such file"]),
         (("train", "--data", gen_files["test"], "--format", "parquet", "--out", tmp_path / "o"), ["parquet"]),
         (("train", "--data", csv, "--out", tmp_path / "o"), ["not in criteo format"]),

@@ -370,6 +370,27 @@ def test_a_finished_job_is_not_read_again_on_a_stray_miss(cluster, train_file, t
     assert leaked == [], f"{len(leaked)} keys cached again for job {job} after it ended: {sorted(leaked)[:3]}"
 
 
+def test_batches_cached_after_their_job_ended_are_dropped(cluster, train_file, tmp_path):
+    """A preprocess still at work when its job was cancelled in epoch 1 cached chunks after the
+    job's cleanup had run: their batches stayed in Redis for cache.ttl_seconds (a week) and
+    filled a bounded Redis for the jobs after (an exploratory run: 216 keys left by one cancel).
+    A Cached about an ended job now drops what it announces; the loader's offset key expires."""
+    job = cluster.submit([train_file], tmp_path / "m", config={**JOB, "train": {"epochs": 1}})
+    assert cluster.wait(job, 90)["state"] == "done"
+    with redis.Redis.from_url(cluster.cfg.redis.url) as r, zmq_context() as ctx:
+        assert r.keys(f"mariana:{job}:*") == []
+        late = [f"mariana:{job}:b:f0o999:{k}" for k in range(3)] + [f"mariana:{job}:bytes", f"mariana:{job}:loader"]
+        for key in late:  # what the late preprocess and loader wrote
+            r.set(key, b"x", ex=604800)
+        sock = dealer(ctx, cluster.cfg.coordinator.endpoint)
+        reply = call(sock, "Cached", 502, job=job, chunk="f0o999", batches=[[0, 10], [1, 10], [2, 5]],
+                     stats={"rows_ok": 25})
+        sock.close()
+        left = r.keys(f"mariana:{job}:*")
+    assert_error(reply, 502, reply.get("code", ""), "a report about an ended job is refused")
+    assert left == [], sorted(left)
+
+
 # ---- worker and loader: the test is their coordinator ---------------------------------------
 
 class FakeCoordinator:

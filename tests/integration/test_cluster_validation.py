@@ -50,6 +50,10 @@ def test_cluster_early_stopping_is_local_modes_exactly_and_keeps_the_best_epoch(
     assert record["auc"] == local["auc"] and record["logloss"] == local["logloss"]
     manifest = json.loads((tmp_path / "m" / record["model_version"] / "manifest.json").read_text())
     assert manifest["valid"]["best_epoch"] == lv["best_epoch"]
+    # the weights learned from the rows up to the kept epoch: counted so, as local mode does (the cluster
+    # counted every epoch it ran, and a warm start from it carried the excess into its parent record)
+    local_manifest = json.loads((tmp_path / "local" / local["model_version"] / "manifest.json").read_text())
+    assert manifest["rows_trained"] == local_manifest["rows_trained"] == 40_000 * lv["best_epoch"], manifest
     # the job history (what the web UI charts) carries each epoch's validation metrics
     assert code == 200
     assert [e["valid"]["logloss"] for e in history["epochs"]] == [e["logloss"] for e in lv["epochs"]]

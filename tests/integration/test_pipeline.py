@@ -132,13 +132,20 @@ def test_cluster_jobs_read_the_submitters_files_and_never_publish_an_empty_model
     generate_criteo(up_dir / "small.tsv", 2_000, seed=21)  # the decoy
     generate_criteo(work / "small.tsv", 3_000, seed=22)
     (work / "empty.tsv").write_text("")
+    rows = [line.split("\t", 1) for line in (work / "small.tsv").read_text().splitlines()]
+    # -1/+1 labels (Vowpal Wabbit's): every click malformed; the job published a model of non-clicks, silently
+    (work / "pm1.tsv").write_text("".join(f"{'-1' if label == '1' else label}\t{rest}\n" for label, rest in rows))
+    with open(work / "small.tsv", "a") as f:  # 2 malformed rows among the good: said, as local mode says them
+        f.write("2\tnot a row\n" * 2)
     cfg = tmp_path / "cluster.toml"
     cfg.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\n')
     train = ["train", "--mode", "cluster", "--cluster-config", cfg, "--set", "hashing.bits=16", "--json"]
     run_cli("up", "--config", cfg, check=True, cwd=up_dir)
     try:
-        record = json.loads(run_cli(*train, "--data", "small.tsv", "--out", "cm", check=True, cwd=work).stdout)
+        good = run_cli(*train, "--data", "small.tsv", "--out", "cm", check=True, cwd=work)
+        record = json.loads(good.stdout)
         empty = run_cli(*train, "--data", "empty.tsv", "--out", "cm", cwd=work)
+        plus_minus = run_cli(*train, "--data", "pm1.tsv", "--out", "cm", cwd=work)
         jobs = json.loads(run_cli("status", "--config", cfg, "--json", check=True).stdout)["coordinator"]["jobs"]
     finally:
         run_cli("down", "--config", cfg)
@@ -146,10 +153,19 @@ def test_cluster_jobs_read_the_submitters_files_and_never_publish_an_empty_model
     assert not (up_dir / "cm").exists()
     manifest = json.loads((work / "cm" / "v000001" / "manifest.json").read_text())
     assert manifest["train"]["data"] == [str(work / "small.tsv")]  # absolute, the submitter's
+    assert record["bad_rows"] == 2 and "skipped 2 malformed training rows per pass (first: small.tsv:3001: " \
+        in good.stderr, good.stderr
+    parse = manifest["train"]["parse"]
+    assert (parse["rows_ok"], parse["rows_bad"], parse["clicks"]) == (3_000, 2, sum(r[0] == "1" for r in rows))
+    assert [(b["file"], b["line"]) for b in parse["first_bad"]] == [(str(work / "small.tsv"), 3001),
+                                                                   (str(work / "small.tsv"), 3002)], parse
     assert empty.returncode == 2, empty.stderr
     assert "no valid training rows in empty.tsv: nothing to publish" in empty.stderr, empty.stderr
+    assert plus_minus.returncode == 2 and "every valid training row in pm1.tsv is a non-click (label 0; " \
+        in plus_minus.stderr and "label is not 0 or 1" in plus_minus.stderr, plus_minus.stderr
     failed = [j for j in jobs if j["state"] == "failed"]
-    assert len(failed) == 1 and "no valid training rows" in failed[0]["error"], jobs
+    assert sorted(j["error"].split(" in ")[0] for j in failed) == ["every valid training row",
+                                                                    "no valid training rows"], jobs
     assert (work / "cm" / "CURRENT").read_text().strip() == "v000001"
     assert sorted(p.name for p in (work / "cm").glob("v*")) == ["v000001"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mariana.services.ledger import ChunkInfo, JobLedger, parse_step, reissue_leases_of, step_id
+from mariana.services.ledger import ChunkInfo, JobLedger, chunk_event, parse_step, reissue_leases_of, step_id
 
 
 def chunk(cid: str = "f0o0", file: int = 0, offset: int = 0, lines: int = 10) -> ChunkInfo:
@@ -446,9 +446,9 @@ def test_replaying_the_journal_rebuilds_the_ledger_and_leases_what_is_not_done()
     live, events = JobLedger("j1", epochs=2), []
     _journaled(live, events, "start", {"t": 1000.0})
     for i, cid in enumerate(("f0o0", "f0o100")):
-        _journaled(live, events, "sent", JobLedger.chunk_event(chunk(cid, offset=i * 100), 0.1))
+        _journaled(live, events, "sent", chunk_event(chunk(cid, offset=i * 100), 0.1))
         _journaled(live, events, "cached", {"chunk": cid, "batches": [[0, 4], [1, 3]], "stats": {"rows_ok": 7}})
-    assert _journaled(live, events, "sent", JobLedger.chunk_event(chunk("f0o0"), 0.1)) is False  # a repeat
+    assert _journaled(live, events, "sent", chunk_event(chunk("f0o0"), 0.1)) is False  # a repeat
     _journaled(live, events, "source_done", {"chunks": 2})
     hist = [[0] * 127 + [3], [4] + [0] * 127]
     for _ in range(4):
@@ -543,6 +543,19 @@ def test_steps_replayed_after_the_last_epoch_go_out_and_complete_it_again():
     assert led.replaying() and not led.epoch_complete() and led.rows_done[1] == 10
     assert finish_all(led) == ["e1/f0o0:1"]
     assert not led.replaying() and led.epoch_complete() and led.rows_done[1] == 20
+    # its loss counted once: a shard restarted late doubled the record's train_loss (0.83 for 0.41)
+    assert led.loss_sum[1] == 2 * 0.5
+
+
+def test_a_step_replayed_mid_epoch_counts_its_loss_and_auc_once():
+    led = ledger_with({"f0o0": [(0, 10), (1, 10)]}, epochs=1)
+    hist = [[1] + [0] * 127, [0] * 127 + [2]]
+    step = led.lease("w0", 60)
+    assert led.step_done(step, "w0", 10, 4.0, {}, hist)
+    assert led.replay({step}) == 1
+    again = led.lease("w0", 60)
+    assert again == step and led.step_done(step, "w0", 10, 3.0, {}, hist)
+    assert led.loss_sum[1] == 4.0 and led.rows_done[1] == 10 and led.hist[1].sum() == 3
 
 
 def test_a_cluster_jobs_peak_rss_is_of_its_own_run_not_the_coordinators_lifetime():
@@ -574,3 +587,13 @@ def test_a_cluster_jobs_peak_rss_is_of_its_own_run_not_the_coordinators_lifetime
     run.peak_rss_mb = 0.0
     sample_rss(coord, run)
     assert 0 < run.peak_rss_mb <= rss_bytes() / (1 << 20) * 1.5  # the coordinator's own, measured now
+
+
+def test_a_step_never_issued_is_refused_not_counted():
+    """A Done for a made-up step ("e1/zzfake:0", 10**9 rows: any peer of the ZeroMQ port can
+    send one) was counted: the record said 3,001,500,000 rows trained of a 500,000-row file."""
+    led = ledger_with({"f0o0": [(0, 10)]}, epochs=2)
+    for step in ("e1/zzfake:0", "e3/f0o0:0", "e0/f0o0:0"):
+        with pytest.raises(ValueError, match="is no step of job"):
+            led.step_done(step, "w0", 10**9, 0.0, {})
+    assert sum(led.rows_done.values()) == 0 and not led.done

@@ -198,6 +198,8 @@ def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> di
             try:
                 summary = _request(info, "GET", f"/v1/jobs/{job}")
             except Unreachable as e:  # restarting (the supervisor's ~1 s, a journal to replay), or down
+                if _moved(info):  # `down` then `up`: the new coordinator listens on other ports
+                    continue
                 now = time.monotonic()
                 if away is None:
                     away = now
@@ -226,6 +228,25 @@ def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> di
         if cancel_job(info, job)["state"] == "writing":
             log.warning("job %s was writing its version when interrupted: too late to cancel; it ends done", job)
         raise
+
+
+def _moved(info: dict) -> bool:
+    """Whether the cluster in `info`'s dir is up again at another address (a `down` and an `up`
+    pick new ports unless the config fixes them): `info` updated to it. A job waited for went on
+    there (its journal), and its client gave up after two minutes on the old port."""
+    if info.get("temporary") or not info.get("dir"):
+        return False
+    from mariana.services import launcher
+
+    try:
+        now = launcher.cluster_info(info["dir"])
+    except MarianaError:  # a cluster.json being written: the next poll reads it
+        return False
+    if now is None or (now["http"], now.get("token")) == (info["http"], info.get("token")):
+        return False
+    log.info("the cluster in %s is up again, its coordinator at %s (was %s)", info["dir"], now["http"], info["http"])
+    info.update(http=now["http"], token=now.get("token"))
+    return True
 
 
 def _request(info: dict, method: str, path: str, body: dict | None = None) -> dict:

@@ -4,6 +4,7 @@ two, and it replays its journal) is waited for, not taken for a failed job."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -73,3 +74,26 @@ def test_a_lost_temporary_cluster_is_said_to_end_its_job_not_to_go_on(monkeypatc
     with pytest.raises(cluster_job.Unreachable) as e:
         cluster_job.wait(info, "j1", None)
     assert "job j1 ends with the temporary cluster" in str(e.value) and "mariana up" not in str(e.value)
+
+
+def test_a_cluster_up_again_on_other_ports_is_followed(tmp_path, caplog):
+    """`mariana down` then `up` (the supervisor's restart keeps the ports; a new `up` picks
+    others): the job went on in the new coordinator and ended, but its client polled the old
+    port for two minutes and exited 2 ("unreachable"), a cluster retrain recorded "failed"
+    and left the version its job wrote ungated. The client follows cluster.json now."""
+    from mariana.services.runtime import procs
+
+    caplog.set_level("INFO")
+    port = free_port()
+    new = serving(port, {"state": "done", "record": {"auc": 0.75}})
+    state = {"dir": str(tmp_path), "http": f"http://127.0.0.1:{port}", "token": None, "redis": None,
+             "services": [{"name": "coordinator-0", "role": "coordinator", "index": 0, "pid": os.getpid(),
+                           "start": procs.start_time(os.getpid())}]}
+    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    info = {"http": f"http://127.0.0.1:{free_port()}", "dir": str(tmp_path)}  # the old coordinator's: gone
+    try:
+        assert cluster_job.wait(info, "j1", None) == {"auc": 0.75}
+    finally:
+        new.shutdown()
+        new.server_close()
+    assert info["http"] == state["http"] and "is up again, its coordinator at" in caplog.text

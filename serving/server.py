@@ -46,9 +46,15 @@ QUICK_DEATHS = 5            # a worker dying this many times in a row within 10 
 
 # ---- one worker --------------------------------------------------------------------------
 
+SUPERVISOR_ENV = "MARIANA_SERVE_SUPERVISOR"  # a worker's supervisor's pid
+
+
 def run_worker(cfg: ServeConfig, index: int = 0, run_dir: str | None = None, config_path: str | None = None) -> int:
-    """Serve until SIGTERM/SIGINT/SIGHUP; 0 after a clean stop, 1 when it could not start."""
+    """Serve until SIGTERM/SIGINT/SIGHUP, or until its supervisor dies; 0 after a clean stop,
+    1 when it could not start."""
     from mariana.services.runtime.tuning import pin_to_cpu
+
+    supervisor = _follow_supervisor()
 
     # Before any thread starts (they inherit it): a worker that stays on its core keeps its caches.
     cpu = pin_to_cpu(index) if cfg.serve.pin_workers and cfg.serve.worker_count > 1 else None
@@ -61,6 +67,43 @@ def run_worker(cfg: ServeConfig, index: int = 0, run_dir: str | None = None, con
     except OSError as e:  # the port is taken, the host is not ours, ...
         log.error("serve-%d: cannot listen on %s:%d: %s", index, cfg.serve.host, cfg.serve.port, e)
         return 1
+    finally:
+        if supervisor is not None and os.getppid() != supervisor and run_dir:
+            _leave_orphaned(run_dir, index)
+
+
+def _follow_supervisor() -> int | None:
+    """A worker started by a supervisor (`SUPERVISOR_ENV`) gets SIGTERM when it dies (Linux's
+    parent-death signal): SIGKILLed, it left its workers serving with nobody to restart them,
+    /readyz saying all was well and the port taken from the next `mariana serve`. Returns the
+    supervisor's pid (None: none)."""
+    supervisor = int(os.environ.pop(SUPERVISOR_ENV, "0")) or None  # (not passed on to a retrain it starts)
+    if supervisor is None:
+        return None
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: it is noticed when this worker stops, no sooner
+        pass
+    if os.getppid() != supervisor:  # it died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
+    return supervisor
+
+
+def _leave_orphaned(run_dir: str, index: int) -> None:
+    """The files of a worker whose supervisor died (nobody else removes them): its own, and the
+    run dir once no other worker's are left in it."""
+    for path in (ready_path(run_dir, index), os.path.join(run_dir, f"metrics-{index}.json")):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    try:
+        others = [n for n in os.listdir(run_dir) if n.endswith(".ready") or n.startswith("metrics-")]
+    except OSError:
+        others = None  # gone already
+    if others == []:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    log.info("serve-%d: stopped: its supervisor is gone", index)
 
 
 async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path: str | None) -> int:
@@ -168,11 +211,12 @@ def serve(cfg: ServeConfig, verbosity: list[str] = ()) -> int:
     n = cfg.serve.worker_count
     # resolved once, here: a worker pinned to one CPU would count 1 (and bind without SO_REUSEPORT)
     cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, workers=n))
-    run_dir = tempfile.mkdtemp(prefix="mariana-serve-")
     if n == 1 and cfg.serve.port:
         _check_free(cfg.serve.host, cfg.serve.port)  # before the model loads, as the supervisor's reservation is
     reserved = _reserve(cfg.serve.host, cfg.serve.port) if n > 1 else None
+    run_dir = ""  # made once the port is ours: a start refused for a taken port left an empty one each time
     try:
+        run_dir = tempfile.mkdtemp(prefix="mariana-serve-")
         if reserved is not None:
             cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, port=reserved.getsockname()[1]))
         resolved = os.path.join(run_dir, "serve.toml")
@@ -185,7 +229,8 @@ def serve(cfg: ServeConfig, verbosity: list[str] = ()) -> int:
     finally:
         if reserved is not None:
             reserved.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _check_free(host: str, port: int) -> int:
@@ -275,7 +320,8 @@ class _Supervisor:
     def _start(self, i: int) -> None:
         cmd = [sys.executable, "-m", "mariana", *self.verbosity, "serve", "--config", self.resolved,
                "--worker-index", str(i), "--run-dir", self.run_dir]
-        self.children[i] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=sdnotify.child_env())
+        env = {**sdnotify.child_env(), SUPERVISOR_ENV: str(os.getpid())}  # the worker stops when this process dies
+        self.children[i] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
         self.started[i] = time.monotonic()
 
     def _restart(self, i: int, code: int) -> bool:

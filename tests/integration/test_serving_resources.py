@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.debian import can_unshare_mounts
+from tests.integration.rankkill import running
 from tests.integration.serving import Server
 
 pytestmark = pytest.mark.slow
@@ -220,6 +221,36 @@ def test_sighup_stops_the_server_and_its_workers(tmp_path):
     log = s.logs()  # (the supervisor may not have seen its workers ready yet: a stop during its start)
     assert "serve: SIGHUP: stopping the workers" in log or "before the workers were ready (SIGHUP)" in log, log
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "its workers outlived it"
+
+
+def test_workers_stop_when_their_supervisor_is_killed(tmp_path):
+    """SIGKILL to the supervisor (the OOM killer, `kill -9`) left its workers serving for ever
+    with nobody to restart them, /readyz saying 2 of 2, the port taken from the next `mariana
+    serve` ("Address already in use") and the run dir left in TMPDIR. Each worker now gets
+    SIGTERM when its supervisor dies, stops as on any SIGTERM, and the last removes the run dir."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "tmp").mkdir()
+    s = Server(tmp_path / "s", tmp_path / "models", workers=2, prefix=["env", f"TMPDIR={tmp_path / 'tmp'}"])
+    s.start()
+    try:
+        workers = children(s.proc.pid)
+        assert len(workers) == 2 and len(list((tmp_path / "tmp").iterdir())) == 1
+        s.proc.kill()
+        s.proc.wait(10)
+        deadline = time.monotonic() + 30
+        while [pid for pid in workers if running(pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [pid for pid in workers if running(pid)]
+    finally:
+        for pid in workers:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        s.stop()
+    assert not left, s.logs()
+    assert list((tmp_path / "tmp").iterdir()) == [], s.logs()
+    assert s.logs().count("stopped: its supervisor is gone") == 2, s.logs()
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", s.port))  # the next server can listen
 
 
 def read_answer(sock: socket.socket) -> bytes:

@@ -232,7 +232,9 @@ def prune_runs(model_dir: str, keep: int, own_status: str | None = None) -> list
             files.setdefault(m.group(1), []).append(name)
     own = os.path.abspath(own_status) if own_status else None
     done = [run for run in sorted(files) if not _may_run(os.path.join(runs, f"{run}.json"), own)]
-    gone = done[:-keep]
+    # this retrain's own run is one of the `keep` once it ends: 5 kept 6 finished runs' files
+    room = max(0, keep - sum(1 for run in files if own == os.path.abspath(os.path.join(runs, f"{run}.json"))))
+    gone = done[:max(0, len(done) - room)]
     for run in gone:
         for name in files[run]:
             with contextlib.suppress(FileNotFoundError):
@@ -725,27 +727,31 @@ class RetrainRunner:
                 self.on_end(verdict)
 
     def _abandoned(self, run: str, data: dict) -> str:
-        """A retrain of ours that was killed (it ended without a status of its own end, `data`)
-        and left a cluster job: the job cancelled, since nothing would gate what it writes, and
-        a "failed" decision recorded (the job went on and wrote a candidate no line named). A
-        retrain whose job failed or was cancelled ended by itself and recorded so. What to add
-        to its reason."""
+        """A retrain of ours that was killed (it ended without a status of its own end, `data`):
+        a "failed" decision recorded, as every retrain's end is (mariana_serve_retrains_total
+        counted one that decisions.jsonl never named), and its status file saying so. A cluster
+        job it left is cancelled (its temporary cluster stopped), since nothing would gate what it
+        writes. A retrain whose job failed or was cancelled ended by itself and recorded so. What
+        to add to its reason."""
         job, model_dir = data.get("job"), self.cfg.serve.model_dir
-        if not job or data.get("decision"):
+        if data.get("decision"):
             return ""
-        if data.get("temporary_cluster"):
+        what = None
+        if job and data.get("temporary_cluster"):
             what = _stop_temporary(data["temporary_cluster"], job)
-        else:
+        elif job:
             what = _cancel(self.cfg, job)
         decision = {"time": None, "verdict": "failed", "new_version": data.get("new_version"), "job": job,
                     "served_version": data.get("served_version"), "train_data": data.get("train_data"),
                     "eval_data": data.get("eval_data"),
-                    "reason": f"the retrain process ended without a decision; {what}"}
+                    "reason": "the retrain process ended without a decision" + (f"; {what}" if what else "")}
         try:
             _record(model_dir, decision)
+            _Status(os.path.join(model_dir, RUNS, f"{run}.json")).update(state="failed", error=data.get("error"),
+                                                                         killed=True, decision=decision)
         except OSError as e:
             log.warning("retrain %s: cannot record its end in %s: %s", run, DECISIONS, e)
-        return f"; {what}"
+        return f"; {what}" if what else ""
 
     def close(self) -> None:
         """At the worker's stop: the retrains still running go on without it; each one said once."""

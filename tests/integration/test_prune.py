@@ -247,3 +247,16 @@ def test_serve_example_config_lists_every_key_with_its_default():
         assert f"\n[{section}]" in text
         for key in vars(values):
             assert f"\n{key} = " in text, f"{section}.{key} missing from {path.name}"
+
+
+def test_keep_runs_counts_the_retrain_that_prunes(tmp_path):
+    """A retrain started over HTTP prunes while its own run is unfinished: keep_runs = 5 kept
+    five other finished runs and its own, six once it ended (an exploratory soak)."""
+    from mariana.serving.retrain import prune_runs
+
+    ids = planted_runs(tmp_path, 8, os.getpid())  # 9 runs: ids[1] live, the other 8 ended
+    own = ids[-1]
+    gone = prune_runs(str(tmp_path), 5, str(tmp_path / ".retrain" / f"{own}.json"))
+    runs = sorted({p.name.split(".")[0] for p in (tmp_path / ".retrain").iterdir() if p.name != "notes.txt"})
+    assert gone == [ids[0]] + ids[2:4], gone
+    assert runs == sorted([ids[1]] + ids[4:]), runs  # the live one; the newest 4 that ended and this one: 5

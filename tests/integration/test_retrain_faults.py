@@ -82,6 +82,14 @@ def test_a_retrain_outlives_its_server_and_a_dead_one_is_failed(logs, tmp_path):
         os.kill(int((model_dir / ".retrain.lock").read_text()), signal.SIGKILL)  # before its Python is up
         state = wait_state(s, killed["id"], ("done", "failed"), timeout=20)
         assert state["state"] == "failed" and "ended without a decision" in state["error"], state
+        # recorded as every retrain's end is (the metric counted it, decisions.jsonl did not), its file too
+        deadline = time.monotonic() + 10
+        while not (model_dir / "decisions.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (last,) = decisions(model_dir)
+        assert last["verdict"] == "failed" and last["reason"] == "the retrain process ended without a decision"
+        on_disk = json.loads((model_dir / ".retrain" / f"{killed['id']}.json").read_text())
+        assert on_disk["state"] == "failed" and on_disk["killed"], on_disk
         # what a server that stopped as it started a retrain left, while no retrain runs: a status with no pid
         orphan = "r20260101-000000-abcdef"
         (model_dir / ".retrain" / f"{orphan}.json").write_text(json.dumps({"id": orphan, "state": "starting"}))

@@ -16,6 +16,7 @@ A chunk's id is `f<file>o<offset>`, so a chunk read twice is recognized.
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import time
 
@@ -133,7 +134,10 @@ class Loader(Service):
 
     async def read_file(self, job: str, fi: int, path: str, block_bytes: int, start: tuple[int, int],
                         chunks: int, limit: int | None = None) -> int:
-        """Chunks of one file from `start` (offset, line), up to its line `limit` (None: all)."""
+        """Chunks of one file from `start` (offset, line), up to its line `limit` (None: all).
+        MarianaError when the file shrank or was replaced meanwhile: a job trained on part of
+        the rows, of neither version of the file, was reported done with no word of it."""
+        before = os.stat(path)
         with open_binary(path) as f:
             if start[0]:
                 f.seek(start[0])
@@ -142,6 +146,7 @@ class Loader(Service):
                 t0 = time.perf_counter()
                 span = await asyncio.to_thread(next, spans, None)  # reading and gunzip off the loop
                 if span is None or (limit is not None and span[1] > limit):
+                    _check_unchanged(path, before)
                     return chunks
                 offset, first_line, block, lines = span
                 if limit is not None and first_line + lines - 1 > limit:  # the chunk the held-out tail starts in
@@ -204,6 +209,22 @@ class Loader(Service):
             except RemoteError as e:
                 log.warning("%s: coordinator refused %s: %s", self.name, type_, e)
                 return False
+
+
+def _check_unchanged(path: str, before: os.stat_result) -> None:
+    """MarianaError when `path` is not the file, of at least the size, it was when reading began."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        now = None
+    if now is None or (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino) or now.st_size < before.st_size:
+        what = "removed" if now is None else "replaced" if now.st_ino != before.st_ino else \
+            f"truncated from {before.st_size:,} to {now.st_size:,} bytes"
+        raise MarianaError(f"{path} was {what} while the job read it: its rows are of neither version; train on a "
+                           "file that does not change meanwhile (a copy)")
+    if now.st_size > before.st_size:  # appended to (a log being written): what was read is whole rows
+        log.warning("%s grew from %s to %s bytes while the job read it: rows written after it was read are not in "
+                    "the job", path, f"{before.st_size:,}", f"{now.st_size:,}")
 
 
 def _until(value) -> tuple[int, int] | None:

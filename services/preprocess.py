@@ -34,7 +34,7 @@ from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
 from mariana.services.sample_cache import CacheUnavailable, SampleCache, pack_batch
-from mariana.services.transport import PeerTimeout, RemoteError, make_socket, timeout_log
+from mariana.services.transport import PEER_LOG, PeerTimeout, RemoteError, make_socket, timeout_log
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.parse import BlockParser, BlockTask, Chunk, ParseStats, preload
@@ -89,7 +89,7 @@ class Preprocess(Service):
                     raise BadMessage("unexpected", f"preprocess takes Chunk messages with uint8 data, got {msg.type}")
             except BadMessage as e:
                 self.counters["bad_messages"] += 1
-                log.warning("%s: bad message dropped: %s", self.name, e)
+                PEER_LOG.warning("%s: bad message dropped: %s", self.name, e)
                 slots.release()
                 continue
             task = asyncio.create_task(self.process(msg))

@@ -44,6 +44,39 @@ class PeerRestarted(PeerTimeout):
     line saying so is the caller's who saw the restart, not one per request."""
 
 
+class Throttled:
+    """A logger's warnings about what peers send, at most `burst` lines a `seconds` window: a
+    flood of bad messages (60,000 in an exploratory run) was as many log lines. What is left
+    out is said as one line when the next window opens; every message is counted all the same
+    (bad_messages, errors).
+
+    >>> import logging; said = []
+    >>> t = Throttled(logging.getLogger("x"), burst=2, seconds=60.0); t.say = lambda *a: said.append(a)
+    >>> for i in range(5): t.warning("bad %d", i)
+    >>> t.window -= 61; t.warning("bad %d", 5); [a[0] % a[1:] for a in said]
+    ['bad 0', 'bad 1', '3 more like these in 60s not logged (each is counted)', 'bad 5']
+    """
+
+    def __init__(self, logger: logging.Logger, burst: int = 20, seconds: float = 10.0) -> None:
+        self.say, self.burst, self.seconds = logger.warning, burst, seconds
+        self.window, self.lines, self.left_out = time.monotonic(), 0, 0
+
+    def warning(self, fmt: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.window >= self.seconds:
+            if self.left_out:
+                self.say("%d more like these in %gs not logged (each is counted)", self.left_out, self.seconds)
+            self.window, self.lines, self.left_out = now, 0, 0
+        if self.lines < self.burst:
+            self.lines += 1
+            self.say(fmt, *args)
+        else:
+            self.left_out += 1
+
+
+PEER_LOG = Throttled(log)  # this process's lines about bad messages and requests it cannot serve
+
+
 def timeout_log(logger: logging.Logger, e: BaseException, level: int = logging.WARNING):
     """How `logger` says a request that `e` ended: at DEBUG when its peer restarted (the caller
     that saw the restart said so, once, and every request in flight failed with it), else at
@@ -201,7 +234,7 @@ class Client:
             msg = protocol.decode(frames)
         except BadMessage as e:
             self.counters["bad_messages"] += 1
-            log.warning("bad message from %s: %s", self.endpoint, e)
+            PEER_LOG.warning("bad message from %s: %s", self.endpoint, e)
             return
         fut = self.pending.get(msg.msg_id)
         if fut is not None and not fut.done():
@@ -218,7 +251,7 @@ class Client:
             await self.on_command(msg)
         except BadMessage as e:
             self.counters["bad_messages"] += 1
-            log.warning("bad command from %s: %s", self.endpoint, e)
+            PEER_LOG.warning("bad command from %s: %s", self.endpoint, e)
         except Exception:  # counted and logged; the service goes on
             self.counters["errors"] += 1
             log.exception("command %s from %s failed", msg.type, self.endpoint)
@@ -267,7 +300,7 @@ class Server:
             msg = protocol.decode(body, self.max_bytes)
         except BadMessage as e:
             self.counters["bad_messages"] += 1
-            log.warning("%s: bad message from peer %s: %s", self.name, peer.hex()[:8], e)
+            PEER_LOG.warning("%s: bad message from peer %s: %s", self.name, peer.hex()[:8], e)
             self.send(peer, protocol.error_reply(_guess_msg_id(body), e.code, str(e)))
             return
         try:
@@ -293,11 +326,11 @@ class Server:
         """The `Error` answer to a request whose handler raised (counted and logged)."""
         if isinstance(e, (BadMessage, DataFormatError)):  # well-formed frames, wrong content (shapes, ids)
             self.counters["bad_messages"] += 1
-            log.warning("%s: bad %s from peer %s: %s", self.name, msg.type, peer.hex()[:8], e)
+            PEER_LOG.warning("%s: bad %s from peer %s: %s", self.name, msg.type, peer.hex()[:8], e)
             return protocol.error_reply(msg.msg_id, getattr(e, "code", "bad_data"), str(e))
         if isinstance(e, MarianaError):
             self.counters["errors"] += 1
-            log.warning("%s: cannot serve %s: %s", self.name, msg.type, e)
+            PEER_LOG.warning("%s: cannot serve %s: %s", self.name, msg.type, e)
             return protocol.error_reply(msg.msg_id, type(e).__name__, str(e))
         # a bug must not kill the server; it answers and logs the trace
         self.counters["errors"] += 1

@@ -49,9 +49,12 @@ from mariana.sparse.errors import MarianaError
 log = logging.getLogger(__name__)
 
 
+OWN_COUNTERS = ("late_reports", "late_batches_dropped")  # reports about, and batches cached for, ended jobs
+
+
 class Coordinator(Service):
     role = "coordinator"
-    COUNTERS = Service.COUNTERS + Service.REDIS_COUNTERS + Service.CREATIVE_COUNTERS + ("late_reports", "late_batches_dropped")
+    COUNTERS = Service.COUNTERS + Service.REDIS_COUNTERS + Service.CREATIVE_COUNTERS + OWN_COUNTERS
 
     def __init__(self, cfg: ClusterConfig, index: int = 0):
         super().__init__(cfg, index)

@@ -28,24 +28,34 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def cluster_train(tmp_path, data, cfg, log, env: dict | None = None) -> tuple[subprocess.Popen, list[int]]:
+    """`train --mode cluster` of 50 epochs, started with no cluster up; returned once its job
+    is submitted, with the processes it started for it (redis, the services, a supervisor)."""
+    with open(log, "w") as err:
+        client = subprocess.Popen([sys.executable, "-m", "mariana", "train", "--data", str(data), "--mode", "cluster",
+                                   "--cluster-config", str(cfg), "--epochs", "50", "--set", "train.batch_size=64",
+                                   "--out", str(tmp_path / "m")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                                  env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + 120
+    while "submitted" not in log.read_text() and client.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    started = descendants(client.pid)
+    if "submitted" not in log.read_text() or len(started) < 6:
+        for pid in [client.pid, *started]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        raise AssertionError((started, log.read_text()))
+    return client, started
+
+
 def test_sigterm_to_a_cluster_train_cancels_its_job_and_stops_the_cluster_it_started(tmp_path):
     data = tmp_path / "train.tsv"
     generate_criteo(data, 200_000, seed=41)
     cfg = tmp_path / "cluster.toml"  # no cluster is up in its dir: the command starts one for the job
     cfg.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\nsupervise = true\n')
     log = tmp_path / "train.log"
-    with open(log, "w") as err:
-        client = subprocess.Popen([sys.executable, "-m", "mariana", "train", "--data", str(data), "--mode", "cluster",
-                                   "--cluster-config", str(cfg), "--epochs", "50", "--set", "train.batch_size=64",
-                                   "--out", str(tmp_path / "m")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
-    started: list[int] = []
+    client, started = cluster_train(tmp_path, data, cfg, log)
     try:
-        deadline = time.monotonic() + 120
-        while "submitted" not in log.read_text() and client.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert "submitted" in log.read_text(), log.read_text()
-        started = descendants(client.pid)
-        assert len(started) >= 6, started  # redis, the services, the supervisor
         client.send_signal(signal.SIGTERM)
         assert client.wait(90) == 130
     finally:
@@ -69,19 +79,8 @@ def test_a_killed_cluster_train_leaves_no_cluster_running(tmp_path):
     cfg = tmp_path / "cluster.toml"
     cfg.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\nsupervise = false\n')
     log = tmp_path / "train.log"
-    with open(log, "w") as err:
-        client = subprocess.Popen([sys.executable, "-m", "mariana", "train", "--data", str(data), "--mode", "cluster",
-                                   "--cluster-config", str(cfg), "--epochs", "50", "--set", "train.batch_size=64",
-                                   "--out", str(tmp_path / "m")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                                  env={**os.environ, "TMPDIR": str(tmp_path)})  # the temporary cluster's dir
-    started: list[int] = []
+    client, started = cluster_train(tmp_path, data, cfg, log, {"TMPDIR": str(tmp_path)})  # the temporary cluster's
     try:
-        deadline = time.monotonic() + 120
-        while "submitted" not in log.read_text() and client.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert "submitted" in log.read_text(), log.read_text()
-        started = descendants(client.pid)
-        assert len(started) >= 6, started  # redis, the services, the supervisor
         client.kill()
         client.wait(10)
         deadline = time.monotonic() + 30

@@ -59,6 +59,25 @@ def wait_state(s: Server, run: str, until: tuple[str, ...], timeout: float = 60.
     return state
 
 
+def wait_job(s: Server, run: str, timeout: float = 90.0) -> dict:
+    """The status of cluster retrain `run` once it names its job."""
+    deadline = time.monotonic() + timeout
+    while "job" not in (state := s.get(f"/v1/retrain/{run}", AUTH)[1]):
+        assert time.monotonic() < deadline and state["state"] not in ("done", "failed"), (state, s.logs())
+        time.sleep(0.05)
+    return state
+
+
+def kill_and_wait_reaped(s: Server, state: dict, run: str) -> None:
+    """kill -9 a cluster retrain; back once its server has reaped it and said what became of its job."""
+    os.kill(state["pid"], signal.SIGKILL)
+    wait_state(s, run, ("failed",))
+    deadline = time.monotonic() + 30
+    while "its cluster job" not in s.logs():
+        assert time.monotonic() < deadline, s.logs()
+        time.sleep(0.2)
+
+
 def wait_metric(s: Server, series: str, want: float, timeout: float = 20.0) -> str:
     """The /metrics page once `series` (name and labels, exactly) reads `want`."""
     deadline = time.monotonic() + timeout
@@ -211,16 +230,8 @@ def test_a_killed_cluster_retrain_cancels_its_job_and_says_so(logs, tmp_path):
         with Server(tmp_path / "s", model_dir, serve={"token": TOKEN}, retrain=retrain) as s:
             status, started = s.post("/v1/retrain", b"", headers=AUTH)
             assert status == 202, started
-            deadline = time.monotonic() + 90
-            while "job" not in (state := s.get(f"/v1/retrain/{started['id']}", AUTH)[1]):
-                assert time.monotonic() < deadline and state["state"] not in ("done", "failed"), (state, s.logs())
-                time.sleep(0.05)
-            os.kill(state["pid"], signal.SIGKILL)
-            wait_state(s, started["id"], ("failed",))
-            deadline = time.monotonic() + 30
-            while "its cluster job" not in s.logs():
-                assert time.monotonic() < deadline, s.logs()
-                time.sleep(0.2)
+            state = wait_job(s, started["id"])
+            kill_and_wait_reaped(s, state, started["id"])
         job = c.job(state["job"])
     assert job["state"] == "cancelled", job
     last = decisions(model_dir)[-1]
@@ -242,19 +253,11 @@ def test_a_killed_retrain_on_a_temporary_cluster_stops_it_and_says_so(logs, tmp_
                 prefix=["env", f"TMPDIR={tmp_path}"]) as s:
         status, started = s.post("/v1/retrain", b"", headers=AUTH)
         assert status == 202, started
-        deadline = time.monotonic() + 90
-        while "job" not in (state := s.get(f"/v1/retrain/{started['id']}", AUTH)[1]):
-            assert time.monotonic() < deadline and state["state"] not in ("done", "failed"), (state, s.logs())
-            time.sleep(0.05)
+        state = wait_job(s, started["id"])
         (cluster_dir,) = tmp_path.glob("mariana-cluster-*")
         assert state["temporary_cluster"] == str(cluster_dir), state
         pids = [r["pid"] for r in json.loads((cluster_dir / "cluster.json").read_text())["services"]]
-        os.kill(state["pid"], signal.SIGKILL)
-        wait_state(s, started["id"], ("failed",))
-        deadline = time.monotonic() + 30
-        while "its cluster job" not in s.logs():
-            assert time.monotonic() < deadline, s.logs()
-            time.sleep(0.2)
+        kill_and_wait_reaped(s, state, started["id"])
     last = decisions(model_dir)[-1]
     assert last["verdict"] == "failed" and last["job"] == state["job"], last
     assert last["reason"] == (f"the retrain process ended without a decision; its cluster job {state['job']} ended "

@@ -118,7 +118,10 @@ class LedgerReport:
         seconds = self.epoch_seconds[-1] if finished and self.epoch_seconds else time.time() - self.epoch_started
         rows = self.rows_done[e]
         return {"epoch": e, "epochs": self.epochs, "rows": rows, "rows_per_s": round(rows / max(seconds, 1e-9), 1),
-                "loss": self.loss_sum[e] / rows if rows else None, "ready": len(self.ready),
+                "loss": self.loss_sum[e] / rows if rows else None,
+                # the queue keeps steps done or out meanwhile (a lease skips them; a journal replayed at a
+                # restart leaves every one): a done job said 476 ready of its 238 batches
+                "ready": sum(1 for step in self.ready if step not in self.done and step not in self.leased),
                 "leased": len(self.leased), "chunks": len(self.chunks), "batches": len(self.batches),
                 "source_done": self.source_done, "fraction": self.fraction(),
                 "rows_total": sum(self.rows_done.values())}

@@ -160,9 +160,14 @@ def _print_pruned(r: dict) -> None:
 
 
 def cmd_retrain(args: argparse.Namespace) -> int:
-    from mariana.serving.retrain import run_retrain
+    from mariana.serving.retrain import RetrainFailed, run_retrain
 
-    decision = run_retrain(_config(args), args.status_file)
+    try:
+        decision = run_retrain(_config(args), args.status_file)
+    except RetrainFailed as e:  # its decision recorded: a script reading --json gets it too, then the error
+        if args.json:
+            report.print_record(e.decision, True)
+        raise
     report.print_record(decision, args.json)
     return 0
 

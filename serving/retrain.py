@@ -68,6 +68,15 @@ class RetrainBusy(MarianaError):
     """Another retrain of the same model directory is running."""
 
 
+class RetrainFailed(MarianaError):
+    """A retrain that ended with a "failed" decision, recorded: `decision` is it (what
+    `retrain --json` prints before the error)."""
+
+    def __init__(self, message: str, decision: dict):
+        super().__init__(message)
+        self.decision = decision
+
+
 # ---- the retrain itself ---------------------------------------------------------------
 
 def run_retrain(cfg: ServeConfig, status_file: str | None = None) -> dict:
@@ -132,10 +141,10 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
                 what = f"its job {job} ended with the temporary cluster it started, stopped now"
             else:  # the job goes on without this retrain: what it writes is never gated
                 what = f"the version its job {job} writes, if it does, is not gated and not served"
-            _finish(cfg, status, {"time": None, "verdict": "failed", "new_version": None, "served_version": served,
-                                  "job": job, "train_data": train, "eval_data": evals,
-                                  "reason": f"the retrain lost its cluster ({e}); {what}"})
-            raise
+            lost = _finish(cfg, status, {"time": None, "verdict": "failed", "new_version": None,
+                                         "served_version": served, "job": job, "train_data": train,
+                                         "eval_data": evals, "reason": f"the retrain lost its cluster ({e}); {what}"})
+            raise RetrainFailed(str(e), lost) from None
     else:
         record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
     new = record["model_version"]
@@ -153,8 +162,8 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         decision.update(verdict="failed", reason=f"the candidate could not be gated: {_why(e)}")
         _finish(cfg, status, decision)
         if isinstance(e, MarianaError):
-            raise MarianaError(f"retrain {model_dir}: {new} was trained but could not be gated: {e}; recorded "
-                               f"as failed in {DECISIONS}, CURRENT still names {served or 'nothing'}") from None
+            raise RetrainFailed(f"retrain {model_dir}: {new} was trained but could not be gated: {e}; recorded as "
+                                f"failed in {DECISIONS}, CURRENT still names {served or 'nothing'}", decision) from None
         raise
     return _finish(cfg, status, decision)
 

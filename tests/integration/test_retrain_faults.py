@@ -172,15 +172,16 @@ def test_a_candidate_that_cannot_be_gated_is_recorded_as_failed(logs, tmp_path):
     cfg = retrain_config(tmp_path, model_dir, **windows(logs, job_config=str(logs["job"])))
     status = tmp_path / "status.json"
     proc = subprocess.Popen([sys.executable, "-m", "mariana", "retrain", "--config", str(cfg), "--status-file",
-                             str(status)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(status), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (status.exists() and json.loads(status.read_text() or "{}").get("state") in ("training", "failed")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.005)
     os.truncate(model_dir / "v000001" / "weights.safetensors", 1000)  # while it trains
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "v000002 was trained but could not be gated" in err, err
     last = decisions(model_dir)[-1]
+    assert json.loads(out.strip().splitlines()[-1]) == last, out  # --json printed nothing on a failed verdict
     assert (last["verdict"], last["new_version"], last["served_version"]) == ("failed", "v000002", "v000001"), last
     assert "cannot read tensors" in last["reason"], last
     assert json.loads(status.read_text())["state"] == "failed"

@@ -597,3 +597,14 @@ def test_a_step_never_issued_is_refused_not_counted():
         with pytest.raises(ValueError, match="is no step of job"):
             led.step_done(step, "w0", 10**9, 0.0, {})
     assert sum(led.rows_done.values()) == 0 and not led.done
+
+
+def test_progress_counts_ready_steps_not_those_done_or_out():
+    led = ledger_with({"f0o0": [(0, 10), (1, 10), (2, 10)]}, epochs=1)
+    step = led.lease("w0", 60)
+    led.ready.append(step)  # as a journal replay or a re-issue leaves it queued again
+    assert led.progress()["ready"] == 2
+    led.step_done(step, "w0", 10, 1.0, {})
+    assert led.progress()["ready"] == 2
+    finish_all(led)
+    assert led.progress()["ready"] == 0 and len(led.ready) == 0

@@ -20,6 +20,7 @@ from mariana.services.ledger import STAGES, ChunkInfo, parse_step, reissue_lease
 from mariana.services.protocol import Message
 from mariana.services.runtime import failpoints, memwatch, model_events
 from mariana.services.runtime.redis_url import redact
+from mariana.services.runtime.tuning import release_freed_memory
 from mariana.services.sample_cache import CacheRefused
 from mariana.services.transport import PeerTimeout, RemoteError
 from mariana.sparse.errors import MarianaError
@@ -674,6 +675,7 @@ class JobJournal:
         except (MarianaError, OSError) as e:  # a full disk: the job ended all the same, and status shows it
             log.error("%s: job %s %s, but the job store could not record its end (%s): a coordinator restarted "
                       "before it can may resume the job", self.coord.name, run.id, run.state, e)
+        release_freed_memory()  # its model, test rows and tables: the coordinator idles between jobs
 
     def new_job(self, body: dict, checked: tuple[dict, dict, int] | None = None) -> JobRun:
         """A job from its body, checked here (`check_request`), or, with `checked` = (request,

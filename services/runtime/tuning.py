@@ -71,6 +71,21 @@ def unpin(pid: int) -> None:
         pass
 
 
+def release_freed_memory() -> None:
+    """Hand the memory freed since back to the OS (glibc's malloc_trim, after a collection):
+    `_keep_freed_memory` keeps up to 1 GiB of it for the next allocations, which suits a
+    step loop but left a coordinator at its high-water mark between jobs (0.6-1 GB after DNN
+    jobs in an exploratory soak, idle). For the end of a unit of work, not its loop."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _keep_freed_memory() -> None:
     """glibc: serve blocks up to 256 MiB from the heap and keep up to 1 GiB
     freed, so the next block reuses pages instead of faulting fresh ones."""

@@ -29,7 +29,7 @@ from mariana.services.runtime import failpoints
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, cancel_and_wait, run_service
 from mariana.services.sample_cache import SampleCache
-from mariana.services.transport import PeerTimeout, RemoteError, make_socket, timeout_log
+from mariana.services.transport import PeerTimeout, RemoteError, as_client, make_socket, timeout_log
 from mariana.sparse.errors import DataFormatError, MarianaError
 from mariana.sparse.parse import iter_spans, open_binary, read_span, span_end, span_head
 
@@ -55,7 +55,7 @@ class Loader(Service):
         self.push = make_socket(self.ctx, zmq.PUSH, hwm=self.cfg.loader.hwm)
         self.push.setsockopt(zmq.IMMEDIATE, 1)  # only queue chunks to preprocess instances that are up
         for ep in self.cfg.preprocess.endpoints:
-            self.push.connect(ep)
+            as_client(self.push).connect(ep)
         self.cache = SampleCache(self.cfg, self.counters)
         self.connect_coordinator(on_command=self.on_command)
         await self.register()

@@ -92,6 +92,33 @@ class RemoteError(MarianaError):
         self.code = code
 
 
+_CURVE: tuple[bytes, bytes] | None = None  # (public, secret) of this process's cluster (`use_curve`)
+
+
+def use_curve(secret: str) -> None:
+    """Every socket this process binds or connects from now on speaks CURVE with the cluster's
+    one key pair (`cluster.curve_key`): its traffic is encrypted, and a peer that does not hold
+    the key never completes the handshake (its messages never reach a service). Empty: off."""
+    global _CURVE
+    _CURVE = (zmq.curve_public(secret.encode()), secret.encode()) if secret else None
+
+
+def as_server(sock: zmq.Socket) -> zmq.Socket:
+    """Before a bind: the CURVE server side, when the cluster has a key."""
+    if _CURVE is not None:
+        sock.curve_publickey, sock.curve_secretkey = _CURVE
+        sock.curve_server = True
+    return sock
+
+
+def as_client(sock: zmq.Socket) -> zmq.Socket:
+    """Before a connect: the CURVE client side (the server's key is the cluster's), when it has one."""
+    if _CURVE is not None:
+        sock.curve_serverkey = _CURVE[0]
+        sock.curve_publickey, sock.curve_secretkey = _CURVE
+    return sock
+
+
 def make_socket(ctx: zmq.asyncio.Context, kind: int, hwm: int = 1000) -> zmq.asyncio.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
@@ -195,7 +222,7 @@ class Client:
         self.channel = _Channel(ctx, zmq.DEALER, self._received, counters, f"client of {endpoint}")
         if identity:
             self.channel.sock.setsockopt(zmq.IDENTITY, identity)
-        self.channel.sock.connect(endpoint)
+        as_client(self.channel.sock).connect(endpoint)
         self.pending: dict[int, asyncio.Future] = {}
         self.commands: set[asyncio.Task] = set()
         self.closed = False
@@ -290,7 +317,7 @@ class Server:
         self.name = name
         self.channel = _Channel(ctx, zmq.ROUTER, self._received, counters, name)
         self.channel.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.channel.sock.bind(endpoint)
+        as_server(self.channel.sock).bind(endpoint)
         self.tasks: set[asyncio.Task] = set()
         self.channel.start_reading()
 

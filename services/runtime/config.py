@@ -56,15 +56,40 @@ class ClusterSection:
     supervise: bool = True              # `mariana up` restarts a service that dies (services/supervisor.py)
     memory_max_bytes: int = 0           # a service logs a warning near this much RSS; 0: its cgroup's memory.max
     memory_warn_fraction: float = 0.9   # ... above this fraction of the limit (services/runtime/memwatch.py)
+    curve_key: str = ""                 # a CURVE secret key (Z85, 40 characters) every process of the cluster
+                                        # holds: ZeroMQ traffic encrypted, and only peers with it can connect
+                                        # (docs/operations.md, "Several hosts"); empty: plain, as on loopback
 
     def __post_init__(self) -> None:
         if self.memory_max_bytes < 0 or not 0 < self.memory_warn_fraction <= 1:
             raise ConfigError("cluster.memory_max_bytes must be >= 0 and cluster.memory_warn_fraction in (0, 1], "
                               f"got {self.memory_max_bytes} and {self.memory_warn_fraction}")
+        if self.curve_key:
+            check_curve_key(self.curve_key)
 
     @property
     def path(self) -> str:
         return os.path.abspath(os.path.expanduser(self.dir))
+
+
+def check_curve_key(key: str) -> None:
+    """ConfigError unless `key` is a CURVE secret key in Z85 (what `zmq.curve_keypair()[1]` makes).
+
+    >>> check_curve_key("short")
+    Traceback (most recent call last):
+    ...
+    mariana.sparse.errors.ConfigError: cluster.curve_key: a CURVE secret key in Z85 is 40 characters, got 5 \
+(make one: python -c "import zmq; print(zmq.curve_keypair()[1].decode())")
+    """
+    how = 'make one: python -c "import zmq; print(zmq.curve_keypair()[1].decode())"'
+    if len(key) != 40:
+        raise ConfigError(f"cluster.curve_key: a CURVE secret key in Z85 is 40 characters, got {len(key)} ({how})")
+    import zmq
+
+    try:
+        zmq.curve_public(key.encode())
+    except (zmq.ZMQError, ValueError, UnicodeEncodeError):
+        raise ConfigError(f"cluster.curve_key: not a CURVE secret key in Z85 ({how})") from None
 
 
 @dataclass

@@ -59,6 +59,20 @@ def chunk_event(c: ChunkInfo, seconds: float) -> dict:
                       if k in ("id", "file", "offset", "length", "first_line", "lines")}, "seconds": seconds}
 
 
+def _issued(ledger: "JobLedger", step: str) -> tuple[int, str] | None:
+    """(epoch, batch) of a step reported done; None for one of an epoch that early stopping
+    dropped (leased before it stopped: its lease let go, counted, not trained); ValueError for
+    one never issued (made up by its sender: a Done of 10**9 rows was counted)."""
+    epoch, name = parse_step(step)
+    if name not in ledger.batch_rows or epoch < 1:
+        raise ValueError(f"{step} is no step of job {ledger.job}")
+    if epoch > ledger.epochs:
+        ledger.leased.pop(step, None)
+        ledger.counters["dropped_epoch_steps"] += 1
+        return None
+    return epoch, name
+
+
 def step_id(epoch: int, batch: str) -> str:
     return f"e{epoch}/{batch}"
 
@@ -340,9 +354,9 @@ class JobLedger(LedgerReport):
         if step in self.done:
             self.counters["duplicate_done"] += 1
             return False
-        epoch, name = parse_step(step)
-        if name not in self.batch_rows or not 1 <= epoch <= self.epochs:  # never issued: made up by the sender
-            raise ValueError(f"{step} is no step of job {self.job}")
+        if (found := _issued(self, step)) is None:
+            return False
+        epoch, name = found
         if self.batch_rows[name] != rows:  # exactly-once counts rows as the chunk's parse gave them
             self.counters["row_count_mismatches"] += 1
             log.warning("job %s: step %s done with %d rows, its batch had %d when first cached", self.job, step,

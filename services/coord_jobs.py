@@ -621,13 +621,20 @@ class JobJournal:
             if run.state == "running":
                 run.restarts += 1
                 events = 0
-                for kind, data in self.coord.store.events(run.id):
-                    try:
-                        run.ledger.apply(kind, data)
-                    except (KeyError, TypeError, ValueError) as e:  # a damaged event: the rest still replays
-                        log.warning("%s: job %s: journal event %s left out: %s", self.coord.name, run.id, kind, e)
-                        continue
-                    events += 1
+                try:
+                    for kind, data in self.coord.store.events(run.id):
+                        try:
+                            run.ledger.apply(kind, data)
+                        except (KeyError, TypeError, ValueError) as e:
+                            if kind not in ("done", "sent"):  # a chunk, an epoch, a stop: the job cannot go on right
+                                raise
+                            log.warning("%s: job %s: journal event %s left out: %s", self.coord.name, run.id, kind, e)
+                            continue  # a step done is done again; a chunk sent is read again
+                        events += 1
+                except (KeyError, TypeError, ValueError) as e:
+                    del self.coord.jobs[run.id]
+                    self.unreadable(saved, e, f"its journal does not replay (a {kind} event)")
+                    continue
                 led = run.ledger
                 log.info("%s: job %s resumed from %d journal events: epoch %d/%d, %d steps done, source %s",
                          self.coord.name, run.id, events, led.epoch, led.epochs, len(led.done),
@@ -638,7 +645,7 @@ class JobJournal:
         if self.coord.jobs:
             log.info("%s: %d jobs in %s", self.coord.name, len(self.coord.jobs), self.coord.store.path)
 
-    def unreadable(self, saved, e: Exception) -> None:
+    def unreadable(self, saved, e: Exception, what: str = "its saved spec does not read") -> None:
         """A saved job this version cannot rebuild (its spec no longer passes a check added
         since, or a damaged row): left out of the job list, with a warning, never a coordinator
         that cannot start. One that was queued or running is saved as failed, saying why."""
@@ -649,7 +656,7 @@ class JobJournal:
                     "; marked failed" if state in ("queued", "running") else "")
         if state in ("queued", "running") and isinstance(d.get("submitted"), (int, float)):
             d.update(state="failed", ended=time.time(),
-                     error=f"not resumed after a coordinator restart: its saved spec does not read: {e}")
+                     error=f"not resumed after a coordinator restart: {what}: {e}")
             self.coord.store.save_job(job, d, d["submitted"])
 
     def journal(self, run: JobRun, kind: str, data: dict):

@@ -63,9 +63,9 @@ class Supervisor:
                 break
             if unsaved is None:  # else what is on disk is older than what this process knows
                 state = on_disk
-            if self.owner_gone(state):
-                why = "its owner is gone"
-                break
+            if self.owner_gone(state):  # everything stopped and cluster.json removed: nothing to save again
+                log.info("stopped (its owner is gone)")
+                return 0
             if state.get("restart", True) and self.tick(state, env) or unsaved is not None:
                 unsaved = self.save(state, unsaved)
         if unsaved is not None and self.save(state, unsaved) is not None:

@@ -981,7 +981,7 @@ def _check_quotes(path: str, schema: Schema, block: bytes) -> None:
 
     >>> from mariana.sparse.schema import Schema
     >>> s = Schema("ads", ("click", "site"), "click", categorical=("site",), delimiter=",")
-    >>> _check_quotes("a.csv", s, b'click,site\n0,x\n')
+    >>> _check_quotes("a.csv", s, b'click,site\n0,x\n1,"a quoted value"\n')
     >>> try:
     ...     _check_quotes("a.csv", s, b'"click","site"\n"0","x"\n')
     ... except DataFormatError as e:
@@ -992,8 +992,9 @@ def _check_quotes(path: str, schema: Schema, block: bytes) -> None:
         return
     for number, line in enumerate(bytes(block[:1 << 16]).split(b"\n")[:6], 1):
         fields = line.rstrip(b"\r").removeprefix(UTF8_BOM).split(schema.delimiter.encode())
-        quoted = next((f for f in fields if len(f) >= 2 and f[:1] == f[-1:] == b'"'), None)
-        if quoted is not None:
+        # every field quoted: a CSV writer's quoting (one quoted value in a row is a value, read as it is)
+        if len(fields) > 1 and all(len(f) >= 2 and f[:1] == f[-1:] == b'"' for f in fields):
+            quoted = fields[0]
             raise DataFormatError(
                 f"{path}: line {number} holds fields in double quotes ({quoted.decode('utf-8', 'replace')[:40]}); "
                 f"the {schema.name} schema reads quotes as part of a value, so every value would be one the model "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 
@@ -77,13 +78,19 @@ def release_freed_memory() -> None:
     step loop but left a coordinator at its high-water mark between jobs (0.6-1 GB after DNN
     jobs in an exploratory soak, idle). For the end of a unit of work, not its loop."""
     gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once (find_library runs `ldconfig -p`); None elsewhere."""
     name = ctypes.util.find_library("c")
-    if not name:
-        return
     try:
-        ctypes.CDLL(name).malloc_trim(0)
+        return ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):  # not glibc
-        pass
+        return None
 
 
 def _keep_freed_memory() -> None:

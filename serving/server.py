@@ -94,7 +94,9 @@ def _follow_supervisor() -> int | None:
 def _leave_orphaned(run_dir: str, index: int) -> None:
     """The files of a worker whose supervisor died (nobody else removes them): its own, and the
     run dir once no other worker's are left in it."""
-    for path in (ready_path(run_dir, index), os.path.join(run_dir, f"metrics-{index}.json")):
+    from mariana.serving.app import _snapshot_path
+
+    for path in (ready_path(run_dir, index), _snapshot_path(run_dir, index)):
         with contextlib.suppress(OSError):
             os.remove(path)
     try:

@@ -300,12 +300,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise MarianaError(f"--index {args.index}: {args.config} has {count} {args.role} instance(s), "
                            f"so --index must be in 0..{count - 1}")
     cfg.require_endpoints()
-    from mariana.services.runtime.auth import is_loopback
     from mariana.services.transport import use_curve
 
     use_curve(cfg.cluster.curve_key)  # every socket of this service, bound or connected
-    exposed = [ep for ep in [cfg.coordinator.endpoint, *cfg.ps.endpoints, *cfg.preprocess.endpoints]
-               if not is_loopback(ep.rpartition("//")[2].rpartition(":")[0].strip("[]"))]
+    exposed = cfg.exposed_endpoints()
     if exposed and not cfg.cluster.curve_key:
         log.warning("%s-%d: ZeroMQ endpoints off loopback (%s) with no cluster.curve_key: any peer that reaches "
                     "them is heard (docs/operations.md, \"Several hosts\")", args.role, args.index, ", ".join(exposed))

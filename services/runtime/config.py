@@ -243,13 +243,33 @@ class ClusterConfig:
                                   f"{role}.count = {sec.count}")
 
     def require_endpoints(self) -> None:
-        """Fail with the key to set when a service would not know where to connect."""
+        """Fail with the key to set when a service would not know where to connect, or with
+        the endpoint ZeroMQ could not use."""
         missing = [k for k, v in (("coordinator.endpoint", self.coordinator.endpoint),
                                   ("redis.url", self.redis.url),
                                   ("ps.endpoints", self.ps.endpoints),
                                   ("preprocess.endpoints", self.preprocess.endpoints)) if not v]
         if missing:
             raise ConfigError(f"{', '.join(missing)} not set (set them, or cluster.base_port)")
+        for key, endpoint in self.zmq_endpoints():
+            endpoint_host(endpoint, key)
+
+    def zmq_endpoints(self) -> list[tuple[str, str]]:
+        """(key, endpoint) of every ZeroMQ socket a service binds."""
+        return [("coordinator.endpoint", self.coordinator.endpoint),
+                *((f"ps.endpoints[{i}]", ep) for i, ep in enumerate(self.ps.endpoints)),
+                *((f"preprocess.endpoints[{i}]", ep) for i, ep in enumerate(self.preprocess.endpoints))]
+
+    def exposed_endpoints(self) -> list[str]:
+        """The ZeroMQ endpoints that listen beyond loopback (peers on the network reach them).
+
+        >>> load_cluster_config(overrides={"cluster.base_port": 7000, "ps.endpoints": ["tcp://10.0.0.5:7010"]},
+        ...                     env={}).exposed_endpoints()
+        ['tcp://10.0.0.5:7010']
+        """
+        from mariana.services.runtime.auth import is_loopback
+
+        return [ep for key, ep in self.zmq_endpoints() if not is_loopback(endpoint_host(ep, key))]
 
     @property
     def coordinator_state_dir(self) -> str:
@@ -275,6 +295,25 @@ class ClusterConfig:
 
     def count(self, role: str) -> int:
         return getattr(self, role).count if role in ("preprocess", "worker", "ps") else 1
+
+
+def endpoint_host(endpoint: str, key: str = "endpoint") -> str:
+    """The host of a ZeroMQ "tcp://HOST:PORT" endpoint (an IPv6 host in brackets), or
+    ConfigError naming `key` for anything else.
+
+    >>> [endpoint_host(e) for e in ("tcp://127.0.0.1:5700", "tcp://[::1]:5700", "tcp://node-3:5710")]
+    ['127.0.0.1', '::1', 'node-3']
+    >>> endpoint_host("127.0.0.1:5700", "ps.endpoints[0]")
+    Traceback (most recent call last):
+    mariana.sparse.errors.ConfigError: ps.endpoints[0] = '127.0.0.1:5700' is not a ZeroMQ endpoint: write it as ...
+    """
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if scheme != "tcp" or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ConfigError(f"{key} = {endpoint!r} is not a ZeroMQ endpoint: write it as \"tcp://HOST:PORT\", "
+                          f"e.g. \"tcp://127.0.0.1:5710\"")
+    return host
 
 
 def load_cluster_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,

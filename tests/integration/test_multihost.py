@@ -220,3 +220,36 @@ def test_four_hosts_by_config_alone(tmp_path):
     finally:
         server.stop()
         hosts.stop()
+
+
+def _run_worker(tmp_path: Path, endpoint: str, wait_for: str) -> tuple[int | None, str]:
+    """Start `mariana run worker` with the coordinator at `endpoint`; its output up to the line
+    holding `wait_for`, or to its exit. (A worker binds nothing: it only dials.)"""
+    conf = tmp_path / "cluster.toml"
+    conf.write_text(f'[coordinator]\nendpoint = "{endpoint}"\n[redis]\nurl = "redis://127.0.0.1:1/0"\n'
+                    '[ps]\nendpoints = ["tcp://127.0.0.1:2"]\n[preprocess]\nendpoints = ["tcp://127.0.0.1:3"]\n'
+                    f'[cluster]\ndir = "{tmp_path}"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "mariana", "run", "worker", "--config", str(conf)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if wait_for in line:
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        out.append(proc.stdout.read())
+        proc.stdout.close()
+    return proc.returncode, "".join(out)
+
+
+def test_a_service_off_loopback_without_a_curve_key_warns_and_a_malformed_endpoint_is_refused(tmp_path):
+    # 0.0.0.0 is "every address": what an operator writes to reach a service from other hosts
+    _, out = _run_worker(tmp_path, f"tcp://0.0.0.0:{free_port()}", "no cluster.curve_key")
+    assert "ZeroMQ endpoints off loopback (tcp://0.0.0.0:" in out and "any peer that reaches them" in out, out
+    rc, out = _run_worker(tmp_path, "127.0.0.1:5700", "\x00")  # no scheme: runs to its exit
+    assert rc == 2 and "coordinator.endpoint = '127.0.0.1:5700' is not a ZeroMQ endpoint" in out, out
+    assert "Traceback" not in out, out

@@ -30,7 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from mariana.serving import codec
-from mariana.serving.config import ServeConfig, ready_path
+from mariana.serving.config import ServeConfig, ready_path, snapshot_path, snapshot_worker
 from mariana.serving.dataplane import Batcher, ModelHolder, error_answer
 from mariana.serving.errors import ServeError
 from mariana.serving.openapi import document, speech_document
@@ -224,14 +224,14 @@ async def metrics(request: web.Request) -> web.Response:
     states = [m.state()]
     if st["run_dir"]:
         own = _write_snapshot(app)
-        for path in glob.glob(_snapshot_path(st["run_dir"], "*")):
+        for path in glob.glob(snapshot_path(st["run_dir"], "*")):
             if path != own:
                 try:
                     with open(path) as f:
                         state = json.load(f)
                 except (OSError, ValueError):
                     continue  # being replaced right now: it is in the next scrape
-                worker = os.path.basename(path)[len("metrics-"):-len(".json")]
+                worker = snapshot_worker(path)
                 if not os.path.exists(ready_path(st["run_dir"], worker)):
                     state = {k: v for k, v in state.items() if m.definitions.get(k, {}).get("type") != "gauge"}
                 states.append(state)
@@ -459,16 +459,12 @@ def _model_event(app: web.Application, kind: str, info: dict) -> None:
         m.inc("mariana_serve_bad_creatives_total", info["bad"])
 
 
-def _snapshot_path(run_dir: str, worker: int | str) -> str:
-    return os.path.join(run_dir, f"metrics-{worker}.json")
-
-
 def _carry_over(app: web.Application) -> None:
     """A worker started again by the server's supervisor goes on from its predecessor's
     last snapshot: the server's counters would otherwise go down (/metrics sums the workers)."""
     st = app[SETTINGS]
     try:
-        with open(_snapshot_path(st["run_dir"], st["worker"])) as f:
+        with open(snapshot_path(st["run_dir"], st["worker"])) as f:
             state = json.load(f)
     except FileNotFoundError:
         return  # the first start of this worker
@@ -485,7 +481,7 @@ def _write_snapshot(app: web.Application) -> str:
     A write that fails (a full TMPDIR, the run dir removed) is counted, and said once until
     one works again: meanwhile /metrics sums this worker's last snapshot, stale."""
     st = app[SETTINGS]
-    path = _snapshot_path(st["run_dir"], st["worker"])
+    path = snapshot_path(st["run_dir"], st["worker"])
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "w") as f:

@@ -128,6 +128,27 @@ def ready_path(run_dir: str, index: int | str) -> str:
     return os.path.join(run_dir, f"worker-{index}.ready")
 
 
+def snapshot_path(run_dir: str, index: int | str) -> str:
+    """<run>/metrics-<index>.json: worker `index`'s metrics, which every worker's /metrics adds up."""
+    return os.path.join(run_dir, f"metrics-{index}.json")
+
+
+def snapshot_worker(path: str) -> str:
+    """The worker index a snapshot_path names.
+
+    >>> snapshot_worker(snapshot_path("/run/x", 3))
+    '3'
+    """
+    return os.path.basename(path)[len("metrics-"):-len(".json")]
+
+
+def worker_files(run_dir: str) -> list[str]:
+    """Every worker's ready and snapshot files in the run dir (none once no worker is left)."""
+    import glob
+
+    return glob.glob(ready_path(run_dir, "*")) + glob.glob(snapshot_path(run_dir, "*"))
+
+
 def check_retrain_files(cfg: "ServeConfig") -> None:
     """ConfigError unless the config files the [retrain] section names exist and load (valid
     TOML, known keys, values of the right types): checked when a server starts, not when its

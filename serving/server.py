@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from mariana.serving.config import ServeConfig, ready_path
+from mariana.serving.config import ServeConfig, ready_path, snapshot_path, worker_files
 from mariana.services.runtime import sdnotify
 from mariana.services.runtime.accept_loop import MendedLoop
 from mariana.services.runtime.config import to_toml
@@ -94,16 +94,10 @@ def _follow_supervisor() -> int | None:
 def _leave_orphaned(run_dir: str, index: int) -> None:
     """The files of a worker whose supervisor died (nobody else removes them): its own, and the
     run dir once no other worker's are left in it."""
-    from mariana.serving.app import _snapshot_path
-
-    for path in (ready_path(run_dir, index), _snapshot_path(run_dir, index)):
+    for path in (ready_path(run_dir, index), snapshot_path(run_dir, index)):
         with contextlib.suppress(OSError):
             os.remove(path)
-    try:
-        others = [n for n in os.listdir(run_dir) if n.endswith(".ready") or n.startswith("metrics-")]
-    except OSError:
-        others = None  # gone already
-    if others == []:
+    if os.path.isdir(run_dir) and not worker_files(run_dir):  # (gone already: nothing to do)
         shutil.rmtree(run_dir, ignore_errors=True)
     log.info("serve-%d: stopped: its supervisor is gone", index)
 

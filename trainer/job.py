@@ -288,6 +288,8 @@ def result_record(kind: str, trained: TrainSummary, tested: tuple[dict, dict | N
     }
     if trained.valid:
         record["valid"] = trained.valid
+    if trained.bad_rows:  # the first malformed rows, as the manifest's train.parse names them
+        record["first_bad"] = list((trained.run.get("parse") or {}).get("first_bad") or [])[:3]
     if images:
         record["images"] = images
     return record

@@ -95,17 +95,12 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
 
 def _say_bad_rows(record: dict) -> None:
     """What local mode warns of, said here too: the malformed training rows the job skipped,
-    the first ones named (from the version's manifest, where the coordinator recorded them)."""
+    the first ones named (the record carries them)."""
     if not record.get("bad_rows"):
         return
     from mariana.sparse.parse import describe_bad
-    from mariana.trainer.checkpoint import read_manifest
 
-    try:
-        parse = read_manifest(record["model_dir"], record["model_version"])["train"].get("parse") or {}
-    except (OSError, MarianaError, KeyError, TypeError):  # a version removed meanwhile: the count alone
-        parse = {}
-    first = describe_bad(parse.get("first_bad") or [], 3)
+    first = describe_bad(record.get("first_bad") or [], 3)
     log.warning("skipped %d malformed training rows per pass%s", record["bad_rows"], f" (first: {first})" if first
                 else "")
 

@@ -155,6 +155,7 @@ def test_cluster_jobs_read_the_submitters_files_and_never_publish_an_empty_model
     assert manifest["train"]["data"] == [str(work / "small.tsv")]  # absolute, the submitter's
     assert record["bad_rows"] == 2 and "skipped 2 malformed training rows per pass (first: small.tsv:3001: " \
         in good.stderr, good.stderr
+    assert [b["line"] for b in record["first_bad"]] == [3001, 3002], record  # what the warning named
     parse = manifest["train"]["parse"]
     assert (parse["rows_ok"], parse["rows_bad"], parse["clicks"]) == (3_000, 2, sum(r[0] == "1" for r in rows))
     assert [(b["file"], b["line"]) for b in parse["first_bad"]] == [(str(work / "small.tsv"), 3001),

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from mariana.services import webui
 from mariana.services.coord_openapi import document
-from mariana.services.coord_state import REDIS_STATS_SECONDS, JobRun, bad_request
+from mariana.services.coord_state import ENDED, REDIS_STATS_SECONDS, JobRun, bad_request
 from mariana.services.jobstore import JobStoreError
 from mariana.services.runtime.auth import bearer_ok
 from mariana.services.runtime.exporter import render_service
@@ -83,13 +83,19 @@ class CoordinatorAPI:
 
     async def http_status(self, request: web.Request) -> web.Response:
         """?jobs=N: the newest N jobs, with every queued or running one and ?job=ID's (the web
-        UI's poll, every second: thousands of ended jobs need not travel each time)."""
+        UI's poll, every second: thousands of ended jobs need not travel each time).
+        ?brief=1: the records of ended jobs but the newest and ?job=ID's hold only their single
+        values (no reliability table, no per-epoch lists): what a list of jobs shows."""
         most = count_param(request, "jobs")
-        jobs = None
-        if most is not None:
-            runs = self.newest_first()
-            keep = {r.id for r in runs[:most]} | {request.query.get("job")}
-            jobs = [r.summary() for r in runs if r.id in keep or r.state in ("queued", "running")]
+        brief = request.query.get("brief", "0")
+        if brief not in ("0", "1"):
+            return bad_request(f"brief must be 0 or 1, got {brief!r}")
+        runs = self.newest_first()
+        keep = {r.id for r in runs[:most]} if most is not None else {r.id for r in runs}
+        named = request.query.get("job")
+        whole = {named, runs[0].id if runs else None}
+        jobs = [brief_summary(r.summary()) if brief == "1" and r.id not in whole and r.state in ENDED
+                else r.summary() for r in runs if r.id in keep or r.id == named or r.state in ("queued", "running")]
         return respond({**self.status_dict(jobs), "redis": await self.redis_stats()})
 
     async def redis_stats(self) -> dict:
@@ -259,3 +265,16 @@ async def store_errors(request: web.Request, handler):
     except JobStoreError as e:
         log.error("%s %s: %s", request.method, request.path, e)
         return respond({"error": f"the coordinator cannot save its state: {e}"}, status=503)
+
+
+def brief_summary(summary: dict) -> dict:
+    """A job summary whose record keeps only single values (what a list of jobs shows).
+
+    >>> brief_summary({"id": "j1", "record": {"auc": 0.78, "model_version": "v000002", "reliability": [{}],
+    ...                                       "epoch_seconds": [1.5], "valid": {"best_epoch": 1}}})
+    {'id': 'j1', 'record': {'auc': 0.78, 'model_version': 'v000002'}, 'brief': True}
+    """
+    if "record" not in summary:
+        return summary
+    record = {k: v for k, v in summary["record"].items() if not isinstance(v, (list, dict))}
+    return {**summary, "record": record, "brief": True}

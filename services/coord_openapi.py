@@ -79,7 +79,12 @@ OPENAPI = {
                                                              "one (default: every job)."),
                                               {"name": "job", "in": "query", "required": False,
                                                "schema": {"type": "string"},
-                                               "description": "With jobs=N: this job too, however old."}],
+                                               "description": "With jobs=N: this job too, however old."},
+                                              {"name": "brief", "in": "query", "required": False,
+                                               "schema": {"type": "string", "enum": ["0", "1"]},
+                                               "description": "1: ended jobs' records (but the newest job's and "
+                                                              "job's) keep only their single values, and such a "
+                                                              "summary has brief: true."}],
                                "responses": {"200": _json({"type": "object", "required": ["services", "jobs"],
                                                            "properties": {"services": {"type": "object"},
                                                                           "jobs": {"type": "array",

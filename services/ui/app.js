@@ -180,8 +180,9 @@
   async function refresh() {
     try {
       const pinned = state.pinned !== null ? `&job=${encodeURIComponent(state.pinned)}` : "";
-      // its jobs are /v1/jobs's (the newest, the running and the pinned one): one request, not two
-      const status = await getJSON(`/v1/status?jobs=${JOBS_SHOWN}${pinned}`);
+      // its jobs are /v1/jobs's (the newest, the running and the pinned one): one request, not two;
+      // brief: the other ended jobs' records without their tables (what the list shows of them)
+      const status = await getJSON(`/v1/status?jobs=${JOBS_SHOWN}&brief=1${pinned}`);
       if (status.missing) throw new Error("/v1/status: 404");
       state.status = isObj(status.data) ? status.data : {};
       const list = state.status.jobs;
@@ -514,7 +515,7 @@
     state.pinned = id;
     history.replaceState(null, "", `#job=${encodeURIComponent(id)}`);
     render();
-    refreshHistory(selectedJob()).then(render, () => {});
+    refresh().catch(() => {});  // its whole record now: the poll sends other ended jobs' brief
   }
 
   function unpin() {
@@ -671,6 +672,7 @@
     if (["queued", "running"].includes(job.state)) return {why: "measured on the test rows once the job is done"};
     if (!test) return {why: job.state === "done" ? "no record" : "the job did not finish"};
     if (test.none) return {why: "no test data"};
+    if (job.brief) return {why: "loading the job's record"};
     const rec = job.record;
     const table = Array.isArray(rec.reliability)
       ? rec.reliability.filter((b) => isObj(b) && isNum(b.mean_pctr) && isNum(b.ctr)) : [];

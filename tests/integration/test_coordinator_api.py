@@ -61,6 +61,15 @@ def test_a_diverged_job_pages_of_jobs_and_bad_out_dirs(tmp_path):
         assert [j["id"] for j in status["jobs"]] == [diverged] and status["jobs_total"] == 2
         code, status = c.request("GET", f"/v1/status?jobs=0&job={ok}")
         assert [j["id"] for j in status["jobs"]] == [ok]
+        # brief (the web UI's poll): an ended job's record without its lists, unless it is named
+        code, status = c.request("GET", "/v1/status?jobs=5&brief=1")
+        brief = {j["id"]: j for j in status["jobs"]}[ok]
+        assert brief["brief"] is True and brief["record"]["model_version"] == "v000001", brief
+        assert "rows_per_epoch" not in brief["record"] and "rows_per_epoch" in c.job(ok)["record"], brief
+        code, status = c.request("GET", f"/v1/status?jobs=5&brief=1&job={ok}")
+        assert {j["id"]: j for j in status["jobs"]}[ok]["record"] == c.job(ok)["record"]
+        code, reply = c.request("GET", "/v1/status?brief=yes")
+        assert code == 400 and "brief must be 0 or 1" in reply["error"], reply
         for query in ("/v1/jobs?limit=-1", "/v1/jobs?offset=abc", "/v1/status?jobs=1e3", "/v1/jobs?limit=%C2%B2"):
             code, reply = c.request("GET", query)
             assert code == 400 and "whole number" in reply["error"], (query, code, reply)

@@ -23,6 +23,7 @@ import pytest
 from aiohttp import web
 
 from mariana.services import webui
+from mariana.services.coord_api import brief_summary
 from mariana.sparse.synth import generate_criteo
 from tests.conftest import ROOT
 from tests.debian import debian_tool
@@ -403,12 +404,18 @@ class CannedAPI:
         self.versions = [canned_version(3, DONE_ID, 0.04, 0.8201), canned_version(2, NO_TEST_ID, 0.1, None),
                          canned_version(1, "j20250301-235959-c0ffee", 11, 0.8017)]
 
-    def status(self) -> dict:
+    def status(self, query: str = "") -> dict:
+        """With brief=1, ended jobs' records but the newest's and the named job's cut short, as
+        the coordinator's are."""
         services = {f"{role}-{i}": {"role": role, "index": i, "pid": 100 + i, "alive": True,
                                         "last_seen": time.time()}
                     for role in ("worker", "ps") for i in range(2)}
         more = {} if self.total is None else {"jobs_total": self.total}
-        return {"services": services, "counters": {}, "jobs": list(self.jobs.values()), **more}
+        asked = urllib.parse.parse_qs(query)
+        whole = {*asked.get("job", []), max(self.jobs.values(), key=lambda j: j["submitted"])["id"]}
+        jobs = [brief_summary(j) if asked.get("brief") == ["1"] and j["id"] not in whole and j["state"] == "done"
+                else j for j in self.jobs.values()]
+        return {"services": services, "counters": {}, "jobs": jobs, **more}
 
     def models(self) -> dict:
         # a decisions.jsonl line as serving/retrain.py writes it (the page read other keys, so showed none)
@@ -425,7 +432,7 @@ class CannedAPI:
         body = None
         if path == "status":
             self.asked.append(urllib.parse.urlsplit(route.request.url).query)
-            body = self.status()
+            body = self.status(self.asked[-1])
         elif path == "models":
             body = self.models()
         elif path.startswith("jobs/") and path.endswith("/history") and path[5:-8] in self.jobs:
@@ -474,7 +481,7 @@ def test_browser_survives_a_malformed_address_and_says_how_many_jobs_it_lists(ca
     page = open_page(job=DONE_ID, api=api)
     expect(page.locator("[data-testid=jobs-more]")).to_contain_text("The newest 3 of 2,014 jobs")
     expect(page.locator("[data-testid=stat-jobs]")).to_have_text("2,014")
-    assert api.asked and api.asked[0] == f"jobs=200&job={DONE_ID}", api.asked
+    assert api.asked and api.asked[0] == f"jobs=200&brief=1&job={DONE_ID}", api.asked
 
 
 @pytest.mark.slow
@@ -574,6 +581,10 @@ def test_browser_shows_the_calibration_of_a_finished_job(canned_page, artifacts)
     expect(record.locator("[data-testid=reliability-table]")).to_have_count(0)
     page.locator(f'[data-testid=job-row][data-job="{FINISHING_ID}"]').click()
     expect(chart).to_contain_text("once the job is done")
+    # the poll now sends DONE_ID's record brief (no reliability table): picked again, it is fetched whole
+    page.wait_for_timeout(1500)
+    page.locator(f'[data-testid=job-row][data-job="{DONE_ID}"]').click()
+    expect(chart).to_have_attribute("data-points", "10")
 
 
 @pytest.mark.slow

@@ -163,7 +163,8 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         _finish(cfg, status, decision)
         if isinstance(e, MarianaError):
             raise RetrainFailed(f"retrain {model_dir}: {new} was trained but could not be gated: {e}; recorded as "
-                                f"failed in {DECISIONS}, CURRENT still names {served or 'nothing'}", decision) from None
+                                f"failed in {DECISIONS}; CURRENT names {_current_or_unknown(model_dir)}",
+                                decision) from None
         raise
     return _finish(cfg, status, decision)
 
@@ -274,10 +275,18 @@ def _judge(model_dir: str, new: str, served: str | None, evals: list[str], r) ->
     CURRENT on a promotion: the decision's verdict, reason, metrics and bad row count."""
     from mariana.trainer.strategies.local import evaluate
 
-    scores, parsed = {}, None
-    for name, version in (("new", new), ("served", served)):
-        if version:
-            scores[name], parsed = evaluate(ModelBundle.load(model_dir, version), evals)
+    scores = {}
+    scores["new"], parsed = evaluate(ModelBundle.load(model_dir, new), evals)
+    if served:
+        try:
+            scores["served"], parsed = evaluate(ModelBundle.load(model_dir, served), evals)
+        except ModelDirError:
+            now = _served_version(model_dir)
+            if now == served:
+                raise
+            # another train, promote or rollback moved CURRENT, and a prune then removed `served`
+            return {"verdict": "refused", "reason": _moved(served, now, new), "metrics": {"new": _round(scores["new"])},
+                    "eval_bad_rows": parsed["rows_bad"]}
     if parsed["rows_bad"]:
         log.warning("retrain %s: skipped %d malformed rows of the eval window (first: %s)", model_dir,
                     parsed["rows_bad"], describe_bad(parsed["first_bad"], 3))
@@ -286,10 +295,14 @@ def _judge(model_dir: str, new: str, served: str | None, evals: list[str], r) ->
         try:  # only over the version it was gated against: a promotion or rollback meanwhile stands
             checkpoint.set_current(model_dir, new, reason="retrain", expect=served)
         except checkpoint.CurrentMoved as e:
-            verdict, reason = "refused", (f"{reason}; but CURRENT moved from {served or 'nothing'} to {e.found} "
-                                          f"during the retrain, and {new} was not gated against {e.found}")
+            verdict, reason = "refused", f"{reason}; but {_moved(served, e.found, new)}"
     return {"verdict": verdict, "reason": reason, "metrics": {k: _round(v) for k, v in scores.items()},
             "eval_bad_rows": parsed["rows_bad"]}
+
+
+def _moved(served: str | None, found: str | None, new: str) -> str:
+    return (f"CURRENT moved from {served or 'nothing'} to {found or 'nothing'} during the retrain, and {new} was not "
+            f"gated against {found or 'nothing'}")
 
 
 def check_served_loads(model_dir: str, served: str) -> None:
@@ -513,6 +526,14 @@ def _served_version(model_dir: str) -> str | None:
         if os.path.isdir(model_dir) and not (Path(model_dir) / "CURRENT").exists():
             return None
         raise
+
+
+def _current_or_unknown(model_dir: str) -> str:
+    """What CURRENT names now, for a message."""
+    try:
+        return _served_version(model_dir) or "nothing"
+    except MarianaError as e:
+        return f"(unreadable: {e})"
 
 
 def _round(metrics: dict) -> dict:

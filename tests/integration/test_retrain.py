@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mariana.sparse.synth import generate_criteo
@@ -340,3 +341,35 @@ def test_a_promotion_whose_decision_cannot_be_written_stands_and_says_so(days, t
     assert (model_dir / "CURRENT").read_text().strip() == "v000002"
     assert "promoted v000002, but decisions.jsonl could not record it (Is a directory); CURRENT names v000002" \
         in proc.stderr, proc.stderr
+
+
+def test_a_served_version_promoted_away_and_pruned_during_the_retrain_is_a_refusal(days, tmp_path):
+    """As above, and a prune then removes the version the retrain began with: the verdict is
+    still refused because CURRENT moved (it was "failed", saying that CURRENT still named the
+    removed version)."""
+    from mariana.trainer import checkpoint
+
+    model_dir = served_model(tmp_path, days)
+    run_cli("-q", "train", "--data", days["day1"], "--model", "lr", "--out", model_dir, check=True)  # v000002
+    run_cli("model", "rollback", "--model-dir", model_dir, check=True)  # v000001 is served again
+    cfg = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"]), str(days["day3"])],
+                         eval_data=[str(days["day4"])])
+    status = tmp_path / "status.json"
+    proc = subprocess.Popen([sys.executable, "-m", "mariana", "retrain", "--config", str(cfg), "--json",
+                             "--status-file", str(status)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not (status.exists() and json.loads(status.read_text() or "{}").get("state") in ("training", "failed")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    # while it trains: a promotion, another publish (a version only named here, never loaded), a prune
+    checkpoint.set_current(model_dir, "v000002", reason="promoted")
+    newer = checkpoint.save_version(model_dir, {}, {"w": np.zeros(1, np.float32)}, reason="trained")
+    assert "v000001" in [x["name"] for x in checkpoint.prune(model_dir, keep=1)["removed"]]
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    decision = json.loads(out)
+    assert decision["verdict"] == "refused" and decision["served_version"] == "v000001", decision
+    assert f"CURRENT moved from v000001 to {newer} during the retrain" in decision["reason"], decision
+    assert (model_dir / "CURRENT").read_text().strip() == newer
+    assert decisions(model_dir)[-1]["verdict"] == "refused"

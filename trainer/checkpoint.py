@@ -159,32 +159,39 @@ def set_current(model_dir: str | os.PathLike, version: str, reason: str | None =
         raise ModelDirError(f"{model_dir}: {version!r} is not a version name (v000001, ...: see 'mariana model list')")
     require_version(d, version)
     with _locked(d):
-        if not (d / version).is_dir():  # again, under the lock: a prune may have removed it since
-            raise ModelDirError(f"{model_dir}: no version {version!r} (removed meanwhile); CURRENT was left as it is")
-        try:
-            before = current_version(d)
-        except ModelDirError:
-            before = None
-        if expect is not _ANY and before != expect:
-            raise CurrentMoved(f"{model_dir}: CURRENT names {before or 'no version'}, not {expect or 'no version'} "
-                               "(another promotion moved it); it was left as it is", before)
-        tmp = d / f".CURRENT.{os.getpid()}"
-        try:
-            tmp.write_text(version + "\n")
-            fsync_file(tmp)
-            os.replace(tmp, d / "CURRENT")
-        except OSError as e:
-            with contextlib.suppress(OSError):  # a read-only filesystem refuses this too: the first error says why
-                tmp.unlink(missing_ok=True)
-            raise ModelDirError(f"{model_dir}: cannot move CURRENT to {version}: {_why(e, d)}; CURRENT still names "
-                                f"{before or 'no version'}") from None
-        # CURRENT has moved: from here on nothing undoes it, and what fails is a warning
-        _sync_after_rename(d, f"CURRENT moved {before} -> {version}")
-        if reason is not None and before != version:
-            missing = _unrecorded_move(promotions(d), before)
-            if missing is not None:  # killed before its line, a line a full disk refused, CURRENT edited by hand
-                _record_move(d, *missing)
-            _record_move(d, before, version, reason)
+        return _move_current(d, version, reason, expect, model_dir)
+
+
+def _move_current(d: Path, version: str, reason: str | None, expect: str | None | object = _ANY,
+                  model_dir: str | os.PathLike | None = None) -> str | None:
+    """set_current's move, the caller holding the dir's lock (`model_dir`: as the caller named it)."""
+    model_dir = d if model_dir is None else model_dir
+    if not (d / version).is_dir():  # again, under the lock: a prune may have removed it since
+        raise ModelDirError(f"{model_dir}: no version {version!r} (removed meanwhile); CURRENT was left as it is")
+    try:
+        before = current_version(d)
+    except ModelDirError:
+        before = None
+    if expect is not _ANY and before != expect:
+        raise CurrentMoved(f"{model_dir}: CURRENT names {before or 'no version'}, not {expect or 'no version'} "
+                           "(another promotion moved it); it was left as it is", before)
+    tmp = d / f".CURRENT.{os.getpid()}"
+    try:
+        tmp.write_text(version + "\n")
+        fsync_file(tmp)
+        os.replace(tmp, d / "CURRENT")
+    except OSError as e:
+        with contextlib.suppress(OSError):  # a read-only filesystem refuses this too: the first error says why
+            tmp.unlink(missing_ok=True)
+        raise ModelDirError(f"{model_dir}: cannot move CURRENT to {version}: {_why(e, d)}; CURRENT still names "
+                            f"{before or 'no version'}") from None
+    # CURRENT has moved: from here on nothing undoes it, and what fails is a warning
+    _sync_after_rename(d, f"CURRENT moved {before} -> {version}")
+    if reason is not None and before != version:
+        missing = _unrecorded_move(promotions(d), before)
+        if missing is not None:  # killed before its line, a line a full disk refused, CURRENT edited by hand
+            _record_move(d, *missing)
+        _record_move(d, before, version, reason)
     return before
 
 
@@ -550,6 +557,9 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
         raise ModelDirError(f"{model_dir}: nothing was published: the trained weights hold {finite.describe(bad)} "
                             f"(training diverged: lower the learning rate){current_note(d, 'still ')}")
     tmp = held = None
+    # the name, its publish and CURRENT's move are one step under the dir's lock: when writers race,
+    # CURRENT moves in the order of their names, so the newest published is CURRENT at the end
+    lock = contextlib.ExitStack()
     try:
         d.mkdir(parents=True, exist_ok=True)
         sweep_debris(d)
@@ -560,38 +570,50 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp / WEIGHTS))
         if optimizer:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIMIZER))
+        lock.enter_context(_locked(d))
         version = ""
-        while True:  # each turn a higher name: one taken meanwhile (a file, another writer) is passed over
+        while True:  # each turn a higher name: one taken meanwhile (a file, a writer elsewhere) is passed over
             version = _new_name(d, after=version)
             body = dict(manifest, format=FORMAT, version=version)
             (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
             if publish_dir(tmp, d / version):  # False: another writer took the name
                 break
-        _record_highest(d, version)
+        _record_highest(d, version, locked=True)
     except (OSError, SafetensorError) as e:
+        lock.close()
         raise ModelDirError(f"{model_dir}: cannot write a new version: {_why(e, d)}; nothing was published"
                             f"{current_note(d, 'still ')}") from None
+    except BaseException:
+        lock.close()
+        raise
     finally:
         if held is not None:
             os.close(held)  # the lock goes with it
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    if make_current:
-        try:
-            set_current(d, version, reason)
-        except (OSError, ModelDirError) as e:  # CURRENT did not move (set_current says why)
-            why = _why(e, d) if isinstance(e, OSError) else str(e).removeprefix(f"{d}: ")
-            try:
-                moved = current_version(d) == version
-            except ModelDirError:
-                moved = False
-            if moved:  # never undo a version CURRENT names
-                raise ModelDirError(f"{model_dir}: wrote {version}, and CURRENT names it, but {why}") from None
-            shutil.rmtree(d / version, ignore_errors=True)  # never left behind as a newest version nobody chose
-            left = (f"{version} could not be removed: it is there, not current (promote it or remove it)"
-                    if (d / version).exists() else f"{version} was removed")
-            raise ModelDirError(f"{model_dir}: wrote {version} but {why}; {left}") from None
+    with lock:
+        if make_current:
+            _make_current(d, version, reason, model_dir)
     return version
+
+
+def _make_current(d: Path, version: str, reason: str | None, model_dir: str | os.PathLike) -> None:
+    """save_version's move of CURRENT to the version it published, under the dir's lock; a
+    move that fails takes the version away again (or says it could not)."""
+    try:
+        _move_current(d, version, reason)
+    except (OSError, ModelDirError) as e:  # CURRENT did not move (set_current says why)
+        why = _why(e, d) if isinstance(e, OSError) else str(e).removeprefix(f"{d}: ")
+        try:
+            moved = current_version(d) == version
+        except ModelDirError:
+            moved = False
+        if moved:  # never undo a version CURRENT names
+            raise ModelDirError(f"{model_dir}: wrote {version}, and CURRENT names it, but {why}") from None
+        shutil.rmtree(d / version, ignore_errors=True)  # never left behind as a newest version nobody chose
+        left = (f"{version} could not be removed: it is there, not current (promote it or remove it)"
+                if (d / version).exists() else f"{version} was removed")
+        raise ModelDirError(f"{model_dir}: wrote {version} but {why}; {left}") from None
 
 
 def _new_name(d: Path, after: str = "") -> str:
@@ -603,13 +625,13 @@ def _new_name(d: Path, after: str = "") -> str:
     return f"v{max([_highest_given(d), int(after[1:] or 0), *taken]) + 1:06d}"
 
 
-def _record_highest(d: Path, version: str) -> None:
+def _record_highest(d: Path, version: str, locked: bool = False) -> None:
     """HIGHEST_VERSION raised to the version just published (never lowered: writers finish
     in any order, and take turns under the dir's lock). Unwritable, it is a warning: the
     version stands, and the name stays taken as long as the version is there."""
     tmp = d / f".{HIGHEST}.{os.getpid()}"
     try:
-        with _locked(d):
+        with contextlib.nullcontext() if locked else _locked(d):
             if int(version[1:]) > _highest_given(d):
                 tmp.write_text(version + "\n")
                 fsync_file(tmp)

@@ -220,6 +220,27 @@ def test_a_deleted_version_does_not_hand_its_name_to_the_next(tmp_path):
 
 
 @pytest.mark.timeout(20)
+def _publish_versions(model_dir: str, count: int) -> list[str]:
+    return [checkpoint.save_version(model_dir, {}, {"w": np.zeros(1, np.float32)}, reason="trained")
+            for _ in range(count)]
+
+
+def test_writers_that_race_move_current_in_the_order_of_their_versions(tmp_path):
+    """Trains publishing into one dir at once (an exploratory run: 8 at a time, 3 of 21 runs
+    moved CURRENT back to an older version, and 1 ended with CURRENT not the newest): a
+    version's name and CURRENT's move to it are one step, so every promotion goes forward."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    for run in range(3):
+        d = tmp_path / f"m{run}"
+        with ProcessPoolExecutor(6, mp_context=get_context("forkserver")) as pool:
+            names = sorted(n for part in pool.map(_publish_versions, [str(d)] * 6, [4] * 6) for n in part)
+        moves = [m["to"] for m in checkpoint.promotions(d)]
+        assert moves == names, moves  # forward only, each version once
+        assert checkpoint.current_version(d) == names[-1] == (d / "HIGHEST_VERSION").read_text().strip()
+
+
 def test_a_file_or_link_named_like_the_next_version_is_passed_over(tmp_path):
     """A plain file named v000002 beside v000001 made `train` spin forever: the name came
     from the directories alone, and the rename onto the file failed, the same name each turn."""

@@ -124,7 +124,7 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     if warm:
         log.info("retrain %s: warm start from the served version %s (%s mode)", model_dir, served, r.mode)
     if r.mode == "cluster":
-        from mariana.services.runtime.cluster_job import Unreachable, run_cluster_job
+        from mariana.services.runtime.cluster_job import JobFailed, Unreachable, run_cluster_job
         from mariana.services.runtime.config import load_cluster_config
 
         def submitted(job: str, info: dict) -> None:  # a killed retrain's server cancels the job (`_abandoned`)
@@ -141,12 +141,14 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
                 what = f"its job {job} ended with the temporary cluster it started, stopped now"
             else:  # the job goes on without this retrain: what it writes is never gated
                 what = f"the version its job {job} writes, if it does, is not gated and not served"
-            lost = _finish(cfg, status, {"time": None, "verdict": "failed", "new_version": None,
-                                         "served_version": served, "job": job, "train_data": train,
-                                         "eval_data": evals, "reason": f"the retrain lost its cluster ({e}); {what}"})
-            raise RetrainFailed(str(e), lost) from None
+            raise _failed(cfg, status, f"the retrain lost its cluster ({e}); {what}", str(e)) from None
+        except JobFailed as e:  # cancelled by another client, failed on the cluster
+            raise _failed(cfg, status, f"its training job ended without a version: {e}", str(e)) from None
     else:
-        record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
+        try:
+            record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
+        except MarianaError as e:  # the data, the disk, a diverged run: nothing was published
+            raise _failed(cfg, status, f"training failed: {e}", f"retrain {model_dir}: {e}") from None
     new = record["model_version"]
     status.update(state="evaluating", new_version=new)
     decision = {
@@ -167,6 +169,17 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
                                 decision) from None
         raise
     return _finish(cfg, status, decision)
+
+
+def _failed(cfg: ServeConfig, status: "_Status", reason: str, message: str) -> RetrainFailed:
+    """A retrain whose training ended without a candidate: its "failed" decision recorded,
+    and the error to raise."""
+    d = status.data
+    decision = _finish(cfg, status, {"time": None, "verdict": "failed", "new_version": None,
+                                     "served_version": d.get("served_version"), "job": d.get("job"),
+                                     "train_data": d.get("train_data"), "eval_data": d.get("eval_data"),
+                                     "reason": reason})
+    return RetrainFailed(message, decision)
 
 
 def _finish(cfg: ServeConfig, status: "_Status", decision: dict) -> dict:

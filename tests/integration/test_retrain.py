@@ -252,8 +252,9 @@ def test_retrain_refuses_a_model_dir_serving_a_speech_version(days, tmp_path):
 
 
 def test_retrain_publishes_nothing_from_an_empty_or_diverged_training(days, tmp_path):
-    """A window with no valid rows, or a recipe that diverges, leaves no candidate version,
-    no decision and CURRENT where it was: nothing to gate, nothing to serve."""
+    """A window with no valid rows, or a recipe that diverges, leaves no candidate version and
+    CURRENT where it was, and a "failed" decision saying why; a window refused before any
+    training leaves no decision."""
     model_dir = served_model(tmp_path, days)
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
@@ -275,7 +276,9 @@ def test_retrain_publishes_nothing_from_an_empty_or_diverged_training(days, tmp_
         assert proc.returncode == 2 and says in proc.stderr and "training" not in proc.stderr, proc.stderr
     assert sorted(p.name for p in model_dir.glob("v*")) == ["v000001"]
     assert (model_dir / "CURRENT").read_text().strip() == "v000001"
-    assert not (model_dir / "decisions.jsonl").exists()
+    failed = decisions(model_dir)
+    assert [(d["verdict"], d["new_version"]) for d in failed] == [("failed", None)] * 2, failed
+    assert "no valid training rows" in failed[0]["reason"] and "training diverged" in failed[1]["reason"], failed
 
 
 def test_retrain_over_http_behind_a_token(days, tmp_path):

@@ -241,6 +241,45 @@ def test_a_killed_cluster_retrain_cancels_its_job_and_says_so(logs, tmp_path):
     assert sorted(p.name for p in model_dir.glob("v0*")) == ["v000001"]  # nothing written after all
 
 
+@pytest.mark.timeout(240)
+def test_a_retrain_whose_job_another_client_cancels_is_recorded_as_failed(logs, tmp_path):
+    """The retrain's cluster job cancelled by someone else (the web UI, `mariana cancel`):
+    the retrain ended "failed" in its status, but decisions.jsonl (and so the UI's list of
+    decisions) had no line for it (an exploratory run of concurrent use)."""
+    from tests.integration.cluster import Cluster
+
+    model_dir = served(tmp_path, logs)
+    with Cluster(tmp_path / "c") as c:
+        retrain = windows(logs, mode="cluster", cluster_config=str(c.info["config"]), job_config=str(logs["job"]))
+        with Server(tmp_path / "s", model_dir, serve={"token": TOKEN}, retrain=retrain) as s:
+            status, started = s.post("/v1/retrain", b"", headers=AUTH)
+            assert status == 202, started
+            state = wait_job(s, started["id"])
+            code, _ = c.request("POST", f"/v1/jobs/{state['job']}/cancel")
+            assert code == 200
+            ended = wait_state(s, started["id"], ("failed", "done"))
+    assert ended["state"] == "failed", ended
+    last = decisions(model_dir)[-1]
+    assert (last["verdict"], last["job"], last["served_version"]) == ("failed", state["job"], "v000001"), last
+    assert last["reason"].startswith("its training job ended without a version: job ") \
+        and "cancelled by request" in last["reason"], last
+    assert (model_dir / "CURRENT").read_text().strip() == "v000001"
+
+
+def test_a_retrain_whose_training_fails_is_recorded_as_failed(logs, tmp_path):
+    """Local mode, a training window of non-clicks only (refused after training): recorded."""
+    model_dir = served(tmp_path, logs)
+    zeros = tmp_path / "zeros.tsv"
+    zeros.write_text("".join("0" + line[1:] for line in logs["small"].read_text().splitlines(keepends=True)))
+    proc = run_cli("retrain", "--config", retrain_config(tmp_path, model_dir, train_data=[str(zeros)],
+                                                         eval_data=[str(logs["eval"])]), "--json")
+    assert proc.returncode == 2 and "is a non-click" in proc.stderr, proc.stderr
+    last = decisions(model_dir)[-1]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == last, proc.stdout
+    assert (last["verdict"], last["new_version"], last["train_data"]) == ("failed", None, [str(zeros)]), last
+    assert last["reason"].startswith("training failed: ") and "non-click" in last["reason"], last
+
+
 def test_a_killed_retrain_on_a_temporary_cluster_stops_it_and_says_so(logs, tmp_path):
     """With no cluster up in its config's dir, a cluster retrain runs its job on a temporary one.
     Killed (kill -9), it left that cluster running for ever (its job too), and the server looked

@@ -572,12 +572,14 @@ def model_lock(model_dir: str):
 LOCK_FD_ENV = "MARIANA_RETRAIN_LOCK_FD"
 
 
-def write_pid(fd: int, pid: int) -> None:
-    """`pid` as the lock file's whole content. At offset 0 whatever the descriptor's offset:
-    an inherited descriptor shares its server's, past the pid the server wrote, and a plain
-    write there would leave NUL bytes before the digits (an unreadable pid: a 409 naming none)."""
+def write_pid(fd: int, pid: int, starting: bool = False) -> None:
+    """`pid` as the lock file's whole content ("<pid> starting": a server process about to
+    start the retrain, which a 409 must not name as the retrain). At offset 0 whatever the
+    descriptor's offset: an inherited descriptor shares its server's, past the pid the server
+    wrote, and a plain write there would leave NUL bytes before the digits (an unreadable pid:
+    a 409 naming none)."""
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{pid}\n".encode(), 0)
+    os.pwrite(fd, f"{pid}{' starting' if starting else ''}\n".encode(), 0)
 
 
 def take_lock(model_dir: str) -> int:
@@ -588,9 +590,10 @@ def take_lock(model_dir: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        pid = running_retrain(model_dir)
-        raise RetrainBusy(f"a retrain of {model_dir} is running already"
-                          + (f" (pid {pid})" if pid else " (starting)")) from None
+        pid, starting = _lock_holder(model_dir)
+        raise RetrainBusy(f"a retrain of {model_dir} is running already" + (
+            f" (pid {pid})" if pid and not starting else
+            f" (starting: the server process pid {pid} is starting it)" if pid else " (starting)")) from None
     return fd
 
 
@@ -609,16 +612,22 @@ def _inherited_lock(model_dir: str) -> int | None:
 
 
 def running_retrain(model_dir: str) -> int | None:
-    """The pid of the retrain holding the lock, found without taking it (taking it,
-    even for a moment, could make a retrain starting then fail)."""
+    """The pid of the retrain holding the lock (or of the server process starting it), found
+    without taking it (taking it, even for a moment, could make a retrain starting then fail)."""
+    return _lock_holder(model_dir)[0]
+
+
+def _lock_holder(model_dir: str) -> tuple[int | None, bool]:
+    """(running_retrain's pid, whether that is a server process starting the retrain)."""
     try:
-        pid = int(Path(model_dir, LOCK).read_text().strip() or 0)
+        pid, _, mark = Path(model_dir, LOCK).read_text().strip().partition(" ")
+        pid = int(pid or 0)
     except (OSError, ValueError):
-        return None
+        return None, False
     # running, not a zombie: a finished retrain started by one of the server's worker processes
     # stays a zombie until that worker reaps it, and taken for alive it would refuse every
     # retrain asked of the other workers (409)
-    return pid if pid and procs.running(pid) else None
+    return (pid, mark == "starting") if pid and procs.running(pid) else (None, False)
 
 
 class _Status:
@@ -687,7 +696,7 @@ class RetrainRunner:
 
     def _spawn(self, run: str, runs: str, lock: int) -> subprocess.Popen:
         """`mariana retrain` for `run`, holding `lock`, its config, status and log under `runs`."""
-        write_pid(lock, os.getpid())  # until the child's: the lock names a live holder, for status()
+        write_pid(lock, os.getpid(), starting=True)  # until the child's: the lock names a live holder
         os.makedirs(runs, exist_ok=True)
         config = os.path.join(runs, f"{run}.toml")
         self._write_config(config)

@@ -412,3 +412,21 @@ def test_a_finished_retrain_not_yet_reaped_does_not_hold_the_model_dir(tmp_path)
     child.wait()
     (tmp_path / LOCK).write_text(f"{os.getpid()}\n")
     assert running_retrain(str(tmp_path)) == os.getpid()
+
+
+def test_a_409_names_the_retrain_not_the_server_process_starting_it(tmp_path):
+    """While a server process starts a retrain, the lock holds its own pid: a 409 named that
+    pid as the retrain's (an exploratory run: 3 of 10 concurrent POSTs), and an operator who
+    killed it killed a server worker."""
+    from mariana.serving.retrain import RetrainBusy, take_lock, write_pid
+
+    fd = take_lock(str(tmp_path))
+    try:
+        write_pid(fd, os.getpid(), starting=True)
+        with pytest.raises(RetrainBusy, match=rf"\(starting: the server process pid {os.getpid()} is starting it\)"):
+            take_lock(str(tmp_path))
+        write_pid(fd, os.getpid())  # the retrain itself
+        with pytest.raises(RetrainBusy, match=rf"running already \(pid {os.getpid()}\)$"):
+            take_lock(str(tmp_path))
+    finally:
+        os.close(fd)

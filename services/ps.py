@@ -132,7 +132,13 @@ class ParamServer(Service):
         if parent is None:
             return shard
         where = f"{parent['model_dir']}/{parent['version']}"
-        _, weights, optim = checkpoint.load_version(parent["model_dir"], parent["version"], with_optimizer=True)
+        try:
+            _, weights, optim = checkpoint.load_version(parent["model_dir"], parent["version"], with_optimizer=True)
+        except ModelDirError as e:
+            if os.path.isdir(where):
+                raise
+            raise ModelDirError(f"{where}, the version this job warm-starts from, is no longer there: it was removed "
+                                f"after the job was submitted (a prune?); submit the job again ({e})") from None
         try:
             shard.warm_start(weights, optim)
         except KeyError as e:

@@ -5,6 +5,7 @@ warm start does. A version that does not fit the job is refused before anything 
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -96,4 +97,15 @@ def test_a_mismatched_or_missing_cluster_warm_start_is_refused_before_it_starts(
             code, reply = c.request("POST", "/v1/jobs", body)
             assert code == 400 and named in reply["error"], (init_from, code, reply)
         assert c.request("GET", "/v1/jobs")[1]["jobs"] == []
+        # queued behind another job, its parent removed meanwhile: failed, saying so (it was shard 0's raw
+        # "ModelDirError: .../v000001: no manifest.json")
+        first = c.submit([data["day1"]], tmp_path / "y", config=nested(SETTINGS))
+        queued = c.submit([data["day2"]], tmp_path / "x", config=nested(SETTINGS), init_from=f"{parent}:v000001")
+        shutil.copytree(parent / "v000001", tmp_path / "kept")
+        shutil.rmtree(parent / "v000001")
+        assert c.wait(first, 180)["state"] == "done"
+        ended = c.wait(queued, 180)
+        assert ended["state"] == "failed" and f"{parent}/v000001, the version this job warm-starts from, is no " \
+            "longer there: it was removed after the job was submitted" in ended["error"], ended["error"]
+        shutil.copytree(tmp_path / "kept", parent / "v000001")
     assert (parent / "CURRENT").read_text().strip() == "v000001" and not (tmp_path / "x").exists()

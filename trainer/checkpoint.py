@@ -372,11 +372,14 @@ def _rollback_walk(model_dir: str | os.PathLike, current: str) -> tuple[str | No
     return (older[-1] if older else None), []
 
 
-def _listed(names: list[str]) -> str:
+def _listed(names: list[str], most: int = 5) -> str:
+    """The first `most` names, and how many more (a dir pruned for months had 60 in one message).
+
+    >>> _listed(["v000003"]), _listed(["v000003", "v000001"]), _listed([f"v{i:06d}" for i in range(9, 0, -1)])
+    ('v000003', 'v000003 and v000001', 'v000009, v000008, v000007, v000006, v000005 and 4 more')
     """
-    >>> _listed(["v000003"]), _listed(["v000003", "v000001"])
-    ('v000003', 'v000003 and v000001')
-    """
+    if len(names) > most:
+        return ", ".join(names[:most]) + f" and {len(names) - most} more"
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
 
 

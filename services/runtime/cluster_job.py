@@ -151,7 +151,14 @@ def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iter
     cluster.cluster.dir = tempfile.mkdtemp(prefix="mariana-cluster-")
     log.info("no cluster is up: starting one (%d workers, %d ps, %d preprocess) in %s",
              cluster.worker.count, cluster.ps.count, cluster.preprocess.count, cluster.cluster.dir)
-    launcher.up(cluster, owner=os.getpid())
+    try:
+        launcher.up(cluster, owner=os.getpid())
+    except MarianaError as e:
+        if cluster.cluster.base_port and "in use" in str(e):  # two temporary clusters on the same fixed ports
+            raise MarianaError(f"{e} (cluster.base_port = {cluster.cluster.base_port} gives a temporary cluster "
+                               "fixed ports, so two jobs started at once without a cluster up collide: start one "
+                               "with `mariana up` for them to share, or leave base_port 0 for free ports)") from None
+        raise
     ok = False
     try:
         info = launcher.cluster_info(cluster.cluster.dir)

@@ -244,3 +244,22 @@ def test_down_leaves_a_reused_pid_alone(tmp_path):
         assert summary["not_running"] == ["coordinator-0"] and summary["stopped"] == []
         assert other.poll() is None  # still running
         other.kill()
+
+
+def test_a_temporary_cluster_on_fixed_ports_that_are_taken_says_why_and_what_to_do(tmp_path):
+    """Jobs started at once with `cluster.base_port` set and no cluster up each start a
+    temporary cluster on the same ports: all but the first failed on redis-server's bind
+    (an exploratory run), with nothing said of base_port."""
+    from mariana.sparse.synth import generate_criteo
+
+    generate_criteo(tmp_path / "d.tsv", 500, seed=1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        base = taken.getsockname()[1] - 2  # Redis's port, base + 2, is the one taken
+        config = tmp_path / "c.toml"
+        config.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\nbase_port = {base}\n')
+        proc = run_cli("train", "--mode", "cluster", "--cluster-config", config, "--data", tmp_path / "d.tsv",
+                       "--out", tmp_path / "m", env={"TMPDIR": str(tmp_path)})
+    assert proc.returncode == 2 and "in use" in proc.stderr, proc.stderr
+    assert f"(cluster.base_port = {base} gives a temporary cluster fixed ports" in proc.stderr, proc.stderr

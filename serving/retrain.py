@@ -97,7 +97,7 @@ def run_retrain(cfg: ServeConfig, status_file: str | None = None) -> dict:
 
 
 def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
-    from mariana.trainer.job import check_has_rows, run_local_job
+    from mariana.trainer.job import check_has_rows
 
     r = cfg.retrain
     train, evals = windows(cfg)
@@ -123,6 +123,43 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     warm = f"{model_dir}:{served}" if r.warm_start and served else None
     if warm:
         log.info("retrain %s: warm start from the served version %s (%s mode)", model_dir, served, r.mode)
+    try:
+        record = _train_candidate(cfg, status, config, train, warm)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (a systemd stop): said, as a killed one's server says it
+        why = str(e) or "Ctrl-C"
+        job = status.data.get("job")
+        _failed(cfg, status, f"the retrain was stopped while training ({why}); nothing was gated"
+                + (f" (its cluster job {job} was cancelled, unless it was writing its version)" if job else ""), why)
+        raise
+    new = record["model_version"]
+    status.update(state="evaluating", new_version=new)
+    decision = {
+        "time": None, "verdict": None, "reason": None, "new_version": new, "served_version": served,
+        "auc_tolerance": r.auc_tolerance, "gate": list(r.gate),
+        **({"logloss_tolerance": r.logloss_tolerance} if "logloss" in r.gate else {}),
+        "train_data": train, "eval_data": evals,
+        "train_rows": record["train_rows"], "train_seconds": record["train_seconds"], "warm_start": warm is not None,
+    }
+    try:
+        decision.update(_judge(model_dir, new, served, evals, r))
+    except (Exception, KeyboardInterrupt) as e:  # the candidate is saved: decisions.jsonl says why it stays
+        decision.update(verdict="failed", reason=f"the candidate could not be gated: {_why(e)}")
+        _finish(cfg, status, decision)
+        if isinstance(e, MarianaError):
+            raise RetrainFailed(f"retrain {model_dir}: {new} was trained but could not be gated: {e}; recorded as "
+                                f"failed in {DECISIONS}; CURRENT names {_current_or_unknown(model_dir)}",
+                                decision) from None
+        raise
+    return _finish(cfg, status, decision)
+
+
+def _train_candidate(cfg: ServeConfig, status: "_Status", config: JobConfig, train: list[str],
+                     warm: str | None) -> dict:
+    """The candidate's training, local or as a cluster job (never promoted): its record; a
+    training that ends without one raises RetrainFailed, its "failed" decision recorded."""
+    from mariana.trainer.job import run_local_job
+
+    model_dir, r = cfg.serve.model_dir, cfg.retrain
     if r.mode == "cluster":
         from mariana.services.runtime.cluster_job import JobFailed, Unreachable, run_cluster_job
         from mariana.services.runtime.config import load_cluster_config
@@ -149,26 +186,7 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
             record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
         except MarianaError as e:  # the data, the disk, a diverged run: nothing was published
             raise _failed(cfg, status, f"training failed: {e}", f"retrain {model_dir}: {e}") from None
-    new = record["model_version"]
-    status.update(state="evaluating", new_version=new)
-    decision = {
-        "time": None, "verdict": None, "reason": None, "new_version": new, "served_version": served,
-        "auc_tolerance": r.auc_tolerance, "gate": list(r.gate),
-        **({"logloss_tolerance": r.logloss_tolerance} if "logloss" in r.gate else {}),
-        "train_data": train, "eval_data": evals,
-        "train_rows": record["train_rows"], "train_seconds": record["train_seconds"], "warm_start": warm is not None,
-    }
-    try:
-        decision.update(_judge(model_dir, new, served, evals, r))
-    except (Exception, KeyboardInterrupt) as e:  # the candidate is saved: decisions.jsonl says why it stays
-        decision.update(verdict="failed", reason=f"the candidate could not be gated: {_why(e)}")
-        _finish(cfg, status, decision)
-        if isinstance(e, MarianaError):
-            raise RetrainFailed(f"retrain {model_dir}: {new} was trained but could not be gated: {e}; recorded as "
-                                f"failed in {DECISIONS}; CURRENT names {_current_or_unknown(model_dir)}",
-                                decision) from None
-        raise
-    return _finish(cfg, status, decision)
+    return record
 
 
 def _failed(cfg: ServeConfig, status: "_Status", reason: str, message: str) -> RetrainFailed:

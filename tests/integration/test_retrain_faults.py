@@ -188,6 +188,28 @@ def test_a_candidate_that_cannot_be_gated_is_recorded_as_failed(logs, tmp_path):
     assert (model_dir / "CURRENT").read_text().strip() == "v000001"
 
 
+def test_a_retrain_stopped_by_sigterm_while_training_is_recorded_as_failed(logs, tmp_path):
+    """`systemctl stop` of the retrain timer's unit (SIGTERM) while it trained left no line in
+    decisions.jsonl: only a retrain started over HTTP had its server record its end."""
+    model_dir = served(tmp_path, logs)
+    cfg = retrain_config(tmp_path, model_dir, **windows(logs, job_config=str(logs["job"])))
+    status = tmp_path / "status.json"
+    proc = subprocess.Popen([sys.executable, "-m", "mariana", "retrain", "--config", str(cfg), "--status-file",
+                             str(status)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (status.exists() and json.loads(status.read_text() or "{}").get("state") in ("training", "failed")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0, err
+    last = decisions(model_dir)[-1]
+    assert (last["verdict"], last["new_version"], last["served_version"]) == ("failed", None, "v000001"), last
+    assert last["reason"] == "the retrain was stopped while training (stopped by SIGTERM); nothing was gated", last
+    assert json.loads(status.read_text())["decision"] == last
+    assert sorted(p.name for p in model_dir.glob("v0*")) == ["v000001"]
+
+
 def test_retrain_without_a_model_dir_names_what_it_takes(tmp_path):
     """`mariana retrain` has no --model-dir: its error names only the config key."""
     cfg = tmp_path / "retrain.toml"

@@ -790,38 +790,46 @@ class RetrainRunner:
             except ServeError as e:
                 data, verdict, reason = {}, "failed", e.message
             if data.get("killed"):
-                reason += self._abandoned(run, data)
+                verdict, reason = self._abandoned(run, data, reason)
             say = log.info if verdict in ("promoted", "refused", "skipped") else log.warning
             say("retrain %s of %s ended: %s (%s)", run, self.cfg.serve.model_dir, verdict, reason)
             if self.on_end is not None:
                 self.on_end(verdict)
 
-    def _abandoned(self, run: str, data: dict) -> str:
+    def _abandoned(self, run: str, data: dict, error: str) -> tuple[str, str]:
         """A retrain of ours that was killed (it ended without a status of its own end, `data`):
         a "failed" decision recorded, as every retrain's end is (mariana_serve_retrains_total
         counted one that decisions.jsonl never named), and its status file saying so. A cluster
         job it left is cancelled (its temporary cluster stopped), since nothing would gate what it
-        writes. A retrain whose job failed or was cancelled ended by itself and recorded so. What
-        to add to its reason."""
+        writes. A retrain whose job failed or was cancelled ended by itself and recorded so. One
+        killed after its promotion moved CURRENT, before its line, is recorded as promoted.
+        (verdict, reason) of its end, `error` the reason its status gave."""
         job, model_dir = data.get("job"), self.cfg.serve.model_dir
         if data.get("decision"):
-            return ""
+            return "failed", error
         what = None
         if job and data.get("temporary_cluster"):
             what = _stop_temporary(data["temporary_cluster"], job)
         elif job:
             what = _cancel(self.cfg, job)
-        decision = {"time": None, "verdict": "failed", "new_version": data.get("new_version"), "job": job,
+        new, verdict = data.get("new_version"), "failed"
+        reason = "the retrain process ended without a decision" + (f"; {what}" if what else "")
+        with contextlib.suppress(MarianaError):
+            if new and new != data.get("served_version") and _served_version(model_dir) == new:
+                # killed between its move of CURRENT and its line: the promotion stands, said as one
+                verdict, reason = "promoted", (f"the retrain process ended after it moved CURRENT to {new}, before it "
+                                               "recorded the gate's reason; CURRENT names it")
+        decision = {"time": None, "verdict": verdict, "new_version": new, "job": job,
                     "served_version": data.get("served_version"), "train_data": data.get("train_data"),
-                    "eval_data": data.get("eval_data"),
-                    "reason": "the retrain process ended without a decision" + (f"; {what}" if what else "")}
+                    "eval_data": data.get("eval_data"), "reason": reason}
         try:
             _record(model_dir, decision)
-            _Status(os.path.join(model_dir, RUNS, f"{run}.json")).update(state="failed", error=data.get("error"),
-                                                                         killed=True, decision=decision)
+            _Status(os.path.join(model_dir, RUNS, f"{run}.json")).update(
+                state="failed" if verdict == "failed" else "done", error=data.get("error"), killed=True,
+                decision=decision)
         except OSError as e:
             log.warning("retrain %s: cannot record its end in %s: %s", run, DECISIONS, e)
-        return f"; {what}" if what else ""
+        return verdict, (error + (f"; {what}" if what else "") if verdict == "failed" else f"{new}: {reason}")
 
     def close(self) -> None:
         """At the worker's stop: the retrains still running go on without it; each one said once."""

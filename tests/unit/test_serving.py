@@ -430,3 +430,38 @@ def test_a_409_names_the_retrain_not_the_server_process_starting_it(tmp_path):
             take_lock(str(tmp_path))
     finally:
         os.close(fd)
+
+
+def test_a_retrain_killed_after_its_promotion_is_recorded_as_promoted(tmp_path):
+    """Killed between moving CURRENT to its candidate and writing its decision: its server
+    recorded "failed" while CURRENT named the candidate (a leftover of the last review)."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from mariana.serving.config import load_serve_config
+    from mariana.serving.retrain import RUNS, RetrainRunner
+    from mariana.trainer import checkpoint
+
+    d = tmp_path / "m"
+    for _ in range(2):
+        checkpoint.save_version(d, {}, {"w": np.zeros(1, np.float32)}, make_current=False)
+    checkpoint.set_current(d, "v000001", reason="trained")
+    checkpoint.set_current(d, "v000002", reason="retrain")  # the retrain's promotion, then it was killed
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (d / RUNS).mkdir()
+    (d / RUNS / "r20261128-000000-abcdef.json").write_text(json.dumps(
+        {"id": "r20261128-000000-abcdef", "state": "evaluating", "pid": dead.pid, "served_version": "v000001",
+         "new_version": "v000002", "train_data": ["a.tsv"], "eval_data": ["b.tsv"]}))
+    ended = []
+    runner = RetrainRunner(load_serve_config(overrides={"serve.model_dir": str(d)}, env={}), None, ended.append)
+    runner.children["r20261128-000000-abcdef"] = dead
+    runner.reap()
+    (line,) = checkpoint.decisions(d)
+    assert (line["verdict"], line["new_version"]) == ("promoted", "v000002"), line
+    assert "ended after it moved CURRENT to v000002" in line["reason"], line
+    assert ended == ["promoted"]
+    assert runner.status("r20261128-000000-abcdef")["state"] == "done"

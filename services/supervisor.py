@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -85,8 +86,12 @@ class Supervisor:
                     owner["pid"])
         summary = launcher._stop_all(state, timeout=10.0)
         launcher._remove_state(self.root)
-        log.info("stopped %d processes, killed %d; logs kept in %s", len(summary["stopped"]), len(summary["killed"]),
-                 os.path.join(self.root, "logs"))
+        for name in os.listdir(self.root):  # a shard's checkpoints, Redis's dump, the job store: nobody's now
+            if name != "logs":
+                path = os.path.join(self.root, name)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+        log.info("stopped %d processes, killed %d; its state removed, logs kept in %s", len(summary["stopped"]),
+                 len(summary["killed"]), os.path.join(self.root, "logs"))
         return True
 
     def stop_unrecorded(self, state: dict) -> None:

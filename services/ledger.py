@@ -134,9 +134,8 @@ class LedgerReport:
         return {"epoch": e, "epochs": self.epochs, "rows": rows, "rows_per_s": round(rows / max(seconds, 1e-9), 1),
                 "loss": self.loss_sum[e] / rows if rows else None,
                 # the queue keeps steps done or out meanwhile (a lease skips them; a journal replayed at a restart
-                # leaves every one): a done job said 476 ready of its 238 batches (walked once it has finished only)
-                "ready": sum(1 for s in self.ready if s not in self.done and s not in self.leased) if finished
-                else len(self.ready),
+                # leaves every one): a done job said 476 ready of its 238 batches (~1 ms a poll at 20k steps)
+                "ready": sum(1 for s in self.ready if s not in self.done and s not in self.leased),
                 "leased": len(self.leased), "chunks": len(self.chunks), "batches": len(self.batches),
                 "source_done": self.source_done, "fraction": self.fraction(),
                 "rows_total": sum(self.rows_done.values())}

@@ -610,3 +610,11 @@ def test_progress_counts_ready_steps_not_those_done_or_out():
     led.next_epoch()  # the last epoch ended: the job is finished
     led.ready.extend(steps)  # as a journal replayed at a restart leaves them
     assert led.progress()["ready"] == 0 and len(led.ready) == 3
+
+
+def test_a_running_jobs_progress_counts_ready_steps_not_those_done_or_out():
+    """As above, while the job runs (it was counted only once the job had finished)."""
+    led = ledger_with({"f0o0": [(0, 10), (1, 10), (2, 10)]}, epochs=2)
+    steps = finish_all(led)
+    led.ready.extend(steps)  # done, and queued again (a lapsed lease, a replayed journal)
+    assert led.progress()["ready"] == 0 and len(led.ready) == 3

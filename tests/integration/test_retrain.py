@@ -55,6 +55,19 @@ def retrain_config(tmp_path: Path, model_dir: Path, file: str = "retrain.toml", 
     return path
 
 
+def retrain_training(tmp_path: Path, cfg: Path, *flags: str) -> subprocess.Popen:
+    """`mariana retrain --config cfg` as a process, returned once its status says it trains."""
+    status = tmp_path / "status.json"
+    proc = subprocess.Popen([sys.executable, "-m", "mariana", "retrain", "--config", str(cfg), *flags,
+                             "--status-file", str(status)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not (status.exists() and json.loads(status.read_text() or "{}").get("state") in ("training", "failed")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    return proc
+
+
 def decisions(model_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (model_dir / "decisions.jsonl").read_text().splitlines()]
 
@@ -199,25 +212,24 @@ def test_a_cluster_retrain_warm_starts_from_the_served_version(days, tmp_path):
     assert decision["metrics"]["new"]["auc"] > decision["metrics"]["served"]["auc"]  # a day more than 3,000 rows
 
 
+def rolled_back(tmp_path: Path, days) -> Path:
+    """A model dir whose v000002 was rolled back: v000001 served."""
+    model_dir = served_model(tmp_path, days)
+    run_cli("-q", "train", "--data", days["day1"], "--model", "lr", "--out", model_dir, check=True)  # v000002
+    run_cli("model", "rollback", "--model-dir", model_dir, check=True)  # v000001 is served again
+    return model_dir
+
+
 def test_a_promotion_during_the_retrain_stands(days, tmp_path):
     """The candidate was gated against the version served when the retrain began; if an
     operator promotes another one meanwhile, the retrain does not move CURRENT over it: the
     verdict is refused, saying why, and the operator's promotion stays."""
     from mariana.trainer import checkpoint
 
-    model_dir = served_model(tmp_path, days)
-    run_cli("-q", "train", "--data", days["day1"], "--model", "lr", "--out", model_dir, check=True)  # v000002
-    run_cli("model", "rollback", "--model-dir", model_dir, check=True)  # v000001 is served again
-    cfg = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"]), str(days["day3"])],
-                         eval_data=[str(days["day4"])])
-    status = tmp_path / "status.json"
-    proc = subprocess.Popen([sys.executable, "-m", "mariana", "retrain", "--config", str(cfg), "--json",
-                             "--status-file", str(status)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + 60
-    while not (status.exists() and json.loads(status.read_text() or "{}").get("state") in ("training", "failed")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.005)
+    model_dir = rolled_back(tmp_path, days)
+    proc = retrain_training(tmp_path, retrain_config(tmp_path, model_dir, train_data=[str(days["day2"]),
+                                                                                   str(days["day3"])],
+                                                     eval_data=[str(days["day4"])]), "--json")
     checkpoint.set_current(model_dir, "v000002", reason="promoted")  # the operator, while it trains
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -352,19 +364,10 @@ def test_a_served_version_promoted_away_and_pruned_during_the_retrain_is_a_refus
     removed version)."""
     from mariana.trainer import checkpoint
 
-    model_dir = served_model(tmp_path, days)
-    run_cli("-q", "train", "--data", days["day1"], "--model", "lr", "--out", model_dir, check=True)  # v000002
-    run_cli("model", "rollback", "--model-dir", model_dir, check=True)  # v000001 is served again
-    cfg = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"]), str(days["day3"])],
-                         eval_data=[str(days["day4"])])
-    status = tmp_path / "status.json"
-    proc = subprocess.Popen([sys.executable, "-m", "mariana", "retrain", "--config", str(cfg), "--json",
-                             "--status-file", str(status)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + 60
-    while not (status.exists() and json.loads(status.read_text() or "{}").get("state") in ("training", "failed")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.005)
+    model_dir = rolled_back(tmp_path, days)
+    proc = retrain_training(tmp_path, retrain_config(tmp_path, model_dir, train_data=[str(days["day2"]),
+                                                                                   str(days["day3"])],
+                                                     eval_data=[str(days["day4"])]), "--json")
     # while it trains: a promotion, another publish (a version only named here, never loaded), a prune
     checkpoint.set_current(model_dir, "v000002", reason="promoted")
     newer = checkpoint.save_version(model_dir, {}, {"w": np.zeros(1, np.float32)}, reason="trained")

@@ -8,9 +8,8 @@ import json
 import os
 import signal
 import stat
-import subprocess
-import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from tests.conftest import run_cli, run_cli_cases
 from tests.debian import debian_tool, promtool_check
 from tests.integration.rankkill import running
 from tests.integration.serving import Server
-from tests.integration.test_retrain import decisions, retrain_config
+from tests.integration.test_retrain import decisions, retrain_config, retrain_training
 
 pytestmark = pytest.mark.slow
 TOKEN = "retrain-token"
@@ -87,6 +86,20 @@ def wait_metric(s: Server, series: str, want: float, timeout: float = 20.0) -> s
             return text
         assert time.monotonic() < deadline, (series, [line for line in text.splitlines() if "retrain" in line])
         time.sleep(0.2)
+
+
+@contextmanager
+def cluster_retrain(tmp_path: Path, logs, model_dir: Path):
+    """A cluster, a server of `model_dir` whose retrain runs on it, and a retrain started over
+    HTTP: (cluster, server, the 202's body, the retrain's status once it names its job)."""
+    from tests.integration.cluster import Cluster
+
+    with Cluster(tmp_path / "c") as c:
+        retrain = windows(logs, mode="cluster", cluster_config=str(c.info["config"]), job_config=str(logs["job"]))
+        with Server(tmp_path / "s", model_dir, serve={"token": TOKEN}, retrain=retrain) as s:
+            status, started = s.post("/v1/retrain", b"", headers=AUTH)
+            assert status == 202, started
+            yield c, s, started, wait_job(s, started["id"])
 
 
 def test_a_retrain_outlives_its_server_and_a_dead_one_is_failed(logs, tmp_path):
@@ -171,12 +184,7 @@ def test_a_candidate_that_cannot_be_gated_is_recorded_as_failed(logs, tmp_path):
     model_dir = served(tmp_path, logs)
     cfg = retrain_config(tmp_path, model_dir, **windows(logs, job_config=str(logs["job"])))
     status = tmp_path / "status.json"
-    proc = subprocess.Popen([sys.executable, "-m", "mariana", "retrain", "--config", str(cfg), "--status-file",
-                             str(status), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (status.exists() and json.loads(status.read_text() or "{}").get("state") in ("training", "failed")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.005)
+    proc = retrain_training(tmp_path, cfg, "--json")
     os.truncate(model_dir / "v000001" / "weights.safetensors", 1000)  # while it trains
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "v000002 was trained but could not be gated" in err, err
@@ -194,12 +202,7 @@ def test_a_retrain_stopped_by_sigterm_while_training_is_recorded_as_failed(logs,
     model_dir = served(tmp_path, logs)
     cfg = retrain_config(tmp_path, model_dir, **windows(logs, job_config=str(logs["job"])))
     status = tmp_path / "status.json"
-    proc = subprocess.Popen([sys.executable, "-m", "mariana", "retrain", "--config", str(cfg), "--status-file",
-                             str(status)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (status.exists() and json.loads(status.read_text() or "{}").get("state") in ("training", "failed")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.005)
+    proc = retrain_training(tmp_path, cfg)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0, err
@@ -245,16 +248,9 @@ def test_a_killed_cluster_retrain_cancels_its_job_and_says_so(logs, tmp_path):
     """A cluster retrain killed (kill -9) while its job ran left the job running: it wrote a
     candidate no decision named, never gated (a second exploratory round). The server that
     started it now cancels the job and records a "failed" decision saying so."""
-    from tests.integration.cluster import Cluster
-
     model_dir = served(tmp_path, logs)
-    with Cluster(tmp_path / "c") as c:
-        retrain = windows(logs, mode="cluster", cluster_config=str(c.info["config"]), job_config=str(logs["job"]))
-        with Server(tmp_path / "s", model_dir, serve={"token": TOKEN}, retrain=retrain) as s:
-            status, started = s.post("/v1/retrain", b"", headers=AUTH)
-            assert status == 202, started
-            state = wait_job(s, started["id"])
-            kill_and_wait_reaped(s, state, started["id"])
+    with cluster_retrain(tmp_path, logs, model_dir) as (c, s, started, state):
+        kill_and_wait_reaped(s, state, started["id"])
         job = c.job(state["job"])
     assert job["state"] == "cancelled", job
     last = decisions(model_dir)[-1]
@@ -268,18 +264,11 @@ def test_a_retrain_whose_job_another_client_cancels_is_recorded_as_failed(logs, 
     """The retrain's cluster job cancelled by someone else (the web UI, `mariana cancel`):
     the retrain ended "failed" in its status, but decisions.jsonl (and so the UI's list of
     decisions) had no line for it (an exploratory run of concurrent use)."""
-    from tests.integration.cluster import Cluster
-
     model_dir = served(tmp_path, logs)
-    with Cluster(tmp_path / "c") as c:
-        retrain = windows(logs, mode="cluster", cluster_config=str(c.info["config"]), job_config=str(logs["job"]))
-        with Server(tmp_path / "s", model_dir, serve={"token": TOKEN}, retrain=retrain) as s:
-            status, started = s.post("/v1/retrain", b"", headers=AUTH)
-            assert status == 202, started
-            state = wait_job(s, started["id"])
-            code, _ = c.request("POST", f"/v1/jobs/{state['job']}/cancel")
-            assert code == 200
-            ended = wait_state(s, started["id"], ("failed", "done"))
+    with cluster_retrain(tmp_path, logs, model_dir) as (c, s, started, state):
+        code, _ = c.request("POST", f"/v1/jobs/{state['job']}/cancel")
+        assert code == 200
+        ended = wait_state(s, started["id"], ("failed", "done"))
     assert ended["state"] == "failed", ended
     last = decisions(model_dir)[-1]
     assert (last["verdict"], last["job"], last["served_version"]) == ("failed", state["job"], "v000001"), last

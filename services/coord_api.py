@@ -91,11 +91,12 @@ class CoordinatorAPI:
         if brief not in ("0", "1"):
             return bad_request(f"brief must be 0 or 1, got {brief!r}")
         runs = self.newest_first()
-        keep = {r.id for r in runs[:most]} if most is not None else {r.id for r in runs}
         named = request.query.get("job")
+        if most is not None:
+            runs = [r for i, r in enumerate(runs) if i < most or r.id == named or r.state not in ENDED]
         whole = {named, runs[0].id if runs else None}
         jobs = [brief_summary(r.summary()) if brief == "1" and r.id not in whole and r.state in ENDED
-                else r.summary() for r in runs if r.id in keep or r.id == named or r.state in ("queued", "running")]
+                else r.summary() for r in runs]
         return respond({**self.status_dict(jobs), "redis": await self.redis_stats()})
 
     async def redis_stats(self) -> dict:

@@ -15,6 +15,7 @@ code is only known to its parent. The services it starts are its own children.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -89,7 +90,11 @@ class Supervisor:
         for name in os.listdir(self.root):  # a shard's checkpoints, Redis's dump, the job store: nobody's now
             if name != "logs":
                 path = os.path.join(self.root, name)
-                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.unlink(path)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
         log.info("stopped %d processes, killed %d; its state removed, logs kept in %s", len(summary["stopped"]),
                  len(summary["killed"]), os.path.join(self.root, "logs"))
         return True

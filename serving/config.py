@@ -21,6 +21,7 @@ environment <- flags. Unknown keys and wrong types are errors naming the key.
 """
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass, field
 
@@ -144,8 +145,6 @@ def snapshot_worker(path: str) -> str:
 
 def worker_files(run_dir: str) -> list[str]:
     """Every worker's ready and snapshot files in the run dir (none once no worker is left)."""
-    import glob
-
     return glob.glob(ready_path(run_dir, "*")) + glob.glob(snapshot_path(run_dir, "*"))
 
 

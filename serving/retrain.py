@@ -147,8 +147,7 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
         _finish(cfg, status, decision)
         if isinstance(e, MarianaError):
             raise RetrainFailed(f"retrain {model_dir}: {new} was trained but could not be gated: {e}; recorded as "
-                                f"failed in {DECISIONS}; CURRENT names {_current_or_unknown(model_dir)}",
-                                decision) from None
+                                f"failed in {DECISIONS}{checkpoint.current_note(model_dir)}", decision) from None
         raise
     return _finish(cfg, status, decision)
 
@@ -557,14 +556,6 @@ def _served_version(model_dir: str) -> str | None:
         if os.path.isdir(model_dir) and not (Path(model_dir) / "CURRENT").exists():
             return None
         raise
-
-
-def _current_or_unknown(model_dir: str) -> str:
-    """What CURRENT names now, for a message."""
-    try:
-        return _served_version(model_dir) or "nothing"
-    except MarianaError as e:
-        return f"(unreadable: {e})"
 
 
 def _round(metrics: dict) -> dict:

@@ -460,7 +460,8 @@ def _print_status(st: dict) -> None:
     sup = st.get("supervisor")
     if sup:
         print(f"supervisor: pid {sup['pid']}" + ("" if sup["running"] else " (exited: nothing is restarted)"))
-    report.print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "PID", "RESTARTS", "LAST SEEN", "THROUGHPUT"),
+    report.print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "HOST", "PID", "RESTARTS", "LAST SEEN",
+                        "THROUGHPUT"),
                        _service_rows(st, coord))
     jobs = coord.get("jobs") or []
     if jobs:
@@ -499,20 +500,20 @@ def _job_row(j: dict) -> tuple:
 
 def _service_rows(st: dict, coord: dict) -> list[tuple]:
     """One row per process started by `up` or registered with the coordinator (a service
-    started elsewhere has no pid here)."""
+    started elsewhere shows the pid and host it registered with)."""
     procs, services = st["processes"], coord.get("services") or {}
     rows = []
     for name in list(procs) + [n for n in services if n not in procs]:
         p, s = procs.get(name, {}), services.get(name, {})
         # a process `up` started that has exited is not alive, whatever the coordinator last heard
         alive = "no" if p and not p["running"] else "-" if not s else ("yes" if s.get("alive") else "no")
-        pid = "-" if not p else f"{p['pid']}{'' if p['running'] else ' (exited)'}"
+        pid = f"{p['pid']}{'' if p['running'] else ' (exited)'}" if p else s.get("pid") or "-"
         seen = _ago(s["last_seen"]) + " ago" if s.get("last_seen") else "-"
         rate = s.get("rate") or {}
         speed = f"{rate['value']:,.1f} {rate['unit']}" if rate.get("unit") else None
         restarts = p.get("restarts", s.get("restarts"))
-        rows.append((name, p.get("role") or s.get("role"), p.get("index", s.get("index")), alive, pid, restarts,
-                     seen, speed))
+        rows.append((name, p.get("role") or s.get("role"), p.get("index", s.get("index")), alive,
+                     s.get("host") or "-", pid, restarts, seen, speed))
     return rows
 
 

@@ -67,12 +67,13 @@ class CoordinatorAPI:
         """`jobs`: the job summaries to show (default: every job)."""
         self.touch_self()
         within = self.coord.cfg.coordinator.heartbeat_seconds
-        return {"services": {n: {"role": s.role, "index": s.index, "pid": s.pid, "alive": s.alive(within),
-                                 "last_seen": s.last_seen, "status": s.status, "restarts": s.restarts,
-                                 "rate": s.rate if s.alive(within) else None}
+        return {"services": {n: {"role": s.role, "index": s.index, "pid": s.pid, "host": s.host,
+                                 "alive": s.alive(within), "last_seen": s.last_seen, "status": s.status,
+                                 "restarts": s.restarts, "rate": s.rate if s.alive(within) else None}
                              for n, s in sorted(self.coord.services.items())},
                 "jobs": self.job_summaries() if jobs is None else jobs,
-                "jobs_total": len(self.coord.jobs), "counters": dict(self.coord.counters)}
+                "jobs_total": len(self.coord.jobs), "counters": dict(self.coord.counters),
+                "cluster_dir": self.coord.cfg.cluster.path}  # where its cluster.json is, if `mariana up` ran it
 
     def newest_first(self) -> list[JobRun]:
         return sorted(self.coord.jobs.values(), key=lambda r: (r.submitted, r.id), reverse=True)

@@ -32,6 +32,16 @@ log = logging.getLogger(__name__)
 REDIS_PING_SECONDS = 2.0  # how often a running job's Redis is checked (`check_redis`)
 
 
+def check_shards(run: JobRun, shards: int) -> None:
+    """MarianaError for a job resumed by a coordinator whose config has another ps.count than
+    the one the job started with: its tables are split that many ways, on those shards."""
+    n = run.request.get("ps_count")
+    if n is not None and n != shards:
+        raise MarianaError(f"job {run.id} started with ps.count = {n}, and the coordinator restarted with "
+                           f"ps.count = {shards}: the job's tables are split {n} ways, so it cannot go on; "
+                           "submit it again")
+
+
 class JobRunner:
     """Runs the coordinator's jobs one at a time: start the shards, stream the source, lease
     steps epoch by epoch, reconcile, validate, export and publish (`run_job`); the periodic
@@ -82,6 +92,7 @@ class JobRunner:
             log.info("%s: job %s goes on at epoch %d (restart %d)", self.coord.name, run.id, led.epoch, run.restarts)
         else:
             run.state, run.started = "running", time.time()
+            run.request["ps_count"] = len(self.coord.shards)  # its rows' split: a resumed job needs the same
             self.coord.book.journal(run, "start", {"t": run.started})
             self.coord.book.save(run)
             log.info("%s: job %s started: %s, %d epochs, mode %s, data %s%s%s", self.coord.name, run.id,
@@ -89,6 +100,7 @@ class JobRunner:
                      f" (validation: {run.request['holdout']['source']})" if run.request.get("holdout") else "",
                      f", warm start from {run.request['init_from']}" if run.request.get("init_from") else "")
         try:
+            check_shards(run, len(self.coord.shards))
             if led.published is not None:  # restarted after writing the version: only the end was left
                 log.info("%s: job %s: %s/%s was published before the restart; ending the job", self.coord.name,
                          run.id, led.published.get("model_dir"), led.published.get("model_version"))

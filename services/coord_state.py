@@ -38,6 +38,7 @@ class ServiceInfo:
     rate: dict | None = None           # {"value", "unit"}: its throughput between two heartbeats
     sampled: tuple = ()                # (time, counter) of the last heartbeat; last_seen moves with any request
     restarts: int = 0                  # registrations with a new boot time after the first
+    host: str = ""                     # the host it runs on, as it names itself (its node name)
 
     def alive(self, within: float) -> bool:
         return time.time() - self.last_seen <= within

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from mariana.services import protocol
 from mariana.services.coord_api import CoordinatorAPI
+from mariana.services.coord_hello import admit
 from mariana.services.remote_inputs import RemoteInputs
 from mariana.services.coord_jobs import EpochValidation, JobJournal, JobRunner, rejoined
 from mariana.services.coord_state import JobRun, ServiceInfo, numbers
@@ -39,9 +40,9 @@ from mariana.services.jobstore import JobStore
 from mariana.services.ledger import ChunkInfo, chunk_event, parse_step, stage_seconds_of
 from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.auth import check_exposed
-from mariana.services.runtime.config import ROLES, ClusterConfig
+from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.http_idle import IdleClosingRunner
-from mariana.services.runtime.lifecycle import Service, cancel_and_wait, run_service
+from mariana.services.runtime.lifecycle import HOST, Service, cancel_and_wait, run_service
 from mariana.services.sample_cache import SampleCache, batch_key
 from mariana.services.transport import Client, Server
 from mariana.sparse.errors import MarianaError
@@ -68,6 +69,7 @@ class Coordinator(Service):
         self.store: JobStore | None = None
         self.wake = asyncio.Event()
         self._redis_stats: tuple[float, dict] = (float("-inf"), {})
+        self._redis_id: tuple[float, dict | None] = (float("-inf"), None)  # coord_hello.redis_identity
         self.api, self.job_runner = CoordinatorAPI(self), JobRunner(self)
         self.validation, self.book = EpochValidation(self), JobJournal(self)
         self.inputs = RemoteInputs(self)  # a job's files on the loader's host (coordinator.data_via_loader)
@@ -87,7 +89,7 @@ class Coordinator(Service):
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.cfg.coordinator.http_host, self.cfg.coordinator.http_port)
         await site.start()
-        self.services[self.name] = ServiceInfo(self.role, 0, os.getpid(), self.boot, last_seen=time.time())
+        self.services[self.name] = ServiceInfo(self.role, 0, os.getpid(), self.boot, last_seen=time.time(), host=HOST)
         log.info("%s: ZeroMQ at %s, HTTP at http://%s:%d", self.name, self.cfg.coordinator.endpoint,
                  self.cfg.coordinator.http_host, self.cfg.coordinator.http_port)
 
@@ -135,10 +137,8 @@ class Coordinator(Service):
         return await handler(peer, msg)
 
     async def on_Hello(self, peer: bytes, msg: Message) -> list:
-        role, index = msg["role"], msg["index"]
-        if role not in ROLES or role == "coordinator" or not 0 <= index < self.cfg.count(role):
-            raise BadMessage("hello", f"no {role!r} #{index} in this cluster's config")
-        name = f"{role}-{index}"
+        name = f"{msg['role']}-{msg['index']}"
+        await admit(self, msg, name)  # Refused / NameTaken: services/coord_hello.py
         info = self.services.get(name)
         restarted = info is not None and info.boot != msg.get("boot")
         if info is None or restarted:
@@ -147,6 +147,7 @@ class Coordinator(Service):
             log.info("%s: %s %s (pid %s)", self.name, name, "restarted" if restarted else "registered",
                      msg.get("pid"))
         info.pid, info.boot, info.peer = msg.get("pid", 0), msg.get("boot", 0.0), peer
+        info.host = str(msg.get("host") or info.host)  # the first Hello names it; heartbeats do not
         info.update(msg.get("status") if isinstance(msg.get("status"), dict) else {}, time.time())
         if restarted:
             self.spawn(self.rejoin(info))

@@ -15,7 +15,8 @@ length, the header, the buffers) for the Redis sample cache.
 
 Message catalog (request -> reply):
 
-    Hello{role, index}                 any service -> coordinator     -> Welcome
+    Hello{role, index, ...}            any service -> coordinator     -> Welcome | Error{Refused | NameTaken}
+                                       (+ pid, boot, host, shape, redis, replaces, status: `services.runtime.lifecycle`)
     Lease{worker, want, done}          worker -> coordinator          -> Work{..., more} | Wait | Idle
     Done{worker, reports, released}    worker -> coordinator          -> Ok (released: steps handed back)
     Miss{job, step, key}               worker -> coordinator          -> Ok (the key was not in the cache)
@@ -113,6 +114,21 @@ class BadMessage(MarianaError):
     def __init__(self, code: str, detail: str):
         super().__init__(f"{code}: {detail}")
         self.code, self.detail = code, detail
+
+
+class Refused(MarianaError):
+    """The coordinator will not take this service, ever, as it is configured: a role or index
+    its config has not, or settings every host must share that differ. Not retried."""
+
+
+class NameTaken(MarianaError):
+    """Another live process holds this role and index: retried while that one may be gone
+    (a restart), refused once the wait is over. `holder`: the pid and host of the one that
+    holds the name, sent with the `Error` (a restart on that host can see that pid gone)."""
+
+    def __init__(self, text: str, holder: dict):
+        super().__init__(text)
+        self.fields = {"holder": holder}
 
 
 @dataclass

@@ -87,9 +87,9 @@ def timeout_log(logger: logging.Logger, e: BaseException, level: int = logging.W
 class RemoteError(MarianaError):
     """A peer answered with an `Error` message."""
 
-    def __init__(self, code: str, error: str):
+    def __init__(self, code: str, error: str, fields: dict | None = None):
         super().__init__(f"{code}: {error}")
-        self.code = code
+        self.code, self.detail, self.fields = code, error, fields or {}
 
 
 _CURVE: tuple[bytes, bytes] | None = None  # (public, secret) of this process's cluster (`use_curve`)
@@ -216,12 +216,14 @@ class Client:
     _ids = itertools.count(1)
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, counters: Counter, timeout: float = 10.0,
-                 on_command: Callable[[Message], Awaitable[None]] | None = None, identity: bytes | None = None):
+                 on_command: Callable[[Message], Awaitable[None]] | None = None, identity: bytes | None = None,
+                 watch: bool = False):
         self.endpoint, self.timeout, self.counters = endpoint, timeout, counters
         self.on_command = on_command
         self.channel = _Channel(ctx, zmq.DEALER, self._received, counters, f"client of {endpoint}")
         if identity:
             self.channel.sock.setsockopt(zmq.IDENTITY, identity)
+        self.watcher = ConnectionWatch(ctx, self.channel.sock) if watch else None  # before the connect
         as_client(self.channel.sock).connect(endpoint)
         self.pending: dict[int, asyncio.Future] = {}
         self.commands: set[asyncio.Task] = set()
@@ -246,7 +248,7 @@ class Client:
         finally:
             self.pending.pop(msg_id, None)
         if reply.type == "Error":
-            raise RemoteError(reply["code"], reply["error"])
+            raise RemoteError(reply["code"], reply["error"], reply.fields)
         return reply
 
     async def send(self, type_: str, arrays: dict | None = None, **fields) -> None:
@@ -294,12 +296,68 @@ class Client:
                 n += 1
         return n
 
+    def trouble(self) -> str | None:
+        """Why no answer came, as far as the connection shows (`ConnectionWatch.trouble`);
+        None when it is not watched or looks fine."""
+        return self.watcher.trouble() if self.watcher else None
+
+    def unwatch(self) -> None:
+        if self.watcher:
+            self.watcher.close()
+            self.watcher = None
+
     def close(self) -> None:
         self.closed = True
         for task in self.commands:
             task.cancel()
         self.fail_pending("client closed")
+        self.unwatch()
         self.channel.close()
+
+
+class ConnectionWatch:
+    """ZeroMQ's events of one socket's connection (a monitor), to tell a peer that is not
+    there from one whose handshake fails: a CURVE key that differs fails the handshake
+    without a word to either side, and a request just times out."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, sock: zmq.Socket):
+        self.sock, self.seen = sock, set()
+        addr = f"inproc://mariana-watch-{id(self):x}"
+        sock.monitor(addr, zmq.EVENT_ALL)
+        self.events = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
+        self.events.linger = 0
+        self.events.connect(addr)
+
+    def trouble(self) -> str | None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.events.poll(0):
+            self.seen.add(zmq.Event(recv_monitor_message(self.events)["event"]).name)
+        failed = self.failed_handshakes()
+        if "HANDSHAKE_SUCCEEDED" in self.seen:
+            return None
+        if failed:
+            return (f"the ZeroMQ handshake with it fails ({', '.join(failed)}): cluster.curve_key differs between "
+                    "this host's config and its, or only one of them sets it")
+        if "CONNECTED" in self.seen:
+            return ("its port takes the connection but the ZeroMQ handshake does not complete: a cluster.curve_key "
+                    "that differs, or something else listens there")
+        return "no connection to it opens (refused, or the address is not reachable from this host)"
+
+    def failed_handshakes(self) -> list[str]:
+        return sorted(e for e in self.seen if e.startswith("HANDSHAKE_FAILED"))
+
+    @property
+    def handshake_failed(self) -> bool:
+        """A handshake failed and none succeeded (as of the last `trouble`)."""
+        return bool(self.failed_handshakes()) and "HANDSHAKE_SUCCEEDED" not in self.seen
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.events.close(linger=0)
 
 
 Handler = Callable[[bytes, Message], "list | None | Awaitable[list | None]"]
@@ -354,11 +412,13 @@ class Server:
         if isinstance(e, (BadMessage, DataFormatError)):  # well-formed frames, wrong content (shapes, ids)
             self.counters["bad_messages"] += 1
             PEER_LOG.warning("%s: bad %s from peer %s: %s", self.name, msg.type, peer.hex()[:8], e)
-            return protocol.error_reply(msg.msg_id, getattr(e, "code", "bad_data"), str(e))
+            # the code travels on its own: the text is the detail (RemoteError puts "code: " before it)
+            return protocol.error_reply(msg.msg_id, getattr(e, "code", "bad_data"), getattr(e, "detail", str(e)))
         if isinstance(e, MarianaError):
             self.counters["errors"] += 1
             PEER_LOG.warning("%s: cannot serve %s: %s", self.name, msg.type, e)
-            return protocol.error_reply(msg.msg_id, type(e).__name__, str(e))
+            return protocol.encode("Error", msg.msg_id, code=type(e).__name__, error=str(e),
+                                   **getattr(e, "fields", {}))  # what else the error names (NameTaken's holder)
         # a bug must not kill the server; it answers and logs the trace
         self.counters["errors"] += 1
         log.error("%s: %s failed", self.name, msg.type, exc_info=e)

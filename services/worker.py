@@ -489,6 +489,7 @@ class Worker(Service):
         self.coordinator.timeout = 30.0
         self.shards.open()
         self.feed.open()
+        self.cache = self.feed.cache  # which Redis it reads: checked against the coordinator's at register
         await self.register()
 
     async def close(self) -> None:

@@ -10,6 +10,7 @@ coordinator uses, so bad input fails before any process starts.
 from __future__ import annotations
 
 import contextlib
+import http.client as http_client
 import json
 import logging
 import os
@@ -143,7 +144,7 @@ def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iter
     a running one must have."""
     from mariana.services import launcher
 
-    info = launcher.cluster_info(cluster.cluster.path)
+    info = launcher.cluster_info(cluster.cluster.path) or deployed(cluster)
     if info is not None:
         check_sizes(cluster, info, asked)
         yield info
@@ -174,15 +175,51 @@ def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iter
             log.warning("cluster logs kept in %s/logs", cluster.cluster.dir)
 
 
+def deployed(cluster: ClusterConfig) -> dict | None:
+    """The cluster whose coordinator answers at the config's fixed HTTP port, where no
+    cluster.json says one is up: one deployed host by host, or by systemd (docs/operations.md).
+    A temporary cluster on those fixed ports would fail to bind them, and its other services
+    would knock at that coordinator under the same names. None when the port is 0 (a
+    temporary cluster picks free ports) or nothing answers there as a coordinator."""
+    from mariana.services import launcher
+
+    if not cluster.coordinator.http_port:
+        return None
+    http = launcher.http_url(cluster)
+    try:
+        status = launcher.fetch_status(http)
+    except (OSError, ValueError, http_client.HTTPException):
+        return None
+    if not isinstance(status, dict) or not isinstance(status.get("services"), dict):
+        return None
+    up_there = launcher.cluster_info(status["cluster_dir"]) if isinstance(status.get("cluster_dir"), str) else None
+    if up_there is not None and up_there.get("http") == http:
+        if up_there.get("owner"):  # another job's temporary cluster: it stops when that job ends
+            raise MarianaError(f"the coordinator at {http} is the temporary cluster of another job (pid "
+                               f"{up_there['owner']['pid']}, in {up_there['dir']}), on the fixed ports of "
+                               f"cluster.base_port = {cluster.cluster.base_port}: start a cluster with `mariana up` "
+                               "for jobs to share, or leave base_port 0 for free ports")
+        return up_there  # `mariana up` in another dir than this config's cluster.dir
+    log.info("using the cluster whose coordinator answers at %s (%d services; started without `mariana up` here)",
+             http, len(status["services"]))
+    return {"http": http, "token": cluster.coordinator.token, "dir": None, "config": None,
+            "services": status["services"]}
+
+
 def check_sizes(wanted: ClusterConfig, info: dict, asked: tuple[str, ...]) -> None:
     """A running cluster is used as it is: asked-for sizes that differ are an error, not a surprise."""
     from mariana.services.runtime.config import load_cluster_config
 
-    running = load_cluster_config(info["config"], env={})
+    if info.get("config"):
+        running = load_cluster_config(info["config"], env={})
+        have, where, stop = {r: getattr(running, r).count for r in asked}, f"up in {info['dir']}", "`mariana down`"
+    else:  # deployed: what registered with its coordinator
+        have = {r: sum(s.get("role") == r for s in info["services"].values()) for r in asked}
+        where, stop = f"at {info['http']}", "stop it"
     for role in asked:
-        if getattr(wanted, role).count != getattr(running, role).count:
-            raise MarianaError(f"the cluster up in {info['dir']} has {getattr(running, role).count} {role}; "
-                               f"asked for {getattr(wanted, role).count} (drop the flag, or `mariana down` first)")
+        if getattr(wanted, role).count != have[role]:
+            raise MarianaError(f"the cluster {where} has {have[role]} {role}; asked for {getattr(wanted, role).count} "
+                               f"(drop the flag, or {stop} first)")
 
 
 def submit(info: dict, body: dict) -> str:

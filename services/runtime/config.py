@@ -297,6 +297,20 @@ class ClusterConfig:
         return getattr(self, role).count if role in ("preprocess", "worker", "ps") else 1
 
 
+def cluster_shape(cfg: ClusterConfig) -> dict:
+    """The settings every service of one cluster must share, whichever host it runs on: each
+    `Hello` carries its service's, and the coordinator refuses one whose differ from its own
+    (services/coord_hello.py). A worker with another ps.count sends rows to the wrong shards; a
+    loader with other preprocess endpoints feeds instances nobody registered.
+
+    >>> sorted(cluster_shape(load_cluster_config(overrides={"cluster.base_port": 5700}, env={})))
+    ['preprocess.count', 'preprocess.endpoints', 'ps.count', 'ps.endpoints', 'worker.count']
+    """
+    return {"ps.count": cfg.ps.count, "ps.endpoints": list(cfg.ps.endpoints),
+            "preprocess.count": cfg.preprocess.count, "preprocess.endpoints": list(cfg.preprocess.endpoints),
+            "worker.count": cfg.worker.count}
+
+
 def endpoint_host(endpoint: str, key: str = "endpoint") -> str:
     """The host of a ZeroMQ "tcp://HOST:PORT" endpoint (an IPv6 host in brackets), or
     ConfigError naming `key` for anything else.

@@ -18,21 +18,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import platform
 import signal
 import time
 from collections import Counter
 
 import zmq.asyncio
 
-from mariana.services.runtime import failpoints, memwatch, sdnotify
+from mariana.services.runtime import failpoints, memwatch, procs, sdnotify
 from mariana.services.runtime.accept_loop import MendedLoop
-from mariana.services.runtime.config import ClusterConfig
+from mariana.services.runtime.config import ClusterConfig, cluster_shape
 from mariana.services.runtime.exporter import start_metrics
 from mariana.services.transport import Client, PeerTimeout, RemoteError
+from mariana.sparse.errors import MarianaError
 
 log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 20.0
+HOST = platform.node()  # how a service names its host to the coordinator
+EX_CONFIG = 78  # sysexits.h: the exit status of a service the coordinator refused
+
+
+class ServiceRefused(MarianaError):
+    """The coordinator will not take this service: it exits, saying why (no retry helps)."""
 
 
 class Service:
@@ -91,28 +99,58 @@ class Service:
     def connect_coordinator(self, on_command=None) -> Client:
         self.coordinator = Client(self.ctx, self.cfg.coordinator.endpoint, self.counters,
                                   timeout=5.0, on_command=on_command,
-                                  identity=f"{self.name}:{os.getpid()}".encode())
+                                  identity=f"{self.name}:{os.getpid()}".encode(), watch=True)  # until registered
         return self.coordinator
 
     async def register(self, attempts_seconds: float | None = None) -> None:
-        """Hello to the coordinator, retried (it may start after us) up to the
-        cluster's start time; then heartbeats. Fails startup if never answered."""
+        """Hello to the coordinator, retried (it may start after us, or our predecessor's
+        name may not have lapsed yet) up to the cluster's start time; then heartbeats. Fails
+        startup if never answered, or at once if the coordinator refuses this service
+        (services/coord_hello.py: not in its config, or a config that differs from its own)."""
+        ep = self.cfg.coordinator.endpoint
         deadline = time.monotonic() + (attempts_seconds or self.cfg.cluster.start_seconds)
+        first, said = {"host": HOST, "shape": cluster_shape(self.cfg)}, float("-inf")
+        cache = getattr(self, "cache", None)  # the sample cache, for roles that have one
+        if cache is not None and (ident := await cache.identity()) is not None:
+            first["redis"] = ident  # not sent when Redis is away: nothing to compare then
         while True:
             try:
-                await self.hello()
+                await self.hello(**first)
                 break
-            except (PeerTimeout, RemoteError) as e:
+            except RemoteError as e:
+                if e.code == "Refused":
+                    raise ServiceRefused(f"{self.name}: the coordinator at {ep} refused it: {e.detail}") from None
+                holder = e.fields.get("holder")
+                if e.code == "NameTaken" and self._predecessor_gone(holder) and first.get("replaces") != holder["pid"]:
+                    first["replaces"] = holder["pid"]
+                    continue
                 if time.monotonic() > deadline:
-                    raise PeerTimeout(f"{self.name}: coordinator at {self.cfg.coordinator.endpoint} "
-                                      f"never answered: {e}") from None
-                log.info("%s: waiting for the coordinator at %s (%s)", self.name,
-                         self.cfg.coordinator.endpoint, e)
+                    raise ServiceRefused(f"{self.name}: the coordinator at {ep} did not take it: {e.detail}") \
+                        from None
+                if time.monotonic() - said > 10.0:  # asked again every second, said every 10
+                    log.info("%s: not registered yet: %s", self.name, e.detail)
+                    said = time.monotonic()
+                await asyncio.sleep(1.0)
+            except PeerTimeout as e:
+                why = self.coordinator.trouble()
+                if why and self.coordinator.watcher and self.coordinator.watcher.handshake_failed:  # no retry mends it
+                    raise ServiceRefused(f"{self.name}: cannot talk to the coordinator at {ep}: {why}") from None
+                if time.monotonic() > deadline:
+                    raise PeerTimeout(f"{self.name}: coordinator at {ep} never answered: "
+                                      f"{why or e}") from None
+                log.info("%s: waiting for the coordinator at %s (%s)", self.name, ep, why or e)
+        self.coordinator.unwatch()
         self._heartbeat = asyncio.create_task(self._beat(), name="heartbeat")
 
-    async def hello(self) -> None:
+    @staticmethod
+    def _predecessor_gone(holder) -> bool:
+        """Whether the process that holds our name ran on this host and is gone (we replace it)."""
+        return (isinstance(holder, dict) and holder.get("host") == HOST and isinstance(holder.get("pid"), int)
+                and holder["pid"] != os.getpid() and not procs.running(holder["pid"]))
+
+    async def hello(self, **first) -> None:
         reply = await self.coordinator.call("Hello", role=self.role, index=self.index, pid=os.getpid(),
-                                            boot=self.boot, status=self.heartbeat_status(), timeout=2.0)
+                                            boot=self.boot, status=self.heartbeat_status(), timeout=2.0, **first)
         boot = reply.get("boot")
         if boot is not None and self.coordinator_boot is not None and boot != self.coordinator_boot:
             # The coordinator restarted: what was in flight to it is lost; send it again now
@@ -260,7 +298,8 @@ async def _drain(service: Service) -> None:
 
 
 def run_service(service: Service) -> int:
-    """Run until SIGTERM/SIGINT; 0 on a clean stop, 1 when startup or the work failed.
+    """Run until SIGTERM/SIGINT; 0 on a clean stop, 1 when startup or the work failed,
+    EX_CONFIG (78) when the coordinator refused the service (`Service.register`).
 
     With MARIANA_PROFILE=DIR set, a cProfile of the whole run goes to DIR/<name>.prof.
     """
@@ -271,6 +310,9 @@ def run_service(service: Service) -> int:
             return _profiled(service, os.environ["MARIANA_PROFILE"])
         with asyncio.Runner(loop_factory=MendedLoop) as runner:  # metrics ports, the coordinator's API
             return runner.run(_run(service))
+    except ServiceRefused as e:  # a restart would be refused again: systemd's units do not restart on 78
+        log.error("%s", e)
+        return EX_CONFIG
     except (MarianaError, OSError, zmq.ZMQError) as e:  # e.g. an endpoint already in use
         log.error("%s: %s", service.name, e)
         return 1

@@ -991,6 +991,7 @@
         el("td", {class: "mono"}, name),
         el("td", {}, str(s.role)),
         el("td", {class: "num"}, str(s.index)),
+        el("td", {class: "mono", "data-testid": "service-host"}, str(s.host)),
         el("td", {class: "num"}, str(s.pid)),
         el("td", {class: "num", "data-testid": "service-restarts",
                   title: "times it registered again after a restart"}, isNum(s.restarts) ? fmtInt(s.restarts) : DASH),

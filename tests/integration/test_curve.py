@@ -13,6 +13,7 @@ from mariana.services import protocol
 from mariana.sparse.synth import generate_criteo
 from tests.integration.cluster import Cluster
 from tests.integration.test_bad_messages import zmq_context
+from tests.integration.test_registration import EX_CONFIG, ended, run, variant
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +42,16 @@ def test_a_cluster_with_a_curve_key_trains_and_strangers_are_not_heard(tmp_path)
                 answers[name] = protocol.decode(sock.recv_multipart()) if sock.poll(3000) else None
                 sock.close()
         jobs = c.request("GET", "/v1/jobs")[1]["jobs"]
+        # a host whose config has another key, or none: its service exits at once, saying so
+        # (it used to retry for cluster.start_seconds and say the coordinator "never answered")
+        other = zmq.curve_keypair()[1].decode()
+        starts = {key: run("worker", 0, variant(c, tmp_path / f"{key or 'none'}.toml", **{"cluster.curve_key": key,
+                                                                                      "worker.metrics_ports": []}),
+                           tmp_path / f"{key or 'none'}.log") for key in (other, "")}
+        refused = {key: ended(p, tmp_path / f"{key or 'none'}.log", timeout=30) for key, p in starts.items()}
+    for key, (code, log) in refused.items():
+        assert code == EX_CONFIG and "cannot talk to the coordinator" in log, (key, code, log[-2000:])
+        assert "the ZeroMQ handshake with it fails (HANDSHAKE_FAILED_" in log and "cluster.curve_key differs" in log
     assert answers["stranger"] is None  # not even an Error: its frames never reached the coordinator
     assert answers["holder"] is not None and answers["holder"].type == "JobSpec", answers
     assert [j["state"] for j in jobs] == ["done"], json.dumps(jobs)[:500]

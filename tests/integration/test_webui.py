@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import os
+import platform
 import threading
 import time
 import urllib.error
@@ -193,6 +194,7 @@ def watch_the_running_job(sync_api, page, job: str, artifacts: Path) -> None:
         assert attr_int(page.locator(f"[data-testid={c}]"), "data-points") > n, c
     worker = page.locator('[data-testid=service-row][data-service="worker-0"]')
     expect(worker).to_have_attribute("data-alive", "true")
+    expect(worker.locator("[data-testid=service-host]")).to_have_text(platform.node())  # as it registered
     expect(page.locator('[data-testid=service-row][data-service="ps-0"]')).to_have_attribute("data-alive", "true")
     expect(page.locator("[data-testid=health]")).to_have_attribute("data-state", "ok")
     expect(page.locator("[data-testid=redis]")).to_have_attribute("data-up", "true")

@@ -14,11 +14,13 @@ def test_a_process_that_exited_is_not_alive_whatever_the_coordinator_last_heard(
                         "ps-0": {"pid": 6, "running": True, "role": "ps", "index": 0, "restarts": 0}}}
     coord = {"services": {"worker-0": {"alive": True, "last_seen": now, "role": "worker", "index": 0},
                           "ps-0": {"alive": True, "last_seen": now, "role": "ps", "index": 0},
-                          "preprocess-0": {"alive": False, "last_seen": now - 60, "role": "preprocess", "index": 0}}}
+                          "preprocess-0": {"alive": False, "last_seen": now - 60, "role": "preprocess", "index": 0,
+                                           "pid": 77, "host": "node-3"}}}
     rows = {r[0]: r for r in _service_rows(st, coord)}
-    assert rows["worker-0"][3:5] == ("no", "5 (exited)")
-    assert rows["ps-0"][3:5] == ("yes", "6")
-    assert rows["preprocess-0"][3:5] == ("no", "-")  # started elsewhere: the coordinator's word
+    assert rows["worker-0"][3:6] == ("no", "-", "5 (exited)")
+    assert rows["ps-0"][3:6] == ("yes", "-", "6")
+    # started elsewhere: the coordinator's word, and the pid and host it registered with ("-" before)
+    assert rows["preprocess-0"][3:6] == ("no", "node-3", 77)
 
 
 def test_an_ended_jobs_row_gives_its_own_rows_and_pace_not_its_last_epochs():

@@ -1,0 +1,103 @@
+"""Whom the coordinator takes at `Hello`, the first message of every service.
+
+A cluster deployed host by host runs one config on every host; what goes wrong is a host
+whose copy differs, or a service started twice. Each shows here, at registration, as an
+`Error` the service exits on with the reason, instead of a job that hangs at 0 rows:
+
+    Refused    (not retried: the service exits at once, naming what differs)
+               - a role, or an index past its count, that the coordinator's config has not;
+               - settings every host must share (`cluster_shape`: shard and preprocess counts
+                 and endpoints, the worker count) that differ from the coordinator's;
+               - a sample cache that is another Redis, or another database of it, than the
+                 coordinator's (a host whose redis.url says 127.0.0.1 reaches its own Redis).
+    NameTaken  (retried until the service's start time is over)
+               - another process that said Hello under this name, and that the coordinator
+                 heard from within `coordinator.heartbeat_seconds`. A restart on the same host
+                 names the pid it replaces once it sees that pid gone, and is taken at once; a
+                 second live process keeps being refused.
+"""
+from __future__ import annotations
+
+import time
+
+from mariana.services.protocol import Message, NameTaken, Refused
+from mariana.services.runtime.config import ROLES, cluster_shape
+
+REDIS_ID_SECONDS = 10.0  # how long the coordinator trusts its own Redis identity before asking again
+
+
+def shape_differences(mine: dict, theirs: dict) -> list[str]:
+    """The shared settings where a service's config differs from the coordinator's.
+
+    >>> shape_differences({"ps.count": 2, "worker.count": 1}, {"ps.count": 3, "worker.count": 1})
+    ["ps.count = 3 there, 2 in the coordinator's"]
+    """
+    return [f"{key} = {theirs[key]!r} there, {value!r} in the coordinator's"
+            for key, value in mine.items() if key in theirs and theirs[key] != value]
+
+
+def redis_difference(mine: dict | None, theirs: dict | None) -> str | None:
+    """Why a service's sample cache is not the coordinator's; None when it is, or when either
+    side could not tell (its Redis did not answer: the job finds out, and says so).
+
+    >>> why = redis_difference({"server": "a1", "db": 0, "url": "redis://h:1/0"},
+    ...                        {"server": "a1", "db": 1, "url": "redis://h:1/1"})
+    >>> for part in why.split("; "):
+    ...     print(part)
+    its redis.url redis://h:1/1 reaches database 1 of Redis server a1
+    the coordinator's redis://h:1/0 database 0 of a1
+    >>> redis_difference({"server": "a1", "db": 0, "url": "u"}, None) is None
+    True
+    """
+    if not mine or not isinstance(theirs, dict) or not mine.get("server") or not theirs.get("server"):
+        return None
+    if (theirs["server"], theirs.get("db")) == (mine["server"], mine["db"]):
+        return None
+    return (f"its redis.url {theirs.get('url')} reaches database {theirs.get('db')} of Redis server "
+            f"{str(theirs['server'])[:12]}; the coordinator's {mine['url']} database {mine['db']} of "
+            f"{mine['server'][:12]}")
+
+
+async def admit(coord, msg: Message, name: str) -> None:
+    """Refused or NameTaken for a Hello the coordinator does not take (see the module's doc)."""
+    role, index, cfg = msg["role"], msg["index"], coord.cfg
+    if role not in ROLES or role == "coordinator":
+        raise Refused(f"no role {role!r} registers with a coordinator (roles: "
+                      f"{', '.join(r for r in ROLES if r != 'coordinator')})")
+    count = cfg.count(role)
+    if not 0 <= index < count:
+        raise Refused(f"no {role} #{index} in the coordinator's config: {role}.count = {count} there "
+                      f"(indexes 0-{count - 1}); every host must run the cluster's one config")
+    why = []
+    if isinstance(msg.get("shape"), dict):
+        why += shape_differences(cluster_shape(cfg), msg["shape"])
+    if isinstance(msg.get("redis"), dict):
+        if (differs := redis_difference(await redis_identity(coord), msg["redis"])) is not None:
+            # once more with a fresh look: a Redis restarted since the coordinator's last has a new run_id
+            differs = redis_difference(await redis_identity(coord, fresh=True), msg["redis"])
+        if differs:
+            why.append(differs + " (the sample cache must be one Redis: give every host a redis.url naming "
+                       "the same server and database, by an address each host reaches)")
+    if why:
+        raise Refused(f"{name}'s config differs from the coordinator's (every host must run the cluster's "
+                      f"one config): " + "; ".join(why))
+    info = coord.services.get(name)
+    if info is None or info.boot == msg.get("boot"):
+        return
+    within = cfg.coordinator.heartbeat_seconds
+    if not info.alive(within) or (msg.get("replaces") == info.pid and msg.get("host") == info.host):
+        return  # its predecessor is gone (silent too long, or seen gone on its own host)
+    age = time.time() - info.last_seen
+    raise NameTaken(f"{name} is already running: pid {info.pid} on {info.host or 'an unnamed host'}, heard from "
+                    f"{age:.1f}s ago; a second {name} is refused (if that one has stopped, this one is taken "
+                    f"once it has been silent {within:g}s)", holder={"pid": info.pid, "host": info.host})
+
+
+async def redis_identity(coord, fresh: bool = False) -> dict | None:
+    """The coordinator's own sample cache identity (`SampleCache.identity`), asked again after
+    REDIS_ID_SECONDS, or at once when `fresh`."""
+    at, ident = coord._redis_id
+    if fresh or ident is None or time.monotonic() - at > REDIS_ID_SECONDS:
+        ident = await coord.cache.identity()
+        coord._redis_id = (time.monotonic(), ident)
+    return ident

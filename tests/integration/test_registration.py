@@ -1,0 +1,172 @@
+"""Whom the coordinator takes at `Hello` (services/coord_hello.py), with real processes on a
+real cluster: a service whose host runs another config, or whose name a live process holds,
+exits at once with status 78 and a line that says what differs, instead of joining a cluster
+where its job would hang at 0 rows; a restart on the same host is taken at once; a job left
+running is not resumed by a coordinator whose ps.count changed."""
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mariana.services.launcher import free_port
+from mariana.services.runtime.config import load_cluster_config, to_toml
+from mariana.sparse.synth import generate_criteo
+from tests.conftest import run_cli
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+EX_CONFIG = 78
+
+
+def variant(c: Cluster, path: Path, **overrides) -> Path:
+    """The cluster's resolved config with `overrides` (one host's differing copy)."""
+    cfg = load_cluster_config(c.info["config"], env={}, overrides=overrides)
+    path.write_text(to_toml(cfg))
+    return path
+
+
+def run(role: str, index: int, config: Path, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "mariana", "run", role, "--config", str(config), "--index",
+                                 str(index)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def ended(p: subprocess.Popen, log: Path, timeout: float = 60.0) -> tuple[int, str]:
+    try:
+        code = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise AssertionError(f"still running after {timeout}s:\n{log.read_text()[-2000:]}") from None
+    return code, log.read_text()
+
+
+@pytest.mark.timeout(240)
+def test_a_service_whose_host_differs_is_refused_at_once_and_says_what_differs(tmp_path):
+    with Cluster(tmp_path / "c", workers=1, **{"cluster.start_seconds": 4.0}) as c:
+        c.wait_for(lambda: len(c.status()["services"]) == 5, 60)
+        ps = load_cluster_config(c.info["config"], env={}).ps
+        cases = {
+            # a worker that would send rows to two shards where the cluster has one
+            "ps": ("worker", 0, {"ps.count": 2, "ps.endpoints": [*ps.endpoints, f"tcp://127.0.0.1:{free_port()}"],
+                                 "ps.metrics_ports": [], "worker.metrics_ports": []},
+                   ["ps.count = 2 there, 1 in the coordinator's", "ps.endpoints = "]),
+            # a preprocess that would cache batches where no worker reads them
+            "db": ("preprocess", 0, {"redis.url": c.cfg.redis.url.rsplit("/", 1)[0] + "/1",
+                                     "preprocess.endpoints": [f"tcp://127.0.0.1:{free_port()}"],  # its own host's
+                                     "preprocess.metrics_ports": []},
+                   ["reaches database 1 of Redis server", "the sample cache must be one Redis"]),
+            # an index the coordinator's config has not
+            "index": ("worker", 3, {"worker.count": 4, "worker.metrics_ports": []},
+                      ["no worker #3 in the coordinator's config: worker.count = 1 there (indexes 0-0)"]),
+            # a second worker-0 while the first runs: refused when its start time is over
+            "twice": ("worker", 0, {"worker.metrics_ports": []},
+                      [f"worker-0 is already running: pid {c.pid('worker-0')} on "]),
+        }
+        procs = {k: run(role, i, variant(c, tmp_path / f"{k}.toml", **o), tmp_path / f"{k}.log")
+                 for k, (role, i, o, _) in cases.items()}
+        for key, (role, index, _, says) in cases.items():
+            code, log = ended(procs[key], tmp_path / f"{key}.log")
+            assert code == EX_CONFIG, (key, code, log[-2000:])
+            assert "refused it" in log or "did not take it" in log, (key, log[-2000:])
+            for text in says:
+                assert text in log, (key, text, log[-2000:])
+            if key != "twice":  # refused at its first Hello: not retried for cluster.start_seconds
+                assert "not registered yet" not in log, (key, log[-2000:])
+        status, first = c.status()["services"], c.pid("worker-0")
+        coord_log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
+    # the cluster as it was: the first worker-0 kept its name, none of the others registered
+    assert sorted(status) == ["coordinator-0", "loader-0", "preprocess-0", "ps-0", "worker-0"], status
+    assert status["worker-0"]["restarts"] == 0 and status["worker-0"]["pid"] == first
+    # named by its first Hello, kept through the heartbeats since (every 0.67 s here)
+    assert {s["host"] for s in status.values()} == {platform.node()}, status
+    assert "cannot serve Hello" in coord_log and "hello: hello:" not in coord_log
+
+
+@pytest.mark.timeout(240)
+def test_a_service_restarted_on_its_host_is_taken_at_once(tmp_path):
+    """SIGKILL a worker and start it again at once: the coordinator heard the dead one within
+    heartbeat_seconds (30 s here), and takes the new one because it names the pid it replaces,
+    which it saw gone on its own host; the heartbeats then name the host."""
+    with Cluster(tmp_path / "c", workers=1, **{"coordinator.heartbeat_seconds": 30.0}) as c:
+        c.wait_for(lambda: len(c.status()["services"]) == 5, 60)
+        old = c.pid("worker-0")
+        c.kill("worker-0", signal.SIGKILL)
+        new = c.restart("worker-0")
+        info = c.wait_for(lambda: (lambda s: s if s["pid"] == new.pid else None)(c.status()["services"]["worker-0"]),
+                          60)
+        log = (tmp_path / "c" / "logs" / "worker-0.log").read_text()
+    assert new.pid != old and info["restarts"] == 1, info
+    assert info["host"] == platform.node(), info
+    assert "not registered yet" not in log, log[-2000:]  # it did not wait for the dead one's name to lapse
+
+
+@pytest.mark.timeout(300)
+def test_a_job_is_not_resumed_by_a_coordinator_with_another_ps_count(tmp_path):
+    """A job left running by a stopped coordinator fails when a coordinator restarted with
+    another ps.count resumes it, saying so (it used to blame a shard that ran fine)."""
+    generate_criteo(tmp_path / "train.tsv", 20_000, seed=5)
+    with Cluster(tmp_path / "c", workers=1) as c:
+        c.kill("worker-0", signal.SIGTERM)  # no worker: the job stays running, at 0 rows
+        job = c.submit([tmp_path / "train.tsv"], tmp_path / "m", config={"hashing": {"bits": 16}})
+        c.wait(job, 60, until=lambda s: s["state"] == "running")
+        c.kill("coordinator-0", signal.SIGTERM)  # a running job is left running, to resume
+        shards = [*c.cfg.ps.endpoints, f"tcp://127.0.0.1:{free_port()}"]
+        config = variant(c, tmp_path / "ps2.toml", **{"ps.count": 2, "ps.metrics_ports": [], "ps.endpoints": shards})
+        coord = run("coordinator", 0, config, tmp_path / "c" / "logs" / "coordinator-0.log")
+        coord.mariana_name = "coordinator-0"
+        c.restarted.append(coord)  # stopped with the cluster
+        c.wait_http()
+        summary = c.wait(job, 60)
+    assert summary["state"] == "failed", summary
+    assert "started with ps.count = 1, and the coordinator restarted with ps.count = 2" in summary["error"], summary
+    assert "submit it again" in summary["error"]
+    assert time.time() - summary["ended"] < 120
+
+
+@pytest.mark.timeout(300)
+def test_train_in_cluster_mode_uses_a_deployed_cluster_it_has_no_cluster_json_of(tmp_path):
+    """A cluster deployed host by host (or by systemd) has no cluster.json where `train --mode
+    cluster` looks; its config names the coordinator's fixed ports. The job goes to that
+    coordinator, instead of a temporary cluster on the same ports whose services knocked at
+    it under the same names. Another job's temporary cluster there is refused, saying whose."""
+    from mariana.services import launcher
+
+    generate_criteo(tmp_path / "d.tsv", 5_000, seed=3)
+    with Cluster(tmp_path / "c", workers=1) as c:
+        config = variant(c, tmp_path / "host.toml", **{"cluster.dir": str(tmp_path / "elsewhere")})
+        state = tmp_path / "c" / "cluster.json"
+        state.rename(tmp_path / "away.json")  # as on a host where the services were started by hand
+        try:
+            proc = run_cli("train", "--mode", "cluster", "--cluster-config", config, "--data", tmp_path / "d.tsv",
+                           "--out", tmp_path / "m", "--set", "hashing.bits=14")
+        finally:
+            (tmp_path / "away.json").rename(state)
+        jobs = c.request("GET", "/v1/jobs")[1]["jobs"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"using the cluster whose coordinator answers at {c.info['http']}" in proc.stderr, proc.stderr[-3000:]
+    assert "starting one" not in proc.stderr
+    assert [(j["state"], j["data"]) for j in jobs] == [("done", [str(tmp_path / "d.tsv")])], jobs
+
+    cfg = load_cluster_config(overrides={"cluster.dir": str(tmp_path / "t"), "cluster.base_port": free_port()},
+                              env={})
+    launcher.up(cfg, owner=os.getpid())  # as `train --mode cluster` does for its temporary cluster
+    try:
+        other = load_cluster_config(overrides={"cluster.dir": str(tmp_path / "t2"),
+                                               "cluster.base_port": cfg.cluster.base_port}, env={})
+        (tmp_path / "t2.toml").write_text(to_toml(other))
+        proc = run_cli("train", "--mode", "cluster", "--cluster-config", tmp_path / "t2.toml", "--data",
+                       tmp_path / "d.tsv", "--out", tmp_path / "m2")
+    finally:
+        launcher.down(str(tmp_path / "t"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"is the temporary cluster of another job (pid {os.getpid()}" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "m2").exists()

@@ -391,6 +391,7 @@ def up(cfg: ClusterConfig, wait: bool = True, owner: int | None = None) -> dict:
     cfg = resolve(cfg)
     root = cfg.cluster.path
     _refuse_running(root)
+    _refuse_taken(cfg)
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     state = {"dir": root, "config": _write_private(os.path.join(root, CONFIG_FILE), to_toml(cfg)),
              "http": http_url(cfg), "token": cfg.coordinator.token, "started_at": time.time(),
@@ -443,6 +444,25 @@ def _refuse_running(root: str) -> None:
         raise MarianaError(f"a cluster is already up in {root}: {', '.join(running)}; "
                            f"run `mariana down --dir {root}` first")
     log.warning("%s: none of its processes runs any more; starting over", os.path.join(root, STATE_FILE))
+
+
+def _refuse_taken(cfg: ClusterConfig) -> None:
+    """A coordinator answering at the fixed HTTP port this cluster would take: another cluster
+    (`up` in another dir, or deployed by hand or systemd) holds its ports. Without this check
+    `up` saw that one's services register and said the new cluster was up, while its own
+    processes failed to bind, one after another."""
+    if not cfg.coordinator.http_port:
+        return
+    http = http_url(cfg)
+    try:
+        there = fetch_status(http)
+    except _UNREACHABLE:
+        return
+    where = there.get("cluster_dir") if isinstance(there, dict) else None
+    raise MarianaError(f"a coordinator already answers at {http}" + (f" (its cluster.dir: {where})" if where else "")
+                       + ": another cluster holds the fixed ports of this config (cluster.base_port = "
+                       f"{cfg.cluster.base_port}, coordinator.http_port = {cfg.coordinator.http_port}); stop it "
+                       "(`mariana down --dir` its dir), use it, or give this cluster other ports")
 
 
 def _start_processes(cfg: ClusterConfig, state: dict) -> None:
@@ -506,7 +526,9 @@ def _unregistered(state: dict) -> list[str]:
         services = fetch_status(state["http"]).get("services", {})
     except _UNREACHABLE:  # the coordinator is not listening yet
         services = {}
-    return [r["name"] for r in state["services"] if not (services.get(r["name"]) or {}).get("alive")]
+    # registered as the process `up` started: another cluster's on the same fixed ports is not ours
+    return [r["name"] for r in state["services"]
+            if not ((s := services.get(r["name"]) or {}).get("alive") and s.get("pid") == r["pid"])]
 
 
 def _start_failure(state: dict, seconds: float, missing: list[str], exited: list[dict]) -> MarianaError:

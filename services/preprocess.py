@@ -34,7 +34,7 @@ from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
 from mariana.services.sample_cache import CacheUnavailable, SampleCache, pack_batch
-from mariana.services.transport import PEER_LOG, PeerTimeout, RemoteError, as_server, make_socket, timeout_log
+from mariana.services.transport import PEER_LOG, PeerTimeout, RemoteError, bind, make_socket, timeout_log
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.parse import BlockParser, BlockTask, Chunk, ParseStats, preload
@@ -68,7 +68,7 @@ class Preprocess(Service):
 
     async def start(self) -> None:
         self.pull = make_socket(self.ctx, zmq.PULL, hwm=2)
-        as_server(self.pull).bind(self.cfg.preprocess.endpoints[self.index])
+        bind(self.pull, self.cfg.preprocess.endpoints[self.index])
         self.connect_coordinator()
         self.cache = SampleCache(self.cfg, self.counters)
         await self.register()

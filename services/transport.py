@@ -16,6 +16,7 @@ returns an awaitable (a held lease) runs as a task.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import inspect
 import itertools
@@ -29,6 +30,7 @@ import zmq.asyncio
 
 from mariana.services import protocol
 from mariana.services.protocol import BadMessage, Message
+from mariana.services.runtime import procs
 from mariana.sparse.errors import DataFormatError, MarianaError
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,19 @@ def as_server(sock: zmq.Socket) -> zmq.Socket:
         sock.curve_publickey, sock.curve_secretkey = _CURVE
         sock.curve_server = True
     return sock
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> None:
+    """`as_server` and bind; a port taken says by whom, where this machine shows it (an
+    exploratory run: two clusters on one host's fixed ports, each service "Address already in use")."""
+    try:
+        as_server(sock).bind(endpoint)
+    except zmq.ZMQError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        port = endpoint.rsplit(":", 1)[-1]
+        who = procs.holder_of(int(port)) if port.isdigit() else ""
+        raise MarianaError(f"cannot bind {endpoint}: address already in use{who}") from None
 
 
 def as_client(sock: zmq.Socket) -> zmq.Socket:
@@ -375,7 +390,7 @@ class Server:
         self.name = name
         self.channel = _Channel(ctx, zmq.ROUTER, self._received, counters, name)
         self.channel.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        as_server(self.channel.sock).bind(endpoint)
+        bind(self.channel.sock, endpoint)
         self.tasks: set[asyncio.Task] = set()
         self.channel.start_reading()
 

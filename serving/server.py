@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -33,7 +34,7 @@ import tempfile
 import time
 
 from mariana.serving.config import ServeConfig, ready_path, snapshot_path, worker_files
-from mariana.services.runtime import sdnotify
+from mariana.services.runtime import procs, sdnotify
 from mariana.services.runtime.accept_loop import MendedLoop
 from mariana.services.runtime.config import to_toml
 from mariana.sparse.errors import MarianaError
@@ -238,7 +239,8 @@ def _check_free(host: str, port: int) -> int:
         probe.bind((host, port))
         return probe.getsockname()[1]
     except OSError as e:
-        raise MarianaError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        who = procs.holder_of(port) if e.errno == errno.EADDRINUSE else ""
+        raise MarianaError(f"cannot listen on {host}:{port}: {e.strerror or e}{who}") from None
     finally:
         probe.close()
 

@@ -263,3 +263,29 @@ def test_a_temporary_cluster_on_fixed_ports_that_are_taken_says_why_and_what_to_
                        "--out", tmp_path / "m", env={"TMPDIR": str(tmp_path)})
     assert proc.returncode == 2 and "in use" in proc.stderr, proc.stderr
     assert f"(cluster.base_port = {base} gives a temporary cluster fixed ports" in proc.stderr, proc.stderr
+
+
+def test_up_on_fixed_ports_another_cluster_holds_is_refused_naming_it(tmp_path):
+    """With Redis outside the cluster (nothing of `up`'s own binds first), a second `up` on
+    the same fixed ports in another dir said "cluster up" (an exploratory upgrade run): the
+    services it waited for were the first cluster's, while its own failed to bind, again and
+    again. It is refused before any process starts, naming the cluster that holds the ports."""
+    from mariana.services import launcher
+
+    base = free_port()
+    redis_server = RedisServer("127.0.0.1", free_port(), str(tmp_path / "redis"))
+    redis_server.start().wait_ready()
+    settings = {"cluster.base_port": base, "redis.embedded": False, "redis.url": redis_server.url,
+                "cluster.supervise": False}
+    try:
+        launcher.up(load_cluster_config(overrides={**settings, "cluster.dir": str(tmp_path / "a")}, env={}))
+        try:
+            with pytest.raises(MarianaError) as e:
+                launcher.up(load_cluster_config(overrides={**settings, "cluster.dir": str(tmp_path / "b")}, env={}))
+            assert f"a coordinator already answers at http://127.0.0.1:{base + 1} (its cluster.dir: " \
+                   f"{tmp_path / 'a'})" in str(e.value), str(e.value)
+            assert not (tmp_path / "b" / "cluster.json").exists() and not (tmp_path / "b" / "logs").exists()
+        finally:
+            launcher.down(str(tmp_path / "a"))
+    finally:
+        redis_server.stop()

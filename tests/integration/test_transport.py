@@ -278,3 +278,29 @@ def test_requests_failed_by_a_peer_restart_are_said_once_not_each(caplog):
     timeout_log(log, RemoteError("bad_request", "no such job"))("refused: %s", "no such job")
     timeout_log(log, PeerTimeout("no answer in 5s"), logging.INFO)("lease: %s", "no answer")
     assert [r.levelname for r in caplog.records] == ["DEBUG"] * 3 + ["WARNING", "WARNING", "INFO"]
+
+
+def test_a_taken_port_says_who_holds_it():
+    """Two clusters on one host's fixed ports: each service said "Address already in use" and
+    nothing more (an exploratory run); the bind now names the process that listens there."""
+    import os
+    import socket
+
+    from mariana.services.transport import bind
+    from mariana.sparse.errors import MarianaError
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        with pytest.raises(MarianaError) as e:
+            bind(sock, f"tcp://127.0.0.1:{port}")
+        assert str(e.value).startswith(f"cannot bind tcp://127.0.0.1:{port}: address already in use "
+                                       f"(held by pid {os.getpid()}: "), str(e.value)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        held.close()

@@ -51,6 +51,21 @@ def test_env_unknown_key_and_bad_toml(tmp_path):
         load_config(tmp_path / "missing.toml", env={})
 
 
+def test_every_unknown_key_is_named_with_where_it_came_from(tmp_path):
+    """The first unknown key alone, and not its source, was said: a client read a key from a
+    newer install's cluster file and the user looked for it in their own (an upgrade run)."""
+    path = tmp_path / "job.toml"
+    path.write_text("[train]\nepoch = 2\nrate = 0.1\n[model]\nkind = 'lr'\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, env={"MARIANA_MODEL__KIDN": "dnn"}, overrides={"optim.lrr": 0.1})
+    said = str(e.value).split("; ")
+    assert [s.split(" (known")[0] for s in said] == [
+        "train: unknown key 'train.epoch'", "train: unknown key 'train.rate'", "model: unknown key 'model.kidn'",
+        "optim: unknown key 'optim.lrr'"], said
+    assert [s.rsplit(") ", 1)[1] for s in said] == [f"in {path}", f"in {path}", "from MARIANA_MODEL__KIDN",
+                                                     "from an override (--set)"], said
+
+
 def test_set_option_parsing():
     assert parse_set_option("train.epochs=3") == ("train.epochs", 3)
     assert parse_set_option("model.hidden=[4, 2]") == ("model.hidden", [4, 2])

@@ -147,7 +147,7 @@ class Coordinator(Service):
             log.info("%s: %s %s (pid %s)", self.name, name, "restarted" if restarted else "registered",
                      msg.get("pid"))
         info.pid, info.boot, info.peer = msg.get("pid", 0), msg.get("boot", 0.0), peer
-        info.host = str(msg.get("host") or info.host)  # the first Hello names it; heartbeats do not
+        info.host = str(msg.get("host") or "")
         info.update(msg.get("status") if isinstance(msg.get("status"), dict) else {}, time.time())
         if restarted:
             self.spawn(self.rejoin(info))

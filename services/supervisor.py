@@ -138,10 +138,17 @@ class Supervisor:
         now = time.monotonic()
         for rec in launcher._records(state):
             name = rec["name"]
-            if launcher._alive(rec):
+            if launcher._alive(rec) or rec.get("refused"):
                 continue
             if name not in self.due:
                 code = launcher._exit_code(rec)
+                if code == procs.EX_CONFIG:  # refused by the coordinator: a restart is refused again
+                    rec.update(refused=True, exits=rec.get("exits", 0) + 1,
+                               last_exit={"code": code, "at": time.time()})
+                    log.error("%s (pid %d) exited %d: the coordinator refused it (its log says why); not "
+                              "restarted", name, rec["pid"], code)
+                    changed = True
+                    continue
                 ran = time.time() - rec.get("started_at", time.time())
                 delay = RESTART_SECONDS if ran >= STABLE_SECONDS else self.delay.get(name, RESTART_SECONDS)
                 self.delay[name] = min(2 * delay, MAX_RESTART_SECONDS)

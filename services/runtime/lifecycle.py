@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 20.0
 HOST = platform.node()  # how a service names its host to the coordinator
-EX_CONFIG = 78  # sysexits.h: the exit status of a service the coordinator refused
 
 
 class ServiceRefused(MarianaError):
@@ -109,7 +108,7 @@ class Service:
         (services/coord_hello.py: not in its config, or a config that differs from its own)."""
         ep = self.cfg.coordinator.endpoint
         deadline = time.monotonic() + (attempts_seconds or self.cfg.cluster.start_seconds)
-        first, said = {"host": HOST, "shape": cluster_shape(self.cfg)}, float("-inf")
+        first, said = {"shape": cluster_shape(self.cfg)}, float("-inf")
         cache = getattr(self, "cache", None)  # the sample cache, for roles that have one
         if cache is not None and (ident := await cache.identity()) is not None:
             first["redis"] = ident  # not sent when Redis is away: nothing to compare then
@@ -150,7 +149,8 @@ class Service:
 
     async def hello(self, **first) -> None:
         reply = await self.coordinator.call("Hello", role=self.role, index=self.index, pid=os.getpid(),
-                                            boot=self.boot, status=self.heartbeat_status(), timeout=2.0, **first)
+                                            boot=self.boot, host=HOST, status=self.heartbeat_status(), timeout=2.0,
+                                            **first)  # the host with every one: a restarted coordinator learns it
         boot = reply.get("boot")
         if boot is not None and self.coordinator_boot is not None and boot != self.coordinator_boot:
             # The coordinator restarted: what was in flight to it is lost; send it again now
@@ -160,12 +160,16 @@ class Service:
         self.coordinator_boot = boot if boot is not None else self.coordinator_boot
 
     async def _beat(self) -> None:
-        period = max(0.2, self.cfg.coordinator.heartbeat_seconds / 3)
+        period, refused = max(0.2, self.cfg.coordinator.heartbeat_seconds / 3), ""
         while True:
             await asyncio.sleep(period)
             try:
                 await self.hello()
             except (PeerTimeout, RemoteError) as e:
+                if isinstance(e, RemoteError) and e.code == "Refused" and str(e) != refused:
+                    # a coordinator restarted with another config: said once, not every beat
+                    log.warning("%s: the coordinator refuses its heartbeats now: %s", self.name, e.detail)
+                    refused = str(e)
                 log.debug("%s: heartbeat: %s", self.name, e)
 
     def stop_heartbeat(self) -> None:
@@ -299,7 +303,7 @@ async def _drain(service: Service) -> None:
 
 def run_service(service: Service) -> int:
     """Run until SIGTERM/SIGINT; 0 on a clean stop, 1 when startup or the work failed,
-    EX_CONFIG (78) when the coordinator refused the service (`Service.register`).
+    procs.EX_CONFIG (78) when the coordinator refused the service (`Service.register`).
 
     With MARIANA_PROFILE=DIR set, a cProfile of the whole run goes to DIR/<name>.prof.
     """
@@ -312,7 +316,7 @@ def run_service(service: Service) -> int:
             return runner.run(_run(service))
     except ServiceRefused as e:  # a restart would be refused again: systemd's units do not restart on 78
         log.error("%s", e)
-        return EX_CONFIG
+        return procs.EX_CONFIG
     except (MarianaError, OSError, zmq.ZMQError) as e:  # e.g. an endpoint already in use
         log.error("%s: %s", service.name, e)
         return 1

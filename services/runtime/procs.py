@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+EX_CONFIG = 78  # sysexits.h: a service the coordinator refused exits so (systemd and the supervisor leave it)
+
 
 def start_time(pid: int) -> int | None:
     """When pid started (clock ticks after boot, from /proc); None if it is gone or a zombie."""

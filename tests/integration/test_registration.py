@@ -86,7 +86,7 @@ def test_a_service_whose_host_differs_is_refused_at_once_and_says_what_differs(t
     # the cluster as it was: the first worker-0 kept its name, none of the others registered
     assert sorted(status) == ["coordinator-0", "loader-0", "preprocess-0", "ps-0", "worker-0"], status
     assert status["worker-0"]["restarts"] == 0 and status["worker-0"]["pid"] == first
-    # named by its first Hello, kept through the heartbeats since (every 0.67 s here)
+    # named by every Hello (a restarted coordinator learns it from the next heartbeat)
     assert {s["host"] for s in status.values()} == {platform.node()}, status
     assert "cannot serve Hello" in coord_log and "hello: hello:" not in coord_log
 

@@ -50,6 +50,30 @@ def test_a_process_that_keeps_dying_is_restarted_with_growing_backoff(tmp_path):
             del launcher._CHILDREN[pid]
 
 
+def test_a_service_the_coordinator_refused_is_not_restarted(tmp_path):
+    """Exit 78 (procs.EX_CONFIG): the coordinator refused the service (its config differs from
+    the cluster's, or its name is held): a restart would be refused again, so the supervisor
+    leaves it, as systemd's units do (RestartPreventExitStatus=78), and says so."""
+    cmd = [sys.executable, "-c", "raise SystemExit(78)"]
+    (tmp_path / "logs").mkdir()
+    rec = {"name": "worker-0", "role": "worker", "index": 0, "pid": os.getpid() + 10**6, "start": None,
+           "cmd": cmd, "log": str(tmp_path / "logs" / "worker-0.log")}  # gone, its exit code unknown: restarted
+    launcher._save_state({"dir": str(tmp_path), "services": [rec], "redis": None})
+    sup = Supervisor(str(tmp_path))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3.0:  # the first restart after 0.5 s; a second would come 1 s after its exit
+        state = launcher._load_state(str(tmp_path))
+        if sup.tick(state, dict(os.environ)):
+            launcher._save_state(state)
+        time.sleep(0.02)
+    rec = launcher._load_state(str(tmp_path))["services"][0]
+    assert rec["restarts"] == 1 and rec["refused"] and rec["last_exit"]["code"] == 78, rec
+    for pid, child in list(launcher._CHILDREN.items()):
+        if child.args == cmd:
+            child.wait()
+            del launcher._CHILDREN[pid]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -323,8 +323,16 @@ class JobRunner:
         self.coord.pulse()
 
     async def pump_refills(self, run: JobRun) -> None:
-        """Read missed chunks again, a few at a time (two per preprocess instance)."""
+        """Read missed chunks again, a few at a time (two per preprocess instance). A chunk
+        cached and then missing again and again in one epoch fails the job: its batches do not
+        stay where the workers read (a loop at 0 rows, with a green status, before)."""
         for c in run.ledger.next_refills(2 * self.coord.cfg.preprocess.count):
+            if c.misses[1] > MAX_RESENDS:
+                self.fail(run, f"chunk {c.id} was cached {c.misses[1]} times in epoch {c.misses[0]} and each time "
+                               "a worker found its batches missing: preprocess and the workers do not use one Redis "
+                               "(every host's redis.url must name the same server and database), or Redis drops "
+                               "keys as it fills (its maxmemory-policy must be noeviction)")
+                return
             await self.send_resend(run, c)
 
     async def resend(self, run: JobRun, c: ChunkInfo) -> None:

@@ -97,6 +97,7 @@ class ChunkInfo:
     sent_at: float = 0.0
     batches: list[tuple[int, int]] = field(default_factory=list)  # (k, rows)
     resends: int = 0
+    misses: tuple[int, int] = (0, 0)  # (epoch, times it was found missing after being cached in that epoch)
 
 
 @dataclass
@@ -327,6 +328,7 @@ class JobLedger(LedgerReport):
             return ""
         self.refill.setdefault(chunk, []).append(step)
         if c is not None and c.state == "cached":
+            c.misses = (self.epoch, c.misses[1] + 1 if c.misses[0] == self.epoch else 1)
             c.state = "refill"
             self.refill_queue.append(chunk)
             return chunk

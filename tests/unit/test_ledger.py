@@ -274,6 +274,22 @@ def test_second_miss_of_a_refilling_chunk_does_not_resend():
     assert set(led.ready) == {a, b}
 
 
+def test_misses_of_a_chunk_after_it_was_cached_are_counted_per_epoch():
+    """What fails a job whose cached batches keep vanishing (coord_jobs.pump_refills): counted
+    afresh each epoch, where batches past cache.max_bytes expire by design."""
+    led = ledger_with({"f0o0": [(0, 4)]}, epochs=3)
+    finish_all(led)
+    for epoch, times in ((2, 3), (3, 1)):
+        led.next_epoch()
+        for _ in range(times):
+            step = led.lease("w0", 60)
+            assert led.missed(step) == "f0o0"
+            assert [c.id for c in led.next_refills(1)] == ["f0o0"]
+            assert led.chunk_cached("f0o0", [(0, 4)], {})
+        assert led.chunks["f0o0"].misses == (epoch, times)
+        finish_all(led)
+
+
 def test_lost_chunk_marks_waiting_steps_lost():
     led = ledger_with({"f0o0": [(0, 4), (1, 2)]}, epochs=2)
     finish_all(led)

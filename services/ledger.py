@@ -328,8 +328,7 @@ class JobLedger(LedgerReport):
             return ""
         self.refill.setdefault(chunk, []).append(step)
         if c is not None and c.state == "cached":
-            c.misses = (self.epoch, c.misses[1] + 1 if c.misses[0] == self.epoch else 1)
-            c.state = "refill"
+            c.state, c.misses = "refill", (self.epoch, c.misses[1] + 1 if c.misses[0] == self.epoch else 1)
             self.refill_queue.append(chunk)
             return chunk
         return ""

@@ -34,7 +34,8 @@ from mariana.services.protocol import BadMessage, Message
 from mariana.services.runtime.config import ClusterConfig
 from mariana.services.runtime.lifecycle import Service, run_service
 from mariana.services.sample_cache import CacheUnavailable, SampleCache, pack_batch
-from mariana.services.transport import PEER_LOG, PeerTimeout, RemoteError, bind, make_socket, timeout_log
+from mariana.services.transport import (PEER_LOG, HandshakeCounter, PeerTimeout, RemoteError, bind, make_socket,
+                                        timeout_log)
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import MarianaError
 from mariana.sparse.parse import BlockParser, BlockTask, Chunk, ParseStats, preload
@@ -62,12 +63,14 @@ class Preprocess(Service):
         self.jobs: dict[str, JobCodec] = {}
         self.cache: SampleCache | None = None
         self.pull = None
+        self.handshakes: HandshakeCounter | None = None
         self.in_flight: set[asyncio.Task] = set()
         self.failure: BaseException | None = None
         self.codec_lock = asyncio.Lock()
 
     async def start(self) -> None:
         self.pull = make_socket(self.ctx, zmq.PULL, hwm=2)
+        self.handshakes = HandshakeCounter(self.ctx, self.pull, self.counters, self.name)
         bind(self.pull, self.cfg.preprocess.endpoints[self.index])
         self.connect_coordinator()
         self.cache = SampleCache(self.cfg, self.counters)
@@ -111,6 +114,7 @@ class Preprocess(Service):
 
     async def close(self) -> None:
         if self.pull is not None:
+            self.handshakes.close()
             self.pull.close(linger=0)
         if self.cache:
             await self.cache.close()

@@ -390,6 +390,7 @@ class Server:
         self.name = name
         self.channel = _Channel(ctx, zmq.ROUTER, self._received, counters, name)
         self.channel.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.handshakes = HandshakeCounter(ctx, self.channel.sock, counters, name)  # before the bind
         bind(self.channel.sock, endpoint)
         self.tasks: set[asyncio.Task] = set()
         self.channel.start_reading()
@@ -401,7 +402,7 @@ class Server:
         except BadMessage as e:
             self.counters["bad_messages"] += 1
             PEER_LOG.warning("%s: bad message from peer %s: %s", self.name, peer.hex()[:8], e)
-            self.send(peer, protocol.error_reply(_guess_msg_id(body), e.code, str(e)))
+            self.send(peer, protocol.error_reply(_guess_msg_id(body), e.code, e.detail))
             return
         try:
             reply = self.handler(peer, msg)
@@ -459,7 +460,56 @@ class Server:
     def close(self) -> None:
         for t in self.tasks:
             t.cancel()
+        self.handshakes.close()
         self.channel.close()
+
+
+class HandshakeCounter:
+    """A server's failed ZeroMQ handshakes, counted (`handshake_failures`) and logged with the
+    peer's address, at most once per LOG_SECONDS: a host whose cluster.curve_key differs, or
+    a stranger, is otherwise invisible on this side (its messages never arrive)."""
+
+    LOG_SECONDS = 10.0
+
+    def __init__(self, ctx: zmq.asyncio.Context, sock: zmq.Socket, counters: Counter, name: str):
+        self.counters, self.name, self.sock = counters, name, sock
+        self.unsaid, self.said_at = 0, float("-inf")
+        addr = f"inproc://mariana-handshakes-{id(self):x}"
+        sock.monitor(addr, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self.events = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
+        self.events.linger = 0
+        self.events.connect(addr)
+        self.loop = asyncio.get_running_loop()
+        self.fd = self.events.getsockopt(zmq.FD)
+        self.loop.add_reader(self.fd, self._read)
+        self.loop.call_soon(self._read)  # edge-triggered: look now
+
+    def _read(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(self.events, zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                break
+            self.counters["handshake_failures"] += 1
+            self.unsaid += 1
+            now = time.monotonic()
+            if now - self.said_at >= self.LOG_SECONDS:
+                what = zmq.Event(event["event"]).name
+                PEER_LOG.warning("%s: %d failed ZeroMQ handshakes, the last with %s (%s): a peer whose "
+                                 "cluster.curve_key differs from this host's, or that has none", self.name,
+                                 self.unsaid, event.get("endpoint", b"").decode("utf-8", "replace") or "?", what)
+                self.unsaid, self.said_at = 0, now
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.fd)
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.events.close(linger=0)
 
 
 def _guess_msg_id(frames: list) -> int:

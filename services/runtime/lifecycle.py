@@ -47,7 +47,7 @@ class Service:
     # What it counts, each 0 from the start (a series that appears at its first event hides
     # that event from `increase()`): the transport's and memwatch's; a role adds its own.
     COUNTERS: tuple[str, ...] = ("bad_messages", "errors", "rpc_timeouts", "late_replies", "unsent_replies",
-                                 "memory_warnings")
+                                 "handshake_failures", "memory_warnings")
     REDIS_COUNTERS = ("redis_refused", "redis_retries", "batches_transient")  # services.sample_cache
     CREATIVE_COUNTERS = ("creatives_embedded", "corrupt_images", "creative_cache_rebuilt")  # services.creative_cache
 

@@ -45,12 +45,18 @@ def test_a_cluster_with_a_curve_key_trains_and_strangers_are_not_heard(tmp_path)
         # a host whose config has another key, or none: its service exits at once, saying so
         # (it used to retry for cluster.start_seconds and say the coordinator "never answered")
         other = zmq.curve_keypair()[1].decode()
-        starts = {key: run("worker", 0, variant(c, tmp_path / f"{key or 'none'}.toml", **{"cluster.curve_key": key,
-                                                                                      "worker.metrics_ports": []}),
-                           tmp_path / f"{key or 'none'}.log") for key in (other, "")}
-        refused = {key: ended(p, tmp_path / f"{key or 'none'}.log", timeout=30) for key, p in starts.items()}
-    for key, (code, log) in refused.items():
-        assert code == EX_CONFIG and "cannot talk to the coordinator" in log, (key, code, log[-2000:])
+        keys = {"other": other, "none": ""}
+        starts = {name: run("worker", 0, variant(c, tmp_path / f"{name}.toml", **{"cluster.curve_key": key,
+                                                                                 "worker.metrics_ports": []}),
+                            tmp_path / f"{name}.log") for name, key in keys.items()}
+        refused = {name: ended(p, tmp_path / f"{name}.log", timeout=30) for name, p in starts.items()}
+        counted = c.status()["counters"]["handshake_failures"]
+        coord_log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
+    # the coordinator's side: each failed handshake counted, and said (at most once per 10 s) with the peer
+    assert counted >= 3, counted  # the stranger and the two hosts
+    assert "failed ZeroMQ handshakes, the last with tcp://127.0.0.1:" in coord_log, coord_log[-3000:]
+    for name, (code, log) in refused.items():
+        assert code == EX_CONFIG and "cannot talk to the coordinator" in log, (name, code, log[-2000:])
         assert "the ZeroMQ handshake with it fails (HANDSHAKE_FAILED_" in log and "cluster.curve_key differs" in log
     assert answers["stranger"] is None  # not even an Error: its frames never reached the coordinator
     assert answers["holder"] is not None and answers["holder"].type == "JobSpec", answers

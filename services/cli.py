@@ -340,15 +340,18 @@ def cmd_supervise(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from mariana.services.launcher import ClusterNotUp, remote_status, status
 
-    if args.url:  # a cluster this shell did not start (systemd, another machine)
-        st = {"dir": None, "http": args.url.rstrip("/"), "started_at": None, "processes": {},
-              **remote_status(args.url.rstrip("/"))}
-    else:
+    url = args.url
+    if not url:
         try:
             st = status(_cluster_dir(args))
         except ClusterNotUp as e:
-            print(f"mariana: {e} (or name a coordinator with --url)", file=sys.stderr)
-            return 1
+            url = _deployed_url(args)  # a config that names its coordinator's fixed port (deployed by hand)
+            if not url:
+                print(f"mariana: {e} (or name a coordinator with --url)", file=sys.stderr)
+                return 1
+    if url:  # a cluster this shell did not start (systemd, another machine)
+        st = {"dir": None, "http": url.rstrip("/"), "started_at": None, "processes": {},
+              **remote_status(url.rstrip("/"))}
     if args.json:
         print(json.dumps(st))
     else:
@@ -441,6 +444,17 @@ def _progress_logger():
     return report
 
 
+def _deployed_url(args: argparse.Namespace) -> str | None:
+    """The coordinator's HTTP address a --config names by a fixed port (no --dir given)."""
+    from mariana.services.launcher import http_url
+    from mariana.services.runtime.config import load_cluster_config
+
+    if args.dir or not args.config:
+        return None
+    cfg = load_cluster_config(args.config)
+    return http_url(cfg) if cfg.coordinator.http_port else None
+
+
 def _cluster_dir(args: argparse.Namespace) -> str:
     from mariana.services.runtime.config import load_cluster_config
 
@@ -463,6 +477,8 @@ def _print_status(st: dict) -> None:
     report.print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "HOST", "PID", "RESTARTS", "LAST SEEN",
                         "THROUGHPUT"),
                        _service_rows(st, coord))
+    for name, why in (coord.get("refused") or {}).items():  # its config differs from the coordinator's, ...
+        print(f"refused {name}: {why}")
     jobs = coord.get("jobs") or []
     if jobs:
         print()

@@ -73,7 +73,8 @@ class CoordinatorAPI:
                              for n, s in sorted(self.coord.services.items())},
                 "jobs": self.job_summaries() if jobs is None else jobs,
                 "jobs_total": len(self.coord.jobs), "counters": dict(self.coord.counters),
-                "cluster_dir": self.coord.cfg.cluster.path}  # where its cluster.json is, if `mariana up` ran it
+                "cluster_dir": self.coord.cfg.cluster.path,  # where its cluster.json is, if `mariana up` ran it
+                "refused": {n: why for n, (_, why) in sorted(self.coord.refused.items())}}
 
     def newest_first(self) -> list[JobRun]:
         return sorted(self.coord.jobs.values(), key=lambda r: (r.submitted, r.id), reverse=True)

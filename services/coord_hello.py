@@ -12,17 +12,20 @@ whose copy differs, or a service started twice. Each shows here, at registration
                  coordinator's (a host whose redis.url says 127.0.0.1 reaches its own Redis).
     NameTaken  (retried until the service's start time is over)
                - another process that said Hello under this name, and that the coordinator
-                 heard from within `coordinator.heartbeat_seconds`. A restart on the same host
-                 names the pid it replaces once it sees that pid gone, and is taken at once; a
-                 second live process keeps being refused.
+                 heard from within `coordinator.heartbeat_seconds`. A restart where the old pid
+                 is its own (one kernel boot, one pid namespace) names the pid it replaces once
+                 it sees it gone, and is taken at once; a second live process keeps being
+                 refused. A process that lost its name while silent is refused its heartbeats
+                 and leases, and stops (`touch`; the service exits 78).
 """
 from __future__ import annotations
 
 import time
 
-from mariana.services.protocol import Message, NameTaken, Refused
+from mariana.services.protocol import Message, NameTaken, NotYet, Refused
 from mariana.services.runtime.config import ROLES, cluster_shape
 
+MAX_REFUSED = 64  # refused names the coordinator remembers (status, a waiting job's failure)
 REDIS_ID_SECONDS = 10.0  # how long the coordinator trusts its own Redis identity before asking again
 
 
@@ -59,7 +62,21 @@ def redis_difference(mine: dict | None, theirs: dict | None) -> str | None:
 
 
 async def admit(coord, msg: Message, name: str) -> None:
-    """Refused or NameTaken for a Hello the coordinator does not take (see the module's doc)."""
+    """Refused or NameTaken for a Hello the coordinator does not take (see the module's doc).
+    A refusal stays in `coord.refused` (status, and a job that waits for that service) until
+    a Hello under that name is taken."""
+    try:
+        await _admit(coord, msg, name)
+    except Refused as e:
+        if name[:name.rfind("-")] in ROLES:
+            coord.refused[name] = (time.time(), str(e))
+            while len(coord.refused) > MAX_REFUSED:  # names come from peers: bounded
+                del coord.refused[min(coord.refused, key=lambda n: coord.refused[n][0])]
+        raise
+    coord.refused.pop(name, None)
+
+
+async def _admit(coord, msg: Message, name: str) -> None:
     role, index, cfg = msg["role"], msg["index"], coord.cfg
     if role not in ROLES or role == "coordinator":
         raise Refused(f"no role {role!r} registers with a coordinator (roles: "
@@ -72,7 +89,12 @@ async def admit(coord, msg: Message, name: str) -> None:
     if isinstance(msg.get("shape"), dict):
         why += shape_differences(cluster_shape(cfg), msg["shape"])
     if isinstance(msg.get("redis"), dict):
-        if (differs := redis_difference(await redis_identity(coord), msg["redis"])) is not None:
+        mine = await redis_identity(coord)
+        if mine and mine.get("server") and not msg["redis"].get("server"):  # asked again each second
+            raise NotYet(f"{name}'s redis.url {msg['redis'].get('url')} does not answer, while the coordinator's "
+                         f"{mine['url']} does (every host's redis.url must name the cluster's Redis, by an address "
+                         "that host reaches)")
+        if (differs := redis_difference(mine, msg["redis"])) is not None:
             # once more with a fresh look: a Redis restarted since the coordinator's last has a new run_id
             differs = redis_difference(await redis_identity(coord, fresh=True), msg["redis"])
         if differs:
@@ -85,12 +107,32 @@ async def admit(coord, msg: Message, name: str) -> None:
     if info is None or info.boot == msg.get("boot"):
         return
     within = cfg.coordinator.heartbeat_seconds
-    if not info.alive(within) or (msg.get("replaces") == info.pid and msg.get("host") == info.host):
-        return  # its predecessor is gone (silent too long, or seen gone on its own host)
+    if not info.alive(within) or (msg.get("replaces") == info.pid and msg.get("place") == info.place):
+        return  # its predecessor is gone (silent too long, or seen gone where its pid is its own)
     age = time.time() - info.last_seen
     raise NameTaken(f"{name} is already running: pid {info.pid} on {info.host or 'an unnamed host'}, heard from "
                     f"{age:.1f}s ago; a second {name} is refused (if that one has stopped, this one is taken "
-                    f"once it has been silent {within:g}s)", holder={"pid": info.pid, "host": info.host})
+                    f"once it has been silent {within:g}s)", holder=holder(info))
+
+
+def holder(info) -> dict:
+    return {"pid": info.pid, "host": info.host, "place": info.place}
+
+
+def touch(coord, name: str, peer: bytes, lease: bool = False) -> None:
+    """A request of service `name`: it counts as heard from when it comes from the process
+    registered under that name. A Lease from another process is NameTaken: one that lost its
+    name while silent (stopped, cut off) and took over by a restart must not take work, nor
+    keep the name's last heartbeat fresh (it kept a dead successor "alive")."""
+    info = coord.services.get(name)
+    if info is None:
+        return
+    if info.peer and peer != info.peer:
+        if lease:
+            raise NameTaken(f"{name} is registered as pid {info.pid} on {info.host or 'an unnamed host'}, not as "
+                            "the process that sent this Lease: it takes no work", holder=holder(info))
+        return
+    info.last_seen = time.time()
 
 
 async def redis_identity(coord, fresh: bool = False) -> dict | None:

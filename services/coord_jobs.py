@@ -472,8 +472,10 @@ async def watch_job(runner: JobRunner, run: JobRun) -> None:
         bound, setting = ((cfg.redis.retry_seconds, "redis.retry_seconds") if key == "redis"
                           else (cfg.cluster.start_seconds, "cluster.start_seconds"))
         if now - held.since > bound:
-            runner.fail(run, f"gave up waiting for {held.who} after {bound:g}s ({setting}): {held.why}; "
-                             f"is it running? (`mariana status`; start it and submit the job again)")
+            refused = "; ".join(f"{n}: {why}" for n, (_, why) in sorted(coord.refused.items()))
+            runner.fail(run, f"gave up waiting for {held.who} after {bound:g}s ({setting}): {held.why}; " + (
+                f"the coordinator refuses {refused}" if refused else
+                "is it running? (`mariana status`; start it and submit the job again)"))
             return
 
 

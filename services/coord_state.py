@@ -39,6 +39,7 @@ class ServiceInfo:
     sampled: tuple = ()                # (time, counter) of the last heartbeat; last_seen moves with any request
     restarts: int = 0                  # registrations with a new boot time after the first
     host: str = ""                     # the host it runs on, as it names itself (its node name)
+    place: str = ""                    # where its pid names it: its kernel's boot id and pid namespace
 
     def alive(self, within: float) -> bool:
         return time.time() - self.last_seen <= within

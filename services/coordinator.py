@@ -32,7 +32,7 @@ from aiohttp import web
 
 from mariana.services import protocol
 from mariana.services.coord_api import CoordinatorAPI
-from mariana.services.coord_hello import admit
+from mariana.services.coord_hello import admit, touch
 from mariana.services.remote_inputs import RemoteInputs
 from mariana.services.coord_jobs import EpochValidation, JobJournal, JobRunner, rejoined
 from mariana.services.coord_state import JobRun, ServiceInfo, numbers
@@ -70,6 +70,7 @@ class Coordinator(Service):
         self.wake = asyncio.Event()
         self._redis_stats: tuple[float, dict] = (float("-inf"), {})
         self._redis_id: tuple[float, dict | None] = (float("-inf"), None)  # coord_hello.redis_identity
+        self.refused: dict[str, tuple[float, str]] = {}  # service name -> (when, why) of its last refused Hello
         self.api, self.job_runner = CoordinatorAPI(self), JobRunner(self)
         self.validation, self.book = EpochValidation(self), JobJournal(self)
         self.inputs = RemoteInputs(self)  # a job's files on the loader's host (coordinator.data_via_loader)
@@ -147,7 +148,7 @@ class Coordinator(Service):
             log.info("%s: %s %s (pid %s)", self.name, name, "restarted" if restarted else "registered",
                      msg.get("pid"))
         info.pid, info.boot, info.peer = msg.get("pid", 0), msg.get("boot", 0.0), peer
-        info.host = str(msg.get("host") or "")
+        info.host, info.place = str(msg.get("host") or ""), str(msg.get("place") or "")
         info.update(msg.get("status") if isinstance(msg.get("status"), dict) else {}, time.time())
         if restarted:
             self.spawn(self.rejoin(info))
@@ -158,8 +159,8 @@ class Coordinator(Service):
         worker, want = msg["worker"], msg.get("want", 1)
         if not isinstance(want, int) or isinstance(want, bool) or not 1 <= want <= protocol.MAX_LEASE:
             raise BadMessage("field", f"Lease.want must be an integer in [1, {protocol.MAX_LEASE}], got {want!r:.40}")
-        self.touch(worker)
-        self.record_reports(worker, msg.get("done", []), "Lease.done")
+        self.record_reports(worker, msg.get("done", []), "Lease.done")  # steps done are done, whoever did them
+        touch(self, worker, peer, lease=True)  # NameTaken for a process that lost its name while silent
         deadline = time.monotonic() + 1.0  # held up to a second: no busy polling
         while True:
             run = self.active()
@@ -192,7 +193,7 @@ class Coordinator(Service):
         worker, released = msg["worker"], msg.get("released", [])
         if not isinstance(released, list) or not all(isinstance(s, str) for s in released):
             raise BadMessage("field", "Done.released must be a list of step ids")
-        self.touch(worker)
+        touch(self, worker, peer)
         self.record_reports(worker, msg["reports"], "Done.reports")
         run = self.active()
         if released and run is not None and run.ledger.release(released, worker):
@@ -310,11 +311,6 @@ class Coordinator(Service):
             if run.state == "running" and (run.ledger.epoch <= run.ledger.epochs or run.ledger.replaying()):
                 return run
         return None
-
-    def touch(self, worker: str) -> None:
-        info = self.services.get(worker)
-        if info is not None:
-            info.last_seen = time.time()
 
     def active_workers(self) -> set[str]:
         within = self.cfg.coordinator.heartbeat_seconds

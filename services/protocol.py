@@ -121,6 +121,11 @@ class Refused(MarianaError):
     its config has not, or settings every host must share that differ. Not retried."""
 
 
+class NotYet(MarianaError):
+    """The coordinator does not take this service now, for a cause that may pass (its Redis
+    does not answer yet): asked again until the service's start time is over."""
+
+
 class NameTaken(MarianaError):
     """Another live process holds this role and index: retried while that one may be gone
     (a restart), refused once the wait is over. `holder`: the pid and host of the one that

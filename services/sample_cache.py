@@ -155,18 +155,17 @@ class SampleCache:
                 raise CacheRefused(f"the sample cache's Redis at {redact(self.cfg.redis.url)} {why}") from None
             return str(e) or type(e).__name__
 
-    async def identity(self, timeout: float = 1.0) -> dict | None:
+    async def identity(self, timeout: float = 1.0) -> dict:
         """Which Redis server and database this cache reaches: {"server": its run_id, "db",
-        "url": redis.url without its password}; None when Redis does not answer within `timeout`
-        (an outage here is not waited for) or refuses. Two services agree on their sample cache
-        when server and db agree, whatever address each dials (services/coord_hello.py)."""
+        "url": redis.url without its password}; "server" is "" when Redis does not answer within
+        `timeout` (an outage here is not waited for) or refuses. Two services agree on their
+        sample cache when server and db agree, whatever address each dials (coord_hello.py)."""
+        db = int(self.redis.connection_pool.connection_kwargs.get("db", 0) or 0)
         try:
             info = await asyncio.wait_for(self.redis.info("server"), timeout)
         except (asyncio.TimeoutError, RedisError, OSError):
-            return None
-        return {"server": str(info.get("run_id", "")), "db": int(self.redis.connection_pool.connection_kwargs
-                                                                    .get("db", 0) or 0),
-                "url": redact(self.cfg.redis.url)}
+            info = {}
+        return {"server": str(info.get("run_id", "")), "db": db, "url": redact(self.cfg.redis.url)}
 
     # ---- batches ------------------------------------------------------------------
 

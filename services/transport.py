@@ -333,46 +333,59 @@ class Client:
 class ConnectionWatch:
     """ZeroMQ's events of one socket's connection (a monitor), to tell a peer that is not
     there from one whose handshake fails: a CURVE key that differs fails the handshake
-    without a word to either side, and a request just times out."""
+    without a word to either side, and a request just times out. The last handshake counts:
+    a peer restarted with another key fails it after earlier ones succeeded."""
+
+    EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
     def __init__(self, ctx: zmq.asyncio.Context, sock: zmq.Socket):
-        self.sock, self.seen = sock, set()
+        self.sock, self.connected, self.last = sock, False, ""
         addr = f"inproc://mariana-watch-{id(self):x}"
-        sock.monitor(addr, zmq.EVENT_ALL)
-        self.events = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
-        self.events.linger = 0
+        sock.monitor(addr, self.EVENTS)
+        # owned by the service's context (its destroy() closes it; one it does not know of would
+        # hold up its term for ever), read through a synchronous view
+        self.owner = ctx.socket(zmq.PAIR)
+        self.owner.linger = 0
+        self.events = zmq.Socket.shadow(self.owner.underlying)
         self.events.connect(addr)
 
-    def trouble(self) -> str | None:
+    def _read(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
-        while self.events.poll(0):
-            self.seen.add(zmq.Event(recv_monitor_message(self.events)["event"]).name)
-        failed = self.failed_handshakes()
-        if "HANDSHAKE_SUCCEEDED" in self.seen:
-            return None
-        if failed:
-            return (f"the ZeroMQ handshake with it fails ({', '.join(failed)}): cluster.curve_key differs between "
-                    "this host's config and its, or only one of them sets it")
-        if "CONNECTED" in self.seen:
-            return ("its port takes the connection but the ZeroMQ handshake does not complete: a cluster.curve_key "
-                    "that differs, or something else listens there")
-        return "no connection to it opens (refused, or the address is not reachable from this host)"
-
-    def failed_handshakes(self) -> list[str]:
-        return sorted(e for e in self.seen if e.startswith("HANDSHAKE_FAILED"))
+        while True:
+            try:
+                name = zmq.Event(recv_monitor_message(self.events, zmq.NOBLOCK)["event"]).name
+            except (zmq.Again, zmq.ZMQError):
+                return
+            if name == "CONNECTED":
+                self.connected = True
+            else:
+                self.last = name
 
     @property
     def handshake_failed(self) -> bool:
-        """A handshake failed and none succeeded (as of the last `trouble`)."""
-        return bool(self.failed_handshakes()) and "HANDSHAKE_SUCCEEDED" not in self.seen
+        """The last handshake failed (as of the last `trouble`)."""
+        return self.last.startswith("HANDSHAKE_FAILED")
+
+    def trouble(self) -> str | None:
+        self._read()
+        if self.handshake_failed:
+            return (f"the ZeroMQ handshake with it fails ({self.last}): cluster.curve_key differs between "
+                    "this host's config and its, or only one of them sets it")
+        if self.last == "HANDSHAKE_SUCCEEDED":
+            return None
+        if self.connected:
+            return ("its port takes the connection but the ZeroMQ handshake does not complete: a cluster.curve_key "
+                    "that differs, or something else listens there")
+        return "no connection to it opens (refused, or the address is not reachable from this host)"
 
     def close(self) -> None:
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:
             pass
-        self.events.close(linger=0)
+        self.owner.close(linger=0)
 
 
 Handler = Callable[[bytes, Message], "list | None | Awaitable[list | None]"]
@@ -477,8 +490,9 @@ class HandshakeCounter:
         addr = f"inproc://mariana-handshakes-{id(self):x}"
         sock.monitor(addr, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self.events = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
-        self.events.linger = 0
+        self.owner = ctx.socket(zmq.PAIR)  # the context's own, as ConnectionWatch's
+        self.owner.linger = 0
+        self.events = zmq.Socket.shadow(self.owner.underlying)
         self.events.connect(addr)
         self.loop = asyncio.get_running_loop()
         self.fd = self.events.getsockopt(zmq.FD)
@@ -509,7 +523,7 @@ class HandshakeCounter:
             self.sock.disable_monitor()
         except zmq.ZMQError:
             pass
-        self.events.close(linger=0)
+        self.owner.close(linger=0)
 
 
 def _guess_msg_id(frames: list) -> int:

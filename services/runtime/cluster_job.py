@@ -149,6 +149,13 @@ def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iter
         check_sizes(cluster, info, asked)
         yield info
         return
+    if not cluster.cluster.base_port and cluster.coordinator.endpoint:
+        # endpoints written out name a deployed cluster: a temporary one on them would take its
+        # ports, and its services, if the coordinator is only down for a moment
+        raise Unreachable(f"no coordinator answers at {launcher.http_url(cluster)}: this config names the "
+                          f"cluster's endpoints (coordinator.endpoint = {cluster.coordinator.endpoint}), as a "
+                          "deployed cluster's does; start its coordinator, or give a config without endpoints for "
+                          "a temporary cluster")
     cluster.cluster.dir = tempfile.mkdtemp(prefix="mariana-cluster-")
     log.info("no cluster is up: starting one (%d workers, %d ps, %d preprocess) in %s",
              cluster.worker.count, cluster.ps.count, cluster.preprocess.count, cluster.cluster.dir)

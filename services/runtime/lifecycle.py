@@ -38,8 +38,33 @@ DRAIN_SECONDS = 20.0
 HOST = platform.node()  # how a service names its host to the coordinator
 
 
+def _place() -> str:
+    """Where a pid names one process: this kernel's boot and this pid namespace (two hosts
+    may share a hostname; containers on one kernel do not share pids)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = HOST
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return f"{boot}/{ns}"
+
+
+PLACE = _place()
+
+
 class ServiceRefused(MarianaError):
     """The coordinator will not take this service: it exits, saying why (no retry helps)."""
+
+
+def _predecessor_gone(holder) -> bool:
+    """Whether the process that holds our name ran where its pid is ours to look up (the same
+    kernel boot and pid namespace), and is gone: we replace it."""
+    return (isinstance(holder, dict) and holder.get("place") == PLACE and isinstance(holder.get("pid"), int)
+            and holder["pid"] != os.getpid() and not procs.running(holder["pid"]))
 
 
 class Service:
@@ -62,6 +87,8 @@ class Service:
         self._heartbeat: asyncio.Task | None = None
         self.background: set[asyncio.Task] = set()
         self.coordinator_boot: float | None = None  # when the coordinator we talk to started
+        self.shape = cluster_shape(cfg)  # what every Hello says of the settings a cluster shares
+        self.refusal: ServiceRefused | None = None  # why the coordinator stopped taking it (exit 78)
 
     # ---- what a service fills in ----------------------------------------------------
 
@@ -108,11 +135,11 @@ class Service:
         (services/coord_hello.py: not in its config, or a config that differs from its own)."""
         ep = self.cfg.coordinator.endpoint
         deadline = time.monotonic() + (attempts_seconds or self.cfg.cluster.start_seconds)
-        first, said = {"shape": cluster_shape(self.cfg)}, float("-inf")
+        first, said = {}, float("-inf")
         cache = getattr(self, "cache", None)  # the sample cache, for roles that have one
-        if cache is not None and (ident := await cache.identity()) is not None:
-            first["redis"] = ident  # not sent when Redis is away: nothing to compare then
         while True:
+            if cache is not None and not (first.get("redis") or {}).get("server"):
+                first["redis"] = await cache.identity()  # asked again while its Redis does not answer
             try:
                 await self.hello(**first)
                 break
@@ -120,7 +147,7 @@ class Service:
                 if e.code == "Refused":
                     raise ServiceRefused(f"{self.name}: the coordinator at {ep} refused it: {e.detail}") from None
                 holder = e.fields.get("holder")
-                if e.code == "NameTaken" and self._predecessor_gone(holder) and first.get("replaces") != holder["pid"]:
+                if e.code == "NameTaken" and _predecessor_gone(holder) and first.get("replaces") != holder["pid"]:
                     first["replaces"] = holder["pid"]
                     continue
                 if time.monotonic() > deadline:
@@ -138,19 +165,14 @@ class Service:
                     raise PeerTimeout(f"{self.name}: coordinator at {ep} never answered: "
                                       f"{why or e}") from None
                 log.info("%s: waiting for the coordinator at %s (%s)", self.name, ep, why or e)
-        self.coordinator.unwatch()
         self._heartbeat = asyncio.create_task(self._beat(), name="heartbeat")
 
-    @staticmethod
-    def _predecessor_gone(holder) -> bool:
-        """Whether the process that holds our name ran on this host and is gone (we replace it)."""
-        return (isinstance(holder, dict) and holder.get("host") == HOST and isinstance(holder.get("pid"), int)
-                and holder["pid"] != os.getpid() and not procs.running(holder["pid"]))
-
     async def hello(self, **first) -> None:
+        # Every Hello names the host and the shared settings: a coordinator restarted with another
+        # config refuses the heartbeats of services that ran with the old one (and shows the host)
         reply = await self.coordinator.call("Hello", role=self.role, index=self.index, pid=os.getpid(),
-                                            boot=self.boot, host=HOST, status=self.heartbeat_status(), timeout=2.0,
-                                            **first)  # the host with every one: a restarted coordinator learns it
+                                            boot=self.boot, host=HOST, place=PLACE, shape=self.shape,
+                                            status=self.heartbeat_status(), timeout=2.0, **first)
         boot = reply.get("boot")
         if boot is not None and self.coordinator_boot is not None and boot != self.coordinator_boot:
             # The coordinator restarted: what was in flight to it is lost; send it again now
@@ -160,17 +182,26 @@ class Service:
         self.coordinator_boot = boot if boot is not None else self.coordinator_boot
 
     async def _beat(self) -> None:
-        period, refused = max(0.2, self.cfg.coordinator.heartbeat_seconds / 3), ""
+        period, said = max(0.2, self.cfg.coordinator.heartbeat_seconds / 3), ""
         while True:
             await asyncio.sleep(period)
+            why = self.coordinator.trouble()  # (reads the connection's events: none pile up)
             try:
                 await self.hello()
-            except (PeerTimeout, RemoteError) as e:
-                if isinstance(e, RemoteError) and e.code == "Refused" and str(e) != refused:
-                    # a coordinator restarted with another config: said once, not every beat
-                    log.warning("%s: the coordinator refuses its heartbeats now: %s", self.name, e.detail)
-                    refused = str(e)
-                log.debug("%s: heartbeat: %s", self.name, e)
+                said = ""  # the next trouble is said again
+                continue
+            except RemoteError as e:
+                if e.code == "NameTaken":  # another process took the name while this one was silent
+                    self.refusal = ServiceRefused(f"{self.name}: the coordinator took another process under its "
+                                                  f"name while this one was silent: {e.detail}; it stops")
+                    self.stopping.set()
+                    return
+                why = f"the coordinator refuses its heartbeats: {e.detail}" if e.code == "Refused" else str(e)
+            except PeerTimeout as e:  # a coordinator restarted with another curve_key fails every handshake
+                why = self.coordinator.trouble() or why or str(e)
+            if why != said:  # said once, not every beat
+                log.warning("%s: heartbeat: %s", self.name, why)
+                said = why
 
     def stop_heartbeat(self) -> None:
         if self._heartbeat:
@@ -313,7 +344,10 @@ def run_service(service: Service) -> int:
         if os.environ.get("MARIANA_PROFILE"):
             return _profiled(service, os.environ["MARIANA_PROFILE"])
         with asyncio.Runner(loop_factory=MendedLoop) as runner:  # metrics ports, the coordinator's API
-            return runner.run(_run(service))
+            code = runner.run(_run(service))
+        if getattr(service, "refusal", None) is not None:
+            raise service.refusal
+        return code
     except ServiceRefused as e:  # a restart would be refused again: systemd's units do not restart on 78
         log.error("%s", e)
         return procs.EX_CONFIG

@@ -5,6 +5,7 @@ where its job would hang at 0 rows; a restart on the same host is taken at once;
 running is not resumed by a coordinator whose ps.count changed."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import signal
@@ -70,6 +71,9 @@ def test_a_service_whose_host_differs_is_refused_at_once_and_says_what_differs(t
             # a second worker-0 while the first runs: refused when its start time is over
             "twice": ("worker", 0, {"worker.metrics_ports": []},
                       [f"worker-0 is already running: pid {c.pid('worker-0')} on "]),
+            # a redis.url where no Redis answers, while the coordinator's does: asked again, then refused
+            "noredis": ("worker", 0, {"redis.url": f"redis://127.0.0.1:{free_port()}/0", "worker.metrics_ports": []},
+                        ["'s redis.url redis://127.0.0.1:", "does not answer, while the coordinator's"]),
         }
         procs = {k: run(role, i, variant(c, tmp_path / f"{k}.toml", **o), tmp_path / f"{k}.log")
                  for k, (role, i, o, _) in cases.items()}
@@ -79,7 +83,7 @@ def test_a_service_whose_host_differs_is_refused_at_once_and_says_what_differs(t
             assert "refused it" in log or "did not take it" in log, (key, log[-2000:])
             for text in says:
                 assert text in log, (key, text, log[-2000:])
-            if key != "twice":  # refused at its first Hello: not retried for cluster.start_seconds
+            if key not in ("twice", "noredis"):  # refused at its first Hello: not retried for cluster.start_seconds
                 assert "not registered yet" not in log, (key, log[-2000:])
         status, first = c.status()["services"], c.pid("worker-0")
         coord_log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
@@ -126,6 +130,9 @@ def test_a_job_is_not_resumed_by_a_coordinator_with_another_ps_count(tmp_path):
         c.restarted.append(coord)  # stopped with the cluster
         c.wait_http()
         summary = c.wait(job, 60)
+        # the services that run with the old config: their heartbeats are refused, and status says why
+        refused = c.wait_for(lambda: (lambda r: r if "ps-0" in r else None)(c.status()["refused"]), 30)
+    assert "ps.count = 1 there, 2 in the coordinator's" in refused["ps-0"], refused
     assert summary["state"] == "failed", summary
     assert "started with ps.count = 1, and the coordinator restarted with ps.count = 2" in summary["error"], summary
     assert "submit it again" in summary["error"]
@@ -148,9 +155,19 @@ def test_train_in_cluster_mode_uses_a_deployed_cluster_it_has_no_cluster_json_of
         try:
             proc = run_cli("train", "--mode", "cluster", "--cluster-config", config, "--data", tmp_path / "d.tsv",
                            "--out", tmp_path / "m", "--set", "hashing.bits=14")
+            status = run_cli("status", "--config", config, "--json")  # by the config's fixed port
         finally:
             (tmp_path / "away.json").rename(state)
         jobs = c.request("GET", "/v1/jobs")[1]["jobs"]
+    assert status.returncode == 0, status.stderr
+    assert sorted(json.loads(status.stdout)["coordinator"]["services"]) == [
+        "coordinator-0", "loader-0", "preprocess-0", "ps-0", "worker-0"], status.stdout[:2000]
+    # the deployed cluster down: no temporary cluster on its endpoints (it would take its ports and services)
+    down = run_cli("train", "--mode", "cluster", "--cluster-config", config, "--data", tmp_path / "d.tsv",
+                   "--out", tmp_path / "m3")
+    assert down.returncode == 2 and f"no coordinator answers at {c.info['http']}: this config names the " \
+        "cluster's endpoints" in down.stderr, down.stderr[-2000:]
+    assert "starting one" not in down.stderr
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"using the cluster whose coordinator answers at {c.info['http']}" in proc.stderr, proc.stderr[-3000:]
     assert "starting one" not in proc.stderr
@@ -170,3 +187,29 @@ def test_train_in_cluster_mode_uses_a_deployed_cluster_it_has_no_cluster_json_of
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"is the temporary cluster of another job (pid {os.getpid()}" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "m2").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_process_that_lost_its_name_while_silent_stops_and_leaves_it_to_its_successor(tmp_path):
+    """worker-0 stopped (SIGSTOP) longer than heartbeat_seconds; a new worker-0 is taken; the
+    old one resumes: its heartbeats and leases are refused, and it exits 78 saying why. Its
+    leases kept the name's last heartbeat fresh before, so a successor that died looked alive."""
+    with Cluster(tmp_path / "c", workers=1) as c:  # heartbeat_seconds 2
+        c.wait_for(lambda: len(c.status()["services"]) == 5, 60)
+        old = c.pid("worker-0")
+        os.kill(old, signal.SIGSTOP)
+        try:
+            new = run("worker", 0, variant(c, tmp_path / "w.toml", **{"worker.metrics_ports": []}), tmp_path / "new.log")
+            c.wait_for(lambda: c.status()["services"]["worker-0"]["pid"] == new.pid, 60)
+        finally:
+            os.kill(old, signal.SIGCONT)
+        code = c.wait_gone(old, 30)
+        log = (tmp_path / "c" / "logs" / "worker-0.log").read_text()
+        alive = c.status()["services"]["worker-0"]
+        new.send_signal(signal.SIGTERM)
+        new.wait(30)
+        gone = c.wait_for(lambda: (lambda s: s if not s["alive"] else None)(c.status()["services"]["worker-0"]), 30)
+    assert code in (EX_CONFIG, None), code  # (None: not our child to reap; its log says the rest)
+    assert "the coordinator took another process under its name while this one was silent" in log, log[-2000:]
+    assert alive["pid"] == new.pid and alive["alive"], alive
+    assert gone["pid"] == new.pid, gone  # the old one's leases did not keep the name alive

@@ -199,7 +199,8 @@ def test_a_process_that_lost_its_name_while_silent_stops_and_leaves_it_to_its_su
         old = c.pid("worker-0")
         os.kill(old, signal.SIGSTOP)
         try:
-            new = run("worker", 0, variant(c, tmp_path / "w.toml", **{"worker.metrics_ports": []}), tmp_path / "new.log")
+            config = variant(c, tmp_path / "w.toml", **{"worker.metrics_ports": []})
+            new = run("worker", 0, config, tmp_path / "new.log")
             c.wait_for(lambda: c.status()["services"]["worker-0"]["pid"] == new.pid, 60)
         finally:
             os.kill(old, signal.SIGCONT)

@@ -83,7 +83,7 @@ async def _admit(coord, msg: Message, name: str) -> None:
                       f"{', '.join(r for r in ROLES if r != 'coordinator')})")
     count = cfg.count(role)
     if not 0 <= index < count:
-        raise Refused(f"no {role} #{index} in the coordinator's config: {role}.count = {count} there "
+        raise Refused(f"no {role} #{index} in the coordinator's config: it has {role}.count = {count} "
                       f"(indexes 0-{count - 1}); every host must run the cluster's one config")
     why = []
     if isinstance(msg.get("shape"), dict):

@@ -67,7 +67,7 @@ def test_a_service_whose_host_differs_is_refused_at_once_and_says_what_differs(t
                    ["reaches database 1 of Redis server", "the sample cache must be one Redis"]),
             # an index the coordinator's config has not
             "index": ("worker", 3, {"worker.count": 4, "worker.metrics_ports": []},
-                      ["no worker #3 in the coordinator's config: worker.count = 1 there (indexes 0-0)"]),
+                      ["no worker #3 in the coordinator's config: it has worker.count = 1 (indexes 0-0)"]),
             # a second worker-0 while the first runs: refused when its start time is over
             "twice": ("worker", 0, {"worker.metrics_ports": []},
                       [f"worker-0 is already running: pid {c.pid('worker-0')} on "]),

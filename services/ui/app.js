@@ -1004,6 +1004,12 @@
         el("td", {class: "wrap"}, counterChips(s.status)));
     }));
     $("services-empty").hidden = services.length > 0 || state.online !== true;
+    // services the coordinator refused at their Hello: a config that differs from its own, ...
+    const refused = state.status && isObj(state.status.refused) ? Object.entries(state.status.refused) : [];
+    $("services-refused").replaceChildren(...refused.map(([name, why]) =>
+      el("li", {"data-testid": "refused-service", "data-service": name},
+         el("strong", {}, `refused ${name}: `), str(why))));
+    $("services-refused").hidden = refused.length === 0;
   }
 
   function counterChips(status) {

@@ -29,6 +29,7 @@ from mariana.sparse.synth import generate_criteo
 from tests.conftest import ROOT
 from tests.debian import debian_tool
 from tests.integration.cluster import Cluster
+from tests.integration.test_registration import ended, run, variant
 
 CHROMIUM = Path("/usr/bin/chromium")
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
@@ -150,6 +151,10 @@ def test_browser_shows_a_running_job_progress_and_charts(chromium, artifacts, tm
         summary = c.wait(job, 60, until=lambda s: s["state"] != "running" or s["progress"]["rows"] > 0)
         assert summary["state"] == "running", summary
         assert http_code(c.info["http"] + f"/v1/jobs/{job}/history") == 200
+        # a worker started with another host's config: refused at its Hello, and listed with the services
+        stray = run("worker", 1, variant(c, tmp_path / "stray.toml", **{"worker.count": 2, "worker.metrics_ports": []}),
+                    tmp_path / "stray.log")
+        assert ended(stray, tmp_path / "stray.log")[0] == 78
         errors: list[str] = []
         with sync_api.sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
@@ -159,6 +164,8 @@ def test_browser_shows_a_running_job_progress_and_charts(chromium, artifacts, tm
                 page.on("console", lambda m: errors.append(f"console: {m.text}") if m.type == "error" else None)
                 page.goto(c.info["http"] + "/")
                 assert page.url == c.info["http"] + "/ui/"
+                sync_api.expect(page.locator('[data-testid=refused-service][data-service="worker-1"]')).to_contain_text(
+                    "refused worker-1: no worker #1 in the coordinator's config")
                 watch_the_running_job(sync_api, page, job, artifacts)
                 summary = c.wait(job, 120)
                 assert summary["state"] == "done", f"{summary}\n{c.logs()}"

@@ -20,13 +20,17 @@ whose copy differs, or a service started twice. Each shows here, at registration
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from mariana.services.protocol import Message, NameTaken, NotYet, Refused
 from mariana.services.runtime.config import ROLES, cluster_shape
 
+SAY_AGAIN_SECONDS = 60.0  # a refusal that goes on is said again this often
 MAX_REFUSED = 64  # refused names the coordinator remembers (status, a waiting job's failure)
 REDIS_ID_SECONDS = 10.0  # how long the coordinator trusts its own Redis identity before asking again
+
+log = logging.getLogger(__name__)
 
 
 def shape_differences(mine: dict, theirs: dict) -> list[str]:
@@ -67,8 +71,17 @@ async def admit(coord, msg: Message, name: str) -> None:
     a Hello under that name is taken."""
     try:
         await _admit(coord, msg, name)
-    except Refused as e:
-        if name[:name.rfind("-")] in ROLES:
+    except (Refused, NameTaken, NotYet) as e:
+        # said once per service and cause (every second or heartbeat it asks again), then each minute
+        key, now = (name, type(e).__name__, str(e) if isinstance(e, Refused) else ""), time.monotonic()
+        if now - coord.hello_said.get(key, float("-inf")) > SAY_AGAIN_SECONDS:
+            log.warning("%s: %s %s: %s", coord.name, "refused" if isinstance(e, Refused) else "not yet",
+                        name, e)
+            coord.hello_said[key] = now
+            if len(coord.hello_said) > 4 * MAX_REFUSED:
+                coord.hello_said.clear()
+        e.said = True
+        if isinstance(e, Refused) and name[:name.rfind("-")] in ROLES:
             coord.refused[name] = (time.time(), str(e))
             while len(coord.refused) > MAX_REFUSED:  # names come from peers: bounded
                 del coord.refused[min(coord.refused, key=lambda n: coord.refused[n][0])]

@@ -71,6 +71,7 @@ class Coordinator(Service):
         self._redis_stats: tuple[float, dict] = (float("-inf"), {})
         self._redis_id: tuple[float, dict | None] = (float("-inf"), None)  # coord_hello.redis_identity
         self.refused: dict[str, tuple[float, str]] = {}  # service name -> (when, why) of its last refused Hello
+        self.hello_said: dict[tuple, float] = {}  # coord_hello.admit: when each refusal was last logged
         self.api, self.job_runner = CoordinatorAPI(self), JobRunner(self)
         self.validation, self.book = EpochValidation(self), JobJournal(self)
         self.inputs = RemoteInputs(self)  # a job's files on the loader's host (coordinator.data_via_loader)

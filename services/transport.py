@@ -445,7 +445,8 @@ class Server:
             return protocol.error_reply(msg.msg_id, getattr(e, "code", "bad_data"), getattr(e, "detail", str(e)))
         if isinstance(e, MarianaError):
             self.counters["errors"] += 1
-            PEER_LOG.warning("%s: cannot serve %s: %s", self.name, msg.type, e)
+            if not getattr(e, "said", False):  # (a refused Hello is said by the coordinator, once: coord_hello)
+                PEER_LOG.warning("%s: cannot serve %s: %s", self.name, msg.type, e)
             return protocol.encode("Error", msg.msg_id, code=type(e).__name__, error=str(e),
                                    **getattr(e, "fields", {}))  # what else the error names (NameTaken's holder)
         # a bug must not kill the server; it answers and logs the trace
@@ -478,9 +479,9 @@ class Server:
 
 
 class HandshakeCounter:
-    """A server's failed ZeroMQ handshakes, counted (`handshake_failures`) and logged with the
-    peer's address, at most once per LOG_SECONDS: a host whose cluster.curve_key differs, or
-    a stranger, is otherwise invisible on this side (its messages never arrive)."""
+    """A server's failed ZeroMQ handshakes, counted (`handshake_failures`) and logged at most
+    once per LOG_SECONDS: a host whose cluster.curve_key differs, or a stranger, is otherwise
+    invisible on this side (its messages never arrive). ZeroMQ does not say which peer failed."""
 
     LOG_SECONDS = 10.0
 
@@ -512,7 +513,8 @@ class HandshakeCounter:
             now = time.monotonic()
             if now - self.said_at >= self.LOG_SECONDS:
                 what = zmq.Event(event["event"]).name
-                PEER_LOG.warning("%s: %d failed ZeroMQ handshakes, the last with %s (%s): a peer whose "
+                # (the event names this socket's endpoint, not the peer's: ZeroMQ does not say who)
+                PEER_LOG.warning("%s: %d failed ZeroMQ handshakes at %s, the last %s: a peer whose "
                                  "cluster.curve_key differs from this host's, or that has none", self.name,
                                  self.unsaid, event.get("endpoint", b"").decode("utf-8", "replace") or "?", what)
                 self.unsaid, self.said_at = 0, now

@@ -92,7 +92,10 @@ def test_a_service_whose_host_differs_is_refused_at_once_and_says_what_differs(t
     assert status["worker-0"]["restarts"] == 0 and status["worker-0"]["pid"] == first
     # named by every Hello (a restarted coordinator learns it from the next heartbeat)
     assert {s["host"] for s in status.values()} == {platform.node()}, status
-    assert "cannot serve Hello" in coord_log and "hello: hello:" not in coord_log
+    # each refusal said once by the coordinator, though the second worker-0 asked every second for 4 s
+    assert coord_log.count("refused worker-3: no worker #3") == 1, coord_log[-3000:]
+    assert coord_log.count("not yet worker-0: worker-0 is already running") == 1, coord_log[-3000:]
+    assert "cannot serve Hello" not in coord_log and "hello: hello:" not in coord_log
 
 
 @pytest.mark.timeout(240)

@@ -23,7 +23,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 import zmq
 import zmq.asyncio
@@ -316,48 +316,63 @@ class Client:
         None when it is not watched or looks fine."""
         return self.watcher.trouble() if self.watcher else None
 
-    def unwatch(self) -> None:
-        if self.watcher:
-            self.watcher.close()
-            self.watcher = None
-
     def close(self) -> None:
         self.closed = True
         for task in self.commands:
             task.cancel()
         self.fail_pending("client closed")
-        self.unwatch()
+        if self.watcher:
+            self.watcher.close()
         self.channel.close()
 
 
-class ConnectionWatch:
-    """ZeroMQ's events of one socket's connection (a monitor), to tell a peer that is not
-    there from one whose handshake fails: a CURVE key that differs fails the handshake
-    without a word to either side, and a request just times out. The last handshake counts:
-    a peer restarted with another key fails it after earlier ones succeeded."""
+class _Monitor:
+    """ZeroMQ's events of one socket (`sock.monitor`), read without waiting (`events`). The
+    reading socket is owned by the service's context (its destroy() closes it; one it does not
+    know of would hold up its term for ever), used through a synchronous view."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, sock: zmq.Socket, events: int):
+        self.sock = sock
+        addr = f"inproc://mariana-monitor-{id(self):x}"
+        sock.monitor(addr, events)
+        self.owner = ctx.socket(zmq.PAIR)
+        self.owner.linger = 0
+        self.reader = zmq.Socket.shadow(self.owner.underlying)
+        self.reader.connect(addr)
+
+    def events(self) -> Iterator[dict]:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                yield recv_monitor_message(self.reader, zmq.NOBLOCK)
+            except (zmq.Again, zmq.ZMQError):
+                return
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.owner.close(linger=0)
+
+
+class ConnectionWatch(_Monitor):
+    """ZeroMQ's events of one socket's connection, to tell a peer that is not there from one
+    whose handshake fails: a CURVE key that differs fails the handshake without a word to
+    either side, and a request just times out. The last handshake counts: a peer restarted
+    with another key fails it after earlier ones succeeded."""
 
     EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
     def __init__(self, ctx: zmq.asyncio.Context, sock: zmq.Socket):
-        self.sock, self.connected, self.last = sock, False, ""
-        addr = f"inproc://mariana-watch-{id(self):x}"
-        sock.monitor(addr, self.EVENTS)
-        # owned by the service's context (its destroy() closes it; one it does not know of would
-        # hold up its term for ever), read through a synchronous view
-        self.owner = ctx.socket(zmq.PAIR)
-        self.owner.linger = 0
-        self.events = zmq.Socket.shadow(self.owner.underlying)
-        self.events.connect(addr)
+        super().__init__(ctx, sock, self.EVENTS)
+        self.connected, self.last = False, ""
 
     def _read(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        while True:
-            try:
-                name = zmq.Event(recv_monitor_message(self.events, zmq.NOBLOCK)["event"]).name
-            except (zmq.Again, zmq.ZMQError):
-                return
+        for event in self.events():
+            name = zmq.Event(event["event"]).name
             if name == "CONNECTED":
                 self.connected = True
             else:
@@ -379,13 +394,6 @@ class ConnectionWatch:
             return ("its port takes the connection but the ZeroMQ handshake does not complete: a cluster.curve_key "
                     "that differs, or something else listens there")
         return "no connection to it opens (refused, or the address is not reachable from this host)"
-
-    def close(self) -> None:
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.owner.close(linger=0)
 
 
 Handler = Callable[[bytes, Message], "list | None | Awaitable[list | None]"]
@@ -478,7 +486,7 @@ class Server:
         self.channel.close()
 
 
-class HandshakeCounter:
+class HandshakeCounter(_Monitor):
     """A server's failed ZeroMQ handshakes, counted (`handshake_failures`) and logged at most
     once per LOG_SECONDS: a host whose cluster.curve_key differs, or a stranger, is otherwise
     invisible on this side (its messages never arrive). ZeroMQ does not say which peer failed."""
@@ -486,46 +494,31 @@ class HandshakeCounter:
     LOG_SECONDS = 10.0
 
     def __init__(self, ctx: zmq.asyncio.Context, sock: zmq.Socket, counters: Counter, name: str):
-        self.counters, self.name, self.sock = counters, name, sock
+        super().__init__(ctx, sock, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                         | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self.counters, self.name = counters, name
         self.unsaid, self.said_at = 0, float("-inf")
-        addr = f"inproc://mariana-handshakes-{id(self):x}"
-        sock.monitor(addr, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-        self.owner = ctx.socket(zmq.PAIR)  # the context's own, as ConnectionWatch's
-        self.owner.linger = 0
-        self.events = zmq.Socket.shadow(self.owner.underlying)
-        self.events.connect(addr)
         self.loop = asyncio.get_running_loop()
-        self.fd = self.events.getsockopt(zmq.FD)
+        self.fd = self.reader.getsockopt(zmq.FD)
         self.loop.add_reader(self.fd, self._read)
         self.loop.call_soon(self._read)  # edge-triggered: look now
 
     def _read(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        while True:
-            try:
-                event = recv_monitor_message(self.events, zmq.NOBLOCK)
-            except (zmq.Again, zmq.ZMQError):
-                break
+        for event in self.events():
             self.counters["handshake_failures"] += 1
             self.unsaid += 1
             now = time.monotonic()
             if now - self.said_at >= self.LOG_SECONDS:
-                what = zmq.Event(event["event"]).name
                 # (the event names this socket's endpoint, not the peer's: ZeroMQ does not say who)
                 PEER_LOG.warning("%s: %d failed ZeroMQ handshakes at %s, the last %s: a peer whose "
                                  "cluster.curve_key differs from this host's, or that has none", self.name,
-                                 self.unsaid, event.get("endpoint", b"").decode("utf-8", "replace") or "?", what)
+                                 self.unsaid, event.get("endpoint", b"").decode("utf-8", "replace") or "?",
+                                 zmq.Event(event["event"]).name)
                 self.unsaid, self.said_at = 0, now
 
     def close(self) -> None:
         self.loop.remove_reader(self.fd)
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.owner.close(linger=0)
+        super().close()
 
 
 def _guess_msg_id(frames: list) -> int:

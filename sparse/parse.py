@@ -47,6 +47,13 @@ import pyarrow.parquet as pq
 from mariana.sparse.errors import DataFormatError
 from mariana.sparse.schema import Schema
 
+# A pyarrow read on the main thread swaps in a SIGINT/SIGTERM handler of its own while it runs:
+# a signal then cancels the read (ArrowCancelled, not KeyboardInterrupt: a traceback), or, just as
+# it ends, is handed back through a background thread too late and lost (`mariana retrain` trained
+# on and promoted after its SIGTERM). A block takes milliseconds, so Python's own handler, run
+# after it, is soon enough.
+pa.enable_signal_handlers(False)
+
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"  # what some tools (Excel's "CSV UTF-8") write first; pyarrow skips it in data
 # What pyarrow's float parser accepts, less nan/inf: the fast and checked paths agree.

@@ -13,7 +13,7 @@ from mariana.services import protocol
 from mariana.services.assemble import (assemble_and_publish, check_model_side, check_request, data_bytes,
                                        job_validation, validate_exports, written_before)
 from mariana.services.coord_state import (MAX_RECONCILE_ROUNDS, MAX_RESENDS, POINT_SECONDS, TICK_SECONDS, JobRun,
-                                          JobStopped, Stall, job_ledger)
+                                          REFUSED, JobStopped, Stall, job_ledger)
 from mariana.services.jobspec import JobSpec
 from mariana.services.creative_cache import creative_table, ensure_cached, featurize_creatives
 from mariana.services.ledger import STAGES, ChunkInfo, parse_step, reissue_leases_of
@@ -456,12 +456,16 @@ async def watch_job(runner: JobRunner, run: JobRun) -> None:
     wanted = needed(cfg, run.ledger)
     if time.time() - coord.boot > quiet:  # a coordinator just (re)started has not heard from all yet
         for key, who, names in wanted:
+            held = run.stalls.get(key)
+            ours = held is not None and held.why.startswith(silent)  # a shard's unanswered request says more
             if any(n in coord.services and coord.services[n].alive(quiet) for n in names):
-                unstall(run, key, silent)
-            elif key not in run.stalls:  # a shard's unanswered request says more
-                stall(coord, run, key, who, silent)
+                if ours:
+                    del run.stalls[key]
+            elif held is None or ours:
+                stall(coord, run, key, who, silence(coord, names, silent))
         for key in set(run.stalls) - {k for k, _, _ in wanted} - {"redis"}:
-            unstall(run, key, silent)  # not needed any more
+            if run.stalls[key].why.startswith(silent):
+                del run.stalls[key]  # not needed any more
     try:
         await check_redis(coord, run, bool(wanted))
     except CacheRefused as e:
@@ -473,10 +477,17 @@ async def watch_job(runner: JobRunner, run: JobRun) -> None:
                           else (cfg.cluster.start_seconds, "cluster.start_seconds"))
         if now - held.since > bound:
             refused = "; ".join(f"{n}: {why}" for n, (_, why) in sorted(coord.refused.items()))
-            runner.fail(run, f"gave up waiting for {held.who} after {bound:g}s ({setting}): {held.why}; " + (
-                f"the coordinator refuses {refused}" if refused else
-                "is it running? (`mariana status`; start it and submit the job again)"))
+            runner.fail(run, f"gave up waiting for {held.who} after {bound:g}s ({setting}): {held.why}" + (
+                "" if REFUSED in held.why else f"; the coordinator refuses {refused}" if refused else
+                "; is it running? (`mariana status`; start it and submit the job again)"))
             return
+
+
+def silence(coord, names: list[str], silent: str) -> str:
+    """Why none of `names` is heard from: `silent`, and the coordinator's refusal of those it
+    refused (they exited: a restart with the same config is refused again)."""
+    refused = [f"{n}: {coord.refused[n][1]}" for n in names if n in coord.refused]
+    return f"{silent}; {REFUSED} " + "; ".join(refused) if refused else silent
 
 
 async def check_redis(coord, run: JobRun, needed_now: bool) -> None:

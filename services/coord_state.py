@@ -56,6 +56,9 @@ class ServiceInfo:
         self.status, self.last_seen = status, now
 
 
+REFUSED = "the coordinator refused"  # in a stall's `why`: the service it waits for exited, told why
+
+
 @dataclass
 class Stall:
     """Something a running job waits for and cannot do without (a shard that does not answer,
@@ -66,8 +69,8 @@ class Stall:
     why: str     # "it did not answer StartJob"
     since: float = field(default_factory=time.monotonic)
 
-    def text(self) -> str:
-        return f"waiting for {self.who}: {self.why} (is it running?)"
+    def text(self) -> str:  # a refused service is running, or was: its config is what to fix
+        return f"waiting for {self.who}: {self.why}" + ("" if REFUSED in self.why else " (is it running?)")
 
 
 @dataclass

@@ -116,6 +116,28 @@ def test_a_service_restarted_on_its_host_is_taken_at_once(tmp_path):
     assert "not registered yet" not in log, log[-2000:]  # it did not wait for the dead one's name to lapse
 
 
+@pytest.mark.timeout(240)
+def test_a_job_waiting_for_a_refused_service_says_it_was_refused_not_silent(tmp_path):
+    """The only worker runs with another ps.count and is refused: the job's phase said
+    "no heartbeat ... (is it running?)" until it failed. It names the refusal while it waits,
+    and its error says it once."""
+    generate_criteo(tmp_path / "train.tsv", 5_000, seed=5)
+    with Cluster(tmp_path / "c", workers=1, **{"cluster.start_seconds": 6.0}) as c:
+        c.kill("worker-0", signal.SIGTERM)
+        shards = [*c.cfg.ps.endpoints, f"tcp://127.0.0.1:{free_port()}"]
+        config = variant(c, tmp_path / "w.toml", **{"ps.count": 2, "ps.metrics_ports": [], "ps.endpoints": shards,
+                                                     "worker.metrics_ports": []})
+        code, _ = ended(run("worker", 0, config, tmp_path / "w.log"), tmp_path / "w.log")
+        assert code == EX_CONFIG
+        job = c.submit([tmp_path / "train.tsv"], tmp_path / "m", config={"hashing": {"bits": 16}})
+        phase = c.wait(job, 60, until=lambda s: "worker-0" in (s.get("phase") or ""))["phase"]
+        summary = c.wait(job, 60)
+    says = ("the coordinator refused worker-0: worker-0's config differs", "ps.count = 2 there, 1 in the coordinator's")
+    assert all(s in phase for s in says) and "is it running?" not in phase, phase
+    assert summary["state"] == "failed" and all(s in summary["error"] for s in says), summary
+    assert summary["error"].count("ps.count = 2 there") == 1 and "is it running?" not in summary["error"], summary
+
+
 @pytest.mark.timeout(300)
 def test_a_job_is_not_resumed_by_a_coordinator_with_another_ps_count(tmp_path):
     """A job left running by a stopped coordinator fails when a coordinator restarted with

@@ -522,7 +522,8 @@ def _service_rows(st: dict, coord: dict) -> list[tuple]:
     for name in list(procs) + [n for n in services if n not in procs]:
         p, s = procs.get(name, {}), services.get(name, {})
         # a process `up` started that has exited is not alive, whatever the coordinator last heard
-        alive = "no" if p and not p["running"] else "-" if not s else ("yes" if s.get("alive") else "no")
+        down = "stopped" if s.get("stopped") else "no"  # "stopped": it said so (Bye)
+        alive = down if p and not p["running"] else "-" if not s else "yes" if s.get("alive") else down
         pid = f"{p['pid']}{'' if p['running'] else ' (exited)'}" if p else s.get("pid") or "-"
         seen = _ago(s["last_seen"]) + " ago" if s.get("last_seen") else "-"
         rate = s.get("rate") or {}

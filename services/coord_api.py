@@ -69,7 +69,8 @@ class CoordinatorAPI:
         within = self.coord.cfg.coordinator.heartbeat_seconds
         return {"services": {n: {"role": s.role, "index": s.index, "pid": s.pid, "host": s.host,
                                  "alive": s.alive(within), "last_seen": s.last_seen, "status": s.status,
-                                 "restarts": s.restarts, "rate": s.rate if s.alive(within) else None}
+                                 "restarts": s.restarts, "rate": s.rate if s.alive(within) else None,
+                                 "stopped": s.stopped}
                              for n, s in sorted(self.coord.services.items())},
                 "jobs": self.job_summaries() if jobs is None else jobs,
                 "jobs_total": len(self.coord.jobs), "counters": dict(self.coord.counters),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 
-from mariana.services.protocol import Message, NameTaken, NotYet, Refused
+from mariana.services.protocol import Message, NameTaken, NotYet, Refused, encode
 from mariana.services.runtime.config import ROLES, cluster_shape
 
 SAY_AGAIN_SECONDS = 60.0  # a refusal that goes on is said again this often
@@ -126,6 +126,18 @@ async def _admit(coord, msg: Message, name: str) -> None:
     raise NameTaken(f"{name} is already running: pid {info.pid} on {info.host or 'an unnamed host'}, heard from "
                     f"{age:.1f}s ago; a second {name} is refused (if that one has stopped, this one is taken "
                     f"once it has been silent {within:g}s)", holder=holder(info))
+
+
+def bye(coord, msg: Message) -> list:
+    """A service stopping cleanly (`Bye`, its last message): down at once in the status, the web
+    UI and `mariana_service_up`, instead of alive until heartbeat_seconds after its last beat; a
+    restart is taken at once. A Bye from a process that is not the registered one changes nothing."""
+    name = f"{msg['role']}-{msg['index']}"
+    info = coord.services.get(name)
+    if info is not None and info.pid == msg.get("pid") and info.boot == msg.get("boot") and not info.stopped:
+        info.stopped = True
+        log.info("%s: %s stopped (pid %s)", coord.name, name, info.pid)
+    return encode("Ok", msg.msg_id)
 
 
 def holder(info) -> dict:

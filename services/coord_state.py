@@ -40,9 +40,10 @@ class ServiceInfo:
     restarts: int = 0                  # registrations with a new boot time after the first
     host: str = ""                     # the host it runs on, as it names itself (its node name)
     place: str = ""                    # where its pid names it: its kernel's boot id and pid namespace
+    stopped: bool = False              # it said Bye: down now, not heartbeat_seconds later
 
     def alive(self, within: float) -> bool:
-        return time.time() - self.last_seen <= within
+        return not self.stopped and time.time() - self.last_seen <= within
 
     def update(self, status: dict, now: float) -> None:
         """A heartbeat's numbers; the throughput from the change of the role's counter."""
@@ -53,7 +54,7 @@ class ServiceInfo:
                 self.rate = {"value": round((value - self.sampled[1]) * scale / (now - self.sampled[0]), 2),
                              "unit": unit}
             self.sampled = (now, value)
-        self.status, self.last_seen = status, now
+        self.status, self.last_seen, self.stopped = status, now, False
 
 
 REFUSED = "the coordinator refused"  # in a stall's `why`: the service it waits for exited, told why

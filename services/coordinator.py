@@ -32,7 +32,7 @@ from aiohttp import web
 
 from mariana.services import protocol
 from mariana.services.coord_api import CoordinatorAPI
-from mariana.services.coord_hello import admit, touch
+from mariana.services.coord_hello import admit, bye, touch
 from mariana.services.remote_inputs import RemoteInputs
 from mariana.services.coord_jobs import EpochValidation, JobJournal, JobRunner, rejoined
 from mariana.services.coord_state import JobRun, ServiceInfo, numbers
@@ -154,6 +154,9 @@ class Coordinator(Service):
         if restarted:
             self.spawn(self.rejoin(info))
         return protocol.encode("Welcome", msg.msg_id, boot=self.boot)
+
+    async def on_Bye(self, peer: bytes, msg: Message) -> list:
+        return bye(self, msg)  # services/coord_hello.py
 
     async def on_Lease(self, peer: bytes, msg: Message) -> list:
         """Up to `want` steps at once; the steps finished since the last Lease ride along in `done`, recorded first."""

@@ -67,6 +67,7 @@ _I, _F, _S, _B, _D, _L = int, (int, float), str, bool, dict, list
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Hello": {"role": _S, "index": _I},
     "Welcome": {},
+    "Bye": {"role": _S, "index": _I},  # + pid, boot: a service stopping cleanly
     "Lease": {"worker": _S},  # + optional want (batches, default 1) and done (a list of Report)
     "Work": {"job": _S, "epoch": _I, "step": _S, "key": _S, "rows": _I},  # + optional more: [Work fields]
     "Wait": {},

@@ -35,6 +35,7 @@ from mariana.sparse.errors import MarianaError
 log = logging.getLogger(__name__)
 
 DRAIN_SECONDS = 20.0
+BYE_SECONDS = 0.5  # how long a stopping service waits for the coordinator to take its Bye
 HOST = platform.node()  # how a service names its host to the coordinator
 
 
@@ -242,6 +243,18 @@ async def cancel_and_wait(tasks, grace: float = 0.1) -> None:
             task.exception()
 
 
+async def _bye(service: Service) -> None:
+    """Its last message: the coordinator shows it down now, not when its heartbeats are
+    missed. Not for one the coordinator refused (it holds no name), nor waited on for long."""
+    if service.coordinator_boot is None or service.refusal is not None:
+        return
+    try:
+        await service.coordinator.call("Bye", role=service.role, index=service.index, pid=os.getpid(),
+                                       boot=service.boot, timeout=BYE_SECONDS)
+    except Exception as e:  # a coordinator down or older: it finds out from the missed heartbeats
+        log.info("%s: the coordinator did not take its Bye: %s", service.name, e)
+
+
 async def _run(service: Service) -> int:
     loop = asyncio.get_running_loop()
     service.stopping = asyncio.Event()
@@ -294,6 +307,7 @@ async def _run(service: Service) -> int:
         except Exception:  # close what was opened; a half-started service has less to close
             log.exception("%s: closing failed", service.name)
         if service.coordinator:
+            await _bye(service)
             service.coordinator.close()
         service.ctx.destroy(linger=0)
         if watchdog is not None:  # fed through close (a ps checkpoint), which runs within TimeoutStopSec

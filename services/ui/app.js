@@ -996,7 +996,7 @@
         el("td", {class: "num", "data-testid": "service-restarts",
                   title: "times it registered again after a restart"}, isNum(s.restarts) ? fmtInt(s.restarts) : DASH),
         el("td", {}, el("span", {class: `alive ${alive ? "yes" : "no"}`, "data-testid": "service-alive"},
-                        el("span", {class: "dot"}), alive ? "alive" : "down")),
+                        el("span", {class: "dot"}), alive ? "alive" : s.stopped === true ? "stopped" : "down")),
         el("td", {class: "num", title: fmtTimeTitle(s.last_seen)}, isNum(s.last_seen) && s.last_seen > 0
           ? fmtAge(now - s.last_seen) : DASH),
         el("td", {class: "num", "data-testid": "service-rate"}, rate ? `${fmtCompact(rate.value)} ${rate.unit}`.trim()

@@ -21,6 +21,7 @@ from mariana.services.runtime.config import load_cluster_config, to_toml
 from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli
 from tests.integration.cluster import Cluster
+from tests.integration.test_metrics_endpoints import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -114,6 +115,29 @@ def test_a_service_restarted_on_its_host_is_taken_at_once(tmp_path):
     assert new.pid != old and info["restarts"] == 1, info
     assert info["host"] == platform.node(), info
     assert "not registered yet" not in log, log[-2000:]  # it did not wait for the dead one's name to lapse
+
+
+@pytest.mark.timeout(240)
+def test_a_service_stopped_cleanly_is_down_at_once(tmp_path):
+    """A worker stopped by SIGTERM showed "alive" for up to heartbeat_seconds (30 s here) after
+    it exited. Its last message (Bye) makes it down at once, in the status, `mariana status`,
+    the metrics and the log; a restart is taken at once."""
+    with Cluster(tmp_path / "c", workers=1, **{"coordinator.heartbeat_seconds": 30.0}) as c:
+        c.wait_for(lambda: len(c.status()["services"]) == 5, 60)
+        old = c.pid("worker-0")
+        c.kill("worker-0", signal.SIGTERM)  # waits for it to exit
+        info = c.status()["services"]["worker-0"]
+        table = run_cli("status", "--dir", c.root, check=True).stdout
+        up = scrape(c.cfg.coordinator.http_port)[2]['mariana_service_up{service="worker-0",role="worker"}']
+        new = c.restart("worker-0")
+        back = c.wait_for(lambda: (lambda s: s if s["pid"] == new.pid and s["alive"] else None)(
+            c.status()["services"]["worker-0"]), 60)
+        log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
+    assert (info["alive"], info["stopped"], info["pid"]) == (False, True, old), info
+    assert any(line.split()[:4] == ["worker-0", "worker", "0", "stopped"] for line in table.splitlines()), table
+    assert up == 0
+    assert f"worker-0 stopped (pid {old})" in log, log[-2000:]
+    assert back["stopped"] is False and back["restarts"] == 1, back
 
 
 @pytest.mark.timeout(240)

@@ -18,6 +18,7 @@ from mariana.sparse.errors import DataFormatError
 VALID = {
     "Hello": {"role": "worker", "index": 2},
     "Welcome": {},
+    "Bye": {"role": "worker", "index": 0, "pid": 4321, "boot": 1.5},
     "Lease": {"worker": "w0"},
     "Work": {"job": "j1", "epoch": 2, "step": "e2/f0o0:3", "key": "mariana:j1:b:f0o0:3", "rows": 4096},
     "Wait": {},

@@ -352,9 +352,9 @@ def add_point(coord, run: JobRun) -> None:
     loss = sum(led.loss_sum.values())
     hist = sum(led.hist.values()) if led.hist else None
     t0, rows0, loss0, hist0 = run.last_point or (run.started or now, 0, 0.0, None)
-    run.last_point = (now, rows, loss, hist)
     if rows == rows0 and run.state == "running":
-        return  # nothing new: no flat stretch of points while the job waits
+        return  # nothing new: no flat stretch of points while the job waits (the next one's rate spans it)
+    run.last_point = (now, rows, loss, hist)
     d_hist = None if hist is None else hist - (0 if hist0 is None else hist0)
     d_rows = rows - rows0
     coord.store.add_point(run.id, {

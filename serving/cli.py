@@ -208,7 +208,7 @@ def _versions(model_dir: str) -> list[dict]:
         metrics, train, model = (m.get(k) if isinstance(m.get(k), dict) else {} for k in ("metrics", "train", "model"))
         rows.append({"version": v, "current": v == current, "created_at": m.get("created_at"),
                      "kind": model.get("kind"), "auc": metrics.get("auc"),
-                     "logloss": metrics.get("logloss"), "rows": train.get("rows", m.get("rows_trained")),
+                     "logloss": metrics.get("logloss"), "rows": checkpoint.rows_learned(m),
                      "data": train.get("data"), "job": train.get("job")})
     return rows
 

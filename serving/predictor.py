@@ -211,7 +211,7 @@ class Predictor:
             "model_dir": self.model_dir, "model_version": self.version, "kind": self.bundle.config.model.kind,
             "trained_at": m.get("created_at"), "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                            time.gmtime(self.loaded_at)),
-            "trained_on": {"data": train.get("data"), "rows": train.get("rows", m.get("rows_trained")),
+            "trained_on": {"data": train.get("data"), "rows": checkpoint.rows_learned(m),
                            "mode": train.get("mode", "local"), "seconds": train.get("seconds")},
             "metrics": m.get("metrics") or {},
             "schema": self.schema.name, "fields": list(self.schema.numeric + self.schema.categorical)

@@ -320,7 +320,7 @@ def overview(model_dir: str | os.PathLike, limit: int = 50) -> dict | None:
         train = m.get("train") or {}
         versions.append({"version": v, "current": v == current, "created": m.get("created_at"),
                          "model": (m.get("model") or {}).get("kind"), "metrics": m.get("metrics") or {},
-                         "rows": train.get("rows", m.get("rows_trained")), "job": train.get("job")})
+                         "rows": rows_learned(m), "job": train.get("job")})
     moves = [{"time": p.get("time"), "version": p.get("to"), "previous": p.get("from"), "reason": p.get("reason")}
              for p in promotions(d)]
     return {"dir": str(d), "current": current, "versions": versions,
@@ -529,6 +529,24 @@ def _size(path: Path) -> int:
             except OSError:
                 pass
     return total
+
+
+def rows_learned(manifest: dict) -> int | None:
+    """The rows a version's weights learned from in its own training: every epoch's up to the
+    one kept (`--epochs auto` keeps the best; `train.rows` counts every epoch read), less a warm
+    start's parent's. `train.rows` where there is no `rows_trained` (speech and image versions).
+
+    >>> rows_learned({"rows_trained": 50, "parent": {"rows_trained": 20}, "train": {"rows": 90}})
+    30
+    >>> rows_learned({"train": {"rows": 90}})
+    90
+    """
+    train = manifest.get("train") if isinstance(manifest.get("train"), dict) else {}
+    kept, parent = manifest.get("rows_trained"), manifest.get("parent")
+    if not isinstance(kept, int) or isinstance(kept, bool):
+        return train.get("rows")
+    before = parent.get("rows_trained") if isinstance(parent, dict) else 0
+    return kept - before if isinstance(before, int) and 0 <= before <= kept else kept
 
 
 def read_manifest(model_dir: str | os.PathLike, version: str) -> dict:

@@ -161,10 +161,11 @@ def resolve_init_bias(config: JobConfig, schema, train_paths: list[str]) -> None
     if labels is None or not len(labels):
         config.model.init_bias = 0.0
         return
-    rate = (float(labels.sum()) + 0.5) / (len(labels) + 1.0)
+    rate = (float(labels.sum()) + 0.5) / (len(labels) + 1.0)  # never 0 or 1: a finite log-odds
     config.model.init_bias = round(math.log(rate / (1.0 - rate)), 6)
-    log.info("model.init_bias = %.4f: the click rate %.4f%% of the first %d training rows", config.model.init_bias,
-             100 * rate, len(labels))
+    clicks = int(labels.sum())
+    log.info("model.init_bias = %.4f: %d clicks in the first %d training rows (%.4f%%; smoothed %.4f%%)",
+             config.model.init_bias, clicks, len(labels), 100 * clicks / len(labels), 100 * rate)
 
 
 def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[str], out_dir: str,

@@ -54,6 +54,10 @@ def test_cluster_early_stopping_is_local_modes_exactly_and_keeps_the_best_epoch(
     # counted every epoch it ran, and a warm start from it carried the excess into its parent record)
     local_manifest = json.loads((tmp_path / "local" / local["model_version"] / "manifest.json").read_text())
     assert manifest["rows_trained"] == local_manifest["rows_trained"] == 40_000 * lv["best_epoch"], manifest
+    # and listed so (`model list` and /v1/models showed every epoch's rows, 40,000 x epochs run)
+    for out, version in ((tmp_path / "local", local["model_version"]), (tmp_path / "m", record["model_version"])):
+        listed = json.loads(run_cli("model", "list", "--model-dir", out, "--json", check=True).stdout)["versions"]
+        assert [(v["version"], v["rows"]) for v in listed] == [(version, 40_000 * lv["best_epoch"])], listed
     # the job history (what the web UI charts) carries each epoch's validation metrics
     assert code == 200
     assert [e["valid"]["logloss"] for e in history["epochs"]] == [e["logloss"] for e in lv["epochs"]]

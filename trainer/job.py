@@ -259,7 +259,34 @@ def publish_version(bundle: ModelBundle, out_dir: str, trained: TrainSummary, te
     })
     record.update(model_dir=os.path.abspath(out_dir), model_version=version, promoted=promote,
                   peak_rss_mb=round(peak_rss_mb(), 1))
+    for line in worse_than_it_could_be(record):
+        log.warning("%s: %s", version, line)
     return record
+
+
+def worse_than_it_could_be(record: dict) -> list[str]:
+    """What a published version's numbers say against it: a test NE of 1 or more (no better than
+    the test rows' click rate alone), and a last epoch kept whose validation logloss was worse
+    than an earlier one's (`--epochs auto` keeps the best). Said, not refused: it is published.
+
+    >>> worse_than_it_could_be({"ne": 1.05, "valid": {"kept": "last", "best_epoch": 1,
+    ...                         "epochs": [{"logloss": 0.46}, {"logloss": 0.49}]}})  # doctest: +NORMALIZE_WHITESPACE
+    ['test NE 1.0500: it scores the test rows no better than their click rate alone would',
+     'validation logloss 0.49 in the last epoch (2), the one kept, against 0.46 in epoch 1: over-fitted? --epochs
+     auto keeps the best epoch']
+    >>> worse_than_it_could_be({"ne": 0.9})
+    []
+    """
+    out, ne, valid = [], record.get("ne"), record.get("valid") or {}
+    if isinstance(ne, (int, float)) and ne >= 1.0:
+        out.append(f"test NE {ne:.4f}: it scores the test rows no better than their click rate alone would")
+    epochs, best = valid.get("epochs") or [], valid.get("best_epoch") or 0
+    if valid.get("kept") == "last" and 0 < best < len(epochs):
+        last, low = epochs[-1].get("logloss"), epochs[best - 1].get("logloss")
+        if isinstance(last, float) and isinstance(low, float) and last > low:
+            out.append(f"validation logloss {last:.4g} in the last epoch ({len(epochs)}), the one kept, against "
+                       f"{low:.4g} in epoch {best}: over-fitted? --epochs auto keeps the best epoch")
+    return out
 
 
 def result_record(kind: str, trained: TrainSummary, tested: tuple[dict, dict | None],
@@ -328,6 +355,8 @@ def written_record(out_dir: str, version: str, manifest: dict, trained: TrainSum
         checkpoint.set_current(out_dir, version, "trained")
     record.update(model_dir=os.path.abspath(out_dir), model_version=version, promoted=promote,
                   peak_rss_mb=round(peak_rss_mb(), 1))
+    for line in worse_than_it_could_be(record):
+        log.warning("%s: %s", version, line)
     return record
 
 

@@ -338,3 +338,19 @@ def test_model_config_prints_a_versions_config_that_a_warm_start_takes(gen_files
     assert child["parent"]["version"] == "v000001"
     missing = run_cli("model", "config", "v000009", "--model-dir", parent)
     assert missing.returncode == 2 and "v000009" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_a_version_worse_than_the_click_rate_is_published_with_a_warning(gen_files, tmp_path):
+    """A model that scores its test rows worse than their click rate alone (NE > 1: over-fitted,
+    or labels that mean the opposite) was published without a word. It still is, and the log says
+    so; a good model gets no such line."""
+    lines = gen_files["test"].read_text().splitlines()
+    flipped = tmp_path / "flipped.tsv"  # the same rows, each label the other way
+    flipped.write_text("".join(("1" if ln[0] == "0" else "0") + ln[1:] + "\n" for ln in lines))
+    worse = run_cli("train", "--data", gen_files["train"], "--test-data", flipped, "--model", "lr",
+                    "--out", tmp_path / "m", *SMALL, check=True)
+    good = run_cli("train", "--data", gen_files["train"], "--test-data", gen_files["test"], "--model", "lr",
+                   "--out", tmp_path / "m", *SMALL, check=True)
+    assert re.search(r"WARNING .*v000001: test NE \d+\.\d+: it scores the test rows no better than their click rate",
+                     worse.stderr), worse.stderr
+    assert "test NE" not in good.stderr, good.stderr

@@ -561,6 +561,12 @@ def down(cluster_dir: str, timeout: float = 60.0) -> dict:
     return summary
 
 
+def recorded(cluster_dir: str) -> bool:
+    """Whether cluster_dir has a cluster.json: `up` wrote it and no `down` has removed it (its
+    coordinator may be restarting)."""
+    return _load_state(_root(cluster_dir)) is not None
+
+
 def cluster_info(cluster_dir: str) -> dict | None:
     """The cluster.json of cluster_dir while its coordinator runs, else None."""
     state = _load_state(_root(cluster_dir))

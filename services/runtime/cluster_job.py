@@ -246,6 +246,10 @@ def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> di
             except Unreachable as e:  # restarting (the supervisor's ~1 s, a journal to replay), or down
                 if _moved(info):  # `down` then `up`: the new coordinator listens on other ports
                     continue
+                if _taken_down(info):  # no restart to wait for
+                    raise Unreachable(f"{e}: the cluster in {info['dir']} was stopped (`mariana down`); job {job} "
+                                      "goes on when it is up again (`mariana up`; its record: `mariana status`)") \
+                        from None
                 now = time.monotonic()
                 if away is None:
                     away = now
@@ -274,6 +278,19 @@ def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> di
         if cancel_job(info, job)["state"] == "writing":
             log.warning("job %s was writing its version when interrupted: too late to cancel; it ends done", job)
         raise
+
+
+def _taken_down(info: dict) -> bool:
+    """Whether the cluster `mariana up` started in `info`'s dir was stopped by `mariana down`
+    (its cluster.json is gone): a client waited two minutes for a coordinator nobody restarts."""
+    if info.get("temporary") or not info.get("dir"):
+        return False
+    from mariana.services import launcher
+
+    try:
+        return not launcher.recorded(info["dir"])
+    except MarianaError:  # a cluster.json being written
+        return False
 
 
 def _moved(info: dict) -> bool:

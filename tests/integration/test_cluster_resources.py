@@ -177,3 +177,38 @@ def test_the_client_shows_what_a_job_waits_for_and_it_fails_when_nothing_comes(d
     assert "job: waiting for ps-0:" in proc.stderr, proc.stderr[-3000:]
     assert "gave up waiting for ps-0 after 15s (cluster.start_seconds)" in proc.stderr, proc.stderr[-3000:]
     assert seconds < 100, seconds
+
+
+@pytest.mark.timeout(150)
+def test_a_client_whose_cluster_is_taken_down_says_so_at_once(data, tmp_path):
+    """`mariana down` while `train --mode cluster` waited on its job: the client said the
+    coordinator was away and waited 120 s for a restart nobody would make. The cluster's
+    cluster.json is gone: it says the cluster was stopped, and that the job goes on when it
+    is up again, within a poll or two."""
+    from mariana.services import launcher
+
+    c = Cluster(tmp_path / "c", **{"cluster.start_seconds": 600.0}).__enter__()
+    try:
+        c.kill("worker-0", signal.SIGTERM)  # the job waits at 0 rows
+        log = tmp_path / "train.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "mariana", "train", "--mode", "cluster", "--cluster-config",
+                                     c.info["config"], "--data", str(data["train"]), "--out", str(tmp_path / "m"),
+                                     "--model", "lr", "--set", "hashing.bits=16"], stderr=err, cwd=ROOT)
+        deadline = time.monotonic() + 60
+        while "submitted" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "submitted" in log.read_text(), log.read_text()[-3000:]
+        launcher.down(str(c.root), timeout=30.0)
+        t0 = time.monotonic()
+        code = proc.wait(60)
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if launcher.recorded(str(c.root)):
+            c.__exit__(None, None, None)
+    err = log.read_text()
+    assert code == 2, err[-3000:]
+    assert f"the cluster in {c.root} was stopped (`mariana down`); job " in err, err[-3000:]
+    assert "goes on when it is up again" in err and seconds < 10, (seconds, err[-3000:])

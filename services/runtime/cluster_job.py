@@ -225,8 +225,8 @@ def check_sizes(wanted: ClusterConfig, info: dict, asked: tuple[str, ...]) -> No
         where, stop = f"at {info['http']}", "stop it"
     for role in asked:
         if getattr(wanted, role).count != have[role]:
-            raise MarianaError(f"the cluster {where} has {have[role]} {role}; asked for {getattr(wanted, role).count} "
-                               f"(drop the flag, or {stop} first)")
+            raise MarianaError(f"the cluster {where} has {role}.count = {have[role]}; asked for "
+                               f"{getattr(wanted, role).count} (drop the flag, or {stop} first)")
 
 
 def submit(info: dict, body: dict) -> str:

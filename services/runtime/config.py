@@ -235,12 +235,43 @@ class ClusterConfig:
             for role in ("ps", "preprocess", "worker"):
                 sec = getattr(self, role)
                 sec.metrics_ports = sec.metrics_ports or [base + METRICS_OFFSETS[role] + i for i in range(sec.count)]
+            self._distinct_ports()
         for role, key in (("ps", "endpoints"), ("preprocess", "endpoints"), ("ps", "metrics_ports"),
                           ("preprocess", "metrics_ports"), ("worker", "metrics_ports")):
             sec, listed = getattr(self, role), getattr(getattr(self, role), key)
             if listed and len(listed) != sec.count:
                 raise ConfigError(f"{role}.{key} lists {len(listed)} {key.replace('_', ' ')} for "
                                   f"{role}.count = {sec.count}")
+
+    def _distinct_ports(self) -> None:
+        """Two sockets of one host on one port: counts past base_port's ranges (91 shards reach
+        preprocess 0's port) bound the second service nowhere, found only when it started.
+
+        >>> load_cluster_config(overrides={"cluster.base_port": 7000, "ps.count": 91}, env={})
+        Traceback (most recent call last):
+        ...
+        mariana.sparse.errors.ConfigError: ps.endpoints[90] and preprocess.endpoints[0] are both port 7100 \
+of 127.0.0.1 (cluster.base_port 7000 leaves room for 90 ps, 100 preprocess and 100 metrics ports of each \
+role): write the endpoints out, or lower the counts
+        """
+        seen: dict[tuple[str, int], str] = {}
+        tcp = [("coordinator.endpoint", self.coordinator.endpoint)] + [
+            (f"{role}.endpoints[{i}]", ep) for role in ("ps", "preprocess")
+            for i, ep in enumerate(getattr(self, role).endpoints)]
+        ports = [(k, ep.rsplit(":", 1)[0].split("//")[-1], int(ep.rsplit(":", 1)[1])) for k, ep in tcp
+                 if ep.startswith("tcp://") and ep.rsplit(":", 1)[-1].isdigit()]
+        ports.append(("coordinator.http_port", self.coordinator.http_host, self.coordinator.http_port))
+        ports += [(f"{role}.metrics_ports[{i}]", self.cluster.host, p) for role in ("ps", "preprocess", "worker")
+                  for i, p in enumerate(getattr(self, role).metrics_ports)]
+        ports.append(("loader.metrics_port", self.cluster.host, self.loader.metrics_port))
+        for key, host, port in ports:
+            if not port:
+                continue
+            if (host, port) in seen:
+                raise ConfigError(f"{seen[host, port]} and {key} are both port {port} of {host} (cluster.base_port "
+                                  f"{self.cluster.base_port} leaves room for 90 ps, 100 preprocess and 100 metrics "
+                                  "ports of each role): write the endpoints out, or lower the counts")
+            seen[host, port] = key
 
     def require_endpoints(self) -> None:
         """Fail with the key to set when a service would not know where to connect, or with

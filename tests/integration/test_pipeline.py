@@ -98,7 +98,7 @@ def test_cli_cluster_mode_matches_local_mode(data, tmp_path):
         assert f"web UI: {status['http']}/ui/" in by_url, by_url
         mismatch = run_cli(*common, "--out", tmp_path / "x", "--mode", "cluster", "--cluster-config", cfg,
                            "--workers", "3")
-        assert mismatch.returncode == 2 and "has 2 worker" in mismatch.stderr
+        assert mismatch.returncode == 2 and "has worker.count = 2; asked for" in mismatch.stderr
     finally:
         down = run_cli("down", "--config", cfg)
     assert down.returncode == 0, down.stderr

@@ -126,6 +126,9 @@ def prepare_job(config: JobConfig, train_paths: list[str], test_paths: list[str]
     return JobInputs(train_paths, test_paths, schema, train_rows, valid)
 
 
+FEW_STEPS = 10  # an explicit batch size giving fewer steps an epoch than this is said
+
+
 def resolve_auto(config: JobConfig, schema, train_paths: list[str], rows: int | None = None,
                  workers: int = 1) -> None:
     """Settle the config's data-dependent defaults before training, in place: the numbers go
@@ -146,6 +149,14 @@ def resolve_auto(config: JobConfig, schema, train_paths: list[str], rows: int | 
         config.train.batch_size = TrainConfig.auto_batch_size(share)
         log.info("train.batch_size = %d: about %s training rows%s", config.train.batch_size, f"{rows:,}",
                  f" over {workers} workers" if share != rows else "")
+    else:  # a batch the job names is kept; one of most of the rows takes a step or two an epoch
+        rows = rows if rows is not None else estimate_rows(train_paths, schema, config.data.block_bytes)
+        if rows and config.train.batch_size * FEW_STEPS > rows:
+            log.warning("train.batch_size = %s makes %s an epoch of about %s training rows: the model moves "
+                        "little from its start ('auto' would take %s)", f"{config.train.batch_size:,}",
+                        "under one step" if config.train.batch_size > rows
+                        else f"about {rows // config.train.batch_size} steps",
+                        f"{rows:,}", f"{TrainConfig.auto_batch_size(rows):,}")
     resolve_init_bias(config, schema, train_paths)
 
 

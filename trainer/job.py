@@ -149,7 +149,8 @@ def resolve_auto(config: JobConfig, schema, train_paths: list[str], rows: int | 
         config.train.batch_size = TrainConfig.auto_batch_size(share)
         log.info("train.batch_size = %d: about %s training rows%s", config.train.batch_size, f"{rows:,}",
                  f" over {workers} workers" if share != rows else "")
-    else:  # a batch the job names is kept; one of most of the rows takes a step or two an epoch
+    elif rows is not None or len(train_paths) <= FEW_STEPS:  # (a block read a file: not for thousands)
+        # a batch the job names is kept; one of most of the rows takes a step or two an epoch
         rows = rows if rows is not None else estimate_rows(train_paths, schema, config.data.block_bytes)
         if rows and config.train.batch_size * FEW_STEPS > rows:
             log.warning("train.batch_size = %s makes %s an epoch of about %s training rows: the model moves "

@@ -458,7 +458,7 @@ async def watch_job(runner: JobRunner, run: JobRun) -> None:
         for key, who, names in wanted:
             held = run.stalls.get(key)
             ours = held is not None and held.why.startswith(silent)  # a shard's unanswered request says more
-            if any(n in coord.services and coord.services[n].alive(quiet) for n in names):
+            if any(n in coord.services and coord.services[n].heard(quiet) for n in names):  # a restart's grace
                 if ours:
                     del run.stalls[key]
             elif held is None or ours:
@@ -487,7 +487,10 @@ def silence(coord, names: list[str], silent: str) -> str:
     """Why none of `names` is heard from: `silent`, and the coordinator's refusal of those it
     refused (they exited: a restart with the same config is refused again)."""
     refused = [f"{n}: {coord.refused[n][1]}" for n in names if n in coord.refused]
-    return f"{silent}; {REFUSED} " + "; ".join(refused) if refused else silent
+    if refused:
+        return f"{silent}; {REFUSED} " + "; ".join(refused)
+    stopped = [n for n in names if n in coord.services and coord.services[n].stopped]
+    return f"{silent}, {' and '.join(stopped)} said it stopped" if stopped else silent
 
 
 async def check_redis(coord, run: JobRun, needed_now: bool) -> None:

@@ -45,6 +45,10 @@ class ServiceInfo:
     def alive(self, within: float) -> bool:
         return not self.stopped and time.time() - self.last_seen <= within
 
+    def heard(self, within: float) -> bool:
+        """Heard from within `within` seconds, stopped since or not: a job's grace for a restart."""
+        return time.time() - self.last_seen <= within
+
     def update(self, status: dict, now: float) -> None:
         """A heartbeat's numbers; the throughput from the change of the role's counter."""
         counter, unit, scale = RATES.get(self.role, (None, "", 1.0))
@@ -54,7 +58,7 @@ class ServiceInfo:
                 self.rate = {"value": round((value - self.sampled[1]) * scale / (now - self.sampled[0]), 2),
                              "unit": unit}
             self.sampled = (now, value)
-        self.status, self.last_seen, self.stopped = status, now, False
+        self.status, self.last_seen = status, now  # (`stopped` stays: a heartbeat sent before the Bye)
 
 
 REFUSED = "the coordinator refused"  # in a stall's `why`: the service it waits for exited, told why

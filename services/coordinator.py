@@ -153,7 +153,7 @@ class Coordinator(Service):
         info.update(msg.get("status") if isinstance(msg.get("status"), dict) else {}, time.time())
         if restarted:
             self.spawn(self.rejoin(info))
-        return protocol.encode("Welcome", msg.msg_id, boot=self.boot)
+        return protocol.encode("Welcome", msg.msg_id, boot=self.boot, bye=True)  # it takes a Bye
 
     async def on_Bye(self, peer: bytes, msg: Message) -> list:
         return bye(self, msg)  # services/coord_hello.py

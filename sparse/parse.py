@@ -50,8 +50,9 @@ from mariana.sparse.schema import Schema
 # A pyarrow read on the main thread swaps in a SIGINT/SIGTERM handler of its own while it runs:
 # a signal then cancels the read (ArrowCancelled, not KeyboardInterrupt: a traceback), or, just as
 # it ends, is handed back through a background thread too late and lost (`mariana retrain` trained
-# on and promoted after its SIGTERM). A block takes milliseconds, so Python's own handler, run
-# after it, is soon enough.
+# on and promoted after its SIGTERM). Python's own handler runs after the read: a text block takes
+# milliseconds, a Parquet row group up to seconds. Process-wide, so a Python-API user's own pyarrow
+# reads are not cancelled by Ctrl-C either (they end, then KeyboardInterrupt is raised).
 pa.enable_signal_handlers(False)
 
 GZIP_MAGIC = b"\x1f\x8b"

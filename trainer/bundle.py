@@ -57,7 +57,6 @@ class ModelBundle:
             t.name: HashedTable(t.name, config.hashing.num_ids, t.dim, t.init_scale, seed=config.model.seed)
             for t in self.model.tables}
         self.optimizers = {t.name: table_optimizer(config, t.role) for t in self.model.tables}
-        say_if_too_big(config, [(t.dim, len(self.optimizers[t.name].state_keys)) for t in self.model.tables])
         self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,
                                                 initial_accumulator=config.optim.initial_accumulator),
                                         [a for _, a in dense_params(self.model)])
@@ -604,17 +603,27 @@ def table_bytes(num_ids: int, tables: list[tuple[int, int]]) -> int:
 
 
 def machine_memory() -> int | None:
-    """This machine's physical memory in bytes (None where the OS does not say)."""
+    """The memory this process may use, in bytes: the machine's, or its cgroup's limit when
+    lower (a unit's MemoryMax=, a container's); None where the OS does not say."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        return None
+        have = None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:  # cgroup v2; "max" when unlimited
+            limit = f.read().strip()
+    except OSError:
+        return have
+    return min(have or int(limit), int(limit)) if limit.isdigit() else have
 
 
-def say_if_too_big(config: JobConfig, tables: list[tuple[int, int]]) -> None:
-    """A warning when the tables would outgrow the machine once written: an exploratory tester's
-    LR at hashing.bits = 32 (52 GiB) crept to 20 GB resident at 275 rows/s on a 24 GB machine
-    without a word; a DNN at bits 28 (~34 GiB) would have been killed by the kernel part-way."""
+def say_if_too_big(bundle: "ModelBundle") -> None:
+    """A warning, before training, when the tables would outgrow the machine once written: an
+    exploratory tester's LR at hashing.bits = 32 (52 GiB) crept to 20 GB resident at 275 rows/s
+    on a 24 GB machine without a word; a DNN at bits 28 (~34 GiB) would have been killed by the
+    kernel part-way."""
+    config = bundle.config
+    tables = [(t.dim, len(bundle.optimizers[t.name].state_keys)) for t in bundle.model.tables]
     need, have = table_bytes(config.hashing.num_ids, tables), machine_memory()
     if have and need > have:
         log.warning("the model's tables take up to %.1f GiB once written (hashing.bits = %d: 2^%d rows each), more "

@@ -15,7 +15,7 @@ from mariana.sparse.errors import MarianaError, ModelDirError
 from mariana.sparse.metrics import rounded
 from mariana.sparse.parse import PROBE_BYTES, Reader, describe_bad
 from mariana.trainer import checkpoint
-from mariana.trainer.bundle import ModelBundle, warm_start
+from mariana.trainer.bundle import ModelBundle, say_if_too_big, warm_start
 from mariana.trainer.config import AUTO, LOWER_RATES, JobConfig, TrainConfig
 from mariana.trainer.data import RowRange, estimate_rows
 from mariana.trainer.paths import check_can_create_in, check_path_name
@@ -126,7 +126,8 @@ def prepare_job(config: JobConfig, train_paths: list[str], test_paths: list[str]
     return JobInputs(train_paths, test_paths, schema, train_rows, valid)
 
 
-FEW_STEPS = 10  # an explicit batch size giving fewer steps an epoch than this is said
+FEW_STEPS = 10  # an explicit batch size over auto's giving fewer steps an epoch than this is said
+ESTIMATED_FILES = 16  # rows are estimated for that check only with this few files (a block read each)
 
 
 def resolve_auto(config: JobConfig, schema, train_paths: list[str], rows: int | None = None,
@@ -149,10 +150,11 @@ def resolve_auto(config: JobConfig, schema, train_paths: list[str], rows: int | 
         config.train.batch_size = TrainConfig.auto_batch_size(share)
         log.info("train.batch_size = %d: about %s training rows%s", config.train.batch_size, f"{rows:,}",
                  f" over {workers} workers" if share != rows else "")
-    elif rows is not None or len(train_paths) <= FEW_STEPS:  # (a block read a file: not for thousands)
+    elif rows is not None or len(train_paths) <= ESTIMATED_FILES:
         # a batch the job names is kept; one of most of the rows takes a step or two an epoch
         rows = rows if rows is not None else estimate_rows(train_paths, schema, config.data.block_bytes)
-        if rows and config.train.batch_size * FEW_STEPS > rows:
+        if rows and config.train.batch_size * FEW_STEPS > rows and config.train.batch_size > \
+                TrainConfig.auto_batch_size(rows):
             log.warning("train.batch_size = %s makes %s an epoch of about %s training rows: the model moves "
                         "little from its start ('auto' would take %s)", f"{config.train.batch_size:,}",
                         "under one step" if config.train.batch_size > rows
@@ -199,6 +201,7 @@ def run_local_job(config: JobConfig, train_paths: list[str], test_paths: list[st
 
         images, image_info = prepare_image_features(config.images)
     bundle = warm_start(config, job.schema, init_from) if init_from else ModelBundle(config, job.schema, images)
+    say_if_too_big(bundle)
     log.info("training %s on %s (%d fields, %d dense, 2^%d ids)", config.model.kind,
              ",".join(job.train), bundle.encoder.num_fields, bundle.encoder.dense_dim, config.hashing.bits)
     trained = train_local(bundle, job.train, on_progress, rows=job.train_rows, valid=job.valid)

@@ -26,7 +26,7 @@ from mariana.services.runtime.config import ClusterConfig
 from mariana.sparse.errors import MarianaError
 from mariana.trainer.bundle import parse_init_from
 from mariana.trainer.config import JobConfig
-from mariana.trainer.job import absolute_paths
+from mariana.trainer.job import absolute_paths, worse_than_it_could_be
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
@@ -91,6 +91,8 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
             on_submit(job, info)
         record = wait(info, job, on_progress)
     _say_bad_rows(record)
+    for line in worse_than_it_could_be(record):  # (the coordinator's log said it too)
+        log.warning("%s: %s", record.get("model_version"), line)
     return record
 
 
@@ -225,8 +227,9 @@ def check_sizes(wanted: ClusterConfig, info: dict, asked: tuple[str, ...]) -> No
         where, stop = f"at {info['http']}", "stop it"
     for role in asked:
         if getattr(wanted, role).count != have[role]:
-            raise MarianaError(f"the cluster {where} has {role}.count = {have[role]}; asked for "
-                               f"{getattr(wanted, role).count} (drop the flag, or {stop} first)")
+            has = f"{role}.count = {have[role]}" if info.get("config") else f"{have[role]} {role} registered"
+            raise MarianaError(f"the cluster {where} has {has}; asked for {getattr(wanted, role).count} "
+                               f"(drop the flag, or {stop} first)")
 
 
 def submit(info: dict, body: dict) -> str:

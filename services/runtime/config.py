@@ -224,54 +224,36 @@ class ClusterConfig:
         """Fill unset endpoints from cluster.base_port (no-op when it is 0)."""
         base, host = self.cluster.base_port, self.cluster.host
         if base:
+            derived: list[tuple[str, int]] = []  # (key, port) of what base_port filled in, all on `host`
+
+            def fill(key: str, given, ports: list[int], make=lambda p: p):
+                if given:
+                    return given
+                derived.extend((f"{key}[{i}]" if len(ports) > 1 or key.endswith("s") else key, p)
+                               for i, p in enumerate(ports))
+                return [make(p) for p in ports] if key.endswith("s") else make(ports[0])
+
             tcp = lambda port: f"tcp://{host}:{port}"  # noqa: E731
-            self.coordinator.endpoint = self.coordinator.endpoint or tcp(base)
-            self.coordinator.http_port = self.coordinator.http_port or base + 1
-            self.redis.url = self.redis.url or f"redis://{host}:{base + 2}/0"
-            self.ps.endpoints = self.ps.endpoints or [tcp(base + 10 + i) for i in range(self.ps.count)]
-            self.preprocess.endpoints = (self.preprocess.endpoints
-                                         or [tcp(base + 100 + i) for i in range(self.preprocess.count)])
-            self.loader.metrics_port = self.loader.metrics_port or base + METRICS_OFFSETS["loader"]
+            self.coordinator.endpoint = fill("coordinator.endpoint", self.coordinator.endpoint, [base], tcp)
+            self.coordinator.http_port = fill("coordinator.http_port", self.coordinator.http_port, [base + 1])
+            self.redis.url = fill("redis.url", self.redis.url, [base + 2], lambda p: f"redis://{host}:{p}/0")
+            self.ps.endpoints = fill("ps.endpoints", self.ps.endpoints,
+                                     [base + 10 + i for i in range(self.ps.count)], tcp)
+            self.preprocess.endpoints = fill("preprocess.endpoints", self.preprocess.endpoints,
+                                             [base + 100 + i for i in range(self.preprocess.count)], tcp)
+            self.loader.metrics_port = fill("loader.metrics_port", self.loader.metrics_port,
+                                            [base + METRICS_OFFSETS["loader"]])
             for role in ("ps", "preprocess", "worker"):
                 sec = getattr(self, role)
-                sec.metrics_ports = sec.metrics_ports or [base + METRICS_OFFSETS[role] + i for i in range(sec.count)]
-            self._distinct_ports()
+                sec.metrics_ports = fill(f"{role}.metrics_ports", sec.metrics_ports,
+                                         [base + METRICS_OFFSETS[role] + i for i in range(sec.count)])
+            _distinct_ports(base, host, derived)
         for role, key in (("ps", "endpoints"), ("preprocess", "endpoints"), ("ps", "metrics_ports"),
                           ("preprocess", "metrics_ports"), ("worker", "metrics_ports")):
             sec, listed = getattr(self, role), getattr(getattr(self, role), key)
             if listed and len(listed) != sec.count:
                 raise ConfigError(f"{role}.{key} lists {len(listed)} {key.replace('_', ' ')} for "
                                   f"{role}.count = {sec.count}")
-
-    def _distinct_ports(self) -> None:
-        """Two sockets of one host on one port: counts past base_port's ranges (91 shards reach
-        preprocess 0's port) bound the second service nowhere, found only when it started.
-
-        >>> load_cluster_config(overrides={"cluster.base_port": 7000, "ps.count": 91}, env={})
-        Traceback (most recent call last):
-        ...
-        mariana.sparse.errors.ConfigError: ps.endpoints[90] and preprocess.endpoints[0] are both port 7100 \
-of 127.0.0.1 (cluster.base_port 7000 leaves room for 90 ps, 100 preprocess and 100 metrics ports of each \
-role): write the endpoints out, or lower the counts
-        """
-        seen: dict[tuple[str, int], str] = {}
-        tcp = [("coordinator.endpoint", self.coordinator.endpoint)] + [
-            (f"{role}.endpoints[{i}]", ep) for role in ("ps", "preprocess")
-            for i, ep in enumerate(getattr(self, role).endpoints)]
-        ports = [(k, ep.rsplit(":", 1)[0].split("//")[-1], int(ep.rsplit(":", 1)[1])) for k, ep in tcp
-                 if ep.startswith("tcp://") and ep.rsplit(":", 1)[-1].isdigit()]
-        ports.append(("coordinator.http_port", self.coordinator.http_host, self.coordinator.http_port))
-        ports += [(f"{role}.metrics_ports[{i}]", self.cluster.host, p) for role in ("ps", "preprocess", "worker")
-                  for i, p in enumerate(getattr(self, role).metrics_ports)]
-        ports.append(("loader.metrics_port", self.cluster.host, self.loader.metrics_port))
-        for key, host, port in ports:
-            if not port:
-                continue
-            if (host, port) in seen:
-                raise ConfigError(f"{seen[host, port]} and {key} are both port {port} of {host} (cluster.base_port "
-                                  f"{self.cluster.base_port} leaves room for 90 ps, 100 preprocess and 100 metrics "
-                                  "ports of each role): write the endpoints out, or lower the counts")
-            seen[host, port] = key
 
     def require_endpoints(self) -> None:
         """Fail with the key to set when a service would not know where to connect, or with
@@ -326,6 +308,27 @@ role): write the endpoints out, or lower the counts
 
     def count(self, role: str) -> int:
         return getattr(self, role).count if role in ("preprocess", "worker", "ps") else 1
+
+
+def _distinct_ports(base: int, host: str, derived: list[tuple[str, int]]) -> None:
+    """Two ports base_port derived that are one: counts past its ranges (91 shards reach
+    preprocess 0's port) bound the second service nowhere, found only when it started. Ports
+    written out are not compared (on several hosts one port number is many ports).
+
+    >>> load_cluster_config(overrides={"cluster.base_port": 7000, "ps.count": 91}, env={})
+    Traceback (most recent call last):
+    ...
+    mariana.sparse.errors.ConfigError: cluster.base_port 7000 derives ps.endpoints[90] and preprocess.endpoints[0] \
+both at port 7100 of 127.0.0.1 (it leaves room for 90 ps, 100 preprocess and 100 metrics ports of each role): \
+write the endpoints out, or lower the counts
+    """
+    seen: dict[int, str] = {}
+    for key, port in derived:
+        if port in seen:
+            raise ConfigError(f"cluster.base_port {base} derives {seen[port]} and {key} both at port {port} of {host} "
+                              "(it leaves room for 90 ps, 100 preprocess and 100 metrics ports of each role): write "
+                              "the endpoints out, or lower the counts")
+        seen[port] = key
 
 
 def cluster_shape(cfg: ClusterConfig) -> dict:

@@ -88,6 +88,7 @@ class Service:
         self._heartbeat: asyncio.Task | None = None
         self.background: set[asyncio.Task] = set()
         self.coordinator_boot: float | None = None  # when the coordinator we talk to started
+        self.coordinator_takes_bye = False  # its Welcome says so
         self.shape = cluster_shape(cfg)  # what every Hello says of the settings a cluster shares
         self.refusal: ServiceRefused | None = None  # why the coordinator stopped taking it (exit 78)
 
@@ -181,6 +182,7 @@ class Service:
             n = self.coordinator.fail_pending("the coordinator restarted")
             log.info("%s: the coordinator restarted; %d requests in flight are sent again", self.name, n)
         self.coordinator_boot = boot if boot is not None else self.coordinator_boot
+        self.coordinator_takes_bye = reply.get("bye") is True  # an older one counts it a bad message
 
     async def _beat(self) -> None:
         period, said = max(0.2, self.cfg.coordinator.heartbeat_seconds / 3), ""
@@ -246,7 +248,7 @@ async def cancel_and_wait(tasks, grace: float = 0.1) -> None:
 async def _bye(service: Service) -> None:
     """Its last message: the coordinator shows it down now, not when its heartbeats are
     missed. Not for one the coordinator refused (it holds no name), nor waited on for long."""
-    if service.coordinator_boot is None or service.refusal is not None:
+    if service.coordinator_boot is None or service.refusal is not None or not service.coordinator_takes_bye:
         return
     try:
         await service.coordinator.call("Bye", role=service.role, index=service.index, pid=os.getpid(),

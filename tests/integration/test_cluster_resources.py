@@ -187,7 +187,7 @@ def test_a_client_whose_cluster_is_taken_down_says_so_at_once(data, tmp_path):
     is up again, within a poll or two."""
     from mariana.services import launcher
 
-    c = Cluster(tmp_path / "c", **{"cluster.start_seconds": 600.0}).__enter__()
+    c, proc = Cluster(tmp_path / "c", **{"cluster.start_seconds": 600.0}).__enter__(), None
     try:
         c.kill("worker-0", signal.SIGTERM)  # the job waits at 0 rows
         log = tmp_path / "train.log"
@@ -204,7 +204,7 @@ def test_a_client_whose_cluster_is_taken_down_says_so_at_once(data, tmp_path):
         code = proc.wait(60)
         seconds = time.monotonic() - t0
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
         if launcher.recorded(str(c.root)):
             c.__exit__(None, None, None)

@@ -126,7 +126,9 @@ def test_a_service_stopped_cleanly_is_down_at_once(tmp_path):
         c.wait_for(lambda: len(c.status()["services"]) == 5, 60)
         old = c.pid("worker-0")
         c.kill("worker-0", signal.SIGTERM)  # waits for it to exit
-        info = c.status()["services"]["worker-0"]
+        # (its Bye was answered before it exited, unless the coordinator took over 0.5 s: then
+        # the wait ends at heartbeat_seconds, 30 s, and fails)
+        info = c.wait_for(lambda: (lambda s: s if s["stopped"] else None)(c.status()["services"]["worker-0"]), 10)
         table = run_cli("status", "--dir", c.root, check=True).stdout
         up = scrape(c.cfg.coordinator.http_port)[2]['mariana_service_up{service="worker-0",role="worker"}']
         new = c.restart("worker-0")

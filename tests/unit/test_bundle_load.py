@@ -187,19 +187,20 @@ def test_a_creative_features_table_that_does_not_fit(tmp_path, edit, name):
 
 def test_tables_bigger_than_the_machine_are_said_before_training(monkeypatch, caplog):
     """hashing.bits = 32 (LR with FTRL: 52 GiB once written) trained on a 24 GB machine without
-    a word, at 20 GB resident and 275 rows/s. The bundle says what its tables take and what the
+    a word, at 20 GB resident and 275 rows/s. A local job says what its tables take and what the
     machine has (here a machine of 512 KiB: bits 16 with FTRL's z and n is 2^16 x 13 bytes)."""
     from mariana.sparse.schema import criteo
     from mariana.trainer import bundle as bundle_module
 
     monkeypatch.setattr(bundle_module, "machine_memory", lambda: 1 << 19)
     cfg = load_config(env={}, overrides={"model.kind": "lr", "hashing.bits": 16})
+    bundle = ModelBundle(cfg, criteo())
     with caplog.at_level("WARNING", logger="mariana.trainer.bundle"):
-        ModelBundle(cfg, criteo())
+        bundle_module.say_if_too_big(bundle)  # by run_local_job, before training
     assert "the model's tables take up to 0.0 GiB once written (hashing.bits = 16: 2^16 rows each), more than " \
            "this machine's 0.0 GiB of memory: lower hashing.bits" in caplog.text, caplog.text
     caplog.clear()
     monkeypatch.setattr(bundle_module, "machine_memory", lambda: 1 << 30)
     with caplog.at_level("WARNING", logger="mariana.trainer.bundle"):
-        ModelBundle(cfg, criteo())
+        bundle_module.say_if_too_big(bundle)
     assert caplog.text == ""

@@ -157,11 +157,15 @@ def test_a_job_waiting_for_a_refused_service_says_it_was_refused_not_silent(tmp_
         assert code == EX_CONFIG
         job = c.submit([tmp_path / "train.tsv"], tmp_path / "m", config={"hashing": {"bits": 16}})
         phase = c.wait(job, 60, until=lambda s: "worker-0" in (s.get("phase") or ""))["phase"]
+        table = run_cli("status", "--dir", c.root, check=True).stdout
         summary = c.wait(job, 60)
     says = ("the coordinator refused worker-0: worker-0's config differs", "ps.count = 2 there, 1 in the coordinator's")
     assert all(s in phase for s in says) and "is it running?" not in phase, phase
     assert summary["state"] == "failed" and all(s in summary["error"] for s in says), summary
     assert summary["error"].count("ps.count = 2 there") == 1 and "is it running?" not in summary["error"], summary
+    # `mariana status` lists it, with the reason, under the services
+    assert any(line.startswith("refused worker-0: worker-0's config differs") and "ps.count = 2 there" in line
+               for line in table.splitlines()), table
 
 
 @pytest.mark.timeout(300)

@@ -250,3 +250,20 @@ def test_import_mariana_loads_no_torch():
                            "'numpy' in sys.modules)"], capture_output=True, text=True, check=True).stdout
     assert bare.split() == ["False", "False"]
 
+
+
+def test_a_local_training_whose_tables_outgrow_the_machine_says_so_first(gen_files, tmp_path, monkeypatch, caplog):
+    """The tables-against-memory warning is said by a local job before it trains (here on a
+    machine of 512 KiB: bits 16 with FTRL's z and n take 2^16 x 13 bytes), and not by loading
+    the version it published (a serve worker cannot lower hashing.bits)."""
+    from mariana.trainer import bundle as bundle_module
+
+    monkeypatch.setattr(bundle_module, "machine_memory", lambda: 1 << 19)
+    with caplog.at_level("WARNING"):
+        result = mariana.train(gen_files["test"], model="lr", out=tmp_path / "m", bits=16)
+    said = [r.getMessage() for r in caplog.records if "the model's tables take up to" in r.getMessage()]
+    assert len(said) == 1 and "more than this machine's 0.0 GiB of memory" in said[0], caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        mariana.load(result.model_dir)
+    assert "the model's tables" not in caplog.text

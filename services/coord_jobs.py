@@ -478,7 +478,7 @@ async def watch_job(runner: JobRunner, run: JobRun) -> None:
         if now - held.since > bound:
             refused = "; ".join(f"{n}: {why}" for n, (_, why) in sorted(coord.refused.items()))
             runner.fail(run, f"gave up waiting for {held.who} after {bound:g}s ({setting}): {held.why}" + (
-                "" if REFUSED in held.why else f"; the coordinator refuses {refused}" if refused else
+                "" if held.refused else f"; the coordinator refuses {refused}" if refused else
                 "; is it running? (`mariana status`; start it and submit the job again)"))
             return
 

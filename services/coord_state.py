@@ -74,8 +74,14 @@ class Stall:
     why: str     # "it did not answer StartJob"
     since: float = field(default_factory=time.monotonic)
 
-    def text(self) -> str:  # a refused service is running, or was: its config is what to fix
-        return f"waiting for {self.who}: {self.why}" + ("" if REFUSED in self.why else " (is it running?)")
+    @property
+    def refused(self) -> bool:
+        """It waits for a service the coordinator refused (`coord_jobs.silence`): that one ran,
+        and exited told why; its config, not whether it runs, is what to fix."""
+        return REFUSED in self.why
+
+    def text(self) -> str:
+        return f"waiting for {self.who}: {self.why}" + ("" if self.refused else " (is it running?)")
 
 
 @dataclass

@@ -611,10 +611,11 @@ def machine_memory() -> int | None:
         have = None
     try:
         with open("/sys/fs/cgroup/memory.max") as f:  # cgroup v2; "max" when unlimited
-            limit = f.read().strip()
+            text = f.read().strip()
     except OSError:
-        return have
-    return min(have or int(limit), int(limit)) if limit.isdigit() else have
+        text = ""
+    limits = [n for n in (have, int(text) if text.isdigit() else None) if n]
+    return min(limits) if limits else None
 
 
 def say_if_too_big(bundle: "ModelBundle") -> None:

@@ -274,9 +274,14 @@ def publish_version(bundle: ModelBundle, out_dir: str, trained: TrainSummary, te
     })
     record.update(model_dir=os.path.abspath(out_dir), model_version=version, promoted=promote,
                   peak_rss_mb=round(peak_rss_mb(), 1))
-    for line in worse_than_it_could_be(record):
-        log.warning("%s: %s", version, line)
+    say_if_worse(record)
     return record
+
+
+def say_if_worse(record: dict) -> None:
+    """Log `worse_than_it_could_be` of a published version's record, one warning each."""
+    for line in worse_than_it_could_be(record):
+        log.warning("%s: %s", record.get("model_version"), line)
 
 
 def worse_than_it_could_be(record: dict) -> list[str]:
@@ -370,8 +375,7 @@ def written_record(out_dir: str, version: str, manifest: dict, trained: TrainSum
         checkpoint.set_current(out_dir, version, "trained")
     record.update(model_dir=os.path.abspath(out_dir), model_version=version, promoted=promote,
                   peak_rss_mb=round(peak_rss_mb(), 1))
-    for line in worse_than_it_could_be(record):
-        log.warning("%s: %s", version, line)
+    say_if_worse(record)
     return record
 
 

@@ -26,7 +26,7 @@ from mariana.services.runtime.config import ClusterConfig
 from mariana.sparse.errors import MarianaError
 from mariana.trainer.bundle import parse_init_from
 from mariana.trainer.config import JobConfig
-from mariana.trainer.job import absolute_paths, worse_than_it_could_be
+from mariana.trainer.job import absolute_paths, say_if_worse
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
@@ -91,8 +91,7 @@ def run_cluster_job(config: JobConfig, data: list[str], test_data: list[str], ou
             on_submit(job, info)
         record = wait(info, job, on_progress)
     _say_bad_rows(record)
-    for line in worse_than_it_could_be(record):  # (the coordinator's log said it too)
-        log.warning("%s: %s", record.get("model_version"), line)
+    say_if_worse(record)  # (the coordinator's log said it too)
     return record
 
 

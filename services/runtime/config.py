@@ -229,9 +229,9 @@ class ClusterConfig:
             def fill(key: str, given, ports: list[int], make=lambda p: p):
                 if given:
                     return given
-                derived.extend((f"{key}[{i}]" if len(ports) > 1 or key.endswith("s") else key, p)
-                               for i, p in enumerate(ports))
-                return [make(p) for p in ports] if key.endswith("s") else make(ports[0])
+                listed = key.endswith("s")  # ps.endpoints, ...metrics_ports: one per instance
+                derived.extend((f"{key}[{i}]" if listed else key, p) for i, p in enumerate(ports))
+                return [make(p) for p in ports] if listed else make(ports[0])
 
             tcp = lambda port: f"tcp://{host}:{port}"  # noqa: E731
             self.coordinator.endpoint = fill("coordinator.endpoint", self.coordinator.endpoint, [base], tcp)

@@ -16,7 +16,7 @@ from mariana.services.coord_state import (MAX_RECONCILE_ROUNDS, MAX_RESENDS, POI
                                           REFUSED, JobStopped, Stall, job_ledger)
 from mariana.services.jobspec import JobSpec
 from mariana.services.creative_cache import creative_table, ensure_cached, featurize_creatives
-from mariana.services.ledger import STAGES, ChunkInfo, parse_step, reissue_leases_of
+from mariana.services.ledger import STAGES, ChunkInfo, next_refills, parse_step, reissue_leases_of
 from mariana.services.protocol import Message
 from mariana.services.runtime import failpoints, memwatch, model_events
 from mariana.services.runtime.redis_url import redact
@@ -260,11 +260,10 @@ class JobRunner:
             "batches_reissued": led.counters["batches_reissued"],
             "batches_replayed": led.counters["batches_replayed"],
             "row_count_mismatches": led.counters["row_count_mismatches"],
-            "cache_hits": led.counters["cache_hits"],
-            "cache_misses": led.counters["cache_misses"],
+            **{k: led.counters[k] for k in ("cache_hits", "cache_misses", "ramped_steps")},
             "bad_messages": self.coord.bad_messages_since(run.baseline),
             "stage_seconds": {s: round(led.stage_seconds[s], 3) for s in STAGES},
-            "mode": run.request["mode"], "staleness": led.staleness,
+            "mode": run.request["mode"], "staleness": led.staleness, "ramp_steps": led.ramp,
             "workers": self.coord.cfg.worker.count, "ps": self.coord.cfg.ps.count,
             "preprocess": self.coord.cfg.preprocess.count, "job": run.id,
         })
@@ -326,7 +325,7 @@ class JobRunner:
         """Read missed chunks again, a few at a time (two per preprocess instance). A chunk
         cached and then missing again and again in one epoch fails the job: its batches do not
         stay where the workers read (a loop at 0 rows, with a green status, before)."""
-        for c in run.ledger.next_refills(2 * self.coord.cfg.preprocess.count):
+        for c in next_refills(run.ledger, 2 * self.coord.cfg.preprocess.count):
             if c.misses[1] > MAX_RESENDS:
                 self.fail(run, f"chunk {c.id} was cached {c.misses[1]} times in epoch {c.misses[0]} and each time "
                                "a worker found its batches missing: preprocess and the workers do not use one Redis "

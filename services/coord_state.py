@@ -174,7 +174,9 @@ def job_ledger(job: str, request: dict, spec: JobSpec, data_bytes: int) -> JobLe
     """A job's empty ledger (a new job, or one a restarted coordinator replays its journal into)."""
     staleness = {"async": None, "bsp": 0, "ssp": request.get("staleness")}[request["mode"]]
     epochs = spec.config.train.epoch_limit  # "auto": at most max_epochs
-    return JobLedger(job, epochs=epochs, staleness=staleness, data_bytes=data_bytes)
+    ramp = spec.config.train.ramp_steps  # a number once the submitter resolved it ("auto": an older spec)
+    return JobLedger(job, epochs=epochs, staleness=staleness, data_bytes=data_bytes,
+                     ramp=ramp if isinstance(ramp, int) else 0)
 
 
 class JobStopped(Exception):

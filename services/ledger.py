@@ -26,6 +26,7 @@ that is not done back in `ready`, and issuing a step again is always safe.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,7 @@ from mariana.sparse.parse import FIRST_BAD_KEPT
 
 log = logging.getLogger(__name__)
 
+MAX_OUT = 1_000_000  # lease_cap when it sets no limit
 STAGES = ("read", "parse", "image", "hash", "cache", "fetch", "pull", "compute", "push")
 
 
@@ -151,6 +153,7 @@ class JobLedger(LedgerReport):
     job: str
     epochs: int
     staleness: int | None = None    # None: asynchronous; 0: BSP; k: bounded staleness
+    ramp: int = 0                   # train.ramp_steps: steps out at once limited by lease_cap; 0: no limit
     epoch: int = 1
     chunks: dict[str, ChunkInfo] = field(default_factory=dict)
     batches: list[str] = field(default_factory=list)      # batch names in source order
@@ -279,8 +282,12 @@ class JobLedger(LedgerReport):
     # ---- leases ------------------------------------------------------------------------------
 
     def may_lease(self, worker: str, active: set[str]) -> bool:
-        """Bounded staleness: a worker may not run more than `staleness` steps
-        ahead of the slowest active worker (0: a barrier per step, BSP)."""
+        """At most `lease_cap` steps out at once (one leased under a limit: `ramped_steps`); bounded staleness:
+        a worker may not run more than `staleness` steps ahead of the slowest active worker (0: BSP)."""
+        if (cap := lease_cap(self, len(active | {worker}))) < MAX_OUT:
+            if len(self.leased) >= cap:
+                return False
+            self.counters["ramped_steps"] += 1 if self.ready else 0  # the coordinator leases one now
         if self.staleness is None:
             return True
         held = sum(1 for lease in self.leased.values() if lease.worker == worker)
@@ -332,22 +339,6 @@ class JobLedger(LedgerReport):
             self.refill_queue.append(chunk)
             return chunk
         return ""
-
-    def next_refills(self, in_flight_limit: int) -> list[ChunkInfo]:
-        """Chunks to read again now: at most `in_flight_limit` being re-read at once."""
-        if not self.refill_queue:
-            return []
-        in_flight = sum(1 for c in self.chunks.values() if c.state == "resent")
-        out = []
-        while self.refill_queue and in_flight < in_flight_limit:
-            c = self.chunks[self.refill_queue.popleft()]
-            if c.state != "refill":
-                continue
-            c.state = "resent"
-            self.chunk_resent(c)
-            out.append(c)
-            in_flight += 1
-        return out
 
     def step_done(self, step: str, worker: str, rows: int, loss_sum: float, times: dict,
                   hist: list | None = None) -> bool:
@@ -447,6 +438,49 @@ class JobLedger(LedgerReport):
     def expected_steps(self) -> set[str]:
         """Every step of the epochs so far."""
         return {step_id(e, b) for e in range(1, min(self.epoch, self.epochs) + 1) for b in self.batches}
+
+
+def lease_cap(led: JobLedger, workers: int) -> int:
+    """How many steps may be out at once with `workers` workers: 1 + isqrt(n / ramp) while
+    that is under `workers`, n the job's steps done; else no limit (`ramp_cap`). W workers'
+    steps are each taken from weights that miss up to W - 1 others' updates, and AdaGrad's
+    steps are largest at the start: there stale ones broke the DNN's dense layers (docs/pipeline.md).
+
+    >>> led = JobLedger("j", epochs=1, ramp=12)
+    >>> lease_cap(led, 4), lease_cap(led, 1)  # no step done yet: one at a time; a lone worker: no limit
+    (1, 1000000)
+    """
+    if not led.ramp or workers < 2:
+        return MAX_OUT
+    return ramp_cap(led.ramp, workers, len(led.done))
+
+
+def next_refills(led: JobLedger, in_flight_limit: int) -> list[ChunkInfo]:
+    """Chunks to read again now: at most `in_flight_limit` being re-read at once."""
+    if not led.refill_queue:
+        return []
+    in_flight = sum(1 for c in led.chunks.values() if c.state == "resent")
+    out = []
+    while led.refill_queue and in_flight < in_flight_limit:
+        c = led.chunks[led.refill_queue.popleft()]
+        if c.state != "refill":
+            continue
+        c.state = "resent"
+        led.chunk_resent(c)
+        out.append(c)
+        in_flight += 1
+    return out
+
+
+def ramp_cap(ramp: int, workers: int, n: int) -> int:
+    """Steps out at once after `n` steps of a job (`lease_cap`): 1 + isqrt(n / ramp)
+    while that is under `workers`, else MAX_OUT (no limit).
+
+    >>> [ramp_cap(12, 4, n) for n in (0, 11, 12, 47, 48, 107, 108)]
+    [1, 1, 2, 2, 3, 3, 1000000]
+    """
+    cap = 1 + math.isqrt(n // ramp)
+    return cap if cap < workers else MAX_OUT
 
 
 def stage_seconds_of(times) -> dict[str, float]:

@@ -151,12 +151,18 @@ class TrainConfig:
     valid_fraction: float = 0.0        # hold out the last F of the training rows for validation
     patience: int = 1                  # epochs = "auto": stop after this many epochs without a better valid logloss
     max_epochs: int = 10               # epochs = "auto": the most epochs it may run
+    ramp_steps: int | str = AUTO       # a cluster job of W >= 2 workers: at most 1 + isqrt(n / ramp_steps) steps out
+                                       # at once while that is under W, n the job's steps done; 0: off; "auto":
+                                       # 12 for a model with dense layers, 0 for LR (services/ledger.py: lease_cap)
 
     def __post_init__(self) -> None:
         if isinstance(self.epochs, str) and self.epochs != AUTO:
             raise ConfigError(f"train.epochs must be a number of passes or 'auto', got {self.epochs!r}")
         if isinstance(self.batch_size, str) and self.batch_size != AUTO:
             raise ConfigError(f"train.batch_size must be a number of rows or 'auto', got {self.batch_size!r}")
+        if isinstance(self.ramp_steps, str) and self.ramp_steps != AUTO or (
+                isinstance(self.ramp_steps, int) and self.ramp_steps < 0):
+            raise ConfigError(f"train.ramp_steps must be a number of steps >= 0 or 'auto', got {self.ramp_steps!r}")
         if isinstance(self.batch_size, int) and self.batch_size > MAX_BATCH:
             raise ConfigError(f"train.batch_size must be at most {MAX_BATCH:,} rows, got {self.batch_size:,}")
         if (self.batch_size != AUTO and self.batch_size < 1) or self.prefetch < 1 or self.threads < 0 or (
@@ -167,7 +173,7 @@ class TrainConfig:
         if self.patience < 1 or self.max_epochs < 1:
             raise ConfigError(f"train.patience and train.max_epochs must be >= 1, got {self.patience} and "
                               f"{self.max_epochs}")
-        for key in ("epochs", "max_epochs", "patience", "prefetch", "threads"):
+        for key in ("epochs", "max_epochs", "patience", "prefetch", "threads", "ramp_steps"):
             value = getattr(self, key)
             if isinstance(value, int) and value > MAX_COUNT:  # past any real run; C ints overflow beyond
                 raise ConfigError(f"train.{key} must be at most {MAX_COUNT:,}, got {value:,}")

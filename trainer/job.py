@@ -128,6 +128,10 @@ def prepare_job(config: JobConfig, train_paths: list[str], test_paths: list[str]
 
 FEW_STEPS = 10  # an explicit batch size over auto's giving fewer steps an epoch than this is said
 ESTIMATED_FILES = 16  # rows are estimated for that check only with this few files (a block read each)
+# train.ramp_steps "auto" for a model with dense layers: a cluster job's steps out at once are
+# 1 + isqrt(n / 12) after n steps (one until 12, two until 48, three until 108, ...). AdaGrad's first
+# steps are its largest: taken from stale weights they broke the DNN's dense layers (docs/pipeline.md).
+RAMP_STEPS = 12
 
 
 def resolve_auto(config: JobConfig, schema, train_paths: list[str], rows: int | None = None,
@@ -143,7 +147,11 @@ def resolve_auto(config: JobConfig, schema, train_paths: list[str], rows: int | 
     pull and its update what local mode's batch is. Measured (docs/benchmarks.md): the DNN
     on 1M generated rows, W = 2, AUC 0.815-0.825 at 4096 (0.784 once) against 0.829-0.837 at
     2048 (local 0.838); on Criteo Attribution no change beyond noise. LR's AUC does not move with its
-    staleness, so its batch stays."""
+    staleness, so its batch stays.
+
+    `train.ramp_steps = "auto"`: RAMP_STEPS for a model with dense layers, 0 (no ramp) for LR:
+    the steps a cluster job's workers take at once are limited at its start (services/ledger.py:
+    `lease_cap`)."""
     if config.train.batch_size == AUTO:
         rows = rows if rows is not None else estimate_rows(train_paths, schema, config.data.block_bytes)
         share = rows // workers if workers > 1 and config.model.kind != "lr" else rows
@@ -160,6 +168,8 @@ def resolve_auto(config: JobConfig, schema, train_paths: list[str], rows: int | 
                         "under one step" if config.train.batch_size > rows
                         else f"about {rows // config.train.batch_size} steps",
                         f"{rows:,}", f"{TrainConfig.auto_batch_size(rows):,}")
+    if config.train.ramp_steps == AUTO:
+        config.train.ramp_steps = 0 if config.model.kind == "lr" else RAMP_STEPS
     resolve_init_bias(config, schema, train_paths)
 
 

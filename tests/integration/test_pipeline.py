@@ -183,6 +183,8 @@ def test_worker_killed_mid_epoch_its_batches_are_reissued(data, tmp_path):
         record = done_record(c, job)
     assert_exactly_once(record, 2)
     assert record["batches_reissued"] >= 1, record  # it held a lease (and one fetched ahead) when it died
+    # a DNN's first 12 steps went out one at a time (train.ramp_steps "auto": two workers were up)
+    assert record["ramp_steps"] == 12 and record["ramped_steps"] >= 12, record
 
 
 @pytest.mark.timeout(240)
@@ -335,6 +337,7 @@ def test_coordinator_killed_and_restarted_mid_job_keeps_history_and_completes(da
     with Cluster(tmp_path / "c", workers=2) as c:
         first = c.submit([data["small"]], tmp_path / "m0", [data["test"]], job_config("lr", epochs=1))
         first_record = done_record(c, first)
+        assert (first_record["ramp_steps"], first_record["ramped_steps"]) == (0, 0)  # LR: no ramp
         job = c.submit([data["train"]], tmp_path / "m", [data["test"]], job_config("dnn", epochs=2))
         for epoch, rows in ((1, 20_000), (2, 10_000)):
             before = c.wait(job, 120, until=progressed(rows, epoch))

@@ -32,6 +32,9 @@ def test_layers_of_config(tmp_path):
     ({"model.hidden": [16, "x"]}, r"model.hidden\[1\]: expected an integer"),
     ({"optim.lr": True}, "optim.lr: expected a number"),
     ({"train.batch_size": 10 ** 20}, "train.batch_size must be at most 16,777,216 rows"),
+    ({"train.ramp_steps": -1}, "train.ramp_steps must be a number of steps >= 0 or 'auto', got -1"),
+    ({"train.ramp_steps": "slow"}, "train.ramp_steps must be a number of steps >= 0 or 'auto'"),
+    ({"train.ramp_steps": 1.5}, "train.ramp_steps: expected an integer or a string, got 1.5"),
     ({"model.seed": -1}, r"model.seed must be an integer in \[0, 4294967295\], got -1"),
     ({"model.seed": 1 << 32}, "model.seed must be an integer in"),
 ])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mariana.services.ledger import ChunkInfo, JobLedger, chunk_event, parse_step, reissue_leases_of, step_id
+from mariana.services.ledger import (ChunkInfo, JobLedger, chunk_event, lease_cap, next_refills, parse_step,
+                                     reissue_leases_of, step_id)
 
 
 def chunk(cid: str = "f0o0", file: int = 0, offset: int = 0, lines: int = 10) -> ChunkInfo:
@@ -242,8 +243,8 @@ def test_cache_miss_refills_the_step():
     assert led.refill == {"f0o0": ["e2/f0o0:0"]} and led.counters["cache_misses"] == 1
     assert not led.epoch_complete()
     assert led.chunks_overdue(-1.0) == []      # queued, not yet asked for: nothing is overdue
-    assert [c.id for c in led.next_refills(1)] == ["f0o0"] and led.chunks["f0o0"].state == "resent"
-    assert led.next_refills(1) == []
+    assert [c.id for c in next_refills(led, 1)] == ["f0o0"] and led.chunks["f0o0"].state == "resent"
+    assert next_refills(led, 1) == []
     assert [c.id for c in led.chunks_overdue(-1.0)] == ["f0o0"]
 
     # the other step is served from the cache meanwhile
@@ -284,7 +285,7 @@ def test_misses_of_a_chunk_after_it_was_cached_are_counted_per_epoch():
         for _ in range(times):
             step = led.lease("w0", 60)
             assert led.missed(step) == "f0o0"
-            assert [c.id for c in led.next_refills(1)] == ["f0o0"]
+            assert [c.id for c in next_refills(led, 1)] == ["f0o0"]
             assert led.chunk_cached("f0o0", [(0, 4)], {})
         assert led.chunks["f0o0"].misses == (epoch, times)
         finish_all(led)
@@ -380,6 +381,41 @@ def test_asynchronous_always_allows():
     assert led.may_lease("w0", {"w0", "w1"})
 
 
+def concurrent_leases(led: JobLedger, workers: list[str]) -> list[int]:
+    """Lease as the coordinator does (every worker while may_lease allows), finish them all, repeat:
+    the steps out at once in each round."""
+    rounds = []
+    while True:
+        out = []
+        for w in workers:
+            if led.may_lease(w, set(workers)) and (step := led.lease(w, 60)) is not None:
+                out.append((step, w))
+        if not out:
+            return rounds
+        rounds.append(len(out))
+        for step, w in out:
+            assert led.step_done(step, w, 1, 0.0, {})
+
+
+def test_the_ramp_lets_workers_step_at_once_only_past_a_jobs_first_steps():
+    led = ledger_with({"f0o0": [(k, 1) for k in range(100)]}, epochs=2)
+    led.ramp = 4  # one step at a time for the first 4 steps, at most two until 16 are done
+    rounds = concurrent_leases(led, ["w0", "w1", "w2"])
+    assert rounds[:4] == [1, 1, 1, 1] and rounds[4:10] == [2] * 6 and set(rounds[10:-1]) == {3}, rounds
+    assert sum(rounds) == 100 and led.counters["ramped_steps"] == 16  # leased under a limit
+    led.next_epoch()  # the job's steps done, not the epoch's: epoch 2 starts at full width
+    assert concurrent_leases(led, ["w0", "w1", "w2"])[0] == 3 and led.counters["ramped_steps"] == 16
+
+
+def test_the_ramp_holds_no_lone_worker_and_no_lr_job():
+    led = ledger_with({"f0o0": [(k, 1) for k in range(20)]})
+    led.ramp = 4
+    assert lease_cap(led, 1) > 1 and lease_cap(led, 2) == 1
+    assert concurrent_leases(led, ["w0"]) == [1] * 20 and led.counters["ramped_steps"] == 0
+    led = ledger_with({"f0o0": [(k, 1) for k in range(20)]})  # ramp 0: an LR job's "auto"
+    assert concurrent_leases(led, ["w0", "w1", "w2"])[0] == 3 and led.counters["ramped_steps"] == 0
+
+
 def test_progress():
     led = ledger_with({"f0o0": [(0, 4), (1, 2)]}, epochs=2)
     led.step_done(led.lease("w0", 60), "w0", 4, 2.0, {})
@@ -394,10 +430,10 @@ def test_refills_go_out_a_few_at_a_time():
     led.next_epoch()
     for _ in range(5):  # a restarted Redis: every read misses
         led.missed(led.lease("w0", 60))
-    assert [c.id for c in led.next_refills(2)] == ["f0o0", "f0o1"]
-    assert led.next_refills(2) == []           # two in flight already
+    assert [c.id for c in next_refills(led, 2)] == ["f0o0", "f0o1"]
+    assert next_refills(led, 2) == []           # two in flight already
     assert led.chunk_cached("f0o0", [(0, 1)], {})
-    assert [c.id for c in led.next_refills(2)] == ["f0o2"]
+    assert [c.id for c in next_refills(led, 2)] == ["f0o2"]
 
 
 def test_a_lost_chunk_does_not_hold_up_later_epochs():
@@ -406,7 +442,7 @@ def test_a_lost_chunk_does_not_hold_up_later_epochs():
     led.next_epoch()
     assert led.lease("w0", 60) == "e2/f0o0:0"
     led.missed("e2/f0o0:0")
-    assert [c.id for c in led.next_refills(2)] == ["f0o0"]
+    assert [c.id for c in next_refills(led, 2)] == ["f0o0"]
     led.chunk_lost("f0o0")                                  # the source changed: it cannot be read again
     assert led.lost == {"e2/f0o0:0"} and led.refill == {}
     assert led.lease("w0", 60) == "e2/f0o9:0" and led.step_done("e2/f0o9:0", "w0", 2, 0.0, {})
@@ -421,7 +457,7 @@ def test_a_miss_of_a_lost_chunk_is_lost_at_once():
     led.next_epoch()
     a, b = led.lease("w0", 60), led.lease("w1", 60)
     led.missed(a)
-    led.next_refills(2)
+    next_refills(led, 2)
     led.chunk_lost("f0o0")
     assert led.missed(b) == "" and b in led.lost and led.refill == {}
 

@@ -101,8 +101,12 @@ class ImageConfig:
             raise ConfigError(f"--augment {self.augment!r}: use one of {list(AUGMENTS)}")
         if self.balance not in ("memory", "time"):
             raise ConfigError(f"--balance {self.balance!r}: use memory or time")
+        stages = [name for name, _ in ImageCNN(self.cnn).fine_stages()]
+        if self.partitions > len(stages):  # else found by every rank, after the ranks started
+            raise ConfigError(f"--partitions {self.partitions}: the model has {len(stages)} stages, so 1 to "
+                              f"{len(stages)} partitions")
         if self.cut_after:
-            manual_cuts([name for name, _ in ImageCNN(self.cnn).fine_stages()], self.cut_after, self.partitions)
+            manual_cuts(stages, self.cut_after, self.partitions)
         for key in ("prefetch", "decode_workers", "shift"):  # one message named all four and no value
             if getattr(self, key) < 0:
                 raise ConfigError(f"--{key.replace('_', '-')} must be >= 0, got {getattr(self, key)}")

@@ -110,6 +110,11 @@ def train_speech(cfg: SpeechConfig, data: str | os.PathLike | None, out: str | o
     try:
         fit = _fit(model, opt, exchange, counter, (x, y), (xt, ut, test), cfg, ctx, device, progress)
         identical = replicas_identical(model) if ctx.distributed else True
+        if not identical:  # every rank knows it: each gathered every digest
+            spread = replica_spread(model)
+            if ctx.rank == 0:
+                log.warning("speech: the %d ranks' parameters differ at the end (by up to %.3g; exchange %s): "
+                            "rank 0's are published", ctx.world_size, spread, exchange)
         gc.collect()  # the DDP wrapper of _fit (its reducer, the hooks' state) goes before the group
         if ctx.distributed:
             dist.barrier()  # every rank is done with the group before any leaves it
@@ -236,6 +241,17 @@ def replicas_identical(model: torch.nn.Module) -> bool:
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return all(bool(torch.equal(e, everyone[0])) for e in everyone)
+
+
+def replica_spread(model: torch.nn.Module) -> float:
+    """The largest difference of any rank's parameters and buffers from rank 0's (every rank calls it)."""
+    flat = torch.cat([t.detach().reshape(-1).float() for t in list(model.parameters()) + list(model.buffers())])
+    mine = flat.to(dp.comm_device())
+    first = mine.clone()
+    dist.broadcast(first, src=0)
+    spread = (mine - first).abs().max().reshape(1)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return float(spread)
 
 
 def publish_speech(out: str | os.PathLike, model: SpeechDNN, opt: torch.optim.Optimizer, cfg: SpeechConfig,

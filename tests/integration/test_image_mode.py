@@ -146,6 +146,9 @@ BAD_IMAGE = [
     (["--shift", "-1"], "--shift must be >= 0, got -1"),  # named all four flags and no value
     (["--partitions", "2", "--microbatches", "1"],  # a torch traceback from each rank
      "--microbatches 1: the 1f1b schedule needs at least one per partition (--partitions 2)"),
+    (["--partitions", "7", "--schedule", "gpipe"],  # said by rank 0 after 7 ranks started (8 s)
+     "--partitions 7: the model has 6 stages, so 1 to 6 partitions"),
+    (["--partitions", "7"], "--partitions 7: the model has 6 stages"),  # asked for 7 micro-batches, which failed as above
 ]
 
 

@@ -373,7 +373,8 @@ def train_image_main(argv: list[str]) -> int:
 
     args = build_train_image_parser().parse_args(argv)
     ctx = dp.DistContext.from_env()
-    setup_logging(-1 if args.quiet or ctx.rank > 0 else args.verbose)
+    # rank 0, and the last partition of group 0 (rank P - 1): it has the loss, and says each epoch
+    setup_logging(-1 if args.quiet or ctx.rank not in (0, args.partitions - 1) else args.verbose)
     check_featurizer_out(args.out)  # before any training: a directory of other files is refused, not replaced
     data, folder, name = _train_data(args.data)
     from mariana.trainer.image import ImageConfig, check_data

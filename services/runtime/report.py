@@ -66,17 +66,19 @@ def human(value) -> str:
     """
     >>> human({"read": 0.4841, "parse": 1.2}), human([0.5, 2]), human(None), human(True)
     ('read 0.4841, parse 1.2', '0.5, 2', 'n/a', 'yes')
+    >>> human([["conv1", "pool1"], ["conv2", "head"]]), human(3024940.0)  # a list of lists: its parts apart
+    ('conv1, pool1 | conv2, head', '3,024,940')
     """
     if value is None:
         return "n/a"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        return "n/a" if value != value else f"{value:.6g}"
+        return "n/a" if value != value else f"{value:,.0f}" if 1e6 <= abs(value) < 1e18 else f"{value:.6g}"
     if isinstance(value, dict):
         return ", ".join(f"{k} {human(v)}" for k, v in value.items()) or "none"
     if isinstance(value, (list, tuple)):
-        return ", ".join(human(v) for v in value) or "none"
+        return (" | " if any(isinstance(v, (list, tuple)) for v in value) else ", ").join(map(human, value)) or "none"
     return str(value)
 
 

@@ -10,7 +10,10 @@ worker, the cores the processes share):
     ramp    as stale, but with the steps out at once that a cluster job's `train.ramp_steps`
             allows (services/ledger.py: ramp_cap): one at a time at the job's start, W only
             past RAMP * (W - 1)^2 steps
-    bsp     W steps from the same weights, then applied one after another (the shards' BSP)
+    bsp     W steps from the same weights, then applied one after another (the shards' BSP,
+            without the ramp a cluster job adds)
+
+The last W - 1 steps' gradients (stale, bsp) are left out: the cluster applies them.
 
 Every order runs for every seed (`model.seed`) and W; the table gives each run and the
 median over seeds. `--batch-size` is required (a cluster job of W workers picks another
@@ -28,6 +31,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from mariana.trainer.job import RAMP_STEPS
 
 ORDERS = ("local", "stale", "ramp", "bsp")
 
@@ -100,7 +105,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[2])
     ap.add_argument("--orders", nargs="+", choices=ORDERS, default=["local", "stale", "ramp"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--ramp", type=int, default=12, help="train.ramp_steps of the ramp order (default 12)")
+    ap.add_argument("--ramp", type=int, default=RAMP_STEPS, help=f"train.ramp_steps of the ramp order (default "
+                                                                 f"{RAMP_STEPS}, as 'auto' for a DNN)")
     ap.add_argument("--out", default="bench-out/staleness")
     ap.add_argument("--child", choices=ORDERS, help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs=argparse.REMAINDER)

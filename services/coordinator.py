@@ -173,7 +173,7 @@ class Coordinator(Service):
             led, items = run.ledger, []
             active = self.active_workers()
             while len(items) < want and led.may_lease(worker, active):
-                step = led.lease(worker, self.cfg.coordinator.lease_seconds)
+                step = led.lease(worker, self.cfg.coordinator.lease_seconds, len(active | {worker}))
                 if step is None:
                     break
                 epoch, batch = parse_step(step)

@@ -282,24 +282,26 @@ class JobLedger(LedgerReport):
     # ---- leases ------------------------------------------------------------------------------
 
     def may_lease(self, worker: str, active: set[str]) -> bool:
-        """At most `lease_cap` steps out at once (one leased under a limit: `ramped_steps`); bounded staleness:
-        a worker may not run more than `staleness` steps ahead of the slowest active worker (0: BSP)."""
-        if (cap := lease_cap(self, len(active | {worker}))) < MAX_OUT:
-            if len(self.leased) >= cap:
-                return False
-            self.counters["ramped_steps"] += 1 if self.ready else 0  # the coordinator leases one now
+        """At most `lease_cap` steps out at once; bounded staleness: a worker may not run more
+        than `staleness` steps ahead of the slowest active worker (0: a barrier per step, BSP)."""
+        if len(self.leased) >= lease_cap(self, len(active | {worker})):
+            return False
         if self.staleness is None:
             return True
         held = sum(1 for lease in self.leased.values() if lease.worker == worker)
         floor = min((self.worker_done[w] for w in active | {worker}), default=0)
         return self.worker_done[worker] + held - floor <= self.staleness
 
-    def lease(self, worker: str, seconds: float) -> str | None:
+    def lease(self, worker: str, seconds: float, workers: int = 1) -> str | None:
+        """The next step for `worker`, leased for `seconds`; one leased while `lease_cap` limits
+        `workers` workers is counted (`ramped_steps`)."""
+        capped = lease_cap(self, workers) < MAX_OUT
         while self.ready:
             step = self.ready.popleft()
             if step in self.done or step in self.leased:
                 continue  # done late by a worker whose lease had lapsed, or already out again
             self.leased[step] = Lease(worker, time.monotonic() + seconds)
+            self.counters["ramped_steps"] += capped
             return step
         return None
 
@@ -442,9 +444,10 @@ class JobLedger(LedgerReport):
 
 def lease_cap(led: JobLedger, workers: int) -> int:
     """How many steps may be out at once with `workers` workers: 1 + isqrt(n / ramp) while
-    that is under `workers`, n the job's steps done; else no limit (`ramp_cap`). W workers'
-    steps are each taken from weights that miss up to W - 1 others' updates, and AdaGrad's
-    steps are largest at the start: there stale ones broke the DNN's dense layers (docs/pipeline.md).
+    that is under `workers`, n the job's steps done (ever: a replay does not start it again); else
+    no limit (`ramp_cap`). W workers' steps are each taken from weights that miss up to W - 1
+    others' updates, and AdaGrad's steps are largest at the start: there stale ones broke the
+    DNN's dense layers (docs/pipeline.md).
 
     >>> led = JobLedger("j", epochs=1, ramp=12)
     >>> lease_cap(led, 4), lease_cap(led, 1)  # no step done yet: one at a time; a lone worker: no limit
@@ -452,7 +455,7 @@ def lease_cap(led: JobLedger, workers: int) -> int:
     """
     if not led.ramp or workers < 2:
         return MAX_OUT
-    return ramp_cap(led.ramp, workers, len(led.done))
+    return ramp_cap(led.ramp, workers, sum(led.worker_done.values()))
 
 
 def next_refills(led: JobLedger, in_flight_limit: int) -> list[ChunkInfo]:

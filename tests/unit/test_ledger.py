@@ -388,7 +388,7 @@ def concurrent_leases(led: JobLedger, workers: list[str]) -> list[int]:
     while True:
         out = []
         for w in workers:
-            if led.may_lease(w, set(workers)) and (step := led.lease(w, 60)) is not None:
+            if led.may_lease(w, set(workers)) and (step := led.lease(w, 60, len(workers))) is not None:
                 out.append((step, w))
         if not out:
             return rounds
@@ -405,6 +405,20 @@ def test_the_ramp_lets_workers_step_at_once_only_past_a_jobs_first_steps():
     assert sum(rounds) == 100 and led.counters["ramped_steps"] == 16  # leased under a limit
     led.next_epoch()  # the job's steps done, not the epoch's: epoch 2 starts at full width
     assert concurrent_leases(led, ["w0", "w1", "w2"])[0] == 3 and led.counters["ramped_steps"] == 16
+    led.replay(set(led.done))  # a shard restored from its start: the ramp does not start again
+    assert lease_cap(led, 3) > 3
+
+
+def test_the_ramp_counts_steps_leased_not_polls_refused_by_bsp():
+    led = ledger_with({"f0o0": [(k, 1) for k in range(40)]}, staleness=0)
+    led.ramp = 4
+    active = {"w0", "w1", "w2"}
+    led.worker_done.update({"w0": 3, "w1": 2, "w2": 2})  # 7 done: at most 2 out; w0 one step ahead
+    assert lease_cap(led, 3) == 2
+    for _ in range(10):  # refused by BSP, under the ramp's limit: nothing counted
+        assert not led.may_lease("w0", active)
+    assert led.may_lease("w1", active) and led.lease("w1", 60, 3) is not None
+    assert led.counters["ramped_steps"] == 1
 
 
 def test_the_ramp_holds_no_lone_worker_and_no_lr_job():

@@ -73,6 +73,35 @@ def cpu_quota(root: str = CGROUP_ROOT, proc_file: str = "/proc/self/cgroup") -> 
     return min(quotas) if quotas else None
 
 
+NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number
+
+
+def parse_limit(text: str) -> int | None:
+    """A memory cgroup's limit file's bytes; None for none ("max", v1's huge number, nothing).
+
+    >>> parse_limit("max\\n"), parse_limit("2147483648\\n"), parse_limit("9223372036854771712")
+    (None, 2147483648, None)
+    """
+    text = text.strip()
+    if not text or text == "max":
+        return None
+    value = int(text)
+    return None if value >= NO_LIMIT else value
+
+
+def memory_limit(root: str = CGROUP_ROOT, proc_file: str = "/proc/self/cgroup") -> int | None:
+    """The bytes this process's cgroup (or an ancestor's, the lowest) allows it (systemd's
+    `MemoryMax=`, `docker --memory`, a Kubernetes limit); None where none is set or there are
+    no cgroups."""
+    found = cgroup_dirs("memory", "memory.limit_in_bytes", root, proc_file)
+    if found is None:
+        return None
+    version, dirs = found
+    name = "memory.max" if version == 2 else "memory.limit_in_bytes"
+    limits = [n for d in dirs if (n := parse_limit(_read(os.path.join(d, name)) or ""))]
+    return min(limits) if limits else None
+
+
 def available_cpus() -> int:
     """The CPUs this process may use: its affinity mask's, capped by its cgroup CPU quota
     (rounded up: 1.5 CPUs make 2), at least 1.

@@ -23,6 +23,7 @@ from mariana.sparse.batch import SparseBatch
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import ConfigError, MarianaError, ModelDirError
 from mariana.sparse.hashing import rare_ids
+from mariana.sparse.host import memory_limit
 from mariana.sparse.optim import AdaGrad, FTRL, SparseOptimizer
 from mariana.sparse.records import FEW_ROWS
 from mariana.sparse.schema import Schema
@@ -609,12 +610,7 @@ def machine_memory() -> int | None:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         have = None
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:  # cgroup v2; "max" when unlimited
-            text = f.read().strip()
-    except OSError:
-        text = ""
-    limits = [n for n in (have, int(text) if text.isdigit() else None) if n]
+    limits = [n for n in (have, memory_limit()) if n]
     return min(limits) if limits else None
 
 

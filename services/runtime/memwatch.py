@@ -6,10 +6,8 @@ Each service reads that limit (or `cluster.memory_max_bytes` when set) and, ever
 CHECK_SECONDS, what counts against it: the cgroup's `memory.current` for a cgroup limit,
 the process's RSS for a configured one. Above `cluster.memory_warn_fraction` of the limit
 it logs one WARNING line naming both numbers (again only after it has been below the
-fraction for a while) and counts `memory_warnings`.
-
->>> parse_limit("max\\n"), parse_limit("2147483648\\n"), parse_limit("9223372036854771712")
-(None, 2147483648, None)
+fraction for a while) and counts `memory_warnings` (the limit file read by
+`sparse.host.parse_limit`).
 """
 from __future__ import annotations
 
@@ -18,20 +16,11 @@ import logging
 import os
 from collections import Counter
 
-from mariana.sparse.host import cgroup_dirs
+from mariana.sparse.host import cgroup_dirs, parse_limit
 
 log = logging.getLogger(__name__)
 
 CHECK_SECONDS = 5.0
-_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number
-
-
-def parse_limit(text: str) -> int | None:
-    text = text.strip()
-    if not text or text == "max":
-        return None
-    value = int(text)
-    return None if value >= _NO_LIMIT else value
 
 
 def cgroup_files() -> tuple[str, str] | None:

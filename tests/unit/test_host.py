@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mariana.sparse.host import cgroup_dirs, cpu_quota
+from mariana.sparse.host import cgroup_dirs, cpu_quota, memory_limit
 
 CODE = "from mariana.sparse.host import available_cpus, cpu_quota; print(available_cpus(), cpu_quota())"
 
@@ -52,6 +52,25 @@ def test_v1_quota_and_no_cgroups(tmp_path):
     assert cpu_quota(str(root), str(tmp_path / "cgroup")) is None
     assert cpu_quota(str(root), str(tmp_path / "absent")) is None
     assert cpu_quota(str(tmp_path / "none"), str(tmp_path / "cgroup")) is None
+
+
+def test_memory_limit_is_the_lowest_of_the_cgroup_and_its_ancestors_v2_and_v1(tmp_path):
+    root = tmp_path / "cg"
+    write(root / "cgroup.controllers", "cpu memory\n")
+    write(root / "system.slice" / "cgroup.controllers", "memory\n")
+    write(root / "system.slice" / "memory.max", "max\n")
+    write(root / "system.slice" / "mariana.service" / "cgroup.controllers", "memory\n")
+    write(root / "system.slice" / "mariana.service" / "memory.max", "8589934592\n")  # MemoryMax=8G
+    write(tmp_path / "cgroup", "0::/system.slice/mariana.service\n")
+    assert memory_limit(str(root), str(tmp_path / "cgroup")) == 8 << 30  # the unit's, not the (absent) root's
+    write(root / "system.slice" / "mariana.service" / "memory.max", "max\n")
+    assert memory_limit(str(root), str(tmp_path / "cgroup")) is None
+    v1 = tmp_path / "v1"
+    write(v1 / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")  # v1's "no limit"
+    write(v1 / "memory" / "job" / "memory.limit_in_bytes", "1073741824\n")
+    write(tmp_path / "cgroup1", "4:memory:/job\n3:cpu,cpuacct:/\n")
+    assert memory_limit(str(v1), str(tmp_path / "cgroup1")) == 1 << 30
+    assert memory_limit(str(tmp_path / "none"), str(tmp_path / "cgroup")) is None
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

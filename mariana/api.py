@@ -249,7 +249,7 @@ def load(model_dir: PathLike, version: str | None = None) -> "Model":
         version = checkpoint.current_version(model_dir)
     else:
         checkpoint.require_version(model_dir, version)
-    return Model(ModelBundle.load(model_dir, version), model_dir, version)
+    return Model(ModelBundle.load(model_dir, version, tables="auto"), model_dir, version)
 
 
 class Model:

@@ -427,7 +427,7 @@ def _model_and_data(args: argparse.Namespace, model: tuple[str, str | None]):
     model_dir, version = model
     if version:
         checkpoint.require_version(model_dir, version)
-    bundle = ModelBundle.load(model_dir, version)
+    bundle = ModelBundle.load(model_dir, version, tables="auto")  # reads only: frozen tables when they pay
     if args.format and args.format != bundle.config.data.format:
         raise MarianaError(f"{args.model}: the model reads {bundle.config.data.format} rows; "
                            f"--format {args.format} does not match")

@@ -30,6 +30,7 @@ from mariana.services.runtime.redis_url import check_redis_url
 from mariana.sparse.errors import ConfigError
 from mariana.sparse.host import available_cpus
 from mariana.sparse.settings import load_settings
+from mariana.sparse.table import TABLE_FORMS
 
 
 @dataclass
@@ -54,6 +55,9 @@ class ServeSection:
     keepalive_seconds: float = 75.0     # a connection with no request in flight (or one never sent, or sent
                                         # only in part: its headers) is closed after this long
     body_seconds: float = 60.0          # a request body not all received in this long is answered 408, closed
+    tables: str = "auto"                # a version's tables in memory: "frozen", as many bytes as rows saved
+                                        # (~0.1 us more an id); "dense", 2^hashing.bits rows; "auto": frozen
+                                        # when that is under half the bytes and dense would be >= 64 MiB
     creatives_seconds: float = 5.0      # image models: how often creatives featurized since training are read
                                         # from redis_url's creative cache into the table (0: never)
 
@@ -74,6 +78,8 @@ class ServeSection:
                 raise ConfigError(f"serve.{key} must be > 0, got {getattr(self, key)}")
         if self.creatives_seconds < 0:
             raise ConfigError(f"serve.creatives_seconds must be >= 0 (0: never), got {self.creatives_seconds}")
+        if self.tables not in TABLE_FORMS:
+            raise ConfigError(f"serve.tables must be one of {', '.join(TABLE_FORMS)}, got {self.tables!r}")
         check_redis_url(self.redis_url, "serve.redis_url")  # else the watcher's tasks would die on it, unseen
 
     @property

@@ -20,7 +20,7 @@ from mariana.serving.errors import ServeError, bad_request
 from mariana.sparse.errors import ModelDirError
 from mariana.sparse.records import FEW_ROWS, concat_chunks, parse_records
 from mariana.trainer import checkpoint
-from mariana.trainer.bundle import ModelBundle
+from mariana.trainer.bundle import ModelBundle, table_memory
 from mariana.trainer.models.registry import uses_torch
 
 SHOWN_BAD = 5  # bad instances named in one error message
@@ -51,14 +51,16 @@ class Predictor:
         self.lone_requests = 0 if self._lone is None else 1 if uses_torch(bundle.model) else LONE_REQUESTS
 
     @classmethod
-    def load(cls, model_dir: str, version: str | None = None, torch_threads: int | None = None) -> "Predictor":
+    def load(cls, model_dir: str, version: str | None = None, torch_threads: int | None = None,
+             tables: str = "auto") -> "Predictor":
         """The version (default: CURRENT), with one prediction made so that the first
         client does not pay a lazy set-up. A torch model (the DNN) imports torch here, not
         in its first request of many rows, and sets its intra-op threads to
         `torch_threads` when given (a server: one per worker process); an LR version
-        never imports torch. ModelDirError when it cannot be read."""
+        never imports torch. `tables`: `ModelBundle.load`'s (frozen, so memory follows the rows
+        saved, when that pays). ModelDirError when it cannot be read."""
         version = version or checkpoint.current_version(model_dir)
-        p = cls(ModelBundle.load(model_dir, version), model_dir, version)
+        p = cls(ModelBundle.load(model_dir, version, tables=tables), model_dir, version)
         if uses_torch(p.bundle.model):
             import torch
 
@@ -217,6 +219,7 @@ class Predictor:
             "schema": self.schema.name, "fields": list(self.schema.numeric + self.schema.categorical)
             + ([self.schema.hour] if self.schema.hour else []),
             "hash_bits": self.bundle.config.hashing.bits,
+            "tables": table_memory(self.bundle),
         }
 
 

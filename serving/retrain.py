@@ -306,10 +306,10 @@ def _judge(model_dir: str, new: str, served: str | None, evals: list[str], r) ->
     from mariana.trainer.strategies.local import evaluate
 
     scores = {}
-    scores["new"], parsed = evaluate(ModelBundle.load(model_dir, new), evals)
+    scores["new"], parsed = evaluate(ModelBundle.load(model_dir, new, tables="auto"), evals)
     if served:
         try:
-            scores["served"], parsed = evaluate(ModelBundle.load(model_dir, served), evals)
+            scores["served"], parsed = evaluate(ModelBundle.load(model_dir, served, tables="auto"), evals)
         except ModelDirError:
             now = _served_version(model_dir)
             if now == served:
@@ -339,7 +339,7 @@ def check_served_loads(model_dir: str, served: str) -> None:
     """ModelDirError, before any training, when the version in service cannot be loaded:
     the candidate could not be scored against it, and would be left trained for nothing."""
     try:
-        ModelBundle.load(model_dir, served)
+        ModelBundle.load(model_dir, served, tables="auto")
     except Exception as e:  # whatever stops the load stops the gate after the training
         raise ModelDirError(f"{model_dir}: the version in service, {served}, cannot be loaded, and a candidate "
                             f"could not be gated against it; nothing was trained: {_why(e)} (promote a version "

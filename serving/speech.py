@@ -82,12 +82,13 @@ class SpeechPredictor:
                 "accepts": sorted(AUDIO_TYPES)}
 
 
-def load_version(model_dir: str, version: str | None = None, torch_threads: int | None = None):
+def load_version(model_dir: str, version: str | None = None, torch_threads: int | None = None,
+                 tables: str = "auto"):
     """The version as what serves it: a `SpeechPredictor` for a speech version, else the
-    click `Predictor`. ModelDirError when it cannot be read."""
+    click `Predictor` (its tables as `serve.tables` says). ModelDirError when it cannot be read."""
     from mariana.serving.predictor import Predictor
 
     version = version or checkpoint.current_version(model_dir)
     if checkpoint.read_manifest(model_dir, version).get("kind") == MODEL_KIND:
         return SpeechPredictor.load(model_dir, version, torch_threads)
-    return Predictor.load(model_dir, version, torch_threads)
+    return Predictor.load(model_dir, version, torch_threads, tables)

@@ -102,7 +102,7 @@ class VersionWatcher:
             else:
                 # one torch thread: a server's worker processes are its parallelism
                 new = await asyncio.get_running_loop().run_in_executor(self.loader, load_version,
-                                                                       self.cfg.model_dir, version, 1)
+                                                                       self.cfg.model_dir, version, 1, self.cfg.tables)
             shared = new.share_ids(self.holder.current)  # the ids met so far, kept
         except Exception as e:  # whatever a version's files hold, the watcher goes on watching
             self._load_failed(key, e)
@@ -142,7 +142,7 @@ class VersionWatcher:
         503 while the others served that version from memory (29 of 60 requests)."""
         try:
             new = await asyncio.get_running_loop().run_in_executor(self.loader, load_version, self.cfg.model_dir,
-                                                                   target, 1)
+                                                                   target, 1, self.cfg.tables)
         except Exception as e:  # gone, or damaged too: 503 it is
             log.error("%s: nor does %s, %s, load (%s): /readyz says 503 until CURRENT names a version that loads",
                       self.name, target, what, e if isinstance(e, MarianaError) else type(e).__name__)

@@ -133,3 +133,146 @@ class HashedTable:
 def _kind(a: np.ndarray) -> str:
     """'float32 of shape (3, 4)': an array as an error names it."""
     return f"{a.dtype} of shape {a.shape}"
+
+
+# ---- a saved table that is only read (a server's) ----------------------------------------------
+
+TABLE_FORMS = ("dense", "frozen", "auto")  # a loaded version's tables (`ModelBundle.load`, serve.tables)
+DENSE_MIN_BYTES = 64 << 20  # tables this small stay a HashedTable when read: its lookups are the cheapest
+_EMPTY = -1
+FEW_IDS = 128  # `RowIndex.positions` finds this many ids or fewer in plain Python
+
+
+class RowIndex:
+    """Where each of a table's saved ids has its row: an open-addressing hash table (linear
+    probing, at most half full) from id to row (0..n-1), `n` for an id not saved. Ids are
+    fmix64 outputs (sparse/hashing.py), so their low bits index it as they are. 12 bytes a
+    slot, 2-4 slots an id.
+
+    >>> ix = RowIndex(np.array([5, 13, 21, 2]))  # 5, 13 and 21 share a slot of 8
+    >>> ix.positions(np.array([13, 2, 7, 21])).tolist(), ix.rows_of([21, 8, 5])
+    ([1, 3, 4, 2], [2, 4, 0])
+    """
+
+    def __init__(self, ids: np.ndarray):
+        ids = np.asarray(ids, np.int64)
+        self.n = n = len(ids)
+        self.mask = (1 << max(3, (2 * n - 1).bit_length())) - 1  # capacity: a power of two >= 2n
+        self.keys = np.full(self.mask + 1, _EMPTY, np.int64)
+        self.rows = np.full(self.mask + 1, n, np.int64)
+        slot, todo = ids & self.mask, np.arange(n)
+        while todo.size:  # each round the first id of each free slot takes it; the rest probe on
+            s = slot[todo]
+            free = self.keys[s] == _EMPTY
+            _, first = np.unique(s[free], return_index=True)
+            won = todo[free][first]
+            self.keys[slot[won]], self.rows[slot[won]] = ids[won], won
+            todo = todo[self.keys[slot[todo]] != ids[todo]]
+            slot[todo] = (slot[todo] + 1) & self.mask
+        self._keys, self._rows = memoryview(self.keys), memoryview(self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.rows.nbytes
+
+    def positions(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's row (n when not saved), in the shape of `ids`. Up to FEW_IDS ids (a
+        request's rows) in plain Python: ~10 numpy calls on small arrays cost ~25 us more."""
+        flat = np.asarray(ids, np.int64).reshape(-1)
+        if len(flat) <= FEW_IDS:
+            return np.array(self.rows_of(flat.tolist()), np.int64).reshape(np.shape(ids))
+        slot = flat & self.mask
+        found = self.keys[slot]
+        todo = np.flatnonzero((found != flat) & (found != _EMPTY))
+        while todo.size:
+            slot[todo] = (slot[todo] + 1) & self.mask
+            found = self.keys[slot[todo]]
+            todo = todo[(found != flat[todo]) & (found != _EMPTY)]
+        return self.rows[slot].reshape(np.shape(ids))
+
+    def holds(self, ids: np.ndarray) -> bool:
+        """Whether `ids` are the ids it was made of, in that order (another table's index fits)."""
+        return len(ids) == self.n and bool((self.positions(ids) == np.arange(self.n)).all())
+
+    def rows_of(self, ids: list[int]) -> list[int]:
+        """`positions` of a few ids in plain Python: a server's lone request makes no numpy call."""
+        keys, rows, mask = self._keys, self._rows, self.mask
+        out = []
+        for i in ids:
+            s = i & mask
+            k = keys[s]
+            while k != i and k != _EMPTY:
+                s = (s + 1) & mask
+                k = keys[s]
+            out.append(rows[s])
+        return out
+
+
+class _Saved:
+    """`FrozenTable.touched`: indexed by ids as HashedTable's flags are, True where a row was saved."""
+
+    def __init__(self, index: RowIndex):
+        self.index = index
+
+    def __getitem__(self, ids) -> np.ndarray:
+        return self.index.positions(ids) != self.index.n
+
+
+class FrozenTable:
+    """A saved table for reading only: its rows' weights in saved order and a `RowIndex`, so its
+    memory follows the rows saved. A HashedTable takes num_rows x dim floats, and a version's
+    rows, spread over them by the hash, touch nearly every page: 1.4 GB for an LR at bits 28
+    whatever its rows. `lookup` and `touched[ids]` read as HashedTable's. `values` has one row
+    more, zeros, for ids not saved (`RowIndex.rows_of` gives them row n); `saved` flags the rows
+    that are not that one.
+
+    >>> t = HashedTable("emb", num_rows=64, dim=2, init_scale=0.1, seed=1)
+    >>> t.load_rows(np.array([3, 40]), np.ones((2, 2), np.float32), {})
+    >>> f = FrozenTable.of(t, RowIndex(np.array([3, 40])), np.ones((2, 2), np.float32))
+    >>> ids = np.array([40, 7, 3])
+    >>> bool(np.array_equal(f.lookup(ids), t.lookup(ids))), f.touched[ids].tolist()
+    (True, [True, False, True])
+    """
+
+    def __init__(self, name: str, num_rows: int, dim: int, init_scale: float, seed: int, index: RowIndex,
+                 weights: np.ndarray):
+        self.name, self.num_rows, self.dim = name, num_rows, dim
+        self.init_scale, self.seed, self.index = init_scale, seed, index
+        self.values = np.zeros((index.n + 1, dim), np.float32)
+        self.values[:index.n] = weights
+        self.saved = np.ones(index.n + 1, bool)
+        self.saved[index.n] = False
+        self.touched = _Saved(index)
+
+    @classmethod
+    def of(cls, table: HashedTable, index: RowIndex, weights: np.ndarray) -> "FrozenTable":
+        """The frozen form of `table` (a whole one) holding `weights`, one row per id of `index`."""
+        return cls(table.name, table.num_rows, table.dim, table.init_scale, table.seed, index, weights)
+
+    @property
+    def nbytes(self) -> int:
+        """Its own arrays (the index, maybe shared with other tables, apart)."""
+        return self.values.nbytes + self.saved.nbytes
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Ids' weights (a copy); ids not saved read their initial values, as HashedTable's do."""
+        pos = self.index.positions(ids)
+        out = self.values[pos]
+        if self.init_scale:
+            fresh = pos == self.index.n
+            if fresh.any():
+                out[fresh] = init_rows(np.asarray(ids)[fresh], self.dim, self.init_scale, self.seed)
+        return out
+
+
+def frozen_pays(num_rows: int, dims: int, saved: int) -> bool:
+    """Whether tables of `num_rows` rows and `dims` floats a row in all, `saved` of them saved,
+    take less memory frozen (FrozenTable) than as HashedTables by enough to pay for their
+    slower lookups: at least DENSE_MIN_BYTES dense and under half of it frozen.
+
+    >>> frozen_pays(1 << 22, 1, 1_000_000), frozen_pays(1 << 28, 1, 1_000_000), frozen_pays(1 << 24, 17, 1 << 23)
+    (False, True, False)
+    """
+    dense = num_rows * (4 * dims + 1)
+    frozen = (saved + 1) * (4 * dims + 1) + 16 * (1 << max(3, (2 * saved - 1).bit_length()))
+    return dense >= DENSE_MIN_BYTES and 2 * frozen <= dense

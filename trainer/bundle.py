@@ -27,7 +27,7 @@ from mariana.sparse.host import memory_limit
 from mariana.sparse.optim import AdaGrad, FTRL, SparseOptimizer
 from mariana.sparse.records import FEW_ROWS
 from mariana.sparse.schema import Schema
-from mariana.sparse.table import HashedTable
+from mariana.sparse.table import TABLE_FORMS, FrozenTable, HashedTable, RowIndex, frozen_pays
 from mariana.trainer import checkpoint
 from mariana.sparse.settings import from_dict
 from mariana.trainer.config import LOWER_RATES, JobConfig
@@ -117,11 +117,16 @@ class ModelBundle:
         of the DNN's "dot" interaction: the embeddings' gather and the MLP's), for a model
         without a dense block, admission or image features; None for the others, which score
         through `predict_rows`. For a bundle that trains no more (a server's): the biases are
-        read now, the weights are views of the tables."""
+        read now, the weights are views of the tables. Frozen tables: the ids' rows are found in
+        plain Python (`RowIndex.rows_of`, ~0.1-0.2 us an id, once for tables that share an index)
+        and the scorer reads those."""
         linear = self.tables.get("linear")
         make = getattr(self.model, "lone_scorer", None)
         if make is None or linear is None or linear.init_scale or self.rare is not None or self.images is not None:
             return None
+        if isinstance(linear, FrozenTable):
+            rows_of = {name: t.index.rows_of for name, t in self.tables.items()}
+            return make(memoryview(linear.values.reshape(-1)), self.tables, rows_of)
         return make(memoryview(linear.weights.reshape(-1)), self.tables)
 
     def _lr_logits(self, batch: SparseBatch) -> np.ndarray:
@@ -224,11 +229,17 @@ class ModelBundle:
         return bundle
 
     @classmethod
-    def load(cls, model_dir: str, version: str | None = None, with_optimizer: bool = False) -> "ModelBundle":
+    def load(cls, model_dir: str, version: str | None = None, with_optimizer: bool = False,
+             tables: str = "dense") -> "ModelBundle":
         """The bundle of `version` (default: CURRENT's) with its optimizer state and pending counts
         when `with_optimizer` (a warm start). Every array is checked against the model its
         manifest's config describes before it is used: ModelDirError naming the version dir and
-        the array otherwise, as for an unreadable version."""
+        the array otherwise, as for an unreadable version. `tables` (TABLE_FORMS): "dense", the
+        HashedTables a job trains; "frozen", FrozenTables, whose memory follows the rows saved,
+        for a bundle that only predicts (it cannot train or save); "auto", frozen when
+        `frozen_pays` (a server's, `mariana predict`'s)."""
+        if tables not in TABLE_FORMS:
+            raise ConfigError(f"tables must be one of {', '.join(TABLE_FORMS)}, got {tables!r}")
         version = version or checkpoint.current_version(model_dir)
         manifest, weights, optim = checkpoint.load_version(model_dir, version, with_optimizer)
         vdir = os.path.join(model_dir, version)
@@ -251,8 +262,9 @@ class ModelBundle:
         bundle.steps = manifest.get("steps", 0)
         _load_dense(vdir, bundle, weights, optim)
         arrays = {**weights, **optim}
-        for name in bundle.tables:
-            _load_table(vdir, bundle, name, arrays)
+        frozen = tables == "frozen" or (tables == "auto" and _frozen_pays(bundle, arrays))
+        for name in list(bundle.tables):
+            _load_table(vdir, bundle, name, arrays, frozen)
         if bundle.counts is not None:
             _check_pending(vdir, optim, config.hashing.num_ids)
         bundle.load_counts(optim)  # ids counted but not admitted yet (a warm start goes on counting)
@@ -283,9 +295,17 @@ def _check_floats(vdir: str, name: str, arr: np.ndarray, shape: tuple) -> None:
                             f"{tuple(shape)} (the model the manifest's config describes)")
 
 
-def _load_table(vdir: str, bundle: ModelBundle, name: str, arrays: dict[str, np.ndarray]) -> None:
+def _frozen_pays(bundle: ModelBundle, arrays: dict[str, np.ndarray]) -> bool:
+    rows = arrays.get(f"{TABLE_PREFIX}{next(iter(bundle.tables))}.rows")
+    dims = sum(t.dim for t in bundle.tables.values())
+    return rows is not None and frozen_pays(bundle.config.hashing.num_ids, dims, len(rows))
+
+
+def _load_table(vdir: str, bundle: ModelBundle, name: str, arrays: dict[str, np.ndarray], frozen: bool) -> None:
     """Table `name`'s rows, weights and the optimizer state saved for it: all of its optimizer's
-    state keys or none (a version saved without state: it starts fresh)."""
+    state keys or none (a version saved without state: it starts fresh). `frozen`: the table
+    becomes a FrozenTable of its rows (the index shared with the tables before it that saved
+    the same ids: all of a version's do)."""
     table, opt = bundle.tables[name], bundle.optimizers[name]
     prefix = f"{TABLE_PREFIX}{name}."
     for key in ("rows", "weights"):
@@ -299,10 +319,18 @@ def _load_table(vdir: str, bundle: ModelBundle, name: str, arrays: dict[str, np.
         raise ModelDirError(f"{vdir}: {bad} is {'unknown' if unknown else 'missing'}: table {name}'s optimizer "
                             f"({opt.name}) keeps {', '.join(prefix + k for k in opt.state_keys)}")
     try:
-        table.load_rows(rows, weights, state)
+        if not frozen:
+            table.load_rows(rows, weights, state)
+            return
+        problem = table.rows_problem(rows, weights, {})
+        if problem:
+            raise ModelDirError(f"table.{name}.{problem[0]} {problem[1]}")
     except ModelDirError as e:
         raise ModelDirError(f"{vdir}: {e} (the manifest's config: hashing.bits {bundle.config.hashing.bits}, "
                             f"so {table.num_rows:,} rows of width {table.dim})") from None
+    index = next((t.index for t in bundle.tables.values() if isinstance(t, FrozenTable) and t.index.holds(rows)),
+                 None) or RowIndex(rows)
+    bundle.tables[name] = FrozenTable.of(table, index, weights)
 
 
 def _check_pending(vdir: str, optim: dict[str, np.ndarray], num_ids: int) -> None:
@@ -589,6 +617,18 @@ def _check_finite(weights: dict[str, np.ndarray]) -> None:
     if bad:
         raise MarianaError(f"the trained model holds {finite.describe(bad)} (training diverged): "
                            f"nothing to publish; {LOWER_RATES}")
+
+
+def table_memory(bundle: ModelBundle) -> dict:
+    """A loaded bundle's tables as /v1/model shows them: "frozen" (FrozenTables) or "dense"
+    (HashedTables), and their bytes (a dense table's: all of its rows', which the OS maps as
+    they are written)."""
+    tables = list(bundle.tables.values())
+    if tables and isinstance(tables[0], FrozenTable):
+        indexes = {id(t.index): t.index.nbytes for t in tables}
+        return {"form": "frozen", "rows": tables[0].index.n,
+                "bytes": sum(t.nbytes for t in tables) + sum(indexes.values())}
+    return {"form": "dense", "bytes": sum(t.weights.nbytes + t.touched.nbytes for t in tables)}
 
 
 def table_bytes(num_ids: int, tables: list[tuple[int, int]]) -> int:

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from mariana.sparse.errors import ModelDirError
+from mariana.sparse.errors import ConfigError, ModelDirError
 from mariana.sparse.synth import generate_criteo
+from mariana.sparse.table import RowIndex
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle, warm_start
 from mariana.trainer.config import load_config
@@ -48,10 +49,15 @@ def rewrite(path, edit):
 
 
 def refused(d, name, with_optimizer=False):
-    """The load fails with one ModelDirError naming the version dir and array `name`."""
+    """The load fails with one ModelDirError naming the version dir and array `name`, and
+    a server's load (frozen tables) with the same one."""
     with pytest.raises(ModelDirError) as e:
         ModelBundle.load(str(d), with_optimizer=with_optimizer)
     assert str(d / "v000001") in str(e.value) and name in str(e.value), str(e.value)
+    if not with_optimizer:
+        with pytest.raises(ModelDirError) as frozen:
+            ModelBundle.load(str(d), tables="frozen")
+        assert str(frozen.value) == str(e.value)
     return str(e.value)
 
 
@@ -204,3 +210,60 @@ def test_tables_bigger_than_the_machine_are_said_before_training(monkeypatch, ca
     with caplog.at_level("WARNING", logger="mariana.trainer.bundle"):
         bundle_module.say_if_too_big(bundle)
     assert caplog.text == ""
+
+
+# ---- frozen tables: a server's, whose memory follows the rows saved -----------------------------
+
+@pytest.mark.parametrize("kind", ["lr", "dnn"])
+def test_frozen_tables_predict_what_dense_ones_do(saved, tmp_path, kind):
+    """The LR (admission: ids not saved read their field's rare row) and the DNN (ids not saved
+    read their initial embeddings) give the same pCTRs from frozen tables as from dense ones,
+    on every path: parsed blocks (evaluate), a request's rows, a lone instance."""
+    from mariana.serving.predictor import Predictor
+    from mariana.trainer.strategies.local import evaluate
+
+    generate_criteo(tmp_path / "test.tsv", 1_000, seed=2)  # other rows: many ids never saved
+    dense = ModelBundle.load(str(saved[kind]))
+    frozen = ModelBundle.load(str(saved[kind]), tables="frozen")
+    assert [type(t).__name__ for t in frozen.tables.values()] == ["FrozenTable"] * len(frozen.tables)
+    assert len({id(t.index) for t in frozen.tables.values()}) == 1  # the DNN's two tables share one index
+    got, want = evaluate(frozen, [str(tmp_path / "test.tsv")])[0], evaluate(dense, [str(tmp_path / "test.tsv")])[0]
+    assert got == want and 0.5 < got["auc"] < 1
+    ids = np.random.default_rng(0).integers(0, dense.config.hashing.num_ids, (40, dense.encoder.num_fields))
+    np.testing.assert_array_equal(frozen.predict_rows(ids), dense.predict_rows(ids))
+    insts = [{f"I{i}": (i * k) % 7 for i in range(1, 14)} | {f"C{i}": f"{k * i:08x}" for i in range(1, 27)}
+             for k in range(30)]
+    p, q = Predictor.load(str(saved[kind]), tables="frozen"), Predictor.load(str(saved[kind]), tables="dense")
+    requests = [[i] for i in insts]
+    assert [a.pctr for a in p.predict_many(requests)] == [a.pctr for a in q.predict_many(requests)]
+    assert p.info()["tables"]["form"] == "frozen" and q.info()["tables"]["form"] == "dense"
+    assert p.info()["tables"]["bytes"] < q.info()["tables"]["bytes"]
+
+
+def test_auto_freezes_the_tables_of_a_big_table_with_few_rows(saved, tmp_path):
+    """The same 3,000-row LR: dense at bits 16 (512 KiB), frozen at bits 26 (320 MiB dense);
+    "frozen" and "dense" are obeyed whatever the size; anything else is refused."""
+    assert ModelBundle.load(str(saved["lr"]), tables="auto").tables["linear"].__class__.__name__ == "HashedTable"
+    d = with_bits(saved, tmp_path, 26)
+    assert ModelBundle.load(str(d), tables="auto").tables["linear"].__class__.__name__ == "FrozenTable"
+    assert ModelBundle.load(str(d), tables="dense").tables["linear"].__class__.__name__ == "HashedTable"
+    with pytest.raises(ConfigError, match="tables must be one of dense, frozen, auto, got 'sparse'"):
+        ModelBundle.load(str(d), tables="sparse")
+
+
+def test_a_row_index_finds_each_id_whatever_their_slots():
+    """Ids that all share a slot (a probe run the length of the table, wrapping past its end),
+    random ones, none: each saved id's row, n for the others, in numpy and in plain Python."""
+    rng = np.random.default_rng(3)
+    for ids in (np.arange(1, 40) << 20 | 127, np.unique(rng.integers(0, 1 << 30, 5_000)), np.array([], np.int64),
+                rng.permutation(200) * 64 + 63):
+        ix = RowIndex(ids)
+        row = {int(i): r for r, i in enumerate(ids)}
+        queries = np.concatenate([ids, rng.integers(0, 1 << 30, 300), ids[::-1] + 1]).astype(np.int64)
+        want = [row.get(int(q), len(ids)) for q in queries]
+        assert ix.positions(queries).tolist() == want
+        assert ix.positions(queries[:50]).tolist() == want[:50]  # a request's few ids: found in plain Python
+        assert ix.positions(queries.reshape(-1, 1)).shape == (len(queries), 1)
+        assert ix.rows_of(queries.tolist()) == want
+        assert ix.holds(ids) and (len(ids) < 2 or not ix.holds(ids[::-1]))
+        assert (ix.keys != -1).sum() == len(ids) and len(ix.keys) >= 2 * len(ids)

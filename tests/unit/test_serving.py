@@ -144,14 +144,16 @@ def test_many_small_requests_are_scored_in_groups_of_few_rows_each_as_alone(tmp_
     assert parsed == []  # 17 lone requests: groups of 16 and 1, no general path
 
 
+@pytest.mark.parametrize("tables", ["dense", "frozen"])
 @pytest.mark.parametrize("kind", ["lr", "dnn"])
-def test_a_lone_instance_is_scored_with_few_numpy_calls_as_numpy_scores_it(tmp_path, kind):
+def test_a_lone_instance_is_scored_with_few_numpy_calls_as_numpy_scores_it(tmp_path, kind, tables):
     """`Predictor.predict_lone` (one plain instance: LR with no numpy call, the DNN's "dot"
     with the gather and the MLP's only) gives the pCTR the numpy path gives, to float32
     rounding, values met before or new, embedding rows trained or not, with the same
     unknown-field count; other interactions, a dense block, admission or an instance that
     is not plain take the general path (None); a request of one instance through
-    `answer_batch` answers what predict_lone says."""
+    `answer_batch` answers what predict_lone says. Tables dense or frozen (a saved row found in
+    plain Python)."""
     rng = np.random.default_rng(7)
     cfg = load_config(overrides={"model.kind": kind, "hashing.bits": 12, "model.hidden": [16, 8],
                                  "model.embed_dim": 4}, env={})
@@ -161,7 +163,7 @@ def test_a_lone_instance_is_scored_with_few_numpy_calls_as_numpy_scores_it(tmp_p
         t.touched[:] = rng.random(len(t.touched)) < 0.5  # saved rows are the touched ones; others read their init
     dict(dense_params(b.model))["bias"][...] = -1.2  # numpy views of either kind's parameters
     b.save(str(tmp_path / kind))
-    p = Predictor.load(str(tmp_path / kind))
+    p = Predictor.load(str(tmp_path / kind), tables=tables)
     insts = rows(300, 3) + [{**rows(1, 4)[0], "extra": 1, "C3": None, "I2": 2.5}]
     lone = [p.predict_lone(i) for i in insts]  # the first sight of most values: hashed here
     again = [p.predict_lone(i) for i in insts]  # met before: looked up
@@ -339,6 +341,7 @@ def test_windows_are_the_newest_files_in_name_order(tmp_path):
     ("retrain.auc_tolerance", float("inf"), "retrain.auc_tolerance must be in [0, 1), got inf"),
     ("serve.colour", 1, "unknown key 'serve.colour'"),
     ("serve.port", "eighty", "serve.port"),
+    ("serve.tables", "sparse", "serve.tables must be one of dense, frozen, auto, got 'sparse'"),
 ])
 def test_bad_serve_config_names_the_key(key, value, says):
     with pytest.raises(ConfigError, match=re.escape(says)):

@@ -92,10 +92,17 @@ class LogisticRegression:
             logits = logits + batch.dense @ self.weight[0]
         return logits + self.bias
 
-    def lone_scorer(self, linear: memoryview, tables: dict):
+    def lone_scorer(self, linear: memoryview, tables: dict, rows_of=None):
         """`ModelBundle.lone_scorer`: one row's ids -> pCTR with no numpy call (`lone_pctr`);
-        None with a dense block (its rows come through `predict_rows`)."""
-        return None if self.weight is not None else functools.partial(lone_pctr, linear, float(self.bias[0]))
+        None with a dense block (its rows come through `predict_rows`). `rows_of`: {table: ids ->
+        the rows that hold them} (frozen tables); None: an id is its row."""
+        if self.weight is not None:
+            return None
+        score = functools.partial(lone_pctr, linear, float(self.bias[0]))
+        if rows_of is None:
+            return score
+        linear_rows = rows_of["linear"]
+        return lambda ids: score(linear_rows(ids))
 
     def numpy_logits(self, rows: dict[str, np.ndarray], num_rows: int, dense: np.ndarray) -> np.ndarray:
         """`CTRModel.numpy_logits`: a request's rows, one id per field (`rows["linear"]`:

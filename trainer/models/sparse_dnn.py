@@ -205,24 +205,30 @@ class SparseDNN(CTRModel):
             deep = _numpy_mlp(p["over_arch"], np.concatenate([dots, *towers], axis=1) if towers else dots)[:, 0]
         return wide + deep + p["bias"]
 
-    def lone_scorer(self, linear: memoryview, tables: dict):
+    def lone_scorer(self, linear: memoryview, tables: dict, rows_of=None):
         """`ModelBundle.lone_scorer`: one row's ids -> pCTR in the fewest numpy calls, for the
         "dot" interaction without a dense or image tower (None otherwise: `numpy_logits`
         takes the row): the row's embeddings gathered as one (F, D) array, their dot
         products, the MLP; the wide part and the sigmoid in Python (`lr.lone_pctr`). A
         server's lone DNN request: ~14-27 us less CPU than through `numpy_logits` (whose
-        reshapes, lookups and (B, ...) arrays are a dozen more calls, each run cold)."""
+        reshapes, lookups and (B, ...) arrays are a dozen more calls, each run cold). `rows_of`:
+        {table: ids -> their rows of `linear` or of the embedding table's `values`} (frozen
+        tables: found once when the two share an index, as a version's do); None: an id is its row."""
         if self.kind != "dot" or self.dense_arch is not None or self.image_arch is not None:
             return None
         p = self._numpy_params()
         pair, layers, bias = p["pair_index"], p["over_arch"], float(p["bias"][0])
         table = tables["embedding"]
-        weights, touched = table.weights, memoryview(table.touched)
+        weights, touched = ((table.weights, memoryview(table.touched)) if rows_of is None
+                            else (table.values, memoryview(table.saved)))
+        embedding_rows, linear_rows = (None, None) if rows_of is None else (rows_of["embedding"], rows_of["linear"])
+        shared = embedding_rows == linear_rows  # the same index's method (or both None)
 
         def pctr(ids: list[int]) -> float:
-            emb = weights.take(ids, axis=0)  # (F, D)
-            for i in ids:
-                if not touched[i]:  # a row never trained: its initial values, as `lookup` gives them
+            rows = ids if embedding_rows is None else embedding_rows(ids)
+            emb = weights.take(rows, axis=0)  # (F, D)
+            for r in rows:
+                if not touched[r]:  # a row never trained: its initial values, as `lookup` gives them
                     emb = table.lookup(np.array(ids, np.int64))
                     break
             x = (emb @ emb.T).take(pair)
@@ -230,7 +236,7 @@ class SparseDNN(CTRModel):
                 x = x @ wt + b
                 np.maximum(x, 0, out=x)
             wt, b = layers[-1]
-            return lone_pctr(linear, bias + float((x @ wt + b)[0]), ids)
+            return lone_pctr(linear, bias + float((x @ wt + b)[0]), rows if shared else linear_rows(ids))
         return pctr
 
     def _numpy_params(self) -> dict:

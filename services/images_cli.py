@@ -264,8 +264,8 @@ def build_train_image_parser() -> argparse.ArgumentParser:
                    "recompute in the backward those whose recomputation lowers the activations' peak")
     p.add_argument("--balance", choices=("time", "memory"), default="time", help="cut the stages so the largest "
                    "partition's time per micro-batch (measured) or its memory (state + activations in flight) is least")
-    p.add_argument("--cut-after", default="", help="cut by hand instead: the last stage of each partition but the "
-                   "last, comma-separated (stages: conv1,pool1,...,convN,poolN,embed,head)")
+    p.add_argument("--cut-after", default="", help="cut by hand instead (no --balance then): the last stage of each "
+                   "partition but the last, comma-separated (stages: conv1,pool1,...,convN,poolN,embed,head)")
     p.add_argument("--memory", action="store_true", help="measure each rank's memory by component (parameters, "
                    "gradients, optimizer state, saved activations) on the first steps; in the record's `ranks`")
     p.add_argument("--profile-memory", action="store_true", help="with --memory: also torch's profiler over one "

@@ -106,6 +106,9 @@ class ImageConfig:
             raise ConfigError(f"--partitions {self.partitions}: the model has {len(stages)} stages, so 1 to "
                               f"{len(stages)} partitions")
         if self.cut_after:
+            if self.balance != "time":  # "time" is the default: the only balance the user asked for
+                raise ConfigError(f"--cut-after {','.join(self.cut_after)} and --balance {self.balance}: cuts given "
+                                  "by hand use no balance; drop one of the two")
             manual_cuts(stages, self.cut_after, self.partitions)
         for key in ("prefetch", "decode_workers", "shift"):  # one message named all four and no value
             if getattr(self, key) < 0:

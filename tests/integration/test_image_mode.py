@@ -144,6 +144,8 @@ BAD_IMAGE = [
     (["--partitions", "2", "--cut-after", "conv9"], "--cut-after 'conv9': not a stage; the stages are ['conv1', "),
     (["--partitions", "2", "--cut-after", "head"], "each partition non-empty"),
     (["--cut-after", "conv1"], "the last stage of each partition but the last: 0 of"),
+    (["--partitions", "2", "--cut-after", "pool1", "--balance", "memory"],  # accepted, the balance unused
+     "--cut-after pool1 and --balance memory: cuts given by hand use no balance"),
     (["--lr", "inf"], "--lr must be a positive number, got inf"),  # trained to NaN weights, exported, exit 0
     (["--shift", "-1"], "--shift must be >= 0, got -1"),  # named all four flags and no value
     (["--partitions", "2", "--microbatches", "1"],  # a torch traceback from each rank

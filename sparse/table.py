@@ -140,7 +140,8 @@ def _kind(a: np.ndarray) -> str:
 TABLE_FORMS = ("dense", "frozen", "auto")  # a loaded version's tables (`ModelBundle.load`, serve.tables)
 DENSE_MIN_BYTES = 64 << 20  # tables this small stay a HashedTable when read: its lookups are the cheapest
 _EMPTY = -1
-FEW_IDS = 128  # `RowIndex.positions` finds this many ids or fewer in plain Python
+FEW_IDS = 128  # `RowIndex.positions` finds this many ids or fewer in plain Python ...
+FEW_PROBES = 16  # ... and the last this many ids still probing
 
 
 class RowIndex:
@@ -184,10 +185,16 @@ class RowIndex:
         slot = flat & self.mask
         found = self.keys[slot]
         todo = np.flatnonzero((found != flat) & (found != _EMPTY))
-        while todo.size:
+        while todo.size > FEW_PROBES:  # ~1 id in 4 probes on; each round ~5 calls, the last few on few ids
             slot[todo] = (slot[todo] + 1) & self.mask
             found = self.keys[slot[todo]]
             todo = todo[(found != flat[todo]) & (found != _EMPTY)]
+        keys, mask = self._keys, self.mask
+        for j in todo.tolist():  # the last few in plain Python
+            i, s = int(flat[j]), (int(slot[j]) + 1) & mask
+            while keys[s] != i and keys[s] != _EMPTY:
+                s = (s + 1) & mask
+            slot[j] = s
         return self.rows[slot].reshape(np.shape(ids))
 
     def holds(self, ids: np.ndarray) -> bool:
@@ -254,9 +261,11 @@ class FrozenTable:
         """Its own arrays (the index, maybe shared with other tables, apart)."""
         return self.values.nbytes + self.saved.nbytes
 
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """Ids' weights (a copy); ids not saved read their initial values, as HashedTable's do."""
-        pos = self.index.positions(ids)
+    def lookup(self, ids: np.ndarray, pos: np.ndarray | None = None) -> np.ndarray:
+        """Ids' weights (a copy); ids not saved read their initial values, as HashedTable's do.
+        `pos`: the ids' `index.positions` when found already (another table of the same index)."""
+        if pos is None:
+            pos = self.index.positions(ids)
         out = self.values[pos]
         if self.init_scale:
             fresh = pos == self.index.n

@@ -94,7 +94,7 @@ class ModelBundle:
             if self.rare is not None:
                 batch = admission.lookup_ids(batch, self.touched, self.rare)
             uniq, inverse = batch.unique()
-        rows = {name: torch.from_numpy(t.lookup(uniq)) for name, t in self.tables.items()}
+        rows = {name: torch.from_numpy(r) for name, r in self.lookup(uniq).items()}
         with torch.inference_mode():  # no autograd state at all: fewer costs per op than no_grad
             return torch.sigmoid(self.model(make_input(batch, inverse, rows))).numpy()
 
@@ -107,9 +107,22 @@ class ModelBundle:
             dense = np.zeros((len(ids), 0), np.float32)
         if self.rare is not None:  # ids never admitted (no row) read their field's rare row
             ids = np.where(self.touched[ids], ids, self.rare)
-        flat = ids.reshape(-1)
-        rows = {name: t.lookup(flat) for name, t in self.tables.items()}
+        rows = self.lookup(ids.reshape(-1))
         return _few_sigmoid(self.model.numpy_logits(rows, len(ids), dense))
+
+    def lookup(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Every table's rows of `ids` (a copy; untouched rows read as `HashedTable.lookup` reads
+        them). Frozen tables that share an index (all of a version's) find the ids once."""
+        out, found = {}, {}
+        for name, t in self.tables.items():
+            if isinstance(t, FrozenTable):
+                pos = found.get(id(t.index))
+                if pos is None:
+                    pos = found[id(t.index)] = t.index.positions(ids)
+                out[name] = t.lookup(ids, pos)
+            else:
+                out[name] = t.lookup(ids)
+        return out
 
     def lone_scorer(self):
         """A function from one row's ids (a list, one per field, as `Encoder.instance_ids` gives

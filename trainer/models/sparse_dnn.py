@@ -229,7 +229,8 @@ class SparseDNN(CTRModel):
             emb = weights.take(rows, axis=0)  # (F, D)
             for r in rows:
                 if not touched[r]:  # a row never trained: its initial values, as `lookup` gives them
-                    emb = table.lookup(np.array(ids, np.int64))
+                    emb = (table.lookup(np.array(ids, np.int64)) if embedding_rows is None
+                           else table.lookup(np.array(ids, np.int64), np.array(rows, np.int64)))
                     break
             x = (emb @ emb.T).take(pair)
             for wt, b in layers[:-1]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.hashing import MAX_MIN_COUNT
+from mariana.sparse.table import sparse_zeros
 
 # Keys of the pending counts in a saved version's optimizer state and in a PS
 # checkpoint: ids (global, int64) not admitted yet with a count > 0, and their counts.
@@ -41,7 +42,7 @@ class Counts:
     @property
     def array(self) -> np.ndarray:
         if self._n is None:
-            self._n = np.zeros(self.num_rows, np.uint16)
+            self._n = sparse_zeros((self.num_rows,), np.uint16)  # memory follows the ids counted
         return self._n
 
     def get(self, rows: np.ndarray) -> np.ndarray:

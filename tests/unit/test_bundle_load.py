@@ -267,3 +267,20 @@ def test_a_row_index_finds_each_id_whatever_their_slots():
         assert ix.rows_of(queries.tolist()) == want
         assert ix.holds(ids) and (len(ids) < 2 or not ix.holds(ids[::-1]))
         assert (ix.keys != -1).sum() == len(ids) and len(ix.keys) >= 2 * len(ids)
+
+
+def test_a_big_table_takes_memory_by_the_small_page_written():
+    """numpy maps big arrays in 2 MiB pages (MADV_HUGEPAGE): 20,000 ids written into a 2^28-row
+    table took 1.06 GB. A HashedTable's arrays are mapped in 4 KiB pages (`sparse_zeros`): ~80 MB."""
+    from mariana.services.runtime.memwatch import rss_bytes
+    from mariana.sparse.table import HashedTable
+
+    before = rss_bytes()
+    t = HashedTable("linear", 1 << 28, 1)
+    rows = np.unique(np.random.default_rng(0).integers(0, 1 << 28, 20_000))
+    t.materialize(rows)
+    t.weights[rows] = 1.0
+    t.state_array("acc")[rows] = 0.5
+    grown = (rss_bytes() - before) / (1 << 20)
+    assert grown < 400, f"{grown:.0f} MB for 20,000 rows of three arrays"  # 2 MiB pages: ~2.3 GB
+    assert float(t.weights.sum()) == len(rows) and t.touched.sum() == len(rows)

@@ -242,7 +242,7 @@ class JobRunner:
                                    "dropped): nothing published")
             record = await written_before_restart(self.coord, run)
             if record is None:
-                record = await publish(self, run)  # None: a shard restarted during the export
+                record = await sampled(self.coord, run, publish(self, run))  # None: a shard restarted meanwhile
                 if record is None:
                     continue
                 failpoints.reached("coordinator.version_written")  # tests: the window before the journal
@@ -372,6 +372,23 @@ def sample_rss(coord, run: JobRun) -> None:
              if s.role != "coordinator" and s.alive(within)]
     now = [memwatch.rss_bytes()] + [v for v in beats if isinstance(v, (int, float))]
     run.peak_rss_mb = max(run.peak_rss_mb, max(now) / (1 << 20))
+
+
+async def sampled(coord, run: JobRun, work):
+    """`work`'s result, the job's peak_rss_mb sampled every tick while it runs. The periodic
+    tick samples only while steps go out, and the export and assembly that follow are when the
+    coordinator holds the whole model: a job's record said 928 MB while the coordinator's
+    resident set reached 3.6 GB (an LR at bits 28 over 4 shards)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            sample_rss(coord, run)
+            done, _ = await asyncio.wait({task}, timeout=TICK_SECONDS)
+            if done:
+                return task.result()
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
 
 
 async def announce(coord, record: dict) -> None:

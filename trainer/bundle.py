@@ -225,6 +225,9 @@ class ModelBundle:
         tables by global id in the `table_export` layout, pending counts; the dense parameters
         and their optimizer state as flat vectors, from shard 0)."""
         bundle = cls(config, schema, images)
+        tables = [(t.dim, len(bundle.optimizers[t.name].state_keys)) for t in bundle.model.tables]
+        say_if_tables_too_big(config, tables, config.hashing.num_ids, "the model assembled from the shards' exports: "
+                              "its tables")
         for arrays in exports:
             for name, table in bundle.tables.items():
                 table.load_rows(*table_arrays(arrays, name))
@@ -672,13 +675,23 @@ def say_if_too_big(bundle: "ModelBundle") -> None:
     exploratory tester's LR at hashing.bits = 32 (52 GiB) crept to 20 GB resident at 275 rows/s
     on a 24 GB machine without a word; a DNN at bits 28 (~34 GiB) would have been killed by the
     kernel part-way."""
-    config = bundle.config
     tables = [(t.dim, len(bundle.optimizers[t.name].state_keys)) for t in bundle.model.tables]
-    need, have = table_bytes(config.hashing.num_ids, tables), machine_memory()
+    say_if_tables_too_big(bundle.config, tables, bundle.config.hashing.num_ids, "the model's tables")
+
+
+def say_if_tables_too_big(config: JobConfig, tables: list[tuple[int, int]], num_rows: int, whose: str) -> bool:
+    """`say_if_too_big` for `num_rows` rows of `tables` ((dim, optimizer slots) each), `whose`
+    they are in the warning (a parameter-server shard's share, say); True when it warned."""
+    need, have = table_bytes(num_rows, tables), machine_memory()
     if have and need > have:
-        log.warning("the model's tables take up to %.1f GiB once written (hashing.bits = %d: 2^%d rows each), more "
-                    "than this machine's %.1f GiB of memory: lower hashing.bits, or expect swapping and the kernel's "
-                    "OOM killer", need / 2 ** 30, config.hashing.bits, config.hashing.bits, have / 2 ** 30)
+        bits = config.hashing.bits
+        log.warning("%s take up to %.1f GiB once written (hashing.bits = %d: 2^%d rows each%s), more than this "
+                    "machine's %.1f GiB of memory: lower hashing.bits%s, or expect swapping and the kernel's OOM killer",
+                    whose, need / 2 ** 30, bits, bits, "" if num_rows == config.hashing.num_ids else
+                    f", {num_rows:,} here", have / 2 ** 30,
+                    "" if num_rows == config.hashing.num_ids else " or add shards")
+        return True
+    return False
 
 
 def table_optimizer(config: JobConfig, role: str) -> SparseOptimizer:

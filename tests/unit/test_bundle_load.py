@@ -210,6 +210,15 @@ def test_tables_bigger_than_the_machine_are_said_before_training(monkeypatch, ca
     with caplog.at_level("WARNING", logger="mariana.trainer.bundle"):
         bundle_module.say_if_too_big(bundle)
     assert caplog.text == ""
+    # a cluster job: each parameter-server shard says so of its share, on its own machine
+    from mariana.trainer.strategies.ps_shard import ParamShard
+
+    monkeypatch.setattr(bundle_module, "machine_memory", lambda: 1 << 16)
+    with caplog.at_level("WARNING", logger="mariana.trainer.bundle"):
+        ParamShard(cfg, criteo(), 1, 4)
+    assert "parameter-server shard 1 of 4: its tables take up to 0.0 GiB once written (hashing.bits = 16: 2^16 " \
+           "rows each, 16,384 here), more than this machine's 0.0 GiB of memory: lower hashing.bits or add shards" \
+           in caplog.text, caplog.text
 
 
 # ---- frozen tables: a server's, whose memory follows the rows saved -----------------------------

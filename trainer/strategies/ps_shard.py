@@ -31,7 +31,8 @@ from mariana.sparse.errors import DataFormatError
 from mariana.sparse.optim import AdaGrad
 from mariana.sparse.schema import Schema
 from mariana.sparse.table import HashedTable
-from mariana.trainer.bundle import TABLE_PREFIX, table_arrays, table_export, table_optimizer, version_export
+from mariana.trainer.bundle import (TABLE_PREFIX, say_if_tables_too_big, table_arrays, table_export, table_optimizer,
+                                    version_export)
 from mariana.trainer.config import JobConfig
 from mariana.trainer.models.registry import build_model, dense_params, dense_vector
 from mariana.trainer.strategies.ps_step import DenseOptimizer
@@ -55,6 +56,8 @@ class ParamShard:
         self.tables = {t.name: HashedTable(t.name, local_rows, t.dim, t.init_scale, seed=config.model.seed,
                                            id_offset=shard, id_stride=num_shards) for t in model.tables}
         self.optimizers = {t.name: table_optimizer(config, t.role) for t in model.tables}
+        say_if_tables_too_big(config, [(t.dim, len(self.optimizers[t.name].state_keys)) for t in model.tables],
+                              local_rows, f"parameter-server shard {shard} of {num_shards}: its tables")
         # Dense parameters live on shard 0, as one flat vector (AdaGrad is per element).
         self.dense = dense_vector(model) if shard == 0 else np.zeros(0, np.float32)
         self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,

@@ -63,7 +63,8 @@ class Counts:
         """Rows counted but not admitted (no row yet): what a checkpoint keeps."""
         if self._n is None:
             return np.zeros(0, np.int64)
-        return np.flatnonzero((self._n > 0) & ~touched)
+        counted = np.flatnonzero(self._n)
+        return counted[~touched[counted]]  # `touched` indexed only: a FrozenTable's flags too
 
 
 def occurrences(batch: SparseBatch) -> tuple[np.ndarray, np.ndarray]:

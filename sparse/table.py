@@ -112,6 +112,11 @@ class HashedTable:
     def touched_rows(self) -> np.ndarray:
         return np.flatnonzero(self.touched)
 
+    def saved_arrays(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """(rows written, ascending; their weights; their optimizer state): what a version saves."""
+        rows = self.touched_rows()
+        return rows, self.weights[rows], {key: arr[rows] for key, arr in self.state.items()}
+
     def load_rows(self, rows: np.ndarray, weights: np.ndarray, state: dict[str, np.ndarray]) -> None:
         """Restore saved rows (a version's, a shard's export) after checking them: ModelDirError
         naming the array as a version names it (table.<name>.<key>) when they do not fit."""
@@ -268,9 +273,12 @@ class FrozenTable:
     """
 
     def __init__(self, name: str, num_rows: int, dim: int, init_scale: float, seed: int, index: RowIndex,
-                 weights: np.ndarray):
+                 weights: np.ndarray, ids: np.ndarray | None = None, state: dict[str, np.ndarray] | None = None):
+        """`ids` (ascending, those of `index`) and `state` (each (n, dim)): kept for `saved_arrays`
+        (a model assembled from a cluster's shards, which is saved); a server's keeps neither."""
         self.name, self.num_rows, self.dim = name, num_rows, dim
         self.init_scale, self.seed, self.index = init_scale, seed, index
+        self.ids, self.state = ids, state
         self.values = np.zeros((index.n + 1, dim), np.float32)
         self.values[:index.n] = weights
         self.saved = np.ones(index.n + 1, bool)
@@ -278,14 +286,22 @@ class FrozenTable:
         self.touched = _Saved(index)
 
     @classmethod
-    def of(cls, table: HashedTable, index: RowIndex, weights: np.ndarray) -> "FrozenTable":
+    def of(cls, table: HashedTable, index: RowIndex, weights: np.ndarray, ids: np.ndarray | None = None,
+           state: dict[str, np.ndarray] | None = None) -> "FrozenTable":
         """The frozen form of `table` (a whole one) holding `weights`, one row per id of `index`."""
-        return cls(table.name, table.num_rows, table.dim, table.init_scale, table.seed, index, weights)
+        return cls(table.name, table.num_rows, table.dim, table.init_scale, table.seed, index, weights, ids, state)
+
+    def saved_arrays(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """As HashedTable's; only for a table made with its ids and state."""
+        if self.ids is None or self.state is None:
+            raise ValueError(f"table {self.name} was loaded for reading only: it has no ids and state to save")
+        return self.ids, self.values[:self.index.n], self.state
 
     @property
     def nbytes(self) -> int:
         """Its own arrays (the index, maybe shared with other tables, apart)."""
-        return self.values.nbytes + self.saved.nbytes
+        kept = (self.ids.nbytes if self.ids is not None else 0) + sum(a.nbytes for a in (self.state or {}).values())
+        return self.values.nbytes + self.saved.nbytes + kept
 
     def lookup(self, ids: np.ndarray, pos: np.ndarray | None = None) -> np.ndarray:
         """Ids' weights (a copy); ids not saved read their initial values, as HashedTable's do.

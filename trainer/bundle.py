@@ -322,9 +322,14 @@ def _assembled(bundle: ModelBundle, name: str, parts: list[tuple]) -> FrozenTabl
     problem = table.rows_problem(ids, weights, state)
     if problem:
         raise ModelDirError(f"the shards' exports of table {name}: table.{name}.{problem[0]} {problem[1]}")
-    index = next((t.index for t in bundle.tables.values() if isinstance(t, FrozenTable) and t.index.holds(ids)),
-                 None) or RowIndex(ids)
-    return FrozenTable.of(table, index, weights, ids, state)
+    return FrozenTable.of(table, _index_of(bundle, ids), weights, ids, state)
+
+
+def _index_of(bundle: ModelBundle, ids: np.ndarray) -> RowIndex:
+    """The RowIndex of `ids`: a frozen table's of the bundle made of the same ids (all of a
+    version's tables hold the same rows), else a new one."""
+    return next((t.index for t in bundle.tables.values() if isinstance(t, FrozenTable) and t.index.holds(ids)),
+                None) or RowIndex(ids)
 
 
 def _frozen_pays(bundle: ModelBundle, arrays: dict[str, np.ndarray]) -> bool:
@@ -336,8 +341,7 @@ def _frozen_pays(bundle: ModelBundle, arrays: dict[str, np.ndarray]) -> bool:
 def _load_table(vdir: str, bundle: ModelBundle, name: str, arrays: dict[str, np.ndarray], frozen: bool) -> None:
     """Table `name`'s rows, weights and the optimizer state saved for it: all of its optimizer's
     state keys or none (a version saved without state: it starts fresh). `frozen`: the table
-    becomes a FrozenTable of its rows (the index shared with the tables before it that saved
-    the same ids: all of a version's do)."""
+    becomes a FrozenTable of its rows (`_index_of`), its optimizer state left out."""
     table, opt = bundle.tables[name], bundle.optimizers[name]
     prefix = f"{TABLE_PREFIX}{name}."
     for key in ("rows", "weights"):
@@ -360,9 +364,7 @@ def _load_table(vdir: str, bundle: ModelBundle, name: str, arrays: dict[str, np.
     except ModelDirError as e:
         raise ModelDirError(f"{vdir}: {e} (the manifest's config: hashing.bits {bundle.config.hashing.bits}, "
                             f"so {table.num_rows:,} rows of width {table.dim})") from None
-    index = next((t.index for t in bundle.tables.values() if isinstance(t, FrozenTable) and t.index.holds(rows)),
-                 None) or RowIndex(rows)
-    bundle.tables[name] = FrozenTable.of(table, index, weights)
+    bundle.tables[name] = FrozenTable.of(table, _index_of(bundle, rows), weights)
 
 
 def _check_pending(vdir: str, optim: dict[str, np.ndarray], num_ids: int) -> None:

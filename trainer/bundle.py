@@ -313,12 +313,16 @@ def _check_floats(vdir: str, name: str, arr: np.ndarray, shape: tuple) -> None:
 
 def _assembled(bundle: ModelBundle, name: str, parts: list[tuple]) -> FrozenTable:
     """Table `name` as a FrozenTable of the shards' (ids, weights, state) `parts`, ids ascending
-    (as a version saves them), its index shared with the tables before it of the same ids."""
+    (as a version saves them), its index shared with the tables before it of the same ids. A
+    shard that never applied a push has no state arrays: its rows' state is zeros, as a dense
+    table's unwritten state is."""
     table = bundle.tables[name]
     ids = np.concatenate([p[0] for p in parts]).astype(np.int64, copy=False)
     order = np.argsort(ids, kind="stable")
     ids, weights = ids[order], np.concatenate([p[1] for p in parts])[order]
-    state = {key: np.concatenate([p[2][key] for p in parts])[order] for key in parts[0][2]} if parts else {}
+    keys = sorted({key for p in parts for key in p[2]})
+    state = {key: np.concatenate([p[2][key] if key in p[2] else np.zeros((len(p[0]), table.dim), np.float32)
+                                  for p in parts])[order] for key in keys}
     problem = table.rows_problem(ids, weights, state)
     if problem:
         raise ModelDirError(f"the shards' exports of table {name}: table.{name}.{problem[0]} {problem[1]}")

@@ -340,3 +340,20 @@ def test_shards_warm_started_from_a_version_hold_that_version_exactly(num_shards
     assert all(torch.equal(a, b) for a, b in zip(back.model.parameters(), parent.model.parameters()))
     assert all(np.array_equal(a[k], b[k]) for a, b in zip(back.dense_opt.state, parent.dense_opt.state) for k in a)
     assert parent.counts.array.any() and np.array_equal(back.counts.array, parent.counts.array)
+
+
+def test_a_shard_that_applied_no_push_exports_no_state_and_the_model_assembles():
+    """With more shards than a small job has ids, a shard can end with rows pulled but no push
+    applied, so no optimizer state arrays: the assembled model takes zeros for its rows' state
+    (a KeyError before), and saves."""
+    from mariana.trainer.bundle import ModelBundle
+
+    s0, s1 = shard(0, 2), shard(1, 2)
+    assert s0.push("e1/a:0", 4, EVEN, grads_for(EVEN), np.zeros_like(s0.dense))
+    s1.pull(ODD)  # rows materialized, nothing pushed
+    exports = [s0.snapshot()[0], s1.snapshot()[0]]
+    assert "table.linear.sum_sq" in exports[0] and "table.linear.sum_sq" not in exports[1]
+    back = ModelBundle.from_shard_exports(s0.config, s0.schema, exports)
+    rows, _, state = back.tables["linear"].saved_arrays()
+    assert rows.tolist() == sorted(ALL.tolist())
+    assert (state["sum_sq"][np.isin(rows, ODD)] == 0).all() and state["sum_sq"][np.isin(rows, EVEN)].sum() > 0

@@ -56,7 +56,7 @@ class ServeSection:
                                         # only in part: its headers) is closed after this long
     body_seconds: float = 60.0          # a request body not all received in this long is answered 408, closed
     tables: str = "auto"                # a version's tables in memory: "frozen", as many bytes as rows saved
-                                        # (~0.1 us more an id); "dense", 2^hashing.bits rows; "auto": frozen
+                                        # (~0.2 us more CPU an id); "dense", 2^hashing.bits rows; "auto": frozen
                                         # when that is under half the bytes and dense would be >= 64 MiB
     creatives_seconds: float = 5.0      # image models: how often creatives featurized since training are read
                                         # from redis_url's creative cache into the table (0: never)

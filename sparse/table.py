@@ -29,8 +29,8 @@ def sparse_zeros(shape: tuple, dtype) -> np.ndarray:
     pages (madvise MADV_HUGEPAGE) on big arrays, so a row written anywhere took 2 MiB: 20,000
     ids written into a 2^28-row table took 1.06 GB and 1.27 s of page zeroing, against 130 MB
     and 0.03 s in 4 KiB pages (docs/benchmarks.md). Arrays of SMALL_PAGES_BYTES and more are
-    an anonymous mapping with MADV_NOHUGEPAGE (which also holds under THP "always"); smaller
-    ones are np.zeros. Random reads over a table with every page written: ~10% slower.
+    an anonymous mapping with MADV_NOHUGEPAGE (Linux documents it to hold under THP "always"
+    too; measured here under "madvise" only); smaller ones are np.zeros. Random reads over a table with every page written: ~10% slower.
 
     >>> a = sparse_zeros((1 << 25,), np.float32)
     >>> a[[3, -1]] = 1.5; float(a.sum()), a.flags.writeable
@@ -175,10 +175,15 @@ FEW_IDS = 128  # `RowIndex.positions` finds this many ids or fewer in plain Pyth
 FEW_PROBES = 16  # ... and the last this many ids still probing
 
 
+def index_slots(n: int) -> int:
+    """A `RowIndex`'s slots for n ids: the power of two >= 2n (at most half full), at least 8."""
+    return 1 << max(3, (2 * n - 1).bit_length())
+
+
 class RowIndex:
     """Where each of a table's saved ids has its row: an open-addressing hash table (linear
     probing, at most half full) from id to row (0..n-1), `n` for an id not saved. Ids are
-    fmix64 outputs (sparse/hashing.py), so their low bits index it as they are. 12 bytes a
+    fmix64 outputs (sparse/hashing.py), so their low bits index it as they are. 16 bytes a
     slot, 2-4 slots an id.
 
     >>> ix = RowIndex(np.array([5, 13, 21, 2]))  # 5, 13 and 21 share a slot of 8
@@ -189,7 +194,7 @@ class RowIndex:
     def __init__(self, ids: np.ndarray):
         ids = np.asarray(ids, np.int64)
         self.n = n = len(ids)
-        self.mask = (1 << max(3, (2 * n - 1).bit_length())) - 1  # capacity: a power of two >= 2n
+        self.mask = index_slots(n) - 1
         self.keys = np.full(self.mask + 1, _EMPTY, np.int64)
         self.rows = np.full(self.mask + 1, n, np.int64)
         slot, todo = ids & self.mask, np.arange(n)
@@ -325,5 +330,5 @@ def frozen_pays(num_rows: int, dims: int, saved: int) -> bool:
     (False, True, False)
     """
     dense = num_rows * (4 * dims + 1)
-    frozen = (saved + 1) * (4 * dims + 1) + 16 * (1 << max(3, (2 * saved - 1).bit_length()))
+    frozen = (saved + 1) * (4 * dims + 1) + 16 * index_slots(saved)
     return dense >= DENSE_MIN_BYTES and 2 * frozen <= dense

@@ -597,10 +597,7 @@ class Snapshot:
     theirs. `restore` puts it back, rows touched since become untouched again."""
 
     def __init__(self, bundle: ModelBundle):
-        self.tables = {}
-        for name, t in bundle.tables.items():
-            rows = t.touched_rows()
-            self.tables[name] = (rows, t.weights[rows], {k: v[rows] for k, v in t.state.items()})
+        self.tables = {name: t.saved_arrays() for name, t in bundle.tables.items()}
         self.dense = [p.copy() for _, p in dense_params(bundle.model)]
         self.dense_state = [{k: v.copy() for k, v in st.items()} for st in bundle.dense_opt.state]
         self.steps, self.rows_trained = bundle.steps, bundle.rows_trained
@@ -697,13 +694,16 @@ def say_if_too_big(bundle: "ModelBundle") -> None:
     exploratory tester's LR at hashing.bits = 32 (52 GiB) crept to 20 GB resident at 275 rows/s
     on a 24 GB machine without a word; a DNN at bits 28 (~34 GiB) would have been killed by the
     kernel part-way."""
-    tables = [(t.dim, len(bundle.optimizers[t.name].state_keys)) for t in bundle.model.tables]
-    say_if_tables_too_big(bundle.config, tables, bundle.config.hashing.num_ids, "the model's tables")
+    say_if_tables_too_big(bundle.config, bundle.model.tables, bundle.optimizers, bundle.config.hashing.num_ids,
+                          "the model's tables")
 
 
-def say_if_tables_too_big(config: JobConfig, tables: list[tuple[int, int]], num_rows: int, whose: str) -> bool:
-    """`say_if_too_big` for `num_rows` rows of `tables` ((dim, optimizer slots) each), `whose`
-    they are in the warning (a parameter-server shard's share, say); True when it warned."""
+def say_if_tables_too_big(config: JobConfig, specs, optimizers: dict[str, SparseOptimizer], num_rows: int,
+                          whose: str) -> bool:
+    """`say_if_too_big` for `num_rows` rows of the tables `specs` (the model's TableSpecs) trained
+    by `optimizers` (by table name), `whose` they are in the warning (a parameter-server shard's
+    share, say); True when it warned."""
+    tables = [(t.dim, len(optimizers[t.name].state_keys)) for t in specs]
     need, have = table_bytes(num_rows, tables), machine_memory()
     if have and need > have:
         bits = config.hashing.bits

@@ -56,8 +56,8 @@ class ParamShard:
         self.tables = {t.name: HashedTable(t.name, local_rows, t.dim, t.init_scale, seed=config.model.seed,
                                            id_offset=shard, id_stride=num_shards) for t in model.tables}
         self.optimizers = {t.name: table_optimizer(config, t.role) for t in model.tables}
-        say_if_tables_too_big(config, [(t.dim, len(self.optimizers[t.name].state_keys)) for t in model.tables],
-                              local_rows, f"parameter-server shard {shard} of {num_shards}: its tables")
+        say_if_tables_too_big(config, model.tables, self.optimizers, local_rows,
+                              f"parameter-server shard {shard} of {num_shards}: its tables")
         # Dense parameters live on shard 0, as one flat vector (AdaGrad is per element).
         self.dense = dense_vector(model) if shard == 0 else np.zeros(0, np.float32)
         self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,
@@ -167,9 +167,8 @@ class ParamShard:
         on another thread while pushes go on."""
         arrays: dict[str, np.ndarray] = {}
         for name, t in self.tables.items():
-            rows = t.touched_rows()
-            for part in table_export(name, t.global_ids(rows), t.weights[rows],
-                                     {key: st[rows] for key, st in t.state.items()}):
+            rows, weights, state = t.saved_arrays()
+            for part in table_export(name, t.global_ids(rows), weights, state):
                 arrays.update(part)
         arrays["dense"] = self.dense.copy()
         for key, st in self.dense_opt.state[0].items():

@@ -1,8 +1,9 @@
 """One rank of small data parallel runs, for tests/integration/test_data_parallel.py:
-`python -m tests.integration.dp_rank OUT EXCHANGE[,EXCHANGE...] STEPS [OPTIMIZER]` with RANK,
+`python -m tests.integration.dp_rank OUT EXCHANGE[,EXCHANGE...] STEPS [OPTIMIZER [HIDDEN]]` with RANK,
 WORLD_SIZE and MARIANA_DIST_INIT set (or none: one process). For each exchange in turn, in one
 process group (a process start and torch's import are most of a short run's cost), the real
-step (data_parallel.train_step) on a fresh small SpeechDNN and seeded random frames; writes
+step (data_parallel.train_step) on a fresh small SpeechDNN (HIDDEN: its widths, e.g. 64,32) and
+seeded random frames; writes
 OUT/EXCHANGE/rank{R}.json (a digest of the parameters after every step, the bytes counted and
 written) and OUT/EXCHANGE/rank{R}.safetensors (EXCHANGE with ':' as '_')."""
 from __future__ import annotations
@@ -33,21 +34,23 @@ def digest(model: torch.nn.Module) -> str:
 def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[3])
     optimizer = sys.argv[4] if len(sys.argv) > 4 else "adam"
+    hidden = tuple(int(w) for w in (sys.argv[5] if len(sys.argv) > 5 else "64,32").split(","))
     torch.set_num_threads(1)
     ctx = dp.DistContext.from_env()
     dp.init_distributed(ctx, "gloo", os.environ.get("MARIANA_DIST_INIT"), timeout_s=60)
     for name in sys.argv[2].split(","):
-        one_exchange(os.path.join(out, name.replace(":", "_")), dp.parse_exchange(name), steps, optimizer, ctx)
+        one_exchange(os.path.join(out, name.replace(":", "_")), dp.parse_exchange(name), steps, optimizer, hidden,
+                     ctx)
     dp.shutdown_distributed()
 
 
-def one_exchange(out: str, exchange, steps: int, optimizer: str, ctx) -> None:
+def one_exchange(out: str, exchange, steps: int, optimizer: str, hidden: tuple[int, ...], ctx) -> None:
     os.makedirs(out, exist_ok=True)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(2000, 40, generator=gen)
     y = (x[:, :10].argmax(1) + (x[:, 10] > 0).long()) % 10
     torch.manual_seed(0)
-    model = SpeechDNN(SpeechDNNConfig(input_dim=40, hidden=(64, 32)))
+    model = SpeechDNN(SpeechDNNConfig(input_dim=40, hidden=hidden))
     model.set_input_stats(x)
     opt = make_optimizer(DenseConfig(optimizer=optimizer, lr=0.01 if optimizer == "adagrad" else 1e-3),
                          model.parameters())

@@ -416,6 +416,29 @@ def cuda_sync_skips_other_devices() -> None:
     torch.cuda.synchronize = synchronize
 
 
+class _FinishedAllReduce:
+    """`torch.distributed` as torch's PowerSGD hook sees it on the CPU: the same module, except
+    that an async all-reduce has finished before it returns. The hook chains its compression
+    steps as callbacks on those futures; a callback runs in the thread that completes the future
+    (one of gloo's) or, where it is complete already, in the thread that chains it (the
+    backward's). A thread torch did not start multiplies with the OpenMP default of threads
+    (the cores), not the rank's `torch.set_num_threads`, and a (10 x 512) = (10 x R)(R x 512)
+    product with R >= 2 then comes out with other last bits: the ranks' replicas drifted apart
+    from the first compressed step in 3 runs of 4 (`powersgd:2`). Finished first, every callback
+    runs in the backward's thread, on every rank. With one bucket on gloo the hook is called at
+    the end of the backward, so there was nothing for the exchange to overlap with."""
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_reduce(tensor, *args, **kwargs):
+        work = dist.all_reduce(tensor, *args, **kwargs)  # looked up now: count_collectives patches it
+        if kwargs.get("async_op"):
+            work.get_future().wait()
+        return work
+
+
 def wrap_model(model: nn.Module, exchange: Exchange, total_steps: int, device: torch.device) -> nn.Module:
     """`model` in DDP with `exchange`'s hook (in one process: `model` itself). Buffers are not
     broadcast (every rank sets them from the same data), so only gradients cross the wire."""
@@ -438,6 +461,7 @@ def wrap_model(model: nn.Module, exchange: Exchange, total_steps: int, device: t
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
         if device.type != "cuda":
             cuda_sync_skips_other_devices()
+            ps.dist = _FinishedAllReduce()
         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=exchange.rank,
                                  start_powerSGD_iter=max(2, int(POWERSGD_WARMUP * total_steps)),
                                  use_error_feedback=True, warm_start=True, random_seed=0)

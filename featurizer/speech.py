@@ -2,7 +2,8 @@
 windows, and the frozen recognizer that serving and the pipeline run.
 
     read_archive(fsdd_recordings.tar.gz)     tarfile + wave, no extraction; each wav checked:
-                                             mono, 16-bit, 8,000 Hz, else BadAudio naming it
+                                             mono, 16-bit, 8,000 Hz, at least two windows long
+                                             (35 ms), else BadAudio naming it
     log_mel(samples, FrontEnd())             (T, 40): pre-emphasis, 25 ms Hamming windows every
                                              10 ms, |rfft|^2, 40 mel filters, log, minus the
                                              utterance's mean per bin (mean normalisation)
@@ -64,8 +65,8 @@ class FrontEnd:
     feature cache is keyed by them.
 
     >>> fe = FrontEnd()
-    >>> fe.win, fe.hop, fe.n_fft, fe.input_dim
-    (200, 80, 256, 440)
+    >>> fe.win, fe.hop, fe.n_fft, fe.input_dim, fe.min_samples
+    (200, 80, 256, 440, 280)
     """
 
     sample_rate: int = SAMPLE_RATE
@@ -95,6 +96,12 @@ class FrontEnd:
     @property
     def n_fft(self) -> int:
         return 1 << (self.win - 1).bit_length()
+
+    @property
+    def min_samples(self) -> int:
+        """The shortest recording the front end takes: two windows. One window's log-mel frame
+        minus the utterance's mean is all zeros, whatever was said."""
+        return self.win + self.hop
 
     @property
     def input_dim(self) -> int:
@@ -138,8 +145,9 @@ def fsdd_archive(root: str | os.PathLike | None = None) -> Path:
     return p
 
 
-def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """The int16 samples of a mono 16-bit PCM wav at `sample_rate`, or BadAudio saying what it is.
+def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE, min_samples: int = 1) -> np.ndarray:
+    """The int16 samples of a mono 16-bit PCM wav at `sample_rate` with at least `min_samples`
+    samples, or BadAudio saying what it is.
 
     >>> buf = io.BytesIO()
     >>> with wave.open(buf, "wb") as w:
@@ -169,6 +177,9 @@ def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE) -> n
         raise BadAudio(f"{name}: truncated ({len(frames) // 2} of {n} samples)")
     if n == 0:
         raise BadAudio(f"{name}: no samples")
+    if n < min_samples:
+        raise BadAudio(f"{name}: {n} samples ({1000 * n / rate:.1f} ms), shorter than the front end's two "
+                       f"analysis windows ({min_samples} samples, {1000 * min_samples / rate:.1f} ms)")
     return np.frombuffer(frames, dtype="<i2").astype(np.int16)
 
 
@@ -198,10 +209,10 @@ def _plain_pcm(raw: bytes) -> bytes:
     return raw
 
 
-def read_archive(path: str | os.PathLike, sample_rate: int = SAMPLE_RATE) -> list[Utterance]:
+def read_archive(path: str | os.PathLike, sample_rate: int = SAMPLE_RATE, min_samples: int = 1) -> list[Utterance]:
     """Every `{digit}_{speaker}_{index}.wav` in a .tar.gz, read in place, sorted by name.
-    A damaged archive or a wav that is not mono 16-bit at `sample_rate` is a DataFormatError
-    naming the file; other members are ignored."""
+    A damaged archive or a wav that is not mono 16-bit at `sample_rate` or has fewer than
+    `min_samples` samples is a DataFormatError naming the file; other members are ignored."""
     path = Path(path)
     out = []
     try:
@@ -211,7 +222,7 @@ def read_archive(path: str | os.PathLike, sample_rate: int = SAMPLE_RATE) -> lis
                 if not member.isfile() or not m:
                     continue
                 f = tar.extractfile(member)
-                samples = read_wav(f.read(), f"{path.name}:{member.name}", sample_rate)
+                samples = read_wav(f.read(), f"{path.name}:{member.name}", sample_rate, min_samples)
                 out.append(Utterance(member.name, int(m.group(1)), m.group(2), int(m.group(3)), samples))
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         if isinstance(e, FileNotFoundError):
@@ -267,7 +278,8 @@ def mel_filters(fe: FrontEnd) -> np.ndarray:
 
 def log_mel(samples: np.ndarray, fe: FrontEnd = FrontEnd()) -> np.ndarray:
     """(T, n_mels) float32 log-mel energies minus their mean over the utterance; T >= 1
-    (a recording shorter than a window is zero-padded to one).
+    (a recording shorter than a window is zero-padded to one; the readers refuse recordings
+    shorter than `fe.min_samples`, whose frames carry nothing).
 
     >>> t = np.arange(8000) / 8000
     >>> f = log_mel((8000 * np.sin(2 * np.pi * 440 * t)).astype(np.int16))
@@ -369,7 +381,7 @@ def load_features(archive: str | os.PathLike | None = None, fe: FrontEnd = Front
     cached = _read_cache(entry, fe, sha)
     if cached is not None:
         return cached
-    utts = read_archive(path, fe.sample_rate)
+    utts = read_archive(path, fe.sample_rate, fe.min_samples)
     parts = [log_mel(u.samples, fe) for u in utts]
     offsets = np.zeros(len(parts) + 1, np.int64)
     offsets[1:] = np.cumsum([len(p) for p in parts])
@@ -558,6 +570,6 @@ class SpeechRecognizer:
 
     def predict_wav(self, raw: bytes, name: str = "wav") -> dict:
         """A wav file's bytes -> {"digit", "posteriors"}; BadAudio when it is not mono 16-bit
-        at the model's sample rate."""
-        p = self.posteriors(read_wav(raw, name, self.front_end.sample_rate))
+        at the model's sample rate, or shorter than the front end's two windows."""
+        p = self.posteriors(read_wav(raw, name, self.front_end.sample_rate, self.front_end.min_samples))
         return {"digit": int(np.argmax(p)), "posteriors": [round(float(v), 6) for v in p]}

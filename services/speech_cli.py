@@ -149,7 +149,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     split = getattr(args, "split", None) or trained.get("split", "official")
     t0 = time.perf_counter()
     archive = fsdd_archive(args.data)
-    utterances = read_archive(archive, rec.front_end.sample_rate)
+    utterances = read_archive(archive, rec.front_end.sample_rate, rec.front_end.min_samples)
     _, test = split_utterances(utterances, split)
     if not test:
         raise MarianaError(f"{args.data}: no recording of split {split}'s held-out part (what evaluate scores): "

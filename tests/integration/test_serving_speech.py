@@ -83,6 +83,8 @@ MISTAKES = [  # (what, body, content type, status, the answer names)
     ("a wav header alone", b"RIFF", "audio/wav", 400, "not a PCM wav file (4 bytes, ending inside"),
     ("empty", b"", "audio/wav", 400, "no bytes at all"),
     ("truncated", wav_bytes(tone(3, 0, 0))[:-100], "audio/wav", 400, "truncated"),
+    ("6 ms", wav_bytes(tone(3, 0, 0)[:48]), "audio/wav", 400,  # one window: its features all zero, any digit
+     "48 samples (6.0 ms), shorter than the front end's two analysis windows (280 samples, 35.0 ms)"),
     ("a chunk past the end", long_chunk(wav_bytes(tone(3, 0, 0))), "audio/wav", 400,
      "a chunk says it runs past the RIFF's end"),  # the wave module's bare RuntimeError: a 500 before
     ("instances", b'{"instances": [{"I1": 1}]}', "application/json", 415, "is a speech model: POST a wav file"),

@@ -134,6 +134,13 @@ def test_a_bad_wav_names_the_file_and_what_is_wrong(tmp_path):
                       (b"RIFF\x00\x00junk", "not a PCM wav")):
         with pytest.raises(BadAudio, match=what):
             read_wav(raw, "x.wav")
+    fe = FrontEnd()
+    assert len(read_wav(wav_bytes(tone(1, 0, 0)[:fe.min_samples]), "x.wav", min_samples=fe.min_samples)) == 280
+    with pytest.raises(BadAudio, match=r"x.wav: 279 samples \(34.9 ms\), shorter than the front end's two"):
+        read_wav(wav_bytes(tone(1, 0, 0)[:fe.min_samples - 1]), "x.wav", min_samples=fe.min_samples)
+    short = write_archive(tmp_path / "s.tar.gz", extra={"recordings/3_zed_1.wav": wav_bytes(tone(3, 0, 1)[:100])})
+    with pytest.raises(BadAudio, match="s.tar.gz:recordings/3_zed_1.wav: 100 samples"):
+        load_features(short, fe, tmp_path / "cache")
     bad = write_archive(tmp_path / "a.tar.gz", extra={"recordings/3_zed_1.wav": wav_bytes(tone(3, 0, 1), 16000)})
     with pytest.raises(BadAudio, match="a.tar.gz:recordings/3_zed_1.wav: sample rate 16000 Hz"):
         read_archive(bad)

@@ -158,7 +158,8 @@ class JobRunner:
         delay = 0.2
         while run.state == "running":
             try:
-                await self.coord.shards[i].call("StartJob", job=run.id, spec=run.spec.to_dict(), timeout=10.0)
+                reply = await self.coord.shards[i].call("StartJob", job=run.id, spec=run.spec.to_dict(), timeout=10.0)
+                run.warn(reply.get("warning"), f"ps-{i}")  # its tables too big for its memory
                 unstall(run, f"ps-{i}")
                 return
             except RemoteError as e:  # the shard is up and refuses the job: retrying will not help

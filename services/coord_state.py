@@ -24,6 +24,7 @@ RATES = {"worker": ("rows", "rows/s", 1.0), "ps": ("rows_applied", "rows/s", 1.0
          "preprocess": ("batches", "batches/s", 1.0), "loader": ("bytes_sent", "MB/s", 1e-6)}
 MAX_RESENDS = 5
 MAX_RECONCILE_ROUNDS = 10
+MAX_WARNINGS = 20        # a job's warnings kept (`JobRun.warn`)
 
 
 @dataclass
@@ -107,6 +108,7 @@ class JobRun:
     stalls: dict[str, Stall] = field(default_factory=dict)  # what it waits for, by key ("ps-0", "worker", "redis")
     redis_checked: float = 0.0     # time.monotonic() of the coordinator's last PING for it (`watch_job`)
     peak_rss_mb: float = 0.0       # the largest RSS of one process of the cluster while it ran (`JobRunner.tick`)
+    warnings: list[str] = field(default_factory=list)  # what services warned of about it (`warn`), for its submitter
     _turn: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def begin_writing(self) -> bool:
@@ -130,11 +132,20 @@ class JobRun:
             self.state, self.ended, self.error = "cancelled", time.time(), "cancelled by request"
             return "cancelled"
 
+    def warn(self, text, who: str) -> None:
+        """`who`'s warning about this job (a shard's tables too big for its machine; None or not
+        a string: nothing) in the job's summary, where `mariana train --mode cluster` and the web
+        UI show it; the same text once (a restarted shard says it again), at most MAX_WARNINGS."""
+        line = f"{who}: {text}"
+        if isinstance(text, str) and line not in self.warnings and len(self.warnings) < MAX_WARNINGS:
+            self.warnings.append(line)
+
     def summary(self) -> dict:
         out = {"id": self.id, "state": self.state, "error": self.error, "submitted": self.submitted,
                "started": self.started, "ended": self.ended, "model": self.request.get("model"),
                "mode": self.request.get("mode"), "data": self.request.get("data"), "restarts": self.restarts,
-               "phase": (self.waiting() or self.phase) if self.state == "running" else None}
+               "phase": (self.waiting() or self.phase) if self.state == "running" else None,
+               "warnings": list(self.warnings)}
         if self.final is not None:
             out.update(progress=self.final["progress"], cache=self.final["cache"])
         else:
@@ -156,6 +167,7 @@ class JobRun:
         return {"id": self.id, "request": self.request, "spec": self.spec.to_dict(), "state": self.state,
                 "error": self.error, "submitted": self.submitted, "started": self.started, "ended": self.ended,
                 "record": self.record, "restarts": self.restarts, "data_bytes": self.ledger.data_bytes,
+                "warnings": self.warnings,
                 "final": {"progress": s["progress"], "cache": s["cache"], "epochs": self.epochs()}}
 
     @classmethod
@@ -164,7 +176,7 @@ class JobRun:
         ledger = job_ledger(d["id"], request, spec, d.get("data_bytes", 0))
         run = cls(d["id"], request, spec, ledger, state=d["state"], error=d["error"], submitted=d["submitted"],
                   started=d["started"], ended=d["ended"], record=d.get("record") or {},
-                  restarts=d.get("restarts", 0))
+                  restarts=d.get("restarts", 0), warnings=list(d.get("warnings") or []))
         if run.state in ENDED:
             run.final = d["final"]
         return run

@@ -116,14 +116,16 @@ class ParamServer(Service):
         if job not in self.jobs:
             spec = JobSpec.from_dict(msg["spec"])  # BadMessage("spec", ...): answered with an Error
             new = functools.partial(ParamShard, spec.config, spec.schema, self.index, self.cfg.ps.count,
-                                    spec.image_width)
+                                    spec.image_width, self.cfg.cluster.memory_max_bytes)
             # its checkpoint of the job (a restarted shard), else the job's start: the init or a warm start
             shard = self.restore(job, new) or self.warm_start(job, new(), spec.init_from)
             self.jobs[job] = shard
             self.ended.discard(job)
             log.info("%s: job %s: %s tables %s", self.name, job, spec.config.model.kind,
                      ", ".join(f"{n}[{t.num_rows}x{t.dim}]" for n, t in shard.tables.items()))
-        return protocol.encode("Ok", msg.msg_id, steps=len(self.jobs[job].applied))
+        shard = self.jobs[job]
+        warning = {"warning": shard.memory_warning} if shard.memory_warning else {}
+        return protocol.encode("Ok", msg.msg_id, steps=len(shard.applied), **warning)
 
     def warm_start(self, job: str, shard: ParamShard, parent: dict | None) -> ParamShard:
         """The job's new shard; with a warm start, from its slice of the version the job goes on

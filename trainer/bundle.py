@@ -699,21 +699,34 @@ def say_if_too_big(bundle: "ModelBundle") -> None:
 
 
 def say_if_tables_too_big(config: JobConfig, specs, optimizers: dict[str, SparseOptimizer], num_rows: int,
-                          whose: str) -> bool:
+                          whose: str, limit: int = 0) -> str | None:
     """`say_if_too_big` for `num_rows` rows of the tables `specs` (the model's TableSpecs) trained
     by `optimizers` (by table name), `whose` they are in the warning (a parameter-server shard's
-    share, say); True when it warned."""
+    share, say); `limit` (bytes, 0: none) is the service's `cluster.memory_max_bytes`, where it
+    is below the machine's. The warning when it warned (a shard hands it on to the job's submitter)."""
     tables = [(t.dim, len(optimizers[t.name].state_keys)) for t in specs]
     need, have = table_bytes(num_rows, tables), machine_memory()
-    if have and need > have:
-        bits = config.hashing.bits
-        log.warning("%s take up to %.1f GiB once written (hashing.bits = %d: 2^%d rows each%s), more than this "
-                    "machine's %.1f GiB of memory: lower hashing.bits%s, or expect swapping and the kernel's OOM killer",
-                    whose, need / 2 ** 30, bits, bits, "" if num_rows == config.hashing.num_ids else
-                    f", {num_rows:,} here", have / 2 ** 30,
-                    "" if num_rows == config.hashing.num_ids else " or add shards")
-        return True
-    return False
+    configured = limit > 0 and (not have or limit < have)
+    have = limit if configured else have
+    if not have or need <= have:
+        return None
+    bits, whole = config.hashing.bits, num_rows == config.hashing.num_ids
+    room = (f"its limit of {_size(have)} (cluster.memory_max_bytes)" if configured
+            else f"this machine's {_size(have)} of memory")
+    text = (f"{whose} take up to {_size(need)} once written (hashing.bits = {bits}: 2^{bits} rows each"
+            f"{'' if whole else f', {num_rows:,} here'}), more than {room}: lower hashing.bits"
+            f"{'' if whole else ' or add shards'}, or expect swapping and the kernel's OOM killer")
+    log.warning("%s", text)
+    return text
+
+
+def _size(n: int) -> str:
+    """Bytes for a warning line.
+
+    >>> _size(52 * 2 ** 30), _size(40 * 2 ** 20)
+    ('52.0 GiB', '40.0 MiB')
+    """
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
 def table_optimizer(config: JobConfig, role: str) -> SparseOptimizer:

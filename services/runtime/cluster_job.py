@@ -239,8 +239,10 @@ def submit(info: dict, body: dict) -> str:
 def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> dict:
     """The job's record once it is done; `on_progress` hears its progress (with "phase":
     what it waits for, "waiting for ps-0: ...", or does after its epochs; or None) about once
-    a second."""
+    a second. The job's warnings (a shard's tables too big for its machine) are logged as
+    they appear."""
     last, away = 0.0, None  # away: since when the coordinator has not answered
+    said: set[str] = set()  # the job's warnings shown so far
     try:
         while True:
             try:
@@ -268,6 +270,10 @@ def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> di
             if away is not None:
                 log.info("the coordinator answers again after %.1fs", time.monotonic() - away)
                 away = None
+            for text in summary.get("warnings") or []:  # before a failure they may explain
+                if text not in said:
+                    said.add(text)
+                    log.warning("job %s: %s", job, text)
             if summary["state"] == "done":
                 return summary["record"]
             if summary["state"] in ("failed", "cancelled"):

@@ -553,6 +553,10 @@
     const err = $("job-error");
     err.hidden = !(job.error && (job.state === "failed" || job.state === "cancelled"));
     err.textContent = job.error ? `${job.state === "failed" ? "Failed" : "Stopped"}: ${job.error}` : "";
+    // what services warned of about the job (a shard's tables too big for its machine), each once
+    const warnings = Array.isArray(job.warnings) ? job.warnings.filter((w) => typeof w === "string") : [];
+    $("job-warnings").hidden = warnings.length === 0;
+    $("job-warnings").replaceChildren(...warnings.map((w) => el("p", {"data-testid": "job-warning"}, `Warning: ${w}`)));
     renderCharts(job);
     renderEpochs(job);
     renderRecord(job);

@@ -212,3 +212,31 @@ def test_a_client_whose_cluster_is_taken_down_says_so_at_once(data, tmp_path):
     assert code == 2, err[-3000:]
     assert f"the cluster in {c.root} was stopped (`mariana down`); job " in err, err[-3000:]
     assert "goes on when it is up again" in err and seconds < 10, (seconds, err[-3000:])
+
+
+@pytest.mark.timeout(150)
+def test_the_client_and_the_api_say_when_a_shards_tables_outgrow_its_memory(data, tmp_path):
+    """A shard whose share of the tables would outgrow its memory said so in its own log only:
+    the user who submitted the job saw nothing until the kernel killed the shard. Here the
+    limit is cluster.memory_max_bytes (40 MiB) and LR at hashing.bits 22 takes 52 MiB once
+    written: the job's summary carries the shard's line once, and `train --mode cluster` prints it."""
+    with Cluster(tmp_path / "c", **{"cluster.memory_max_bytes": 40 << 20}) as c:
+        proc = subprocess.run([sys.executable, "-m", "mariana", "train", "--mode", "cluster", "--cluster-config",
+                               c.info["config"], "--data", str(data["train"]), "--out", str(tmp_path / "m"),
+                               "--model", "lr", "--epochs", "1", "--set", "hashing.bits=22", "--json"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        job = json.loads(proc.stdout)["job"]
+        warnings = c.job(job)["warnings"]
+        small = subprocess.run([sys.executable, "-m", "mariana", "train", "--mode", "cluster", "--cluster-config",
+                                c.info["config"], "--data", str(data["train"]), "--out", str(tmp_path / "m2"),
+                                "--model", "lr", "--epochs", "1", "--set", "hashing.bits=16", "--json"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert small.returncode == 0, small.stderr[-3000:]
+        assert c.job(json.loads(small.stdout)["job"])["warnings"] == []
+    said = ("ps-0: parameter-server shard 0 of 1: its tables take up to 52.0 MiB once written (hashing.bits = 22: "
+            "2^22 rows each), more than its limit of 40.0 MiB (cluster.memory_max_bytes): lower hashing.bits")
+    assert len(warnings) == 1 and warnings[0].startswith(said), warnings
+    assert f"job {job}: {said}" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count(said) == 1 and "Traceback" not in proc.stderr
+    assert said not in small.stderr

@@ -405,7 +405,8 @@ class CannedAPI:
         self.total = total  # jobs_total, when the coordinator has more jobs than it lists
         self.asked: list[str] = []  # the query strings of /v1/status
         self.jobs = {
-            FINISHING_ID: canned_job(FINISHING_ID, "running", NOW - 320, phase="evaluating on test.tsv"),
+            FINISHING_ID: canned_job(FINISHING_ID, "running", NOW - 320, phase="evaluating on test.tsv",
+                                     warnings=[SHARD_WARNING, EVIL]),
             DONE_ID: canned_job(DONE_ID, "done", NOW - 4000, phase=None,
                                 record=canned_record(0.8201, 0.4432, "v000003")),
             NO_TEST_ID: canned_job(NO_TEST_ID, "done", NOW - 9000, record=canned_record(None, None, "v000002")),
@@ -641,6 +642,24 @@ def test_browser_shows_the_phase_of_a_job_past_its_epochs(canned_page):
     expect(page.locator("[data-testid=job-phase]")).to_have_count(1)  # DONE_ID's null, NO_TEST_ID's absent
     page.locator(f'[data-testid=job-row][data-job="{DONE_ID}"]').click()
     expect(detail).to_be_hidden()
+
+
+SHARD_WARNING = ("ps-1: parameter-server shard 1 of 2: its tables take up to 26.0 GiB once written (hashing.bits "
+                 "= 32: 2^32 rows each, 2,147,483,648 here), more than this machine's 23.4 GiB of memory: lower "
+                 "hashing.bits or add shards, or expect swapping and the kernel's OOM killer")
+
+
+def test_browser_shows_what_services_warned_of_about_a_job(canned_page):
+    """A job's warnings (a shard's tables too big for its machine) show in its detail, each as
+    text; a job without any (or an older coordinator's, without the field) shows no box."""
+    expect, open_page = canned_page
+    page = open_page()
+    box = page.locator("[data-testid=job-warnings]")
+    expect(box).to_be_visible()
+    expect(box.locator("[data-testid=job-warning]")).to_have_text([f"Warning: {SHARD_WARNING}", f"Warning: {EVIL}"])
+    assert page.evaluate("window.pwned") is None
+    page.locator(f'[data-testid=job-row][data-job="{DONE_ID}"]').click()
+    expect(box).to_be_hidden()
 
 
 # every header cell's box, its scroll container's and the viewport's, in CSS pixels

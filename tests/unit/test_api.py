@@ -262,7 +262,7 @@ def test_a_local_training_whose_tables_outgrow_the_machine_says_so_first(gen_fil
     with caplog.at_level("WARNING"):
         result = mariana.train(gen_files["test"], model="lr", out=tmp_path / "m", bits=16)
     said = [r.getMessage() for r in caplog.records if "the model's tables take up to" in r.getMessage()]
-    assert len(said) == 1 and "more than this machine's 0.0 GiB of memory" in said[0], caplog.text
+    assert len(said) == 1 and "more than this machine's 0.5 MiB of memory" in said[0], caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
         mariana.load(result.model_dir)

@@ -203,8 +203,8 @@ def test_tables_bigger_than_the_machine_are_said_before_training(monkeypatch, ca
     bundle = ModelBundle(cfg, criteo())
     with caplog.at_level("WARNING", logger="mariana.trainer.bundle"):
         bundle_module.say_if_too_big(bundle)  # by run_local_job, before training
-    assert "the model's tables take up to 0.0 GiB once written (hashing.bits = 16: 2^16 rows each), more than " \
-           "this machine's 0.0 GiB of memory: lower hashing.bits" in caplog.text, caplog.text
+    assert "the model's tables take up to 0.8 MiB once written (hashing.bits = 16: 2^16 rows each), more than " \
+           "this machine's 0.5 MiB of memory: lower hashing.bits" in caplog.text, caplog.text
     caplog.clear()
     monkeypatch.setattr(bundle_module, "machine_memory", lambda: 1 << 30)
     with caplog.at_level("WARNING", logger="mariana.trainer.bundle"):
@@ -216,9 +216,15 @@ def test_tables_bigger_than_the_machine_are_said_before_training(monkeypatch, ca
     monkeypatch.setattr(bundle_module, "machine_memory", lambda: 1 << 16)
     with caplog.at_level("WARNING", logger="mariana.trainer.bundle"):
         ParamShard(cfg, criteo(), 1, 4)
-    assert "parameter-server shard 1 of 4: its tables take up to 0.0 GiB once written (hashing.bits = 16: 2^16 " \
-           "rows each, 16,384 here), more than this machine's 0.0 GiB of memory: lower hashing.bits or add shards" \
+    assert "parameter-server shard 1 of 4: its tables take up to 0.2 MiB once written (hashing.bits = 16: 2^16 " \
+           "rows each, 16,384 here), more than this machine's 0.1 MiB of memory: lower hashing.bits or add shards" \
            in caplog.text, caplog.text
+    # the service's cluster.memory_max_bytes where it is lower; the shard keeps the line for its StartJob answer
+    monkeypatch.setattr(bundle_module, "machine_memory", lambda: 1 << 30)
+    assert ParamShard(cfg, criteo(), 1, 4, memory_limit=1 << 30).memory_warning is None
+    shard = ParamShard(cfg, criteo(), 1, 4, memory_limit=1 << 16)
+    assert "16,384 here), more than its limit of 0.1 MiB (cluster.memory_max_bytes): lower" in shard.memory_warning
+    assert ParamShard(cfg, criteo(), 1, 4, memory_limit=1 << 20).memory_warning is None  # 16,384 x 13 bytes fit
 
 
 # ---- frozen tables: a server's, whose memory follows the rows saved -----------------------------

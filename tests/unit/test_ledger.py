@@ -596,6 +596,26 @@ def test_a_job_writing_its_version_cannot_be_cancelled_and_a_cancelled_one_write
     assert run("done").cancel() == "ended"
 
 
+def test_a_jobs_warnings_are_kept_once_each_and_outlive_a_coordinator_restart():
+    """A shard's warning (its tables too big for its memory) reaches the job's summary once,
+    though a restarted shard says it again in every StartJob answer; None adds nothing; the
+    saved job keeps them."""
+    from mariana.services.coord_state import MAX_WARNINGS, JobRun
+    from mariana.services.jobspec import JobSpec
+    from mariana.trainer.config import JobConfig
+
+    config = JobConfig()
+    run = JobRun("j1", {"mode": "async"}, JobSpec(config, config.data.resolve_schema()), JobLedger("j1", epochs=1))
+    assert run.summary()["warnings"] == []
+    for who, text in [("ps-0", "too big"), ("ps-0", None), ("ps-0", "too big"), ("ps-1", "too big"), ("ps-1", 7)]:
+        run.warn(text, who)
+    assert run.summary()["warnings"] == ["ps-0: too big", "ps-1: too big"]
+    assert JobRun.from_saved(run.to_saved()).warnings == ["ps-0: too big", "ps-1: too big"]
+    for i in range(2 * MAX_WARNINGS):
+        run.warn("too big", f"ps-{i}")
+    assert len(run.warnings) == MAX_WARNINGS
+
+
 def test_steps_replayed_after_the_last_epoch_go_out_and_complete_it_again():
     """A shard restored after the last epoch's end lacks steps; the coordinator replays them
     before the export: the job counts as active while they are out (`replaying`), and the last

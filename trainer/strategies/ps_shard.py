@@ -42,8 +42,11 @@ STEP_RE = re.compile(r"^e(\d+)/.+")
 
 
 class ParamShard:
-    def __init__(self, config: JobConfig, schema: Schema, shard: int, num_shards: int, image_width: int = 0):
-        """`image_width`: columns of creative features (+ the unknown flag) in the dense block."""
+    def __init__(self, config: JobConfig, schema: Schema, shard: int, num_shards: int, image_width: int = 0,
+                 memory_limit: int = 0):
+        """`image_width`: columns of creative features (+ the unknown flag) in the dense block;
+        `memory_limit`: the service's `cluster.memory_max_bytes` (0: none), in its warning when
+        the tables would outgrow it."""
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} of {num_shards}")
         self.config, self.schema, self.shard, self.num_shards = config, schema, shard, num_shards
@@ -56,8 +59,10 @@ class ParamShard:
         self.tables = {t.name: HashedTable(t.name, local_rows, t.dim, t.init_scale, seed=config.model.seed,
                                            id_offset=shard, id_stride=num_shards) for t in model.tables}
         self.optimizers = {t.name: table_optimizer(config, t.role) for t in model.tables}
-        say_if_tables_too_big(config, model.tables, self.optimizers, local_rows,
-                              f"parameter-server shard {shard} of {num_shards}: its tables")
+        # what the shard's start answers the coordinator, which shows it to whoever follows the job
+        self.memory_warning = say_if_tables_too_big(config, model.tables, self.optimizers, local_rows,
+                                                    f"parameter-server shard {shard} of {num_shards}: its tables",
+                                                    memory_limit)
         # Dense parameters live on shard 0, as one flat vector (AdaGrad is per element).
         self.dense = dense_vector(model) if shard == 0 else np.zeros(0, np.float32)
         self.dense_opt = DenseOptimizer(AdaGrad(lr=config.optim.dense_lr,

@@ -486,6 +486,9 @@ def _print_status(st: dict) -> None:
                            [_job_row(j) for j in jobs[:STATUS_JOBS]])
         if len(jobs) > STATUS_JOBS:
             print(f"  ... and {len(jobs) - STATUS_JOBS} older (--json lists them all)")
+        for j in jobs[:STATUS_JOBS]:  # what services warned of (a shard's tables too big for its memory)
+            for text in j.get("warnings") or []:
+                print(f"  job {j.get('id')}: warning: {text}")
     if st.get("models_error"):
         print(f"\nmodels: unreadable ({st['models_error']})")
     for m in st.get("models") or []:

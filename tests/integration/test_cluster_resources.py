@@ -228,6 +228,8 @@ def test_the_client_and_the_api_say_when_a_shards_tables_outgrow_its_memory(data
         assert proc.returncode == 0, proc.stderr[-3000:]
         job = json.loads(proc.stdout)["job"]
         warnings = c.job(job)["warnings"]
+        status = subprocess.run([sys.executable, "-m", "mariana", "status", "--config", c.info["config"]],
+                                capture_output=True, text=True, cwd=ROOT, timeout=60)
         small = subprocess.run([sys.executable, "-m", "mariana", "train", "--mode", "cluster", "--cluster-config",
                                 c.info["config"], "--data", str(data["train"]), "--out", str(tmp_path / "m2"),
                                 "--model", "lr", "--epochs", "1", "--set", "hashing.bits=16", "--json"],
@@ -240,3 +242,5 @@ def test_the_client_and_the_api_say_when_a_shards_tables_outgrow_its_memory(data
     assert f"job {job}: {said}" in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count(said) == 1 and "Traceback" not in proc.stderr
     assert said not in small.stderr
+    assert status.stdout.count(f"job {job}: warning: {said}") == 1 and status.stdout.count("warning:") == 1, \
+        status.stdout

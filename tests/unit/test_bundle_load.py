@@ -20,18 +20,20 @@ from tests.conftest import run_cli_cases
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """{kind: model dir} of an LR (FTRL, hashing.min_count 2: pending counts saved) and a DNN,
-    trained on 3,000 rows with 2**16 ids: every test corrupts a copy."""
+    """{kind: model dir} of an LR (FTRL, hashing.min_count 2: pending counts saved), a DNN and a
+    DNN with hashing.min_count 2 ("dnn-k2"), trained on 3,000 rows with 2**16 ids: every test
+    corrupts a copy."""
     d = tmp_path_factory.mktemp("bundle_load")
     generate_criteo(d / "train.tsv", 3_000, seed=1)
     out = {}
-    for kind, over in (("lr", {"hashing.min_count": 2}), ("dnn", {})):
+    for name, kind, over in (("lr", "lr", {"hashing.min_count": 2}), ("dnn", "dnn", {}),
+                             ("dnn-k2", "dnn", {"hashing.min_count": 2})):
         cfg = load_config(env={}, overrides={"model.kind": kind, "hashing.bits": 16, "train.batch_size": 512,
                                              "model.embed_dim": 4, "model.hidden": [8], **over})
         bundle = ModelBundle(cfg, cfg.data.resolve_schema())
         train_local(bundle, [str(d / "train.tsv")])
-        bundle.save(str(d / kind))
-        out[kind] = d / kind
+        bundle.save(str(d / name))
+        out[name] = d / name
     return out
 
 
@@ -229,11 +231,12 @@ def test_tables_bigger_than_the_machine_are_said_before_training(monkeypatch, ca
 
 # ---- frozen tables: a server's, whose memory follows the rows saved -----------------------------
 
-@pytest.mark.parametrize("kind", ["lr", "dnn"])
+@pytest.mark.parametrize("kind", ["lr", "dnn", "dnn-k2"])
 def test_frozen_tables_predict_what_dense_ones_do(saved, tmp_path, kind):
-    """The LR (admission: ids not saved read their field's rare row) and the DNN (ids not saved
-    read their initial embeddings) give the same pCTRs from frozen tables as from dense ones,
-    on every path: parsed blocks (evaluate), a request's rows, a lone instance."""
+    """The LR and the DNN with admission (ids not saved read their field's rare row, found in
+    the same pass as the rows) and the DNN without (ids not saved read their initial
+    embeddings) give the same pCTRs from frozen tables as from dense ones, on every path:
+    parsed blocks (evaluate), a request's rows, a lone instance, a request of many rows."""
     from mariana.serving.predictor import Predictor
     from mariana.trainer.strategies.local import evaluate
 
@@ -251,6 +254,7 @@ def test_frozen_tables_predict_what_dense_ones_do(saved, tmp_path, kind):
     p, q = Predictor.load(str(saved[kind]), tables="frozen"), Predictor.load(str(saved[kind]), tables="dense")
     requests = [[i] for i in insts]
     assert [a.pctr for a in p.predict_many(requests)] == [a.pctr for a in q.predict_many(requests)]
+    np.testing.assert_array_equal(p.predict(insts), q.predict(insts))  # parsed, without distinct ids
     assert p.info()["tables"]["form"] == "frozen" and q.info()["tables"]["form"] == "dense"
     assert p.info()["tables"]["bytes"] < q.info()["tables"]["bytes"]
 

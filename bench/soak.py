@@ -3,12 +3,16 @@ versions come and go, watching for leaks and for requests that fail.
 
     .venv/bin/python bench/soak.py                                  # 20 minutes: the record in docs/benchmarks.md
     .venv/bin/python bench/soak.py --minutes 2 --promote-every 20   # the suite's short version
+    .venv/bin/python bench/soak.py --minutes 5 --promote-every 15 --models lr:26,dnn:22,lr:18,dnn:24
+                                            # kinds and table forms in turn (frozen at bits 26 and 22)
 
 What runs, on this machine: an embedded Redis; `mariana serve` (2 worker processes, a
 token, a [retrain] section) on an LR model; bench/loadgen.py sending single-instance
 requests open-loop at `--rate` for the whole run; every `--promote-every` seconds a new
 version trained (`mariana train --notify`, a new window of generated rows) and promoted;
 every `--retrain-every` seconds a retrain through `POST /v1/retrain` (the gate decides).
+`--models` cycles the versions' kind and hashing bits (default `lr:18`): a server then swaps
+between an LR and a DNN, and between tables it loads dense and frozen (`serve.tables` "auto").
 Every 5 s it samples each process of the server and Redis: RSS, open file descriptors,
 threads; and Redis's used memory. After each promotion it asks the server with fresh
 connections until every worker process answers with the new version.
@@ -82,7 +86,7 @@ def get(port: int, path: str, body: bytes | None = None, headers: dict | None = 
 class Soak:
     def __init__(self, args):
         self.args = args
-        self.out = Path(args.out)
+        self.out = Path(args.out).resolve()  # the serve config names paths in it: relative, they were its dir's
         self.t0 = time.time()
         self.samples: list[dict] = []
         self.events: list[dict] = []
@@ -140,8 +144,9 @@ class Soak:
     def train(self, k: int) -> str:
         """A new version from window k, promoted and announced; its name."""
         log = self.out / "train.log"
+        kind, bits = self.args.models[k % len(self.args.models)]
         rc = run([sys.executable, "-m", "mariana", "train", "--data", self.windows[k % len(self.windows)],
-                  "--model", "lr", "--out", self.models, "--notify", self.redis.url, "--set", "hashing.bits=18",
+                  "--model", kind, "--out", self.models, "--notify", self.redis.url, "--set", f"hashing.bits={bits}",
                   "--quiet"], log)
         if rc != 0:
             raise SystemExit(f"mariana train failed ({rc}): see {log}")
@@ -265,7 +270,9 @@ class Soak:
         when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         lat = load["latency_ms"]
         lines = [f"Soak ({when}): `.venv/bin/python bench/soak.py --minutes {a.minutes:g} --rate {a.rate:g} "
-                 f"--promote-every {a.promote_every:g} --retrain-every {a.retrain_every:g}`", "",
+                 f"--promote-every {a.promote_every:g} --retrain-every {a.retrain_every:g}"
+                 f"{' --models ' + ','.join(f'{k}:{b}' for k, b in a.models) if a.models != [('lr', 18)] else ''}`",
+                 "",
                  f"{load['answered']:,} requests answered ({load['ok']:,} ok, {load['error_count']} failed), "
                  f"latency p50 {lat.get('p50')} ms, p99 {lat.get('p99')} ms, max {lat.get('max')} ms; "
                  f"{len(promotions)} promotions (slowest seen by every worker after "
@@ -319,6 +326,17 @@ class Soak:
         plt.close(fig)
 
 
+def parse_models(text: str) -> list[tuple[str, int]]:
+    """'lr:26,dnn:22' -> [('lr', 26), ('dnn', 22)]."""
+    out = []
+    for item in text.split(","):
+        kind, _, bits = item.strip().partition(":")
+        if kind not in ("lr", "dnn") or not bits.isdigit() or not 8 <= int(bits) <= 30:
+            raise argparse.ArgumentTypeError(f"{item!r}: KIND:BITS with KIND lr or dnn and BITS 8-30")
+        out.append((kind, int(bits)))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=20.0)
@@ -328,6 +346,8 @@ def main() -> int:
     ap.add_argument("--retrain-every", type=float, default=240.0, help="seconds between retrains")
     ap.add_argument("--warmup-minutes", type=float, default=None, help="default: a fifth of the run, at most 4")
     ap.add_argument("--window-rows", type=int, default=20_000, help="rows of each training window")
+    ap.add_argument("--models", type=parse_models, default=[("lr", 18)],
+                    help="versions' KIND:BITS in turn, comma-separated (default lr:18)")
     ap.add_argument("--out", default=str(ROOT / "bench-out" / "soak"))
     args = ap.parse_args()
     result = Soak(args).run()

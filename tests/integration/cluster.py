@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -25,6 +27,38 @@ FAST = {  # short timers so failures are noticed in seconds, not minutes
     "cluster.start_seconds": 90.0,
     "cluster.supervise": False,  # tests kill and restart services themselves (test_supervise.py: the supervisor)
 }
+
+
+def free_base_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A `cluster.base_port` whose derived ports (services/runtime/config.py: base .. base + 3,
+    base + 10, + 100, + 200, + 300, + 400, `count` of each role's) bind now, below the kernel's
+    ephemeral range. A base from `free_port()` lies inside it: a client socket of a test running
+    beside (another pytest worker) took base + 3 before the loader bound it, and the cluster
+    did not start (a CI run)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = max(low, 20_000) - 500
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10_000, top)
+        ports = [base, base + 1, base + 2, base + 3] + [base + off + i for off in (10, 100, 200, 300, 400)
+                                                         for i in range(count)]
+        socks = []
+        try:
+            for port in ports:
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no free block of cluster ports below {top} on {host}")
 
 
 class Cluster:

@@ -21,6 +21,7 @@ from mariana.services.runtime.procs import start_time
 from mariana.services.runtime.config import ROLES, load_cluster_config, to_toml
 from mariana.sparse.errors import MarianaError
 from tests.conftest import run_cli
+from tests.integration.cluster import free_base_port
 
 # A process that ignores SIGTERM, so only SIGKILL stops it; it says when it is ready.
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
@@ -272,7 +273,7 @@ def test_up_on_fixed_ports_another_cluster_holds_is_refused_naming_it(tmp_path):
     again. It is refused before any process starts, naming the cluster that holds the ports."""
     from mariana.services import launcher
 
-    base = free_port()
+    base = free_base_port()
     redis_server = RedisServer("127.0.0.1", free_port(), str(tmp_path / "redis"))
     redis_server.start().wait_ready()
     settings = {"cluster.base_port": base, "redis.embedded": False, "redis.url": redis_server.url,

@@ -20,7 +20,7 @@ from mariana.services.launcher import free_port
 from mariana.services.runtime.config import load_cluster_config, to_toml
 from mariana.sparse.synth import generate_criteo
 from tests.conftest import run_cli
-from tests.integration.cluster import Cluster
+from tests.integration.cluster import Cluster, free_base_port
 from tests.integration.test_metrics_endpoints import scrape
 
 pytestmark = pytest.mark.slow
@@ -228,7 +228,7 @@ def test_train_in_cluster_mode_uses_a_deployed_cluster_it_has_no_cluster_json_of
     assert "starting one" not in proc.stderr
     assert [(j["state"], j["data"]) for j in jobs] == [("done", [str(tmp_path / "d.tsv")])], jobs
 
-    cfg = load_cluster_config(overrides={"cluster.dir": str(tmp_path / "t"), "cluster.base_port": free_port()},
+    cfg = load_cluster_config(overrides={"cluster.dir": str(tmp_path / "t"), "cluster.base_port": free_base_port()},
                               env={})
     launcher.up(cfg, owner=os.getpid())  # as `train --mode cluster` does for its temporary cluster
     try:

@@ -20,7 +20,7 @@ import sys
 
 from mariana.services.runtime import report
 from mariana.services.runtime.redis_url import check_redis_url
-from mariana.sparse.errors import MarianaError
+from mariana.sparse.errors import MarianaError, ModelDirError
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -83,14 +83,14 @@ def cmd_model(args: argparse.Namespace) -> int:
         if not args.version:
             raise MarianaError("model promote: name the VERSION to serve (see 'mariana model list')")
         target, reason = args.version, "promoted"
-        checkpoint.check_version(model_dir, target)  # a server would refuse it: CURRENT stays
+        _check_loads(model_dir, target, cfg.serve.tables)  # a server would refuse it: CURRENT stays
         before = checkpoint.set_current(model_dir, target, reason=reason)
     else:
         if args.version:
             raise MarianaError("model rollback takes no VERSION (it goes back to the one served before)")
         before, reason = checkpoint.current_version(model_dir), "rollback"
         target = checkpoint.rollback_target(model_dir, before)
-        checkpoint.check_version(model_dir, target)
+        _check_loads(model_dir, target, cfg.serve.tables)
         try:  # from the version the target was worked out for: a move meanwhile is not undone blindly
             checkpoint.set_current(model_dir, target, reason=reason, expect=before)
         except checkpoint.CurrentMoved as e:
@@ -104,6 +104,24 @@ def cmd_model(args: argparse.Namespace) -> int:
 
         model_events.publish(url, reason, model_dir, target, target, cfg.serve.channel)
     return 0
+
+
+def _check_loads(model_dir: str, version: str, tables: str) -> None:
+    """ModelDirError unless `version` loads as a server loads it (`serving.speech.load_version`,
+    one warm prediction included). Reading its manifest and weights was not enough: a manifest
+    whose config does not fit its weights (an embedding dim, the hidden widths) was promoted
+    with exit 0, and every worker then refused it and went on serving the old version (an
+    exploratory soak)."""
+    from mariana.serving.speech import load_version
+    from mariana.trainer import checkpoint
+
+    checkpoint.check_version(model_dir, version)  # the quick checks first, with their own messages
+    try:
+        load_version(model_dir, version, 1, tables)
+    except MarianaError:
+        raise
+    except Exception as e:  # what a server's load would fail on, whatever it is
+        raise ModelDirError(f"{model_dir}/{version}: a server could not load it ({type(e).__name__}: {e})") from None
 
 
 def _print_config(model_dir: str, version: str | None) -> int:

@@ -367,6 +367,15 @@ def test_model_commands_list_promote_rollback(models, tmp_path):
     bad = run_cli("model", "promote", "v000003", "--model-dir", d)
     assert bad.returncode == 2 and "cannot read tensors" in bad.stderr, bad.stderr
     assert (d / "CURRENT").read_text().strip() == "v000002"
+    # readable files whose config does not fit the weights: promoted with exit 0 before, and every
+    # worker refused it (an exploratory soak); now refused as the server's load refuses it
+    shutil.copytree(d / "v000001", d / "v000004")
+    manifest = json.loads((d / "v000004" / "manifest.json").read_text())
+    manifest["config"]["hashing"]["bits"] = 12
+    (d / "v000004" / "manifest.json").write_text(json.dumps(manifest))
+    bad = run_cli("model", "promote", "v000004", "--model-dir", d)
+    assert bad.returncode == 2 and "expected 0 <= id < 4096" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    assert (d / "CURRENT").read_text().strip() == "v000002"
 
 
 def test_a_rollback_leaves_a_move_made_while_it_works_out_its_target(models, tmp_path):

@@ -11,7 +11,6 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from mariana.serving.config import ServeConfig, load_serve_config
@@ -22,13 +21,20 @@ from tests.conftest import ROOT, run_cli, run_cli_cases
 from tests.integration.serving import Server, tsv_instances
 from tests.integration.test_retrain import decisions, retrain_config, served_model
 
-WEIGHTS = {"w": np.zeros(1000, np.float32)}
 
 
 def versions_made(d: Path, *moves: str | None) -> None:
-    """One version per item: a reason moves CURRENT to it (recorded), None leaves it a candidate."""
+    """One version per item: a reason moves CURRENT to it (recorded), None leaves it a candidate.
+    Each a real (untrained, bits 10) LR: `model promote` and `rollback` load what they move to."""
+    from mariana.trainer.bundle import ModelBundle
+    from mariana.trainer.config import load_config
+
+    cfg = load_config(env={}, overrides={"model.kind": "lr", "hashing.bits": 10})
+    bundle = ModelBundle(cfg, cfg.data.resolve_schema())
     for reason in moves:
-        checkpoint.save_version(d, {"model": {}}, WEIGHTS, make_current=reason is not None, reason=reason)
+        version = bundle.save(str(d), make_current=False)
+        if reason is not None:
+            checkpoint.set_current(d, version, reason=reason)
 
 
 def on_disk(d: Path) -> set[str]:

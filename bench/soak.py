@@ -217,7 +217,14 @@ class Soak:
 
     def run(self) -> dict:
         self.prepare()
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # a server that did not come up left its Redis running
+            if getattr(self, "server", None) is not None:
+                stop_process(self.server)
+            if getattr(self, "redis", None) is not None:
+                self.redis.stop()
+            raise
         self.t0 = time.time()
         threads = [threading.Thread(target=self.sampler, daemon=True),
                    threading.Thread(target=self.changes, daemon=True)]

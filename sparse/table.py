@@ -30,7 +30,8 @@ def sparse_zeros(shape: tuple, dtype) -> np.ndarray:
     ids written into a 2^28-row table took 1.06 GB and 1.27 s of page zeroing, against 130 MB
     and 0.03 s in 4 KiB pages (docs/benchmarks.md). Arrays of SMALL_PAGES_BYTES and more are
     an anonymous mapping with MADV_NOHUGEPAGE (Linux documents it to hold under THP "always"
-    too; measured here under "madvise" only); smaller ones are np.zeros. Random reads over a table with every page written: ~10% slower.
+    too; measured here under "madvise" only); smaller ones are np.zeros. Random reads over a
+    table with every page written: ~10% slower.
 
     >>> a = sparse_zeros((1 << 25,), np.float32)
     >>> a[[3, -1]] = 1.5; float(a.sum()), a.flags.writeable

@@ -346,10 +346,13 @@ class Model:
     def _unknown_fields(self, records: list, unknown: int) -> None:
         """Fields the model does not know are ignored, as the endpoint ignores them: said, with
         their names; and when no row has any field the model knows, every pCTR would be that of
-        an empty row: DataFormatError (columns numbered 0..39, names in another case)."""
-        known = set(self.bundle.schema.columns)
+        an empty row: DataFormatError (columns numbered 0..39, names in another case). A label or
+        ignored column is known but no feature: rows holding only those are refused too."""
+        schema = self.bundle.schema
+        known = set(schema.columns)
+        features = {*schema.numeric, *schema.categorical, *([schema.hour] if schema.hour else [])}
         names = sorted({str(k) for r in records[:1000] for k in r if k not in known})
-        if not any(not known.isdisjoint(r) for r in records):
+        if not any(not features.isdisjoint(r) for r in records):
             theirs = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
             raise DataFormatError(f"no row has a field of the model's ({', '.join(self.bundle.schema.fields[:4])}, "
                                   f"...): its rows' fields are {theirs}; name the columns as the model's schema does")

@@ -231,6 +231,8 @@ def test_rows_of_no_field_the_model_knows_are_an_error_and_numpy_scalars_are_num
         model.predict([{0: 1, 1: 5, 2: "x"}] * 3)
     with pytest.raises(DataFormatError, match="its rows' fields are c1, i1"):
         model.predict([{"i1": 1, "c1": "68fd1e64"}])
+    with pytest.raises(DataFormatError, match="its rows' fields are c1, i1"):  # a label is no feature
+        model.predict([{"label": 1, "i1": 1, "c1": "68fd1e64"}] * 2)
     plain = model.predict([{"I1": 3, "I2": 0.5, "C1": 7}])
     with caplog.at_level("WARNING"):
         assert model.predict([{"I1": 3, "I2": 0.5, "C1": 7, "colour": "red"}]).tolist() == plain.tolist()

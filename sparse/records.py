@@ -201,9 +201,9 @@ def _number(field: str, v) -> float:
         try:
             x = float(v)
         except OverflowError:  # an int past float's range
-            x = math.inf
+            raise _Bad(f"{field} is an integer beyond a float's range (1.8e308)") from None
         if not math.isfinite(x):
-            raise _Bad(f"{field} is not a number")
+            raise _Bad(f"{field} is not a finite number ({x})")
         return x
     if isinstance(v, (str, bytes)):
         text = v.decode("utf-8", "replace") if isinstance(v, bytes) else v

@@ -33,11 +33,14 @@ from mariana.sparse.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "MARIANA_"
+INT_LIMIT = 1 << 63  # no integer setting counts past a signed 64-bit one (C, numpy and torch ints overflow)
+SHOWN_CHARS = 80     # a value's repr in a message is cut at this length
 
 
 def load_settings(cls: type, path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-                  overrides: Mapping[str, Any] | None = None) -> Any:
-    """Defaults <- TOML file <- environment (default: os.environ) <- overrides ({"train.epochs": 2, ...})."""
+                  overrides: Mapping[str, Any] | None = None, overrides_from: str = "--set") -> Any:
+    """Defaults <- TOML file <- environment (default: os.environ) <- overrides ({"train.epochs": 2, ...});
+    `overrides_from` says where an unknown override came from (the CLI's `--set`, the API's keywords)."""
     tree: dict = {}
     from_file = read_toml(path) if path else {}
     sections = {f.name for f in dataclasses.fields(cls)}
@@ -46,7 +49,7 @@ def load_settings(cls: type, path: str | os.PathLike | None = None, env: Mapping
     for dotted, value in (overrides or {}).items():
         _set_dotted(given, dotted, value)
     _refuse_unknown(cls, [(f"in {path}", from_file), ("from the environment", from_env),
-                          ("from an override (--set)", given)])
+                          (f"from an override ({overrides_from})", given)])
     _merge(tree, from_file, cls)
     if path:
         _say_overridden(tree, from_env, path)
@@ -169,25 +172,47 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             try:
                 return _coerce(arg, value, key)
             except ConfigError:
-                pass
+                if arg in _SCALARS and isinstance(value, _SCALARS[arg][0]) and not isinstance(value, bool):
+                    raise  # of the type but not its range (an int past 64 bits): that is what is wrong
         whats = " or ".join(_SCALARS[a][1] if a in _SCALARS else a.__name__ for a in args)
-        raise ConfigError(f"{key}: expected {whats}, got {value!r}")
+        raise ConfigError(f"{key}: expected {whats}, got {shown(value)}")
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {shown(value)}")
         return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is dict or origin is dict:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a table, got {value!r}")
+            raise ConfigError(f"{key}: expected a table, got {shown(value)}")
         return dict(value)
     if tp in _SCALARS:
         accepted, what = _SCALARS[tp]
         # bool is an int subclass in Python, but `epochs = true` is a mistake
         if not isinstance(value, accepted) or (tp is not bool and isinstance(value, bool)):
-            raise ConfigError(f"{key}: expected {what}, got {value!r}")
-        return tp(value)
+            raise ConfigError(f"{key}: expected {what}, got {shown(value)}")
+        if tp is int and not -INT_LIMIT <= value < INT_LIMIT:
+            raise ConfigError(f"{key}: expected an integer of 64 bits at most, got {shown(value)}")
+        try:
+            return tp(value)
+        except OverflowError:  # float(10 ** 400)
+            raise ConfigError(f"{key}: expected a number within a float's range (1.8e308), "
+                              f"got {shown(value)}") from None
     return value
+
+
+def shown(value: Any) -> str:
+    """A value for an error message, short: an integer past 64 bits by its digits, a long repr cut.
+
+    >>> shown(3), shown(10 ** 400), shown("x" * 100)[-8:]
+    ('3', 'a 401-digit integer', 'xxxxx...')
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT <= value < INT_LIMIT:
+        try:
+            return f"a {len(str(abs(value)))}-digit integer"
+        except ValueError:  # past Python's int -> text limit
+            return "an integer of more than 4,300 digits"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
 
 def json_schema(tp: Any) -> dict:

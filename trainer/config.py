@@ -43,8 +43,8 @@ class DataConfig:
                               "layout is built in): set format = \"csv\" to read the files with the schema, or drop it")
         if not 1024 <= self.block_bytes <= 1 << 30:
             raise ConfigError(f"data.block_bytes must be in [1024, 2^30], got {self.block_bytes}")
-        if self.parse_workers < 1:
-            raise ConfigError(f"data.parse_workers must be >= 1, got {self.parse_workers}")
+        if not 1 <= self.parse_workers <= MAX_THREADS:
+            raise ConfigError(f"data.parse_workers must be in 1..{MAX_THREADS}, got {self.parse_workers}")
 
     def resolve_schema(self) -> Schema:
         if self.format == "csv":
@@ -53,6 +53,7 @@ class DataConfig:
 
 
 MAX_WIDTH = 1 << 14  # embedding and layer widths
+MAX_THREADS = 1024   # data.parse_workers: threads of one process
 
 
 @dataclass
@@ -209,8 +210,8 @@ class ImagesConfig:
     tower: int = 32        # dnn: hidden width of the image tower (features -> embedding)
 
     def __post_init__(self) -> None:
-        if self.tower < 1:
-            raise ConfigError(f"images.tower must be >= 1, got {self.tower}")
+        if not 1 <= self.tower <= MAX_WIDTH:
+            raise ConfigError(f"images.tower must be in 1..{MAX_WIDTH:,}, got {self.tower}")
 
 
 # What a diverged training run's error tells the user to change.
@@ -328,6 +329,6 @@ class DenseJobConfig:
 
 
 def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Any] | None = None) -> JobConfig:
+                overrides: Mapping[str, Any] | None = None, overrides_from: str = "--set") -> JobConfig:
     """A JobConfig: defaults <- TOML file <- environment <- overrides ({"train.epochs": 2, ...})."""
-    return load_settings(JobConfig, path, env, overrides)
+    return load_settings(JobConfig, path, env, overrides, overrides_from)

@@ -31,7 +31,8 @@ def test_layers_of_config(tmp_path):
     ({"data.format": "csv"}, "needs a \\[data.schema\\]"),
     ({"model.hidden": [16, "x"]}, r"model.hidden\[1\]: expected an integer"),
     ({"optim.lr": True}, "optim.lr: expected a number"),
-    ({"train.batch_size": 10 ** 20}, "train.batch_size must be at most 16,777,216 rows"),
+    ({"train.batch_size": 10 ** 18}, "train.batch_size must be at most 16,777,216 rows"),
+    ({"train.batch_size": 10 ** 20}, "train.batch_size: expected an integer of 64 bits at most, got a 21-digit"),
     ({"train.ramp_steps": -1}, "train.ramp_steps must be a number of steps >= 0 or 'auto', got -1"),
     ({"train.ramp_steps": "slow"}, "train.ramp_steps must be a number of steps >= 0 or 'auto'"),
     ({"train.ramp_steps": 1.5}, "train.ramp_steps: expected an integer or a string, got 1.5"),
@@ -180,8 +181,13 @@ def test_cluster_times_ports_and_sizes_out_of_range_name_the_key(key, value, say
 
 
 @pytest.mark.parametrize("tree,says", [
-    ({"data.block_bytes": 10 ** 26}, "data.block_bytes must be in [1024, 2^30]"),
-    ({"train.epochs": 10 ** 26}, "train.epochs must be at most 1,000,000"),
+    ({"data.block_bytes": 10 ** 18}, "data.block_bytes must be in [1024, 2^30]"),
+    ({"train.epochs": 10 ** 26}, "train.epochs: expected an integer of 64 bits at most, got a 27-digit integer"),
+    ({"train.patience": 10 ** 18}, "train.patience must be at most 1,000,000, got 1,000,000,000,000,000,000"),
+    ({"hashing.bits": 10 ** 5000}, "hashing.bits: expected an integer of 64 bits at most, got an integer of more"),
+    ({"optim.lr": 10 ** 400}, "optim.lr: expected a number within a float's range (1.8e308), got a 401-digit"),
+    ({"data.parse_workers": 10 ** 9}, "data.parse_workers must be in 1..1024, got 1000000000"),
+    ({"images.tower": 10 ** 9}, "images.tower must be in 1..16,384, got 1000000000"),
     ({"train.max_epochs": 10 ** 7}, "train.max_epochs must be at most 1,000,000"),
     ({"model.embed_dim": 10 ** 8}, "model.embed_dim, model.hidden and model.slots must be at most 16,384"),
     ({"optim.lr": float("inf")}, "optim.lr must be a finite number, got inf"),

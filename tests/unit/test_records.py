@@ -129,9 +129,9 @@ def test_categorical_values_of_the_wrong_type_are_named(value, reason):
 
 @pytest.mark.parametrize("value,reason", [
     (True, "I1 must be a number or number text, got a boolean"),
-    (float("nan"), "I1 is not a number"),
-    (float("inf"), "I1 is not a number"),
-    (10**400, "I1 is not a number"),
+    (float("nan"), "I1 is not a finite number (nan)"),
+    (np.float32("-inf"), "I1 is not a finite number (-inf)"),
+    (10**400, "I1 is an integer beyond a float's range (1.8e308)"),
     ("1e999", "I1 is not a number"),
     ("3\n", "I1 is not a number"),
     ([3], "I1 must be a number or number text, got an array"),

@@ -12,16 +12,21 @@ same model and the same numbers:
 - `load_config` -> `trainer.config.load_config` (`--config`, `MARIANA_...`, `--set`).
 
 Torch loads on the first `train` or `load`, not on `import mariana`. Bad input
-raises the CLI's errors (`MarianaError` subclasses, with the CLI's messages); a
-filesystem failure (an unwritable `out`) stays the `OSError` it is.
+raises the CLI's errors (`MarianaError` subclasses, with the CLI's messages: an
+unwritable `out` too, named as the CLI's `--out`; an unknown override is said to
+come from "a keyword argument", not from `--set`). A DNN job sets torch's threads
+for its run only, no call reseeds torch's global generator, and a forked child
+predicts on one torch thread (`_fork_safe_torch`).
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
 
@@ -66,9 +71,9 @@ def load_config(path: PathLike | None = None, **overrides: Any) -> JobConfig:
     >>> load_config(**{"train.epoch": 2})
     Traceback (most recent call last):
     ...
-    mariana.sparse.errors.ConfigError: train: unknown key 'train.epoch' (known: batch_size, epochs, ...)
+    mariana.sparse.errors.ConfigError: train: unknown key 'train.epoch' (known: ...) ... (a keyword argument)
     """
-    return _load_job_config(path, overrides=dotted_overrides(overrides))
+    return _load_job_config(path, overrides=dotted_overrides(overrides), overrides_from="a keyword argument")
 
 
 def dotted_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -170,9 +175,43 @@ def train(data: Data, model: str | None = None, config: JobConfig | PathLike | M
     test_paths, valid_paths = data_paths(test_data, "test_data"), data_paths(valid_data, "valid_data")
     temporary = out is None
     out_dir = tempfile.mkdtemp(prefix="mariana-model-") if temporary else _path("out", out)
-    record = run_local_job(cfg, train_paths, test_paths, out_dir, valid_paths=valid_paths,
-                           init_from=None if init_from is None else _path("init_from", init_from))
+    with _torch_threads_kept():
+        record = run_local_job(cfg, train_paths, test_paths, out_dir, valid_paths=valid_paths,
+                               init_from=None if init_from is None else _path("init_from", init_from))
     return Result.of(record, temporary)
+
+
+@contextmanager
+def _torch_threads_kept():
+    """torch's intra-op thread count as the caller had it: a DNN job sets it to
+    `train.threads` (or the cores) for its run, as `mariana train` does, and a
+    notebook's own `torch.set_num_threads` stays its own. (A torch not yet imported
+    has no setting of the caller's to keep.)"""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else 0
+    try:
+        yield
+    finally:
+        if before and torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+        _fork_safe_torch()
+
+
+_fork_hooked = False
+
+
+def _fork_safe_torch() -> None:
+    """Once torch has run here, a forked child (multiprocessing's default on Linux) starts
+    with one torch thread: the parent's OpenMP pool does not survive fork, and a child's
+    DNN predict on more threads waits for it forever. (A spawned child is not affected.)"""
+    global _fork_hooked
+    if not _fork_hooked and "torch" in sys.modules:
+        os.register_at_fork(after_in_child=_one_torch_thread)
+        _fork_hooked = True
+
+
+def _one_torch_thread() -> None:
+    sys.modules["torch"].set_num_threads(1)
 
 
 def _path(name: str, value: Any) -> str:
@@ -213,7 +252,7 @@ def data_paths(data: Data | None, what: str = "data") -> list[str]:
     else:
         items = list(data) if _is_rows_or_paths(data) else None
         if items is None or not all(isinstance(p, (str, os.PathLike)) for p in items):
-            raise MarianaError(_not_paths(data if items is None else items, what))
+            raise MarianaError(_not_paths(data, what, items))
         items = [os.fspath(p) for p in items]
     return expand_data_paths(items)
 
@@ -224,13 +263,14 @@ def _is_rows_or_paths(data: Any) -> bool:
             and not (hasattr(data, "to_dict") and hasattr(data, "columns")))
 
 
-def _not_paths(data: Any, what: str) -> str:
-    """Why `data` is not what `data_paths` takes, and what to do instead."""
+def _not_paths(data: Any, what: str, items: list | None = None) -> str:
+    """Why `data` (its `items`, where it is an iterable) is not what `data_paths` takes,
+    and what to do instead."""
     files = "training and evaluation read files (a file, directory or glob, a comma-separated string or a list)"
     if hasattr(data, "to_dict") and hasattr(data, "columns"):
         return (f"{what}: a DataFrame is rows, not data paths: {files}; write it to a Parquet or TSV file first, "
                 "e.g. frame.to_parquet('train.parquet')")
-    if isinstance(data, list) and data and all(isinstance(r, Mapping) for r in data):
+    if items and all(isinstance(r, Mapping) for r in items):
         return (f"{what}: a list of dicts is rows, not data paths: {files}; write the rows to a Parquet or TSV "
                 "file first")
     return f"{what}: expected data paths, got {type(data).__name__}: {files}"
@@ -245,11 +285,15 @@ def load(model_dir: PathLike, version: str | None = None) -> "Model":
     from mariana.trainer.bundle import ModelBundle
 
     model_dir = _path("model_dir", model_dir)
+    if version is not None and not isinstance(version, str):
+        raise ConfigError(f"version: expected a version name such as 'v000001', got {_shown(version)}")
     if version is None:
         version = checkpoint.current_version(model_dir)
     else:
         checkpoint.require_version(model_dir, version)
-    return Model(ModelBundle.load(model_dir, version, tables="auto"), model_dir, version)
+    model = Model(ModelBundle.load(model_dir, version, tables="auto"), model_dir, version)
+    _fork_safe_torch()
+    return model
 
 
 class Model:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -141,6 +142,63 @@ def test_result_loads_its_own_version_and_out_none_is_a_kept_temp_dir(gen_files)
         shutil.rmtree(result.model_dir)
 
 
+def test_a_dnn_job_leaves_the_callers_torch_threads_and_seed_alone(gen_files, tmp_path):
+    """train and load build the model from `model.seed` without reseeding torch's global
+    generator, and the job's thread count is the job's only: a notebook's own
+    `torch.manual_seed` and `torch.set_num_threads` still hold after them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(123)
+        expected = torch.rand(3)
+        torch.manual_seed(123)
+        result = mariana.train(gen_files["test"], model="dnn", out=tmp_path / "m", bits=BITS,
+                               **{"train.threads": 2})
+        model = result.load()
+        assert torch.get_num_threads() == 1
+        assert torch.equal(torch.rand(3), expected)
+        again = mariana.train(gen_files["test"], model="dnn", out=tmp_path / "m2", bits=BITS,
+                              **{"train.threads": 2}).load()
+        rows = criteo_dicts(gen_files["test"], 50)
+        assert model.predict(rows).tolist() == again.predict(rows).tolist()  # still the seed's weights
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _predict_in_child(model, rows, out):
+    out.put(model.predict(rows).tolist())
+
+
+def test_a_forked_child_predicts_with_a_dnn_its_parent_ran(gen_files, tmp_path):
+    """torch's OpenMP threads do not survive fork: a child of multiprocessing's default
+    start method that ran a DNN predict on the parent's thread count hung for good."""
+    import multiprocessing
+    import torch
+
+    threads = torch.get_num_threads()
+    model = mariana.train(gen_files["test"], model="dnn", out=tmp_path / "m", bits=BITS).load()
+    rows = criteo_dicts(gen_files["test"], 4000)
+    try:
+        torch.set_num_threads(2)
+        expected = model.predict(rows).tolist()  # the parent's pool runs, then the child forks
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_predict_in_child, args=(model, rows, out))
+        child.start()
+        try:
+            got = out.get(timeout=60)  # before join: a child blocks until its answer is read
+        except queue.Empty:
+            got = "no answer in 60 s"
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+        assert got == expected
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_configs_load_as_the_cli_loads_them(tmp_path, monkeypatch):
     toml = tmp_path / "job.toml"
     toml.write_text("[train]\nepochs = 3\n[hashing]\nbits = 20\n")
@@ -180,7 +238,9 @@ def test_bad_input_raises_the_error_the_cli_prints(trained, gen_files, tmp_path)
     assert str(e.value) == cli_error("predict", "--model", tmp_path / "none", "--data", __file__)
     with pytest.raises(ConfigError) as e:
         mariana.train(missing, out=tmp_path / "m", **{"train.epoch": 2})
-    assert str(e.value) == cli_error("train", "--data", missing, "--out", tmp_path / "m", "--set", "train.epoch=2")
+    said = cli_error("train", "--data", missing, "--out", tmp_path / "m", "--set", "train.epoch=2")
+    assert said.endswith("from an override (--set)")  # the API names its own way of overriding
+    assert str(e.value) == said.replace("(--set)", "(a keyword argument)")
     afile = tmp_path / "afile"  # an --out that is a file: a raw NotADirectoryError here, outside MarianaError
     afile.write_text("x")
     with pytest.raises(MarianaError) as e:
@@ -198,6 +258,9 @@ def test_bad_input_raises_the_error_the_cli_prints(trained, gen_files, tmp_path)
      r"two overrides of train.epochs disagree: 1 and 2 \(train.epochs\); give one"),
     (lambda: mariana.load(None), ConfigError, r"model_dir: expected a path \(str or os.PathLike\), got None"),
     (lambda: mariana.train(__file__, out=123), ConfigError, r"out: expected a path \(str or os.PathLike\), got 123"),
+    (lambda: mariana.load(__file__, 1), ConfigError, r"version: expected a version name such as 'v000001', got 1"),
+    (lambda: mariana.train(np.zeros(3)), MarianaError, "data: expected data paths, got ndarray: training and"),
+    (lambda: mariana.train((p for p in [{"I1": 1}])), MarianaError, "data: a list of dicts is rows, not data paths"),
 ])
 def test_bad_arguments_name_what_is_wrong(call, error, says):
     with pytest.raises(error, match=says):

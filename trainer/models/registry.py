@@ -50,7 +50,8 @@ def known_kinds() -> list[str]:
 
 def build_model(cfg, num_fields: int, dense_dim: int, image_dim: int = 0, image_tower: int = 32):
     """The model of `cfg.kind` (a ModelConfig's) for a schema's field layout; a torch
-    model's parameters are drawn after `torch.manual_seed(cfg.seed)`.
+    model's parameters are drawn from a generator seeded with `cfg.seed`; torch's global
+    random state is left as it was (a notebook's own seeds stay its own).
 
     `image_dim` columns of creative features follow the `dense_dim` numeric ones
     in the dense block: LR weighs them like any dense value (mode 1), the DNN
@@ -60,8 +61,11 @@ def build_model(cfg, num_fields: int, dense_dim: int, image_dim: int = 0, image_
     if getattr(builder, "uses_torch", True):
         import torch
 
-        torch.manual_seed(cfg.seed)
-    model = builder(cfg, num_fields, dense_dim, image_dim, image_tower)
+        with torch.random.fork_rng(devices=[]):  # init draws from the global generator: seed a copy of it
+            torch.manual_seed(cfg.seed)
+            model = builder(cfg, num_fields, dense_dim, image_dim, image_tower)
+    else:
+        model = builder(cfg, num_fields, dense_dim, image_dim, image_tower)
     if not isinstance(cfg.init_bias, str):  # "auto" is resolved before training; unresolved, it is 0
         bias = dict(dense_params(model))["bias"]
         bias[...] = cfg.init_bias

@@ -115,7 +115,8 @@ def _check_loads(model_dir: str, version: str, tables: str) -> None:
     from mariana.serving.speech import load_version
     from mariana.trainer import checkpoint
 
-    checkpoint.check_version(model_dir, version)  # the quick checks first, with their own messages
+    checkpoint.require_version(model_dir, version)  # the quick checks first, with their own messages
+    checkpoint.read_manifest(model_dir, version)     # (the weights are read once, by the load)
     try:
         load_version(model_dir, version, 1, tables)
     except MarianaError:

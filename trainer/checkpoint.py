@@ -760,15 +760,6 @@ def read_weights(vdir: Path) -> dict[str, np.ndarray]:
     return weights
 
 
-def check_version(model_dir: str | os.PathLike, version: str) -> None:
-    """What a promotion checks before CURRENT moves, for a version of any kind: a version
-    name of this dir, its manifest and weights readable, the weights finite."""
-    require_version(model_dir, version)
-    read_manifest(model_dir, version)
-    read_weights(Path(model_dir) / version)
-
-
-
 def publish_dir(tmp: Path, final: Path, replace: bool = False) -> bool:
     """Put the finished temp dir `tmp` in place as `final`, all of it or nothing: its files
     fsynced, its modes the umask's, one rename, the parent dir fsynced. False (and `tmp`

@@ -136,7 +136,7 @@ def run_cluster_tune(config: JobConfig, data: list[str], test_data: list[str], v
             log.info("tuning on %s for %gs, every trial a job on %s (validation: %s)", ",".join(body["data"]),
                      budget, info["http"], source)
             meta = {"budget_seconds": budget, "model": kind, "seed": seed, "search": SEARCH, "validation": source,
-                    "first_trial": "the job's own config", "mode": f"cluster/{mode}", "trials_dir": body["out"]}
+                    "first_trial": "the job's own config", "mode": f"cluster/{mode}"}
             try:
                 result = tune(config, ClusterTrials(info, body, source), budget, kind, max_trials, seed,
                               reserve=reserve, started=t0)

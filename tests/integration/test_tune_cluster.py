@@ -56,6 +56,7 @@ def test_a_cluster_search_publishes_its_best_trial_and_cancels_the_pruned_jobs(g
     # only the best version is left: in OUT, with no scratch dir of the trials' versions
     assert checkpoint.list_versions(out) == ["v000001"] and sorted(p.name for p in (out / "tune").iterdir()) == [
         manifest["tune"]["trials_file"].rsplit("/", 1)[1]]
+    assert not any(isinstance(v, str) and v.endswith("-trials") for v in saved.values())  # no dir since removed
     # the deadline cancelled the job under way (the pruner's are checked below: how many trials
     # fit in 8 s depends on the machine's load)
     # (a job the deadline cancels may finish before the cancel reaches it: "done" then, as a pruned one)

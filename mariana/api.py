@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
 import numpy as np
 
 from mariana.sparse.errors import ConfigError, DataFormatError, MarianaError
+from mariana.sparse.parse import WHOLE_LIMIT
 from mariana.sparse.settings import from_dict
 from mariana.trainer.config import JobConfig
 from mariana.trainer.config import load_config as _load_job_config
@@ -79,13 +80,16 @@ def load_config(path: PathLike | None = None, **overrides: Any) -> JobConfig:
 def dotted_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Keyword overrides as the dotted keys `--set` takes.
 
-    >>> dotted_overrides({"train.epochs": 2, "optim__lr": 0.05, "bits": 20, "patience": None})
+    A numpy scalar is the Python number it holds (a sweep's `np.arange` values).
+
+    >>> dotted_overrides({"train.epochs": 2, "optim__lr": np.float32(0.05), "bits": np.int64(20), "patience": None})
     {'train.epochs': 2, 'optim.lr': 0.05, 'hashing.bits': 20}
     """
     out = {}
     for key, value in overrides.items():
         if value is None:
             continue
+        value = _numbers(value)
         if "." not in key and "__" not in key and key not in SHORTCUTS:
             raise ConfigError(f"unknown override {key!r}: name a config key as section.key "
                               f"(**{{'train.epochs': 2}} or train__epochs=2) or use one of {', '.join(SHORTCUTS)}")
@@ -94,6 +98,18 @@ def dotted_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"two overrides of {dotted} disagree: {out[dotted]!r} and {value!r} ({key}); give one")
         out[dotted] = value
     return out
+
+
+def _numbers(value: Any) -> Any:
+    """numpy scalars (also in a list or an array, as `model.hidden` takes one) as Python
+    numbers; a float32 as the decimal it prints as (0.05, not 0.05000000074505806)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_numbers(v) for v in value]
+    if isinstance(value, np.floating) and not isinstance(value, np.float64):
+        return float(str(value))
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def job_config(config: JobConfig | PathLike | Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> JobConfig:
@@ -341,7 +357,8 @@ class Model:
         if isinstance(rows, (str, os.PathLike)) or _is_path_list(rows):
             return self._predict_files(data_paths(rows))
         if hasattr(rows, "to_dict") and hasattr(rows, "columns"):
-            return self._predict_records(frame_records(rows, self.bundle.schema.categorical))
+            schema = self.bundle.schema
+            return self._predict_records(frame_records(rows, (*schema.categorical, *filter(None, [schema.hour]))))
         if isinstance(rows, Mapping):
             raise TypeError("rows: a dict is one row; pass a list of them")
         if isinstance(rows, Iterable) and not isinstance(rows, (bytes, np.ndarray)):
@@ -445,7 +462,10 @@ def _is_path_list(rows: Any) -> bool:
 def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
     """A DataFrame's rows as the dicts `parse_records` takes: missing values (NaN, None,
     pandas' NA and NaT) left out, numpy scalars as Python numbers, and a whole float in
-    a `categorical` field as its integer (an integer column with gaps is float64).
+    a `categorical` field (an id or hour column) as its integer (an integer column with
+    gaps is float64), as a Parquet file's is read (`sparse.parse._as_text`: past 2^63, the
+    float's text). Duplicated column names are a DataFormatError (pandas would keep the
+    last column of each name and say so once, in a warning).
 
     >>> class Frame:  # what pandas gives for a frame with gaps
     ...     columns = ["I1", "C1"]
@@ -454,6 +474,11 @@ def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
     >>> frame_records(Frame(), categorical=["C1"])
     [{'I1': 3.0, 'C1': 7}, {}]
     """
+    names = [str(c) for c in frame.columns]
+    twice = sorted({c for c in names if names.count(c) > 1}) if len(set(names)) < len(names) else []
+    if twice:
+        raise DataFormatError(f"the DataFrame has {len(twice)} duplicated column name(s): {', '.join(twice[:6])}; "
+                              "a row would take one of the columns of each, unsaid: rename or drop the others")
     cats = set(categorical)
     out = []
     for rec in frame.to_dict("records"):
@@ -463,7 +488,7 @@ def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
             if value is None:
                 continue
             if key in cats and isinstance(value, float) and value.is_integer():
-                value = int(value)
+                value = int(value) if abs(value) < WHOLE_LIMIT else repr(value)
             row[key] = value
         out.append(row)
     return out

@@ -66,6 +66,7 @@ FIRST_BAD_KEPT = 10
 PARQUET_MAGIC = b"PAR1"
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ARROW_BLOCK = b"\x00mariana-arrow-ipc\x00"  # a columnar block as bytes: this, then an Arrow IPC stream
+WHOLE_LIMIT = 2.0 ** 63  # a whole float below this in a categorical column is hashed as its integer
 ROWS_BITS = 20      # a Parquet span's offset is (first row << ROWS_BITS) | rows, not a byte offset
 SAMPLE_ROWS = 1024  # rows whose in-memory size sets a Parquet file's rows per block
 
@@ -719,13 +720,26 @@ def _plain(col: pa.ChunkedArray) -> pa.Array:
 
 def _as_text(col: pa.Array) -> pa.Array:
     """A scalar column as binary, the bytes a text file would hold: strings as they are,
-    integers in decimal, floats in their shortest form, null stays null (missing).
+    integers in decimal, null stays null (missing). A float column is an integer column
+    with gaps as pandas writes one: a whole float is its integer in decimal (Arrow's own
+    text would give 3e+10 for 30000000000.0), NaN is missing as null is (as in a
+    DataFrame: `mariana.api.frame_records`), any other float its shortest form.
 
     >>> _as_text(pa.array([7, None, -12])).to_pylist()
     [b'7', None, b'-12']
+    >>> _as_text(pa.array([30000000017.0, float("nan"), None, 7.5, -0.0, 1e20])).to_pylist()
+    [b'30000000017', None, None, b'7.5', b'0', b'1e+20']
     """
     if _is_text(col.type):
         return pc.cast(col, pa.binary())
+    if pa.types.is_floating(col.type):
+        if pa.types.is_float16(col.type):  # Arrow's kernels take float32 and float64
+            col = pc.cast(col, pa.float32())
+        x = pc.cast(col, pa.float64())  # the checks; a float32's text stays its own shortest form
+        whole = pc.and_(pc.equal(pc.floor(x), x), pc.less(pc.abs(x), WHOLE_LIMIT))
+        text = pc.if_else(whole, pc.cast(pc.cast(pc.if_else(whole, x, 0.0), pa.int64()), pa.string()),
+                          pc.cast(col, pa.string()))
+        return pc.cast(pc.if_else(pc.is_nan(x), pa.scalar(None, pa.string()), text), pa.binary())
     return pc.cast(pc.cast(col, pa.string()), pa.binary())
 
 

@@ -202,6 +202,8 @@ def _number(field: str, v) -> float:
             x = float(v)
         except OverflowError:  # an int past float's range
             raise _Bad(f"{field} is an integer beyond a float's range (1.8e308)") from None
+        if math.isnan(x):
+            raise _Bad(f"{field} is NaN, not a number: leave a missing value out (or null)")
         if not math.isfinite(x):
             raise _Bad(f"{field} is not a finite number ({x})")
         return x
@@ -223,7 +225,11 @@ def _hour_text(field: str, v) -> bytes:
         v = str(v)
     elif isinstance(v, bytes):
         v = v.decode("utf-8", "replace")
-    if not isinstance(v, str) or not _HOUR.fullmatch(v):
+    if v is None:
+        raise _Bad(f"{field} is missing (YYMMDDHH, required)")
+    if not isinstance(v, str):
+        raise _Bad(f"{field} must be YYMMDDHH as text or an integer, got {_kind(v)}")
+    if not _HOUR.fullmatch(v):
         raise _Bad(f"{field} is not YYMMDDHH")
     return v.encode()
 

@@ -129,6 +129,24 @@ def test_a_real_dataframe_scores_as_the_file_does(trained, gen_files):
     np.testing.assert_allclose(model.predict(df), model.predict(gen_files["test"])[:500], rtol=0, atol=1e-6)
 
 
+def test_frames_with_duplicated_columns_float_ids_or_float_hours_and_numpy_overrides(tmp_path):
+    """pandas keeps the last of two columns of one name (a warning, once): refused. An id
+    or hour column with a gap is float64: its whole floats are the integers, as a Parquet
+    file's are read (tests/unit/test_inputs.py). A sweep's numpy numbers are overrides like
+    any other."""
+    twice = Frame([{"I1": 1.0}])
+    twice.columns = ["I1", "C1", "I1"]
+    with pytest.raises(DataFormatError, match="the DataFrame has 1 duplicated column name.*: I1; a row would take"):
+        api.frame_records(twice)
+    floats = Frame([])
+    floats.columns = ["hour", "C1"]
+    floats.to_dict = lambda orient: [{"hour": np.float64(14102100.0), "C1": np.float64(30_000_000_017.0)},
+                                     {"hour": math.nan, "C1": 1e20}]
+    assert api.frame_records(floats, ["hour", "C1"]) == [{"hour": 14102100, "C1": 30_000_000_017}, {"C1": "1e+20"}]
+    cfg = mariana.load_config(epochs=np.int64(2), **{"optim.lr": np.float32(0.05), "model.hidden": np.array([8, 4])})
+    assert (cfg.train.epochs, cfg.optim.lr, cfg.model.hidden) == (2, 0.05, [8, 4])
+
+
 # ---- loading, configs, warm start -----------------------------------------------------
 
 def test_result_loads_its_own_version_and_out_none_is_a_kept_temp_dir(gen_files):

@@ -181,6 +181,27 @@ def test_integer_categories_hash_as_their_decimal_text(tmp_path):
     assert_same_batches(encoded([parquet], criteo())[0], encoded([tsv], criteo())[0])
 
 
+def test_float_categories_hash_as_the_integers_and_nan_as_missing(tmp_path):
+    """An id column with gaps is float64 in the Parquet file pandas writes, its gaps NaN or
+    null: 30000000017.0 hashes as the TSV's 30000000017 (Arrow's own text was
+    '3.0000000017e+10'), and a NaN is missing as a null is (it was the id 'nan')."""
+    tsv = tmp_path / "d.tsv"
+    tsv.write_text("\n".join("\t".join(["1"] + ["2"] * 13 + ["" if (j + k) % 4 == 0 else str(30_000_000_017 * j + k)
+                                                            for j in range(26)])
+                             for k in range(8)) + "\n")
+    floats = {c: pa.float64() for c in criteo().categorical}
+    parquet = csv_to_parquet(tsv, tmp_path / "d.parquet", criteo(), types=floats)
+    table = pq.read_table(parquet)
+    for c in ("C1", "C2"):  # NaN where pandas' writer leaves NaN, not null
+        values = [float("nan") if v is None else v for v in table.column(c).to_pylist()]
+        table = table.set_column(table.schema.get_field_index(c), c, pa.array(values, pa.float64(), from_pandas=False))
+    pq.write_table(table, tmp_path / "nan.parquet")
+    assert pq.read_table(tmp_path / "nan.parquet").column("C1").null_count == 0
+    want = encoded([tsv], criteo())[0]
+    assert_same_batches(encoded([parquet], criteo())[0], want)
+    assert_same_batches(encoded([tmp_path / "nan.parquet"], criteo())[0], want)
+
+
 def test_avazu_parquet_with_an_integer_hour_and_extra_columns(tmp_path):
     header = ",".join(avazu().columns)
     rows = [",".join([str(i), str(i % 2), f"141021{i % 24:02d}"] + [f"v{i % 3}{j}" for j in range(21)])

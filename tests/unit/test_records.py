@@ -129,7 +129,7 @@ def test_categorical_values_of_the_wrong_type_are_named(value, reason):
 
 @pytest.mark.parametrize("value,reason", [
     (True, "I1 must be a number or number text, got a boolean"),
-    (float("nan"), "I1 is not a finite number (nan)"),
+    (float("nan"), "I1 is NaN, not a number: leave a missing value out (or null)"),
     (np.float32("-inf"), "I1 is not a finite number (-inf)"),
     (10**400, "I1 is an integer beyond a float's range (1.8e308)"),
     ("1e999", "I1 is not a number"),
@@ -150,9 +150,11 @@ def test_rows_that_are_not_objects_and_unknown_keys():
 
 def test_a_missing_hour_is_a_bad_row_as_in_a_file():
     _, bad, _ = parse_records(avazu().without_label(), [{"C1": "1005"}, {"hour": 14102100}, {"hour": "14023200"},
-                                                        {"hour": "14020125"}])
-    assert bad == [(0, "hour is not YYMMDDHH"), (2, "hour is not a valid date and hour"),
-                   (3, "hour is not a valid date and hour")]
+                                                        {"hour": "14020125"}, {"hour": 14102100.0},
+                                                        {"hour": "141021"}])
+    assert bad == [(0, "hour is missing (YYMMDDHH, required)"), (2, "hour is not a valid date and hour"),
+                   (3, "hour is not a valid date and hour"),
+                   (4, "hour must be YYMMDDHH as text or an integer, got a float"), (5, "hour is not YYMMDDHH")]
 
 
 def test_no_rows():

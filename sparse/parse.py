@@ -705,7 +705,7 @@ def check_columns(name: str, columns: pa.Schema, schema: Schema) -> None:
         shown = [repr(c) for c in missing] if len(missing) <= 4 else [repr(missing[0]), "...", repr(missing[-1])]
         problems.append(f"missing column{'s' if len(missing) > 1 else ''} {', '.join(shown)}")
     found = ", ".join(names[:12]) + (f", ... ({len(names)} columns)" if len(names) > 12 else "")
-    kind = f"the {schema.name} schema's" + ("" if schema.label else " unlabeled")
+    kind = f"the {schema.name} schema's"  # predict's schema reads a label it ignores: no "unlabeled" here
     unlabeled = unlabeled_hint(schema) if missing == [schema.label] and not wrong else ""
     raise DataFormatError(f"{name}: not in {kind} columns: {'; '.join(problems + wrong)} "
                           f"(the file's columns: {found or 'none'}){unlabeled}")
@@ -988,7 +988,7 @@ def _check_header(path: str, schema: Schema, block: bytes) -> None:
     line = block.split(b"\n", 1)[0].rstrip(b"\r").removeprefix(UTF8_BOM).decode("utf-8", "replace")
     got = [c.strip('"') for c in line.split(schema.delimiter)]
     if got != list(schema.columns):
-        kind = f"the {schema.name} schema" + ("" if schema.label else " without a label")
+        kind = f"the {schema.name} schema"  # the columns expected are listed: a label among them or not
         unlabeled = unlabeled_hint(schema) if schema.label and got == list(schema.without_label().columns) else ""
         raise DataFormatError(f"{path}: header does not match {kind}: {header_difference(schema.columns, got)}; "
                               f"expected the {len(schema.columns)} columns {schema.delimiter.join(schema.columns)}"

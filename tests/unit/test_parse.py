@@ -131,6 +131,8 @@ def test_wrong_format_is_an_error(tmp_path):
                                               "expected 'id'") as e:
         read_all(write(tmp_path, "y.csv", csv), avazu())
     assert "expected the 24 columns id,click,hour," in str(e.value) and str(e.value).endswith(",C20,C21")
+    with pytest.raises(DataFormatError, match="header does not match the avazu schema: column 1 is 'a'"):
+        read_all(write(tmp_path, "y.csv", csv), avazu(), labeled=None)  # predict's: a label read, not "without" one
     with pytest.raises(DataFormatError):
         read_all(write(tmp_path, "z.bin", bytes(range(256)) * 50))
 

@@ -16,7 +16,7 @@ raises the CLI's errors (`MarianaError` subclasses, with the CLI's messages: an
 unwritable `out` too, named as the CLI's `--out`; an unknown override is said to
 come from "a keyword argument", not from `--set`). A DNN job sets torch's threads
 for its run only, no call reseeds torch's global generator, and a forked child
-predicts on one torch thread (`_fork_safe_torch`).
+predicts and trains on one torch thread (`_fork_safe_torch`).
 """
 from __future__ import annotations
 
@@ -185,8 +185,14 @@ def train(data: Data, model: str | None = None, config: JobConfig | PathLike | M
     warm start from 'DIR' (its CURRENT) or 'DIR:vNNNNNN', as `--init-from`.
     """
     from mariana.trainer.job import run_local_job
+    from mariana.trainer.models.registry import kind_uses_torch
 
     cfg = job_config(config, {**overrides, "model": model})
+    if _forked_after_torch and cfg.train.threads != 1 and kind_uses_torch(cfg.model.kind):
+        log.warning("this process was forked after torch ran in its parent, and OpenMP's threads do not survive "
+                    "a fork: train.threads = 1 here (more would wait forever); start it with the spawn method "
+                    "for more")
+        cfg.train.threads = 1
     train_paths = data_paths(data)
     test_paths, valid_paths = data_paths(test_data, "test_data"), data_paths(valid_data, "valid_data")
     temporary = out is None
@@ -214,6 +220,7 @@ def _torch_threads_kept():
 
 
 _fork_hooked = False
+_forked_after_torch = False  # this process is a fork of one where torch ran (`_one_torch_thread`)
 
 
 def _fork_safe_torch() -> None:
@@ -227,6 +234,8 @@ def _fork_safe_torch() -> None:
 
 
 def _one_torch_thread() -> None:
+    global _forked_after_torch
+    _forked_after_torch = True
     sys.modules["torch"].set_num_threads(1)
 
 

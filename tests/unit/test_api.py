@@ -185,13 +185,21 @@ def test_a_dnn_job_leaves_the_callers_torch_threads_and_seed_alone(gen_files, tm
         torch.set_num_threads(threads)
 
 
-def _predict_in_child(model, rows, out):
+def _answer(out):
+    try:
+        return out.get(timeout=60)
+    except queue.Empty:
+        return "no answer in 60 s"
+
+
+def _predict_in_child(model, rows, out, data, model_dir):
     out.put(model.predict(rows).tolist())
+    out.put(mariana.train(data, model="dnn", out=model_dir, bits=BITS).auc)  # its threads: 1, not the cores
 
 
 def test_a_forked_child_predicts_with_a_dnn_its_parent_ran(gen_files, tmp_path):
     """torch's OpenMP threads do not survive fork: a child of multiprocessing's default
-    start method that ran a DNN predict on the parent's thread count hung for good."""
+    start method that ran a DNN predict or training on more than one thread hung for good."""
     import multiprocessing
     import torch
 
@@ -203,16 +211,14 @@ def test_a_forked_child_predicts_with_a_dnn_its_parent_ran(gen_files, tmp_path):
         expected = model.predict(rows).tolist()  # the parent's pool runs, then the child forks
         ctx = multiprocessing.get_context("fork")
         out = ctx.Queue()
-        child = ctx.Process(target=_predict_in_child, args=(model, rows, out))
+        child = ctx.Process(target=_predict_in_child, args=(model, rows, out, gen_files["test"], tmp_path / "c"))
         child.start()
-        try:
-            got = out.get(timeout=60)  # before join: a child blocks until its answer is read
-        except queue.Empty:
-            got = "no answer in 60 s"
+        got, trained = (_answer(out) for _ in range(2))  # before join: a child blocks until its answers are read
         child.join(10)
         if child.is_alive():
             child.kill()
         assert got == expected
+        assert trained is None and mariana.load(tmp_path / "c").config.train.threads == 1
     finally:
         torch.set_num_threads(threads)
 

@@ -88,7 +88,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     else:
         if args.version:
             raise MarianaError("model rollback takes no VERSION (it goes back to the one served before)")
-        before, reason = checkpoint.current_version(model_dir), "rollback"
+        before, reason = _rolled_back_from(model_dir), "rollback"
         target = checkpoint.rollback_target(model_dir, before)
         _check_loads(model_dir, target, cfg.serve.tables)
         try:  # from the version the target was worked out for: a move meanwhile is not undone blindly
@@ -104,6 +104,20 @@ def cmd_model(args: argparse.Namespace) -> int:
 
         model_events.publish(url, reason, model_dir, target, target, cfg.serve.channel)
     return 0
+
+
+def _rolled_back_from(model_dir: str) -> str:
+    """The version CURRENT names, even one deleted since (a rollback from it is what is
+    needed then); otherwise current_version's ModelDirError."""
+    from mariana.trainer import checkpoint
+
+    try:
+        return checkpoint.current_version(model_dir)
+    except ModelDirError:
+        named = checkpoint.named_version(model_dir)
+        if named is None:
+            raise
+        return named
 
 
 def _check_loads(model_dir: str, version: str, tables: str) -> None:
@@ -233,15 +247,16 @@ def _versions(model_dir: str) -> list[dict]:
 
 
 def _current_problem(model_dir: str) -> str | None:
-    """Why CURRENT names no version here, when there is a CURRENT file (a directory without one
-    holds no model yet: nothing to say)."""
+    """Why CURRENT names no version here: a CURRENT naming none, or none at all beside versions
+    (removed by hand: "serving nothing" alone read as an empty directory). A directory with
+    neither holds no model yet: nothing to say."""
     from mariana.trainer import checkpoint
 
-    if not os.path.exists(os.path.join(model_dir, "CURRENT")):
-        return None
     try:
         checkpoint.current_version(model_dir)
     except MarianaError as e:
+        if not os.path.exists(os.path.join(model_dir, "CURRENT")) and not checkpoint.list_versions(model_dir):
+            return None
         return str(e).removeprefix(f"{model_dir}: ")
     return None
 

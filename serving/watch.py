@@ -128,12 +128,19 @@ class VersionWatcher:
         await self._serve_instead(target, f"the version served before {version}")
 
     async def _fall_back_to_record(self) -> None:
-        """Nothing in service and CURRENT names no version (NUL bytes, a name not here): the
-        version promotions.jsonl says CURRENT was moved to last."""
+        """Nothing in service and CURRENT names no version here: for NUL bytes or a garbled
+        name, the version promotions.jsonl says CURRENT was moved to last; for a version since
+        deleted (or that one, deleted), the version served before it (`_fall_back`). A worker
+        started after the version in service was deleted answered 503 while its siblings
+        served from memory, though the version before it was on disk."""
         moves = checkpoint.promotions(self.cfg.model_dir)
-        target = moves[-1]["to"] if moves else None
-        if isinstance(target, str) and checkpoint.VERSION_RE.match(target):
-            await self._serve_instead(target, "the version CURRENT was last moved to (promotions.jsonl)")
+        last = checkpoint.named_version(self.cfg.model_dir) or (moves[-1]["to"] if moves else None)
+        if not (isinstance(last, str) and checkpoint.VERSION_RE.match(last)):
+            return
+        if os.path.isdir(os.path.join(self.cfg.model_dir, last)):
+            await self._serve_instead(last, "the version CURRENT was last moved to (promotions.jsonl)")
+        if self.holder.current is None:
+            await self._fall_back(last)
 
     async def _serve_instead(self, target: str, what: str) -> None:
         """Serve `target` (`what`, in the log) while nothing is in service and CURRENT gives no

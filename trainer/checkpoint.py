@@ -127,6 +127,16 @@ def current_version(model_dir: str | os.PathLike) -> str:
     return name
 
 
+def named_version(model_dir: str | os.PathLike) -> str | None:
+    """The version name CURRENT holds, whether or not that version is still here (a version
+    deleted by hand); None when CURRENT is missing, unreadable or holds no version name."""
+    try:
+        name = (Path(model_dir) / "CURRENT").read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if VERSION_RE.match(name) else None
+
+
 def _is_featurizer(d: Path) -> bool:
     try:
         manifest = json.loads((d / MANIFEST).read_bytes())
@@ -171,7 +181,7 @@ def _move_current(d: Path, version: str, reason: str | None, expect: str | None 
     try:
         before = current_version(d)
     except ModelDirError:
-        before = None
+        before = named_version(d)  # a version deleted while it served is still the one moved from
     if expect is not _ANY and before != expect:
         raise CurrentMoved(f"{model_dir}: CURRENT names {before or 'no version'}, not {expect or 'no version'} "
                            "(another promotion moved it); it was left as it is", before)

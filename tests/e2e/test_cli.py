@@ -1,6 +1,7 @@
 """`mariana` end to end, as real subprocesses, on small generated files."""
 import json
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -311,6 +312,20 @@ def test_model_list_says_when_current_names_no_version(gen_files, tmp_path):
     assert "CURRENT names 'v000099', which is not a version here" in text and "model promote VERSION" in text
     js = json.loads(run_cli("model", "list", "--model-dir", m, "--json", check=True).stdout)
     assert js["current_error"] == "CURRENT names 'v000099', which is not a version here"
+    (m / "CURRENT").unlink()  # removed by hand, versions left: not an empty directory either
+    text = run_cli("model", "list", "--model-dir", m, check=True).stdout
+    assert "no CURRENT file, so no version serves; it holds v000001" in text
+
+
+def test_a_rollback_from_a_deleted_version_goes_to_the_one_served_before(gen_files, tmp_path):
+    """The version in service deleted by hand: a rollback said CURRENT names no version here
+    (exit 2), though the version before it was on disk."""
+    m = tmp_path / "m"
+    for _ in range(2):
+        run_cli("-q", "train", "--data", gen_files["test"], "--out", m, "--set", "hashing.bits=16", check=True)
+    shutil.rmtree(m / "v000002")
+    moved = json.loads(run_cli("model", "rollback", "--model-dir", m, check=True).stdout)
+    assert (moved["current"], moved["previous"]) == ("v000001", "v000002")
 
 
 def test_model_config_prints_a_versions_config_that_a_warm_start_takes(gen_files, tmp_path):

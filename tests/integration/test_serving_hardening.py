@@ -300,6 +300,22 @@ def test_a_worker_that_starts_after_its_version_was_damaged_serves_the_one_befor
         assert s.predict([{"I1": 3}])[1]["model_version"] == "v000002"
 
 
+def test_a_worker_that_starts_after_its_version_was_deleted_serves_the_one_before(model, tmp_path):
+    """The version CURRENT names deleted by hand: a worker (re)started after it answered 503
+    (its siblings served from memory), though the version before it was on disk."""
+    d = tmp_path / "models"
+    shutil.copytree(model, d)
+    shutil.copytree(d / "v000001", d / "v000002")
+    checkpoint.set_current(d, "v000002", reason="promoted")
+    shutil.rmtree(d / "v000002")
+    with Server(tmp_path / "s", d, serve={"watch_seconds": 0.2}) as s:
+        s.wait_for("/readyz")
+        status, answer = s.predict([{"I1": 3}])
+        assert status == 200 and answer["model_version"] == "v000001", answer
+        assert "serving v000001, the version served before v000002, until CURRENT names a version that loads" \
+            in s.logs()
+
+
 def test_a_worker_that_starts_while_current_is_damaged_serves_the_version_last_moved_to(model, tmp_path):
     """A worker restarted while CURRENT held NUL bytes (what a power loss leaves) answered 503,
     while its siblings served the version from memory: it now serves the version

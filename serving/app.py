@@ -250,6 +250,9 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def retrain_start(request: web.Request) -> web.Response:
     _authorize(request)
+    if request.body_exists:  # it was ignored with a 202: the operator thought other data was used
+        raise ServeError(400, "POST /v1/retrain takes no body: a retrain's data windows come from the server's "
+                              "[retrain] config (data, train_files, eval_files)", close=True)
     run = request.app[RETRAIN].start()
     return web.json_response(dumps=dumps, data=run, status=202)
 

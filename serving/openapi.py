@@ -148,6 +148,8 @@ OPENAPI = {
                                                    "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/v1/retrain": {"post": {"summary": "Start a retrain (bearer token)", "security": [{"bearer": []}],
                                  "responses": {"202": _json({"type": "object"}, "Started; poll status_url."),
+                                               "400": _json(_ERROR, "A body was sent: a retrain takes none (its "
+                                                                    "data windows come from [retrain])."),
                                                **_errors(401, 403, 409, 503)}}},
         "/v1/retrain/{id}": {"get": {
             "summary": "A retrain's state and decision (bearer token)", "security": [{"bearer": []}],

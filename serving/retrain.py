@@ -747,11 +747,14 @@ class RetrainRunner:
             raise ServeError(404, f"no retrain {run!r}")
         try:
             data = json.loads(Path(path).read_text())
-        except ValueError:  # being replaced right now
-            return {"id": run, "state": "unknown"}
+        except ValueError:  # written whole (os.replace) by the retrain: damaged since, or by hand
+            data = None
         except OSError as e:
             raise ServeError(503, f"cannot read the status of retrain {run}: {path}: "
                                   f"{(e.strerror or str(e)).lower()}; try again later") from None
+        if not isinstance(data, dict):  # '[1, 2]' was a 500 (an AttributeError)
+            return {"id": run, "state": "unknown",
+                    "error": f"its status file {path} holds no status object (damaged); see {path[:-5]}.log"}
         if data.get("state") not in ("done", "failed"):
             gone = self._gone(run, data.get("pid"))
             if gone:

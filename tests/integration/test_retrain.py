@@ -302,6 +302,8 @@ def test_retrain_over_http_behind_a_token(days, tmp_path):
         assert s.post("/v1/retrain", b"")[0] == 401
         assert s.post("/v1/retrain", b"", headers={"Authorization": "Bearer wrong"})[0] == 401
         auth = {"Authorization": f"Bearer {TOKEN}"}
+        status, refused = s.post("/v1/retrain", b'{"data": "/elsewhere/*.tsv"}', headers=auth)  # was a 202
+        assert status == 400 and "takes no body" in refused["error"], refused
         status, started = s.post("/v1/retrain", b"", headers=auth)
         assert status == 202 and started["state"] == "starting", started
         # at once, before the child's Python is up, on fresh connections (so both workers get
@@ -331,6 +333,9 @@ def test_retrain_over_http_behind_a_token(days, tmp_path):
             time.sleep(0.1)
         assert s.get("/v1/retrain/r20260101-000000-abcdef", auth)[0] == 404
         assert s.get("/v1/retrain/..%2F..%2Fetc", auth)[0] == 404
+        (model_dir / ".retrain" / f"{run}.json").write_text("[1, 2]")  # damaged: was a 500
+        status, damaged = s.get(f"/v1/retrain/{run}", auth)
+        assert status == 200 and damaged["state"] == "unknown" and "holds no status object" in damaged["error"]
     assert decisions(model_dir)[-1]["new_version"] == new
 
 

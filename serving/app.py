@@ -148,8 +148,8 @@ def _predict(hot: _Hot):
                 raise ServeError(413, f"a body of {length} bytes; at most {s.max_body_bytes} "
                                  "(serve.max_body_bytes): split the request", close=True)  # the body is left unread
             body = await _read(request, s)
-            if encoding == "x-gzip":  # gzip by its old name (RFC 9110 8.4.1.3), which aiohttp does not decode
-                body = _gunzip(body, s.max_body_bytes)
+            if encoding not in ("", "identity"):  # gzip (or its old name, x-gzip: RFC 9110 8.4.1.3), deflate
+                body = _decompress(body, encoding, s.max_body_bytes)
             predictor = holder.current
             if predictor is None:
                 raise ServeError(503, f"no model is loaded yet (nothing in service in {s.model_dir})")
@@ -326,20 +326,25 @@ async def _read(request: web.Request, s) -> bytes:
 _ENCODINGS = ("", "identity", "gzip", "deflate", "x-gzip")
 
 
-def _gunzip(body: bytes, limit: int) -> bytes:
+def _decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """A gzip or deflate body, decoded up to `limit` bytes (413 past it); 400 when it is not
+    in its Content-Encoding or ends early. Deflate is a zlib stream (RFC 9110 8.4.1.2), or a
+    raw one, as some clients send it (aiohttp read both)."""
     import zlib
 
-    d = zlib.decompressobj(wbits=31)
+    name = "deflate" if encoding == "deflate" else "gzip"
+    zlib_header = len(body) >= 2 and body[0] & 0x0F == 8 and (body[0] << 8 | body[1]) % 31 == 0
+    d = zlib.decompressobj(wbits=31 if name == "gzip" else zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS)
     try:
         out = d.decompress(body, limit + 1)
     except zlib.error as e:
-        raise ServeError(400, f"the body cannot be read: not gzip, as its Content-Encoding says ({e})",
+        raise ServeError(400, f"the body cannot be read: not {name}, as its Content-Encoding says ({e})",
                          close=True) from None
     if len(out) > limit:
         raise ServeError(413, f"the body is over {limit} bytes (serve.max_body_bytes) once decompressed: "
                               "split the request")
     if not d.eof:
-        raise ServeError(400, "the body cannot be read: its gzip stream ends before it is complete", close=True)
+        raise ServeError(400, f"the body cannot be read: its {name} stream ends before it is complete", close=True)
     return out
 
 

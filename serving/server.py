@@ -115,8 +115,12 @@ async def _serve(cfg: ServeConfig, index: int, run_dir: str | None, config_path:
     # lingering_time: how long a connection answered before its body was all read (a 408, a 413) reads the rest
     # before it closes (aiohttp's 10 s held the socket of a client too slow to send it anyway)
     # shutdown_timeout: what aiohttp's own shutdown gives a request still running after _drain's serve.drain_seconds
+    # auto_decompress off: the app decodes gzip and deflate itself (serving/app.py, _decompress); aiohttp's own
+    # parser answered a Content-Encoding it knows but cannot decode (br without Brotli, zstd) with a plain-text
+    # 400 telling the client to install a package, before the app could answer its JSON 415
     runner = IdleClosingRunner(app, access_log=None, handle_signals=False, shutdown_timeout=min(2.0, s.drain_seconds),
-                               keepalive_timeout=s.keepalive_seconds, lingering_time=LINGER_SECONDS)
+                               keepalive_timeout=s.keepalive_seconds, lingering_time=LINGER_SECONDS,
+                               auto_decompress=False)
     await runner.setup()
     client_errors = _ClientErrors(app[METRICS])
     logging.getLogger("aiohttp.server").addFilter(client_errors)

@@ -171,6 +171,8 @@ def test_an_expect_other_than_100_continue_is_a_counted_json_417(server):
 
 
 GZIPPED = __import__("gzip").compress(BODY, mtime=0)  # the same bytes in every pytest worker (its ids are)
+_raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+RAW_DEFLATE = _raw.compress(BODY) + _raw.flush()
 
 
 @pytest.mark.parametrize("encoding,body,status,says", [
@@ -179,7 +181,11 @@ GZIPPED = __import__("gzip").compress(BODY, mtime=0)  # the same bytes in every 
     ("bogus", BODY, 415, "Content-Encoding 'bogus' is not one this server reads"),  # was read as none: 200
     ("x-gzip", GZIPPED[:-12], 400, "its gzip stream ends before it is complete"),
     ("", b"\xef\xbb\xbf" + BODY, 200, None),  # a BOM: "Expecting value: line 1 column 1"
-], ids=["x-gzip", "stacked", "unknown", "x-gzip-cut", "bom"])
+    ("br", BODY, 415, "Content-Encoding 'br' is not one this server reads"),  # aiohttp's text 400: "install Brotli"
+    ("zstd", BODY, 415, "Content-Encoding 'zstd' is not one this server reads"),
+    ("deflate", RAW_DEFLATE, 200, None),  # deflate without its zlib wrapper, as some clients send it
+    ("deflate", zlib.compress(BODY)[:-6], 400, "its deflate stream ends before it is complete"),
+], ids=["x-gzip", "stacked", "unknown", "x-gzip-cut", "bom", "br", "zstd", "raw-deflate", "deflate-cut"])
 def test_content_encodings_it_does_not_read_are_refused_and_gzips_old_name_is_read(server, encoding, body, status,
                                                                                    says):
     extra = (f"Content-Encoding: {encoding}\r\n" if encoding else "") + "Connection: close\r\n"

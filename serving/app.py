@@ -289,9 +289,11 @@ async def _expect(request: web.Request) -> None:
         return None
     if request.headers.get("Expect", "").lower() != "100-continue":  # answered before the middleware: counted here
         request.app[METRICS].inc("mariana_serve_requests_total", route="/v1/predict", code="417")
+        version = request.app[HOLDER].version
         raise web.HTTPExpectationFailed(text=dumps({"error": f"Expect: {request.headers.get('Expect', '')} is not "
                                                              "one this server meets (only 100-continue)"}),
-                                        content_type="application/json")
+                                        content_type="application/json",
+                                        headers={"X-Model-Version": version} if version else None)
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the answer's own size starts after it, as in aiohttp's handler
 
@@ -395,6 +397,8 @@ def _errors_and_metrics(hot: _Hot):
         except web.HTTPException as e:  # aiohttp's own: no such route, method not allowed, ...
             response = web.json_response({"error": _http_error_text(request, e)}, status=e.status,
                                          headers={k: v for k, v in e.headers.items() if k == "Allow"})
+            if route == "/v1/predict" and hot.holder.version:  # a GET there: every answer of it names one
+                response.headers["X-Model-Version"] = hot.holder.version
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:

@@ -166,6 +166,7 @@ def test_an_expect_other_than_100_continue_is_a_counted_json_417(server):
     got, _ = raw(server, post_head(len(BODY), "Expect: bogus\r\nConnection: close\r\n"), wait=3)
     head, _, body = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 417") and b"application/json" in head, got
+    assert b"X-Model-Version: v000001" in head, got  # every answer of /v1/predict names the version
     assert "Expect: bogus is not one this server meets" in json.loads(body)["error"]
     assert 'mariana_serve_requests_total{code="417",route="/v1/predict"} 1' in server.get("/metrics")[1]["text"]
 
@@ -249,7 +250,8 @@ def test_field_names_packed_as_msgpack_bin_are_field_names(server):
 
 
 def test_a_method_an_endpoint_does_not_take_is_counted_under_its_path(server):
-    assert server.get("/v1/predict")[0] == 405
+    status, headers, _ = server.request("GET", "/v1/predict")
+    assert status == 405 and headers.get("X-Model-Version") == "v000001", headers
     status, body = server.get("/metrics")
     assert 'mariana_serve_requests_total{code="405",route="/v1/predict"}' in body["text"]
 

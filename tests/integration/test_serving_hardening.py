@@ -284,44 +284,35 @@ def test_a_version_with_nan_weights_is_refused_and_the_old_one_serves(model, tmp
         assert f"NaN or infinite values (in {name}" in s.logs() and "serving v000001 still" in s.logs()
 
 
-def test_a_worker_that_starts_after_its_version_was_damaged_serves_the_one_before(model, tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_worker_that_starts_after_its_version_was_damaged_serves_the_one_before(model, tmp_path, damage):
     """A worker (re)started after the version in service was damaged on disk answered 503,
     while the workers that had it in memory served it: 29 of 60 requests 503 with one of two
-    workers restarted, all of them once both were."""
+    workers restarted, all of them once both were. The version deleted by hand: the same,
+    though the version before it was on disk."""
     d = tmp_path / "models"
     shutil.copytree(model, d)
     shutil.copytree(d / "v000001", d / "v000002")
     checkpoint.set_current(d, "v000002", reason="promoted")
     good = (d / "v000002" / checkpoint.WEIGHTS).read_bytes()
-    with open(d / "v000002" / checkpoint.WEIGHTS, "r+b") as f:
-        f.truncate(100)
+    if damage == "deleted":
+        shutil.rmtree(d / "v000002")
+    else:
+        with open(d / "v000002" / checkpoint.WEIGHTS, "r+b") as f:
+            f.truncate(100)
     with Server(tmp_path / "s", d, serve={"watch_seconds": 0.2}) as s:
         s.wait_for("/readyz")
         status, answer = s.predict([{"I1": 3}])
         assert status == 200 and answer["model_version"] == "v000001", answer
         assert "serving v000001, the version served before v000002, until CURRENT names a version that loads" \
             in s.logs()
+        if damage == "deleted":
+            return
         assert s.metric("mariana_serve_model_load_failures_total") == 1
         (d / ".mended").write_bytes(good)  # its weights put back (whole: a poll never sees half of them); the
         os.replace(d / ".mended", d / "v000002" / checkpoint.WEIGHTS)  # manifest untouched, it was never retried
         wait_for_metric(s, "mariana_serve_model_swaps_total", 1)
         assert s.predict([{"I1": 3}])[1]["model_version"] == "v000002"
-
-
-def test_a_worker_that_starts_after_its_version_was_deleted_serves_the_one_before(model, tmp_path):
-    """The version CURRENT names deleted by hand: a worker (re)started after it answered 503
-    (its siblings served from memory), though the version before it was on disk."""
-    d = tmp_path / "models"
-    shutil.copytree(model, d)
-    shutil.copytree(d / "v000001", d / "v000002")
-    checkpoint.set_current(d, "v000002", reason="promoted")
-    shutil.rmtree(d / "v000002")
-    with Server(tmp_path / "s", d, serve={"watch_seconds": 0.2}) as s:
-        s.wait_for("/readyz")
-        status, answer = s.predict([{"I1": 3}])
-        assert status == 200 and answer["model_version"] == "v000001", answer
-        assert "serving v000001, the version served before v000002, until CURRENT names a version that loads" \
-            in s.logs()
 
 
 def test_a_worker_that_starts_while_current_is_damaged_serves_the_version_last_moved_to(model, tmp_path):

@@ -26,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
@@ -483,8 +484,7 @@ def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
     >>> frame_records(Frame(), categorical=["C1"])
     [{'I1': 3.0, 'C1': 7}, {}]
     """
-    names = [str(c) for c in frame.columns]
-    twice = sorted({c for c in names if names.count(c) > 1}) if len(set(names)) < len(names) else []
+    twice = sorted(c for c, n in Counter(str(c) for c in frame.columns).items() if n > 1)
     if twice:
         raise DataFormatError(f"the DataFrame has {len(twice)} duplicated column name(s): {', '.join(twice[:6])}; "
                               "a row would take one of the columns of each, unsaid: rename or drop the others")

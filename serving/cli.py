@@ -88,7 +88,9 @@ def cmd_model(args: argparse.Namespace) -> int:
     else:
         if args.version:
             raise MarianaError("model rollback takes no VERSION (it goes back to the one served before)")
-        before, reason = _rolled_back_from(model_dir), "rollback"
+        # CURRENT's version even when deleted by hand (the rollback is what is needed then); when it names
+        # none, current_version says why
+        before, reason = checkpoint.named_version(model_dir) or checkpoint.current_version(model_dir), "rollback"
         target = checkpoint.rollback_target(model_dir, before)
         _check_loads(model_dir, target, cfg.serve.tables)
         try:  # from the version the target was worked out for: a move meanwhile is not undone blindly
@@ -106,20 +108,6 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rolled_back_from(model_dir: str) -> str:
-    """The version CURRENT names, even one deleted since (a rollback from it is what is
-    needed then); otherwise current_version's ModelDirError."""
-    from mariana.trainer import checkpoint
-
-    try:
-        return checkpoint.current_version(model_dir)
-    except ModelDirError:
-        named = checkpoint.named_version(model_dir)
-        if named is None:
-            raise
-        return named
-
-
 def _check_loads(model_dir: str, version: str, tables: str) -> None:
     """ModelDirError unless `version` loads as a server loads it (`serving.speech.load_version`,
     one warm prediction included). Reading its manifest and weights was not enough: a manifest
@@ -129,8 +117,7 @@ def _check_loads(model_dir: str, version: str, tables: str) -> None:
     from mariana.serving.speech import load_version
     from mariana.trainer import checkpoint
 
-    checkpoint.require_version(model_dir, version)  # the quick checks first, with their own messages
-    checkpoint.read_manifest(model_dir, version)     # (the weights are read once, by the load)
+    checkpoint.require_version(model_dir, version)  # a name of this dir's versions, in every command's words
     try:
         load_version(model_dir, version, 1, tables)
     except MarianaError:

@@ -178,10 +178,7 @@ def _move_current(d: Path, version: str, reason: str | None, expect: str | None 
     model_dir = d if model_dir is None else model_dir
     if not (d / version).is_dir():  # again, under the lock: a prune may have removed it since
         raise ModelDirError(f"{model_dir}: no version {version!r} (removed meanwhile); CURRENT was left as it is")
-    try:
-        before = current_version(d)
-    except ModelDirError:
-        before = named_version(d)  # a version deleted while it served is still the one moved from
+    before = named_version(d)  # current_version's name, or a version deleted while it served
     if expect is not _ANY and before != expect:
         raise CurrentMoved(f"{model_dir}: CURRENT names {before or 'no version'}, not {expect or 'no version'} "
                            "(another promotion moved it); it was left as it is", before)

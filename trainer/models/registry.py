@@ -8,6 +8,7 @@ torch (~0.7 s of a process's start on a 2-core VM); the DNN's module imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from typing import Callable
@@ -58,18 +59,23 @@ def build_model(cfg, num_fields: int, dense_dim: int, image_dim: int = 0, image_
     gives them a tower of their own (mode 2).
     """
     builder = _builder(cfg.kind)
-    if getattr(builder, "uses_torch", True):
-        import torch
-
-        with torch.random.fork_rng(devices=[]):  # init draws from the global generator: seed a copy of it
-            torch.manual_seed(cfg.seed)
-            model = builder(cfg, num_fields, dense_dim, image_dim, image_tower)
-    else:
+    with _seeded(cfg.seed) if getattr(builder, "uses_torch", True) else contextlib.nullcontext():
         model = builder(cfg, num_fields, dense_dim, image_dim, image_tower)
     if not isinstance(cfg.init_bias, str):  # "auto" is resolved before training; unresolved, it is 0
         bias = dict(dense_params(model))["bias"]
         bias[...] = cfg.init_bias
     return model
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """torch's global generator seeded with `seed` inside (a model's init draws from it), as it
+    was outside."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _builder(kind: str) -> Callable:

@@ -132,6 +132,17 @@ def test_expect_continue_for_a_body_over_the_limit_is_answered_413_at_once(serve
     assert answer.startswith(b"HTTP/1.1 200"), answer
 
 
+@pytest.mark.parametrize("auth, answer", [("", b"401"), (f"Authorization: Bearer {TOKEN}\r\n", b"400")],
+                         ids=["no-token", "token"])
+def test_expect_continue_on_retrain_asks_for_no_body(server, auth, answer):
+    """It takes none: the answer comes at once, never 100 Continue (which came before the
+    token was looked at)."""
+    head = (f"POST /v1/retrain HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n"
+            f"Expect: 100-continue\r\n{auth}\r\n").encode()
+    got, _ = raw(server, head, wait=3)
+    assert got.startswith(b"HTTP/1.1 " + answer) and b"100 Continue" not in got, got
+
+
 @pytest.mark.parametrize("tail", [b"5\r\n" + BODY + b"\r\n0\r\n\r\n", b"zz\r\n{}\r\n0\r\n\r\n"],
                          ids=["chunk-size-lies", "chunk-size-not-hex"])
 def test_a_broken_chunked_stream_after_the_head_is_400_at_once(server, tail):

@@ -263,8 +263,15 @@ def _record_move(d: Path, before: str | None, version: str, reason: str) -> None
 
 
 def promotions(model_dir: str | os.PathLike) -> list[dict]:
-    """The recorded moves of CURRENT, oldest first (unreadable lines are skipped)."""
-    return [rec for rec in _json_lines(Path(model_dir) / PROMOTIONS) if "to" in rec]
+    """The recorded moves of CURRENT, oldest first. Unreadable lines are skipped, and so are
+    lines whose `to` is no version name or whose `from` is neither one nor null: a `from`
+    of 5 made a rollback a TypeError, and one of escape codes went into its warning raw."""
+    return [rec for rec in _json_lines(Path(model_dir) / PROMOTIONS) if _named(rec.get("to"))
+            and (rec.get("from") is None or _named(rec["from"]))]
+
+
+def _named(value) -> bool:
+    return isinstance(value, str) and VERSION_RE.match(value) is not None
 
 
 def decisions(model_dir: str | os.PathLike) -> list[dict]:

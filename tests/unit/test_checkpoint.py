@@ -295,6 +295,21 @@ def test_a_rollback_passes_over_a_removed_version_and_never_lands_on_one_never_s
         checkpoint.rollback_target(d)
 
 
+@pytest.mark.parametrize("damaged", ['{"from": 5, "to": "v000003", "reason": "promoted"}',
+                                     '{"from": ["v000001"], "to": "v000003", "reason": "promoted"}',
+                                     '{"from": "\\u001b[31mv9\\n", "to": "v000003", "reason": "promoted"}',
+                                     '{"from": "v000002", "to": {"v": 1}, "reason": "promoted"}'],
+                         ids=["int", "list", "escapes", "to-object"])
+def test_a_damaged_line_of_the_record_is_skipped(tmp_path, caplog, damaged):
+    """A `from` of 5 made a rollback a TypeError; one of escape codes went into its warning raw."""
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"), ("v000002", "promoted"), ("v000003", "promoted"))
+    with open(d / checkpoint.PROMOTIONS, "a") as f:
+        f.write(damaged + "\n")
+    assert checkpoint.rollback_target(d) == "v000002" and caplog.text == ""
+    assert [p["to"] for p in checkpoint.promotions(d)] == ["v000001", "v000002", "v000003"]
+
+
 def test_a_move_to_a_version_removed_while_it_waited_for_the_lock_is_refused(tmp_path):
     """set_current checked the version before taking the dir's lock: a prune holding the lock
     could remove it meanwhile, and CURRENT then named no version."""

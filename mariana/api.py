@@ -35,7 +35,7 @@ import numpy as np
 
 from mariana.sparse.errors import ConfigError, DataFormatError, MarianaError
 from mariana.sparse.parse import WHOLE_LIMIT
-from mariana.sparse.settings import from_dict
+from mariana.sparse.settings import from_dict, shown
 from mariana.trainer.config import JobConfig
 from mariana.trainer.config import load_config as _load_job_config
 
@@ -254,7 +254,8 @@ def _path(name: str, value: Any) -> str:
 
 
 def _shown(value: Any) -> str:
-    return repr(value) if isinstance(value, (int, float, bool, type(None))) else f"a {type(value).__name__}"
+    """A scalar as `shown` gives it (10**5000 was a ValueError from repr), else its type."""
+    return shown(value) if isinstance(value, (int, float, bool, type(None))) else f"a {type(value).__name__}"
 
 
 def data_paths(data: Data | None, what: str = "data") -> list[str]:

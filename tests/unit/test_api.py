@@ -283,6 +283,7 @@ def test_bad_input_raises_the_error_the_cli_prints(trained, gen_files, tmp_path)
     (lambda: mariana.load(None), ConfigError, r"model_dir: expected a path \(str or os.PathLike\), got None"),
     (lambda: mariana.train(__file__, out=123), ConfigError, r"out: expected a path \(str or os.PathLike\), got 123"),
     (lambda: mariana.load(__file__, 1), ConfigError, r"version: expected a version name such as 'v000001', got 1"),
+    (lambda: mariana.load(__file__, 10 ** 5000), ConfigError, r"got an integer of more than 4,300 digits"),
     (lambda: mariana.train(np.zeros(3)), MarianaError, "data: expected data paths, got ndarray: training and"),
     (lambda: mariana.train((p for p in [{"I1": 1}])), MarianaError, "data: a list of dicts is rows, not data paths"),
 ])

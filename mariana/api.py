@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
 import numpy as np
 
 from mariana.sparse.errors import ConfigError, DataFormatError, MarianaError
-from mariana.sparse.parse import WHOLE_LIMIT
 from mariana.sparse.settings import from_dict, shown
 from mariana.trainer.config import JobConfig
 from mariana.trainer.config import load_config as _load_job_config
@@ -472,36 +471,47 @@ def _is_path_list(rows: Any) -> bool:
 
 def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
     """A DataFrame's rows as the dicts `parse_records` takes: missing values (NaN, None,
-    pandas' NA and NaT) left out, numpy scalars as Python numbers, and a whole float in
-    a `categorical` field (an id or hour column) as its integer (an integer column with
-    gaps is float64), as a Parquet file's is read (`sparse.parse._as_text`: past 2^63, the
-    float's text). Duplicated column names are a DataFormatError (pandas would keep the
-    last column of each name and say so once, in a warning).
+    pandas' NA and NaT) left out, numpy scalars as Python numbers. A `categorical` column
+    (an id or hour column) of floats or booleans is read as a Parquet file's is
+    (`sparse.parse._as_text`, on the whole column: a whole float is its integer, as in an
+    integer column with gaps, which is float64; any other float its shortest text; a
+    boolean true or false). Duplicated column names are a DataFormatError (pandas would
+    keep the last column of each name and say so once, in a warning).
 
-    >>> class Frame:  # what pandas gives for a frame with gaps
-    ...     columns = ["I1", "C1"]
-    ...     def to_dict(self, orient):
-    ...         return [{"I1": np.float64(3.0), "C1": np.float64(7.0)}, {"I1": float("nan"), "C1": None}]
-    >>> frame_records(Frame(), categorical=["C1"])
-    [{'I1': 3.0, 'C1': 7}, {}]
+    >>> import pandas as pd
+    >>> frame_records(pd.DataFrame({"I1": [3.0, None], "C1": [7.0, None], "C2": [0.25, 1e20]}), ["C1", "C2"])
+    [{'I1': 3.0, 'C1': b'7', 'C2': b'0.25'}, {'C2': b'1e+20'}]
     """
     twice = sorted(c for c, n in Counter(str(c) for c in frame.columns).items() if n > 1)
     if twice:
         raise DataFormatError(f"the DataFrame has {len(twice)} duplicated column name(s): {', '.join(twice[:6])}; "
                               "a row would take one of the columns of each, unsaid: rename or drop the others")
-    cats = set(categorical)
+    dtypes = getattr(frame, "dtypes", None)  # a frame-like object without them: value by value
+    typed = {c: _typed_column(frame[c]) for c in frame.columns
+             if c in set(categorical) and dtypes is not None and getattr(dtypes[c], "kind", "") in ("f", "b")}
+    typed = {c: texts for c, texts in typed.items() if texts is not None}
     out = []
-    for rec in frame.to_dict("records"):
+    for i, rec in enumerate(frame.to_dict("records")):
         row = {}
         for key, value in rec.items():
-            value = _plain(value)
-            if value is None:
-                continue
-            if key in cats and isinstance(value, float) and value.is_integer():
-                value = int(value) if abs(value) < WHOLE_LIMIT else repr(value)
-            row[key] = value
+            value = typed[key][i] if key in typed else _plain(value)
+            if value is not None:
+                row[key] = value
         out.append(row)
     return out
+
+
+def _typed_column(column: Any) -> list | None:
+    """A float or boolean column's values as the bytes a Parquet column of them hashes to
+    (None: missing); None when Arrow cannot take it (its values then go one by one)."""
+    import pyarrow as pa
+
+    from mariana.sparse.parse import _as_text
+
+    try:
+        return _as_text(pa.array(column)).to_pylist()
+    except (pa.ArrowException, TypeError, ValueError):  # an odd extension dtype: value by value, as any other
+        return None
 
 
 def _plain(value: Any) -> Any:

@@ -25,8 +25,12 @@ _ANY = {"description": "Any value: a field the model does not know is ignored an
 _MAX_DOUBLE = 1.7976931348623157e308
 # A field's rule (sparse/records.py). OpenAPI 3.0 has no null type: `nullable` says a
 # field may be null (missing, as an empty cell in a file).
-_CATEGORICAL = {"anyOf": [{"type": "string"}, {"type": "integer"}], "nullable": True,
-                "description": "Categorical: text, or an integer taken as its decimal text; null or \"\" is missing."}
+_CATEGORICAL = {"anyOf": [{"type": "string"}, {"type": "integer"},
+                          {"type": "number", "minimum": -_MAX_DOUBLE, "maximum": _MAX_DOUBLE}, {"type": "boolean"}],
+                "nullable": True,
+                "description": "Categorical: text, or an integer taken as its decimal text; a boolean or a float as a "
+                               "Parquet column of them is read (true, false; a whole float as its integer, any other "
+                               "its shortest text); null or \"\" is missing."}
 _NUMERIC = {"anyOf": [{"type": "number", "minimum": -_MAX_DOUBLE, "maximum": _MAX_DOUBLE},
                       {"type": "string", "format": "number-text", "pattern": NUMBER_RE},
                       {"type": "string", "maxLength": 0}],

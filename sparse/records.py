@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mariana.sparse.parse import HOUR_RE, NUMBER_RE, Chunk, _parse_hour, _split_hour
+from mariana.sparse.parse import HOUR_RE, NUMBER_RE, WHOLE_LIMIT, Chunk, _as_text, _parse_hour, _split_hour
 from mariana.sparse.schema import Schema
 
 # The parser's patterns, anchored for re.fullmatch ('$' would also match before a final newline).
@@ -191,7 +191,21 @@ def _text(field: str, v) -> bytes:
             return str(int(v)).encode()
         except ValueError:  # past Python's int -> text limit (4,300 digits)
             raise _Bad(f"{field} is an integer of more than 4,300 digits") from None
-    raise _Bad(f"{field} must be text or an integer, got {_kind(v)}")
+    if isinstance(v, (bool, float, np.bool_, np.floating)):
+        return typed_text(v)
+    raise _Bad(f"{field} must be text, a number or a boolean, got {_kind(v)}")
+
+
+def typed_text(v) -> bytes:
+    """A boolean or float id as a Parquet column of them is hashed (`parse._as_text`, the
+    same function): true/false, a whole float as its integer, NaN missing (b""), any other
+    float its shortest text. The same value is the same id from a file, a DataFrame and JSON.
+
+    >>> [typed_text(v) for v in (True, 7.0, 0.25, float("nan"), np.float32(0.1), 3e10 + 17)]
+    [b'true', b'7', b'0.25', b'', b'0.1', b'30000000017']
+    """
+    text = _as_text(pa.array([v])).to_pylist()[0]
+    return b"" if text is None else text
 
 
 def _number(field: str, v) -> float:
@@ -221,8 +235,10 @@ def _number(field: str, v) -> float:
 
 def _hour_text(field: str, v) -> bytes:
     """YYMMDDHH as 8 digits; whether it names a date is checked for the batch at once."""
-    if isinstance(v, int) and not isinstance(v, bool):
-        v = str(v)
+    if isinstance(v, (float, np.floating)) and float(v).is_integer() and abs(v) < WHOLE_LIMIT:
+        v = int(v)  # an hour column with gaps is float64, as a Parquet file's is read
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        v = str(int(v))
     elif isinstance(v, bytes):
         v = v.decode("utf-8", "replace")
     if v is None:

@@ -142,9 +142,35 @@ def test_frames_with_duplicated_columns_float_ids_or_float_hours_and_numpy_overr
     floats.columns = ["hour", "C1"]
     floats.to_dict = lambda orient: [{"hour": np.float64(14102100.0), "C1": np.float64(30_000_000_017.0)},
                                      {"hour": math.nan, "C1": 1e20}]
-    assert api.frame_records(floats, ["hour", "C1"]) == [{"hour": 14102100, "C1": 30_000_000_017}, {"C1": "1e+20"}]
+    assert api.frame_records(floats, ["hour", "C1"]) == [{"hour": 14102100.0, "C1": 30_000_000_017.0}, {"C1": 1e20}]
     cfg = mariana.load_config(epochs=np.int64(2), **{"optim.lr": np.float32(0.05), "model.hidden": np.array([8, 4])})
     assert (cfg.train.epochs, cfg.optim.lr, cfg.model.hidden) == (2, 0.05, [8, 4])
+
+
+def test_boolean_and_float_ids_score_alike_from_parquet_a_dataframe_and_dicts(tmp_path):
+    """A model trained on a Parquet file of boolean and float id columns (Arrow hashes
+    them as text: true, 0.25) refused the same values from a DataFrame, from dicts and over
+    HTTP ("must be text or an integer"); a float32 column's 0.1 is its own shortest text."""
+    pd = pytest.importorskip("pandas", reason="pandas is not a dependency; this test is about DataFrames")
+    rng = np.random.default_rng(0)
+    flag = rng.random(2000) < 0.5
+    price = rng.choice([0.25, 1.5, 7.0, 2e20], 2000)
+    size = rng.choice(np.float32([0.1, 0.3]), 2000)
+    odds = np.where(flag, 0.5, 0.05) * np.where(price == 0.25, 1.6, 1) * np.where(size > 0.2, 1.5, 1)
+    click = rng.random(2000) < odds
+    frame = pd.DataFrame({"y": click.astype(int), "flag": flag, "price": price, "size": size})
+    frame.loc[3, "price"] = np.nan
+    frame.to_parquet(tmp_path / "d.parquet")
+    schema = {"format": "csv", "data.schema.columns": ["y", "flag", "price", "size"], "data.schema.label": "y",
+              "data.schema.numeric": [], "data.schema.categorical": ["flag", "price", "size"]}
+    model = mariana.train(str(tmp_path / "d.parquet"), out=str(tmp_path / "m"), bits=BITS, **schema).load()
+    want = model.predict(str(tmp_path / "d.parquet"))
+    assert np.ptp(want) > 0.2  # the ids were learned apart, not all one id
+    np.testing.assert_allclose(model.predict(frame.drop(columns="y")), want, rtol=0, atol=1e-6)
+    dicts = [{"flag": bool(f), "price": float(p), "size": float(str(z))}  # what JSON gives: 0.1, not float32's
+             for f, p, z in zip(flag, frame["price"], size)]
+    del dicts[3]["price"]  # the NaN: missing
+    np.testing.assert_allclose(model.predict(dicts), want, rtol=0, atol=1e-6)
 
 
 # ---- loading, configs, warm start -----------------------------------------------------

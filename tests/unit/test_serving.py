@@ -235,13 +235,13 @@ def test_unknown_fields_are_counted_not_refused(predictor):
 def test_answer_batch_answers_each_body_in_its_encoding(predictor):
     items = [(codec.encode({"instances": rows(2)}, J), J),
              (b"{oops", J),
-             (codec.encode({"instances": [{"C1": True}]}, M), M),
+             (codec.encode({"instances": [{"C1": [True]}]}, M), M),
              (codec.encode({"instances": rows(1), "meta": 1}, M), M)]
     a = answer_batch(predictor, items, max_instances=100)
     assert [x.status for x in a] == [200, 400, 400, 200]
     assert json.loads(a[0].body)["model_version"] == predictor.version and len(json.loads(a[0].body)["pctr"]) == 2
     assert "not valid JSON" in json.loads(a[1].body)["error"]
-    assert msgpack.unpackb(a[2].body)["error"] == "instances[0]: C1 must be text or an integer, got a boolean"
+    assert msgpack.unpackb(a[2].body)["error"] == "instances[0]: C1 must be text, a number or a boolean, got an array"
     assert len(msgpack.unpackb(a[3].body)["pctr"]) == 1 and a[3].unknown_fields == 1
     assert (a[0].instances, a[3].instances) == (2, 1)
 

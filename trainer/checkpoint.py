@@ -195,10 +195,15 @@ def _move_current(d: Path, version: str, reason: str | None, expect: str | None 
     # CURRENT has moved: from here on nothing undoes it, and what fails is a warning
     _sync_after_rename(d, f"CURRENT moved {before} -> {version}")
     if reason is not None and before != version:
-        missing = _unrecorded_move(promotions(d), before)
+        moves = promotions(d)
+        missing = _unrecorded_move(moves, before)
         if missing is not None:  # killed before its line, a line a full disk refused, CURRENT edited by hand
             _record_move(d, *missing)
-        _record_move(d, before, version, reason)
+        # CURRENT missing or garbled (a path, NUL bytes): the servers served the version it was
+        # last moved to (serving/watch.py), and a rollback from this move goes back to that
+        served = before if before is not None or not moves else moves[-1]["to"]
+        if served != version:
+            _record_move(d, served, version, reason)
     return before
 
 

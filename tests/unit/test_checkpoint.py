@@ -310,6 +310,23 @@ def test_a_damaged_line_of_the_record_is_skipped(tmp_path, caplog, damaged):
     assert [p["to"] for p in checkpoint.promotions(d)] == ["v000001", "v000002", "v000003"]
 
 
+@pytest.mark.parametrize("current", ["/srv/models/ctr/v000002\n", None], ids=["a-path", "removed"])
+def test_a_move_from_a_garbled_current_records_the_version_served(tmp_path, current):
+    """CURRENT holding a path (or gone): servers serve the version it was last moved to, but
+    the move recorded `from: null`, and a rollback went to v000001, not to that v000002."""
+    d = tmp_path / "m"
+    moved(d, ("v000001", "trained"), ("v000002", "promoted"))
+    checkpoint.save_version(d, {"model": {}}, WEIGHTS, make_current=False)
+    if current is None:
+        (d / "CURRENT").unlink()
+    else:
+        (d / "CURRENT").write_text(current)
+    checkpoint.set_current(d, "v000003", reason="promoted")
+    assert checkpoint.promotions(d)[-1]["from"] == "v000002" and checkpoint.rollback_target(d) == "v000002"
+    checkpoint.set_current(d, "v000002", reason="rollback")
+    assert checkpoint.rollback_target(d) == "v000001"
+
+
 def test_a_move_to_a_version_removed_while_it_waited_for_the_lock_is_refused(tmp_path):
     """set_current checked the version before taking the dir's lock: a prune holding the lock
     could remove it meanwhile, and CURRENT then named no version."""

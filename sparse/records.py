@@ -235,8 +235,8 @@ def _number(field: str, v) -> float:
 
 def _hour_text(field: str, v) -> bytes:
     """YYMMDDHH as 8 digits; whether it names a date is checked for the batch at once."""
-    if isinstance(v, (float, np.floating)) and float(v).is_integer() and abs(v) < WHOLE_LIMIT:
-        v = int(v)  # an hour column with gaps is float64, as a Parquet file's is read
+    if isinstance(v, (float, np.floating)) and (math.isnan(v) or float(v).is_integer() and abs(v) < WHOLE_LIMIT):
+        v = None if math.isnan(v) else int(v)  # an hour column with gaps is float64, as a Parquet file's is read
     if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
         v = str(int(v))
     elif isinstance(v, bytes):

@@ -171,11 +171,11 @@ class CoordinatorAPI:
     async def http_submit(self, request: web.Request) -> web.Response:
         self.authorize(request)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return bad_request("the body must be a JSON object")
-        except RecursionError:
-            return bad_request("the body is not valid JSON: it nests too deeply")
+            body = _json_body(await request.read(), request.charset)
+        except web.RequestPayloadError as e:  # a Content-Encoding the body is not in: was a 500
+            return bad_request(f"the body cannot be read: {e} (its Content-Encoding says what it is not in)")
+        except ValueError as e:
+            return bad_request(str(e))
         checked = None
         try:
             # the files are probed on the loader's host (data_via_loader), or here off the loop
@@ -282,3 +282,31 @@ def brief_summary(summary: dict) -> dict:
         return summary
     record = {k: v for k, v in summary["record"].items() if not isinstance(v, (list, dict))}
     return {**summary, "record": record, "brief": True}
+
+
+def _json_body(raw: bytes, charset: str | None) -> object:
+    """A request body as JSON; ValueError saying what is wrong with it (a charset no codec
+    has, bytes not in it, text that is no JSON: the first was a 500, the last said only
+    "must be a JSON object").
+
+    >>> _json_body(b'{"data": [1', None)
+    Traceback (most recent call last):
+    ...
+    ValueError: the body is not valid JSON: Expecting ',' delimiter: line 1 column 12 (char 11)
+    >>> _json_body(b'{}', "foo")
+    Traceback (most recent call last):
+    ...
+    ValueError: the body's charset 'foo' is not one this server knows: send UTF-8 JSON
+    """
+    try:
+        text = raw.decode(charset or "utf-8")
+    except LookupError:
+        raise ValueError(f"the body's charset {charset[:40]!r} is not one this server knows: send UTF-8 JSON") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the body is not {charset or 'UTF-8'} text (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("the body is not valid JSON: it nests too deeply") from None

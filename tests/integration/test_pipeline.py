@@ -3,6 +3,7 @@ ZeroMQ sockets on loopback: exactly-once counts under failures, quality
 against local mode, the training modes, and the CLI around it."""
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import shutil
@@ -513,14 +514,22 @@ def test_bad_job_requests_are_refused_with_400_or_401(data, tmp_path):
             code, reply = c.request("POST", "/v1/jobs", body)
             assert code == 400 and named in reply["error"], (body, code, reply)
         # below the JSON: a body nested past Python's recursion limit, credentials in bytes
-        # that are no UTF-8 (each was a 500)
+        # that are no UTF-8, a charset no codec has, a body not in its Content-Encoding (each
+        # was a 500), text that is no JSON (it said "must be a JSON object")
         url = urllib.parse.urlsplit(c.info["http"])
-        for body, headers, want in ((b"[" * 5000 + b"]" * 5000, {"Authorization": f"Bearer {c.info['token']}"}, 400),
-                                    (b"{}", {"Authorization": b"Bearer s3cr\xe9t"}, 401)):
+        auth = {"Authorization": f"Bearer {c.info['token']}"}
+        for body, headers, want, says in (
+                (b"[" * 5000 + b"]" * 5000, auth, 400, "nests too deeply"),
+                (b"{}", {"Authorization": b"Bearer s3cr\xe9t"}, 401, "token"),
+                (b"{}", {**auth, "Content-Type": "application/json; charset=foo"}, 400, "charset 'foo'"),
+                (b"not gzip", {**auth, "Content-Encoding": "gzip"}, 400, "the body cannot be read"),
+                (gzip.compress(b"{}"), {**auth, "Content-Encoding": "deflate"}, 400, "the body cannot be read"),
+                (b'{"data": [1', auth, 400, "the body is not valid JSON: Expecting")):
             conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
             conn.request("POST", "/v1/jobs", body, {"Content-Type": "application/json", **headers})
             answer = conn.getresponse()
-            assert answer.status == want, (answer.status, answer.read())
+            got = answer.read()
+            assert answer.status == want and says in json.loads(got)["error"], (answer.status, got)
             conn.close()
         code, reply = c.request("GET", "/v1/jobs/nope")
         assert code == 404

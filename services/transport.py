@@ -360,34 +360,52 @@ class _Monitor:
 class ConnectionWatch(_Monitor):
     """ZeroMQ's events of one socket's connection, to tell a peer that is not there from one
     whose handshake fails: a CURVE key that differs fails the handshake without a word to
-    either side, and a request just times out. The last handshake counts: a peer restarted
-    with another key fails it after earlier ones succeeded."""
+    either side, and a request just times out. The last handshakes count: a peer restarted
+    with another key fails them after earlier ones succeeded. A NO_DETAIL failure is taken for
+    a key only when FAILURES of them come in a row, each on a connection its port took: a peer
+    that dies in its start-up fails one handshake, and then its port refuses connections (that
+    was blamed on a curve_key nobody had set, and the service exited for good, 78)."""
 
-    EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    FAILURES = 3
 
     def __init__(self, ctx: zmq.asyncio.Context, sock: zmq.Socket):
         super().__init__(ctx, sock, self.EVENTS)
-        self.connected, self.last = False, ""
+        self.connected, self.last, self.failures, self.retried = False, "", 0, False
 
     def _read(self) -> None:
         for event in self.events():
             name = zmq.Event(event["event"]).name
+            if name == "CONNECT_RETRIED":  # after each failed handshake too; twice in a row: its port refuses
+                if self.retried:
+                    self.connected, self.last, self.failures = False, "", 0
+                self.retried = True
+                continue
+            self.retried = False
             if name == "CONNECTED":
                 self.connected = True
             else:
                 self.last = name
+                self.failures = self.failures + 1 if name.startswith("HANDSHAKE_FAILED") else 0
 
     @property
     def handshake_failed(self) -> bool:
-        """The last handshake failed (as of the last `trouble`)."""
-        return self.last.startswith("HANDSHAKE_FAILED")
+        """The handshake fails for good (as of the last `trouble`): a PROTOCOL or AUTH failure
+        (one side without a key: ZeroMQ does not try again), or FAILURES in a row of
+        NO_DETAIL (a key that differs: the peer just hangs up, each time)."""
+        return self.last in ("HANDSHAKE_FAILED_PROTOCOL", "HANDSHAKE_FAILED_AUTH") or self.failures >= self.FAILURES
 
     def trouble(self) -> str | None:
         self._read()
         if self.handshake_failed:
-            return (f"the ZeroMQ handshake with it fails ({self.last}): cluster.curve_key differs between "
-                    "this host's config and its, or only one of them sets it")
+            return (f"the ZeroMQ handshake with it fails ({self.last}, {self.failures} times in a row): "
+                    + ("cluster.curve_key differs between this host's config and its, or it sets none"
+                       if _CURVE is not None else "it sets a cluster.curve_key and this host's config sets none")
+                    + ", or it is no Mariana service")
+        if self.last.startswith("HANDSHAKE_FAILED"):
+            return f"a ZeroMQ handshake with it failed ({self.last}): it may be starting or stopping"
         if self.last == "HANDSHAKE_SUCCEEDED":
             return None
         if self.connected:

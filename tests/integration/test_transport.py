@@ -304,3 +304,33 @@ def test_a_taken_port_says_who_holds_it():
         sock.close(linger=0)
         ctx.term()
         held.close()
+
+
+def test_one_failed_handshake_of_a_peer_that_then_goes_away_is_not_taken_for_a_key():
+    """A coordinator that died in its start-up failed one handshake, then its port refused:
+    the worker blamed a cluster.curve_key nobody had set and exited 78 for good. A peer that
+    hangs up on every handshake (as one with another key does) still is taken for one."""
+    import socket
+
+    async def body(hangups: int):
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        ctx = zmq.asyncio.Context()
+        client = Client(ctx, f"tcp://127.0.0.1:{port}", Counter(), timeout=1.0, watch=True)
+        try:
+            for _ in range(hangups):  # takes the connection, then hangs up mid-handshake
+                conn, _ = await asyncio.to_thread(listener.accept)
+                conn.close()
+            if hangups == 1:
+                listener.close()  # gone: its port refuses from now on
+            await asyncio.sleep(1.0)
+            return client.trouble(), client.watcher.handshake_failed
+        finally:
+            listener.close()
+            client.close()
+            ctx.destroy(linger=0)
+
+    why, failed = run(body(1))
+    assert not failed and "curve_key" not in why, why
+    why, failed = run(body(5))
+    assert failed and "it sets a cluster.curve_key and this host's config sets none" in why, why

@@ -26,6 +26,7 @@ import time
 
 from mariana.services import launcher
 from mariana.services.runtime import procs
+from mariana.sparse.errors import MarianaError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: self.stopping.set())
         state = self.state()
+        other = state.get("supervisor") or {}
+        if other.get("pid") not in (None, os.getpid()) and launcher._alive(other):  # `down` stops only the one
+            raise MarianaError(f"{self.root}: a supervisor already watches this cluster (pid "  # recorded
+                               f"{other['pid']}); a second one would restart what `down` stops")
         state["supervisor"] = {"pid": os.getpid(), "start": procs.start_time(os.getpid())}
         unsaved = self.save(state, None)  # why cluster.json could not be written (said once; tried each tick)
         env = launcher._child_env()

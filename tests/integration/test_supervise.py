@@ -173,3 +173,30 @@ def test_a_full_disk_does_not_stop_the_supervisor_restarting(tmp_path):
     assert out["supervisor_alive"] and out["worker"], out
     assert not out["worker_left_running"], out  # `down` stopped the worker restarted while cluster.json was stale
     assert "cannot write cluster.json" in out["log"], out["log"]
+
+
+def test_a_second_supervisor_of_a_cluster_is_refused(tmp_path):
+    """It overwrote the first one's record: `down` stopped only the second, and the first
+    restarted the services `down` was stopping, left running after it."""
+    from mariana.services.runtime import procs
+    from tests.conftest import run_cli
+
+    (tmp_path / "logs").mkdir()
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        launcher._save_state({"dir": str(tmp_path), "services": [], "redis": None,
+                              "supervisor": {"pid": first.pid, "start": procs.start_time(first.pid)}})
+        proc = run_cli("supervise", "--dir", tmp_path)
+        assert proc.returncode == 2 and f"a supervisor already watches this cluster (pid {first.pid})" in proc.stderr
+        assert launcher._load_state(str(tmp_path))["supervisor"]["pid"] == first.pid  # its record stands
+    finally:
+        first.kill()
+        first.wait()
+    launcher._save_state({**launcher._load_state(str(tmp_path)), "dir": str(tmp_path)})  # the first one gone:
+    proc = subprocess.Popen([sys.executable, "-m", "mariana.services.cli", "supervise", "--dir", str(tmp_path)])
+    deadline = time.monotonic() + 20  # a new one takes over
+    while launcher._load_state(str(tmp_path))["supervisor"]["pid"] != proc.pid:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.terminate()
+    assert proc.wait(10) == 0

@@ -166,9 +166,12 @@ class TrainConfig:
             raise ConfigError(f"train.ramp_steps must be a number of steps >= 0 or 'auto', got {self.ramp_steps!r}")
         if isinstance(self.batch_size, int) and self.batch_size > MAX_BATCH:
             raise ConfigError(f"train.batch_size must be at most {MAX_BATCH:,} rows, got {self.batch_size:,}")
-        if (self.batch_size != AUTO and self.batch_size < 1) or self.prefetch < 1 or self.threads < 0 or (
-                self.epochs != AUTO and self.epochs < 1):
-            raise ConfigError("train.epochs, train.batch_size and train.prefetch must be >= 1, train.threads >= 0")
+        for key, low in (("epochs", 1), ("batch_size", 1), ("prefetch", 1), ("threads", 0)):
+            value = getattr(self, key)
+            if value != AUTO and value < low:  # it said all four keys, not which one
+                raise ConfigError(f"train.{key} must be >= {low}, got {value}")
+        if self.threads > MAX_THREADS:  # a worker took 2,000 threads, and kept them after the job
+            raise ConfigError(f"train.threads must be at most {MAX_THREADS} (0: every CPU), got {self.threads:,}")
         if not 0.0 <= self.valid_fraction < 1.0:
             raise ConfigError(f"train.valid_fraction must be in [0, 1), got {self.valid_fraction}")
         if self.patience < 1 or self.max_epochs < 1:

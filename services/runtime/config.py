@@ -43,6 +43,10 @@ ROLES = ("coordinator", "loader", "preprocess", "worker", "ps")
 METRICS_OFFSETS = {"loader": 3, "ps": 200, "preprocess": 300, "worker": 400}
 
 
+MAX_SERVICES = 4096  # processes of one role in a cluster
+MAX_THREADS = 1024  # threads of one process (trainer/config.py's)
+
+
 @dataclass
 class ClusterSection:
     dir: str = "~/.mariana/cluster"     # state of a local cluster: pids, logs, checkpoints
@@ -130,8 +134,8 @@ class PreprocessConfig:
     metrics_ports: list[int] = field(default_factory=list)  # /metrics of each instance; [] : none
 
     def __post_init__(self) -> None:
-        if self.threads < 1:
-            raise ConfigError(f"preprocess.threads must be >= 1, got {self.threads}")
+        if not 1 <= self.threads <= MAX_THREADS:
+            raise ConfigError(f"preprocess.threads must be in 1..{MAX_THREADS}, got {self.threads:,}")
 
 
 @dataclass
@@ -146,6 +150,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.pipeline < 0:
             raise ConfigError(f"worker.pipeline must be >= 0, got {self.pipeline}")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise ConfigError(f"worker.threads must be in 0..{MAX_THREADS} (0: the job's train.threads), "
+                              f"got {self.threads:,}")
         if not 1 <= self.lease_batches <= MAX_LEASE:
             raise ConfigError(f"worker.lease_batches must be in [1, {MAX_LEASE}], got {self.lease_batches}")
 
@@ -190,8 +197,9 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         for role in ("preprocess", "worker", "ps"):
-            if getattr(self, role).count < 1:
-                raise ConfigError(f"{role}.count must be >= 1")
+            count = getattr(self, role).count
+            if not 1 <= count <= MAX_SERVICES:  # 100,000 was "too many open files" from `up`, naming no key
+                raise ConfigError(f"{role}.count must be in 1..{MAX_SERVICES:,}, got {count:,}")
         self.check_ranges()
         self.derive_endpoints()
 

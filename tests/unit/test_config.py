@@ -169,6 +169,8 @@ def test_cluster_and_job_configs_take_only_their_own_environment_sections():
     ("coordinator.http_port", 99999, "coordinator.http_port must be in 0..65535, got 99999"),
     ("worker.metrics_ports", [9100, 70000], "worker.metrics_ports must be in 0..65535, got 70000"),
     ("cache.max_bytes", -1, "cache.max_bytes must be >= 0, got -1"),
+    ("worker.threads", 5000, "worker.threads must be in 0..1024 (0: the job's train.threads), got 5,000"),
+    ("ps.count", 100_000, "ps.count must be in 1..4,096, got 100,000"),  # was "too many open files" from `up`
 ])
 def test_cluster_times_ports_and_sizes_out_of_range_name_the_key(key, value, says):
     """A negative lease had every batch lapse at once and trained nothing; a port past 65535
@@ -188,6 +190,9 @@ def test_cluster_times_ports_and_sizes_out_of_range_name_the_key(key, value, say
     ({"optim.lr": 10 ** 400}, "optim.lr: expected a number within a float's range (1.8e308), got a 401-digit"),
     ({"data.parse_workers": 10 ** 9}, "data.parse_workers must be in 1..1024, got 1000000000"),
     ({"images.tower": 10 ** 9}, "images.tower must be in 1..16,384, got 1000000000"),
+    ({"train.threads": 2000}, "train.threads must be at most 1024 (0: every CPU), got 2,000"),
+    ({"train.prefetch": 0}, "train.prefetch must be >= 1, got 0"),
+    ({"train.batch_size": 0}, "train.batch_size must be >= 1, got 0"),
     ({"train.max_epochs": 10 ** 7}, "train.max_epochs must be at most 1,000,000"),
     ({"model.embed_dim": 10 ** 8}, "model.embed_dim, model.hidden and model.slots must be at most 16,384"),
     ({"optim.lr": float("inf")}, "optim.lr must be a finite number, got inf"),

@@ -25,6 +25,7 @@ import glob
 import os
 from dataclasses import dataclass, field
 
+from mariana.services.runtime.auth import check_token
 from mariana.services.runtime.model_events import CHANNEL
 from mariana.services.runtime.redis_url import check_redis_url
 from mariana.sparse.errors import ConfigError
@@ -62,6 +63,7 @@ class ServeSection:
                                         # from redis_url's creative cache into the table (0: never)
 
     def __post_init__(self) -> None:
+        check_token(self.token, "serve.token")
         for key in ("max_body_bytes", "max_instances", "batch_requests"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"serve.{key} must be >= 1, got {getattr(self, key)}")

@@ -26,6 +26,24 @@ def bearer_ok(header: str | None, token: str) -> bool:
                                                               token.encode())
 
 
+def check_token(token: str, key: str) -> None:
+    """ConfigError for a token no client can send as configured: space or a line break
+    around it (a header's value is stripped: " s3cret " locked everyone out, `mariana train`
+    with the same config included, and "   " passed for a token on a public address), or
+    a control character in it.
+
+    >>> check_token(" s3cret ", "coordinator.token")
+    Traceback (most recent call last):
+    mariana.sparse.errors.ConfigError: coordinator.token has white space around it ...
+    """
+    if token != token.strip():
+        raise ConfigError(f"{key} has white space around it (' s3cret ' or only spaces): a header's value is "
+                          "stripped, so no client could send it; remove it")
+    if any(ord(c) < 32 or ord(c) == 127 for c in token):
+        raise ConfigError(f"{key} holds a control character (a line break, a tab): no client could send it "
+                          "in a header")
+
+
 def is_loopback(host: str) -> bool:
     """
     >>> [is_loopback(h) for h in ("127.0.0.1", "127.0.0.9", "::1", "localhost", "0.0.0.0", "", "10.0.0.5")]

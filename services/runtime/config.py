@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from mariana.services.protocol import MAX_LEASE
+from mariana.services.runtime.auth import check_token
 from mariana.sparse.errors import ConfigError
 from mariana.sparse.settings import load_settings
 
@@ -118,6 +119,9 @@ class CoordinatorConfig:
     model_dirs: list[str] = field(default_factory=list)  # shown in the web UI besides the jobs' own
     data_via_loader: bool = False       # a job's files are only on the loader's host: check, validation and
                                         # test files are read there (services/remote_inputs.py)
+
+    def __post_init__(self) -> None:
+        check_token(self.token, "coordinator.token")
 
 
 @dataclass

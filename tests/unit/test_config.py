@@ -170,6 +170,9 @@ def test_cluster_and_job_configs_take_only_their_own_environment_sections():
     ("worker.metrics_ports", [9100, 70000], "worker.metrics_ports must be in 0..65535, got 70000"),
     ("cache.max_bytes", -1, "cache.max_bytes must be >= 0, got -1"),
     ("worker.threads", 5000, "worker.threads must be in 0..1024 (0: the job's train.threads), got 5,000"),
+    ("coordinator.token", " s3cret ", "coordinator.token has white space around it"),
+    ("coordinator.token", "   ", "coordinator.token has white space around it"),
+    ("coordinator.token", "s3\ncret", "coordinator.token holds a control character"),
     ("ps.count", 100_000, "ps.count must be in 1..4,096, got 100,000"),  # was "too many open files" from `up`
 ])
 def test_cluster_times_ports_and_sizes_out_of_range_name_the_key(key, value, says):
@@ -180,6 +183,11 @@ def test_cluster_times_ports_and_sizes_out_of_range_name_the_key(key, value, say
     with pytest.raises(ConfigError, match=re.escape(says)):
         load_cluster_config(overrides={key: value, "worker.count": 2}, env={})
     assert load_cluster_config(overrides={"ps.checkpoint_seconds": 0}, env={}).ps.checkpoint_seconds == 0
+    if key == "coordinator.token":  # the model server's admin token alike
+        from mariana.serving.config import load_serve_config
+
+        with pytest.raises(ConfigError, match=re.escape(says.replace("coordinator.", "serve."))):
+            load_serve_config(None, {"serve.token": value}, env={})
 
 
 @pytest.mark.parametrize("tree,says", [

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import logging
 import os
 import signal
@@ -368,6 +369,24 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 # ---- helpers ----------------------------------------------------------------------
 
+def seconds_arg(text: str) -> float:
+    """A number of seconds > 0 (`down --timeout nan` killed every process at once, undrained).
+
+    >>> seconds_arg("2.5")
+    2.5
+    >>> seconds_arg("nan")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: expected a number of seconds > 0, got 'nan'
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def epochs_arg(text: str) -> int | str:
     """--epochs: a number of passes or 'auto'."""
     if text == "auto":
@@ -691,7 +710,7 @@ def _add_cluster_commands(sub) -> None:
     d = sub.add_parser("down", help="stop the local cluster (SIGTERM, then SIGKILL after --timeout)")
     d.add_argument("--dir", help="cluster directory (default: the config's cluster.dir)")
     d.add_argument("--config", help="cluster config whose cluster.dir to use")
-    d.add_argument("--timeout", type=float, default=60.0, help="seconds each stage may take to exit")
+    d.add_argument("--timeout", type=seconds_arg, default=60.0, help="seconds each stage may take to exit")
     d.set_defaults(func=cmd_down)
 
     s = sub.add_parser("status", help="services and jobs of the local cluster")

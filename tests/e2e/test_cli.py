@@ -271,7 +271,8 @@ def test_avazu_and_csv_formats_train(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["train", "--data", "x", "--format", "parquetx", "--out", "y"],
-                                  ["train", "speech", "--nproc", "x"], ["serve", "--workers", "x"], ["bogus"]])
+                                  ["train", "speech", "--nproc", "x"], ["serve", "--workers", "x"], ["bogus"],
+                                  ["down", "--timeout", "nan"]])  # it SIGKILLed every process, undrained
 def test_a_usage_error_is_one_line_exit_2(argv):
     """README: a bad flag prints one line `mariana ...: error: ...` and exits 2 (argparse's own
     errors printed the usage block first)."""

@@ -351,8 +351,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print(f"mariana: {e} (or name a coordinator with --url)", file=sys.stderr)
                 return 1
     if url:  # a cluster this shell did not start (systemd, another machine)
-        st = {"dir": None, "http": url.rstrip("/"), "started_at": None, "processes": {},
-              **remote_status(url.rstrip("/"))}
+        url = url.rstrip("/").removesuffix("/ui")  # the web UI's address, as the browser shows it: its coordinator
+        st = {"dir": None, "http": url, "started_at": None, "processes": {}, **remote_status(url)}
     if args.json:
         print(json.dumps(st))
     else:

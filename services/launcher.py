@@ -345,11 +345,17 @@ def _load_state(root: str) -> dict | None:
     path = os.path.join(root, STATE_FILE)
     try:
         with open(path) as f:
-            return json.load(f)
+            state = json.load(f)
     except FileNotFoundError:
         return None
     except ValueError as e:
         raise MarianaError(f"{path}: unreadable ({e}); stop its processes by hand and delete it") from None
+    if not (isinstance(state, dict) and isinstance(state.get("dir"), str) and isinstance(state.get("services"), list)
+            and all(isinstance(r, dict) and isinstance(r.get("pid"), int)
+                    for r in state["services"] + [state.get(k) for k in ("redis", "supervisor") if state.get(k)])):
+        raise MarianaError(f"{path}: JSON, but no cluster's state (an object with dir and a list of services, "  # was a
+                           "each with its pid); stop its processes by hand and delete it")  # KeyError or AttributeError
+    return state
 
 
 def _remove_state(root: str) -> None:
@@ -598,15 +604,35 @@ def remote_status(http: str) -> dict:
     "error"}; "error" says why it could not be read (None when it could)."""
     out = {"coordinator": None, "models": [], "error": None}
     try:
-        out["coordinator"] = fetch_status(http, timeout=5.0)
+        coord = fetch_status(http, timeout=5.0)
     except _UNREACHABLE as e:
         out["error"] = f"coordinator at {http} unreachable: {_reason(e)}"
         return out
+    if not _status_shaped(coord):  # a server that is no coordinator: was an AttributeError or TypeError
+        out["error"] = (f"{http}/v1/status is JSON, but not a Mariana coordinator's status (an object whose "
+                        f"services is an object and jobs a list): is {http} a coordinator's HTTP address?")
+        return out
+    out["coordinator"] = coord
     try:
-        out["models"] = fetch_status(http, timeout=5.0, path="/v1/models").get("models", [])
+        models = fetch_status(http, timeout=5.0, path="/v1/models")
+        if not (isinstance(models, dict) and isinstance(models.get("models", []), list)):
+            raise ValueError("not an object whose models is a list")
+        out["models"] = [m for m in models.get("models", []) if isinstance(m, dict)]
     except _UNREACHABLE as e:  # the coordinator answered its status: say what failed, and no more
         out["models_error"] = f"{http}/v1/models: {_reason(e)}"
     return out
+
+
+def _status_shaped(coord) -> bool:
+    """Whether a /v1/status answer has the shape `mariana status` prints.
+
+    >>> _status_shaped({"services": {"worker-0": {}}, "jobs": []}), _status_shaped([]), _status_shaped({"services": 5})
+    (True, False, False)
+    """
+    return (isinstance(coord, dict) and isinstance(coord.get("services", {}), dict)
+            and all(isinstance(s, dict) for s in coord.get("services", {}).values())
+            and isinstance(coord.get("jobs", []), list) and all(isinstance(j, dict) for j in coord.get("jobs", []))
+            and isinstance(coord.get("refused", {}), dict))
 
 
 def fetch_status(http: str, timeout: float = 2.0, path: str = "/v1/status") -> dict:

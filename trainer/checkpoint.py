@@ -336,9 +336,9 @@ def overview(model_dir: str | os.PathLike, limit: int = 50) -> dict | None:
             if (d / v).is_dir():  # else pruned since it was listed: not a version any more
                 versions.append({"version": v, "current": v == current, "error": str(e)})
             continue
-        train = m.get("train") or {}
-        versions.append({"version": v, "current": v == current, "created": m.get("created_at"),
-                         "model": (m.get("model") or {}).get("kind"), "metrics": m.get("metrics") or {},
+        train, model, metrics = (m.get(k) if isinstance(m.get(k), dict) else {} for k in ("train", "model", "metrics"))
+        versions.append({"version": v, "current": v == current, "created": m.get("created_at"),  # a hand-edited
+                         "model": model.get("kind"), "metrics": metrics,  # "metrics": 5 crashed `mariana status`
                          "rows": rows_learned(m), "job": train.get("job")})
     moves = [{"time": p.get("time"), "version": p.get("to"), "previous": p.get("from"), "reason": p.get("reason")}
              for p in promotions(d)]

@@ -164,6 +164,47 @@ def test_down_and_status_without_a_cluster(tmp_path):
     assert "no cluster is up in" in error_line(run_cli("status", "--dir", tmp_path), code=1)
 
 
+def test_a_cluster_json_or_a_status_url_of_another_shape_is_one_line_not_a_traceback(tmp_path):
+    """cluster.json holding JSON of another shape, and `status --url` at a server that answers
+    JSON but is no coordinator, were an AttributeError, KeyError or TypeError; the web UI's
+    address given to --url was "unreachable: 404"."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tests.conftest import run_cli_cases
+
+    answers = {"/a/v1/status": b"[]", "/b/v1/status": b'{"services": 5}', "/c/v1/status": b'{"services": {}}',
+               "/c/v1/models": b'{"models": [{"dir": "/m", "versions": []}, 7]}'}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = answers.get(self.path)
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body or b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    cases = []
+    for i, state in enumerate(("[]", "{}", '{"dir": "/x", "services": [{"pid": "12"}]}')):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "cluster.json").write_text(state)
+        cases += [["status", "--dir", tmp_path / str(i)], ["down", "--dir", tmp_path / str(i)]]
+    cases += [["status", "--url", f"{url}/a"], ["status", "--url", f"{url}/b"], ["status", "--url", f"{url}/c/ui/"]]
+    try:
+        got = run_cli_cases(cases)
+    finally:
+        server.shutdown()
+        server.server_close()
+    for code, err in got[:6]:
+        assert code == 2 and "cluster.json: JSON, but no cluster's state" in err and "Traceback" not in err, err
+    assert [code for code, _ in got[6:]] == [1, 1, 0] and not any(err for _, err in got[6:]), got[6:]
+
+
 @pytest.mark.slow
 def test_up_that_fails_leaves_nothing_running(tmp_path):
     """The coordinator's ports are taken, so it cannot start: up stops everything it started."""

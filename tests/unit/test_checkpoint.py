@@ -578,3 +578,13 @@ def test_an_unreadable_journal_is_said_once_until_it_reads_again(tmp_path, caplo
     assert [m.split(": ", 1)[1] for m in said] == ["cannot read it (Is a directory): read as holding no record",
                                                    "readable again",
                                                    "cannot read it (Is a directory): read as holding no record"], said
+
+
+def test_an_overview_of_a_hand_edited_manifest_has_the_shapes_it_promises(tmp_path):
+    """"metrics": 5 in a manifest went through /v1/models as it was, and `mariana status` crashed on it."""
+    d = tmp_path / "m"
+    checkpoint.save_version(d, {"model": {"kind": "lr"}}, WEIGHTS)
+    path = d / "v000001" / checkpoint.MANIFEST
+    path.write_text(json.dumps({**json.loads(path.read_text()), "metrics": 5, "model": "lr", "train": [1]}))
+    (version,) = checkpoint.overview(d)["versions"]
+    assert (version["metrics"], version["model"], version["job"]) == ({}, None, None), version

@@ -25,6 +25,7 @@ from mariana.trainer import checkpoint
 
 log = logging.getLogger(__name__)
 respond = functools.partial(web.json_response, dumps=dumps)  # NaN (a diverged job's loss) as null
+LOG_SECONDS = 10.0  # requests refused for their token: one line at most this often
 
 
 JOB_COUNTERS = {"batches_reissued": "Batches of the running job leased again after a lease ran out.",
@@ -42,6 +43,7 @@ class CoordinatorAPI:
 
     def __init__(self, coord):
         self.coord = coord
+        self.said_unauthorized = -math.inf  # when a refused token was last logged (monotonic)
 
     def http_app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 20, middlewares=[store_errors])
@@ -163,32 +165,47 @@ class CoordinatorAPI:
             return
         got = request.headers.get("Authorization", "")
         if not bearer_ok(got, token):
+            self.coord.counters["http_unauthorized"] += 1  # said at most once per LOG_SECONDS, with the count
+            if time.monotonic() - self.said_unauthorized >= LOG_SECONDS:
+                seen, self.said_unauthorized = self.coord.counters["http_unauthorized"], time.monotonic()
+                log.warning("%s: %s %s from %s without a valid bearer token: refused (401; %d since it started)",
+                            self.coord.name, request.method, request.path, request.remote, seen)
             raise web.HTTPUnauthorized(text=json.dumps({"error": "a valid bearer token is required "
                                                          "(Authorization: Bearer <coordinator.token>)"}),
                                        content_type="application/json",
                                        headers={"WWW-Authenticate": 'Bearer realm="mariana"'})
 
+    def refuse(self, message: str) -> web.Response:
+        """A job request refused: 400, counted (jobs_refused) and logged with why."""
+        self.coord.counters["jobs_refused"] += 1
+        log.info("%s: a job request refused (400): %s", self.coord.name, message[:300])
+        return bad_request(message)
+
     async def http_submit(self, request: web.Request) -> web.Response:
         self.authorize(request)
         try:
             body = _json_body(await request.read(), request.charset)
-        except web.RequestPayloadError as e:  # a Content-Encoding the body is not in: was a 500
-            return bad_request(f"the body cannot be read: {e} (its Content-Encoding says what it is not in)")
+        except web.RequestPayloadError:  # a Content-Encoding the body is not in: was a 500
+            encoding = request.headers.get("Content-Encoding", "")[:40]
+            refused = self.refuse(f"the body cannot be read: it is not in the Content-Encoding it names ({encoding!r})")
+            refused.force_close()  # the rest of its stream cannot be read either: the connection closes after
+            request.content.feed_eof()  # it, undrained (aiohttp's drain raised the decoder's error: a traceback)
+            return refused
         except ValueError as e:
-            return bad_request(str(e))
+            return self.refuse(str(e))
         checked = None
         try:
             # the files are probed on the loader's host (data_via_loader), or here off the loop
             checked = await self.coord.inputs.check(body) if self.coord.inputs.enabled else None
             run = await asyncio.to_thread(self.coord.book.new_job, body, checked)
         except ConfigError as e:
-            return bad_request(str(e))
+            return self.refuse(str(e))
         except MarianaError as e:
             if self.coord.inputs.enabled and checked is None:  # no loader to check the files: try later
                 return respond({"error": str(e)}, status=503)
-            return bad_request(str(e))
+            return self.refuse(str(e))
         except OSError as e:
-            return bad_request(f"{e.filename}: {e.strerror}")
+            return self.refuse(f"{e.filename}: {e.strerror}")
         self.coord.book.save(run)  # first: a job the store lacks would be lost at the next restart
         self.coord.jobs[run.id] = run
         self.coord.queue.put_nowait(run.id)

@@ -50,7 +50,8 @@ from mariana.sparse.errors import MarianaError
 log = logging.getLogger(__name__)
 
 
-OWN_COUNTERS = ("late_reports", "late_batches_dropped")  # reports about, and batches cached for, ended jobs
+OWN_COUNTERS = ("late_reports", "late_batches_dropped",  # reports about, and batches cached for, ended jobs
+                "http_unauthorized", "jobs_refused")  # admin requests refused: no valid token; a bad job (400)
 
 
 class Coordinator(Service):

@@ -534,6 +534,11 @@ def test_bad_job_requests_are_refused_with_400_or_401(data, tmp_path):
         code, reply = c.request("GET", "/v1/jobs/nope")
         assert code == 404
         assert c.status()["services"]["coordinator-0"]["alive"]
+        counters = c.status()["counters"]  # refusals are counted and said (they were neither)
+        assert counters["http_unauthorized"] == 2 and counters["jobs_refused"] == len(cases) + 5, counters
+        log = (tmp_path / "c" / "logs" / "coordinator-0.log").read_text()
+        assert "without a valid bearer token: refused (401; 1 since it started)" in log
+        assert log.count("a job request refused (400)") == len(cases) + 5 and "Traceback" not in log
 
 
 @pytest.mark.timeout(180)

@@ -19,7 +19,7 @@ from mariana.sparse.parse import Reader
 from mariana.sparse.schema import Schema
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import INITS, ModelBundle, check_parent, parent_version
-from mariana.sparse.settings import from_dict
+from mariana.sparse.settings import from_dict, shown
 from mariana.trainer.config import JobConfig
 from mariana.trainer.data import RowRange
 from mariana.trainer.job import (TrainSummary, check_inputs, check_out_dir, check_trained, image_record,
@@ -66,8 +66,10 @@ def check_data(body: dict, workers: int = 1) -> tuple[dict, JobSpec]:
     if not data:
         raise ConfigError("data: name at least one training file")
     out = body.get("out")
-    if not isinstance(out, str) or not out:
+    if out is None or out == "":
         raise ConfigError("out: the model directory to publish into is required")
+    if not isinstance(out, str):  # it said "required" for an out of 5
+        raise ConfigError(f"out: expected the model directory to publish into (a path as text), got {shown(out)}")
     _absolute("out", out)
     init = body.get("init_from")
     if init is not None:

@@ -53,6 +53,7 @@ class DataConfig:
 
 
 MAX_WIDTH = 1 << 14  # embedding and layer widths
+MAX_LOGIT = 69.0  # |model.init_bias|: sigmoid(-69) is 1e-30
 MAX_THREADS = 1024   # data.parse_workers: threads of one process
 
 
@@ -88,8 +89,9 @@ class ModelConfig:
             raise ConfigError(f"model.init_scale must be >= 0, got {self.init_scale}")
         if isinstance(self.init_bias, str) and self.init_bias != AUTO:
             raise ConfigError(f"model.init_bias must be a logit or 'auto', got {self.init_bias!r}")
-        if not isinstance(self.init_bias, str) and not math.isfinite(self.init_bias):
-            raise ConfigError(f"model.init_bias must be finite, got {self.init_bias}")
+        if not isinstance(self.init_bias, str) and not abs(self.init_bias) <= MAX_LOGIT:  # 1e300 diverged,
+            raise ConfigError(f"model.init_bias must be a logit in [-{MAX_LOGIT:g}, {MAX_LOGIT:g}] (a pCTR "  # "lower
+                              f"of 1e-30 to 1 - 1e-30), got {self.init_bias}")  # the learning rates"
         check_seed("model.seed", self.seed)
 
 

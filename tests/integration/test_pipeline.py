@@ -497,6 +497,8 @@ def test_bad_job_requests_are_refused_with_400_or_401(data, tmp_path):
              "epochz"),
             ({"data": [str(data["train"])], "out": str(tmp_path / "m"), "mode": "turbo"}, "turbo"),
             ({"data": [str(data["train"])]}, "out"),
+            ({"data": [str(data["train"])], "out": 5}, "out: expected the model directory to publish into (a path as "
+                                                       "text), got 5"),  # it said "required"
             ({"data": [str(data["train"])], "out": str(tmp_path / "m"), "colour": 1}, "colour"),
             ({"data": [str(data["train"])], "out": str(tmp_path / "m"),
               "config": {"images": {"creatives": str(tmp_path)}}}, "no creatives.json"),

@@ -200,6 +200,7 @@ def test_cluster_times_ports_and_sizes_out_of_range_name_the_key(key, value, say
     ({"images.tower": 10 ** 9}, "images.tower must be in 1..16,384, got 1000000000"),
     ({"train.threads": 2000}, "train.threads must be at most 1024 (0: every CPU), got 2,000"),
     ({"train.prefetch": 0}, "train.prefetch must be >= 1, got 0"),
+    ({"model.init_bias": 1e300}, "model.init_bias must be a logit in [-69, 69]"),  # a job diverged, blaming the lr
     ({"train.batch_size": 0}, "train.batch_size must be >= 1, got 0"),
     ({"train.max_epochs": 10 ** 7}, "train.max_epochs must be at most 1,000,000"),
     ({"model.embed_dim": 10 ** 8}, "model.embed_dim, model.hidden and model.slots must be at most 16,384"),

@@ -463,10 +463,11 @@ def _read_cache(entry: Path, fe: FrontEnd, sha: str) -> SpeechFeatures | None:
 
 # ---- the frozen recognizer -------------------------------------------------------------
 
-def is_speech_model(model_dir: str | os.PathLike) -> bool:
-    """Whether a model directory's CURRENT version is a speech model (False when unreadable)."""
+def is_speech_model(model_dir: str | os.PathLike, version: str | None = None) -> bool:
+    """Whether a model directory's `version` (default: CURRENT's) is a speech model (False
+    when unreadable)."""
     try:
-        return _version_manifest(Path(model_dir))[1].get("kind") == MODEL_KIND
+        return _version_manifest(Path(model_dir), version)[1].get("kind") == MODEL_KIND
     except (MarianaError, OSError, ValueError):  # ValueError: bytes not UTF-8, NUL bytes in CURRENT
         return False
 

@@ -213,7 +213,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from mariana.trainer.strategies.local import evaluate
 
     model = _model_arg(args)
-    if _speech_model(model[0]):
+    if _speech_model(*model):  # the named version's kind (CURRENT's: a DIR:vN of the other kind failed)
         from mariana.services import speech_cli
         return speech_cli.cmd_evaluate(args)
     if args.split:
@@ -253,7 +253,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from mariana.trainer.data import BatchStream
 
     model = _model_arg(args)
-    if _speech_model(model[0]):
+    if _speech_model(*model):  # the named version's kind (CURRENT's: a DIR:vN of the other kind failed)
         from mariana.services import speech_cli
         return speech_cli.cmd_predict(args)
     _parses_data()
@@ -283,11 +283,11 @@ def _model_arg(args: argparse.Namespace) -> tuple[str, str | None]:
     return parse_init_from(args.model, "--model")
 
 
-def _speech_model(model_dir: str) -> bool:
-    """Whether --model's directory holds speech versions."""
+def _speech_model(model_dir: str, version: str | None) -> bool:
+    """Whether --model's version (CURRENT's when none is named) is a speech model."""
     from mariana.featurizer.speech import is_speech_model
 
-    return is_speech_model(model_dir)
+    return is_speech_model(model_dir, version)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

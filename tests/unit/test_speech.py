@@ -236,6 +236,17 @@ def test_train_speech_in_one_process_publishes_a_version_the_recognizer_runs(tmp
         ModelBundle.load(str(tmp_path / "m"))  # what serving loads: a clear refusal, not a KeyError
     listed = run_cli("model", "list", "--model-dir", tmp_path / "m", check=True).stdout
     assert "v000001  speech_dnn" in listed
+    # a click version beside it: DIR:vN is scored by vN's own kind, not by CURRENT's (each was refused)
+    rows = tmp_path / "rows.tsv"
+    rows.write_text("".join(f"{i % 2}\t{i}" + "\t" * 12 + f"\tc{i % 3}" + "\t" * 25 + "\n" for i in range(200)))
+    run_cli("-q", "train", "--data", rows, "--out", tmp_path / "m", "--bits", "10", check=True)  # v000002: CURRENT
+    wav = tmp_path / "four.wav"
+    wav.write_bytes(wav_bytes(tone(4, 1, 3)))
+    said = run_cli("predict", "--model", f"{tmp_path / 'm'}:v000001", "--data", wav, check=True).stdout
+    assert said.split()[1] == "4", said
+    run_cli("model", "promote", "v000001", "--model-dir", tmp_path / "m", check=True)  # CURRENT: speech
+    pctrs = run_cli("predict", "--model", f"{tmp_path / 'm'}:v000002", "--data", rows, check=True).stdout.split()
+    assert len(pctrs) == 200
     swapped = [*manifest["ops"][:-1], {**manifest["ops"][-1], "weight": "hidden.0.weight"}]  # a wrong shape
     for bad, says in [([1], "manifest.json: a JSON list, not an object"),
                       ({**manifest, "ops": [{"op": ["linear"]}]}, "ops a list of maps naming their op"),

@@ -270,6 +270,7 @@ def publish_speech(out: str | os.PathLike, model: SpeechDNN, opt: torch.optim.Op
                 "front_end": cfg.front_end.to_dict(),
                 "ops": frozen_ops(model), "classes": list(range(model.cfg.classes)),
                 "train": {"config": cfg.to_dict(), "split": cfg.split, "archive_sha256": feats.archive_sha256,
+                          "recordings": sorted(feats.split(cfg.split)[0].names),  # what it learned, by name
                           "nproc": result["nproc"], "exchange": result["exchange"], "optimizer": cfg.optimizer},
                 "metrics": {k: result[k] for k in ("test_accuracy", "test_errors", "test_utterances",
                                                    "frame_accuracy", "train_seconds", "samples_per_s",

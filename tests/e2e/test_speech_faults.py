@@ -224,8 +224,11 @@ def test_evaluate_refuses_a_split_that_holds_out_what_the_model_learned(model, f
     5+ were learned, and were scored as held out (0.986 against a held-out 0.963), silently."""
     env = {"MARIANA_CACHE": str(model.parent / "cache")}
     runs = cases_in(tmp_path, [["evaluate", "--model", model, "--data", fsdd["both"], "--split", "speaker:theo"],
-                               ["evaluate", "--model", model, "--data", fsdd["both"], "--split", "official", "--json"]],
+                               ["evaluate", "--model", model, "--data", fsdd["both"], "--split", "official", "--json"],
+                               ["evaluate", "--model", model, "--data", fsdd["theo"], "--split", "speaker:theo"]],
                     env)
     assert_one_line(*runs[0], "--split speaker:theo: 20 of its 40 held-out recordings are ones this model was "
                               "trained on (it was trained with --split official)")
     assert runs[1][0] == 0, runs[1]
+    # the same recordings in another archive (a subset of it): they passed, the archives' sha256 differing
+    assert_one_line(*runs[2], "--split speaker:theo: 20 of its 20 held-out recordings are ones this model was")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -90,22 +91,36 @@ def generate_images(out: str | os.PathLike, n: int, seed: int = 0, size: int = 6
         raise ValueError(f"gen images: --format {fmt!r}: use one of {list(FORMATS)}")
     if not 1 <= quality <= 95:
         raise ValueError(f"gen images: --quality {quality}: between 1 and 95")
+    d = Path(out)
+    if d.is_dir() and any(d.iterdir()):  # what was there stayed, and was read with the new set (100 images for 10)
+        raise ValueError(f"gen images: {out} holds files already: images left there would be read with the new "
+                         "ones; name a new or empty directory (or remove that one)")
     images = np.empty((n, size, size), np.uint8)
     labels = np.empty(n, np.uint8)
     for i in range(n):
         rng = np.random.default_rng([seed, i])
         labels[i] = int(rng.integers(10))
         images[i] = draw(int(labels[i]), rng, size)
-    d = Path(out)
-    d.mkdir(parents=True, exist_ok=True)
     record = {"out": str(d), "images": n, "size": size, "seed": seed, "format": fmt, "classes": list(CLASSES),
               "per_class": np.bincount(labels, minlength=10).tolist(),
               "content_sha256": _sha256(images, labels)}
-    if fmt != "idx":
-        return {**record, "bytes": write_folder(d, images, labels, fmt, quality)}
-    write_idx(d / MNIST_IMAGES, images)
-    write_idx(d / MNIST_LABELS, labels)
-    return {**record, "images_sha256": file_sha256(d / MNIST_IMAGES)}
+    d.parent.mkdir(parents=True, exist_ok=True)
+    stage = d.parent / f".{d.name}.tmp-{os.getpid()}"  # the set appears whole or not at all: a Ctrl-C left
+    stage.mkdir()  # 3,901 of 200,000 images, which trained without a word
+    try:
+        if fmt != "idx":
+            record["bytes"] = write_folder(stage, images, labels, fmt, quality)
+        else:
+            write_idx(stage / MNIST_IMAGES, images)
+            write_idx(stage / MNIST_LABELS, labels)
+            record["images_sha256"] = file_sha256(stage / MNIST_IMAGES)
+        if d.is_dir():
+            d.rmdir()  # empty (checked above): an OSError if something was written there meanwhile
+        stage.rename(d)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return record
 
 
 def _sha256(*arrays: np.ndarray) -> str:

@@ -413,6 +413,14 @@ def test_gen_images_is_deterministic_balanced_and_reads_as_mnist(tmp_path):
     assert np.array_equal(load_mnist(tmp_path / "d").images, small)
     bad = run_cli("gen", "images", "--rows", "0", "--out", tmp_path / "e")
     assert bad.returncode == 2 and "--rows >= 1" in bad.stderr
+    # a second set into the first one's directory: the first stayed and was read with it (100 images for 10)
+    again = run_cli("gen", "images", "--rows", "10", "--format", "png", "--out", tmp_path / "d")
+    assert again.returncode == 2 and "holds files already" in again.stderr, again.stderr
+    assert len(load_mnist(tmp_path / "d").images) == 100  # left as it was
+    (tmp_path / "f").mkdir()  # an empty one is taken, and nothing is left beside it
+    generate_images(tmp_path / "f", 10, 3, fmt="png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c", "d", "f"]
+    assert sum(1 for p in (tmp_path / "f").rglob("*.png")) == 10
 
 
 

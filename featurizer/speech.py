@@ -209,6 +209,25 @@ def _plain_pcm(raw: bytes) -> bytes:
     return raw
 
 
+SILENT_PEAK = 8  # of 32767 (-72 dBFS); FSDD's quietest recording peaks at 343 around its mean
+
+
+def check_audible(samples: np.ndarray, name: str = "wav") -> None:
+    """BadAudio for a recording with nothing to hear: samples within SILENT_PEAK of their mean
+    (silence, a constant level, the faintest hiss). Its frames are all but equal after the
+    mean normalisation, and it came back as a digit with posterior 1.0.
+
+    >>> check_audible(np.full(800, 1000, np.int16), "dc.wav")
+    Traceback (most recent call last):
+    ...
+    mariana.featurizer.speech.BadAudio: dc.wav: silent (its samples vary by at most 0 of 32767 around their ...
+    """
+    peak = int(np.abs(samples.astype(np.int64) - int(round(float(samples.mean())))).max()) if len(samples) else 0
+    if peak <= SILENT_PEAK:
+        raise BadAudio(f"{name}: silent (its samples vary by at most {peak} of 32767 around their mean): no digit "
+                       "to hear")
+
+
 def read_archive(path: str | os.PathLike, sample_rate: int = SAMPLE_RATE, min_samples: int = 1) -> list[Utterance]:
     """Every `{digit}_{speaker}_{index}.wav` in a .tar.gz, read in place, sorted by name.
     A damaged archive or a wav that is not mono 16-bit at `sample_rate` or has fewer than
@@ -571,6 +590,8 @@ class SpeechRecognizer:
 
     def predict_wav(self, raw: bytes, name: str = "wav") -> dict:
         """A wav file's bytes -> {"digit", "posteriors"}; BadAudio when it is not mono 16-bit
-        at the model's sample rate, or shorter than the front end's two windows."""
-        p = self.posteriors(read_wav(raw, name, self.front_end.sample_rate, self.front_end.min_samples))
+        at the model's sample rate, shorter than the front end's two windows, or silent."""
+        samples = read_wav(raw, name, self.front_end.sample_rate, self.front_end.min_samples)
+        check_audible(samples, name)
+        p = self.posteriors(samples)
         return {"digit": int(np.argmax(p)), "posteriors": [round(float(v), 6) for v in p]}

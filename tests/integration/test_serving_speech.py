@@ -10,6 +10,7 @@ import shutil
 import struct
 import time
 
+import numpy as np
 import pytest
 
 from mariana.featurizer.speech import FrontEnd
@@ -85,6 +86,9 @@ MISTAKES = [  # (what, body, content type, status, the answer names)
     ("truncated", wav_bytes(tone(3, 0, 0))[:-100], "audio/wav", 400, "truncated"),
     ("6 ms", wav_bytes(tone(3, 0, 0)[:48]), "audio/wav", 400,  # one window: its features all zero, any digit
      "48 samples (6.0 ms), shorter than the front end's two analysis windows (280 samples, 35.0 ms)"),
+    ("silence", wav_bytes(np.zeros(8000, np.int16)), "audio/wav", 400,  # a digit with posterior 1.0 before
+     "silent (its samples vary by at most 0 of 32767 around their mean): no digit to hear"),
+    ("a constant level", wav_bytes(np.full(4000, 1000, np.int16)), "audio/wav", 400, "silent (its samples vary"),
     ("a chunk past the end", long_chunk(wav_bytes(tone(3, 0, 0))), "audio/wav", 400,
      "a chunk says it runs past the RIFF's end"),  # the wave module's bare RuntimeError: a 500 before
     ("instances", b'{"instances": [{"I1": 1}]}', "application/json", 415, "is a speech model: POST a wav file"),

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 
 from mariana.featurizer.creatives import IMAGES_FILE, META_FILE
-from mariana.featurizer.image import load_mnist, split_indices
+from mariana.featurizer.image import TEST_IMAGES, load_mnist, split_indices
 from mariana.sparse.hashing import fmix64
 from mariana.sparse.metrics import BinaryMetrics
 from mariana.sparse.synth import World, _draw, _table, ctr_shift, make_world
@@ -162,6 +162,12 @@ def generate_ads_with_images(out_dir: str | os.PathLike, spec: AdsSpec,
     t0 = time.perf_counter()
     out = Path(out_dir)
     mnist = load_mnist(images_root)
+    if mnist.images.shape[1:] != (28, 28):  # written as (C, 64, 64); every reader of creatives then refused it
+        raise ValueError(f"{images_root or 'MNIST'}: {mnist.images.shape[1]}x{mnist.images.shape[2]} images; ads' creatives "
+                         "are 28x28, as the featurizer takes them (`mariana gen images --size 28`)")
+    if len(mnist.images) <= TEST_IMAGES:  # it said "test split of 2000 images out of 10"
+        raise ValueError(f"{images_root or 'MNIST'}: {len(mnist.images):,} images; the creatives are drawn from the "
+                         f"{TEST_IMAGES:,} held out of them, so more than {TEST_IMAGES:,} are needed")
     _, held = split_indices(len(mnist.images))
     if not 1 <= spec.creatives <= len(held):
         raise ValueError(f"--creatives must be in 1..{len(held)} (the held-out MNIST images)")

@@ -346,6 +346,22 @@ def test_gen_ads_with_images_is_deterministic_for_a_seed(mnist, tmp_path):
     assert a["test"]["rows_with_new_creative"] > 0 and 0.15 < a["train"]["ctr"] < 0.3
 
 
+def test_gen_ads_with_images_refuses_images_it_cannot_use_naming_why(tmp_path):
+    """64x64 images were written as creatives every reader refused; 10 images said "test split
+    of 2000 images out of 10"."""
+    from mariana.featurizer.ads import AdsSpec, generate_ads_with_images
+    from mariana.featurizer.idx import write_idx
+
+    for name, n, size, says in (("big", 2100, 32, "32x32 images; ads' creatives are 28x28"),
+                                ("few", 10, 28, "10 images; the creatives are drawn from the 2,000 held out")):
+        (tmp_path / name).mkdir()
+        write_idx(tmp_path / name / "t10k-images-idx3-ubyte.gz", np.zeros((n, size, size), np.uint8))
+        write_idx(tmp_path / name / "t10k-labels-idx1-ubyte.gz", np.zeros(n, np.uint8))
+        with pytest.raises(ValueError, match=says):
+            generate_ads_with_images(tmp_path / "out", AdsSpec(rows=100), tmp_path / name)
+        assert not (tmp_path / "out").exists()
+
+
 # ---- export -----------------------------------------------------------------------------------
 
 def test_write_featurizer_replaces_the_dir_whole_and_leaves_nothing_beside_it(tmp_path):

@@ -144,7 +144,10 @@ def decode_image(raw, name: str, size: int = 28) -> np.ndarray:
         if len(raw) != size * size:
             raise BadImage(f"{name}: {len(raw)} bytes, expected {size * size} (a {size}x{size} uint8 image)")
         return np.frombuffer(raw, np.uint8).reshape(size, size)
-    return check_images(raw[None] if isinstance(raw, np.ndarray) and raw.ndim == 2 else raw, name, size)[0]
+    if isinstance(raw, np.ndarray) and raw.shape != (size, size):  # (3, 28, 28) was taken as its first image
+        raise BadImage(f"{name}: expected one {size}x{size} image (shape ({size}, {size})), got shape "
+                       f"{tuple(raw.shape)}")
+    return check_images(raw[None], name, size)[0]
 
 
 # Image files a creative may be uploaded as (trainer/images.py): decoded by Pillow.

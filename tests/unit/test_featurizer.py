@@ -75,7 +75,8 @@ def test_bad_images_are_rejected_with_their_name(featurizer_dir):
     good, keep, bad = stack_images([bytes(784), bytes(783), np.zeros((28, 28), np.uint8), np.zeros((3, 3), np.uint8),
                                     np.zeros((3, 28, 28), np.uint8)], ["c1", "c2", "c3", "c4", "c5"])
     assert good.shape == (2, 28, 28) and keep == [0, 2]
-    assert bad[0].startswith("c2: 783 bytes") and bad[1] == "c4: expected one 28x28 image (shape (28, 28)), got shape (3, 3)"
+    assert bad[0].startswith("c2: 783 bytes")
+    assert bad[1] == "c4: expected one 28x28 image (shape (28, 28)), got shape (3, 3)"
     assert bad[2].endswith("got shape (3, 28, 28)")  # three images in one upload: the first was taken, unsaid
     with pytest.raises(BadImage, match="creative 9: expected uint8"):
         decode_image(np.zeros((28, 28), np.int64), "creative 9")

@@ -473,11 +473,16 @@ def _read_cache(entry: Path, fe: FrontEnd, sha: str) -> SpeechFeatures | None:
     if not isinstance(meta, dict) or meta.get("format") != CACHE_FORMAT or meta.get("archive_sha256") != sha or \
             meta.get("front_end") != fe.to_dict() or not len(offsets) or offsets[-1] != len(frames):
         return None
+    if frames.ndim != 2 or frames.shape[1] != fe.n_mels or frames.dtype.kind != "f" or offsets.ndim != 1 or \
+            offsets.dtype.kind not in "iu" or np.any(np.diff(offsets) < 0) or offsets[0] != 0:
+        return None  # frames of another width: a traceback from the model's first layer
     try:
-        return SpeechFeatures(frames, offsets, meta["names"], np.array(meta["digits"], np.int64), meta["speakers"],
-                              np.array(meta["indices"], np.int64), fe, sha)
+        feats = SpeechFeatures(frames, offsets, meta["names"], np.array(meta["digits"], np.int64), meta["speakers"],
+                               np.array(meta["indices"], np.int64), fe, sha)
     except (KeyError, TypeError, ValueError):
         return None
+    counts = {len(feats.names), len(feats.digits), len(feats.speakers), len(feats.indices), len(offsets) - 1}
+    return feats if len(counts) == 1 else None
 
 
 # ---- the frozen recognizer -------------------------------------------------------------

@@ -84,6 +84,12 @@ def test_an_unreadable_cache_entry_is_replaced_not_recomputed_every_run(tmp_path
         assert np.array_equal(again.frames, first.frames) and again.names == first.names
         assert json.loads((entry / "meta.json").read_text())["format"] == speech.CACHE_FORMAT
         assert [p.name for p in cache.iterdir()] == [entry.name]  # no temp dir or old entry left
+    # frames of another width (a traceback from the model's first layer), one name too few
+    np.save(entry / "frames.npy", first.frames[:, :20].copy())
+    assert load_features(tones, FrontEnd(), cache).frames.shape[1] == FrontEnd().n_mels
+    meta = json.loads((entry / "meta.json").read_text())
+    (entry / "meta.json").write_text(json.dumps({**meta, "names": meta["names"][:-1]}))
+    assert load_features(tones, FrontEnd(), cache).names == first.names
 
 
 def test_processes_repairing_one_cache_entry_at_once_leave_one_whole_entry(tmp_path, tones):

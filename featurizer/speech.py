@@ -140,8 +140,9 @@ def fsdd_archive(root: str | os.PathLike | None = None) -> Path:
     p = Path(root)
     if p.is_dir():
         p = p / ARCHIVE
-    if not p.is_file():
-        raise DataFormatError(f"{p}: no such file (the FSDD archive {ARCHIVE}; set MARIANA_DATA or pass its path)")
+    if not p.is_file():  # /dev/zero was "no such file"
+        what = "not a regular file" if p.exists() else "no such file"
+        raise DataFormatError(f"{p}: {what} (the FSDD archive {ARCHIVE}; set MARIANA_DATA or pass its path)")
     return p
 
 

@@ -144,8 +144,8 @@ def read_images(path: str, size: int = 28):
     if os.path.isdir(path):
         raise MarianaError(f"{path}: a directory; {IMAGES_TAKEN.format(size=size)} (the images of a creatives "
                            "dir: 'mariana featurize-creatives')")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(2, "no such file", path)
+    if not os.path.isfile(path):  # /dev/zero was "no such file"
+        raise FileNotFoundError(2, "not a regular file" if os.path.exists(path) else "no such file", path)
     if path.endswith(".npy"):
         try:
             images = np.load(path, allow_pickle=False)
@@ -185,8 +185,9 @@ def _check_out_file(path: str) -> None:
 
 
 def _need_dir(path: str, flag: str) -> None:
-    if not os.path.isdir(path):
-        raise MarianaError(f"{flag} {path}: no such directory")
+    if not os.path.isdir(path):  # a file was "no such directory"
+        raise MarianaError(f"{flag} {path}: " + ("a file, not a directory: name the directory that holds it"
+                                                 if os.path.exists(path) else "no such directory"))
 
 
 def add_gen_ads(gsub) -> None:

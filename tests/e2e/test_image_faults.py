@@ -88,6 +88,8 @@ def _cases(s: dict[str, Path]) -> list[tuple[str, list, list[str]]]:
           f"{s['one_full_class']}: all 40 training images are in class folder 'a'"]),
         ("featurizer-few-images", ["featurizer", "train", "--data", s["shapes"], "--epochs", "1", "--out", t / "o11"],
          [f"--data {s['shapes']}: 160 images; featurizer train holds out 2,000"]),  # ValueError traceback
+        ("featurizer-data-is-a-file", ["featurizer", "train", "--data", s["ctr"], "--out", t / "o13"],
+         [f"--data {s['ctr']}: a file, not a directory"]),  # "no such directory"
         ("more-ranks-than-allowed", [*train, "--data", s["shapes"], "--groups", "100", "--out", t / "o12"],
          ["--partitions 1 x --groups 100: 100 ranks: must be between 1 and"]),  # named the batch size
     ]

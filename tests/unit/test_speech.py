@@ -150,6 +150,8 @@ def test_a_bad_wav_names_the_file_and_what_is_wrong(tmp_path):
     bad = write_archive(tmp_path / "a.tar.gz", extra={"recordings/3_zed_1.wav": wav_bytes(tone(3, 0, 1), 16000)})
     with pytest.raises(BadAudio, match="a.tar.gz:recordings/3_zed_1.wav: sample rate 16000 Hz"):
         read_archive(bad)
+    with pytest.raises(DataFormatError, match="/dev/null: not a regular file"):  # it said "no such file"
+        speech.fsdd_archive("/dev/null")
     junk = tmp_path / "junk.tar.gz"
     junk.write_bytes(b"\x1f\x8b" + bytes(100))
     with pytest.raises(DataFormatError, match="not a readable .tar.gz"):

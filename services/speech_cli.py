@@ -158,7 +158,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     archive = fsdd_archive(args.data)
     utterances = read_archive(archive, rec.front_end.sample_rate, rec.front_end.min_samples)
-    _, test = split_utterances(utterances, split)
+    try:
+        _, test = split_utterances(utterances, split)
+    except MarianaError as e:
+        if getattr(args, "split", None):
+            raise
+        raise MarianaError(str(e).replace(f"--split {split}:", f"the split the model was trained with ({split}; "
+                                          "--split names another):", 1)) from None
     if not test:
         raise MarianaError(f"{args.data}: no recording of split {split}'s held-out part (what evaluate scores): "
                            "give the archive the model was trained from, or another --split")

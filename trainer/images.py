@@ -171,6 +171,10 @@ def resolve_featurizer(cfg: ImagesConfig, cdir: Path, meta: dict,
         raise ConfigError(f"{cache}: not empty and no featurizer ({MANIFEST}) in it; the one trained on first use "
                           "would replace what is there: move that away, or give --featurizer")
     mnist = cfg.mnist or (meta.get("source") or {}).get("dir")
+    if not cfg.mnist and mnist and not os.path.isdir(mnist):  # "set MARIANA_DATA or pass the dir": neither worked
+        raise ConfigError(f"{cdir}: no featurizer in {cache}, and the MNIST dir its creatives.json names to train "
+                          f"one on, {mnist}, is not there (moved?): give a trained featurizer (--featurizer), or "
+                          "set images.mnist to where MNIST is now (--set images.mnist=DIR for train)")
     log.info("no featurizer in %s: training one on %s (first use; once per creatives dir)", cache, mnist)
     train_and_export(load_mnist(mnist), cache, FeaturizerTrainConfig(), progress or progress_logger(10.0))
     return cache, "trained on first use"

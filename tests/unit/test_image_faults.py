@@ -134,7 +134,8 @@ def test_the_featurizer_cache_of_a_creatives_dir_is_not_trained_over_other_files
         resolve_featurizer(ImagesConfig(creatives=str(tmp_path), mnist=str(tmp_path / "no-mnist")), tmp_path, {})
     assert (tmp_path / "featurizer" / "notes.txt").read_text() == "precious"
     (tmp_path / "featurizer" / "notes.txt").unlink()  # the MNIST dir creatives.json names, moved away since:
-    with pytest.raises(ConfigError, match=r"moved\?\): give a trained featurizer \(--featurizer\), or set images.mnist"):
+    moved = r"moved\?\): give a trained featurizer \(--featurizer\), or set images.mnist"
+    with pytest.raises(ConfigError, match=moved):
         resolve_featurizer(ImagesConfig(creatives=str(tmp_path)), tmp_path, {"source": {"dir": str(tmp_path / "gone")}})
 
 

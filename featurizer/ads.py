@@ -163,8 +163,9 @@ def generate_ads_with_images(out_dir: str | os.PathLike, spec: AdsSpec,
     out = Path(out_dir)
     mnist = load_mnist(images_root)
     if mnist.images.shape[1:] != (28, 28):  # written as (C, 64, 64); every reader of creatives then refused it
-        raise ValueError(f"{images_root or 'MNIST'}: {mnist.images.shape[1]}x{mnist.images.shape[2]} images; ads' creatives "
-                         "are 28x28, as the featurizer takes them (`mariana gen images --size 28`)")
+        side = "x".join(map(str, mnist.images.shape[1:]))
+        raise ValueError(f"{images_root or 'MNIST'}: {side} images; ads' creatives are 28x28, as the featurizer "
+                         "takes them (`mariana gen images --size 28`)")
     if len(mnist.images) <= TEST_IMAGES:  # it said "test split of 2000 images out of 10"
         raise ValueError(f"{images_root or 'MNIST'}: {len(mnist.images):,} images; the creatives are drawn from the "
                          f"{TEST_IMAGES:,} held out of them, so more than {TEST_IMAGES:,} are needed")

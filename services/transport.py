@@ -400,7 +400,8 @@ class ConnectionWatch(_Monitor):
     def trouble(self) -> str | None:
         self._read()
         if self.handshake_failed:
-            return (f"the ZeroMQ handshake with it fails ({self.last}, {self.failures} times in a row): "
+            times = "once" if self.failures == 1 else f"{self.failures} times in a row"
+            return (f"the ZeroMQ handshake with it fails ({self.last}, {times}): "
                     + ("cluster.curve_key differs between this host's config and its, or it sets none"
                        if _CURVE is not None else "it sets a cluster.curve_key and this host's config sets none")
                     + ", or it is no Mariana service")

@@ -388,12 +388,38 @@ def _root(cluster_dir: str) -> str:
 
 # ---- up ---------------------------------------------------------------------------------
 
+PORT_TRIES = 3  # starts of a cluster on free ports, when one of them was taken meanwhile
+
+
 def up(cfg: ClusterConfig, wait: bool = True, owner: int | None = None) -> dict:
     """Start redis (if embedded) and every service; with wait, return once all have registered.
     `owner`: the pid of the process whose temporary cluster this is (`mariana train --mode
     cluster`, a retrain, with no cluster up): the supervisor stops the cluster once that process
     is gone, however it ended (a SIGKILL runs no `finally`), even with `cluster.supervise` off
-    (then it restarts nothing)."""
+    (then it restarts nothing). On free ports (`cluster.base_port = 0`) a port taken by another
+    process between its choice and its bind starts the cluster again on others (a suite's
+    parallel clusters: "address already in use", and the job failed)."""
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return _up(cfg, wait, owner)
+        except MarianaError as e:
+            if not _ports_all_chosen(cfg) or attempt == PORT_TRIES or "address already in use" not in str(e).lower():
+                raise
+            log.warning("a port chosen for the cluster was taken meanwhile (start %d of %d): starting it again on "
+                        "other free ports", attempt, PORT_TRIES)
+    raise AssertionError("unreachable")
+
+
+def _ports_all_chosen(cfg: ClusterConfig) -> bool:
+    """Whether `up` chooses every port (no base_port, no endpoint or port in the config): only
+    then may another start take others (a port the config fixes would be taken again)."""
+    return not (cfg.cluster.base_port or cfg.coordinator.endpoint or cfg.coordinator.http_port
+                or (cfg.redis.embedded and cfg.redis.url) or cfg.ps.endpoints or cfg.preprocess.endpoints
+                or cfg.loader.metrics_port
+                or any(getattr(cfg, role).metrics_ports for role in ("ps", "preprocess", "worker")))
+
+
+def _up(cfg: ClusterConfig, wait: bool, owner: int | None) -> dict:
     cfg = resolve(cfg)
     root = cfg.cluster.path
     _refuse_running(root)

@@ -331,3 +331,30 @@ def test_up_on_fixed_ports_another_cluster_holds_is_refused_naming_it(tmp_path):
             launcher.down(str(tmp_path / "a"))
     finally:
         redis_server.stop()
+
+
+@pytest.mark.slow
+def test_a_free_port_taken_before_its_service_binds_starts_the_cluster_again_on_others(tmp_path, monkeypatch, caplog):
+    """Parallel clusters of the suite: a port `up` chose was taken by another process before
+    the loader bound it, and the cluster (and the job) failed: "address already in use"."""
+    from mariana.services import launcher
+
+    real, chosen = launcher._fill_free_ports, []
+
+    def fill(cfg):
+        real(cfg)
+        if not chosen:  # the first start's loader finds its metrics port taken
+            cfg.loader.metrics_port = taken.getsockname()[1]
+        chosen.append(cfg.loader.metrics_port)
+
+    monkeypatch.setattr(launcher, "_fill_free_ports", fill)
+    cfg = load_cluster_config(overrides={"cluster.dir": str(tmp_path / "c"), "cluster.supervise": False}, env={})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        try:
+            launcher.up(cfg)
+        finally:
+            launcher.down(str(tmp_path / "c"))
+    assert len(chosen) == 2 and chosen[0] != chosen[1], chosen
+    assert "a port chosen for the cluster was taken meanwhile (start 1 of 3)" in caplog.text

@@ -222,7 +222,7 @@ def _directory_files(directory: str, pattern: str = "") -> list[str]:
     with os.scandir(directory) as entries:
         entries = sorted(entries, key=lambda e: e.name)
     files = [os.path.join(directory, e.name) for e in entries if visible(e.name) and not _is_dir(e)]
-    files = [f for f in files if _readable(f)]
+    files = _once([f for f in files if _readable(f)])  # as a glob's: a link to one of them read it twice
     for f in files:
         check_regular(f)
     if not files and not pattern:

@@ -116,8 +116,9 @@ class RowRange:
     @classmethod
     def of_files(cls, paths: list[str], fraction: float, header: bool) -> tuple["RowRange", "RowRange"]:
         """Train and validation ranges of `paths`: the last `fraction` of their data rows."""
-        if len(set(paths)) != len(paths):
-            raise ConfigError("train.valid_fraction: a training file is named twice; name each once")
+        if len({os.path.realpath(p) for p in paths}) != len(paths):  # by a link too: its tail was trained on
+            raise ConfigError("train.valid_fraction: a training file is named twice (or by a link to it); name each "
+                              "once")
         headers = {p: int(header and not is_parquet(p)) for p in paths}
         return cls.split({p: count_data_lines(p, bool(headers[p])) for p in paths}, fraction, headers)
 

@@ -475,6 +475,12 @@ def validation(config: JobConfig, schema, train_paths: list[str],
     if valid_paths and fraction:
         raise MarianaError("give validation rows one way: --valid-data or train.valid_fraction, not both")
     if valid_paths:
+        trained = {os.path.realpath(p): p for p in train_paths}
+        both = [p for p in valid_paths if os.path.realpath(p) in trained]
+        if both:  # scored on rows it trained on, early stopping never stopped and tune picked what memorised them
+            also = trained[os.path.realpath(both[0])]
+            raise MarianaError(f"--valid-data {both[0]} is a training file too (as {also}): validation rows must be "
+                               "rows the model does not train on")
         check_has_rows(valid_paths, schema, "validation")
         return None, Validation(valid_paths, source=",".join(valid_paths))
     if not fraction and config.train.auto:

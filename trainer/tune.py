@@ -156,10 +156,21 @@ def search_space(trial, kind: str, base: JobConfig) -> dict:
         p["model.interaction"] = pick("model.interaction", ["proj", "dot", "fm"], c.model.interaction)
         p["model.embed_dim"] = pick("model.embed_dim", [4, 8, 16], c.model.embed_dim)
         width = pick("model.width", [32, 64, 128], c.model.hidden[0])
-        p["model.hidden"] = [width, max(width // 2, 1)]
+        p["model.hidden"] = scaled_layers(c.model.hidden, width)
         p["optim.embed_lr"] = rate("optim.embed_lr", 0.01, 0.5, c.optim.embed_lr)
         p["optim.dense_lr"] = rate("optim.dense_lr", 0.002, 0.1, c.optim.dense_lr)
     return p
+
+
+def scaled_layers(hidden: list[int], width: int) -> list[int]:
+    """The job's hidden layers with the first `width` wide and the others scaled alike, so
+    its own shape is searched (every trial was [width, width // 2]: the first trial turned
+    a job's [48, 48, 16] into [48, 24]).
+
+    >>> scaled_layers([48, 48, 16], 48), scaled_layers([48, 48, 16], 96), scaled_layers([64, 32], 32)
+    ([48, 48, 16], [96, 96, 32], [32, 16])
+    """
+    return [width] + [max(1, round(h * width / hidden[0])) for h in hidden[1:]]
 
 
 def default_params(base: JobConfig, kind: str) -> dict:

@@ -107,6 +107,11 @@ def test_a_glob_through_a_link_to_a_parent_reads_each_file_once(tmp_path):
     assert got == [f"{loop}/a.tsv", f"{loop}/up/b.tsv"]  # up/loop/a.tsv is a.tsv again
     named_twice = expand_data_paths([f"{loop}/a.tsv", f"{loop}/up/loop/a.tsv"])
     assert len(named_twice) == 2  # named twice outright: read twice, as documented
+    links = tmp_path / "links"
+    links.mkdir()
+    for name in ("x.tsv", "y.tsv"):
+        os.symlink(loop / "a.tsv", links / name)
+    assert expand_data_paths([str(links)]) == [f"{links}/x.tsv"]  # as its glob: a directory read a.tsv twice
 
 
 @pytest.mark.timeout(20)

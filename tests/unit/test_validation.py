@@ -85,6 +85,14 @@ def test_validation_is_given_one_way_and_must_leave_rows(gen_files, tmp_path):
         run_local_job(config(**{"train.valid_fraction": 0.3}), [str(tiny)], [], str(tmp_path / "m"))
     with pytest.raises(ConfigError, match="'auto'"):
         config(**{"train.epochs": "often"})
+    # the validation rows trained on: by a link to a training file (its tail was in the other name's
+    # rows), or as --valid-data naming a training file; tune picked the trial that memorised them (AUC 1.0)
+    (tmp_path / "link.tsv").symlink_to(gen_files["test"])
+    with pytest.raises(ConfigError, match="a training file is named twice \\(or by a link to it\\)"):
+        RowRange.of_files([str(gen_files["test"]), str(tmp_path / "link.tsv")], 0.1, header=False)
+    with pytest.raises(MarianaError, match="link.tsv is a training file too .*: validation rows must be rows"):
+        run_local_job(config(), [str(gen_files["test"])], [], str(tmp_path / "m"),
+                      valid_paths=[str(tmp_path / "link.tsv")])
 
 
 @pytest.mark.parametrize("kind", ["lr", "dnn"])
@@ -231,13 +239,13 @@ def test_a_validation_tail_of_parquet_and_headered_csv_files(gen_files, tmp_path
 
 
 def test_the_first_trial_is_the_jobs_own_config_even_outside_the_search_ranges(gen_files, tmp_path):
-    odd = config(**{"model.kind": "dnn", "model.embed_dim": 5, "model.hidden": [24, 12], "optim.embed_lr": 0.9,
+    odd = config(**{"model.kind": "dnn", "model.embed_dim": 5, "model.hidden": [24, 24, 8], "optim.embed_lr": 0.9,
                     "optim.ftrl_l1": 0.0, "hashing.bucket_scale": 3.0, "train.batch_size": 700})
     # a budget far over one trial (it ends the search): a trial the budget cuts in its first epoch
     # counts as none (a 3 s budget did that on a loaded 16-core GPU host)
     record = run_tune_job(odd, [str(gen_files["test"])], [], str(tmp_path / "m"), 60.0, "dnn", max_trials=1)
     params = record["trials"][0]["params"]
-    assert params["model.embed_dim"] == 5 and params["model.hidden"] == [24, 12]
+    assert params["model.embed_dim"] == 5 and params["model.hidden"] == [24, 24, 8]  # was [24, 12]
     assert params["optim.embed_lr"] == 0.9 and params["hashing.bucket_scale"] == 3.0
     assert params["train.batch_size"] == 700 and params["optim.ftrl_l1"] == 1e-3  # log scale: 0 -> its floor
 

@@ -347,6 +347,9 @@ def tune(base: JobConfig, runner: TrialRunner, budget: float, kind: str = "lr", 
         raise SearchInterrupted(result=TuneResult(state["best"], kept, state["config"], state["trials"],
                                                   time.perf_counter() - t0))
     if state["best"] is None:
+        failed = [t for t in state["trials"] if t.state == "failed"]
+        if failed and len(failed) == len(state["trials"]):  # it blamed the budget for trials that diverged
+            raise MarianaError(f"tune: every trial failed ({len(failed)}); the first: {failed[0].error}")
         raise MarianaError(f"tune: no trial finished within the budget of {budget:g} s "
                            "(raise --budget or use fewer rows)")
     return TuneResult(state["best"], state["run"].kept, state["config"], state["trials"],

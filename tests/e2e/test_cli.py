@@ -217,6 +217,10 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
         (("train", "--data", gen_files["test"], "--set", "optim.linear=adagrad", "--set", "optim.lr=1e38",
           "--batch-size", "512",
           "--out", tmp_path / "o"), ["training diverged in epoch 1", "nothing to publish"]),
+        # every trial diverged: it blamed the budget ("no trial finished within the budget")
+        (("tune", "--data", gen_files["test"], "--budget", "60", "--trials", "1", "--set", "optim.linear=adagrad",
+          "--set", "optim.lr=1e300", "--out", tmp_path / "o"),
+         ["tune: every trial failed (1); the first: training diverged in epoch 1"]),
         # a --notify URL no client can use: said before the training or the move of CURRENT, not after
         (("train", "--data", gen_files["test"], "--notify", "localhost:6379", "--out", tmp_path / "o"),
          ["--notify 'localhost:6379' is not a Redis URL"]),
@@ -227,6 +231,7 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
         results = list(pool.map(lambda case: run_cli(*case[0]), cases))
     for (args, needles), proc in zip(cases, results):
         one_line_error(proc, *needles)
+        assert "RuntimeWarning" not in proc.stderr, proc.stderr  # a diverged run: 8 lines of them came first
     assert not (tmp_path / "o").exists()  # nothing half-written
 
 

@@ -11,12 +11,15 @@ updating in-process tables, then evaluates. Read top to bottom:
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import resource
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+import numpy as np
 
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.errors import MarianaError
@@ -81,6 +84,18 @@ def local_step(bundle: ModelBundle, batch: SparseBatch) -> StepResult:
     return result
 
 
+def _numpy_quiet(train: Callable) -> Callable:
+    """`train` with numpy's overflow and invalid-value warnings off: a run that diverges is
+    found by its NaN loss and said in one line (TrainingDiverged), which came after eight
+    lines of RuntimeWarning with their source lines."""
+    @functools.wraps(train)
+    def quiet(*args, **kwargs):
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return train(*args, **kwargs)
+    return quiet
+
+
+@_numpy_quiet
 def train_local(bundle: ModelBundle, paths: list[str],
                 on_progress: Callable[[Progress], None] | None = None,
                 report_every: float = 1.0, rows: RowRange | None = None,

@@ -133,6 +133,7 @@ def _print_config(model_dir: str, version: str | None) -> int:
     from mariana.trainer import checkpoint
 
     version = version or checkpoint.current_version(model_dir)
+    checkpoint.require_version(model_dir, version)  # a path (../other/v000001) read another dir's version
     config = checkpoint.read_manifest(model_dir, version).get("config")
     if not isinstance(config, dict):
         raise MarianaError(f"{model_dir}/{version}: its manifest records no config (not a click model's version?)")

@@ -359,6 +359,8 @@ def test_model_config_prints_a_versions_config_that_a_warm_start_takes(gen_files
     assert child["parent"]["version"] == "v000001"
     missing = run_cli("model", "config", "v000009", "--model-dir", parent)
     assert missing.returncode == 2 and "v000009" in missing.stderr and "Traceback" not in missing.stderr
+    outside = run_cli("model", "config", f"../{tmp_path.name}/w/v000001", "--model-dir", parent)  # another dir's
+    assert outside.returncode == 2 and "no version '../" in outside.stderr, outside.stderr  # was printed
 
 
 def test_a_version_worse_than_the_click_rate_is_published_with_a_warning(gen_files, tmp_path):

@@ -592,8 +592,13 @@ def write_pid(fd: int, pid: int, starting: bool = False) -> None:
 
 
 def take_lock(model_dir: str) -> int:
-    """The locked descriptor of `model_dir`'s retrain lock; RetrainBusy when it is held."""
-    os.makedirs(model_dir, exist_ok=True)
+    """The locked descriptor of `model_dir`'s retrain lock; RetrainBusy when it is held, and
+    ModelDirError for a model dir that is not there (a mistyped one was made, and trained
+    into with "nothing was served"; a file's name said "file exists")."""
+    if not os.path.isdir(model_dir):
+        raise ModelDirError(f"{model_dir}: " + ("not a directory" if os.path.exists(model_dir) else
+                                                "no such model directory (for a first retrain into a new one, "
+                                                "make it: mkdir)"))
     fd = os.open(os.path.join(model_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -279,6 +279,12 @@ def test_retrain_publishes_nothing_from_an_empty_or_diverged_training(days, tmp_
                          job_config=str(recipe))
     proc = run_cli("retrain", "--config", cfg)
     assert proc.returncode == 2 and "training diverged" in proc.stderr, proc.stderr
+    # a mistyped model dir: it was made, and trained into with "nothing was served"
+    cfg = retrain_config(tmp_path, tmp_path / "typo", "typo.toml", train_data=[str(days["day2"])],
+                         eval_data=[str(days["day4"])], job_config=str(recipe))
+    proc = run_cli("retrain", "--config", cfg)
+    assert proc.returncode == 2 and "typo: no such model directory" in proc.stderr, proc.stderr
+    assert not (tmp_path / "typo").exists()
     # an eval window that could score nothing is refused before the training, not after it
     garbage = tmp_path / "garbage.tsv"
     garbage.write_bytes(bytes(range(256)) * 64)

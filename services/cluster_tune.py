@@ -4,17 +4,19 @@ The search (the Optuna study, its space, the deadline, the bookkeeping) is train
 `ClusterTrials` runs one trial: POST /v1/jobs with the trial's config (`epochs = "auto"`;
 the --valid-data files, or the coordinator holds out the tail of the training rows,
 `train.valid_fraction`; `promote: false`; published into the scratch model dir
-OUT/tune/<time>-trials/), polls GET /v1/jobs/{id}/history for each epoch's validation
+OUT/tune/<time>-<pid>-<host>-trials/), polls GET /v1/jobs/{id}/history for each epoch's validation
 metrics and hands them to the pruner, and cancels the job (POST /v1/jobs/{id}/cancel)
 when the pruner stops it or at the deadline (a job cancelled there publishes nothing).
 A trial's version is deleted as soon as it is not the best so far; the best is copied
 into OUT as a new version whose manifest adds `tune`, and the scratch dir goes when the
-search ends. One cluster serves the whole search: the one up, or one started for it.
+search ends (one a SIGKILL left is removed by the next search on its host). One cluster
+serves the whole search: the one up, or one started for it.
 """
 from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
 import time
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from typing import Callable
 from mariana.services.assemble import check_request
 from mariana.services.runtime.cluster_job import (JobFailed, Unreachable, _request, cancel_job, cluster_session,
                                                   submit, wait)
+from mariana.services.runtime import procs
 from mariana.services.runtime.config import ClusterConfig
 from mariana.sparse.errors import MarianaError
 from mariana.trainer import checkpoint
@@ -127,8 +130,9 @@ def run_cluster_tune(config: JobConfig, data: list[str], test_data: list[str], v
     t0 = time.perf_counter()
     config.train.epochs = "auto"  # every trial stops on its validation logloss
     path = trials_path(out)
-    body, config, source = trial_body(config, data, test_data, valid_data, path.removesuffix(".json") + "-trials",
-                                      mode, staleness)
+    sweep_dead_scratch(out)
+    scratch = f"{path.removesuffix('.json')}-{_host_tag()}-trials"
+    body, config, source = trial_body(config, data, test_data, valid_data, scratch, mode, staleness)
     fraction = config.train.valid_fraction if refit and not body["valid_data"] else 0.0
     reserve = (lambda trial: refit_reserve(trial, fraction)) if fraction else None
     try:
@@ -170,6 +174,33 @@ def refit_job(info: dict, body: dict, result, fraction: float, deadline: float) 
     log.info("tune: refit job %s submitted", job)
     record = wait(info, job, None)
     return record, {**done, "rows": record["train_rows"], "seconds": record["train_seconds"], "job": job}
+
+
+def _host_tag() -> str:
+    """This host's name as a file name can hold it (a scratch dir names the host and pid of
+    its search, so another search can tell a dead one's)."""
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in platform.node())[:64] or "host"
+
+
+def sweep_dead_scratch(out: str) -> None:
+    """Remove the scratch dirs (`<time>-<pid>-<host>-trials`, their trial versions) of searches
+    on this host whose process is gone: a search killed with SIGKILL left its for good (a DNN's
+    trials are whole model versions). Another host's, or one of a live pid, is left alone."""
+    tune_dir = os.path.join(os.path.abspath(out), "tune")
+    try:
+        names = os.listdir(tune_dir)
+    except OSError:
+        return
+    tag = _host_tag()
+    for name in names:
+        parts = name.split("-", 2)  # <time>, <pid>, <host>-trials
+        if len(parts) != 3 or parts[2] != f"{tag}-trials" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        if pid == os.getpid() or procs.running(pid):
+            continue
+        shutil.rmtree(os.path.join(tune_dir, name), ignore_errors=True)
+        log.info("removed %s: the scratch dir of a search (pid %d) that ended without removing it", name, pid)
 
 
 def trial_body(config: JobConfig, data: list[str], test_data: list[str], valid_data: list[str], scratch: str,

@@ -263,3 +263,24 @@ def test_an_epoch_cut_by_the_deadline_is_recorded_as_the_budgets_stop(gen_files,
     result = train_local(bundle, [str(gen_files["train"])], rows=train, deadline=time.perf_counter() - 1,
                          valid=Validation([str(gen_files["train"])], valid, source="the tail"))
     assert result.valid["stopped"] == "time budget" and result.rows_per_epoch[0] < train.rows, result.valid
+
+
+def test_a_dead_cluster_searchs_scratch_dir_is_removed_by_the_next_and_no_other(tmp_path):
+    """A `tune --mode cluster` killed with SIGKILL left its trials' versions for good."""
+    import os
+    import subprocess
+    import sys
+
+    from mariana.services.cluster_tune import _host_tag, sweep_dead_scratch
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    tune = tmp_path / "m" / "tune"
+    names = {"dead": f"20261129T000000Z-{gone.pid}-{_host_tag()}-trials",
+             "alive": f"20261129T000000Z-{os.getppid()}-{_host_tag()}-trials",
+             "elsewhere": f"20261129T000000Z-{gone.pid}-another-host-trials",
+             "older": f"20261129T000000Z-{gone.pid}-trials"}  # before the host was in the name: not known dead
+    for name in names.values():
+        (tune / name / "v000001").mkdir(parents=True)
+    sweep_dead_scratch(str(tmp_path / "m"))
+    assert sorted(p.name for p in tune.iterdir()) == sorted(v for k, v in names.items() if k != "dead")

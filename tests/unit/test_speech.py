@@ -302,3 +302,33 @@ def test_a_speech_timeout_past_what_a_timedelta_holds_is_refused():
     for t in (float("inf"), 1e300):
         with pytest.raises(ConfigError, match="must be a number of seconds > 0"):
             SpeechConfig(timeout_s=t)
+
+
+def test_a_stopped_rank_is_named_as_the_cause_not_the_first_rank_to_time_out():
+    """A rank frozen by SIGSTOP: the job failed naming a rank whose collective timed out
+    waiting for it ("rank 2 of 4 exited ..."), and the frozen rank 3 was never named."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from mariana.trainer.strategies.data_parallel import _is_stopped, _rank_failure
+
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not _is_stopped(frozen.pid)
+        os.kill(frozen.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not _is_stopped(frozen.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        frozen.kill()
+        frozen.wait()
+    timed_out = SimpleNamespace(collective_failed=True, error="rank 2 of 4: gloo: Timed out waiting")
+    relays = [SimpleNamespace(collective_failed=False, error=None)] * 2 + [timed_out, timed_out]
+    said = str(_rank_failure({2: (1.0, 1)}, relays, 4, [3]))
+    assert said.startswith("rank 3 of 4 was stopped (SIGSTOP, or a debugger held it)"), said
+    assert str(_rank_failure({2: (1.0, 1)}, relays, 4)).startswith("rank 2 of 4 exited with status 1")

@@ -512,6 +512,7 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
             if failed and time.monotonic() - min(t for t, _ in failed.values()) > grace_s:
                 break
             time.sleep(0.05)
+        stopped = [rank for rank, p in enumerate(procs) if p.poll() is None and _is_stopped(p.pid)] if failed else []
     finally:
         if main:
             signal.signal(signal.SIGTERM, before)
@@ -522,10 +523,20 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
         for relay in relays:
             relay.finish()
     if failed:
-        raise _rank_failure(failed, relays, nproc)
+        raise _rank_failure(failed, relays, nproc, stopped)
 
 
-def _rank_failure(failed: dict[int, tuple[float, int]], relays: list["RankStderr"], nproc: int) -> Exception:
+def _is_stopped(pid: int) -> bool:
+    """Whether a process is stopped (SIGSTOP, SIGTSTP) or held by a tracer: /proc's state T or t."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def _rank_failure(failed: dict[int, tuple[float, int]], relays: list["RankStderr"], nproc: int,
+                  stopped: list[int] = ()) -> Exception:
     """The job's one error line: the rank that failed first, the cause before its consequences
     (a rank killed by a signal, or one that failed on its own, before the ranks whose collectives
     then failed, which may even abort on the way out), and that rank's own error if it had one."""
@@ -537,6 +548,9 @@ def _rank_failure(failed: dict[int, tuple[float, int]], relays: list["RankStderr
         rank, (seen, code) = item
         return relays[rank].collective_failed, code >= 0, seen
     rank, (_, code) = min(failed.items(), key=order)
+    if stopped and relays[rank].collective_failed:  # the cause is alive but frozen: name it, not the first to time out
+        return MarianaError(f"rank {stopped[0]} of {nproc} was stopped (SIGSTOP, or a debugger held it): the other "
+                            "ranks' collectives timed out waiting for it; the job failed (the ranks were stopped)")
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
     said = relays[rank].error
     if said and relays[rank].collective_failed:  # no cause seen but this: say what kind, -v says the rest

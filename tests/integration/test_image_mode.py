@@ -194,6 +194,7 @@ def test_a_stopped_rank_fails_the_job_within_its_timeout(tmp_path, shapes, layou
                       after_s=2.0, sig=signal.SIGSTOP)
     assert run["returncode"] == 2 and run["seconds"] < 40, run
     assert "mariana: error: rank" in run["stderr"] and not (tmp_path / "f").exists()
+    assert "was stopped (SIGSTOP, or a debugger held it)" in run["stderr"], run["stderr"]  # not a rank that timed out
     assert not run["children"]
 
 

@@ -486,9 +486,9 @@ def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
     if twice:
         raise DataFormatError(f"the DataFrame has {len(twice)} duplicated column name(s): {', '.join(twice[:6])}; "
                               "a row would take one of the columns of each, unsaid: rename or drop the others")
-    dtypes = getattr(frame, "dtypes", None)  # a frame-like object without them: value by value
+    dtypes, cats = getattr(frame, "dtypes", None), set(categorical)  # no dtypes (a frame-like object): value by value
     typed = {c: _typed_column(frame[c]) for c in frame.columns
-             if c in set(categorical) and dtypes is not None and getattr(dtypes[c], "kind", "") in ("f", "b")}
+             if c in cats and dtypes is not None and getattr(dtypes[c], "kind", "") in ("f", "b")}
     typed = {c: texts for c, texts in typed.items() if texts is not None}
     out = []
     for i, rec in enumerate(frame.to_dict("records")):

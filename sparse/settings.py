@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 ENV_PREFIX = "MARIANA_"
 INT_LIMIT = 1 << 63  # no integer setting counts past a signed 64-bit one (C, numpy and torch ints overflow)
 SHOWN_CHARS = 80     # a value's repr in a message is cut at this length
+MAX_THREADS = 1024   # a thread-count setting (a job's, a service's) counts at most this many
 
 
 def load_settings(cls: type, path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from mariana.sparse.errors import ConfigError
 from mariana.sparse.hashing import HashSpec
 from mariana.sparse.schema import FORMATS, Schema, builtin
-from mariana.sparse.settings import check_seed, load_settings
+from mariana.sparse.settings import MAX_THREADS, check_seed, load_settings
 
 AUTO = "auto"  # train.epochs: stop on the validation logloss
 
@@ -54,7 +54,6 @@ class DataConfig:
 
 MAX_WIDTH = 1 << 14  # embedding and layer widths
 MAX_LOGIT = 69.0  # |model.init_bias|: sigmoid(-69) is 1e-30
-MAX_THREADS = 1024   # data.parse_workers: threads of one process
 
 
 @dataclass

@@ -37,7 +37,7 @@ from typing import Any, Mapping
 from mariana.services.protocol import MAX_LEASE
 from mariana.services.runtime.auth import check_token
 from mariana.sparse.errors import ConfigError
-from mariana.sparse.settings import load_settings
+from mariana.sparse.settings import MAX_THREADS, load_settings
 
 ROLES = ("coordinator", "loader", "preprocess", "worker", "ps")
 # Offsets from cluster.base_port of the /metrics port of each role's instance 0.
@@ -45,7 +45,6 @@ METRICS_OFFSETS = {"loader": 3, "ps": 200, "preprocess": 300, "worker": 400}
 
 
 MAX_SERVICES = 4096  # processes of one role in a cluster
-MAX_THREADS = 1024  # threads of one process (trainer/config.py's)
 
 
 @dataclass

@@ -137,6 +137,28 @@ def _check_unseen(test: list, utterances: list, split: str, trained: dict, archi
                            f"nothing; evaluate with --split {own}, or on recordings it never saw")
 
 
+def _held_out(utterances: list, split: str, given: bool) -> list:
+    """The held-out part of `split`; a split the data cannot cut is named as --split when the
+    user `given` it, else as the model's own (it said "--split speaker:theo" to a user who
+    gave none).
+
+    >>> from mariana.featurizer.speech import Utterance
+    >>> _held_out([Utterance("1_bob_0.wav", 1, "bob", 0, None)], "speaker:ann", given=False)
+    Traceback (most recent call last):
+    ...
+    mariana.sparse.errors.MarianaError: the split the model was trained with (speaker:ann; --split names another): ...
+    """
+    from mariana.featurizer.speech import split_utterances
+
+    try:
+        return split_utterances(utterances, split)[1]
+    except MarianaError as e:
+        if given:
+            raise
+        raise MarianaError(str(e).replace(f"--split {split}:", f"the split the model was trained with ({split}; "
+                                          "--split names another):", 1)) from None
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Utterance accuracy of the model's CURRENT version on the held-out recordings of --split
     (default: the split it was trained with)."""
@@ -144,7 +166,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from mariana.featurizer.speech import SpeechRecognizer, fsdd_archive, read_archive, split_utterances
+    from mariana.featurizer.speech import SpeechRecognizer, fsdd_archive, read_archive
     from mariana.services.runtime import report
 
     if getattr(args, "plot", None):
@@ -158,13 +180,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     archive = fsdd_archive(args.data)
     utterances = read_archive(archive, rec.front_end.sample_rate, rec.front_end.min_samples)
-    try:
-        _, test = split_utterances(utterances, split)
-    except MarianaError as e:
-        if getattr(args, "split", None):
-            raise
-        raise MarianaError(str(e).replace(f"--split {split}:", f"the split the model was trained with ({split}; "
-                                          "--split names another):", 1)) from None
+    test = _held_out(utterances, split, given=bool(getattr(args, "split", None)))
     if not test:
         raise MarianaError(f"{args.data}: no recording of split {split}'s held-out part (what evaluate scores): "
                            "give the archive the model was trained from, or another --split")

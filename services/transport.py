@@ -529,15 +529,33 @@ class HandshakeCounter(_Monitor):
             now = time.monotonic()
             if now - self.said_at >= self.LOG_SECONDS:
                 # (the event names this socket's endpoint, not the peer's: ZeroMQ does not say who)
-                PEER_LOG.warning("%s: %d failed ZeroMQ handshakes at %s, the last %s: a peer whose "
-                                 "cluster.curve_key differs from this host's, or that has none", self.name,
-                                 self.unsaid, event.get("endpoint", b"").decode("utf-8", "replace") or "?",
-                                 zmq.Event(event["event"]).name)
+                kind = zmq.Event(event["event"]).name
+                PEER_LOG.warning("%s: %d failed ZeroMQ handshakes at %s, the last %s: %s", self.name, self.unsaid,
+                                 event.get("endpoint", b"").decode("utf-8", "replace") or "?", kind,
+                                 handshake_blame(kind))
                 self.unsaid, self.said_at = 0, now
 
     def close(self) -> None:
         self.loop.remove_reader(self.fd)
         super().close()
+
+
+def handshake_blame(kind: str) -> str:
+    """Who a server's failed handshake of this kind points at. A peer that closed its
+    connection in the handshake (it stopped, or is no ZeroMQ peer: a port scan) fails with
+    NO_DETAIL, which a key that differs can give too; PROTOCOL and AUTH are a key that differs
+    or none (the log used to blame the key for every kind).
+
+    >>> handshake_blame("HANDSHAKE_FAILED_PROTOCOL")
+    "a peer whose cluster.curve_key differs from this host's, or that has none"
+    >>> handshake_blame("HANDSHAKE_FAILED_NO_DETAIL")
+    "a peer that closed its connection in the handshake (it stopped, or is not a ZeroMQ peer), or whose ..."
+    """
+    key = "cluster.curve_key differs from this host's, or that has none"
+    if kind == "HANDSHAKE_FAILED_NO_DETAIL":
+        return ("a peer that closed its connection in the handshake (it stopped, or is not a ZeroMQ peer), "
+                f"or whose {key}")
+    return f"a peer whose {key}"
 
 
 def _guess_msg_id(frames: list) -> int:

@@ -41,6 +41,7 @@ import datetime
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -536,7 +537,7 @@ def _is_stopped(pid: int) -> bool:
 
 
 def _rank_failure(failed: dict[int, tuple[float, int]], relays: list["RankStderr"], nproc: int,
-                  stopped: list[int] = ()) -> Exception:
+                  stopped: Sequence[int] = ()) -> Exception:
     """The job's one error line: the rank that failed first, the cause before its consequences
     (a rank killed by a signal, or one that failed on its own, before the ranks whose collectives
     then failed, which may even abort on the way out), and that rank's own error if it had one."""

@@ -472,10 +472,11 @@ def _is_path_list(rows: Any) -> bool:
 def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
     """A DataFrame's rows as the dicts `parse_records` takes: missing values (NaN, None,
     pandas' NA and NaT) left out, numpy scalars as Python numbers. A `categorical` column
-    (an id or hour column) of floats or booleans is read as a Parquet file's is
+    (an id or hour column) of floats, booleans or timestamps is read as a Parquet file's is
     (`sparse.parse._as_text`, on the whole column: a whole float is its integer, as in an
     integer column with gaps, which is float64; any other float its shortest text; a
-    boolean true or false). Duplicated column names are a DataFormatError (pandas would
+    boolean true or false; a timestamp Arrow's text of it, 2024-01-02 03:04:05.000000 for
+    pandas' microseconds). Duplicated column names are a DataFormatError (pandas would
     keep the last column of each name and say so once, in a warning).
 
     >>> import pandas as pd
@@ -488,7 +489,7 @@ def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
                               "a row would take one of the columns of each, unsaid: rename or drop the others")
     dtypes, cats = getattr(frame, "dtypes", None), set(categorical)  # no dtypes (a frame-like object): value by value
     typed = {c: _typed_column(frame[c]) for c in frame.columns
-             if c in cats and dtypes is not None and getattr(dtypes[c], "kind", "") in ("f", "b")}
+             if c in cats and dtypes is not None and getattr(dtypes[c], "kind", "") in ("f", "b", "M")}
     typed = {c: texts for c, texts in typed.items() if texts is not None}
     out = []
     for i, rec in enumerate(frame.to_dict("records")):
@@ -502,7 +503,7 @@ def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
 
 
 def _typed_column(column: Any) -> list | None:
-    """A float or boolean column's values as the bytes a Parquet column of them hashes to
+    """A float, boolean or timestamp column's values as the bytes a Parquet column of them hashes to
     (None: missing); None when Arrow cannot take it (its values then go one by one)."""
     import pyarrow as pa
 

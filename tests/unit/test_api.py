@@ -147,10 +147,11 @@ def test_frames_with_duplicated_columns_float_ids_or_float_hours_and_numpy_overr
     assert (cfg.train.epochs, cfg.optim.lr, cfg.model.hidden) == (2, 0.05, [8, 4])
 
 
-def test_boolean_and_float_ids_score_alike_from_parquet_a_dataframe_and_dicts(tmp_path):
+def test_boolean_float_and_timestamp_ids_score_alike_from_parquet_a_dataframe_and_dicts(tmp_path):
     """A model trained on a Parquet file of boolean and float id columns (Arrow hashes
     them as text: true, 0.25) refused the same values from a DataFrame, from dicts and over
-    HTTP ("must be text or an integer"); a float32 column's 0.1 is its own shortest text."""
+    HTTP ("must be text or an integer"); a float32 column's 0.1 is its own shortest text. A
+    timestamp column is Arrow's text of it too (a DataFrame's was refused)."""
     pd = pytest.importorskip("pandas", reason="pandas is not a dependency; this test is about DataFrames")
     rng = np.random.default_rng(0)
     flag = rng.random(2000) < 0.5
@@ -158,18 +159,21 @@ def test_boolean_and_float_ids_score_alike_from_parquet_a_dataframe_and_dicts(tm
     size = rng.choice(np.float32([0.1, 0.3]), 2000)
     odds = np.where(flag, 0.5, 0.05) * np.where(price == 0.25, 1.6, 1) * np.where(size > 0.2, 1.5, 1)
     click = rng.random(2000) < odds
-    frame = pd.DataFrame({"y": click.astype(int), "flag": flag, "price": price, "size": size})
+    day = pd.Series(pd.to_datetime(["2024-01-01 00:00:00", "2024-01-02 03:04:05"])[rng.integers(0, 2, 2000)])
+    click &= rng.random(2000) < np.where(day.dt.day == 2, 1.0, 0.6)
+    frame = pd.DataFrame({"y": click.astype(int), "flag": flag, "price": price, "size": size, "day": day})
     frame.loc[3, "price"] = np.nan
+    frame.loc[5, "day"] = pd.NaT
     frame.to_parquet(tmp_path / "d.parquet")
-    schema = {"format": "csv", "data.schema.columns": ["y", "flag", "price", "size"], "data.schema.label": "y",
-              "data.schema.numeric": [], "data.schema.categorical": ["flag", "price", "size"]}
+    schema = {"format": "csv", "data.schema.columns": ["y", "flag", "price", "size", "day"], "data.schema.label": "y",
+              "data.schema.numeric": [], "data.schema.categorical": ["flag", "price", "size", "day"]}
     model = mariana.train(str(tmp_path / "d.parquet"), out=str(tmp_path / "m"), bits=BITS, **schema).load()
     want = model.predict(str(tmp_path / "d.parquet"))
     assert np.ptp(want) > 0.2  # the ids were learned apart, not all one id
     np.testing.assert_allclose(model.predict(frame.drop(columns="y")), want, rtol=0, atol=1e-6)
-    dicts = [{"flag": bool(f), "price": float(p), "size": float(str(z))}  # what JSON gives: 0.1, not float32's
-             for f, p, z in zip(flag, frame["price"], size)]
-    del dicts[3]["price"]  # the NaN: missing
+    dicts = [{"flag": bool(f), "price": float(p), "size": float(str(z)), "day": f"{d:%Y-%m-%d %H:%M:%S}.000000"}
+             for f, p, z, d in zip(flag, frame["price"], size, day)]  # JSON's 0.1, not float32's; Arrow's text
+    del dicts[3]["price"], dicts[5]["day"]  # the NaN and the NaT: missing
     np.testing.assert_allclose(model.predict(dicts), want, rtol=0, atol=1e-6)
 
 

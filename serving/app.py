@@ -139,6 +139,10 @@ def _predict(hot: _Hot):
         content_type = request.content_type
         fmt = codec.format_of(content_type)
         try:
+            coding = request.headers.get("Transfer-Encoding")
+            if coding is not None and coding.strip().lower() != "chunked":  # aiohttp de-chunks and drops the rest
+                raise ServeError(400, f"Transfer-Encoding {coding[:60]!r} is not one this server reads (chunked only; "
+                                      "a compressed body says so in Content-Encoding)", close=True)
             encoding = request.headers.get("Content-Encoding", "").strip().lower()
             if encoding not in _ENCODINGS:  # aiohttp read any other as none, and the answer said "not UTF-8"
                 raise ServeError(415, f"Content-Encoding {encoding!r} is not one this server reads (gzip, deflate, "
@@ -282,13 +286,14 @@ async def _expect(request: web.Request) -> None:
     """`Expect: 100-continue` (aiohttp's own handling, but): a body that its Content-Length
     puts over serve.max_body_bytes is not asked for. The 413 goes out at once, and the
     client does not send megabytes to have them refused."""
+    t0 = time.perf_counter()
     s = request.app[SETTINGS]["cfg"].serve
     if request.content_length is not None and request.content_length > s.max_body_bytes:
         return None
     if request.version != aiohttp.HttpVersion11:  # HTTP/1.0 has no 100 Continue: the body just follows
         return None
     if request.headers.get("Expect", "").lower() != "100-continue":  # answered before the middleware: counted here
-        request.app[METRICS].inc("mariana_serve_requests_total", route="/v1/predict", code="417")
+        request.app[HOT].count("/v1/predict", 417, time.perf_counter() - t0)  # (both series, as the middleware does)
         version = request.app[HOLDER].version
         raise web.HTTPExpectationFailed(text=dumps({"error": f"Expect: {request.headers.get('Expect', '')} is not "
                                                              "one this server meets (only 100-continue)"}),
@@ -443,7 +448,8 @@ def _metrics() -> Metrics:
     m.counter("mariana_serve_creatives_added_total", "Creatives featurized after the version was trained, added "
                                                      "to its image table from the Redis creative cache.")
     m.counter("mariana_serve_unknown_creatives_total", "Instances naming a creative that the image model's table "
-                                                       "lacks (scored with the fallback: zero features, flag 1).")
+                                                       "lacks, or naming none (scored with the fallback: zero "
+                                                       "features, flag 1).")
     m.counter("mariana_serve_bad_creatives_total", "Creative cache entries that hold no usable features (wrong "
                                                   "length, not finite, beyond 1e6): scored as unknown, said once.")
     m.histogram("mariana_serve_batch_requests", "Requests answered by one model call.",

@@ -5,6 +5,7 @@ names packed as msgpack bin; and a model directory whose CURRENT or newest versi
 bad. Each gets a 4xx or is refused with a log line, counted, and the server goes on."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -174,12 +175,59 @@ def test_requests_the_parser_refuses_are_counted_and_no_traceback_is_logged(serv
 
 
 def test_an_expect_other_than_100_continue_is_a_counted_json_417(server):
+    timed = 'mariana_serve_request_seconds_count{route="/v1/predict"}'
+    before = server.metric(timed)
     got, _ = raw(server, post_head(len(BODY), "Expect: bogus\r\nConnection: close\r\n"), wait=3)
     head, _, body = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 417") and b"application/json" in head, got
     assert b"X-Model-Version: v000001" in head, got  # every answer of /v1/predict names the version
     assert "Expect: bogus is not one this server meets" in json.loads(body)["error"]
     assert 'mariana_serve_requests_total{code="417",route="/v1/predict"} 1' in server.get("/metrics")[1]["text"]
+    assert server.metric(timed) == before + 1  # timed as every answer is (it was in requests_total only)
+
+
+def test_a_transfer_encoding_other_than_chunked_is_refused_naming_it(server):
+    """aiohttp de-chunks `gzip, chunked` and drops the gzip: the answer said "not UTF-8 text"."""
+    gzipped = __import__("gzip").compress(BODY)
+    got, closed = raw(server, b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Transfer-Encoding: gzip, chunked\r\n\r\n" + b"%x\r\n" % len(gzipped) + gzipped
+                      + b"\r\n0\r\n\r\n", wait=5)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), got
+    assert "Transfer-Encoding 'gzip, chunked' is not one this server reads (chunked only" in json.loads(body)["error"]
+    assert closed
+
+
+def test_a_client_that_reads_none_of_its_pipelined_answers_is_cut_off(server):
+    """80 pipelined requests of 10,000 instances (200 KB answers) from a client that reads
+    nothing: aiohttp answers what the socket's buffers take and stops, but the connection
+    stayed open for good, holding its requests (an exploratory run's six such clients were
+    all still there after 105 s). Now a connection whose unsent bytes do not move for
+    keepalive_seconds is aborted, and the server goes on answering the others."""
+    body = json.dumps({"instances": [{}] * 10_000}).encode()
+    before = server.metric("mariana_serve_predictions_total")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    sock.settimeout(5)
+    try:
+        with contextlib.suppress(TimeoutError):  # (it may stop reading requests too)
+            sock.sendall((post_head(len(body)) + body) * 80)
+        answered, deadline = None, time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the count stops moving
+            time.sleep(0.5)
+            now = server.metric("mariana_serve_predictions_total") - before
+            if now == answered:
+                break
+            answered = now
+        assert 0 < answered <= 40 * 10_000, answered  # what the kernel's buffers take (4 MB a side), not all 80
+        deadline = time.monotonic() + 10
+        while "closed a connection whose client read none of" not in server.logs() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "closed a connection whose client read none of" in server.logs(), server.logs()
+    finally:
+        sock.close()
+    assert server.predict([{"I1": 3, "C1": "68fd1e64"}])[0] == 200
 
 
 GZIPPED = __import__("gzip").compress(BODY, mtime=0)  # the same bytes in every pytest worker (its ids are)

@@ -114,8 +114,8 @@ def _numbers(value: Any) -> Any:
 
 def job_config(config: JobConfig | PathLike | Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> JobConfig:
     """The config a job trains with: `config` (a JobConfig, taken as it is; a TOML path or
-    None, loaded as the CLI loads them; a dict of dotted keys, as overrides) and then
-    `overrides`. Always a new object: a job settles its "auto" values in place."""
+    None, loaded as the CLI loads them; a dict of dotted keys, any spelling overrides take)
+    and then `overrides` on top. Always a new object: a job settles its "auto" values in place."""
     if isinstance(config, JobConfig):
         tree = config.to_dict()
         for key, value in dotted_overrides(overrides).items():
@@ -123,8 +123,8 @@ def job_config(config: JobConfig | PathLike | Mapping[str, Any] | None, override
         return from_dict(JobConfig, tree)
     if config is None or isinstance(config, (str, os.PathLike)):
         return load_config(config, **overrides)
-    if isinstance(config, Mapping):
-        return load_config(None, **{**config, **overrides})
+    if isinstance(config, Mapping):  # overrides on top: `epochs=3` over {"train.epochs": 2} was "two ... disagree"
+        return load_config(None, **{**dotted_overrides(config), **dotted_overrides(overrides)})
     raise TypeError(f"config: expected a mariana.Config, a TOML path or a dict of dotted keys, "
                     f"got {type(config).__name__}")
 

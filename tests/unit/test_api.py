@@ -264,6 +264,11 @@ def test_configs_load_as_the_cli_loads_them(tmp_path, monkeypatch):
     job = api.job_config(base, {"train.epochs": 2, "model": "dnn"})
     assert (job.train.epochs, job.model.kind) == (2, "dnn") and (base.train.epochs, base.model.kind) == (1, "lr")
     assert api.job_config({"train.epochs": 4}, {"bits": 16}).train.epochs == 4
+    for spelling in ("epochs", "train__epochs", "train.epochs"):  # overrides go on top of a dict, as of a Config
+        assert api.job_config({"train.epochs": 2}, {spelling: 3}).train.epochs == 3, spelling
+    assert api.job_config({"model.kind": "dnn"}, {"model": "lr"}).model.kind == "lr"  # was "two overrides disagree"
+    with pytest.raises(ConfigError, match="two overrides of train.epochs disagree"):  # within one of them: still
+        api.job_config({"train.epochs": 2, "epochs": 3}, {})
 
 
 def test_warm_start_goes_on_from_a_version(trained, gen_files, tmp_path):

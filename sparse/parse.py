@@ -58,7 +58,7 @@ pa.enable_signal_handlers(False)
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"  # what some tools (Excel's "CSV UTF-8") write first; pyarrow skips it in data
 # What pyarrow's float parser accepts, less nan/inf: the fast and checked paths agree.
-NUMBER_RE = r"^[ \t]*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?[ \t]*$"
+NUMBER_RE = r"^[ \t]*(?:[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)?[ \t]*$"  # blanks alone: missing
 HOUR_RE = r"^[0-9]{8}$"
 MAX_LINE_BYTES = 16 << 20  # a longer line is a malformed row (`overlong_marker`); a file's first, not text
 OVERLONG_LINE = b"\x00mariana-overlong-line\x00"
@@ -506,9 +506,10 @@ class BlockParser:
             check(_label_ok(cols[s.label]), f"{s.label} is not 0 or 1")
         for c in s.numeric:
             col = cols[c]
-            number = pc.match_substring_regex(col, NUMBER_RE)
-            finite = pc.is_finite(pc.cast(_trimmed(pc.if_else(number, col, pa.scalar(b"0"))), pa.float64()))
-            check(pc.or_(pc.equal(pc.binary_length(col), 0), pc.and_(number, finite)), f"{c} is not a number")
+            number = pc.match_substring_regex(col, NUMBER_RE)  # (or nothing but blanks: missing, as '' is)
+            text = _trimmed(pc.if_else(number, col, pa.scalar(b"0")))
+            text = pc.if_else(pc.equal(pc.utf8_length(text), 0), pa.scalar("0"), text)
+            check(pc.and_(number, pc.is_finite(pc.cast(text, pa.float64()))), f"{c} is not a number")
         if s.hour:
             checks += _hour_checks(cols[s.hour], s.hour)
         return checks
@@ -608,7 +609,7 @@ def _trimmed(col: pa.Array) -> pa.Array:
 
 
 def _to_float(col: pa.Array) -> np.ndarray:
-    """Checked numbers (NUMBER_RE) -> float64, empty -> NaN."""
+    """Checked numbers (NUMBER_RE) -> float64, empty (or blanks) -> NaN."""
     text = _trimmed(col)
     empty = pc.equal(pc.utf8_length(text), 0)
     return pc.cast(pc.if_else(empty, pa.scalar(None, pa.string()), text), pa.float64()).to_numpy(

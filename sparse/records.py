@@ -7,8 +7,8 @@ A value is what a JSON or msgpack decoder yields:
 - categorical field: text (str or bytes, taken as its UTF-8 bytes) or an
   integer (taken as its decimal text); None, '' or an absent key is missing;
 - numeric field: a number (int or float, finite; not a bool) or number text
-  as a file would hold it (`parse.NUMBER_RE`, no nan/inf); None, '' or
-  absent is missing;
+  as a file would hold it (`parse.NUMBER_RE`, no nan/inf); None, '', blanks
+  alone or absent is missing;
 - hour field (Avazu's YYMMDDHH): text or an integer of 8 digits naming a
   valid date and hour; it may not be missing (a file row without one is
   malformed too).
@@ -226,7 +226,10 @@ def _number(field: str, v) -> float:
         if text == "":
             return math.nan
         if _NUMBER.fullmatch(text):
-            x = float(text.strip(" \t"))
+            text = text.strip(" \t")
+            if not text:  # blanks alone: missing, as in a file
+                return math.nan
+            x = float(text)
             if math.isfinite(x):  # '1e999' matches the pattern but is no finite number
                 return x
         raise _Bad(f"{field} is not a number")

@@ -8,6 +8,7 @@ import pytest
 
 from mariana.sparse.errors import DataFormatError
 from mariana.sparse.parse import BlockParser, ParseStats, Reader
+from mariana.sparse.records import parse_records
 from mariana.sparse.schema import Schema, avazu, criteo
 
 GOOD = "1\t5\t\t3\t" + "\t".join(["7"] * 10) + "\t" + "\t".join(f"{i:08x}" for i in range(26))
@@ -86,6 +87,18 @@ def test_non_utf8_bytes_are_fine_in_categories_and_bad_in_numbers(tmp_path):
     chunks, stats = read_all(write(tmp_path, "bytes.tsv", b"\n".join([good, bad, good]) + b"\n"))
     assert stats.rows_ok == 2 and bad_rows(stats) == [(2, "I1 is not a number")]
     assert values(chunks[0].columns["C1"])[0] == b"\xff\xfe0000"
+
+
+def test_a_number_of_blanks_alone_is_missing_as_an_empty_one_is(tmp_path):
+    """The model format's rule: a numeric field's text, blanks trimmed, is the number, and an
+    empty one is missing (docs/model-format.md). A field of blanks alone was a malformed row,
+    while the format's own scorer read it as missing; a dict's " " alike."""
+    rows = [GOOD.replace("\t5\t", f"\t{blank}\t", 1) for blank in ("", " ", "  ", "   ", " 5 ")]
+    chunks, stats = read_all(write(tmp_path, "blank.tsv", "\n".join(rows) + "\n"))
+    assert stats.rows_ok == 5 and not bad_rows(stats)
+    assert np.isnan(chunks[0].columns["I1"][:4]).all() and chunks[0].columns["I1"][4] == 5.0
+    chunk, bad, _ = parse_records(criteo(), [{"I1": " "}, {"I1": "\t"}, {"I1": " -2.5 "}])
+    assert not bad and np.isnan(chunk.columns["I1"][:2]).all() and chunk.columns["I1"][2] == -2.5
 
 
 def test_fast_and_checked_paths_agree(criteo_sample):

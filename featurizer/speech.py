@@ -167,13 +167,12 @@ def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE, min_
                else str(e) or (f"a chunk says it runs past the RIFF's end, in {len(raw)} bytes"
                                if isinstance(e, RuntimeError) else f"{len(raw)} bytes, ending inside the wav header"))
         raise BadAudio(f"{name}: not a PCM wav file ({why})") from None
-    want = f"expected {sample_rate} Hz (mono, 16-bit PCM)"
     if rate != sample_rate:
-        raise BadAudio(f"{name}: sample rate {rate} Hz, {want}")
+        raise BadAudio(f"{name}: sample rate {rate} Hz, expected {sample_rate} Hz (mono, 16-bit PCM)")
     if width != 2:
-        raise BadAudio(f"{name}: {8 * width}-bit samples, {want}")
+        raise BadAudio(f"{name}: {8 * width}-bit samples, expected 16-bit PCM (mono, {sample_rate} Hz)")
     if channels != 1:
-        raise BadAudio(f"{name}: {channels} channels, {want}")
+        raise BadAudio(f"{name}: {channels} channels, expected mono (16-bit PCM, {sample_rate} Hz)")
     if len(frames) != 2 * n:
         raise BadAudio(f"{name}: truncated ({len(frames) // 2} of {n} samples)")
     if n == 0:

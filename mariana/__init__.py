@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from mariana.trainer.config import JobConfig as Config
 
 __all__ = ["train", "load", "load_config", "Config", "Result", "Model",
-           "MarianaError", "ConfigError", "DataFormatError", "ModelDirError", "__version__"]
+           "MarianaError", "ConfigError", "DataFormatError", "ModelDirError", "NoDataFiles", "__version__"]
 
 # name -> (module, attribute): imported when first asked for (module-level __getattr__, PEP 562)
 _LAZY = {
@@ -48,6 +48,7 @@ _LAZY = {
     "ConfigError": ("mariana.sparse.errors", "ConfigError"),
     "DataFormatError": ("mariana.sparse.errors", "DataFormatError"),
     "ModelDirError": ("mariana.sparse.errors", "ModelDirError"),
+    "NoDataFiles": ("mariana.sparse.inputs", "NoDataFiles"),  # a MarianaError: data that names no file
 }
 
 

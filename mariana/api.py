@@ -305,14 +305,19 @@ def _not_paths(data: Any, what: str, items: list | None = None) -> str:
 # ---- load, predict, evaluate --------------------------------------------------------
 
 def load(model_dir: PathLike, version: str | None = None) -> "Model":
-    """A published version of `model_dir` (default: the one CURRENT names), loaded as
-    `mariana predict` and the server load it. ModelDirError when there is none."""
+    """A published version of `model_dir` (default: the one CURRENT names; 'DIR:vNNNNNN'
+    names one, as `--model` and `init_from` take it), loaded as `mariana predict` and the
+    server load it. ModelDirError when there is none."""
     from mariana.trainer import checkpoint
-    from mariana.trainer.bundle import ModelBundle
+    from mariana.trainer.bundle import ModelBundle, parse_init_from
 
     model_dir = _path("model_dir", model_dir)
     if version is not None and not isinstance(version, str):
         raise ConfigError(f"version: expected a version name such as 'v000001', got {_shown(version)}")
+    model_dir, named = parse_init_from(model_dir, "model_dir")  # (it said "no such model directory")
+    if named is not None and version not in (None, named):
+        raise ConfigError(f"model_dir names {named} and version {version!r}: name the version once")
+    version = named or version
     if version is None:
         version = checkpoint.current_version(model_dir)
     else:

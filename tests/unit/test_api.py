@@ -186,6 +186,12 @@ def test_result_loads_its_own_version_and_out_none_is_a_kept_temp_dir(gen_files)
         model = result.load()
         assert (model.version, model.kind, model.config.hashing.bits) == ("v000001", "lr", BITS)
         assert model.model_dir == result.model_dir and model.predict([{}]).shape == (1,)
+        named = mariana.load(f"{result.model_dir}:v000001")  # as --model takes it: "no such model directory"
+        assert (named.model_dir, named.version) == (result.model_dir, "v000001")
+        with pytest.raises(ConfigError, match="model_dir names v000001 and version 'v000002': name the version once"):
+            mariana.load(f"{result.model_dir}:v000001", "v000002")
+        with pytest.raises(ModelDirError, match="'latest' is not a version name"):
+            mariana.load(f"{result.model_dir}:latest")
     finally:
         shutil.rmtree(result.model_dir)
 
@@ -289,8 +295,9 @@ def cli_error(*args: str) -> str:
 def test_bad_input_raises_the_error_the_cli_prints(trained, gen_files, tmp_path):
     result, _ = trained
     missing = str(tmp_path / "nope.tsv")
-    with pytest.raises(NoDataFiles) as e:
+    with pytest.raises(mariana.NoDataFiles) as e:  # (exported: the walk-through prints its name)
         mariana.train(missing, out=tmp_path / "m")
+    assert mariana.NoDataFiles is NoDataFiles and issubclass(NoDataFiles, MarianaError)
     assert str(e.value) == cli_error("train", "--data", missing, "--out", tmp_path / "m")
     with pytest.raises(ModelDirError) as e:
         mariana.load(tmp_path / "none")

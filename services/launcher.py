@@ -599,6 +599,14 @@ def recorded(cluster_dir: str) -> bool:
     return _load_state(_root(cluster_dir)) is not None
 
 
+def supervised(cluster_dir: str) -> dict | None:
+    """The cluster.json of cluster_dir while its supervisor runs (whether or not its coordinator
+    does: the supervisor starts a dead one again), else None."""
+    state = _load_state(_root(cluster_dir))
+    sup = state.get("supervisor") if state else None
+    return state if sup and _alive(sup) else None
+
+
 def cluster_info(cluster_dir: str) -> dict | None:
     """The cluster.json of cluster_dir while its coordinator runs, else None."""
     state = _load_state(_root(cluster_dir))

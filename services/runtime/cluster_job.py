@@ -39,7 +39,12 @@ class JobFailed(MarianaError):
 
 
 class Unreachable(MarianaError):
-    """The coordinator did not answer (down, or the wrong address)."""
+    """The coordinator did not answer (down, or the wrong address). `refused`: the connection
+    was refused, so a request never reached a coordinator (sending it again is safe)."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class Refused(MarianaError):
@@ -145,11 +150,19 @@ def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iter
     a running one must have."""
     from mariana.services import launcher
 
-    info = launcher.cluster_info(cluster.cluster.path) or deployed(cluster)
+    info = launcher.cluster_info(cluster.cluster.path) or coordinator_back(cluster) or deployed(cluster)
     if info is not None:
         check_sizes(cluster, info, asked)
         yield info
         return
+    if cluster.cluster.base_port and (held := held_ports(cluster)):
+        # a cluster deployed on base_port whose coordinator is down: a temporary one took its
+        # coordinator's ports, and its shard registered there (an exploratory run)
+        raise Unreachable(f"no coordinator answers at {launcher.http_url(cluster)}, but ports of this config's "
+                          f"cluster are taken ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): a cluster "
+                          f"deployed on cluster.base_port = {cluster.cluster.base_port} whose coordinator is down, "
+                          "or another job's temporary cluster starting there; start its coordinator, or leave "
+                          "base_port 0 for a temporary cluster on free ports")
     if not cluster.cluster.base_port and cluster.coordinator.endpoint:
         # endpoints written out name a deployed cluster: a temporary one on them would take its
         # ports, and its services, if the coordinator is only down for a moment
@@ -181,6 +194,55 @@ def cluster_session(cluster: ClusterConfig, asked: tuple[str, ...] = ()) -> Iter
             shutil.rmtree(cluster.cluster.dir, ignore_errors=True)
         else:
             log.warning("cluster logs kept in %s/logs", cluster.cluster.dir)
+
+
+def coordinator_back(cluster: ClusterConfig) -> dict | None:
+    """The cluster up in `cluster`'s dir whose coordinator is not running while its supervisor
+    is (it starts it again: after deaths in a row, seconds later), once the coordinator runs
+    again; None when no cluster is recorded there or its supervisor is gone. A job sent in
+    that window ran on a temporary 1-worker cluster of its own, and said so only in a log line
+    (an exploratory run)."""
+    from mariana.services import launcher
+
+    path = cluster.cluster.path
+    if launcher.supervised(path) is None:
+        return None
+    log.warning("the cluster in %s is up, but its coordinator is not running: waiting up to %gs for its "
+                "supervisor to start it again", path, AWAY_SECONDS)
+    deadline = time.monotonic() + AWAY_SECONDS
+    while time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)
+        info = launcher.cluster_info(path)
+        if info is not None:
+            return info
+        if launcher.supervised(path) is None:
+            raise Unreachable(f"the cluster in {path} stopped while its coordinator was down (`mariana down`, or "
+                              "its supervisor died): `mariana up` it again")
+    raise Unreachable(f"the coordinator of the cluster in {path} did not run again in {AWAY_SECONDS:g}s: see "
+                      f"{path}/logs/coordinator-0.log")
+
+
+def held_ports(cluster: ClusterConfig) -> list[str]:
+    """The ports of the config's services (all but the coordinator's) that something on
+    `cluster.host` accepts connections at: "ps.endpoints[0] (5710)", ..."""
+    import socket
+
+    from mariana.services.runtime.config import endpoint_host
+
+    host = cluster.cluster.host or "127.0.0.1"
+    wanted = [(key, endpoint_host(ep, key), int(ep.rpartition(":")[2])) for key, ep in cluster.zmq_endpoints()
+              if key != "coordinator.endpoint"]
+    wanted += [("loader.metrics_port", host, cluster.loader.metrics_port)] if cluster.loader.metrics_port else []
+    for role in ("ps", "preprocess", "worker"):
+        wanted += [(f"{role}.metrics_ports[{i}]", host, p) for i, p in enumerate(getattr(cluster, role).metrics_ports)]
+    held = []
+    for key, where, port in wanted:
+        try:
+            with socket.create_connection(("127.0.0.1" if where in ("0.0.0.0", "") else where, port), timeout=0.3):
+                held.append(f"{key} ({port})")
+        except OSError:
+            pass
+    return held
 
 
 def deployed(cluster: ClusterConfig) -> dict | None:
@@ -232,8 +294,24 @@ def check_sizes(wanted: ClusterConfig, info: dict, asked: tuple[str, ...]) -> No
 
 
 def submit(info: dict, body: dict) -> str:
-    reply = _request(info, "POST", "/v1/jobs", body)
-    return reply["job"]
+    """The id the coordinator gave the job. A refused connection (a coordinator restarting,
+    between its process start and its listening) is tried again for up to AWAY_SECONDS, as
+    `wait` does: the job never reached it, so it is not sent twice (it failed at once)."""
+    since = None
+    while True:
+        try:
+            return _request(info, "POST", "/v1/jobs", body)["job"]
+        except Unreachable as e:
+            if not e.refused or _taken_down(info):
+                raise
+            now = time.monotonic()
+            if since is None:
+                since = now
+                log.warning("%s; trying again for up to %gs (a coordinator restarting)", e, AWAY_SECONDS)
+            if now - since > AWAY_SECONDS:
+                raise Unreachable(f"{e} for {AWAY_SECONDS:g}s") from None
+            _moved(info)
+            time.sleep(POLL_SECONDS)
 
 
 def wait(info: dict, job: str, on_progress: Callable[[dict], None] | None) -> dict:
@@ -337,4 +415,5 @@ def _request(info: dict, method: str, path: str, body: dict | None = None) -> di
             pass
         raise Refused(f"coordinator at {info['http']}: {e.code}: {detail}", e.code) from None
     except (urllib.error.URLError, OSError) as e:
-        raise Unreachable(f"coordinator at {info['http']} unreachable: {e}") from None
+        refused = isinstance(getattr(e, "reason", e), ConnectionRefusedError)
+        raise Unreachable(f"coordinator at {info['http']} unreachable: {e}", refused) from None

@@ -97,3 +97,102 @@ def test_a_cluster_up_again_on_other_ports_is_followed(tmp_path, caplog):
         new.shutdown()
         new.server_close()
     assert info["http"] == state["http"] and "is up again, its coordinator at" in caplog.text
+
+
+class JobsServer(BaseHTTPRequestHandler):
+    """POST /v1/jobs -> {"job": "j7"}, counting the posts (a job must not be sent twice)."""
+    posts: list = []
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        JobsServer.posts.append(self.path)
+        body = json.dumps({"job": "j7"}).encode()
+        self.send_response(201)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_job_sent_while_the_coordinator_starts_listening_is_sent_again_once_it_listens(caplog):
+    """A restarted coordinator's process runs a moment before it listens: the submit failed at
+    once ("Connection refused", exit 2), while `wait` rode out the same restart. A refused
+    connection never reached a coordinator, so it is tried again (the job is sent once)."""
+    caplog.set_level("INFO")
+    port, JobsServer.posts = free_port(), []
+    info = {"http": f"http://127.0.0.1:{port}", "dir": None}
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(job=cluster_job.submit(info, {"data": []})))
+    thread.start()
+    time.sleep(1.2)  # refused meanwhile
+    server = ThreadingHTTPServer(("127.0.0.1", port), JobsServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        thread.join(10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert got == {"job": "j7"} and JobsServer.posts == ["/v1/jobs"]
+    assert "trying again for up to" in caplog.text
+
+
+def test_a_cluster_whose_coordinator_is_being_restarted_is_waited_for_not_replaced(tmp_path, caplog):
+    """cluster.json there and its supervisor running, its coordinator dead (the supervisor's
+    back-off after deaths in a row): the job ran on a temporary 1-worker cluster of its own,
+    exit 0, said only in a log line. It waits for the coordinator now; a cluster stopped
+    meanwhile is an error, not a temporary cluster either."""
+    from mariana.services.runtime import procs
+    from mariana.services.runtime.config import load_cluster_config
+
+    caplog.set_level("INFO")
+    me = {"pid": os.getpid(), "start": procs.start_time(os.getpid())}
+    dead = {"pid": os.getpid() + 10**6, "start": None}
+    coordinator = {"name": "coordinator-0", "role": "coordinator", "index": 0}
+    state = {"dir": str(tmp_path), "http": "http://127.0.0.1:1", "token": None, "redis": None, "supervisor": me,
+             "services": [{**coordinator, **dead}]}
+    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    cfg = load_cluster_config(overrides={"cluster.dir": str(tmp_path)}, env={})
+
+    def restarted():
+        time.sleep(1.0)
+        (tmp_path / "cluster.json").write_text(json.dumps({**state, "services": [{**coordinator, **me}]}))
+
+    threading.Thread(target=restarted).start()
+    info = cluster_job.coordinator_back(cfg)
+    assert info is not None and info["dir"] == str(tmp_path) and info["services"][0]["pid"] == os.getpid()
+    assert "is up, but its coordinator is not running: waiting up to" in caplog.text
+    (tmp_path / "cluster.json").write_text(json.dumps({**state, "supervisor": dead}))
+    assert cluster_job.coordinator_back(cfg) is None  # no supervisor: nothing restarts it (a stale record)
+    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    threading.Timer(0.8, lambda: (tmp_path / "cluster.json").unlink()).start()  # `mariana down` meanwhile
+    with pytest.raises(cluster_job.Unreachable, match="stopped while its coordinator was down"):
+        cluster_job.coordinator_back(cfg)
+
+
+def test_a_base_port_cluster_whose_coordinator_is_down_is_not_replaced_on_its_ports(tmp_path):
+    """A cluster deployed on cluster.base_port (the systemd layout), its coordinator down: a
+    temporary cluster took the coordinator's free ports, and the deployed shard registered with
+    it. The config's other ports answering says a cluster holds them: refused, naming them."""
+    import socket
+
+    from mariana.services.runtime.config import load_cluster_config
+    from tests.integration.cluster import free_base_port
+
+    cfg = load_cluster_config(overrides={"cluster.dir": str(tmp_path / "c"), "cluster.base_port": free_base_port()},
+                              env={})
+    assert cluster_job.held_ports(cfg) == []
+    ps = socket.socket()
+    ps.bind(("127.0.0.1", int(cfg.ps.endpoints[0].rpartition(":")[2])))
+    ps.listen()
+    try:
+        assert cluster_job.held_ports(cfg) == [f"ps.endpoints[0] ({cfg.cluster.base_port + 10})"]
+        with pytest.raises(cluster_job.Unreachable, match=r"no coordinator answers at http://127.0.0.1:\d+, but ports "
+                           r"of this config's cluster are taken \(ps.endpoints\[0\]"):
+            with cluster_job.cluster_session(cfg):
+                pass
+    finally:
+        ps.close()
+    assert not (tmp_path / "c").exists()

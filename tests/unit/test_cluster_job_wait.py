@@ -15,16 +15,20 @@ from mariana.services.launcher import free_port
 from mariana.services.runtime import cluster_job
 
 
+def answer(handler: BaseHTTPRequestHandler, status: int, obj: dict) -> None:
+    body = json.dumps(obj).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def serving(port: int, summary: dict) -> ThreadingHTTPServer:
     """A real HTTP server on loopback answering every GET with `summary` (the job's)."""
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            body = json.dumps(summary).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            answer(self, 200, summary)
 
         def log_message(self, *args):
             pass
@@ -106,12 +110,7 @@ class JobsServer(BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         JobsServer.posts.append(self.path)
-        body = json.dumps({"job": "j7"}).encode()
-        self.send_response(201)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        answer(self, 201, {"job": "j7"})
 
     def log_message(self, *args):
         pass

@@ -15,10 +15,10 @@ from redis.exceptions import RedisError
 
 from mariana.services import webui
 from mariana.services.coord_openapi import document
-from mariana.services.coord_state import ENDED, REDIS_STATS_SECONDS, JobRun, bad_request
+from mariana.services.coord_state import ENDED, JOB_COUNTER_KEYS, REDIS_STATS_SECONDS, JobRun, bad_request
 from mariana.services.jobstore import JobStoreError
 from mariana.services.runtime.auth import bearer_ok
-from mariana.services.runtime.exporter import render_service
+from mariana.services.runtime.exporter import CONTENT_TYPE, render_service
 from mariana.services.runtime.report import dumps
 from mariana.sparse.errors import ConfigError, MarianaError
 from mariana.trainer import checkpoint
@@ -28,13 +28,15 @@ respond = functools.partial(web.json_response, dumps=dumps)  # NaN (a diverged j
 LOG_SECONDS = 10.0  # requests refused for their token: one line at most this often
 
 
-JOB_COUNTERS = {"batches_reissued": "Batches of the running job leased again after a lease ran out.",
-                "cache_hits": "Steps of the running job's epochs after the first whose batch came from the Redis "
+JOB_COUNTERS = {"batches_reissued": "Batches of a job leased again after a lease ran out.",
+                "cache_hits": "Steps of a job's epochs after the first whose batch came from the Redis "
                               "sample cache without a refill from the source (epoch 1 reads every batch as it is "
                               "cached).",
-                "cache_misses": "Batches of the running job a worker found missing from the sample cache.",
-                "batches_replayed": "Steps of the running job trained again for a shard restored from an "
+                "cache_misses": "Batches of a job a worker found missing from the sample cache.",
+                "batches_replayed": "Steps of a job trained again for a shard restored from an "
                                     "older checkpoint."}
+assert tuple(JOB_COUNTERS) == JOB_COUNTER_KEYS
+ENDED_SHOWN_SECONDS = 600.0  # an ended job's final counts stay in /metrics this long: scrapes see its last values
 
 
 class CoordinatorAPI:
@@ -234,11 +236,14 @@ class CoordinatorAPI:
         return respond(document(bool(self.coord.cfg.coordinator.token)))
 
     async def http_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.prometheus(), content_type="text/plain")
+        return web.Response(body=self.prometheus().encode(), headers={"Content-Type": CONTENT_TYPE})
 
     def prometheus(self) -> str:
         """Its own counters as every service renders them (role and index labels), then the
-        cluster's: which services are up, jobs by state, the active job's progress."""
+        cluster's: which services are up, jobs by state, the active job's progress, and the
+        job counters of the active job and of jobs that ended in the last ENDED_SHOWN_SECONDS
+        (their final values: a series that vanished at the end lost what came after the
+        last scrape, and a short job's was never seen)."""
         own = render_service(self.coord.role, self.coord.index, self.coord.counters, {}, self.coord.boot)
         self.touch_self()
         lines = []
@@ -246,23 +251,37 @@ class CoordinatorAPI:
         lines += ["# HELP mariana_service_up 1 while the service's heartbeats arrive, 0 once it is silent.",
                   "# TYPE mariana_service_up gauge"]
         for n, s in sorted(self.coord.services.items()):
-            lines.append(f'mariana_service_up{{service="{n}",role="{s.role}"}} {int(s.alive(within))}')
+            lines.append(f'mariana_service_up{{service="{_escaped(n)}",role="{_escaped(s.role)}"}} '
+                         f"{int(s.alive(within))}")
         lines += ["# HELP mariana_jobs Jobs this coordinator holds, by state.", "# TYPE mariana_jobs gauge"]
         states = Counter(r.state for r in self.coord.jobs.values())
         for state in ("queued", "running", "done", "failed", "cancelled"):
             lines.append(f'mariana_jobs{{state="{state}"}} {states[state]}')
         run = self.coord.active()
         if run is not None:
-            p = run.ledger.progress()
+            p, job = run.ledger.progress(), _escaped(run.id)
             lines += ["# HELP mariana_job_rows_per_second The running job's training rows per second.",
                       "# TYPE mariana_job_rows_per_second gauge",
-                      f'mariana_job_rows_per_second{{job_id="{run.id}"}} {p["rows_per_s"]}',
+                      f'mariana_job_rows_per_second{{job_id="{job}"}} {p["rows_per_s"]}',
                       "# HELP mariana_job_epoch The running job's epoch.",
-                      "# TYPE mariana_job_epoch gauge", f'mariana_job_epoch{{job_id="{run.id}"}} {p["epoch"]}']
-            for key, text in JOB_COUNTERS.items():
-                lines += [f"# HELP mariana_job_{key}_total {text}", f"# TYPE mariana_job_{key}_total counter",
-                          f'mariana_job_{key}_total{{job_id="{run.id}"}} {run.ledger.counters[key]}']
+                      "# TYPE mariana_job_epoch gauge", f'mariana_job_epoch{{job_id="{job}"}} {p["epoch"]}']
+        now = time.time()
+        shown = [(_escaped(r.id), r.job_counters()) for r in self.coord.jobs.values()
+                 if r is run or r.state in ENDED and now - r.ended < ENDED_SHOWN_SECONDS]
+        shown = [(job, counts) for job, counts in shown if counts]
+        for key, text in JOB_COUNTERS.items() if shown else ():
+            lines += [f"# HELP mariana_job_{key}_total {text}", f"# TYPE mariana_job_{key}_total counter"]
+            lines += [f'mariana_job_{key}_total{{job_id="{job}"}} {counts.get(key, 0)}' for job, counts in shown]
         return own + "\n".join(lines) + "\n"
+
+
+def _escaped(value: str) -> str:
+    r"""A label value as the text format writes it (backslash, quote and newline escaped).
+
+    >>> print(_escaped('a"b\\c\nd'))
+    a\"b\\c\nd
+    """
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def count_param(request: web.Request, name: str) -> int | None:

@@ -19,6 +19,7 @@ TICK_SECONDS = 0.25
 POINT_SECONDS = 1.0      # a history point of the running job this often
 REDIS_STATS_SECONDS = 2.0  # /v1/status's Redis INFO is at most this old
 ENDED = ("done", "failed", "cancelled")
+JOB_COUNTER_KEYS = ("batches_reissued", "cache_hits", "cache_misses", "batches_replayed")  # /metrics: coord_api
 # The counter of each role's heartbeat status shown as its throughput: (counter, unit, scale).
 RATES = {"worker": ("rows", "rows/s", 1.0), "ps": ("rows_applied", "rows/s", 1.0),
          "preprocess": ("batches", "batches/s", 1.0), "loader": ("bytes_sent", "MB/s", 1e-6)}
@@ -168,7 +169,15 @@ class JobRun:
                 "error": self.error, "submitted": self.submitted, "started": self.started, "ended": self.ended,
                 "record": self.record, "restarts": self.restarts, "data_bytes": self.ledger.data_bytes,
                 "warnings": self.warnings,
-                "final": {"progress": s["progress"], "cache": s["cache"], "epochs": self.epochs()}}
+                "final": {"progress": s["progress"], "cache": s["cache"], "epochs": self.epochs(),
+                          "counters": self.job_counters()}}
+
+    def job_counters(self) -> dict[str, int]:
+        """The counters /metrics shows of a job (JOB_COUNTER_KEYS): its ledger's while it runs,
+        frozen in `final` when it ends ({} for a job that ended before they were kept)."""
+        if self.final is not None:
+            return dict(self.final.get("counters") or {})
+        return {k: self.ledger.counters[k] for k in JOB_COUNTER_KEYS}
 
     @classmethod
     def from_saved(cls, d: dict) -> "JobRun":

@@ -37,6 +37,7 @@ from mariana.serving.openapi import document, speech_document
 from mariana.serving.retrain import VERDICTS, RetrainRunner
 from mariana.serving.watch import VersionWatcher
 from mariana.services.runtime.auth import bearer_ok
+from mariana.services.runtime.exporter import CONTENT_TYPE
 from mariana.services.runtime.metrics import Metrics, merge, render
 from mariana.services.runtime.report import dumps  # NaN (a metric of a version) as null
 
@@ -81,6 +82,7 @@ def create_app(cfg: ServeConfig, worker: int = 0, run_dir: str | None = None,
     settings = {"cfg": cfg, "worker": worker, "run_dir": run_dir, "name": f"serve-{worker}"}
     m = _metrics()
     hot = _Hot(s, m, ModelHolder(), settings)
+    m.add("mariana_serve_in_flight", hot.in_flight, 0)  # there before the first request (an absent() alert)
     app = web.Application(client_max_size=s.max_body_bytes, middlewares=[_errors_and_metrics(hot)])
     app[SETTINGS], app[METRICS], app[HOLDER], app[HOT] = settings, m, hot.holder, hot
     app[RETRAIN] = RetrainRunner(cfg, config_path, on_end=lambda v: m.inc("mariana_serve_retrains_total", verdict=v))
@@ -115,6 +117,9 @@ async def _lifecycle(app: web.Application):
     watcher.start()
     if st["run_dir"]:
         _carry_over(app)
+        # before the ready file says this worker is up: until then the other workers summed the dead
+        # predecessor's snapshot as this one's, its gauges too (a version no worker served, in_flight)
+        _write_snapshot(app)
     snapshots = asyncio.create_task(_write_snapshots(app)) if st["run_dir"] else None
     retrains = asyncio.create_task(_reap_retrains(app))
     yield
@@ -239,8 +244,8 @@ async def metrics(request: web.Request) -> web.Response:
                 if not os.path.exists(ready_path(st["run_dir"], worker)):
                     state = {k: v for k, v in state.items() if m.definitions.get(k, {}).get("type") != "gauge"}
                 states.append(state)
-    return web.Response(text=render(m.definitions, merge(states)), content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})
+    return web.Response(body=render(m.definitions, merge(states)).encode(),  # Prometheus' text format 0.0.4
+                        headers={"Content-Type": CONTENT_TYPE, "X-Content-Type-Options": "nosniff"})
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -452,7 +457,8 @@ def _metrics() -> Metrics:
                                                        "features, flag 1).")
     m.counter("mariana_serve_bad_creatives_total", "Creative cache entries that hold no usable features (wrong "
                                                   "length, not finite, beyond 1e6): scored as unknown, said once.")
-    m.histogram("mariana_serve_batch_requests", "Requests answered by one model call.",
+    m.histogram("mariana_serve_batch_requests", "Requests answered by one model call (a body that does not decode "
+                                                "reaches none).",
                 buckets=(1, 2, 4, 8, 16, 32, 64, 128))
     m.counter("mariana_serve_batches_total", "Model calls, by where they ran: the event loop (small batches) "
                                              "or the model thread.", start=({"where": "loop"}, {"where": "thread"}))

@@ -40,6 +40,7 @@ class Answer:
     unknown_fields: int = 0
     error: str = ""
     unknown_creatives: int = 0
+    scored: bool = True  # its instances reached the model call (False: its body did not decode)
 
 
 class ModelHolder:
@@ -93,7 +94,8 @@ class Batcher:
             self.alone = True
             self.loop.call_soon(self._next_turn)
             (answer,) = self._answer_here([_Pending(predictor, body, fmt, None)])
-            self.on_batch(1, "loop")
+            if answer.scored:
+                self.on_batch(1, "loop")
             return answer
         future = self.loop.create_future()
         self.pending.append(_Pending(predictor, body, fmt, future))
@@ -130,7 +132,9 @@ class Batcher:
             for p, a in zip(batch, answers):
                 if not p.future.done():  # the client may have gone
                     p.future.set_result(a)
-            self.on_batch(len(batch), where)
+            scored = sum(a.scored for a in answers)  # a body that did not decode reached no model call
+            if scored:
+                self.on_batch(scored, where)
             await asyncio.sleep(0)  # the loop reads and writes before the next batch
 
     def _next_turn(self) -> None:
@@ -194,7 +198,7 @@ def answer_batch(predictor: Predictor, items: list[tuple[bytes, str]], max_insta
                 err = ServeError(500, "internal error (logged): the model gave a pCTR that is not a number")
         if err is not None:
             a = error_answer(err, fmt, predictor.version)
-            a.unknown_fields = unknown
+            a.unknown_fields, a.scored = unknown, instances is not None
             answers.append(a)
             continue
         body = codec.encode({"pctr": pctr, "model_version": predictor.version}, fmt)

@@ -54,7 +54,12 @@ def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
 
         services = c.wait_for(reported_numbers, 10.0)  # what each one last reported in its heartbeat
         status, ctype, coord = scrape(c.cfg.coordinator.http_port, promtool)
-        assert status == 200 and ctype.startswith("text/plain")
+        assert status == 200 and ctype == "text/plain; version=0.0.4; charset=utf-8"
+        # an ended job's counters stay, at their final values (they vanished with the job: a short job's
+        # were never scraped, and a longer one's lost what came after the last scrape)
+        for key in ("cache_hits", "cache_misses", "batches_reissued", "batches_replayed"):
+            assert f'mariana_job_{key}_total{{job_id="{job}"}}' in coord, (key, sorted(coord))
+        assert coord[f'mariana_job_cache_misses_total{{job_id="{job}"}}'] == summary["cache"]["misses"]
         assert coord['mariana_service_up{service="worker-1",role="worker"}'] == 1
         own = '{index="0",role="coordinator"}'  # its own numbers carry the labels every service's do
         assert coord[f"mariana_service_start_time_seconds{own}"] > 0
@@ -65,7 +70,7 @@ def test_every_service_serves_its_counters_as_prometheus_text(tmp_path):
                 name, port = f"{role}-{index}", c.cfg.metrics_port(role, index)
                 assert port, f"{name}: the resolved config gives it no metrics port"
                 status, ctype, series = scrape(port, promtool)
-                assert status == 200 and ctype.startswith("text/plain"), (name, ctype)
+                assert status == 200 and ctype == "text/plain; version=0.0.4; charset=utf-8", (name, ctype)
                 labels = f'{{index="{index}",role="{role}"}}'
                 assert series[f"mariana_service_start_time_seconds{labels}"] > 0
                 reported = {k: v for k, v in services[name]["status"].items() if isinstance(v, (int, float))}

@@ -160,6 +160,11 @@ def test_a_worker_killed_and_started_again_goes_on_from_its_counts(models, tmp_p
         while len(pids) < 2 and time.monotonic() < deadline:
             answer = s.get("/healthz")[1]
             pids[answer["worker"]] = answer["pid"]
+        run_dir = next(os.path.dirname(a) for a in Path(f"/proc/{pids[1]}/cmdline").read_text().split("\0")
+                       if a.endswith(".toml"))
+        killed_at, snapshot_when_ready = time.time(), []
+        watch = threading.Thread(target=lambda: snapshot_when_ready.append(_snapshot_age_when_ready(run_dir, 0)))
+        watch.start()
         os.kill(pids[0], signal.SIGKILL)
         deadline, seen_down = time.monotonic() + 30, set()
         while time.monotonic() < deadline:  # until the new worker 0 answers
@@ -182,6 +187,34 @@ def test_a_worker_killed_and_started_again_goes_on_from_its_counts(models, tmp_p
         while s.get("/readyz")[1]["workers"]["listening"] < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert s.metric("mariana_serve_model_info") == 2
+        watch.join(30)
+    # the new worker wrote its snapshot before it said it listens: until then the other worker summed the
+    # dead one's as its own, gauges too (a version none served, requests in flight: an exploratory run)
+    assert snapshot_when_ready and snapshot_when_ready[0] >= killed_at, (snapshot_when_ready, killed_at)
+
+
+def _snapshot_age_when_ready(run_dir: str, worker: int) -> float:
+    """The mtime of worker's metrics snapshot at the moment its ready file appears again
+    (after the supervisor removed the dead one's)."""
+    from mariana.serving.config import ready_path, snapshot_path
+
+    ready, deadline, gone = ready_path(run_dir, worker), time.monotonic() + 30, False
+    while time.monotonic() < deadline:
+        there = os.path.exists(ready)
+        if gone and there:
+            return os.path.getmtime(snapshot_path(run_dir, worker))
+        gone = gone or not there
+        time.sleep(0.002)
+    return 0.0
+
+
+def test_the_in_flight_gauge_is_there_before_any_request(models):
+    """An absent() alert on a server nobody has asked yet (no health check either) fired."""
+    from mariana.serving.app import METRICS, create_app
+    from mariana.serving.config import load_serve_config
+
+    app = create_app(load_serve_config(overrides={"serve.model_dir": str(models["lr"])}))
+    assert app[METRICS].state()["mariana_serve_in_flight"] == {"": 0}
 
 
 def test_metrics_openapi_and_model_info(lr_server):
@@ -197,6 +230,15 @@ def test_metrics_openapi_and_model_info(lr_server):
         assert series in text, series
     assert 'code="5' not in text  # no 5xx answered, whatever the tests above sent
     promtool_check(debian_tool("promtool", "prometheus"), text)  # Prometheus' own linter accepts it
+    # the text format's own type (it said text/plain; charset=utf-8), as every service's port does
+    assert lr_server.request("GET", "/metrics")[1]["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    # bodies that do not decode reach no model call: they counted as calls
+    calls = lr_server.metric("mariana_serve_batches_total"), lr_server.metric("mariana_serve_batch_requests")
+    for bad in (b'{"rows": []}', b"{", b"[1]"):
+        assert lr_server.post("/v1/predict", bad)[0] == 400
+    time.sleep(1.5)  # the other worker's counts land with its next snapshot (1 s)
+    assert (lr_server.metric("mariana_serve_batches_total"), lr_server.metric("mariana_serve_batch_requests")) \
+        == calls
     status, spec = lr_server.get("/openapi.json")
     assert status == 200 and spec["openapi"].startswith("3.") and "/v1/predict" in spec["paths"]
     status, info = lr_server.get("/v1/model")

@@ -48,7 +48,8 @@ class CoordinatorAPI:
         self.said_unauthorized = -math.inf  # when a refused token was last logged (monotonic)
 
     def http_app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 20, middlewares=[store_errors])
+        loopback = self.coord.cfg.coordinator.http_host in LOOPBACK_HOSTS
+        app = web.Application(client_max_size=1 << 20, middlewares=[loopback_host] * loopback + [store_errors])
         app.router.add_get("/healthz", lambda r: respond({"ok": True}))
         app.router.add_get("/v1/status", self.http_status)
         app.router.add_get("/v1/jobs", self.http_jobs)
@@ -162,6 +163,16 @@ class CoordinatorAPI:
         return respond({"models": [m for m in models if m is not None]})
 
     def authorize(self, request: web.Request) -> None:
+        origin = request.headers.get("Origin")
+        if origin is not None and origin != f"{request.scheme}://{request.host}":
+            # a page of another site: with no token, its form (or fetch, no-cors) submitted a job
+            # that reads and writes paths of its choosing (an exploratory run); our clients send none
+            self.coord.counters["http_unauthorized"] += 1
+            log.warning("%s: %s %s from a page of another origin (%s): refused (403)", self.coord.name,
+                        request.method, request.path, origin[:100])
+            raise web.HTTPForbidden(text=json.dumps({"error": f"a request from a page of another origin "
+                                                              f"({origin[:100]}) is refused"}),
+                                    content_type="application/json")
         token = self.coord.cfg.coordinator.token
         if not token:
             return
@@ -294,6 +305,30 @@ def count_param(request: web.Request, name: str) -> int | None:
                                                            f"9 digits), got {text[:40]!r}"}),
                                  content_type="application/json")
     return int(text)
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header, without its port.
+
+    >>> host_name("127.0.0.1:5701"), host_name("[::1]:5701"), host_name("LocalHost")
+    ('127.0.0.1', '::1', 'localhost')
+    """
+    name = host.rsplit("]", 1)[0].lstrip("[") if host.startswith("[") else host.rsplit(":", 1)[0]
+    return name.lower()
+
+
+@web.middleware
+async def loopback_host(request: web.Request, handler):
+    """A coordinator that listens on loopback answers only requests that name a loopback host:
+    a web page whose name was re-pointed at 127.0.0.1 (DNS rebinding) read the whole API, its
+    Host header its own name. 421, naming what to use."""
+    if host_name(request.host) not in LOOPBACK_HOSTS:
+        return respond({"error": f"Host {request.host[:100]!r} is not this coordinator's: it listens on loopback; "
+                                 "ask http://127.0.0.1:<port> (or localhost)"}, status=421)
+    return await handler(request)
 
 
 @web.middleware

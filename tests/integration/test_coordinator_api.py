@@ -100,6 +100,56 @@ def test_a_coordinator_off_loopback_without_a_token_does_not_start(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_pages_of_other_sites_can_neither_submit_nor_read_through_a_rebound_name(tmp_path):
+    """A coordinator run by hand with no token on loopback: a page of another site POSTed a
+    job as text/plain (no preflight: the browser sends it) that read and wrote paths of its
+    choosing, and a page whose name was re-pointed at 127.0.0.1 (DNS rebinding) read the API.
+    A request with a foreign Origin is refused (403), and one naming another Host (421)."""
+    import urllib.error
+    import urllib.request
+
+    from tests.integration.cluster import free_base_port
+
+    base = free_base_port()
+    config = tmp_path / "cluster.toml"
+    config.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\nbase_port = {base}\n[coordinator]\ntoken = ""\n')
+    proc = subprocess.Popen([sys.executable, "-m", "mariana", "run", "coordinator", "--config", str(config)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{base + 1}"
+
+    def ask(path: str, headers: dict, body: bytes | None = None) -> tuple[int, str]:
+        req = urllib.request.Request(url + path, data=body, headers=headers, method="POST" if body else "GET")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if ask("/healthz", {})[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        job = json.dumps({"data": [str(tmp_path / "d.tsv")], "out": str(tmp_path / "m")}).encode()
+        code, said = ask("/v1/jobs", {"Content-Type": "text/plain", "Origin": "http://evil.example"}, job)
+        assert code == 403 and "a page of another origin (http://evil.example) is refused" in said, (code, said)
+        code, said = ask("/v1/status", {"Host": f"evil.example:{base + 1}"})
+        assert code == 421 and "is not this coordinator's: it listens on loopback" in said, (code, said)
+        assert ask("/v1/status", {"Host": f"localhost:{base + 1}"})[0] == 200
+        status = json.loads(ask("/v1/status", {})[1])
+        assert status["jobs_total"] == 0 and status["counters"]["http_unauthorized"] == 1
+        # its own pages' requests (same origin) and clients without an Origin go on as before
+        code, said = ask("/v1/jobs", {"Content-Type": "application/json", "Origin": url}, job)
+        assert code == 400 and "d.tsv" in said, (code, said)  # refused for the missing file, not its origin
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "from a page of another origin (http://evil.example): refused (403)" in err, err[-2000:]
+
+
 FULL_STATE = r"""
 import json, sys
 from pathlib import Path

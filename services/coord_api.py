@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import math
+import os
 import time
 from collections import Counter
 
@@ -72,9 +73,11 @@ class CoordinatorAPI:
         """`jobs`: the job summaries to show (default: every job)."""
         self.touch_self()
         within = self.coord.cfg.coordinator.heartbeat_seconds
+        recorded = recorded_restarts(self.coord.cfg.cluster.path)
         return {"services": {n: {"role": s.role, "index": s.index, "pid": s.pid, "host": s.host,
                                  "alive": s.alive(within), "last_seen": s.last_seen, "status": s.status,
-                                 "restarts": s.restarts, "rate": s.rate if s.alive(within) else None,
+                                 "restarts": recorded.get(n, s.restarts),
+                                 "rate": s.rate if s.alive(within) else None,
                                  "stopped": s.stopped}
                              for n, s in sorted(self.coord.services.items())},
                 "jobs": self.job_summaries() if jobs is None else jobs,
@@ -308,6 +311,20 @@ def count_param(request: web.Request, name: str) -> int | None:
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
+def recorded_restarts(cluster_dir: str) -> dict[str, int]:
+    """Each service's restarts as the supervisor of a cluster `mariana up` started records them
+    in its cluster.json, as `mariana status` shows them ({} for a cluster without one). The
+    coordinator's own count is of registrations it saw: it never counted its own restarts, and
+    lost the others' with each of them (the web UI said 0 where `mariana status` said 3)."""
+    try:
+        with open(os.path.join(cluster_dir, "cluster.json")) as f:
+            state = json.load(f)
+        return {r["name"]: r["restarts"] for r in state["services"]
+                if isinstance(r.get("name"), str) and isinstance(r.get("restarts", 0), int) and r.get("restarts")}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # none, or being written: the own count
+        return {}
 
 
 def host_name(host: str) -> str:

@@ -115,6 +115,13 @@ def test_killed_services_and_redis_come_back_and_the_cluster_trains(tmp_path):
         assert summary["state"] == "done", (summary, c.logs())
         record = summary["record"]
         assert record["rows_applied"] == record["rows_in_data"] * 2 == 2 * 20_000, record  # exactly once
+        # the coordinator restarted: /v1/status (the web UI) says the restarts `mariana status` says (it said 0
+        # for every service: its counts were of registrations it saw, and it never counted its own restart)
+        c.kill("coordinator-0", signal.SIGKILL)
+        c.wait_for(lambda: c.record("coordinator-0").get("restarts") == 1, 30.0)
+        c.wait_http()
+        services = c.wait_for(lambda: (lambda s: s if "worker-0" in s else None)(c.status()["services"]), 30.0)
+        assert (services["coordinator-0"]["restarts"], services["worker-0"]["restarts"]) == (1, 1), services
         pids = [sup] + [r["pid"] for r in launcher._records(json.loads((c.root / "cluster.json").read_text()))]
         log = (c.root / "logs" / "supervisor.log").read_text()
         assert "restarted worker-0" in log and "restarted redis" in log, log

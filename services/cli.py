@@ -514,7 +514,7 @@ def _print_status(st: dict) -> None:
         print()
         report.print_versions(m["dir"], m.get("current"), [
             {**v, "auc": (v.get("metrics") or {}).get("auc"), "logloss": (v.get("metrics") or {}).get("logloss")}
-            for v in m["versions"]], most=10)
+            for v in m["versions"]], most=10, total=m.get("versions_total"))
         for d in m.get("decisions", [])[:5]:
             print(f"  retrain {d.get('time')}: {d.get('verdict')} {d.get('new_version') or d.get('served_version')} "
                   f"({d.get('reason')})")

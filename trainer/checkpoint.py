@@ -317,7 +317,8 @@ def _json_lines(path: Path) -> list[dict]:
 
 def overview(model_dir: str | os.PathLike, limit: int = 50) -> dict | None:
     """A model dir at a glance, newest first: versions with their metrics, the retrain
-    decisions and the moves of CURRENT (at most `limit` of each); None if it does not exist."""
+    decisions and the moves of CURRENT (at most `limit` of each; `versions_total`: how many
+    versions it holds); None if it does not exist."""
     d = Path(model_dir)
     try:
         if not d.is_dir():
@@ -328,8 +329,8 @@ def overview(model_dir: str | os.PathLike, limit: int = 50) -> dict | None:
         current = current_version(d)
     except ModelDirError:
         current = ""
-    versions = []
-    for v in reversed(list_versions(d)[-limit:]):
+    versions, names = [], list_versions(d)
+    for v in reversed(names[-limit:]):
         try:
             m = read_manifest(d, v)
         except ModelDirError as e:
@@ -342,7 +343,7 @@ def overview(model_dir: str | os.PathLike, limit: int = 50) -> dict | None:
                          "rows": rows_learned(m), "job": train.get("job")})
     moves = [{"time": p.get("time"), "version": p.get("to"), "previous": p.get("from"), "reason": p.get("reason")}
              for p in promotions(d)]
-    return {"dir": str(d), "current": current, "versions": versions,
+    return {"dir": str(d), "current": current, "versions": versions, "versions_total": len(names),
             "decisions": decisions(d)[::-1][:limit], "promotions": moves[::-1][:limit]}
 
 

@@ -82,17 +82,20 @@ def human(value) -> str:
     return str(value)
 
 
-def print_versions(model_dir: str, current: str | None, versions: list[dict], most: int | None = None) -> None:
+def print_versions(model_dir: str, current: str | None, versions: list[dict], most: int | None = None,
+                   total: int | None = None) -> None:
     """The versions of a model dir, newest first, as `status` and `model list` show them;
-    `versions`: dicts of version, current, model, created, auc, logloss, rows, job."""
+    `versions`: dicts of version, current, model, created, auc, logloss, rows, job; `total`:
+    how many the dir holds, when `versions` are only the newest of them."""
     print(f"models in {model_dir} (serving {current or 'nothing'})")
     newest = sorted(versions, key=lambda v: int(v["version"][1:]), reverse=True)  # names match v\d{6,}
     print_table(("", "VERSION", "MODEL", "CREATED", "AUC", "LOGLOSS", "ROWS", "JOB"),
                 [("*" if v.get("current") else "", v["version"], v.get("model"), v.get("created"),
                   num(v.get("auc")), num(v.get("logloss")), count(v.get("rows")), v.get("job") or v.get("error"))
                  for v in newest[:most]])
-    if most is not None and len(newest) > most:
-        print(f"  ... and {len(newest) - most} older (mariana model list --model-dir {model_dir})")
+    shown, older = len(newest[:most]), max(total or 0, len(newest))
+    if older > shown:  # (it counted only the 50 versions /v1/models lists: "and 40 older" of 210)
+        print(f"  ... and {older - shown} older (mariana model list --model-dir {model_dir})")
 
 
 def print_table(header: tuple, rows: list[tuple]) -> None:

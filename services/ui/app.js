@@ -65,8 +65,15 @@
   function appendAll(node, children) {
     for (const c of children.flat(Infinity)) {
       if (c === null || c === undefined || c === false) continue;
-      node.append(c instanceof Node ? c : String(c));
+      node.append(c instanceof Node ? c : visibleBidi(String(c)));
     }
+  }
+
+  // Bidi controls in the API's strings shown as their code points, never applied: a data path
+  // holding U+202E read backwards on the page ("…😀 vst.d/exe.txt" for "…\u202etxt.exe/d.tsv").
+  const BIDI = /[\u202A-\u202E\u2066-\u2069]/g;
+  function visibleBidi(text) {
+    return text.replace(BIDI, (c) => `<U+${c.codePointAt(0).toString(16).toUpperCase()}>`);
   }
 
   function fmtInt(x) {
@@ -1141,10 +1148,17 @@
            : null,
          el("span", {class: "muted"}, "serving "), el("span", {class: "badge current"}, str(model.current))),
       el("div", {class: "model-cols"},
-        el("div", {}, el("h3", {}, `Versions (${versions.length})`), versionsTable(versions, kinds.length > 1)),
+        el("div", {}, el("h3", {}, versionsHead(versions.length, model.versions_total)),
+           versionsTable(versions, kinds.length > 1)),
         el("div", {},
           el("h3", {}, "Retrain decisions"), eventList(decisions.slice(0, 10), decisionItem, "No retrain decision yet."),
           el("h3", {}, "Promotions"), eventList(promotions.slice(0, 10), promotionItem, "No promotion recorded."))));
+  }
+
+  // "Versions (12)", or "Versions (the newest 50 of 210)": /v1/models lists the newest 50 (it said 50 of 210).
+  function versionsHead(shown, total) {
+    return isNum(total) && total > shown ? `Versions (the newest ${fmtInt(shown)} of ${fmtInt(total)})`
+      : `Versions (${shown})`;
   }
 
   // Manifest metric names as column heads (the metrics are the test set's).

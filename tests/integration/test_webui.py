@@ -413,6 +413,7 @@ class CannedAPI:
         }
         self.versions = [canned_version(3, DONE_ID, 0.04, 0.8201), canned_version(2, NO_TEST_ID, 0.1, None),
                          canned_version(1, "j20250301-235959-c0ffee", 11, 0.8017)]
+        self.model_dir, self.versions_total = MODEL_DIR, None  # versions_total: when the dir holds more
 
     def status(self, query: str = "") -> dict:
         """With brief=1, ended jobs' records but the newest's and the named job's cut short, as
@@ -434,8 +435,9 @@ class CannedAPI:
                     "metrics": {"new": {"auc": 0.8201, "logloss": 0.4432}, "served": {"auc": 0.8017}},
                     "reason": "AUC 0.820100 >= served 0.801700 - tolerance 0"}
         promotion = {"time": NOW - 3640, "version": "v000003", "previous": "v000002", "reason": "retrain"}
-        return {"models": [{"dir": MODEL_DIR, "current": "v000003", "versions": self.versions,
-                            "decisions": [decision], "promotions": [promotion]}]}
+        total = {} if self.versions_total is None else {"versions_total": self.versions_total}
+        return {"models": [{"dir": self.model_dir, "current": "v000003", "versions": self.versions,
+                            "decisions": [decision], "promotions": [promotion], **total}]}
 
     def __call__(self, route) -> None:
         path = urllib.parse.unquote(route.request.url.split("/v1/", 1)[1].split("?")[0])
@@ -492,6 +494,23 @@ def test_browser_survives_a_malformed_address_and_says_how_many_jobs_it_lists(ca
     expect(page.locator("[data-testid=jobs-more]")).to_contain_text("The newest 3 of 2,014 jobs")
     expect(page.locator("[data-testid=stat-jobs]")).to_have_text("2,014")
     assert api.asked and api.asked[0] == f"jobs=200&brief=1&job={DONE_ID}", api.asked
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_browser_shows_bidi_controls_as_code_points_counts_every_version_and_fits_a_phone(canned_page):
+    """Found in a browser: a path holding U+202E (right-to-left override) read backwards; a dir
+    of 210 versions said "Versions (50)" (/v1/models lists the newest 50); at 375 px the top bar
+    was cut off and the page scrolled sideways."""
+    expect, open_page = canned_page
+    page = open_page(1280, 800)
+    expect(page.locator("[data-testid=model] h3").first).to_have_text("Versions (3)")
+    api = CannedAPI()
+    api.model_dir, api.versions_total = "/models/\u202etxt.exe/ctr", 210
+    page = open_page(375, 800, api=api)
+    expect(page.locator("[data-testid=model] .model-head .path")).to_have_text("/models/<U+202E>txt.exe/ctr")
+    expect(page.locator("[data-testid=model] h3").first).to_have_text("Versions (the newest 3 of 210)")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 375
 
 
 @pytest.mark.slow

@@ -588,3 +588,17 @@ def test_an_overview_of_a_hand_edited_manifest_has_the_shapes_it_promises(tmp_pa
     path.write_text(json.dumps({**json.loads(path.read_text()), "metrics": 5, "model": "lr", "train": [1]}))
     (version,) = checkpoint.overview(d)["versions"]
     assert (version["metrics"], version["model"], version["job"]) == ({}, None, None), version
+
+
+def test_an_overview_says_how_many_versions_and_status_counts_the_older_ones_from_it(tmp_path, capsys):
+    """/v1/models lists the newest 50 of a dir's versions: the web UI said "Versions (50)" of
+    210, and `mariana status` "... and 40 older" (50 less the 10 it shows)."""
+    from mariana.services.runtime.report import print_versions
+
+    d = tmp_path / "m"
+    for _ in range(13):
+        checkpoint.save_version(d, {"model": {"kind": "lr"}}, WEIGHTS)
+    seen = checkpoint.overview(d, limit=5)
+    assert (len(seen["versions"]), seen["versions_total"]) == (5, 13)
+    print_versions(str(d), seen["current"], seen["versions"], most=3, total=seen["versions_total"])
+    assert "... and 10 older (mariana model list" in capsys.readouterr().out

@@ -62,6 +62,7 @@ class CoordinatorAPI:
         app.router.add_get("/metrics", self.http_metrics)
         app.router.add_get("/openapi.json", self.http_openapi)
         webui.add_routes(app)  # GET / and /ui/: the web UI of jobs and models
+        app.on_response_prepare.append(nosniff)
         return app
 
     def touch_self(self) -> None:
@@ -335,6 +336,12 @@ def host_name(host: str) -> str:
     """
     name = host.rsplit("]", 1)[0].lstrip("[") if host.startswith("[") else host.rsplit(":", 1)[0]
     return name.lower()
+
+
+async def nosniff(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer says its Content-Type is the one to go by (the UI's files said so, the API's
+    JSON did not)."""
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
 
 
 @web.middleware

@@ -582,7 +582,9 @@
       ["Rows/s (this epoch)", fmtInt(p.rows_per_s)], ["Train loss (this epoch)", fmtFixed(p.loss, 4)],
       ["Submitted", fmtTime(job.submitted)], ["Started", fmtTime(job.started)], ["Ended", fmtTime(job.ended)],
       ["Duration", fmtDuration(duration)],
-      ["Steps ready / leased", isNum(p.ready) ? `${fmtInt(p.ready)} / ${fmtInt(p.leased)}` : null],
+      // (a queue of a job that runs: an ended one's last counts read as steps still waiting)
+      ["Steps ready / leased", isNum(p.ready) && job.state === "running" ? `${fmtInt(p.ready)} / ${fmtInt(p.leased)}`
+        : null],
       ["Cache hit rate", fmtPct(cacheOf(job).rate)],
       ["Coordinator restarts", isNum(job.restarts) ? String(job.restarts) : null],
       ["Data", data],
@@ -612,7 +614,7 @@
     renderValidation(job, fromHistory ? m.history.epochs : []);
     renderReliability(job, test);
     $("chart-source").textContent = fromHistory
-      ? `From the job's history (${points.length} points, about one a second).`
+      ? `From the job's history (${points.length} point${points.length === 1 ? "" : "s"}, about one a second).`
       : job.state === "running"
         ? "This coordinator keeps no history (GET /v1/jobs/{id}/history: 404): points are the job's progress as this page saw it."
         : "No history kept for this job by this coordinator.";

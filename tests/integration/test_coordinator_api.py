@@ -139,6 +139,8 @@ def test_pages_of_other_sites_can_neither_submit_nor_read_through_a_rebound_name
         code, said = ask("/v1/status", {"Host": f"evil.example:{base + 1}"})
         assert code == 421 and "is not this coordinator's: it listens on loopback" in said, (code, said)
         assert ask("/v1/status", {"Host": f"localhost:{base + 1}"})[0] == 200
+        with urllib.request.urlopen(url + "/v1/jobs", timeout=10) as r:  # the API's JSON too, as the UI's files
+            assert r.headers["X-Content-Type-Options"] == "nosniff"
         status = json.loads(ask("/v1/status", {})[1])
         assert status["jobs_total"] == 0 and status["counters"]["http_unauthorized"] == 1
         # its own pages' requests (same origin) and clients without an Origin go on as before

@@ -503,8 +503,11 @@ def test_browser_shows_bidi_controls_as_code_points_counts_every_version_and_fit
     of 210 versions said "Versions (50)" (/v1/models lists the newest 50); at 375 px the top bar
     was cut off and the page scrolled sideways."""
     expect, open_page = canned_page
-    page = open_page(1280, 800)
+    api = CannedAPI()
+    api.jobs[DONE_ID]["progress"].update(ready=0, leased=8)  # an ended job's last counts: no queue to show
+    page = open_page(1280, 800, job=DONE_ID, api=api)
     expect(page.locator("[data-testid=model] h3").first).to_have_text("Versions (3)")
+    expect(page.locator("#job-facts div", has_text="Steps ready / leased").locator("dd")).to_have_text("—")
     api = CannedAPI()
     api.model_dir, api.versions_total = "/models/\u202etxt.exe/ctr", 210
     page = open_page(375, 800, api=api)

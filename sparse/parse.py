@@ -886,7 +886,10 @@ class BlockTask:
             if self.first_of_file:
                 _check_not_gzipped_parquet(self.path, self.block)
             chunk = self.parser.parse(self.block, self.first_line, stats, self.skip_rows, self.num_lines)
-        if self.first_of_file:
+        if self.first_of_file and not self.columnar and len(self.block) <= PROBE_BYTES:
+            # the verdict on a text file's format is its first PROBE_BYTES' (`Reader.probe`, before
+            # any work): a bigger first block, read later, refused a file mid-training for bad rows
+            # past the probe's. A Parquet file's columns are typed: its bad values are bad rows.
             _check_first_block(self.path, self.parser.schema, stats)
         return chunk, stats
 

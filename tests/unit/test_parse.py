@@ -150,6 +150,31 @@ def test_wrong_format_is_an_error(tmp_path):
         read_all(write(tmp_path, "z.bin", bytes(range(256)) * 50))
 
 
+def test_bad_rows_past_the_probe_or_in_parquet_are_rows_never_a_refused_file(tmp_path):
+    """The format's verdict is the probe's (the first 256 KiB, before any work): a text file good
+    there and bad further on was refused by its first whole block ("not in criteo format"), after
+    training had begun; a Parquet file (typed columns) whose first rows hold null labels was
+    refused as a whole. Both are counted bad rows now."""
+    import pyarrow.parquet as pq
+
+    from mariana.sparse.parse import PROBE_BYTES
+
+    lines = [GOOD] * 2000 + [GOOD.replace("\t5\t", "\tabc\t", 1)] * 3000
+    assert len("\n".join(lines[:2000])) > PROBE_BYTES
+    path = write(tmp_path, "late.tsv", "\n".join(lines) + "\n")
+    Reader([path], criteo()).probe()
+    _, stats = read_all(path)
+    assert (stats.rows_ok, stats.rows_bad) == (2000, 3000)
+    schema = criteo()
+    table = pa.table({c: [float(v) if v else None] * 10 if c in schema.numeric else [v] * 10
+                      for c, v in zip(schema.columns, GOOD.split("\t"))})
+    table = table.set_column(0, "label", pa.array([None] * 6 + [1] * 4, pa.int64()))
+    pq.write_table(table, tmp_path / "nulls.parquet")
+    Reader([str(tmp_path / "nulls.parquet")], criteo()).probe()
+    _, stats = read_all(str(tmp_path / "nulls.parquet"))
+    assert (stats.rows_ok, stats.rows_bad) == (4, 6) and bad_rows(stats)[0] == (1, "label is not 0 or 1")
+
+
 def test_a_file_compressed_by_another_tool_is_named_so(tmp_path):
     """A .bz2 (or xz, zstd, zip) file was read as text: "not in criteo format: 243 of the first
     243 rows are malformed". A text file that starts with "BZh" and no level digit is text."""

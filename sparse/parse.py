@@ -777,13 +777,20 @@ def open_parquet(source, name: str = "") -> pq.ParquetFile:
         raise DataFormatError(f"{name or source}: not a readable Parquet file: {e}") from None
 
 
-def rows_per_block(pf: pq.ParquetFile, block_bytes: int, columns: list[str] | None = None) -> int:
+def rows_per_block(pf: pq.ParquetFile, block_bytes: int, columns: list[str] | None = None,
+                   name: str = "") -> int:
     """Rows of about `block_bytes` in memory, sized by the first rows: the same file and
-    block size are always cut the same way."""
+    block size are always cut the same way. DataFormatError naming `name` when those rows
+    cannot be read (a damaged file: a raw OSError, "Corrupt snappy compressed data", was
+    all a notebook got, and the CLI's line named no file)."""
     total = pf.metadata.num_rows
     if total == 0:
         return 1
-    first = next(pf.iter_batches(batch_size=min(SAMPLE_ROWS, total), columns=columns, use_threads=False))
+    try:
+        first = next(pf.iter_batches(batch_size=min(SAMPLE_ROWS, total), columns=columns, use_threads=False))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
+        raise DataFormatError(f"{name or 'a Parquet file'}: cannot read its first rows (a damaged file?): "
+                              f"{e}") from None
     per_row = max(first.nbytes / max(first.num_rows, 1), 1.0)
     return int(min(max(block_bytes // per_row, 1), (1 << ROWS_BITS) - 1))
 
@@ -842,7 +849,7 @@ def _parquet_spans(stream: BinaryIO, block_bytes: int, name: str,
                    line_no: int) -> Iterator[tuple[int, int, bytes, int]]:
     source = stream.name if isinstance(getattr(stream, "name", None), str) else stream  # native reads
     with open_parquet(source, name) as pf:
-        rows = rows_per_block(pf, block_bytes)
+        rows = rows_per_block(pf, block_bytes, name=name)
         for row, table in table_blocks(pf, rows, start=line_no - 1, name=name):
             yield (row << ROWS_BITS) | table.num_rows, row + 1, to_arrow_block(table), table.num_rows
 
@@ -973,7 +980,7 @@ class Reader:
             # prediction (labeled=None) reads the feature columns only: a label column there is not used
             parser = BlockParser(self.schema, labeled=bool(self.labeled), threads=self.threads)
             check_columns(path, columns, parser.schema)
-            rows = rows_per_block(pf, self.block_bytes, parser.needed)
+            rows = rows_per_block(pf, self.block_bytes, parser.needed, name=path)
             for row, table in table_blocks(pf, rows, parser.needed, name=path, threads=self.threads):
                 yield BlockTask(parser, path, row + 1, table, table.num_rows, first_of_file=row == 0)
 

@@ -175,6 +175,25 @@ def test_bad_rows_past_the_probe_or_in_parquet_are_rows_never_a_refused_file(tmp
     assert (stats.rows_ok, stats.rows_bad) == (4, 6) and bad_rows(stats)[0] == (1, "label is not 0 or 1")
 
 
+def test_a_damaged_parquet_file_is_a_data_format_error_naming_it(tmp_path):
+    """Its first rows unreadable (the column chunks garbled, the footer whole): a raw OSError
+    ("Corrupt snappy compressed data") in a notebook, and a CLI line naming no file."""
+    import pyarrow.parquet as pq
+
+    schema = criteo()
+    n = 3000
+    table = pa.table({c: [float(i % 7) for i in range(n)] if c in schema.numeric or c == "label"
+                      else [f"{i:08x}" for i in range(n)] for c in schema.columns})
+    table = table.set_column(0, "label", pa.array([i % 2 for i in range(n)], pa.int64()))
+    pq.write_table(table, tmp_path / "ok.parquet", compression="snappy")
+    raw = bytearray((tmp_path / "ok.parquet").read_bytes())
+    for i in range(8, len(raw) // 2):
+        raw[i] ^= 0x5A
+    (tmp_path / "bad.parquet").write_bytes(bytes(raw))
+    with pytest.raises(DataFormatError, match=r"bad.parquet: cannot read its first rows \(a damaged file\?\)"):
+        Reader([str(tmp_path / "bad.parquet")], schema).probe()
+
+
 def test_a_file_compressed_by_another_tool_is_named_so(tmp_path):
     """A .bz2 (or xz, zstd, zip) file was read as text: "not in criteo format: 243 of the first
     243 rows are malformed". A text file that starts with "BZh" and no level digit is text."""

@@ -102,7 +102,10 @@ def _retrain(cfg: ServeConfig, model_dir: str, status: "_Status") -> dict:
     r = cfg.retrain
     train, evals = windows(cfg)
     served = _served_version(model_dir)
-    if served and is_speech_model(model_dir):
+    if served and not (Path(model_dir) / "CURRENT").exists():
+        log.warning("retrain %s: CURRENT is missing; gating against %s, the version it was moved to last "
+                    "(promotions.jsonl), which the servers serve", model_dir, served)
+    if served and is_speech_model(model_dir, served):
         raise ConfigError(f"{model_dir}: the version in service, {served}, is a speech model (mariana train "
                           "speech); retrain trains and gates click models")
     if served:
@@ -550,11 +553,14 @@ def job_config(cfg: ServeConfig, served: str | None) -> JobConfig:
 
 
 def _served_version(model_dir: str) -> str | None:
+    """The version in service: CURRENT's; with CURRENT deleted, the one it was moved to last,
+    which the servers go on serving (a candidate was promoted ungated, "nothing was served",
+    over a version they served); None when nothing ever was."""
     try:
         return checkpoint.current_version(model_dir)
     except ModelDirError:
         if os.path.isdir(model_dir) and not (Path(model_dir) / "CURRENT").exists():
-            return None
+            return checkpoint.last_moved_to(model_dir)
         raise
 
 

@@ -179,6 +179,8 @@ def _move_current(d: Path, version: str, reason: str | None, expect: str | None 
     if not (d / version).is_dir():  # again, under the lock: a prune may have removed it since
         raise ModelDirError(f"{model_dir}: no version {version!r} (removed meanwhile); CURRENT was left as it is")
     before = named_version(d)  # current_version's name, or a version deleted while it served
+    if expect is not _ANY and before is None and not (d / "CURRENT").exists() and expect == last_moved_to(d):
+        before = expect  # CURRENT deleted: the servers serve what it was last moved to, `expect` among them
     if expect is not _ANY and before != expect:
         raise CurrentMoved(f"{model_dir}: CURRENT names {before or 'no version'}, not {expect or 'no version'} "
                            "(another promotion moved it); it was left as it is", before)
@@ -205,6 +207,14 @@ def _move_current(d: Path, version: str, reason: str | None, expect: str | None 
         if served != version:
             _record_move(d, served, version, reason)
     return before
+
+
+def last_moved_to(model_dir: str | os.PathLike) -> str | None:
+    """The version promotions.jsonl says CURRENT was moved to last, if it is still here (what
+    the servers serve while CURRENT is missing: serving/watch.py); None otherwise."""
+    moves = promotions(model_dir)
+    last = moves[-1]["to"] if moves else None
+    return last if isinstance(last, str) and VERSION_RE.match(last) and (Path(model_dir) / last).is_dir() else None
 
 
 def _served_stack(moves: list[dict]) -> list[str]:

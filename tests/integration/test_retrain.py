@@ -101,6 +101,25 @@ def test_the_gate_refuses_a_worse_model_and_promotes_a_better_one(days, tmp_path
     assert (model_dir / "CURRENT").read_text().strip() == "v000001"
 
 
+def test_with_current_deleted_the_gate_holds_against_the_version_the_servers_serve(days, tmp_path):
+    """CURRENT deleted by hand: the servers go on serving the version it was moved to last,
+    but a retrain gated against nothing ("nothing was served") and promoted a candidate
+    trained on shuffled labels. It is gated against that version now, and a better one
+    is promoted over it."""
+    model_dir = served_model(tmp_path, days)
+    (model_dir / "CURRENT").unlink()
+    worse = retrain_config(tmp_path, model_dir, train_data=[str(days["shuffled"])], eval_data=[str(days["day4"])])
+    refused = json.loads(run_cli("retrain", "--config", worse, "--json", check=True).stdout)
+    assert (refused["verdict"], refused["served_version"]) == ("refused", "v000001"), refused
+    assert not (model_dir / "CURRENT").exists()
+    better = retrain_config(tmp_path, model_dir, train_data=[str(days["day2"])], eval_data=[str(days["day4"])])
+    promoted = json.loads(run_cli("retrain", "--config", better, "--json", check=True).stdout)
+    assert (promoted["verdict"], promoted["served_version"]) == ("promoted", "v000001"), promoted
+    assert (model_dir / "CURRENT").read_text().strip() == "v000003"
+    moves = [json.loads(line) for line in (model_dir / "promotions.jsonl").read_text().splitlines()]
+    assert (moves[-1]["from"], moves[-1]["to"]) == ("v000001", "v000003")
+
+
 def test_the_gate_can_hold_the_logloss_too(days, tmp_path):
     """retrain.gate = ["logloss"] judges the candidate's logloss (AUC alone cannot see pCTRs
     that are off); with both, a better candidate passes both and the reason names both."""

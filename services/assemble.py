@@ -157,7 +157,7 @@ def _parent(spec, config: JobConfig, schema) -> dict | None:
         section, name = key.split(".")
         setattr(getattr(config, section), name, getattr(getattr(parent, section), name))
     return {"model_dir": model_dir, "version": version, "rows_trained": manifest.get("rows_trained", 0),
-            "steps": manifest.get("steps", 0)}
+            "steps": manifest.get("steps", 0), "learned": checkpoint.learned_paths(manifest)}
 
 
 def _holdout(data: list[str], train_rows: RowRange, valid: Validation) -> dict:
@@ -286,7 +286,7 @@ def assemble_and_publish(request: dict, job: JobSpec, exports: list, ledger, num
     bundle.rows_trained = sum(summary.rows_per_epoch[:kept]) + (parent["rows_trained"] if parent else 0)
     bundle.steps = sum(1 for step in ledger.done if parse_step(step)[0] <= kept) + (parent["steps"] if parent else 0)
     if parent:
-        bundle.parent = {k: parent[k] for k in ("model_dir", "version", "rows_trained")}
+        bundle.parent = {k: parent[k] for k in ("model_dir", "version", "rows_trained", "learned") if k in parent}
     tested = ({}, None)
     if request["test_data"]:
         phase(f"evaluating on {', '.join(os.path.basename(p) for p in request['test_data'])}")

@@ -419,12 +419,14 @@ def _made_by(model_dir: str, version: str, config: JobConfig, paths: list[str], 
 
 def learned_from(model_dir: str, version: str, most: int = 1000) -> dict[str, str]:
     """The real path of each file `version` learned from -> the version trained on it: its
-    manifest's train.data, then its warm-start parents' (manifest "parent"), back to the first."""
+    manifest's train.data, then its warm-start parents' (manifest "parent"), back to the first.
+    A parent pruned since is known by what the manifest's parent says it learned ("learned":
+    the files of it and its ancestors; a prune of an ancestor made the check pass)."""
     seen: dict[str, str] = {}
     for _ in range(most):
         try:
             manifest = checkpoint.read_manifest(model_dir, version)
-        except MarianaError:  # a parent since deleted: what it learned is not known here
+        except MarianaError:  # a parent since deleted, and from before "learned" was kept: not known here
             break
         for path in (manifest.get("train") or {}).get("data") or []:
             if isinstance(path, str):
@@ -433,6 +435,9 @@ def learned_from(model_dir: str, version: str, most: int = 1000) -> dict[str, st
         if not (isinstance(parent, dict) and isinstance(parent.get("model_dir"), str)
                 and isinstance(parent.get("version"), str)):
             break
+        for path in parent.get("learned") if isinstance(parent.get("learned"), list) else []:
+            if isinstance(path, str):  # (named by the nearest ancestor: it learned them, itself or through its own)
+                seen.setdefault(os.path.realpath(path), parent["version"])
         model_dir, version = parent["model_dir"], parent["version"]
     return seen
 

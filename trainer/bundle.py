@@ -597,7 +597,8 @@ def warm_start(config: JobConfig, schema: Schema, spec: str) -> ModelBundle:
     parent.dense_opt.opt = AdaGrad(lr=config.optim.dense_lr, initial_accumulator=config.optim.initial_accumulator)
     parent.parent = {"model_dir": os.path.abspath(model_dir),
                      "version": version,
-                     "rows_trained": parent.rows_trained}
+                     "rows_trained": parent.rows_trained,
+                     "learned": checkpoint.learned_paths(parent.manifest)}  # known after a prune of the parent
     return parent
 
 

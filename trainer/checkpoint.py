@@ -209,6 +209,25 @@ def _move_current(d: Path, version: str, reason: str | None, expect: str | None 
     return before
 
 
+LEARNED_MOST = 1000  # data files a manifest's parent lists as learned before it
+
+
+def learned_paths(manifest: dict) -> list[str]:
+    """The data files a version learned from: its own (train.data) and, as its manifest's
+    parent records them, its warm-start ancestors' (at most LEARNED_MOST), so that what they
+    learned is known after a prune removed them (a retrain's eval window must not hold it).
+
+    >>> learned_paths({"train": {"data": ["/d/day3.tsv"]}, "parent": {"learned": ["/d/day2.tsv", "/d/day1.tsv"]}})
+    ['/d/day3.tsv', '/d/day2.tsv', '/d/day1.tsv']
+    """
+    train, parent = manifest.get("train"), manifest.get("parent")
+    own = train.get("data") if isinstance(train, dict) else None
+    before = parent.get("learned") if isinstance(parent, dict) else None
+    paths = [p for p in [*(own if isinstance(own, list) else []), *(before if isinstance(before, list) else [])]
+             if isinstance(p, str)]
+    return list(dict.fromkeys(paths))[:LEARNED_MOST]
+
+
 def last_moved_to(model_dir: str | os.PathLike) -> str | None:
     """The version promotions.jsonl says CURRENT was moved to last, if it is still here (what
     the servers serve while CURRENT is missing: serving/watch.py); None otherwise."""

@@ -65,7 +65,8 @@ def test_a_cluster_warm_start_reproduces_its_parent_frozen_and_goes_on_as_local_
     # zero rates: every shard held its slice of v000001, and nothing moved
     assert np.array_equal(predictions(parent, "v000002", data["test"]), before)
     manifest = json.loads((parent / "v000002" / "manifest.json").read_text())
-    assert manifest["parent"] == {"model_dir": str(parent), "version": "v000001", "rows_trained": 20_000}
+    assert manifest["parent"] == {"model_dir": str(parent), "version": "v000001", "rows_trained": 20_000,
+                                  "learned": [str(data["day1"])]}
     assert manifest["rows_trained"] == 40_000 and manifest["train"]["mode"] == "cluster/async"
     # its rates: it goes on from the parent's weights and optimizer state, as local mode's warm start
     assert not np.array_equal(predictions(parent, "v000003", data["test"]), before)

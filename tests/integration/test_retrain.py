@@ -226,7 +226,8 @@ def test_a_cluster_retrain_warm_starts_from_the_served_version(days, tmp_path):
     assert decision["warm_start"] is True and decision["train_rows"] == 20_000
     manifest = json.loads((model_dir / decision["new_version"] / "manifest.json").read_text())
     assert manifest["train"]["mode"].startswith("cluster/") and manifest["train"]["shards"] == 2
-    assert manifest["parent"] == {"model_dir": str(model_dir), "version": "v000001", "rows_trained": 3_000}
+    assert manifest["parent"] == {"model_dir": str(model_dir), "version": "v000001", "rows_trained": 3_000,
+                                  "learned": [str(days["small"])]}
     assert manifest["rows_trained"] == 3_000 + 20_000
     assert decision["metrics"]["new"]["auc"] > decision["metrics"]["served"]["auc"]  # a day more than 3,000 rows
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import os
+import shutil
 
 import msgpack
 import numpy as np
@@ -289,6 +290,28 @@ def test_moves_to_versions_that_do_not_exist_are_refused(tmp_path):
 
 
 # ---- retrain: the gate and the windows ------------------------------------------------
+
+def test_what_a_pruned_warm_start_ancestor_learned_is_still_known(tmp_path):
+    """v3 warm-started from v2, v2 from v1, and a prune removed v1 (keep_versions with
+    warm_start does it routinely): day1, which v1 learned, stopped counting as seen, and an
+    eval window of it was scored on rows the served model had learned. Each warm start's
+    manifest lists what its parent and theirs learned ("learned")."""
+    from mariana.serving.retrain import check_unseen, learned_from
+
+    days = [str(tmp_path / f"day{i}.tsv") for i in (1, 2, 3)]
+    weights = {"w": np.zeros(2, np.float32)}
+    checkpoint.save_version(tmp_path / "m", {"train": {"data": days[:1]}}, weights)
+    for i in (1, 2):
+        parent = checkpoint.read_manifest(tmp_path / "m", f"v00000{i}")
+        checkpoint.save_version(tmp_path / "m", {"train": {"data": [days[i]]}, "parent": {
+            "model_dir": str(tmp_path / "m"), "version": f"v00000{i}", "learned": checkpoint.learned_paths(parent)}},
+            weights)
+    shutil.rmtree(tmp_path / "m" / "v000001")
+    seen = learned_from(str(tmp_path / "m"), "v000003")
+    assert seen == {days[2]: "v000003", days[1]: "v000002", days[0]: "v000002"}, seen
+    with pytest.raises(ConfigError, match=r"day1.tsv is in the eval window, but .*v000002, which v000003 was "
+                                          r"warm-started from, learned from it"):
+        check_unseen(str(tmp_path / "m"), "v000003", [days[0]])
 
 def test_gate():
     assert gate({"auc": 0.75}, None, 0.0)[0] == "promoted"

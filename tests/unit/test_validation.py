@@ -107,7 +107,7 @@ def test_a_warm_start_with_zero_rates_reproduces_its_parent_exactly(kind, gen_fi
     child = ModelBundle.load(out)
     assert record["model_version"] == "v000002"
     assert child.manifest["parent"] == {"model_dir": out, "version": "v000001",
-                                        "rows_trained": parent.rows_trained}
+                                        "rows_trained": parent.rows_trained, "learned": [str(gen_files["train"])]}
     assert child.rows_trained == parent.rows_trained + record["train_rows"]
     assert np.array_equal(predictions(child, gen_files["test"]), predictions(parent, gen_files["test"]))
     # With its rates, the warm start moves on from the parent (the optimizer state came along).

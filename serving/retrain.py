@@ -409,12 +409,33 @@ def _made_by(model_dir: str, version: str, config: JobConfig, paths: list[str], 
     unreadable, a recipe not read back)."""
     try:
         manifest = manifest if manifest is not None else checkpoint.read_manifest(model_dir, version)
-        if from_dict(JobConfig, manifest.get("config") or {}) != config:
+        if not same_recipe(from_dict(JobConfig, manifest.get("config") or {}), config):
             return False
         made = os.stat(os.path.join(model_dir, version, checkpoint.MANIFEST)).st_mtime
         return all(os.stat(p).st_mtime < made for p in paths)
     except (MarianaError, OSError, TypeError, ValueError):
         return False
+
+
+def same_recipe(made: JobConfig, recipe: JobConfig) -> bool:
+    """Whether a version whose manifest's config is `made` (every "auto" resolved) was made by
+    `recipe`: equal but for the keys `recipe` leaves "auto", which the same data resolves alike.
+    A retrain.job_config's "auto"s (init_bias, batch_size, ramp_steps) made every version look
+    made by another recipe, and skip_unchanged never skipped.
+
+    >>> recipe = from_dict(JobConfig, {"train": {"batch_size": "auto"}})
+    >>> made, other = (from_dict(JobConfig, {"train": {"batch_size": 256, "epochs": e}}) for e in (1, 2))
+    >>> same_recipe(made, recipe), same_recipe(other, recipe)
+    (True, False)
+    """
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    a, b = flat(made.to_dict()), flat(recipe.to_dict())
+    return a.keys() == b.keys() and all(value == "auto" or a[key] == value for key, value in b.items())
 
 
 def learned_from(model_dir: str, version: str, most: int = 1000) -> dict[str, str]:

@@ -160,6 +160,11 @@ def test_a_retrain_with_nothing_new_to_learn_trains_nothing(days, tmp_path):
     assert forced["verdict"] in ("promoted", "refused") and forced["new_version"] == "v000002", forced
     again = json.loads(run_cli("retrain", "--config", same, "--json", check=True).stdout)
     assert again["verdict"] == "skipped", again  # whichever of the two is in service learned this window
+    served_recipe = tmp_path / "served-recipe.toml"  # the recipe in service, its "auto"s left to resolve
+    served_recipe.write_text('[model]\nkind = "lr"\n[train]\nbatch_size = 256\n')
+    by_config = json.loads(run_cli("retrain", "--config", retrain_config(
+        tmp_path, model_dir, "by-config.toml", job_config=str(served_recipe), **window), "--json", check=True).stdout)
+    assert by_config["verdict"] == "skipped", by_config  # was trained again: 'auto' != the manifest's -3.2, 256, 0
     other = json.loads(run_cli("retrain", "--config", retrain_config(
         tmp_path, model_dir, "other.toml", train_data=[str(days["small"])], eval_data=[str(days["day4"])],
         job_config=str(recipe(tmp_path))), "--json", check=True).stdout)

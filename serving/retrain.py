@@ -186,8 +186,11 @@ def _train_candidate(cfg: ServeConfig, status: "_Status", config: JobConfig, tra
     else:
         try:
             record = run_local_job(config, train, [], model_dir, promote=False, init_from=warm)
-        except MarianaError as e:  # the data, the disk, a diverged run: nothing was published
-            raise _failed(cfg, status, f"training failed: {e}", f"retrain {model_dir}: {e}") from None
+        except (MarianaError, OSError) as e:  # the data, the disk, a diverged run: nothing was published
+            # (an OSError: a training file removed mid-run, a full disk; it left no decision line, and
+            # over HTTP the status said "FileNotFoundError: ..." as a bug's)
+            why = str(e) if isinstance(e, MarianaError) else f"{e.filename or 'a file'}: {e.strerror or e}"
+            raise _failed(cfg, status, f"training failed: {why}", f"retrain {model_dir}: {why}") from None
     return record
 
 

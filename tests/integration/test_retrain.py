@@ -120,6 +120,30 @@ def test_with_current_deleted_the_gate_holds_against_the_version_the_servers_ser
     assert (moves[-1]["from"], moves[-1]["to"]) == ("v000001", "v000003")
 
 
+def test_a_training_file_gone_mid_run_is_a_failed_decision(days, tmp_path, monkeypatch):
+    """A file of the window removed while the candidate trained: an OSError, not a MarianaError,
+    left no line in decisions.jsonl, and over HTTP the status said "FileNotFoundError: ..." as a
+    bug's. (The removal, mid-run, stands in as the error it raises.)"""
+    from mariana.serving.config import load_serve_config
+    from mariana.serving.retrain import RetrainFailed, run_retrain
+    from mariana.trainer import job
+
+    model_dir = served_model(tmp_path, days)
+    gone = str(tmp_path / "day3.tsv")
+
+    def removed(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", gone)
+
+    monkeypatch.setattr(job, "run_local_job", removed)
+    cfg = load_serve_config(str(retrain_config(tmp_path, model_dir, train_data=[str(days["day2"])],
+                                               eval_data=[str(days["day4"])])))
+    with pytest.raises(RetrainFailed, match=f"retrain {model_dir}: {gone}: No such file or directory"):
+        run_retrain(cfg, str(tmp_path / "status.json"))
+    (line,) = decisions(model_dir)
+    assert line["verdict"] == "failed" and f"{gone}: No such file or directory" in line["reason"], line
+    assert json.loads((tmp_path / "status.json").read_text())["state"] == "failed"
+
+
 def test_the_gate_can_hold_the_logloss_too(days, tmp_path):
     """retrain.gate = ["logloss"] judges the candidate's logloss (AUC alone cannot see pCTRs
     that are off); with both, a better candidate passes both and the reason names both."""

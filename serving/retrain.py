@@ -408,14 +408,15 @@ def _same_files(recorded, paths: list[str]) -> bool:
 
 def _made_by(model_dir: str, version: str, config: JobConfig, paths: list[str], manifest: dict | None = None) -> bool:
     """Whether `version` (its `manifest`, when read already) was made with the recipe `config`,
-    after every file of `paths` was last written. False when that cannot be told (pruned,
+    after every file of `paths` was last written (or put in place: its ctime). False when that cannot be told (pruned,
     unreadable, a recipe not read back)."""
     try:
         manifest = manifest if manifest is not None else checkpoint.read_manifest(model_dir, version)
         if not same_recipe(from_dict(JobConfig, manifest.get("config") or {}), config):
             return False
         made = os.stat(os.path.join(model_dir, version, checkpoint.MANIFEST)).st_mtime
-        return all(os.stat(p).st_mtime < made for p in paths)
+        # ctime too: `cp -p`, `rsync -a` and `tar x` put back an older mtime on new contents (skipped)
+        return all(max(st.st_mtime, st.st_ctime) < made for st in map(os.stat, paths))
     except (MarianaError, OSError, TypeError, ValueError):
         return False
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -196,6 +197,18 @@ def test_a_retrain_with_nothing_new_to_learn_trains_nothing(days, tmp_path):
     os.utime(days["small"])  # written since: trained again
     touched = json.loads(run_cli("retrain", "--config", same, "--json", check=True).stdout)
     assert touched["new_version"] == "v000004", touched
+    copied, sources = tmp_path / "small.tsv", [tmp_path / "a.tsv", tmp_path / "b.tsv"]
+    for source, day in zip(sources, ("day2", "day3")):
+        source.write_text("".join(days[day].read_text().splitlines(keepends=True)[:3000]))
+    shutil.copy2(sources[0], copied)
+    window["train_data"] = [str(copied)]
+    json.loads(run_cli("retrain", "--config", retrain_config(tmp_path, model_dir, "copied.toml", **window),
+                       "--json", check=True).stdout)
+    os.utime(sources[1], (0, 0))
+    shutil.copy2(sources[1], copied)  # `cp -p` of other rows over the window: their old mtime kept
+    again = json.loads(run_cli("retrain", "--config", retrain_config(tmp_path, model_dir, "copied.toml", **window),
+                               "--json", check=True).stdout)
+    assert again["verdict"] != "skipped", again  # new rows under an old mtime: skipped, as if nothing came
     assert [d["verdict"] for d in decisions(model_dir)][0:1] == ["skipped"]
 
 

@@ -383,14 +383,21 @@ def nothing_new(model_dir: str, served: str, train: list[str], config: JobConfig
 
 def refused_before(model_dir: str, served: str, train: list[str], evals: list[str], config: JobConfig) -> str | None:
     """Why a retrain would decide nothing new, or None: a candidate trained on these very
-    windows with this recipe was refused against the version still in service, and no file
-    of either window has been written since it was made. A timer with no new logs added a
+    windows with this recipe was refused against the version still in service (or promoted
+    over it, then rolled back to it), and no file of either window has been written since it
+    was made. A timer with no new logs added a
     refused copy each time (which took the newest slots that `keep_versions` keeps)."""
     for d in reversed(checkpoint.decisions(model_dir)):
         if d.get("verdict") == "skipped" or d.get("served_version") != served \
                 or not _same_files(d.get("train_data"), train) or not _same_files(d.get("eval_data"), evals):
             continue
         candidate = d.get("new_version")
+        if d.get("verdict") == "promoted" and isinstance(candidate, str) and _rolled_back(model_dir, candidate) \
+                and _made_by(model_dir, candidate, config, train + evals):
+            # the operator's rollback stands: a timer with no new logs promoted a copy of what was rolled back
+            return (f"{candidate} was trained on this window with this recipe, promoted over {served} and rolled "
+                    "back to it, and no file of either window has changed since: a copy would be promoted again "
+                    "(retrain.skip_unchanged = false trains anyway)")
         if d.get("verdict") != "refused" or not isinstance(candidate, str) \
                 or not _made_by(model_dir, candidate, config, train + evals):
             return None  # the newest decision on these windows against it is another one, or its candidate differs
@@ -398,6 +405,11 @@ def refused_before(model_dir: str, served: str, train: list[str], evals: list[st
                 f"service, and no file of either window has changed since: nothing new to decide "
                 "(retrain.skip_unchanged = false trains anyway)")
     return None
+
+
+def _rolled_back(model_dir: str, version: str) -> bool:
+    """Whether `mariana model rollback` moved CURRENT away from `version` (promotions.jsonl)."""
+    return any(p.get("from") == version and p.get("reason") == "rollback" for p in checkpoint.promotions(model_dir))
 
 
 def _same_files(recorded, paths: list[str]) -> bool:

@@ -231,6 +231,21 @@ def test_a_refused_candidate_is_not_trained_again_on_the_same_windows(days, tmp_
         "v000003"  # another eval window: decided anew
 
 
+def test_a_rollback_is_not_undone_by_the_next_retrain_on_the_same_windows(days, tmp_path):
+    """Promoted, then rolled back by the operator: the next retrain with no new logs trained a
+    copy of the rolled-back version and promoted it again. It is skipped now."""
+    model_dir = served_model(tmp_path, days)
+    head = tmp_path / "day2-head.tsv"
+    head.write_text("".join(days["day2"].read_text().splitlines(keepends=True)[:3000]))
+    cfg = retrain_config(tmp_path, model_dir, train_data=[str(head)], eval_data=[str(days["day4"])],
+                         auc_tolerance=0.5)  # promoted whatever it scores
+    assert json.loads(run_cli("retrain", "--config", cfg, "--json", check=True).stdout)["verdict"] == "promoted"
+    run_cli("model", "rollback", "--model-dir", model_dir, check=True)
+    again = json.loads(run_cli("retrain", "--config", cfg, "--json", check=True).stdout)
+    assert again["verdict"] == "skipped" and "promoted over v000001 and rolled back to it" in again["reason"], again
+    assert (model_dir / "CURRENT").read_text().strip() == "v000001"
+
+
 def recipe(tmp_path: Path) -> Path:
     path = tmp_path / "job.toml"
     path.write_text('[model]\nkind = "lr"\n[train]\nbatch_size = 512\n')

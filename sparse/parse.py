@@ -707,7 +707,12 @@ def check_columns(name: str, columns: pa.Schema, schema: Schema) -> None:
         problems.append(f"missing column{'s' if len(missing) > 1 else ''} {', '.join(shown)}")
     found = ", ".join(names[:12]) + (f", ... ({len(names)} columns)" if len(names) > 12 else "")
     kind = f"the {schema.name} schema's"  # predict's schema reads a label it ignores: no "unlabeled" here
-    unlabeled = unlabeled_hint(schema) if missing == [schema.label] and not wrong else ""
+    lower = {n.lower(): n for n in names}
+    cased = [f"{lower[c.lower()]!r} for {c!r}" for c in missing if c.lower() in lower]
+    if cased:  # `Label` for `label`: the hint was that the rows look unlabeled
+        problems.append(f"the file has {', '.join(cased[:4])}{', ...' if len(cased) > 4 else ''}: column names are "
+                        "matched with their case")
+    unlabeled = unlabeled_hint(schema) if missing == [schema.label] and not wrong and not cased else ""
     raise DataFormatError(f"{name}: not in {kind} columns: {'; '.join(problems + wrong)} "
                           f"(the file's columns: {found or 'none'}){unlabeled}")
 

@@ -241,6 +241,18 @@ def test_a_missing_or_mistyped_column_is_one_error_before_any_row(tmp_path, chan
     assert "the file's columns: label, I1" in str(e.value)
 
 
+def test_a_column_named_in_another_case_is_said_so(tmp_path):
+    """`Label` for `label`: the error said the rows looked unlabeled and predict takes those."""
+    names = list(criteo().columns)
+    table = pa.table({c: pa.array([1] * 4) for c in names}).rename_columns(["Label", *names[1:]])
+    pq.write_table(table, tmp_path / "cased.parquet")
+    with pytest.raises(DataFormatError) as e:
+        Reader([str(tmp_path / "cased.parquet")], criteo()).probe()
+    assert "missing column 'label'; the file has 'Label' for 'label': column names are matched with their case" \
+        in str(e.value), str(e.value)
+    assert "unlabeled" not in str(e.value)
+
+
 def write_tsv(tmp_path, rows=ROWS):
     path = tmp_path / "ok.tsv"
     path.write_text("\n".join(rows) + "\n")

@@ -493,9 +493,13 @@ def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
         raise DataFormatError(f"the DataFrame has {len(twice)} duplicated column name(s): {', '.join(twice[:6])}; "
                               "a row would take one of the columns of each, unsaid: rename or drop the others")
     dtypes, cats = getattr(frame, "dtypes", None), set(categorical)  # no dtypes (a frame-like object): value by value
+    kinds = {c: getattr(dtypes[c], "kind", "") if dtypes is not None else "" for c in frame.columns}
     typed = {c: _typed_column(frame[c]) for c in frame.columns
-             if c in cats and dtypes is not None and getattr(dtypes[c], "kind", "") in ("f", "b", "M")}
+             if c in cats and (kinds[c] in ("f", "b", "M") or kinds[c] == "O" and _arrow_typed(frame[c]))}
     typed = {c: texts for c, texts in typed.items() if texts is not None}
+    for c in typed:
+        if kinds[c] == "f":
+            _say_lost_digits(c, frame[c])
     out = []
     for i, rec in enumerate(frame.to_dict("records")):
         row = {}
@@ -505,6 +509,28 @@ def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
                 row[key] = value
         out.append(row)
     return out
+
+
+def _arrow_typed(column: Any) -> bool:
+    """Whether an object column holds values a Parquet column types (decimal.Decimal, a date):
+    pandas' default reading of a Parquet file's decimal and date32 columns, refused here while
+    the file itself was read."""
+    import datetime
+    import decimal
+
+    first = next((v for v in column if v is not None and v == v), None)  # (NaN != NaN)
+    return isinstance(first, decimal.Decimal) or type(first) is datetime.date
+
+
+def _say_lost_digits(name: Any, column: Any) -> None:
+    """Warn when a float id column holds whole values of 2**53 or more: pandas makes an integer
+    column with gaps float64, whose 64-bit ids (hashes of users, devices) lose their last digits
+    and so hash as ids other than the file's, unsaid (an exploratory run: 3,139 of 5,000 pCTRs)."""
+    values = np.asarray(column, dtype=np.float64)
+    if np.any(np.abs(values[np.isfinite(values)]) >= 2.0 ** 53):
+        log.warning("DataFrame column %s: float ids of 2**53 or more have lost their last digits (pandas makes an "
+                    "integer column with gaps float64), and hash as other ids than the file's: read it with "
+                    "dtype_backend='numpy_nullable' (or 'pyarrow') to keep them whole", name)
 
 
 def _typed_column(column: Any) -> list | None:

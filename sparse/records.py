@@ -6,7 +6,7 @@ A value is what a JSON or msgpack decoder yields:
 
 - categorical field: text (str or bytes, taken as its UTF-8 bytes) or an
   integer (taken as its decimal text); None, '' or an absent key is missing;
-- numeric field: a number (int or float, finite; not a bool) or number text
+- numeric field: a number (int, float or Decimal, finite; not a bool) or number text
   as a file would hold it (`parse.NUMBER_RE`, no nan/inf); None, '', blanks
   alone or absent is missing;
 - hour field (Avazu's YYMMDDHH): text or an integer of 8 digits naming a
@@ -23,6 +23,7 @@ ignored columns are known keys.
 """
 from __future__ import annotations
 
+import decimal
 import math
 import re
 from typing import Mapping, Sequence
@@ -211,7 +212,8 @@ def typed_text(v) -> bytes:
 def _number(field: str, v) -> float:
     if v is None:
         return math.nan
-    if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool):  # numpy's scalars too
+    if isinstance(v, (int, float, np.integer, np.floating, decimal.Decimal)) and not isinstance(v, bool):
+        # numpy's scalars too, and a Decimal (pandas' reading of a Parquet decimal column, which the file's path takes)
         try:
             x = float(v)
         except OverflowError:  # an int past float's range

@@ -12,6 +12,8 @@ import sys
 import tempfile
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import mariana
@@ -175,6 +177,35 @@ def test_boolean_float_and_timestamp_ids_score_alike_from_parquet_a_dataframe_an
              for f, p, z, d in zip(flag, frame["price"], size, day)]  # JSON's 0.1, not float32's; Arrow's text
     del dicts[3]["price"], dicts[5]["day"]  # the NaN and the NaT: missing
     np.testing.assert_allclose(model.predict(dicts), want, rtol=0, atol=1e-6)
+
+
+def test_a_parquet_files_decimals_and_dates_score_alike_read_back_by_pandas(tmp_path, caplog):
+    """pd.read_parquet gives a decimal128 column as Decimal objects and a date32 one as dates:
+    every row was refused ("got Decimal") while the file itself was read. And a 64-bit id column
+    with gaps comes back float64, its ids past 2**53 rounded: scored as other ids, unsaid."""
+    import datetime
+    import decimal
+
+    pd = pytest.importorskip("pandas", reason="pandas is not a dependency; this test is about DataFrames")
+    rng = np.random.default_rng(1)
+    n = 2000
+    price = [decimal.Decimal(str(x)) for x in rng.choice([1.5, 2.25, 3.0], n)]
+    day = [datetime.date(2024, 1, int(d)) for d in rng.integers(1, 4, n)]
+    odds = np.where(np.array([p == decimal.Decimal("1.5") for p in price]), 0.5, 0.1)
+    table = pa.table({"y": (rng.random(n) < odds).astype(int), "price": pa.array(price, pa.decimal128(6, 2)),
+                      "day": pa.array(day, pa.date32()), "amount": pa.array(price, pa.decimal128(6, 2)),
+                      "user": pa.array([2**60 + i % 3 if i % 5 else None for i in range(n)], pa.int64())})
+    pq.write_table(table, tmp_path / "d.parquet")
+    schema = {"format": "csv", "data.schema.columns": ["y", "price", "day", "amount"], "data.schema.label": "y",
+              "data.schema.numeric": ["amount"], "data.schema.categorical": ["price", "day"]}
+    model = mariana.train(str(tmp_path / "d.parquet"), out=str(tmp_path / "m"), bits=BITS, **schema).load()
+    frame = pd.read_parquet(tmp_path / "d.parquet")
+    assert frame["price"].dtype == object and frame["user"].dtype == np.float64
+    np.testing.assert_allclose(model.predict(frame.drop(columns=["y", "user"])),
+                               model.predict(str(tmp_path / "d.parquet")), rtol=0, atol=1e-6)
+    caplog.set_level("WARNING", logger="mariana.api")
+    api.frame_records(frame[["user"]], ["user"])
+    assert "DataFrame column user: float ids of 2**53 or more have lost their last digits" in caplog.text
 
 
 # ---- loading, configs, warm start -----------------------------------------------------

@@ -493,9 +493,9 @@ def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
         raise DataFormatError(f"the DataFrame has {len(twice)} duplicated column name(s): {', '.join(twice[:6])}; "
                               "a row would take one of the columns of each, unsaid: rename or drop the others")
     dtypes, cats = getattr(frame, "dtypes", None), set(categorical)  # no dtypes (a frame-like object): value by value
-    kinds = {c: getattr(dtypes[c], "kind", "") if dtypes is not None else "" for c in frame.columns}
+    kinds = {c: _dtype_kind(dtypes[c]) if dtypes is not None else "" for c in frame.columns}
     typed = {c: _typed_column(frame[c]) for c in frame.columns
-             if c in cats and (kinds[c] in ("f", "b", "M") or kinds[c] == "O" and _arrow_typed(frame[c]))}
+             if c in cats and (kinds[c] in ("f", "b", "M") or kinds[c] == "object" and _arrow_typed(frame[c]))}
     typed = {c: texts for c, texts in typed.items() if texts is not None}
     for c in typed:
         if kinds[c] == "f":
@@ -511,6 +511,12 @@ def frame_records(frame: Any, categorical: Sequence[str] = ()) -> list[dict]:
     return out
 
 
+def _dtype_kind(dtype: Any) -> str:
+    """A column dtype's kind ("f", "b", "M", ...), "object" for numpy's object dtype (pandas'
+    "string" dtype, kind "O" too, holds text only)."""
+    return "object" if str(dtype) == "object" else str(getattr(dtype, "kind", ""))
+
+
 def _arrow_typed(column: Any) -> bool:
     """Whether an object column holds values a Parquet column types (decimal.Decimal, a date):
     pandas' default reading of a Parquet file's decimal and date32 columns, refused here while
@@ -518,7 +524,7 @@ def _arrow_typed(column: Any) -> bool:
     import datetime
     import decimal
 
-    first = next((v for v in column if v is not None and v == v), None)  # (NaN != NaN)
+    first = next((v for v in column if _plain(v) is not None), None)  # (None, NaN, pandas' NA: missing)
     return isinstance(first, decimal.Decimal) or type(first) is datetime.date
 
 

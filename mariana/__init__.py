@@ -24,6 +24,8 @@ True
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (2 ms); checkers read it as True
 if TYPE_CHECKING:
@@ -66,6 +68,24 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+_forked_after_torch = False  # this process is a fork of one where torch was imported (`_one_torch_thread`)
+
+
+def _one_torch_thread() -> None:
+    """After a fork, with torch imported before it: one torch thread here. The parent's OpenMP
+    pool does not survive fork (multiprocessing's default start method on Linux), and a child's
+    DNN predict or training on more threads waited for it forever: after a DNN of the parent's,
+    and after the parent's own torch work too (the hook was set by mariana's load or train only)."""
+    global _forked_after_torch
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _forked_after_torch = True
+        torch.set_num_threads(1)
+
+
+os.register_at_fork(after_in_child=_one_torch_thread)
 
 
 def _version() -> str:

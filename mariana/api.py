@@ -15,8 +15,8 @@ Torch loads on the first `train` or `load`, not on `import mariana`. Bad input
 raises the CLI's errors (`MarianaError` subclasses, with the CLI's messages: an
 unwritable `out` too, named as the CLI's `--out`; an unknown override is said to
 come from "a keyword argument", not from `--set`). A DNN job sets torch's threads
-for its run only, no call reseeds torch's global generator, and a forked child
-predicts and trains on one torch thread (`_fork_safe_torch`).
+for its run only, no call reseeds torch's global generator, and a child forked with torch
+imported predicts and trains on one torch thread (`mariana._one_torch_thread`).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
+import mariana
 from mariana.sparse.errors import ConfigError, DataFormatError, MarianaError
 from mariana.sparse.settings import from_dict, shown
 from mariana.trainer.config import JobConfig
@@ -188,7 +189,7 @@ def train(data: Data, model: str | None = None, config: JobConfig | PathLike | M
     from mariana.trainer.models.registry import kind_uses_torch
 
     cfg = job_config(config, {**overrides, "model": model})
-    if _forked_after_torch and cfg.train.threads != 1 and kind_uses_torch(cfg.model.kind):
+    if mariana._forked_after_torch and cfg.train.threads != 1 and kind_uses_torch(cfg.model.kind):
         log.warning("this process was forked after torch ran in its parent, and OpenMP's threads do not survive "
                     "a fork: train.threads = 1 here (more would wait forever); start it with the spawn method "
                     "for more")
@@ -216,27 +217,6 @@ def _torch_threads_kept():
     finally:
         if before and torch.get_num_threads() != before:
             torch.set_num_threads(before)
-        _fork_safe_torch()
-
-
-_fork_hooked = False
-_forked_after_torch = False  # this process is a fork of one where torch ran (`_one_torch_thread`)
-
-
-def _fork_safe_torch() -> None:
-    """Once torch has run here, a forked child (multiprocessing's default on Linux) starts
-    with one torch thread: the parent's OpenMP pool does not survive fork, and a child's
-    DNN predict on more threads waits for it forever. (A spawned child is not affected.)"""
-    global _fork_hooked
-    if not _fork_hooked and "torch" in sys.modules:
-        os.register_at_fork(after_in_child=_one_torch_thread)
-        _fork_hooked = True
-
-
-def _one_torch_thread() -> None:
-    global _forked_after_torch
-    _forked_after_torch = True
-    sys.modules["torch"].set_num_threads(1)
 
 
 def _path(name: str, value: Any) -> str:
@@ -322,9 +302,7 @@ def load(model_dir: PathLike, version: str | None = None) -> "Model":
         version = checkpoint.current_version(model_dir)
     else:
         checkpoint.require_version(model_dir, version)
-    model = Model(ModelBundle.load(model_dir, version, tables="auto"), model_dir, version)
-    _fork_safe_torch()
-    return model
+    return Model(ModelBundle.load(model_dir, version, tables="auto"), model_dir, version)
 
 
 class Model:

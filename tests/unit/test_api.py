@@ -290,6 +290,40 @@ def test_a_forked_child_predicts_with_a_dnn_its_parent_ran(gen_files, tmp_path):
         torch.set_num_threads(threads)
 
 
+FORK_AFTER_OWN_TORCH = r"""
+import multiprocessing, queue, sys
+import torch
+import mariana
+
+torch.set_num_threads(2)
+torch.relu(torch.randn(600, 600) @ torch.randn(600, 600))  # the notebook's own torch work: its OpenMP pool runs
+
+
+def child(out):
+    out.put((torch.get_num_threads(), mariana.load(sys.argv[1]).predict(sys.argv[2]).shape[0]))
+
+
+ctx = multiprocessing.get_context("fork")
+out = ctx.Queue()
+p = ctx.Process(target=child, args=(out,))
+p.start()
+try:
+    print(out.get(timeout=60))
+except queue.Empty:
+    print("no answer in 60 s")
+p.kill()
+"""
+
+
+def test_a_child_forked_after_the_callers_own_torch_work_predicts_with_a_dnn(gen_files, tmp_path):
+    """The fork hook was set by mariana's load or train only: a notebook that ran torch itself,
+    then used mariana in forked workers, waited forever in the child's DNN predict."""
+    mariana.train(gen_files["test"], model="dnn", out=tmp_path / "m", bits=BITS)
+    proc = subprocess.run([sys.executable, "-c", FORK_AFTER_OWN_TORCH, str(tmp_path / "m"), str(gen_files["test"])],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1:] == ["(1, 8000)"], (proc.stdout, proc.stderr[-2000:])
+
+
 def test_configs_load_as_the_cli_loads_them(tmp_path, monkeypatch):
     toml = tmp_path / "job.toml"
     toml.write_text("[train]\nepochs = 3\n[hashing]\nbits = 20\n")

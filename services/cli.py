@@ -348,7 +348,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         except ClusterNotUp as e:
             url = _deployed_url(args)  # a config that names its coordinator's fixed port (deployed by hand)
             if not url:
-                print(f"mariana: {e} (or name a coordinator with --url)", file=sys.stderr)
+                said = f"{e} (or name a coordinator with --url)"
+                if args.json:  # a document, as for a coordinator that does not answer (stdout was empty)
+                    print(json.dumps({"dir": None, "http": None, "processes": {}, "coordinator": None, "models": [],
+                                      "error": said}))
+                print(f"mariana: {said}", file=sys.stderr)
                 return 1
     if url:  # a cluster this shell did not start (systemd, another machine)
         url = url.rstrip("/").removesuffix("/ui")  # the web UI's address, as the browser shows it: its coordinator

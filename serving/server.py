@@ -212,8 +212,8 @@ def serve(cfg: ServeConfig, verbosity: list[str] = ()) -> int:
     n = cfg.serve.worker_count
     # resolved once, here: a worker pinned to one CPU would count 1 (and bind without SO_REUSEPORT)
     cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, workers=n))
-    if n == 1 and cfg.serve.port:
-        _check_free(cfg.serve.host, cfg.serve.port)  # before the model loads, as the supervisor's reservation is
+    if n == 1:  # before the model loads, as the supervisor's reservation is (port 0 too: a host not this
+        _check_free(cfg.serve.host, cfg.serve.port)  # machine's was a log line and exit 1 after the load)
     reserved = _reserve(cfg.serve.host, cfg.serve.port) if n > 1 else None
     run_dir = ""  # made once the port is ours: a start refused for a taken port left an empty one each time
     try:

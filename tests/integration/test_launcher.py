@@ -162,6 +162,8 @@ def test_run_rejects_an_index_out_of_range(tmp_path):
 def test_down_and_status_without_a_cluster(tmp_path):
     assert "no cluster is up in" in error_line(run_cli("down", "--dir", tmp_path))
     assert "no cluster is up in" in error_line(run_cli("status", "--dir", tmp_path), code=1)
+    proc = run_cli("status", "--dir", tmp_path, "--json")  # a document on stdout, as for a silent coordinator
+    assert proc.returncode == 1 and json.loads(proc.stdout)["error"].startswith(f"no cluster is up in {tmp_path}")
 
 
 def test_a_cluster_json_or_a_status_url_of_another_shape_is_one_line_not_a_traceback(tmp_path):

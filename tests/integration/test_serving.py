@@ -505,6 +505,11 @@ def test_serve_refuses_a_missing_model_dir_and_a_taken_port(tmp_path, models):
             assert len(said) == 1 and said[0].startswith(f"mariana: error: cannot listen on 127.0.0.1:{s.port}: "
                                                          "Address already in use (held by pid "), taken.stderr
             assert "mariana" in said[0].split("(held by", 1)[1], said  # the serving process's command line
+    # a host that is not this machine's, on port 0 with one worker: the same one line (it loaded the model,
+    # logged the error and exited 1)
+    elsewhere = run_cli("serve", "--model-dir", models["lr"], "--host", "999.1.1.1", "--port", "0", "--workers", "1")
+    assert elsewhere.returncode == 2 and elsewhere.stderr.strip().splitlines() == [
+        "mariana: error: cannot listen on 999.1.1.1:0: Name or service not known"], elsewhere.stderr
 
 
 def _cli() -> list[str]:

@@ -61,6 +61,12 @@ def cmd_model(args: argparse.Namespace) -> int:
 
     if args.action != "prune" and (args.keep is not None or args.dry_run):
         raise MarianaError(f"model {args.action}: --keep and --dry-run are for 'mariana model prune'")
+    if args.action == "config" and args.json:  # it printed TOML, exit 0, to a reader of JSON
+        raise MarianaError("model config: --json is for list, prune, promote and rollback; config prints the "
+                           "version's config as TOML (its manifest.json holds it as JSON)")
+    if args.action == "list" and args.version:
+        raise MarianaError(f"model list: lists every version; {args.version!r} is for 'mariana model config' "
+                           "(or promote)")
     cfg = _config(args)
     model_dir = cfg.serve.model_dir
     if args.action == "prune":

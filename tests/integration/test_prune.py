@@ -96,10 +96,13 @@ def test_a_bad_keep_is_refused_with_one_line(tmp_path):
     versions_made(d, "trained", "trained", "trained")
     cases = [["model", "prune", "--keep", "0", "--model-dir", d], ["model", "prune", "--keep", "-3", "--model-dir", d],
              ["model", "prune", "--model-dir", d], ["model", "list", "--keep", "1", "--model-dir", d],
-             ["model", "prune", "v000001", "--keep", "1", "--model-dir", d]]
+             ["model", "prune", "v000001", "--keep", "1", "--model-dir", d],
+             ["model", "config", "--json", "--model-dir", d],  # it printed TOML, exit 0
+             ["model", "list", "v000001", "--model-dir", d]]  # the version was ignored
     got = run_cli_cases(cases)
     for (code, err), says in zip(got, ("(got 0)", "(got -3)", "(none given)", "are for 'mariana model prune'",
-                                       "takes no VERSION")):
+                                       "takes no VERSION", "model config: --json is for list, prune",
+                                       "model list: lists every version; 'v000001' is for")):
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (code, err)
     assert "--keep N must be >= 1" in got[0][1]
     assert checkpoint.list_versions(d) == ["v000001", "v000002", "v000003"]

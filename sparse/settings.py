@@ -23,6 +23,7 @@ mariana.sparse.errors.ConfigError: train: unknown key 'train.epoch' (known: epoc
 import dataclasses
 import logging
 import os
+import re
 import tomllib
 import types
 import typing
@@ -57,7 +58,29 @@ def load_settings(cls: type, path: str | os.PathLike | None = None, env: Mapping
     _merge(tree, from_env, cls)
     for dotted, value in (overrides or {}).items():
         _set_dotted(tree, dotted, value)
-    return from_dict(cls, tree)
+    try:
+        return from_dict(cls, tree)
+    except ConfigError as e:
+        raise ConfigError(f"{e}{_env_source(str(e), from_env, set(overrides or {}))}") from None
+
+
+def _env_source(message: str, from_env: dict, overridden: set[str]) -> str:
+    """" (from MARIANA_TRAIN__EPOCHS)" when the key a ConfigError names came from the environment
+    (and no override replaced it): with a config file and variables both in play, the user could not
+    tell which one was wrong (an unknown key named its variable; a bad value did not).
+
+    >>> _env_source("train.epochs must be a number of passes or 'auto', got 'abc'", {"train": {"epochs": "abc"}}, set())
+    ' (from MARIANA_TRAIN__EPOCHS)'
+    """
+    flat: list[str] = []
+
+    def walk(node: Mapping, prefix: str = "") -> None:
+        for key, value in node.items():
+            walk(value, f"{prefix}{key}.") if isinstance(value, Mapping) else flat.append(f"{prefix}{key}")
+
+    walk(from_env)
+    named = [k for k in flat if k not in overridden and re.search(rf"(^|[^\w.]){re.escape(k)}([^\w.]|$)", message)]
+    return f" (from {ENV_PREFIX}{named[0].upper().replace('.', '__')})" if named else ""
 
 
 def _refuse_unknown(cls: type, sources: list[tuple[str, dict]]) -> None:

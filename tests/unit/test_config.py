@@ -70,6 +70,21 @@ def test_every_unknown_key_is_named_with_where_it_came_from(tmp_path):
                                                      "from an override (--set)"], said
 
 
+def test_a_bad_value_from_the_environment_names_its_variable(tmp_path):
+    """An unknown key named its variable; a bad value ("train.epochs must be ...") did not, and
+    with a config file and the environment in play the user could not tell which was wrong."""
+    for env, says in ((("MARIANA_TRAIN__EPOCHS", "abc"), "train.epochs must be a number of passes or 'auto', got 'abc' "
+                                                       "(from MARIANA_TRAIN__EPOCHS)"),
+                      (("MARIANA_OPTIM__LR", "-1"), "optim.lr must be >= 0, got -1.0 (from MARIANA_OPTIM__LR)"),
+                      (("MARIANA_HASHING__BITS", "nan"), "(from MARIANA_HASHING__BITS)")):
+        with pytest.raises(ConfigError) as e:
+            load_config(env=dict([env]))
+        assert str(e.value).endswith(says), str(e.value)
+    with pytest.raises(ConfigError) as e:  # the override's value, not the variable's, is the bad one
+        load_config(env={"MARIANA_OPTIM__LR": "0.1"}, overrides={"optim.lr": -1})
+    assert "MARIANA" not in str(e.value), str(e.value)
+
+
 def test_set_option_parsing():
     assert parse_set_option("train.epochs=3") == ("train.epochs", 3)
     assert parse_set_option("model.hidden=[4, 2]") == ("model.hidden", [4, 2])

@@ -385,8 +385,8 @@ def refused_before(model_dir: str, served: str, train: list[str], evals: list[st
     """Why a retrain would decide nothing new, or None: a candidate trained on these very
     windows with this recipe was refused against the version still in service (or promoted
     over it, then rolled back to it), and no file of either window has been written since it
-    was made. A timer with no new logs added a
-    refused copy each time (which took the newest slots that `keep_versions` keeps)."""
+    was made. A timer with no new logs added a refused copy each time (which took the newest
+    slots that `keep_versions` keeps)."""
     for d in reversed(checkpoint.decisions(model_dir)):
         if d.get("verdict") == "skipped" or d.get("served_version") != served \
                 or not _same_files(d.get("train_data"), train) or not _same_files(d.get("eval_data"), evals):
@@ -420,8 +420,8 @@ def _same_files(recorded, paths: list[str]) -> bool:
 
 def _made_by(model_dir: str, version: str, config: JobConfig, paths: list[str], manifest: dict | None = None) -> bool:
     """Whether `version` (its `manifest`, when read already) was made with the recipe `config`,
-    after every file of `paths` was last written (or put in place: its ctime). False when that cannot be told (pruned,
-    unreadable, a recipe not read back)."""
+    after every file of `paths` was last written (or put in place: its ctime). False when that
+    cannot be told (pruned, unreadable, a recipe not read back)."""
     try:
         manifest = manifest if manifest is not None else checkpoint.read_manifest(model_dir, version)
         if not same_recipe(from_dict(JobConfig, manifest.get("config") or {}), config):

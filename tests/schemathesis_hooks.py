@@ -1,5 +1,5 @@
 """Schemathesis hooks for fuzzing our APIs (SCHEMATHESIS_HOOKS=tests.schemathesis_hooks):
-the endpoint's `number-text` format (finite number text) and msgpack answers, so that
+the endpoint's `number-text` format (finite number text, or blanks alone: missing) and msgpack answers, so that
 generated values are what the document means and msgpack responses are checked too."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from mariana.sparse.parse import NUMBER_RE
 
 _NUMBER = re.compile(NUMBER_RE.removeprefix("^").removesuffix("$"))
 schemathesis.openapi.format("number-text", st.from_regex(_NUMBER, fullmatch=True).filter(
-    lambda t: math.isfinite(float(t.strip(" \t")))))
+    lambda t: not t.strip(" \t") or math.isfinite(float(t.strip(" \t")))))
 
 
 @schemathesis.deserializer("application/msgpack")

@@ -233,6 +233,7 @@ def test_metrics_openapi_and_model_info(lr_server):
     # the text format's own type (it said text/plain; charset=utf-8), as every service's port does
     assert lr_server.request("GET", "/metrics")[1]["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
     # bodies that do not decode reach no model call: they counted as calls
+    time.sleep(1.5)  # the other worker's counts of the calls above land with its next snapshot (1 s)
     calls = lr_server.metric("mariana_serve_batches_total"), lr_server.metric("mariana_serve_batch_requests")
     for bad in (b'{"rows": []}', b"{", b"[1]"):
         assert lr_server.post("/v1/predict", bad)[0] == 400

@@ -7,16 +7,15 @@ import functools
 import json
 import logging
 import math
-import os
 import time
 from collections import Counter
 
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from mariana.services import webui
+from mariana.services import launcher, webui
 from mariana.services.coord_openapi import document
-from mariana.services.coord_state import ENDED, JOB_COUNTER_KEYS, REDIS_STATS_SECONDS, JobRun, bad_request
+from mariana.services.coord_state import ENDED, JOB_COUNTERS, REDIS_STATS_SECONDS, JobRun, bad_request
 from mariana.services.jobstore import JobStoreError
 from mariana.services.runtime.auth import bearer_ok
 from mariana.services.runtime.exporter import CONTENT_TYPE, render_service
@@ -29,14 +28,6 @@ respond = functools.partial(web.json_response, dumps=dumps)  # NaN (a diverged j
 LOG_SECONDS = 10.0  # requests refused for their token: one line at most this often
 
 
-JOB_COUNTERS = {"batches_reissued": "Batches of a job leased again after a lease ran out.",
-                "cache_hits": "Steps of a job's epochs after the first whose batch came from the Redis "
-                              "sample cache without a refill from the source (epoch 1 reads every batch as it is "
-                              "cached).",
-                "cache_misses": "Batches of a job a worker found missing from the sample cache.",
-                "batches_replayed": "Steps of a job trained again for a shard restored from an "
-                                    "older checkpoint."}
-assert tuple(JOB_COUNTERS) == JOB_COUNTER_KEYS
 ENDED_SHOWN_SECONDS = 600.0  # an ended job's final counts stay in /metrics this long: scrapes see its last values
 
 
@@ -74,7 +65,9 @@ class CoordinatorAPI:
         """`jobs`: the job summaries to show (default: every job)."""
         self.touch_self()
         within = self.coord.cfg.coordinator.heartbeat_seconds
-        recorded = recorded_restarts(self.coord.cfg.cluster.path)
+        # the supervisor's counts, as `mariana status` shows them: the coordinator's own are of registrations
+        # it saw, so never its own restarts, and none from before its last one (the web UI said 0 for 3)
+        recorded = launcher.restarts(self.coord.cfg.cluster.path)
         return {"services": {n: {"role": s.role, "index": s.index, "pid": s.pid, "host": s.host,
                                  "alive": s.alive(within), "last_seen": s.last_seen, "status": s.status,
                                  "restarts": recorded.get(n, s.restarts),
@@ -312,20 +305,6 @@ def count_param(request: web.Request, name: str) -> int | None:
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
-
-
-def recorded_restarts(cluster_dir: str) -> dict[str, int]:
-    """Each service's restarts as the supervisor of a cluster `mariana up` started records them
-    in its cluster.json, as `mariana status` shows them ({} for a cluster without one). The
-    coordinator's own count is of registrations it saw: it never counted its own restarts, and
-    lost the others' with each of them (the web UI said 0 where `mariana status` said 3)."""
-    try:
-        with open(os.path.join(cluster_dir, "cluster.json")) as f:
-            state = json.load(f)
-        return {r["name"]: r["restarts"] for r in state["services"]
-                if isinstance(r.get("name"), str) and isinstance(r.get("restarts", 0), int) and r.get("restarts")}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # none, or being written: the own count
-        return {}
 
 
 def host_name(host: str) -> str:

@@ -19,7 +19,14 @@ TICK_SECONDS = 0.25
 POINT_SECONDS = 1.0      # a history point of the running job this often
 REDIS_STATS_SECONDS = 2.0  # /v1/status's Redis INFO is at most this old
 ENDED = ("done", "failed", "cancelled")
-JOB_COUNTER_KEYS = ("batches_reissued", "cache_hits", "cache_misses", "batches_replayed")  # /metrics: coord_api
+# A job's counters in /metrics (coord_api), with their help texts: its ledger's, frozen when it ends.
+JOB_COUNTERS = {"batches_reissued": "Batches of a job leased again after a lease ran out.",
+                "cache_hits": "Steps of a job's epochs after the first whose batch came from the Redis "
+                              "sample cache without a refill from the source (epoch 1 reads every batch as it is "
+                              "cached).",
+                "cache_misses": "Batches of a job a worker found missing from the sample cache.",
+                "batches_replayed": "Steps of a job trained again for a shard restored from an "
+                                    "older checkpoint."}
 # The counter of each role's heartbeat status shown as its throughput: (counter, unit, scale).
 RATES = {"worker": ("rows", "rows/s", 1.0), "ps": ("rows_applied", "rows/s", 1.0),
          "preprocess": ("batches", "batches/s", 1.0), "loader": ("bytes_sent", "MB/s", 1e-6)}
@@ -173,11 +180,11 @@ class JobRun:
                           "counters": self.job_counters()}}
 
     def job_counters(self) -> dict[str, int]:
-        """The counters /metrics shows of a job (JOB_COUNTER_KEYS): its ledger's while it runs,
+        """The counters /metrics shows of a job (JOB_COUNTERS): its ledger's while it runs,
         frozen in `final` when it ends ({} for a job that ended before they were kept)."""
         if self.final is not None:
             return dict(self.final.get("counters") or {})
-        return {k: self.ledger.counters[k] for k in JOB_COUNTER_KEYS}
+        return {k: self.ledger.counters[k] for k in JOB_COUNTERS}
 
     @classmethod
     def from_saved(cls, d: dict) -> "JobRun":

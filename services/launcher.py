@@ -607,6 +607,18 @@ def supervised(cluster_dir: str) -> dict | None:
     return state if sup and _alive(sup) else None
 
 
+def restarts(cluster_dir: str) -> dict[str, int]:
+    """Each service's restarts (more than none) as the supervisor records them in cluster_dir's
+    cluster.json: what `mariana status` shows, and /v1/status too ({} without one, or while it
+    is being written)."""
+    try:
+        state = _load_state(_root(cluster_dir))
+    except MarianaError:
+        return {}
+    return {r["name"]: r["restarts"] for r in (state or {}).get("services", [])
+            if isinstance(r.get("name"), str) and isinstance(r.get("restarts"), int) and r["restarts"]}
+
+
 def cluster_info(cluster_dir: str) -> dict | None:
     """The cluster.json of cluster_dir while its coordinator runs, else None."""
     state = _load_state(_root(cluster_dir))

@@ -52,7 +52,7 @@ from mariana.sparse.inputs import NoDataFiles, expand_data_paths
 from mariana.sparse.parse import Reader, describe_bad
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
-from mariana.sparse.settings import from_dict
+from mariana.sparse.settings import dotted_items, from_dict
 from mariana.trainer.config import JobConfig, load_config
 
 log = logging.getLogger(__name__)
@@ -444,13 +444,7 @@ def same_recipe(made: JobConfig, recipe: JobConfig) -> bool:
     >>> same_recipe(made, recipe), same_recipe(other, recipe)
     (True, False)
     """
-    def flat(tree: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in tree.items():
-            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-        return out
-
-    a, b = flat(made.to_dict()), flat(recipe.to_dict())
+    a, b = dotted_items(made.to_dict()), dotted_items(recipe.to_dict())
     return a.keys() == b.keys() and all(value == "auto" or a[key] == value for key, value in b.items())
 
 

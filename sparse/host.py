@@ -121,3 +121,18 @@ def _read(path: str) -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+def proc_stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces and
+    parentheses): [state, ppid, ...], so start time is index 19; None when the process is gone.
+
+    >>> proc_stat(os.getpid())[0] in (b"R", b"S")
+    True
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2:].split()

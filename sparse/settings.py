@@ -72,15 +72,21 @@ def _env_source(message: str, from_env: dict, overridden: set[str]) -> str:
     >>> _env_source("train.epochs must be a number of passes or 'auto', got 'abc'", {"train": {"epochs": "abc"}}, set())
     ' (from MARIANA_TRAIN__EPOCHS)'
     """
-    flat: list[str] = []
-
-    def walk(node: Mapping, prefix: str = "") -> None:
-        for key, value in node.items():
-            walk(value, f"{prefix}{key}.") if isinstance(value, Mapping) else flat.append(f"{prefix}{key}")
-
-    walk(from_env)
-    named = [k for k in flat if k not in overridden and re.search(rf"(^|[^\w.]){re.escape(k)}([^\w.]|$)", message)]
+    named = [k for k in dotted_items(from_env)
+             if k not in overridden and re.search(rf"(^|[^\w.]){re.escape(k)}([^\w.]|$)", message)]
     return f" (from {ENV_PREFIX}{named[0].upper().replace('.', '__')})" if named else ""
+
+
+def dotted_items(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """A nested config tree's leaves by dotted key.
+
+    >>> dotted_items({"train": {"epochs": 2, "batch_size": "auto"}, "seed": 1})
+    {'train.epochs': 2, 'train.batch_size': 'auto', 'seed': 1}
+    """
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(dotted_items(value, f"{prefix}{key}.") if isinstance(value, Mapping) else {f"{prefix}{key}": value})
+    return out
 
 
 def _refuse_unknown(cls: type, sources: list[tuple[str, dict]]) -> None:

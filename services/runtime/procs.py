@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import os
 
+from mariana.sparse.host import proc_stat
+
 EX_CONFIG = 78  # sysexits.h: a service the coordinator refused exits so (systemd and the supervisor leave it)
 
 
 def start_time(pid: int) -> int | None:
     """When pid started (clock ticks after boot, from /proc); None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2:].split()  # the name in (...) may hold spaces
-    return None if fields[0] == b"Z" else int(fields[19])
+    fields = proc_stat(pid)
+    return None if fields is None or fields[0] == b"Z" else int(fields[19])
 
 
 def running(pid: int) -> bool:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mariana.sparse.errors import ConfigError
-from mariana.sparse.host import available_cpus
+from mariana.sparse.host import available_cpus, proc_stat
 
 log = logging.getLogger(__name__)
 
@@ -529,11 +529,8 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
 
 def _is_stopped(pid: int) -> bool:
     """Whether a process is stopped (SIGSTOP, SIGTSTP) or held by a tracer: /proc's state T or t."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
+    fields = proc_stat(pid)
+    return fields is not None and fields[0] in (b"T", b"t")
 
 
 def _rank_failure(failed: dict[int, tuple[float, int]], relays: list["RankStderr"], nproc: int,

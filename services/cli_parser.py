@@ -22,4 +22,17 @@ class Parser(argparse.ArgumentParser):
         namespace, extras = super().parse_known_args(args, namespace)
         if extras and " " in self.prog and self._subparsers is None:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
+        if self._subparsers is None:
+            self._refuse_empty(namespace)
         return namespace, extras
+
+    def _refuse_empty(self, namespace) -> None:
+        """An option given an empty value (`--test-data "$TEST"` with TEST unset) is an error:
+        `--test-data ''`, `--config ''` or `--init-from ''` read as the option left out, and
+        the job ran without what was asked for, with exit code 0."""
+        for action in self._actions:
+            if not action.option_strings or action.default == "":
+                continue
+            value = getattr(namespace, action.dest, None)
+            if value == "" or (isinstance(value, list) and "" in value):
+                self.error(f"{'/'.join(action.option_strings)} is empty: give it a value, or leave the option out")

@@ -194,7 +194,13 @@ def test_error_paths_exit_2_with_one_line(gen_files, tmp_path, models):
          ["--budget must be a finite number of seconds"]),
         (("train", "--data", gen_files["test"], "--model", "dnn", "--set", "model.kind=lr", "--out", tmp_path / "o"),
          ["--model dnn and --set model.kind=lr disagree"]),
-        (("train", "--data", gen_files["test"], "--out", ""), ["the model directory (--out) is empty"]),
+        (("train", "--data", gen_files["test"], "--out", ""), ["--out is empty: give it a value"]),
+        # an empty value read as the option left out: trained without the test set, exit 0
+        (("train", "--data", gen_files["test"], "--test-data", "", "--out", tmp_path / "o"),
+         ["mariana train: error: --test-data is empty: give it a value, or leave the option out"]),
+        (("train", "--data", gen_files["test"], "--config", "", "--out", tmp_path / "o"), ["--config is empty"]),
+        (("train", "--data", gen_files["test"], "--init-from", "", "--out", tmp_path / "o"), ["--init-from is empty"]),
+        (("status", "--dir", ""), ["mariana status: error: --dir is empty"]),
         # writable by its mode bits, not in fact: found before training, not at the publish after it
         (("train", "--data", gen_files["test"], "--out", "/proc/mariana-model"),
          ["--out) /proc/mariana-model: cannot create a directory in /proc ("]),

@@ -42,6 +42,11 @@ from mariana.sparse.parse import BlockParser, BlockTask, Chunk, ParseStats, prel
 
 log = logging.getLogger(__name__)
 
+# Seconds a stopping preprocess waits on a chunk's Cached report whose reply the coordinator
+# holds (back-pressure), past which the drain lets it go: the coordinator journaled it when it
+# came, and one that never came is read again on the coordinator's timeout.
+REPORT_GRACE_S = 1.0
+
 
 @dataclass
 class JobCodec:
@@ -65,6 +70,7 @@ class Preprocess(Service):
         self.pull = None
         self.handshakes: HandshakeCounter | None = None
         self.in_flight: set[asyncio.Task] = set()
+        self.reporting: dict[asyncio.Task, float] = {}  # chunk task -> when it sent its Cached report
         self.failure: BaseException | None = None
         self.codec_lock = asyncio.Lock()
 
@@ -104,13 +110,21 @@ class Preprocess(Service):
 
     def chunk_done(self, task: asyncio.Task) -> None:
         self.in_flight.discard(task)
+        self.reporting.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             self.failure = task.exception()
 
     async def drain(self) -> None:
-        # chunks in hand are cached and reported; queued ones are re-sent on the coordinator's timeout
+        # Chunks in hand are cached and reported; queued ones are re-sent on the coordinator's timeout.
+        # A report whose reply the coordinator holds (workers behind, or none running) is let go
+        # after REPORT_GRACE_S: waiting for it, a stop took the whole drain limit (20 s).
         while self.in_flight:  # (one may have started while the signal arrived)
-            await asyncio.wait(set(self.in_flight))
+            await asyncio.wait(set(self.in_flight), timeout=0.1)
+            now = time.monotonic()
+            if self.in_flight and all(now - self.reporting.get(t, now) >= REPORT_GRACE_S for t in self.in_flight):
+                log.info("%s: %d chunk report(s) held by the coordinator (back-pressure): the coordinator has "
+                         "them, or reads those chunks again", self.name, len(self.in_flight))
+                return
 
     async def close(self) -> None:
         if self.pull is not None:
@@ -157,6 +171,7 @@ class Preprocess(Service):
         self.counters["rows_bad"] += stats.get("rows_bad", 0)
         self.counters["creative_lookups"] += stats.get("image_rows", 0)
         self.counters["creatives_unknown"] += stats.get("image_unknown", 0)
+        self.reporting[asyncio.current_task()] = time.monotonic()
         await self.report(job, chunk, [[k, rows] for k, (_, rows) in enumerate(batches)], stats, error)
 
     def parse(self, codec: JobCodec, msg: Message, data: bytes) -> tuple[Chunk, ParseStats, float]:

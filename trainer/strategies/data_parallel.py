@@ -480,7 +480,7 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
     torchrun does): RANK, WORLD_SIZE and LOCAL_RANK set, rendezvous through a file store in
     `workdir` (no port to clash). Returns when every rank exited 0. When one fails, the
     others get `grace_s` seconds to notice (their collectives fail or time out), then are
-    killed, and the first failure is raised as one error naming the rank. Each rank's stderr
+    killed (at once when those left are all stopped: SIGSTOP, a debugger), and the first failure is raised as one error naming the rank. Each rank's stderr
     comes through `RankStderr`: its log lines as they come, its own error line kept for that one."""
     import signal
     import subprocess
@@ -512,6 +512,8 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
                 break
             if failed and time.monotonic() - min(t for t, _ in failed.values()) > grace_s:
                 break
+            if failed and all(_is_stopped(p.pid) for p, c in zip(procs, codes) if c is None):
+                break  # the ranks left are frozen: none of them will notice, and the grace is theirs
             time.sleep(0.05)
         stopped = [rank for rank, p in enumerate(procs) if p.poll() is None and _is_stopped(p.pid)] if failed else []
     finally:

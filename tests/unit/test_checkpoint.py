@@ -232,13 +232,13 @@ def test_writers_that_race_move_current_in_the_order_of_their_versions(tmp_path)
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    for run in range(3):
-        d = tmp_path / f"m{run}"
-        with ProcessPoolExecutor(6, mp_context=get_context("forkserver")) as pool:
+    with ProcessPoolExecutor(6, mp_context=get_context("forkserver")) as pool:  # (its processes started once)
+        for run in range(3):
+            d = tmp_path / f"m{run}"
             names = sorted(n for part in pool.map(_publish_versions, [str(d)] * 6, [4] * 6) for n in part)
-        moves = [m["to"] for m in checkpoint.promotions(d)]
-        assert moves == names, moves  # forward only, each version once
-        assert checkpoint.current_version(d) == names[-1] == (d / "HIGHEST_VERSION").read_text().strip()
+            moves = [m["to"] for m in checkpoint.promotions(d)]
+            assert moves == names, moves  # forward only, each version once
+            assert checkpoint.current_version(d) == names[-1] == (d / "HIGHEST_VERSION").read_text().strip()
 
 
 def test_a_file_or_link_named_like_the_next_version_is_passed_over(tmp_path):

@@ -26,6 +26,7 @@ another the test set. docs/synthetic-data.md describes the model; in short:
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -211,12 +212,20 @@ def _in_writable_dir(out: str, named: str | os.PathLike) -> str:
     return out
 
 
+# Bytes a generated Criteo-format row takes at least, as text and gzipped (both generators
+# write ~235 and ~80): what `output_stream` checks the free space against
+ROW_BYTES, GZIP_ROW_BYTES = 200, 70
+
+
 @contextmanager
-def output_stream(path: str | os.PathLike) -> Iterator[tuple[pa.NativeFile, str]]:
+def output_stream(path: str | os.PathLike, rows: int = 0) -> Iterator[tuple[pa.NativeFile, str]]:
     """(a stream to write a generator's rows to, the path they end up at), for the file
     `output_file` allows: gzip when the name ends in .gz; written to a temp file beside it that
-    is renamed over it once the block ends without an exception, and removed if it does not."""
+    is renamed over it once the block ends without an exception, and removed if it does not.
+    `rows` that cannot fit in the free space are refused first (`--rows 10000000000` wrote
+    for hours before the disk was full)."""
     out, straight = output_file(path)
+    check_room(out, rows, GZIP_ROW_BYTES if out.endswith(".gz") else ROW_BYTES)
     tmp = out if straight else f"{out}.tmp-{os.getpid()}"
     try:
         with (pa.CompressedOutputStream(tmp, "gzip") if out.endswith(".gz") else pa.OSFile(tmp, "wb")) as sink:
@@ -228,6 +237,18 @@ def output_stream(path: str | os.PathLike) -> Iterator[tuple[pa.NativeFile, str]
     finally:
         if not straight and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def check_room(out: str, rows: int, row_bytes: int) -> None:
+    """MarianaError when `out`'s file system has less free space than `rows` of `row_bytes`."""
+    least_bytes = rows * row_bytes
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(out))).free
+    except OSError:
+        return  # what cannot be asked is found by the write
+    if least_bytes > free:
+        raise MarianaError(f"{out}: {rows:,} rows take at least {least_bytes / 1e9:,.1f} GB, and its file system "
+                           f"has {free / 1e9:,.1f} GB free: ask for fewer rows, or write elsewhere")
 
 
 def check_rows(rows) -> None:
@@ -250,7 +271,7 @@ def generate_criteo(out: str | os.PathLike, rows: int, seed: int = 0, model_seed
     rng = np.random.default_rng([seed, model_seed])
     opts = pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     t0, done, positives = time.perf_counter(), 0, 0
-    with output_stream(out) as (sink, out):
+    with output_stream(out, rows) as (sink, out):
         while done < rows:
             n = min(chunk_rows, rows - done)
             logit, ints, cats = _draw(world, n, rng)

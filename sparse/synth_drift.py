@@ -318,7 +318,7 @@ def generate_drift(path: str | os.PathLike, rows: int, seed: int = 0, model_seed
     opts = pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
     metrics, fifths = BinaryMetrics(), np.zeros((5, 2))
     t0, done = time.perf_counter(), 0
-    with output_stream(path) as (sink, out):
+    with output_stream(path, rows) as (sink, out):
         for first, p, labels, ints, cats in _chunks(world, rows, seed, model_seed):
             pa_csv.write_csv(_table(world, labels, ints, cats), sink, opts)
             metrics.update(labels, p)

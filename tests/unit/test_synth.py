@@ -92,6 +92,11 @@ def test_a_generator_that_fails_midway_leaves_the_old_file_and_no_temp_file(tmp_
         assert old.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["old.tsv.gz"]
         with pytest.raises(MarianaError, match=r"x.tsv: directory .*/no/dir does not exist"):
             gen(tmp_path / "no" / "dir" / "x.tsv", 10)
+        # more rows than the disk holds: refused before the first (it wrote until the disk was full)
+        with pytest.raises(MarianaError, match=r"old.tsv.gz: 1,000,000,000,000,000 rows take at least 70,000,000.0 GB"
+                                               r", and its file system has [0-9,.]+ GB free: ask for fewer rows"):
+            gen(old, 10**15)
+        assert old.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["old.tsv.gz"]
 
 
 def test_a_generator_refuses_a_name_of_another_format_and_bad_row_counts(tmp_path):

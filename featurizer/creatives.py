@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import DataFormatError
+from mariana.sparse.files import loads_json
 from mariana.sparse.parse import Chunk
 
 IMAGES_FILE = "creatives.npy"
@@ -38,7 +39,7 @@ def load_creatives(path: str | os.PathLike) -> tuple[list[bytes], np.ndarray, di
     if not d.is_dir():
         raise DataFormatError(f"{d}: not a creatives directory (make one with 'mariana gen ads-with-images')")
     try:
-        meta = json.loads((d / META_FILE).read_text())
+        meta = loads_json((d / META_FILE).read_text())
         images = np.load(d / IMAGES_FILE, allow_pickle=False)
     except FileNotFoundError as e:
         raise DataFormatError(f"{d}: missing {Path(e.filename).name}") from None

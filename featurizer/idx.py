@@ -16,7 +16,6 @@ mislabelled file is an `IdxFormatError` that names the file and what is wrong.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import os
 import zlib
 from pathlib import Path
@@ -48,12 +47,6 @@ def mnist_file(d: str | os.PathLike, name: str) -> Path | None:
     return None
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 UBYTE = 0x08
 MAX_DIMS = 4

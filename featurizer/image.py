@@ -22,7 +22,6 @@ rounding (~1e-6: intra-op threads split the work otherwise).
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import struct
@@ -36,10 +35,11 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from mariana.featurizer.idx import (MNIST_IMAGES, MNIST_LABELS, MNIST_TRAIN, IdxFormatError, file_sha256, mnist_file,
+from mariana.featurizer.idx import (MNIST_IMAGES, MNIST_LABELS, MNIST_TRAIN, IdxFormatError, mnist_file,
                                    read_idx)
 from mariana.sparse import finite
 from mariana.sparse.errors import DataFormatError, ModelDirError
+from mariana.sparse.files import file_sha256, loads_json
 
 log = logging.getLogger(__name__)
 
@@ -332,7 +332,7 @@ class ImageFeaturizer:
     def load(cls, path: str | os.PathLike) -> "ImageFeaturizer":
         d = Path(path)
         try:
-            manifest = json.loads((d / MANIFEST).read_text())
+            manifest = loads_json((d / MANIFEST).read_text())
         except FileNotFoundError:
             if (d / "CURRENT").is_file() or any(d.glob("v[0-9][0-9][0-9][0-9][0-9][0-9]*")):
                 raise ModelDirError(f"{d}: a model directory (versions of a click or speech model), not a "
@@ -340,7 +340,7 @@ class ImageFeaturizer:
                                     "makes one)") from None
             raise ModelDirError(f"{d}: no featurizer here (no {MANIFEST}); train one with "
                                 f"'mariana featurizer train --out {d}'") from None
-        except json.JSONDecodeError as e:
+        except ValueError as e:
             raise ModelDirError(f"{d}/{MANIFEST}: not valid JSON: {e}") from None
         found = manifest.get("format") if isinstance(manifest, dict) else None
         if found != FORMAT:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mariana.featurizer.idx import MNIST_IMAGES, MNIST_LABELS, file_sha256, write_idx
+from mariana.featurizer.idx import MNIST_IMAGES, MNIST_LABELS, write_idx
+from mariana.sparse.files import file_sha256
 
 CLASSES = ("disc", "ring", "square", "triangle", "cross", "h-bars", "v-bars", "diagonal", "two dots", "L-shape")
 

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mariana.featurizer.idx import file_sha256
 from mariana.sparse import finite
 from mariana.sparse.errors import DataFormatError, MarianaError, ModelDirError
+from mariana.sparse.files import check_digests, file_sha256, loads_json
 
 log = logging.getLogger(__name__)
 
@@ -465,7 +465,7 @@ def _discard_entry(entry: Path) -> None:
 
 def _read_cache(entry: Path, fe: FrontEnd, sha: str) -> SpeechFeatures | None:
     try:
-        meta = json.loads((entry / "meta.json").read_text())
+        meta = loads_json((entry / "meta.json").read_text())
         frames = np.load(entry / "frames.npy", allow_pickle=False)
         offsets = np.load(entry / "offsets.npy", allow_pickle=False)
     except (OSError, ValueError):
@@ -504,7 +504,7 @@ def _version_manifest(model_dir: Path, version: str | None = None) -> tuple[Path
             raise ModelDirError(f"{model_dir}: not a model directory (no CURRENT)") from None
     vdir = model_dir / version
     try:
-        manifest = json.loads((vdir / "manifest.json").read_bytes())
+        manifest = loads_json((vdir / "manifest.json").read_bytes())
     except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8, a NUL in the version name
         raise ModelDirError(f"{vdir}: no readable manifest.json ({e})") from None
     if not isinstance(manifest, dict):
@@ -560,6 +560,7 @@ class SpeechRecognizer:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         vdir, manifest = _version_manifest(Path(model_dir), version)
+        check_digests(vdir, manifest, ("weights.safetensors",))
         try:
             weights = load_file(str(vdir / "weights.safetensors"))
         except (OSError, SafetensorError) as e:

@@ -35,7 +35,7 @@ from mariana.services.runtime import procs
 from mariana.services.runtime.config import ClusterConfig, to_toml
 from mariana.services.runtime.sdnotify import child_env
 from mariana.sparse.errors import MarianaError
-from mariana.sparse.files import write_atomically
+from mariana.sparse.files import loads_json, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ def _load_state(root: str) -> dict | None:
     path = os.path.join(root, STATE_FILE)
     try:
         with open(path) as f:
-            state = json.load(f)
+            state = loads_json(f.read())
     except FileNotFoundError:
         return None
     except ValueError as e:

@@ -29,6 +29,10 @@ import time
 import aiohttp
 from aiohttp import web
 
+from mariana.services.runtime.auth import bearer_ok
+from mariana.services.runtime.exporter import CONTENT_TYPE
+from mariana.services.runtime.metrics import Metrics, merge, render
+from mariana.services.runtime.report import dumps  # NaN (a metric of a version) as null
 from mariana.serving import codec
 from mariana.serving.config import ServeConfig, ready_path, snapshot_path, snapshot_worker
 from mariana.serving.dataplane import Batcher, ModelHolder, error_answer
@@ -36,10 +40,7 @@ from mariana.serving.errors import ServeError
 from mariana.serving.openapi import document, speech_document
 from mariana.serving.retrain import VERDICTS, RetrainRunner
 from mariana.serving.watch import VersionWatcher
-from mariana.services.runtime.auth import bearer_ok
-from mariana.services.runtime.exporter import CONTENT_TYPE
-from mariana.services.runtime.metrics import Metrics, merge, render
-from mariana.services.runtime.report import dumps  # NaN (a metric of a version) as null
+from mariana.sparse.files import loads_json
 
 log = logging.getLogger(__name__)
 SNAPSHOT_SECONDS = 1.0
@@ -237,7 +238,7 @@ async def metrics(request: web.Request) -> web.Response:
             if path != own:
                 try:
                     with open(path) as f:
-                        state = json.load(f)
+                        state = loads_json(f.read())
                 except (OSError, ValueError):
                     continue  # being replaced right now: it is in the next scrape
                 worker = snapshot_worker(path)
@@ -496,7 +497,7 @@ def _carry_over(app: web.Application) -> None:
     st = app[SETTINGS]
     try:
         with open(snapshot_path(st["run_dir"], st["worker"])) as f:
-            state = json.load(f)
+            state = loads_json(f.read())
     except FileNotFoundError:
         return  # the first start of this worker
     except (OSError, ValueError) as e:

@@ -21,6 +21,7 @@ import sys
 from mariana.services.runtime import report
 from mariana.services.runtime.redis_url import check_redis_url
 from mariana.sparse.errors import MarianaError, ModelDirError
+from mariana.sparse.files import loads_json
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -48,7 +49,7 @@ def _check_not_inside(model_dir: str) -> None:
         return
     try:
         with open(os.path.join(model_dir, "manifest.json")) as f:
-            kind = str(json.load(f).get("format", ""))
+            kind = str(loads_json(f.read()).get("format", ""))
     except (OSError, ValueError, AttributeError):
         kind = ""
     what = ("a featurizer (mariana featurizer train), not a model directory" if kind.startswith("mariana-featurizer")

@@ -42,17 +42,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mariana.featurizer.speech import is_speech_model
-from mariana.serving.config import ServeConfig
-from mariana.serving.errors import ServeError
 from mariana.services.runtime import model_events, procs
 from mariana.services.runtime.config import to_toml
 from mariana.services.runtime.tuning import unpin
+from mariana.serving.config import ServeConfig
+from mariana.serving.errors import ServeError
 from mariana.sparse.errors import ConfigError, MarianaError, ModelDirError
+from mariana.sparse.files import loads_json
 from mariana.sparse.inputs import NoDataFiles, expand_data_paths
 from mariana.sparse.parse import Reader, describe_bad
+from mariana.sparse.settings import dotted_items, from_dict
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
-from mariana.sparse.settings import dotted_items, from_dict
 from mariana.trainer.config import JobConfig, load_config
 
 log = logging.getLogger(__name__)
@@ -293,7 +294,7 @@ def _may_run(status: str, own: str | None) -> bool:
     if own is not None and os.path.abspath(status) == own:
         return True
     try:
-        data = json.loads(Path(status).read_text())
+        data = loads_json(Path(status).read_text())
     except FileNotFoundError:  # files of a run that never wrote a status: it never started
         return False
     except ValueError:  # not JSON (a status is replaced whole, never half-written): no run keeps it
@@ -694,7 +695,7 @@ class _Status:
         self.data: dict = {}
         if path and os.path.exists(path):
             try:
-                self.data = json.loads(Path(path).read_text())
+                self.data = loads_json(Path(path).read_text())
             except ValueError:
                 self.data = {}
 
@@ -793,7 +794,7 @@ class RetrainRunner:
         if not RUN_ID.match(run) or not os.path.exists(path):
             raise ServeError(404, f"no retrain {run!r}")
         try:
-            data = json.loads(Path(path).read_text())
+            data = loads_json(Path(path).read_text())
         except ValueError:  # written whole (os.replace) by the retrain: damaged since, or by hand
             data = None
         except OSError as e:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import json
 import os
 import re
 from typing import IO, Callable
 
-from mariana.sparse.errors import MarianaError
+from mariana.sparse.errors import MarianaError, ModelDirError
 
 DISK_FULL = "no space left on its filesystem"
 _REASONS = {errno.ENOSPC: DISK_FULL, errno.EDQUOT: "the disk quota is used up",
@@ -74,3 +76,82 @@ def write_atomically(path: str | os.PathLike, write: Callable[[IO], None], binar
             raise WriteError(path, why(e), e.errno) from None
         raise
     return path
+
+
+def loads_json(raw: bytes | str) -> object:
+    r"""json.loads whose every refusal of the text is a ValueError saying what was wrong: JSON
+    nested deeper than Python's recursion limit raised RecursionError, and a number of more
+    than 4,300 digits a ValueError about `sys.set_int_max_str_digits`, and readers of
+    manifests and journals let both through as tracebacks.
+
+    >>> loads_json('{"a": [1]}')
+    {'a': [1]}
+    >>> loads_json("[" * 100000)
+    Traceback (most recent call last):
+    ...
+    ValueError: it nests too deeply
+    >>> loads_json('{"n": ' + "9" * 5000 + "}")
+    Traceback (most recent call last):
+    ...
+    ValueError: it holds a number of more than 4300 digits
+    """
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("it nests too deeply") from None
+    except ValueError as e:
+        if "int_max_str_digits" in str(e) or "integer string conversion" in str(e):
+            raise ValueError("it holds a number of more than 4300 digits") from None
+        raise
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+DIGESTS = "sha256"  # a version manifest's key: {"manifest": ..., FILE: ...}, what `digests` gives
+
+
+def manifest_sha256(manifest: dict) -> str:
+    """The sha256 of a manifest's content without its DIGESTS: the same for the same values,
+    however the file is laid out (key order, indentation).
+
+    >>> manifest_sha256({"b": 1, "a": [1.5]}) == manifest_sha256({"a": [1.5], "b": 1, DIGESTS: {}})
+    True
+    """
+    body = {k: v for k, v in manifest.items() if k != DIGESTS}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def digests(manifest: dict, vdir: str | os.PathLike, files: tuple[str, ...]) -> dict:
+    """The DIGESTS a version records when it is written: its manifest's and each of `files`'."""
+    return {"manifest": manifest_sha256(manifest), **{f: file_sha256(os.path.join(vdir, f)) for f in files}}
+
+
+def check_digests(vdir: str | os.PathLike, manifest: dict, files: tuple[str, ...]) -> None:
+    """ModelDirError when the manifest or one of `files` is not what the version recorded when
+    it was written (a manifest edited to other hashing bits was served, its pCTRs collapsed; a
+    flipped bit in the weights, or another version's weights copied in, was served without a
+    word). A version written before the digests (no DIGESTS) is taken as it is."""
+    recorded = manifest.get(DIGESTS)
+    if recorded is None:
+        return
+    if not isinstance(recorded, dict) or recorded.get("manifest") != manifest_sha256(manifest):
+        raise ModelDirError(f"{vdir}/manifest.json: changed since the version was written (its content is not what "
+                            "its sha256 recorded): an edited manifest changes what the weights mean; not loaded "
+                            "(restore it, or train again)")
+    for name in files:
+        want = recorded.get(name)
+        if want is None:
+            continue
+        try:
+            got = file_sha256(os.path.join(vdir, name))
+        except OSError:
+            continue  # a file that cannot be read: its reader says why
+        if got != want:
+            raise ModelDirError(f"{vdir}/{name}: changed or damaged since the version was written (its sha256 is "
+                                "not the one the manifest recorded); not loaded (restore it, or train again)")

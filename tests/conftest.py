@@ -73,6 +73,20 @@ def small_featurizer(mnist_dir, tmp_path_factory) -> Path:
     return out
 
 
+def reseal(vdir: Path) -> None:
+    """Record a version's manifest and files as they are now (`sparse.files.digests`): a test
+    that damages a version on purpose to reach a check behind the digests (shapes, values)
+    makes it look written so, as a writer with a bug would leave it."""
+    from mariana.sparse.files import DIGESTS, digests
+
+    path = Path(vdir) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    if isinstance(manifest, dict):
+        files = tuple(f for f in ("weights.safetensors", "optimizer.safetensors") if (Path(vdir) / f).is_file())
+        manifest[DIGESTS] = digests(manifest, vdir, files)
+        path.write_text(json.dumps(manifest))
+
+
 def run_cli(*args: str, check: bool = False, env: dict | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`mariana ARGS` in a real subprocess (`python -m mariana`: the whole CLI, as the installed script),

@@ -289,6 +289,10 @@ class ModelBundle:
             schema = Schema.from_dict(manifest["schema"])
         except KeyError as e:
             raise ModelDirError(f"{model_dir}: manifest lacks {e}") from None
+        except ModelDirError:
+            raise
+        except MarianaError as e:  # a config or schema no job writes: the manifest's, not the user's own config
+            raise ModelDirError(f"{vdir}/{checkpoint.MANIFEST}: {e}") from None
         images = None
         if config.images.creatives:
             _check_images(vdir, weights)
@@ -317,7 +321,7 @@ def _load_dense(vdir: str, bundle: ModelBundle, weights: dict[str, np.ndarray], 
         if name not in weights:
             raise ModelDirError(f"{vdir}: weights lack {name}: the version was saved by a mariana whose model had "
                                 "other parameters (e.g. an 'fm' model from before its FM term became a mean over "
-                                "field pairs); train it again")
+                                "field pairs), or its manifest's model config was edited; train it again")
         _check_floats(vdir, name, weights[name], p.shape)
         p[...] = weights[name]
         for key in st:

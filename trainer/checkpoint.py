@@ -42,7 +42,7 @@ from safetensors.numpy import load_file, save_file
 
 from mariana.sparse import finite
 from mariana.sparse.errors import ModelDirError
-from mariana.sparse.files import DISK_FULL, why
+from mariana.sparse.files import DIGESTS, DISK_FULL, check_digests, digests, loads_json, why
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def named_version(model_dir: str | os.PathLike) -> str | None:
 
 def _is_featurizer(d: Path) -> bool:
     try:
-        manifest = json.loads((d / MANIFEST).read_bytes())
+        manifest = loads_json((d / MANIFEST).read_bytes())
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("mariana-featurizer")
@@ -336,8 +336,8 @@ def _json_lines(path: Path) -> list[dict]:
     out = []
     for line in text.splitlines():
         try:
-            rec = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError):  # a damaged line: skipped, as the docs say
+            rec = loads_json(line)
+        except ValueError:  # a damaged line: skipped, as the docs say
             continue
         if isinstance(rec, dict):
             out.append(rec)
@@ -602,14 +602,14 @@ def read_manifest(model_dir: str | os.PathLike, version: str) -> dict:
     """A version's manifest alone (no arrays): for listings."""
     vdir = Path(model_dir) / version
     try:
-        manifest = json.loads((vdir / MANIFEST).read_bytes())
+        manifest = loads_json((vdir / MANIFEST).read_bytes())
     except FileNotFoundError:
         raise ModelDirError(f"{vdir}: no {MANIFEST}") from None
     except OSError as e:
         raise ModelDirError(f"{vdir}/{MANIFEST}: cannot read it: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise ModelDirError(f"{vdir}/{MANIFEST}: not UTF-8 text (byte {e.start}): a damaged file") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, and what loads_json says
         raise ModelDirError(f"{vdir}/{MANIFEST}: not valid JSON: {e}") from None
     if not isinstance(manifest, dict):
         raise ModelDirError(f"{vdir}/{MANIFEST}: a JSON {type(manifest).__name__}, not an object")
@@ -640,11 +640,13 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp / WEIGHTS))
         if optimizer:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIMIZER))
+        files = (WEIGHTS, OPTIMIZER) if optimizer else (WEIGHTS,)
         lock.enter_context(_locked(d))
         version = ""
         while True:  # each turn a higher name: one taken meanwhile (a file, a writer elsewhere) is passed over
             version = _new_name(d, after=version)
             body = dict(manifest, format=FORMAT, version=version)
+            body[DIGESTS] = digests(body, tmp, files)
             (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
             if publish_dir(tmp, d / version):  # False: another writer took the name
                 break
@@ -708,7 +710,7 @@ def _record_highest(d: Path, version: str, locked: bool = False) -> None:
                 os.replace(tmp, d / HIGHEST)
                 fsync_dir(d)
     except OSError as e:
-        log.warning("%s: published %s, but %s could not record it: %s", d, version, HIGHEST, _why(e, d))
+        log.warning("%s: wrote %s, but %s could not record it: %s", d, version, HIGHEST, _why(e, d))
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -757,6 +759,7 @@ def load_version(model_dir: str | os.PathLike, version: str | None = None,
     manifest = read_manifest(model_dir, version)
     if manifest.get("format") != FORMAT:
         raise ModelDirError(f"{vdir}: unknown model format {manifest.get('format')!r} (expected {FORMAT})")
+    check_digests(vdir, manifest, (WEIGHTS, OPTIMIZER) if with_optimizer else (WEIGHTS,))
     weights = read_weights(vdir)
     if with_optimizer:
         check_optimizer_state(vdir)

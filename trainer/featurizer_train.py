@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from mariana.featurizer.image import (FORMAT, MANIFEST, SPLIT_SEED, TEST_IMAGES, WEIGHTS, ImageFeaturizer, ImageSet,
                               file_sha256, pixel_stats, split_indices, to_input)
 from mariana.sparse.errors import MarianaError
+from mariana.sparse.files import loads_json
 from mariana.trainer.checkpoint import publish_dir
 from mariana.trainer.dense import DenseProgress, evaluate_dense, loss_fn, tensor_batches, train_dense
 from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops
@@ -225,7 +226,7 @@ def _listed(names: list[str]) -> str:
 def _is_featurizer(d: Path) -> bool:
     """`d` holds a featurizer's manifest (its format named) and a weights file."""
     try:
-        manifest = json.loads((d / MANIFEST).read_text())
+        manifest = loads_json((d / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and manifest.get("format") == FORMAT and (d / WEIGHTS).is_file()

@@ -19,6 +19,7 @@ import os
 import time
 
 from mariana.services.runtime.redis_url import redact
+from mariana.sparse.files import loads_json
 
 log = logging.getLogger(__name__)
 CHANNEL = "mariana:models"
@@ -35,7 +36,7 @@ def message(event: str, model_dir: str, version: str, current: str | None) -> st
 def parse(data: bytes | str) -> dict | None:
     """A received message as a dict, or None when it is not one of ours."""
     try:
-        msg = json.loads(data)
+        msg = loads_json(data)
     except (ValueError, TypeError):
         return None
     if not isinstance(msg, dict) or msg.get("event") not in EVENTS or not isinstance(msg.get("model_dir"), str):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mariana.trainer import checkpoint
-from tests.conftest import run_cli
+from tests.conftest import reseal, run_cli
 from tests.integration.serving import Server
 
 pytestmark = pytest.mark.slow
@@ -336,6 +336,7 @@ def test_a_version_with_nan_weights_is_refused_and_the_old_one_serves(model, tmp
         name = next(k for k, a in weights.items() if a.dtype.kind == "f" and a.size > 1)
         weights[name][:] = np.nan
         save_file(weights, str(d / "v000002" / checkpoint.WEIGHTS))
+        reseal(d / "v000002")  # as a writer that sealed them would leave it: past the digests, to the values
         checkpoint.set_current(d, "v000002", reason="promoted")
         wait_for_metric(s, "mariana_serve_model_load_failures_total", 1)
         status, answer = s.predict([{"I1": 3}])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mariana.featurizer.speech import FrontEnd
-from tests.conftest import run_cli
+from tests.conftest import reseal, run_cli
 from tests.integration.serving import Server
 from tests.speechdata import tone, wav_bytes, write_archive
 
@@ -133,6 +133,7 @@ def test_a_directory_moving_between_speech_and_click_versions_is_answered_by_the
         shutil.copytree(d / "v000001", d / "v000003")  # a damaged manifest: a failed load, and the watch goes on
         manifest = json.loads((d / "v000003" / "manifest.json").read_text())
         (d / "v000003" / "manifest.json").write_text(json.dumps({**manifest, "front_end": None}))
+        reseal(d / "v000003")  # past the digests, to the front end's own check
         (d / "CURRENT").write_text("v000003\n")
         deadline = time.monotonic() + 10
         while s.metric("mariana_serve_model_load_failures_total") != 1:

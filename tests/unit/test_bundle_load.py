@@ -15,7 +15,7 @@ from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle, warm_start
 from mariana.trainer.config import load_config
 from mariana.trainer.strategies.local import train_local
-from tests.conftest import run_cli_cases
+from tests.conftest import reseal, run_cli_cases
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,7 @@ def rewrite(path, edit):
     arrays = {k: v.copy() for k, v in load_file(str(path)).items()}
     edit(arrays)
     save_file(arrays, str(path))
+    reseal(path.parent)
 
 
 def refused(d, name, with_optimizer=False):
@@ -70,6 +71,7 @@ def with_bits(saved, tmp_path, bits: int):
     manifest = json.loads(path.read_text())
     manifest["config"]["hashing"]["bits"] = bits
     path.write_text(json.dumps(manifest))
+    reseal(path.parent)
     return d
 
 

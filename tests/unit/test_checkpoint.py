@@ -10,6 +10,7 @@ import pytest
 from mariana.sparse.errors import ModelDirError
 from mariana.trainer import checkpoint
 from mariana.trainer.bundle import ModelBundle
+from tests.conftest import reseal
 from mariana.trainer.config import load_config
 from mariana.trainer.data import BatchStream
 from mariana.trainer.strategies.local import train_local
@@ -84,9 +85,11 @@ def test_a_version_with_nan_or_infinite_weights_is_not_loaded(tmp_path, gen_file
         arrays[name] = arrays[name].copy()
         arrays[name].flat[len(arrays[name].flat) // 2] = poison
         save_file(arrays, str(weights))
+        reseal(weights.parent)  # as a writer that sealed them would leave it: past the digests, to the values
         with pytest.raises(ModelDirError, match=f"NaN or infinite values \\(in {name}\\).*not loaded"):
             ModelBundle.load(str(d))
     save_file(good, str(weights))
+    reseal(weights.parent)
     assert ModelBundle.load(str(d)).manifest["version"] == "v000001"
 
 
@@ -545,6 +548,7 @@ def test_optimizer_state_no_optimizer_writes_is_refused_for_a_warm_start(tmp_pat
         bad = np.ones((4, 1), np.float32)
         bad[2] = n
         save_file({"table.linear.n": bad, "table.linear.z": np.zeros((4, 1), np.float32)}, str(opt))
+        reseal(opt.parent)
         with pytest.raises(ModelDirError, match=f"optimizer.safetensors holds {says}"):
             checkpoint.load_version(d, "v000001", with_optimizer=True)
 
@@ -602,3 +606,65 @@ def test_an_overview_says_how_many_versions_and_status_counts_the_older_ones_fro
     assert (len(seen["versions"]), seen["versions_total"]) == (5, 13)
     print_versions(str(d), seen["current"], seen["versions"], most=3, total=seen["versions_total"])
     assert "... and 10 older (mariana model list" in capsys.readouterr().out
+
+
+def test_a_version_changed_after_it_was_written_is_not_loaded(tmp_path, gen_files):
+    """A manifest edited to other hashing bits was promoted and served, its pCTRs collapsed (500
+    distinct values to 14, AUC 0.71 to 0.49); one flipped bit of the weights (the bias -1.25 to
+    -6.8e-20), or another version's weights copied in, was served without a word. A version
+    records its manifest's and files' sha256 when it is written, and a load checks them."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "m"
+    trained("lr", gen_files["train"]).save(str(d))
+    vdir = d / "v000001"
+    manifest_path, weights = vdir / checkpoint.MANIFEST, vdir / checkpoint.WEIGHTS
+    text, data = manifest_path.read_text(), weights.read_bytes()
+    manifest = json.loads(text)
+    assert set(manifest["sha256"]) == {"manifest", checkpoint.WEIGHTS, checkpoint.OPTIMIZER}
+    manifest_path.write_text(json.dumps(manifest))  # laid out otherwise, the same content: still loads
+    ModelBundle.load(str(d))
+    manifest["config"]["hashing"]["bits"] += 1
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ModelDirError, match=r"v000001/manifest.json: changed since the version was written"):
+        ModelBundle.load(str(d))
+    manifest_path.write_text(text)
+    arrays = load_file(str(weights))
+    arrays["dense.bias"] = arrays["dense.bias"].view(np.uint32) ^ np.uint32(1 << 29)
+    save_file({k: v.view(np.float32) if v.dtype == np.uint32 else v for k, v in arrays.items()}, str(weights))
+    for load in (lambda: ModelBundle.load(str(d)), lambda: checkpoint.load_version(d, "v000001")):
+        with pytest.raises(ModelDirError, match=r"v000001/weights.safetensors: changed or damaged since the version "
+                                                 r"was written \(its sha256 is not the one the manifest recorded\)"):
+            load()
+    weights.write_bytes(data)
+    (vdir / checkpoint.OPTIMIZER).write_bytes((vdir / checkpoint.OPTIMIZER).read_bytes()[:-4] + b"    ")
+    ModelBundle.load(str(d))  # scoring reads no optimizer state: a damaged one stops a warm start only
+    with pytest.raises(ModelDirError, match="optimizer.safetensors: changed or damaged"):
+        ModelBundle.load(str(d), with_optimizer=True)
+    del manifest["sha256"]  # a version written before the digests: taken as it is
+    manifest["config"]["hashing"]["bits"] -= 1
+    manifest_path.write_text(json.dumps(manifest))
+    assert ModelBundle.load(str(d)).manifest["version"] == "v000001"
+
+
+def test_journal_and_manifest_text_python_cannot_parse_is_a_damaged_line_or_an_error(tmp_path):
+    """A promotions.jsonl line of a 5,000-digit number, or nested 100,000 deep, crashed
+    `train` after CURRENT moved, every `model` command, and a server's start (ValueError and
+    RecursionError, which json.loads raises besides JSONDecodeError); in a manifest, the CLI's
+    every command that read it."""
+    d = tmp_path / "m"
+    checkpoint.save_version(d, {"model": {}}, WEIGHTS, reason="trained")
+    journal = d / checkpoint.PROMOTIONS
+    good = journal.read_text()
+    journal.write_text(good + '{"n": ' + "9" * 5000 + "}\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert checkpoint.promotions(d) == [json.loads(good)]
+    assert checkpoint.save_version(d, {"model": {}}, WEIGHTS, reason="trained") == "v000002"
+    assert checkpoint.current_version(d) == "v000002" and len(checkpoint.promotions(d)) == 2
+    manifest = d / "v000002" / checkpoint.MANIFEST
+    for body, says in (('{"steps": ' + "9" * 5000 + "}", "it holds a number of more than 4300 digits"),
+                       ("[" * 100_000 + "]" * 100_000, "it nests too deeply")):
+        manifest.write_text(body)
+        with pytest.raises(ModelDirError, match=f"v000002/manifest.json: not valid JSON: {says}"):
+            checkpoint.read_manifest(d, "v000002")

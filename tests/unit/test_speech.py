@@ -16,7 +16,7 @@ from mariana.featurizer import speech
 from mariana.featurizer.speech import BadAudio, FrontEnd, load_features, read_archive, read_wav
 from mariana.sparse.errors import DataFormatError, MarianaError
 from mariana.trainer.models.speech_dnn import SpeechDNN, SpeechDNNConfig, utterance_scores
-from tests.conftest import data_dir, run_cli, run_cli_cases
+from tests.conftest import data_dir, reseal, run_cli, run_cli_cases
 from tests.speechdata import tone, wav_bytes, write_archive
 
 
@@ -257,10 +257,14 @@ def test_train_speech_in_one_process_publishes_a_version_the_recognizer_runs(tmp
     pctrs = run_cli("predict", "--model", f"{tmp_path / 'm'}:v000002", "--data", rows, check=True).stdout.split()
     assert len(pctrs) == 200
     swapped = [*manifest["ops"][:-1], {**manifest["ops"][-1], "weight": "hidden.0.weight"}]  # a wrong shape
+    (tmp_path / "m" / "v000001" / "manifest.json").write_text(json.dumps({**manifest, "ops": manifest["ops"][:-1]}))
+    with pytest.raises(ModelDirError, match="v000001/manifest.json: changed since the version was written"):
+        speech.SpeechRecognizer.load(tmp_path / "m")  # an edited manifest, not sealed again: its digest says so
     for bad, says in [([1], "manifest.json: a JSON list, not an object"),
                       ({**manifest, "ops": [{"op": ["linear"]}]}, "ops a list of maps naming their op"),
                       ({**manifest, "ops": swapped}, "its ops do not run on a frame of 440 inputs")]:
         (tmp_path / "m" / "v000001" / "manifest.json").write_text(json.dumps(bad))
+        reseal(tmp_path / "m" / "v000001")  # past the digests, to the ops' own checks
         with pytest.raises(ModelDirError, match=says):
             speech.SpeechRecognizer.load(tmp_path / "m")
         wav = tmp_path / "x.wav"

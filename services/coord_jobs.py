@@ -577,7 +577,7 @@ class EpochValidation:
         metrics = await asyncio.to_thread(validate_exports, run.spec, exports, images, valid)
         run.phase = None
         best = run.best_export
-        if metrics["logloss"] is not None and (best is None or metrics["logloss"] < best[1]):
+        if run.state == "running" and metrics["logloss"] is not None and (best is None or metrics["logloss"] < best[1]):
             run.best_export = (led.epoch, metrics["logloss"], exports)
         log.info("%s: job %s: epoch %d: valid logloss %s, auc %s", self.coord.name, run.id, led.epoch,
                  metrics["logloss"], metrics["auc"])
@@ -728,6 +728,7 @@ class JobJournal:
         drop its journal."""
         add_point(self.coord, run)
         self.coord.inputs.forget(run.id)
+        run.best_export = None  # a whole model (the shards' tables): a cancelled or failed job kept it for good
         run.final = run.to_saved()["final"]
         try:
             self.save(run)

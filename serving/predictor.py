@@ -25,6 +25,7 @@ from mariana.trainer.models.registry import uses_torch
 
 SHOWN_BAD = 5  # bad instances named in one error message
 LONE_REQUESTS = 8  # LR: a call of up to this many requests scores its one-instance requests one by one
+WARM_HOUR = "14102100"  # the warm-up instance's hour, for a schema that has one (Avazu's first)
 
 
 @dataclass
@@ -66,7 +67,8 @@ class Predictor:
 
             if torch_threads:
                 torch.set_num_threads(torch_threads)
-        warm = p.predict([{}])
+        hour = p.bundle.schema.hour  # a row must have its hour (YYMMDDHH): an Avazu version never loaded
+        warm = p.predict([{hour: WARM_HOUR} if hour else {}])
         if not np.isfinite(warm).all():  # finite weights can still overflow (a huge bias or dense weight)
             raise ModelDirError(f"{model_dir}/{version}: its prediction for an empty instance is {warm[0]}, "
                                 "not a probability: a corrupt or diverged version, not loaded")

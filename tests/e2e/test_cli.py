@@ -257,6 +257,12 @@ def test_avazu_and_csv_formats_train(tmp_path):
     rec = last_json(run_cli("train", "--data", f"{data},{data}", "--test-data", data, "--format", "avazu",
                             "--out", tmp_path / "m", "--json", "--bits", "16"))
     assert rec["train_rows"] == 6000 and rec["auc"] > 0.7  # two files; learns the planted site effect
+    # served: the load's warm-up instance was {}, which an hour schema refuses (no hour), so a server
+    # never loaded an Avazu version and answered every request 503
+    from mariana.serving.predictor import Predictor
+
+    pctr = Predictor.load(str(tmp_path / "m")).predict([{"hour": "14102105", "C1": "s1"}])
+    assert pctr.shape == (1,) and 0 < pctr[0] < 1
     cfg = tmp_path / "csv.toml"
     cfg.write_text('[data]\nformat = "csv"\n[data.schema]\ncolumns = ["y", "n", "c"]\nlabel = "y"\n'
                    'numeric = ["n"]\ncategorical = ["c"]\ndelimiter = ","\nheader = true\n')

@@ -617,7 +617,17 @@ def _to_float(col: pa.Array) -> np.ndarray:
 
 
 def _parse_hour(col: pa.Array) -> pa.Array:
-    return pc.strptime(col.cast(pa.string()), format="%y%m%d%H", unit="s", error_is_null=True)
+    """YYMMDDHH text -> timestamps; null where it names no date and hour. Arrow's strptime
+    carries a day past its month's end into the next month (14022900 read as 1 March 2014,
+    14043100 as 1 May), so a date whose day is not the text's is refused.
+
+    >>> _parse_hour(pa.array([b"14102123", b"14022900", b"14043100", b"16022900", b"14102124"])).to_pylist()
+    [datetime.datetime(2014, 10, 21, 23, 0), None, None, datetime.datetime(2016, 2, 29, 0, 0), None]
+    """
+    ts = pc.strptime(col.cast(pa.string()), format="%y%m%d%H", unit="s", error_is_null=True)
+    digits = pc.if_else(pc.is_valid(ts), pc.binary_slice(col.cast(pa.binary()), 4, 6), b"0")  # (parsed: digits)
+    day = pc.cast(digits.cast(pa.string()), pa.int64())
+    return pc.if_else(pc.equal(pc.day(ts), day), ts, pa.scalar(None, ts.type))
 
 
 def _split_hour(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:

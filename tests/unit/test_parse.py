@@ -255,14 +255,18 @@ def avazu_row(i, click="1", hour="14102100"):
 
 def test_avazu_hour_becomes_hour_of_day_and_weekday(tmp_path):
     text = "\n".join([AVAZU_HEADER, avazu_row(1), avazu_row(2, "0", "14102523"),
-                      avazu_row(3, hour="14133100"), avazu_row(4, hour="1410")]) + "\n"
+                      avazu_row(3, hour="14133100"), avazu_row(4, hour="1410"),
+                      # days past their month's end were read as the next month's first (weekday too)
+                      avazu_row(5, hour="14022900"), avazu_row(6, hour="14043100"), avazu_row(7, hour="16022923")]
+                     + [avazu_row(i) for i in range(8, 12)]) + "\n"
     chunks, stats = read_all(write(tmp_path, "avazu.csv", text), avazu())
-    assert stats.rows_ok == 2
-    assert bad_rows(stats) == [(4, "hour is not a valid date and hour"), (5, "hour is not YYMMDDHH")]
+    assert stats.rows_ok == 7
+    assert bad_rows(stats) == [(4, "hour is not a valid date and hour"), (5, "hour is not YYMMDDHH"),
+                               (6, "hour is not a valid date and hour"), (7, "hour is not a valid date and hour")]
     c = chunks[0]
-    assert c.columns["hour_of_day"].tolist() == [0, 23]
-    assert c.columns["weekday"].tolist() == [1, 5]  # 2014-10-21 Tuesday, 2014-10-25 Saturday
-    assert c.labels.tolist() == [1.0, 0.0]
+    assert c.columns["hour_of_day"].tolist()[:3] == [0, 23, 23]
+    assert c.columns["weekday"].tolist()[:3] == [1, 5, 0]  # 2014-10-21 Tuesday, 2014-10-25 Saturday, 2016-02-29
+    assert c.labels.tolist()[:2] == [1.0, 0.0]
 
 
 def test_generic_csv_schema_with_quotes(tmp_path):

@@ -149,10 +149,12 @@ def test_rows_that_are_not_objects_and_unknown_keys():
 def test_a_missing_hour_is_a_bad_row_as_in_a_file():
     _, bad, _ = parse_records(avazu().without_label(), [{"C1": "1005"}, {"hour": 14102100}, {"hour": "14023200"},
                                                         {"hour": "14020125"}, {"hour": 14102100.0},
-                                                        {"hour": "141021"}, {"hour": float("nan")}])
+                                                        {"hour": "141021"}, {"hour": float("nan")},
+                                                        {"hour": "14043100"}, {"hour": 14022900}])
     assert bad == [(0, "hour is missing (YYMMDDHH, required)"), (2, "hour is not a valid date and hour"),
                    (3, "hour is not a valid date and hour"), (5, "hour is not YYMMDDHH"),
-                   (6, "hour is missing (YYMMDDHH, required)")]  # 14102100.0: as 14102100
+                   (6, "hour is missing (YYMMDDHH, required)"),  # 14102100.0: as 14102100
+                   (7, "hour is not a valid date and hour"), (8, "hour is not a valid date and hour")]
 
 
 def test_no_rows():

@@ -269,6 +269,21 @@ def _skip_line(stream: BinaryIO, block_bytes: int, seen: int, name: str, line_no
     return seen, b""
 
 
+def longest_line(block) -> int:
+    """The bytes of `block`'s longest line, its newline counted; 0 for a block no longer than
+    MAX_LINE_BYTES, which holds no line too long (the common case: nothing is scanned). A line
+    whose start was carried from reads before the one with its newline comes whole to the
+    parser, and one of 16-20 MiB was scored, where longer ones were malformed rows.
+
+    >>> longest_line(b"a\\nbb\\n"), longest_line(b"ab\\n" + b"x" * MAX_LINE_BYTES + b"\\nc\\n")
+    (0, 16777217)
+    """
+    if len(block) <= MAX_LINE_BYTES:
+        return 0
+    ends = np.flatnonzero(np.frombuffer(block, np.uint8) == ord("\n"))
+    return int(np.diff(ends, prepend=-1).max()) if len(ends) else len(block)
+
+
 def overlong_marker(length: int) -> bytes:
     """The line a span holds in place of one longer than MAX_LINE_BYTES (`length` bytes with
     its newline): the parser counts it as a malformed row, and `span_end` knows its length.
@@ -376,8 +391,8 @@ class BlockParser:
         """
         if num_lines is None:
             num_lines = bytes(block).count(b"\n")
-        if is_overlong(block):  # what iter_spans yields for a line too long
-            return self._parse_checked(bytes(block), first_line, stats, skip_rows)
+        if is_overlong(block) or longest_line(block) > MAX_LINE_BYTES:  # (iter_spans' marker for a line too long;
+            return self._parse_checked(bytes(block), first_line, stats, skip_rows)  # a long line ending in a block)
         chunk = self._parse_fast(block, first_line, skip_rows, num_lines)
         if chunk is not None:
             stats.add_ok(chunk)
@@ -448,6 +463,10 @@ class BlockParser:
             text = pieces[i][:-1] if pieces[i].endswith(b"\r") else pieces[i]
             if text.startswith(OVERLONG_LINE):
                 bad.append((first_line + i, f"line of {int(text[len(OVERLONG_LINE):]):,} bytes, longer than the "
+                                            f"{MAX_LINE_BYTES >> 20} MiB a row may have"))
+                continue
+            if len(pieces[i]) >= MAX_LINE_BYTES:  # (its newline makes it longer than the limit)
+                bad.append((first_line + i, f"line of {len(pieces[i]) + 1:,} bytes, longer than the "
                                             f"{MAX_LINE_BYTES >> 20} MiB a row may have"))
                 continue
             n = count_fields(text, self.schema)

@@ -216,6 +216,22 @@ def test_a_file_whose_first_line_is_overlong_is_not_text(tmp_path, monkeypatch):
         read_all(write(tmp_path, "long.tsv", "1" * 10000 + "\n" + GOOD + "\n"), block_bytes=1024)
 
 
+@pytest.mark.parametrize("extra", [1, 1000])
+def test_a_line_just_over_the_limit_is_malformed_wherever_its_newline_falls(tmp_path, monkeypatch, extra):
+    """A long line whose newline came in the read after the limit was passed reached the
+    parser whole, and was scored: lines of 16-20 MiB were rows, longer ones malformed."""
+    monkeypatch.setattr("mariana.sparse.parse.MAX_LINE_BYTES", 4096)
+    fields = GOOD.split("\t")
+    fields[20] = "x" * (4096 + extra - 1 - len(GOOD) + len(fields[20]))  # the line and its newline: 4096 + extra
+    long = "\t".join(fields)
+    assert len(long) + 1 == 4096 + extra
+    for block in (1024, 3000, 8192):  # the newline in the read after the one that passed the limit, or in the same
+        chunks, stats = read_all(write(tmp_path, "f.tsv", "\n".join([GOOD, long, GOOD0]) + "\n"), block_bytes=block)
+        assert [(b.line, b.reason) for b in stats.first_bad] == [
+            (2, f"line of {4096 + extra:,} bytes, longer than the 0 MiB a row may have")], block
+        assert [int(x) for c in chunks for x in c.labels] == [1, 0]
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_an_overlong_line_later_is_one_malformed_row(tmp_path, monkeypatch, gz):
     """A line over MAX_LINE_BYTES after the first is counted and skipped like any malformed

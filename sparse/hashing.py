@@ -43,6 +43,9 @@ import pyarrow.compute as pc
 from mariana.sparse.errors import ConfigError
 
 U64 = np.uint64
+# bucket_scale at most: log1p(1e300) (691) times it stays below 2**53. Above, a file's buckets
+# (int64) overflowed to one for every large value, and a request's (Python ints) did not.
+MAX_BUCKET_SCALE = 1e12
 FNV_OFFSET = U64(0xCBF29CE484222325)
 FNV_PRIME = U64(0x100000001B3)
 FIELD_SALT = U64(0x9E3779B97F4A7C15)
@@ -90,8 +93,10 @@ class HashSpec:
             raise ConfigError(f"hashing.bits must be in 1..32 (tables have 2^bits rows), got {self.bits}")
         if self.numeric not in NUMERIC_MODES:
             raise ConfigError(f"hashing.numeric must be one of {NUMERIC_MODES}, got {self.numeric!r}")
-        if not (self.bucket_scale > 0 and math.isfinite(self.bucket_scale)):
-            raise ConfigError(f"hashing.bucket_scale must be a positive number, got {self.bucket_scale}")
+        if not (0 < self.bucket_scale <= MAX_BUCKET_SCALE):  # (False for NaN)
+            raise ConfigError(f"hashing.bucket_scale must be a positive number of at most {MAX_BUCKET_SCALE:g} "
+                              f"(the bucket of the largest |x|, log1p(1e300) x scale, a whole number a float holds "
+                              f"exactly), got {self.bucket_scale}")
         if not (isinstance(self.min_count, int) and not isinstance(self.min_count, bool)
                 and 1 <= self.min_count <= MAX_MIN_COUNT):
             raise ConfigError(f"hashing.min_count must be an integer in 1..{MAX_MIN_COUNT} (an id gets rows of "

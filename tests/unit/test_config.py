@@ -26,6 +26,9 @@ def test_layers_of_config(tmp_path):
     ({"train.valid_fraction": 1.0}, r"train.valid_fraction must be in \[0, 1\)"),
     ({"train.patience": 0}, "train.patience and train.max_epochs must be >= 1"),
     ({"hashing.bits": 99}, "hashing.bits must be in 1..32"),
+    # a file's buckets (int64) overflowed to one for every large value there, a request's did not
+    ({"hashing.bucket_scale": 1e18}, r"hashing.bucket_scale must be a positive number of at most 1e\+12"),
+    ({"hashing.bucket_scale": float("nan")}, "hashing.bucket_scale must be a positive number"),
     ({"model.kind": "gbdt"}, "unknown model 'gbdt'"),
     ({"data.format": "parquet"}, "unknown format 'parquet'"),
     ({"data.format": "csv"}, "needs a \\[data.schema\\]"),

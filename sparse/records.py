@@ -192,6 +192,8 @@ def _text(field: str, v) -> bytes:
             return str(int(v)).encode()
         except ValueError:  # past Python's int -> text limit (4,300 digits)
             raise _Bad(f"{field} is an integer of more than 4,300 digits") from None
+    if isinstance(v, np.longdouble) and not isinstance(v, np.float64):  # Arrow has no column of them
+        v = float(v)  # (the id of the float64 it rounds to, as float(v) is scored as a number)
     if isinstance(v, (bool, float, np.bool_, np.floating)):
         return typed_text(v)
     raise _Bad(f"{field} must be text, a number or a boolean, got {_kind(v)}")
@@ -218,6 +220,8 @@ def _number(field: str, v) -> float:
             x = float(v)
         except OverflowError:  # an int past float's range
             raise _Bad(f"{field} is an integer beyond a float's range (1.8e308)") from None
+        except ValueError:  # Decimal("sNaN"): "cannot convert signaling NaN to float"
+            raise _Bad(f"{field} is NaN, not a number: leave a missing value out (or null)") from None
         if math.isnan(x):
             raise _Bad(f"{field} is NaN, not a number: leave a missing value out (or null)")
         if not math.isfinite(x):

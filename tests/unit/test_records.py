@@ -133,10 +133,19 @@ def test_categorical_values_of_the_wrong_type_are_named(value, reason):
     ("1e999", "I1 is not a number"),
     ("3\n", "I1 is not a number"),
     ([3], "I1 must be a number or number text, got an array"),
+    (__import__("decimal").Decimal("sNaN"), "I1 is NaN, not a number: leave a missing value out (or null)"),
 ])
 def test_numeric_values_that_are_not_numbers_are_named(value, reason):
     _, bad, _ = parse_records(criteo(), [{"I1": value}])
     assert bad == [(0, reason)]
+
+
+def test_a_long_double_category_is_the_id_of_the_float_it_rounds_to():
+    """np.longdouble has no Arrow type: a row holding one raised ArrowNotImplementedError
+    ("Unsupported numpy type 13") from the Python API, not a verdict."""
+    (long, bad, _), (plain, _, _) = (records_path(criteo(), [{"C1": v}], SPECS[0]) for v in (np.longdouble(0.1), 0.1))
+    assert not bad
+    same_batches(long, plain)
 
 
 def test_rows_that_are_not_objects_and_unknown_keys():

@@ -50,6 +50,7 @@ def mnist_file(d: str | os.PathLike, name: str) -> Path | None:
 
 UBYTE = 0x08
 MAX_DIMS = 4
+READ_CHUNK = 16 << 20  # bytes read at a time: all a header that lies about its size makes us hold
 
 
 class IdxFormatError(DataFormatError):
@@ -65,26 +66,31 @@ class NotIdxError(IdxFormatError):
 
 
 def read_idx(path: str | os.PathLike, ndim: int | None = None) -> np.ndarray:
-    """The array in an IDX file (gz or plain); `ndim` checks the number of dims."""
+    """The array in an IDX file (gz or plain); `ndim` checks the number of dims. At most the
+    bytes its header promises (and one more, to tell a long file) are read: a gzip of 1 MB
+    holding 1 GiB behind a (1, 28, 28) header was inflated whole before it was refused."""
     path = os.fspath(path)
-    raw = _read_bytes(path)
-    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise NotIdxError(path, f"not an IDX file (bad magic {raw[:4].hex() or 'empty'})")
-    dtype, dims = raw[2], raw[3]
-    if dtype != UBYTE:
-        raise IdxFormatError(f"{path}: IDX dtype code 0x{dtype:02x}, only uint8 (0x08) is supported")
-    if not 1 <= dims <= MAX_DIMS or (ndim is not None and dims != ndim):
-        want = f"{ndim}" if ndim is not None else f"1..{MAX_DIMS}"
-        raise IdxFormatError(f"{path}: IDX file has {dims} dims, expected {want}")
-    head = 4 + 4 * dims
-    if len(raw) < head:
-        raise IdxFormatError(f"{path}: truncated IDX header")
-    shape = tuple(int(s) for s in np.frombuffer(raw, ">u4", dims, 4))
-    need = int(np.prod(shape, dtype=np.int64))
-    if len(raw) - head != need:
-        raise IdxFormatError(f"{path}: header says {shape} = {need:,} bytes of data, the file holds "
-                             f"{len(raw) - head:,} (truncated or corrupt)")
-    return np.frombuffer(raw, np.uint8, need, head).reshape(shape)
+    with open_binary(path) as f:  # gunzips by the magic, as data files are; FileNotFoundError carries the path
+        magic = _read_bytes(f, path, 4)
+        if len(magic) < 4 or magic[0] != 0 or magic[1] != 0:
+            raise NotIdxError(path, f"not an IDX file (bad magic {magic.hex() or 'empty'})")
+        dtype, dims = magic[2], magic[3]
+        if dtype != UBYTE:
+            raise IdxFormatError(f"{path}: IDX dtype code 0x{dtype:02x}, only uint8 (0x08) is supported")
+        if not 1 <= dims <= MAX_DIMS or (ndim is not None and dims != ndim):
+            want = f"{ndim}" if ndim is not None else f"1..{MAX_DIMS}"
+            raise IdxFormatError(f"{path}: IDX file has {dims} dims, expected {want}")
+        sides = _read_bytes(f, path, 4 * dims)
+        if len(sides) < 4 * dims:
+            raise IdxFormatError(f"{path}: truncated IDX header")
+        shape = tuple(int(s) for s in np.frombuffer(sides, ">u4"))
+        need = int(np.prod(shape, dtype=np.int64))
+        data = _read_bytes(f, path, need + 1)
+    if len(data) != need:
+        more = f"more than {need:,}" if len(data) > need else f"{len(data):,}"
+        raise IdxFormatError(f"{path}: header says {shape} = {need:,} bytes of data, the file holds {more} "
+                             "(truncated or corrupt)")
+    return np.frombuffer(data, np.uint8, need).reshape(shape)
 
 
 def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
@@ -98,11 +104,15 @@ def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
         f.write(memoryview(a).cast("B"))
 
 
-def _read_bytes(path: str) -> bytes:
-    with open_binary(path) as f:  # gunzips by the magic, as data files are; FileNotFoundError carries the path
-        try:
-            return f.read()
-        except (OSError, EOFError, zlib.error) as e:
-            if not isinstance(f, gzip.GzipFile):
-                raise
-            raise IdxFormatError(f"{path}: corrupt gzip data ({e})") from None
+def _read_bytes(f, path: str, n: int) -> bytearray:
+    """Up to `n` bytes of `f` (fewer at its end), `READ_CHUNK` at a time: a read of `n` at once
+    would allocate `n` whatever the file holds."""
+    out = bytearray()
+    try:
+        while len(out) < n and (chunk := f.read(min(READ_CHUNK, n - len(out)))):
+            out += chunk
+    except (OSError, EOFError, zlib.error) as e:
+        if not isinstance(f, gzip.GzipFile):
+            raise
+        raise IdxFormatError(f"{path}: corrupt gzip data ({e})") from None
+    return out

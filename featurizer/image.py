@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -155,6 +156,43 @@ ENCODED_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp")
 MAX_PIXELS = 40_000_000  # a larger image is refused before it is decoded (a decompression bomb)
 MAX_FILE_BYTES = 64 << 20  # a larger image file is refused unread (ad creatives are KBs to a few MB)
 BAND_PIXELS = 1 << 20      # 16-bit grey is cut to 8 bits this many pixels at a time (see _top_bits)
+# Each scan of a progressive JPEG decodes the whole image again: 1,000 repeated scans in a 200 KB
+# file took 40 s. Encoders write ~10 (libjpeg's progressive script; mozjpeg's a few more) and
+# libjpeg-turbo's tools stop at 500 (-maxscans); a JPEG (or MPO) with more than this is refused.
+MAX_JPEG_SCANS = 100
+FORMATS = ("PNG", "JPEG", "MPO", "GIF", "BMP", "WEBP")  # Pillow's names; MPO: a JPEG with a Multi-Picture block
+
+
+def printable(name: str | os.PathLike) -> str:
+    """A file name as a message shows it: bytes that are not UTF-8 (which Python keeps as
+    surrogates) and control characters as backslash escapes, so a message never fails to encode.
+
+    >>> printable(os.fsdecode(b"caf\\xe9.png")), printable("a\\nb.png"), printable("ok.png")
+    ('caf\\\\xe9.png', 'a\\\\nb.png', 'ok.png')
+    """
+    text = os.fsencode(name).decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def load_npy(path: str | os.PathLike, name: str | None = None) -> np.ndarray:
+    """A .npy file's array (never pickled objects), its header checked against the file's size
+    first: a 1 KB file whose header says (10**6, 10**6) was a MemoryError, not a bad file.
+    BadImage naming `name` (default the file's name) when it is not a readable .npy.
+    """
+    name = name or printable(Path(path).name)
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)  # 3.0 differs from 2.0 only in a UTF-8 header (never an image's)
+            need, held = math.prod(shape) * dtype.itemsize, os.fstat(f.fileno()).st_size - f.tell()
+            if not dtype.hasobject and need != held:  # objects: np.load refuses them below
+                raise BadImage(f"{name}: header says {shape} {dtype} = {need:,} bytes of data, the file holds "
+                               f"{held:,} (truncated or corrupt)")
+            f.seek(0)
+            return np.load(f, allow_pickle=False)
+        except (ValueError, EOFError) as e:
+            raise BadImage(f"{name}: not a readable .npy ({e})") from None
 
 
 def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
@@ -182,12 +220,16 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
         raise BadImage(f"{name}: an empty file")
     try:
         img = Image.open(io.BytesIO(raw))
-        if img.format not in ("PNG", "JPEG", "GIF", "BMP", "WEBP"):
+        if img.format not in FORMATS:
             raise BadImage(f"{name}: a {img.format} image; uploads are PNG, JPEG, GIF, BMP or WebP")
         w, h = img.size
         if w * h > MAX_PIXELS:
             raise BadImage(f"{name}: {w}x{h} pixels, over the {MAX_PIXELS:,} allowed")
-        if img.format == "JPEG":
+        if img.format in ("JPEG", "MPO"):  # an MPO's first frame is its JPEG (what load() decodes)
+            # SOS markers: entropy-coded data stuffs each 0xFF as 0xFF00, so this counts the scans
+            if (scans := raw.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+                raise BadImage(f"{name}: a JPEG of {scans:,} scans, over the {MAX_JPEG_SCANS} allowed (each scan "
+                               "decodes the whole image again)")
             img.draft("L", (size, size))  # DCT scaling: decodes at 1/2..1/8 while still >= size
         img.load()
         fmt = img.format

@@ -19,9 +19,12 @@ folder written by `mariana gen images --format png` is in the order of its IDX t
 Bad input: a file of another kind, one over `MAX_FILE_BYTES` (each decode reads it
 whole), one whose header Pillow cannot read or says is too large, a directory inside a
 class directory, or a file outside any class directory is counted, named in `source`
-and left out before the set is formed (every rank of a job lists the same files). A
-file that passes that check but cannot be decoded later (damaged past its header) is a
-black image under its label, named once in `failures` however often it is decoded: the
+and left out before the set is formed (every rank of a job lists the same files). A class
+entry that leads to no directory (a symlink to nothing or a loop) or cannot be listed stays a
+class with no images, as an empty class folder does (the classes after it keep their labels),
+and is named in `source` with why. A file that passes that check but cannot be decoded
+later (damaged past its header, or a JPEG of more than MAX_JPEG_SCANS scans) is a black
+image under its label, named once in `failures` however often it is decoded: the
 job goes on, and says so in its record. (Leaving it out of the loss would need its
 rank to tell the last partition's rank, which holds the labels and decodes nothing.)
 """
@@ -36,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from mariana.featurizer.idx import mnist_file
-from mariana.featurizer.image import (ENCODED_SUFFIXES, MAX_FILE_BYTES, MAX_PIXELS, MNIST_IMAGES, BadImage, ImageSet,
-                                      decode_encoded)
+from mariana.featurizer.image import (ENCODED_SUFFIXES, FORMATS, MAX_FILE_BYTES, MAX_PIXELS, MNIST_IMAGES, BadImage,
+                                      ImageSet, decode_encoded, printable)
 from mariana.sparse.errors import DataFormatError
 
 SHOWN = 5  # skipped files or decode failures named in a record
@@ -75,12 +78,12 @@ class EncodedImages:
             for k in ks:
                 path = self.files[positions[k]]
                 try:
-                    out[k] = decode_encoded(path.read_bytes(), str(path), self.size)
+                    out[k] = decode_encoded(path.read_bytes(), printable(path), self.size)
                 except (BadImage, OSError) as e:
                     out[k] = 0
                     with self._lock:  # a file once, however often it is decoded
                         self.failures.setdefault(int(positions[k]), str(e) if isinstance(e, BadImage)
-                                                 else f"{path}: {e}")
+                                                 else f"{printable(path)}: {e}")
         if pool is None or workers < 2:
             part(np.arange(len(positions)))
         else:
@@ -95,7 +98,24 @@ def is_image_folder(path: str | os.PathLike) -> bool:
 
 
 def _classes(d: Path) -> list[Path]:
-    return sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+    """The class entries: sub-directories, and symlinks that lead nowhere (to nothing, or a loop), which
+    stay classes as an empty class folder does, so the classes after them keep their labels."""
+    return sorted(p for p in d.iterdir() if not p.name.startswith(".") and (p.is_dir() or _dangling(p)))
+
+
+def _dangling(p: Path) -> bool:
+    return p.is_symlink() and not p.exists()  # exists() is False for a loop (ELOOP) too
+
+
+def _class_files(cdir: Path, skipped: list[str]) -> list[Path]:
+    """The entries of a class directory; none, and a line in `skipped`, when it cannot be listed."""
+    try:
+        return sorted(cdir.iterdir())
+    except OSError as e:
+        to = f"a symlink to {printable(os.readlink(cdir))} that leads to no directory" if cdir.is_symlink() else ""
+        skipped.append(f"{printable(cdir.name)}/: {to or 'cannot be listed'} ({e.strerror or e}); kept as a "
+                       "class with no images, so the classes after it keep their labels")
+        return []
 
 
 def load_image_folder(root: str | os.PathLike, size: int = 28) -> ImageSet:
@@ -111,13 +131,13 @@ def load_image_folder(root: str | os.PathLike, size: int = 28) -> ImageSet:
     if len(classes) < 2:
         raise DataFormatError(f"{d}: {len(classes)} class directories; an image folder needs one sub-directory of "
                               "images per class, at least two")
-    found, skipped = [], [f"{p.name}: not in a class directory" for p in sorted(d.iterdir())
+    found, skipped = [], [f"{printable(p.name)}: not in a class directory" for p in sorted(d.iterdir())
                           if p.is_file() and not p.name.startswith(".")]
     for label, cdir in enumerate(classes):
-        for p in sorted(cdir.iterdir()):
+        for p in _class_files(cdir, skipped):
             if p.name.startswith("."):
                 continue
-            name = f"{cdir.name}/{p.name}"
+            name = printable(f"{cdir.name}/{p.name}")
             if not p.is_file():
                 skipped.append(f"{name}: {'a directory' if p.is_dir() else 'not a regular file'} (an image folder "
                                "is DIR/<class>/<image files>, one level)")
@@ -137,7 +157,7 @@ def load_image_folder(root: str | os.PathLike, size: int = 28) -> ImageSet:
             except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
                 skipped.append(f"{name}: not an image file Pillow can read")
                 continue
-            if fmt not in ("PNG", "JPEG", "GIF", "BMP", "WEBP") or w * h > MAX_PIXELS:
+            if fmt not in FORMATS or w * h > MAX_PIXELS:
                 skipped.append(f"{name}: a {fmt} image of {w}x{h} pixels (PNG, JPEG, GIF, BMP or WebP, at most "
                                f"{MAX_PIXELS:,} pixels)")
                 continue
@@ -146,10 +166,10 @@ def load_image_folder(root: str | os.PathLike, size: int = 28) -> ImageSet:
         raise DataFormatError(f"{d}: no readable image in its {len(classes)} class directories")
     found.sort()
     listing = hashlib.sha256()
-    for name, cls, _, p, _ in found:
-        listing.update(f"{cls}/{name}\0{p.stat().st_size}\n".encode())
+    for name, cls, _, p, _ in found:  # the names' bytes as the file system has them (UTF-8 or not)
+        listing.update(os.fsencode(f"{cls}/{name}") + f"\0{p.stat().st_size}\n".encode())
     labels = np.array([label for _, _, label, _, _ in found], dtype=np.int64)
-    source = {"dir": str(d.resolve()), "format": "image folder", "classes": [c.name for c in classes],
+    source = {"dir": str(d.resolve()), "format": "image folder", "classes": [printable(c.name) for c in classes],
               "images": len(found), "per_class": np.bincount(labels, minlength=len(classes)).tolist(),
               "first_image_size": found[0][4], "skipped": len(skipped), "first_skipped": skipped[:SHOWN],
               "listing_sha256": listing.hexdigest()}

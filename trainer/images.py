@@ -13,10 +13,12 @@ ads-with-images` writes) plus, optionally, one file per creative added later in
 `uploads/`: `<id>.png|.jpg|.jpeg|.gif|.bmp|.webp` (any size and colour: made
 28x28 grey by `featurizer.image.decode_encoded`), `<id>.raw` (784 bytes) or
 `<id>.npy` (28x28 uint8). An upload that cannot be read as one of these (a
-damaged file, a .raw of another size, a file of another kind, one over
-MAX_FILE_BYTES, which is not read; a directory, FIFO or dangling symlink) is
-corrupt: counted, named in the log and the record, and left out, so rows naming
-it get the unknown-creative fallback.
+damaged file, a .raw of another size, a .npy whose header promises other than
+the bytes it holds, a JPEG of more than MAX_JPEG_SCANS scans, a file of another
+kind, one over MAX_FILE_BYTES, which is not read; a directory, FIFO or dangling
+symlink) is corrupt: counted, named in the log and the record, and left out, so
+rows naming it get the unknown-creative fallback. An id is its file name's bytes,
+UTF-8 or not (shown escaped in messages: featurizer.image.printable).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import numpy as np
 
 from mariana.featurizer.creatives import FALLBACK, META_FILE, CreativeFeatures, load_creatives
 from mariana.featurizer.image import (ENCODED_SUFFIXES, MANIFEST, MAX_FILE_BYTES, BadImage, ImageFeaturizer,
-                                      decode_encoded, load_mnist, stack_images)
+                                      decode_encoded, load_mnist, load_npy, printable, stack_images)
 from mariana.sparse.errors import ConfigError
 from mariana.trainer.config import ImagesConfig
 from mariana.trainer.featurizer_train import FeaturizerTrainConfig, TrainProgress, progress_logger, train_and_export
@@ -95,19 +97,20 @@ def load_creative_set(path: str) -> CreativeSet:
                 names.append(p)
             except BadImage as e:
                 corrupt.append(str(e))
-        good, keep, bad = stack_images(items, [p.name for p in names])
+        good, keep, bad = stack_images(items, [printable(p.name) for p in names])
         corrupt += bad
         known = set(ids)
-        new_ids = [names[i].stem.encode() for i in keep]
+        new_ids = [os.fsencode(names[i].stem) for i in keep]  # the name's bytes, UTF-8 or not
         if new_ids:
             twice = sorted(i for i, n in Counter(new_ids).items() if n > 1)
             if twice:
-                raise ConfigError(f"{up}: several uploads name creative {twice[0].decode()} (e.g. a .png and a "
-                                  f".jpg); an id names one image")
+                raise ConfigError(f"{up}: several uploads name creative {printable(os.fsdecode(twice[0]))} "
+                                  "(e.g. a .png and a .jpg); an id names one image")
             replaced = [i for i in new_ids if i in known]
             if replaced:
                 raise ConfigError(f"{up}: uploads reuse creative ids of creatives.json "
-                                  f"({', '.join(i.decode() for i in replaced[:3])}); an id names one image")
+                                  f"({', '.join(printable(os.fsdecode(i)) for i in replaced[:3])}); an id names one "
+                                  "image")
             ids = ids + new_ids
             images = np.concatenate([images, good]) if len(images) else good
         if corrupt:
@@ -119,29 +122,29 @@ def load_creative_set(path: str) -> CreativeSet:
 def read_upload(p: Path):
     """One upload's image as stack_images takes it (784 raw bytes, an array, or decoded from an
     image file), or BadImage naming the file and why. What is not a regular file (a directory,
-    a FIFO, a symlink to nothing) and a file over MAX_FILE_BYTES are refused unread."""
+    a FIFO, a symlink to nothing) and a file over MAX_FILE_BYTES are refused unread; a .npy whose header
+    promises other than the bytes it holds is refused before its array is made (featurizer.image.load_npy)."""
+    name = printable(p.name)  # a name that is not UTF-8 is shown escaped, never a UnicodeEncodeError
     if not p.is_file():
-        raise BadImage(f"{p.name}: {_not_a_file(p)}; an upload is one image file")
+        raise BadImage(f"{name}: {_not_a_file(p)}; an upload is one image file")
     suffix = p.suffix.lower()
     if suffix not in UPLOAD_SUFFIXES:
-        raise BadImage(f"{p.name}: not an upload kind ({', '.join(UPLOAD_SUFFIXES)})")
+        raise BadImage(f"{name}: not an upload kind ({', '.join(UPLOAD_SUFFIXES)})")
     try:
         size = p.stat().st_size
         if size > MAX_FILE_BYTES:
-            raise BadImage(f"{p.name}: {size:,} bytes, over the {MAX_FILE_BYTES >> 20} MiB an upload may be")
+            raise BadImage(f"{name}: {size:,} bytes, over the {MAX_FILE_BYTES >> 20} MiB an upload may be")
         if suffix == ".npy":
-            return np.load(p, allow_pickle=False)
+            return load_npy(p, name)
         raw = p.read_bytes()
-    except (ValueError, EOFError) as e:
-        raise BadImage(f"{p.name}: not a readable .npy ({e})") from None
     except OSError as e:
-        raise BadImage(f"{p.name}: cannot be read ({e.strerror or e})") from None
-    return raw if suffix == ".raw" else decode_encoded(raw, p.name)
+        raise BadImage(f"{name}: cannot be read ({e.strerror or e})") from None
+    return raw if suffix == ".raw" else decode_encoded(raw, name)
 
 
 def _not_a_file(p: Path) -> str:
     if p.is_symlink() and not p.exists():
-        return f"a symlink to {os.readlink(p)}, which does not exist"
+        return f"a symlink to {printable(os.readlink(p))}, which does not exist"
     if p.is_dir():
         return "a directory"
     return "not a regular file (a FIFO, socket or device)"

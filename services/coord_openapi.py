@@ -22,6 +22,8 @@ from mariana.services.assemble import JOB_KEYS, MODES
 from mariana.sparse.settings import json_schema
 from mariana.trainer.config import JobConfig
 
+JOBS_PAGE = 100  # GET /v1/jobs without ?limit: the newest this many (and `total`, to page through the rest)
+
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 _TEXT = {"description": "Text.", "content": {"text/plain": {"schema": {"type": "string"}}}}
 _PATHS = {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "string"}],
@@ -93,7 +95,7 @@ OPENAPI = {
                                                           "Status."), **_errors(400)}}},
         "/v1/jobs": {
             "get": {"summary": "Every job, newest first",
-                    "parameters": [_count("limit", "At most N jobs (default: all)."),
+                    "parameters": [_count("limit", f"At most N jobs (default {JOBS_PAGE}: a coordinator keeps every job it ran)."),
                                    _count("offset", "Skip the newest K (default 0).")],
                     "responses": {"200": _json({"type": "object", "required": ["jobs", "total"],
                                                 "properties": {"jobs": {"type": "array", "items": _SUMMARY},

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mariana.featurizer.idx import BadImage, load_npy
 from mariana.sparse.batch import SparseBatch
 from mariana.sparse.encode import Encoder
 from mariana.sparse.errors import DataFormatError
@@ -40,10 +41,10 @@ def load_creatives(path: str | os.PathLike) -> tuple[list[bytes], np.ndarray, di
         raise DataFormatError(f"{d}: not a creatives directory (make one with 'mariana gen ads-with-images')")
     try:
         meta = loads_json((d / META_FILE).read_text())
-        images = np.load(d / IMAGES_FILE, allow_pickle=False)
+        images = load_npy(d / IMAGES_FILE, IMAGES_FILE)  # its header checked first: a lying one was a MemoryError
     except FileNotFoundError as e:
         raise DataFormatError(f"{d}: missing {Path(e.filename).name}") from None
-    except (json.JSONDecodeError, ValueError) as e:
+    except (json.JSONDecodeError, ValueError, BadImage) as e:
         raise DataFormatError(f"{d}: unreadable creatives: {e}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("ids", []), list):
         raise DataFormatError(f"{d}: {META_FILE} must be a JSON object whose \"ids\" is a list of creative ids, "

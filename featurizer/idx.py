@@ -16,6 +16,7 @@ mislabelled file is an `IdxFormatError` that names the file and what is wrong.
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import zlib
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 
 from mariana.sparse.errors import DataFormatError
 from mariana.sparse.parse import open_binary
+
 
 # An MNIST-format set's two files in its directory (featurizer/image.py reads them,
 # featurizer/shapes.py writes them; here, so writing needs no torch).
@@ -116,3 +118,39 @@ def _read_bytes(f, path: str, n: int) -> bytearray:
             raise
         raise IdxFormatError(f"{path}: corrupt gzip data ({e})") from None
     return out
+
+
+def printable(name: str | os.PathLike) -> str:
+    """A file name as a message shows it: bytes that are not UTF-8 (which Python keeps as
+    surrogates) and control characters as backslash escapes, so a message never fails to encode.
+
+    >>> printable(os.fsdecode(b"caf\\xe9.png")), printable("a\\nb.png"), printable("ok.png")
+    ('caf\\\\xe9.png', 'a\\\\nb.png', 'ok.png')
+    """
+    text = os.fsencode(name).decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+class BadImage(DataFormatError):
+    """An image that is not uint8 of the featurizer's size (the pipeline counts and skips it)."""
+
+
+def load_npy(path: str | os.PathLike, name: str | None = None) -> np.ndarray:
+    """A .npy file's array (never pickled objects), its header checked against the file's size
+    first: a 1 KB file whose header says (10**6, 10**6) was a MemoryError, not a bad file.
+    BadImage naming `name` (default the file's name) when it is not a readable .npy.
+    """
+    name = name or printable(Path(path).name)
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)  # 3.0 differs from 2.0 only in a UTF-8 header (never an image's)
+            need, held = math.prod(shape) * dtype.itemsize, os.fstat(f.fileno()).st_size - f.tell()
+            if not dtype.hasobject and need != held:  # objects: np.load refuses them below
+                raise BadImage(f"{name}: header says {shape} {dtype} = {need:,} bytes of data, the file holds "
+                               f"{held:,} (truncated or corrupt)")
+            f.seek(0)
+            return np.load(f, allow_pickle=False)
+        except (ValueError, EOFError) as e:
+            raise BadImage(f"{name}: not a readable .npy ({e})") from None

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import os
 import struct
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from mariana.featurizer.idx import (MNIST_IMAGES, MNIST_LABELS, MNIST_TRAIN, IdxFormatError, mnist_file,
+from mariana.featurizer.idx import (MNIST_IMAGES, MNIST_LABELS, MNIST_TRAIN, BadImage, IdxFormatError, mnist_file,
                                    read_idx)
 from mariana.sparse import finite
 from mariana.sparse.errors import DataFormatError, ModelDirError
@@ -58,9 +57,6 @@ ROW_BLOCK = 8
 # "indistinguishable from fair resampling in most cases"); smaller ones are fitted directly.
 REDUCING_GAP = 3
 
-
-class BadImage(DataFormatError):
-    """An image that is not uint8 of the featurizer's size (the pipeline counts and skips it)."""
 
 
 # ---- data ------------------------------------------------------------------------
@@ -139,7 +135,7 @@ def decode_image(raw, name: str, size: int = 28) -> np.ndarray:
     (28, 28)
     >>> decode_image(bytes(10), "creative 7")
     Traceback (most recent call last):
-    mariana.featurizer.image.BadImage: creative 7: 10 bytes, expected 784 (a 28x28 uint8 image)
+    mariana.featurizer.idx.BadImage: creative 7: 10 bytes, expected 784 (a 28x28 uint8 image)
     """
     if isinstance(raw, (bytes, bytearray, memoryview)):
         if len(raw) != size * size:
@@ -163,38 +159,6 @@ MAX_JPEG_SCANS = 100
 FORMATS = ("PNG", "JPEG", "MPO", "GIF", "BMP", "WEBP")  # Pillow's names; MPO: a JPEG with a Multi-Picture block
 
 
-def printable(name: str | os.PathLike) -> str:
-    """A file name as a message shows it: bytes that are not UTF-8 (which Python keeps as
-    surrogates) and control characters as backslash escapes, so a message never fails to encode.
-
-    >>> printable(os.fsdecode(b"caf\\xe9.png")), printable("a\\nb.png"), printable("ok.png")
-    ('caf\\\\xe9.png', 'a\\\\nb.png', 'ok.png')
-    """
-    text = os.fsencode(name).decode("utf-8", "backslashreplace")
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
-
-
-def load_npy(path: str | os.PathLike, name: str | None = None) -> np.ndarray:
-    """A .npy file's array (never pickled objects), its header checked against the file's size
-    first: a 1 KB file whose header says (10**6, 10**6) was a MemoryError, not a bad file.
-    BadImage naming `name` (default the file's name) when it is not a readable .npy.
-    """
-    name = name or printable(Path(path).name)
-    with open(path, "rb") as f:
-        try:
-            version = np.lib.format.read_magic(f)
-            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, _, dtype = read(f)  # 3.0 differs from 2.0 only in a UTF-8 header (never an image's)
-            need, held = math.prod(shape) * dtype.itemsize, os.fstat(f.fileno()).st_size - f.tell()
-            if not dtype.hasobject and need != held:  # objects: np.load refuses them below
-                raise BadImage(f"{name}: header says {shape} {dtype} = {need:,} bytes of data, the file holds "
-                               f"{held:,} (truncated or corrupt)")
-            f.seek(0)
-            return np.load(f, allow_pickle=False)
-        except (ValueError, EOFError) as e:
-            raise BadImage(f"{name}: not a readable .npy ({e})") from None
-
-
 def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
     """An image file's bytes (PNG, JPEG, GIF, BMP or WebP, any size and colour) ->
     (size, size) uint8 grey levels, as the featurizer takes them: transparent pixels
@@ -212,7 +176,7 @@ def decode_encoded(raw: bytes, name: str, size: int = 28) -> np.ndarray:
     ((28, 28), 0, 255)
     >>> decode_encoded(b"GIF89a?", "ad.gif")
     Traceback (most recent call last):
-    mariana.featurizer.image.BadImage: ad.gif: not an image file Pillow can read (PNG, JPEG, GIF, BMP or WebP)
+    mariana.featurizer.idx.BadImage: ad.gif: not an image file Pillow can read (PNG, JPEG, GIF, BMP or WebP)
     """
     from PIL import Image, ImageOps, UnidentifiedImageError
 

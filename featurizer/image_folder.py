@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mariana.featurizer.idx import mnist_file
+from mariana.featurizer.idx import mnist_file, printable
 from mariana.featurizer.image import (ENCODED_SUFFIXES, FORMATS, MAX_FILE_BYTES, MAX_PIXELS, MNIST_IMAGES, BadImage,
-                                      ImageSet, decode_encoded, printable)
+                                      ImageSet, decode_encoded)
 from mariana.sparse.errors import DataFormatError
 
 SHOWN = 5  # skipped files or decode failures named in a record

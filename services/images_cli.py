@@ -136,9 +136,7 @@ IMAGES_TAKEN = "featurize --images takes an IDX file (gz or plain) or a .npy of 
 
 def read_images(path: str, size: int = 28):
     """uint8 (N, size, size) from an IDX file or a .npy (never pickled objects)."""
-    import numpy as np
-
-    from mariana.featurizer.idx import NotIdxError, read_idx
+    from mariana.featurizer.idx import BadImage, NotIdxError, load_npy, read_idx
     from mariana.featurizer.image import check_images
 
     if os.path.isdir(path):
@@ -148,9 +146,10 @@ def read_images(path: str, size: int = 28):
         raise FileNotFoundError(2, "not a regular file" if os.path.exists(path) else "no such file", path)
     if path.endswith(".npy"):
         try:
-            images = np.load(path, allow_pickle=False)
-        except ValueError as e:  # numpy's words for a header it cannot read invite an unsafe load: not repeated
-            why = "it holds Python objects, which are never loaded" if "pickle" in str(e) else str(e)
+            images = load_npy(path, path)  # its header checked first: a lying one was a MemoryError ("out of memory")
+        except BadImage as e:  # numpy's words for a header it cannot read invite an unsafe load: not repeated
+            why = "it holds Python objects, which are never loaded" if "pickle" in str(e) else \
+                str(e).removeprefix(f"{path}: ")
             raise MarianaError(f"{path}: not a plain .npy array of images ({why})") from None
     else:
         try:

@@ -34,8 +34,9 @@ from typing import Callable
 import numpy as np
 
 from mariana.featurizer.creatives import FALLBACK, META_FILE, CreativeFeatures, load_creatives
+from mariana.featurizer.idx import load_npy, printable
 from mariana.featurizer.image import (ENCODED_SUFFIXES, MANIFEST, MAX_FILE_BYTES, BadImage, ImageFeaturizer,
-                                      decode_encoded, load_mnist, load_npy, printable, stack_images)
+                                      decode_encoded, load_mnist, stack_images)
 from mariana.sparse.errors import ConfigError
 from mariana.trainer.config import ImagesConfig
 from mariana.trainer.featurizer_train import FeaturizerTrainConfig, TrainProgress, progress_logger, train_and_export

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mariana.featurizer.image import MAX_JPEG_SCANS, BadImage, decode_encoded, load_npy
+from mariana.featurizer.idx import BadImage, load_npy
+from mariana.featurizer.image import MAX_JPEG_SCANS, decode_encoded
 
 
 def _png(array: np.ndarray) -> bytes:
@@ -114,6 +115,19 @@ def test_load_npy_refuses_a_lying_header_and_objects_naming_the_file(tmp_path):
         load_npy(tmp_path / "o.npy")
     np.save(tmp_path / "ok.npy", np.arange(6, dtype=np.uint8).reshape(2, 3))
     assert load_npy(tmp_path / "ok.npy").tolist() == [[0, 1, 2], [3, 4, 5]]
+    # `mariana featurize --images x.npy` and a creatives dir's images.npy read through it: both said
+    # "out of memory (a training job: lower hashing.bits ...)" and named no file
+    from mariana.featurizer.creatives import IMAGES_FILE, META_FILE, load_creatives
+    from mariana.services.images_cli import read_images
+    from mariana.sparse.errors import DataFormatError, MarianaError
+
+    with pytest.raises(MarianaError, match=r"x.npy: not a plain .npy array of images \(header says \(1000000, "):
+        read_images(str(tmp_path / "x.npy"))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / META_FILE).write_text('{"ids": ["a"]}')
+    _lying_npy(tmp_path / "c" / IMAGES_FILE, (10**6, 28, 28))
+    with pytest.raises(DataFormatError, match=r"unreadable creatives: creatives.npy: header says \(1000000, 28, 28\)"):
+        load_creatives(tmp_path / "c")
 
 
 # ---- 3. a progressive JPEG of many scans --------------------------------------------------------------

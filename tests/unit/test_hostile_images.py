@@ -18,22 +18,13 @@ from PIL import Image
 
 from mariana.featurizer.idx import BadImage, load_npy
 from mariana.featurizer.image import MAX_JPEG_SCANS, decode_encoded
+from tests.unit.test_image_faults import _creatives
 
 
 def _png(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(array).save(buf, "PNG")
     return buf.getvalue()
-
-
-def _creatives(d, n: int = 2):
-    from mariana.featurizer.creatives import IMAGES_FILE, META_FILE
-
-    d.mkdir(parents=True, exist_ok=True)
-    np.save(d / IMAGES_FILE, np.zeros((n, 28, 28), np.uint8))
-    (d / META_FILE).write_text(json.dumps({"ids": [f"c{i}" for i in range(n)]}))
-    (d / "uploads").mkdir()
-    return d / "uploads"
 
 
 def _folder(root, classes=("a", "b")):

@@ -60,6 +60,7 @@ class Plan:
     write: dict[Path, str] = field(default_factory=dict)
     unchanged: list[Path] = field(default_factory=list)
     kept: list[Path] = field(default_factory=list)
+    masked: list[Path] = field(default_factory=list)  # units linked to /dev/null (`systemctl mask`): left so
     commands: list[str] = field(default_factory=list)
     hidden: list[str] = field(default_factory=list)  # under a staging prefix: what the sandbox hides...
     fixes: list[str] = field(default_factory=list)  # ...and what to do about it (at / the install refuses)
@@ -77,6 +78,7 @@ class Hidden:
 
 
 UNIT_DOCS = "file:///opt/mariana/deploy/README.md"  # the units' Documentation= as shipped
+UNIT_SPECIAL = "%\\'\";$`"  # characters of a program path that ExecStart= reads as more than a path
 
 
 def deploy_dir() -> Path:
@@ -149,6 +151,10 @@ def _program(option: str, path: str) -> str:
     if any(c.isspace() for c in path):
         raise MarianaError(f"{option} {path!r}: a path with whitespace splits ExecStart=; install it under a path "
                            "without any (e.g. /opt/mariana)")
+    odd = sorted({c for c in path if c in UNIT_SPECIAL})
+    if odd:  # %n became the unit's name, a quote unbalanced the line, a backslash was fatal
+        raise MarianaError(f"{option} {path!r}: {' '.join(odd)} in a path means something else in ExecStart= "
+                           "(systemd's specifiers, quoting, escapes); install it under a plain path (e.g. /opt/mariana)")
     return path
 
 
@@ -309,6 +315,12 @@ def _fix(program: str, dirs: set[str], mariana: str, redis_server: str) -> str:
 
 
 def _add(plan: Plan, dest: Path, text: str, replace: bool) -> None:
+    if dest.is_symlink() and os.path.realpath(dest) == os.devnull:  # masked: an admin turned it off on this host
+        plan.masked.append(dest)
+        return
+    if dest.exists() and not dest.is_file():  # found before anything is written (it stopped the install midway)
+        raise MarianaError(f"{dest}: {'a directory' if dest.is_dir() else 'not a regular file'} where the install "
+                           "writes a file; remove it, or install under another --prefix")
     try:
         old = dest.read_text() if dest.is_file() else None
     except OSError as e:
@@ -333,17 +345,19 @@ def _commands(plan: Plan, cluster_toml: Path) -> list[str]:
         cfg = load_cluster_config(config, env={})
     except MarianaError as e:
         raise MarianaError(f"{config}: {e}") from None
-    units = [f"{name}.service" for name in SINGLE]
+    masked = {p.name for p in plan.masked}  # (an instance of a masked template is masked too)
+    units = [f"{name}.service" for name in SINGLE if f"{name}.service" not in masked]
     for template, role in TEMPLATES:
-        units += [f"{template}{i}.service" for i in range(cfg.count(role))]
+        units += [f"{template}{i}.service" for i in range(cfg.count(role)) if f"{template}.service" not in masked]
+    units += [u for u in ("mariana-serve.service",) if u not in masked]
     etc = "/etc/mariana"
     return ["id -u mariana >/dev/null 2>&1 || useradd --system --home-dir /var/lib/mariana "
             "--shell /usr/sbin/nologin mariana",
             "install -d -o mariana -g mariana -m 0750 /var/lib/mariana /var/lib/mariana/models /var/lib/mariana/logs",
             "chgrp mariana " + " ".join(f"{etc}/{name}" for name in SECRET),
             "systemctl daemon-reload",
-            "systemctl enable --now mariana.target " + " ".join(units) + " mariana-serve.service",
-            "systemctl enable --now mariana-retrain.timer"]
+            "systemctl enable --now mariana.target " + " ".join(units),
+            *(["systemctl enable --now mariana-retrain.timer"] if "mariana-retrain.timer" not in masked else [])]
 
 
 def _check_writable(plan: Plan) -> None:
@@ -378,6 +392,8 @@ def report(plan: Plan, dry_run: bool) -> str:
     lines = [f"deploy files from {plan.source}"]
     lines += [f"{verb:>12}  {p}" for p in plan.write]
     lines += [f"{'unchanged':>12}  {p}" for p in plan.unchanged]
+    lines += [f"{'masked':>12}  {p} (linked to /dev/null: `systemctl mask`; left so, and not started)"
+              for p in plan.masked]
     for p in plan.kept:
         src = next(plan.source / s for s, name in CONFIGS.items() if name == p.name)
         lines.append(f"{'kept':>12}  {p} (it exists and may be edited: not overwritten; the shipped one is {src})")

@@ -187,6 +187,29 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
     assert not (broken / "etc/systemd").exists()  # checked before anything is written
 
 
+def test_a_masked_unit_stays_masked_and_a_directory_in_a_files_place_stops_the_install_before_it_writes(tmp_path):
+    """A second install replaced a unit masked on this host (linked to /dev/null) with the unit
+    and printed the line that started it; a directory named like a config was found after the
+    units were written (exit 2, half an install), and --dry-run said it would write it."""
+    run_cli("deploy", "install", "--prefix", tmp_path, check=True)
+    units = tmp_path / "etc/systemd/system"
+    for name in ("mariana-serve.service", "mariana-worker@.service"):
+        (units / name).unlink()
+        (units / name).symlink_to("/dev/null")
+    proc = run_cli("deploy", "install", "--prefix", tmp_path, check=True)
+    assert (units / "mariana-serve.service").is_symlink() and (units / "mariana-worker@.service").is_symlink()
+    assert f"masked  {units / 'mariana-serve.service'} (linked to /dev/null" in proc.stdout
+    enable = next(line for line in proc.stdout.splitlines() if "enable --now mariana.target" in line)
+    assert "mariana-serve.service" not in enable and "mariana-worker@" not in enable and "mariana-ps@0" in enable
+    other = tmp_path / "other"
+    (other / "etc/mariana/serve.toml").mkdir(parents=True)
+    for dry in (["--dry-run"], []):
+        line = error_line(run_cli("deploy", "install", "--prefix", other, *dry))
+        assert line == (f"mariana: error: {other}/etc/mariana/serve.toml: a directory where the install writes a "
+                        "file; remove it, or install under another --prefix"), line
+    assert not (other / "etc/systemd").exists() and not (other / "etc/mariana/cluster.toml").exists()
+
+
 # ---- the sandbox hides nothing the units need -------------------------------------------------
 
 def test_hidden_dirs_follow_what_the_unit_says():
@@ -313,6 +336,10 @@ def test_systemd_configs_redis_and_prometheus_agree_on_ports():
     (("--mariana", "relative/mariana"), "--mariana 'relative/mariana': give an absolute path"),
     (("--mariana", "/opt/my mariana/bin/mariana"), "a path with whitespace splits ExecStart="),
     (("--redis-server", "bin/redis-server"), "--redis-server 'bin/redis-server': give an absolute path"),
+    # written with exit 0 before: %n became the unit's name, a quote unbalanced ExecStart=, a backslash was fatal
+    (("--mariana", "/opt/o%n/bin/mariana"), "--mariana '/opt/o%n/bin/mariana': % in a path means something else"),
+    (("--redis-server", "/opt/it's/redis-server"), "' in a path means something else in ExecStart="),
+    (("--mariana", "/opt/a\\b/mariana"), "\\ in a path means something else in ExecStart="),
     (("--prefix", ""), "--prefix is empty"),
     # at /: this host's layout (a redis-server the sandbox lets run: a checkout's own may sit under /tmp)
     (("--mariana", "/nope/mariana", "--redis-server", "/bin/sh"),

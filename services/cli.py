@@ -779,15 +779,22 @@ def _guarded(run, exiting: bool = False) -> int:
     killed it where it stood. Services (`run`, `serve`) set handlers of their own."""
     main = threading.current_thread() is threading.main_thread()  # (only there can a handler be set)
     previous = signal.signal(signal.SIGTERM, _terminated) if main else None
+    # SIGHUP (the terminal or ssh session gone) as well: `up` left a half-started cluster running,
+    # with no supervisor. Unless it is ignored (nohup), which is left so.
+    hup = signal.getsignal(signal.SIGHUP) if main else None
+    if hup == signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, _terminated)
     try:
         return _run_guarded(run, exiting and main)
     finally:
         if main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            if hup == signal.SIG_DFL:
+                signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _terminated(signum, frame) -> None:
-    raise KeyboardInterrupt("stopped by SIGTERM")
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
 def _run_guarded(run, exiting: bool = False) -> int:

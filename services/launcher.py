@@ -14,7 +14,9 @@ supervisor process restarts what dies, as systemd would (services/supervisor.py)
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import fcntl
 import http.client
 import importlib.util
 import json
@@ -26,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "cluster.toml"
 STATE_FILE = "cluster.json"
+STARTING = ".starting"  # flocked while `up` starts a cluster in the dir (`_starting`)
 START_ORDER = ("coordinator", "ps", "loader", "preprocess", "worker")
 # Reverse of start: workers stop pulling before the shards they push to
 # checkpoint, and the coordinator goes last so the others can say goodbye.
@@ -326,6 +330,18 @@ def _stop_all(state: dict, timeout: float) -> dict:
     return summary
 
 
+def _stop_unrecorded(state: dict, before: set[int]) -> None:
+    """Stop the processes this start made that its state does not record yet: a Ctrl-C between
+    a process's start and its record left it running (a coordinator holding its ports for
+    good), which nothing knew of any more."""
+    recorded = {r["pid"] for r in _records(state)}
+    for pid in set(_CHILDREN) - before - recorded:
+        proc = _CHILDREN.pop(pid)
+        if proc.poll() is None:
+            _kill_group(pid)
+            proc.wait()
+
+
 def _records(state: dict) -> list[dict]:
     return ([state["redis"]] if state.get("redis") else []) + state["services"]
 
@@ -399,15 +415,38 @@ def up(cfg: ClusterConfig, wait: bool = True, owner: int | None = None) -> dict:
     (then it restarts nothing). On free ports (`cluster.base_port = 0`) a port taken by another
     process between its choice and its bind starts the cluster again on others (a suite's
     parallel clusters: "address already in use", and the job failed)."""
-    for attempt in range(1, PORT_TRIES):
+    with _starting(cfg.cluster.path):
+        for attempt in range(1, PORT_TRIES):
+            try:
+                return _up(cfg, wait, owner)
+            except MarianaError as e:
+                if not _ports_all_chosen(cfg) or "address already in use" not in str(e).lower():
+                    raise
+                log.warning("a port chosen for the cluster was taken meanwhile (start %d of %d): starting it again "
+                            "on other free ports", attempt, PORT_TRIES)
+        return _up(cfg, wait, owner)
+
+
+@contextlib.contextmanager
+def _starting(root: str):
+    """Held while `up` starts a cluster in `root` (an flock of ROOT/.starting): two `up`s at once
+    in one dir both started a cluster there, sharing cluster.toml and the job store, and `down`
+    stopped one of them; the other ran on with nothing recording it."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise MarianaError(f"{root}: not a directory (the cluster's dir: its state, config and logs go there)")
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, STARTING), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
         try:
-            return _up(cfg, wait, owner)
-        except MarianaError as e:
-            if not _ports_all_chosen(cfg) or "address already in use" not in str(e).lower():
-                raise
-            log.warning("a port chosen for the cluster was taken meanwhile (start %d of %d): starting it again on "
-                        "other free ports", attempt, PORT_TRIES)
-    return _up(cfg, wait, owner)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MarianaError(f"another `mariana up` is starting a cluster in {root} right now; wait for it, "
+                               "then use that cluster (or `mariana down --dir` it)") from None
+        except OSError:
+            pass  # a file system without locks: as before
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
 
 
 def _ports_all_chosen(cfg: ClusterConfig) -> bool:
@@ -430,13 +469,14 @@ def _up(cfg: ClusterConfig, wait: bool, owner: int | None) -> dict:
              "redis": None, "services": [], "restart": cfg.cluster.supervise}
     if owner is not None:
         state["owner"] = {"name": "owner", "pid": owner, "start": procs.start_time(owner)}
-    t0 = time.monotonic()
+    t0, before = time.monotonic(), set(_CHILDREN)
     try:
         _start_processes(cfg, state)
         if wait:
             _wait_registered(state, cfg.cluster.start_seconds)
     except BaseException:  # Ctrl-C included: leave nothing running behind
         _stop_all(state, timeout=10.0)
+        _stop_unrecorded(state, before)
         _remove_state(root)
         raise
     if cfg.cluster.supervise or owner is not None:
@@ -498,18 +538,47 @@ def _refuse_taken(cfg: ClusterConfig) -> None:
 
 
 def _start_processes(cfg: ClusterConfig, state: dict) -> None:
-    """Start in START_ORDER, saving cluster.json after each so `down` can stop a half-started cluster."""
+    """Start in START_ORDER, saving cluster.json after each so `down` can stop a half-started
+    cluster. A process's start and its record are one step (`_held_signals`)."""
     if cfg.redis.embedded:
-        server = _embedded_redis(cfg, state["dir"]).start()
-        state["redis"] = _record("redis", "redis", 0, server.proc, server.command(), server.log_path)
-        _save_state(state)
+        with _held_signals():
+            server = _embedded_redis(cfg, state["dir"]).start()
+            state["redis"] = _record("redis", "redis", 0, server.proc, server.command(), server.log_path)
+            _save_state(state)
         server.wait_ready(min(10.0, cfg.cluster.start_seconds))
         log.info("started redis: pid %d, %s", server.pid, server.url)
     env = _child_env()
     for role in START_ORDER:
         for index in range(cfg.count(role)):
-            state["services"].append(_spawn(role, index, state, env))
-            _save_state(state)
+            with _held_signals():
+                state["services"].append(_spawn(role, index, state, env))
+                _save_state(state)
+
+
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _held_signals():
+    """Ctrl-C, SIGTERM and SIGHUP held while a process is started and recorded, then acted on
+    (the handlers there were, e.g. KeyboardInterrupt): one arriving in between (inside Popen,
+    after its fork) left a service running that nothing recorded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    before = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in HELD_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    for signum in came[:1]:
+        handler = before[signum]
+        if callable(handler):
+            handler(signum, None)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(signum)
 
 
 def _embedded_redis(cfg: ClusterConfig, root: str) -> RedisServer:

@@ -230,6 +230,56 @@ def test_up_that_fails_leaves_nothing_running(tmp_path):
     assert oct((tmp_path / "c" / "cluster.toml").stat().st_mode & 0o777) == "0o600"
 
 
+def test_an_up_while_another_starts_a_cluster_in_the_dir_is_refused(tmp_path):
+    """Two `up`s at once in one dir both started a cluster there (2 of 9 tries), sharing its
+    cluster.toml and job store; `down` stopped one, and the other ran on, recorded nowhere."""
+    from mariana.services.launcher import _starting
+
+    with _starting(str(tmp_path / "c")):  # what the first `up` holds until its cluster is up
+        line = error_line(run_cli("up", "--dir", tmp_path / "c"))
+    assert line == (f"mariana: error: another `mariana up` is starting a cluster in {tmp_path / 'c'} right now; "
+                    "wait for it, then use that cluster (or `mariana down --dir` it)")
+    assert not (tmp_path / "c" / "cluster.json").exists() and processes_naming(str(tmp_path / "c")) == []
+    (tmp_path / "afile").write_text("")
+    assert error_line(run_cli("up", "--dir", tmp_path / "afile")).endswith("afile: not a directory (the cluster's "
+                                                                            "dir: its state, config and logs go there)")
+
+
+def test_a_hangup_during_the_start_stops_what_was_started(tmp_path):
+    """SIGHUP to `up` (its terminal or ssh session gone) left the half-started cluster running
+    with no supervisor; SIGINT and SIGTERM stopped it. It is stopped as they stop it now."""
+    d = tmp_path / "c"
+    up = subprocess.Popen([sys.executable, "-m", "mariana", "up", "--dir", str(d)], stderr=subprocess.PIPE,
+                          text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (d / "cluster.json").exists() or "coordinator-0" not in (d / "cluster.json").read_text():
+            assert up.poll() is None and time.monotonic() < deadline, up.stderr.read() if up.poll() else "slow"
+            time.sleep(0.02)
+        up.send_signal(signal.SIGHUP)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 130 and "mariana: interrupted: stopped by SIGHUP" in err, (up.returncode, err[-2000:])
+    assert not (d / "cluster.json").exists() and processes_naming(str(d)) == []
+
+
+def test_a_start_interrupted_before_a_process_is_recorded_stops_that_process_too(tmp_path):
+    """A Ctrl-C between a service's start and its record in cluster.json left it running (a
+    coordinator held its ports for good) and `down` knew nothing of it."""
+    from mariana.services import launcher
+
+    before = set(launcher._CHILDREN)
+    recorded = launcher._popen([sys.executable, "-c", "import time; time.sleep(60)"], str(tmp_path / "a.log"))
+    unrecorded = launcher._popen([sys.executable, "-c", "import time; time.sleep(60)"], str(tmp_path / "b.log"))
+    state = {"redis": None, "services": [{"pid": recorded.pid}]}
+    launcher._stop_unrecorded(state, before)
+    assert unrecorded.poll() is not None and recorded.poll() is None  # the recorded one is _stop_all's
+    recorded.kill()
+    recorded.wait()
+
+
 @pytest.mark.slow
 def test_a_saved_job_this_version_cannot_read_does_not_stop_the_coordinator(tmp_path):
     """A check added to job specs since a job was saved (a batch bound, say) makes its spec

@@ -30,6 +30,7 @@ config key) print one line `mariana: error: ...` and exit with code 2.
 from __future__ import annotations
 
 import argparse
+import http.client as http_client
 import json
 import math
 import logging
@@ -38,6 +39,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 
 from mariana.services import images_cli
 from mariana.services.cli_parser import Parser
@@ -320,6 +322,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     overrides = {key: getattr(args, flag) for flag, key in flags if getattr(args, flag) is not None}
     info = up(load_cluster_config(args.config, overrides=overrides))
     log.info("web UI of jobs, services and models: %s/ui/ (until `mariana down`)", info["http"])
+    _warn_redis_down(info["http"])
     print(json.dumps({"dir": info["dir"], "http": info["http"], "ui": info["http"] + "/ui/", "pids": info["pids"],
                       "supervisor": info["supervisor"]}))
     return 0
@@ -342,6 +345,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from mariana.services.launcher import ClusterNotUp, remote_status, status
 
     url = args.url
+    if url:
+        _check_url(url, "--url")
     if not url:
         try:
             st = status(_cluster_dir(args))
@@ -362,6 +367,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         _print_status(st)
     return 0 if st["error"] is None else 1
+
+
+def _warn_redis_down(http: str) -> None:
+    """A warning when the cluster just started cannot reach its Redis (an external one: redis.embedded
+    off). `up` said the cluster was up, and `status` showed every service alive, with no word."""
+    from mariana.services.launcher import fetch_status
+
+    try:
+        redis = fetch_status(http).get("redis")
+    except (OSError, ValueError, http_client.HTTPException):
+        return
+    if isinstance(redis, dict) and redis.get("up") is False:
+        log.warning("the cluster is up, but its Redis does not answer (%s): jobs wait for it (redis.url)",
+                    redis.get("error"))
+
+
+def _check_url(url: str, flag: str) -> None:
+    """MarianaError unless `url` is an http(s) address with a valid port (a bare host:port was
+    taken for a coordinator that did not answer, exit 1)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        raise MarianaError(f"{flag} {url!r}: the port is not in 0..65535") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise MarianaError(f"{flag} {url!r}: give the coordinator's address with its scheme, e.g. "
+                           f"http://{url if '://' not in url else '127.0.0.1:5701'}")
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
@@ -497,6 +529,9 @@ def _print_status(st: dict) -> None:
     sup = st.get("supervisor")
     if sup:
         print(f"supervisor: pid {sup['pid']}" + ("" if sup["running"] else " (exited: nothing is restarted)"))
+    redis = coord.get("redis")
+    if isinstance(redis, dict) and redis.get("up") is False:  # an external one: not among the processes below
+        print(f"redis: not answering ({redis.get('error')}): jobs cannot cache their samples")
     report.print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "HOST", "PID", "RESTARTS", "LAST SEEN",
                         "THROUGHPUT"),
                        _service_rows(st, coord))

@@ -265,6 +265,25 @@ def test_a_hangup_during_the_start_stops_what_was_started(tmp_path):
     assert not (d / "cluster.json").exists() and processes_naming(str(d)) == []
 
 
+def test_a_cluster_whose_external_redis_does_not_answer_says_so_at_up_and_in_status(tmp_path):
+    """With redis.embedded off and nothing at redis.url, `up` said the cluster was up and
+    `status` listed every service alive, with no word of Redis (its /v1/status had it)."""
+    config = tmp_path / "c.toml"
+    config.write_text(f'[cluster]\ndir = "{tmp_path / "c"}"\n[redis]\nembedded = false\n'
+                      f'url = "redis://127.0.0.1:{free_port()}/0"\n')
+    try:
+        up = run_cli("up", "--config", config, "--ps", "1", "--workers", "1", "--preprocess", "1")
+        assert up.returncode == 0, up.stderr
+        assert "the cluster is up, but its Redis does not answer (" in up.stderr, up.stderr
+        shown = run_cli("status", "--dir", tmp_path / "c")
+        assert "redis: not answering (" in shown.stdout and "jobs cannot cache their samples" in shown.stdout
+    finally:
+        run_cli("down", "--dir", tmp_path / "c")
+    for bad, says in (("127.0.0.1:5701", "give the coordinator's address with its scheme, e.g. http://127.0.0.1:5701"),
+                      ("http://127.0.0.1:99999", "the port is not in 0..65535")):  # was: "unreachable", exit 1
+        assert error_line(run_cli("status", "--url", bad)) == f"mariana: error: --url {bad!r}: {says}"
+
+
 def test_a_start_interrupted_before_a_process_is_recorded_stops_that_process_too(tmp_path):
     """A Ctrl-C between a service's start and its record in cluster.json left it running (a
     coordinator held its ports for good) and `down` knew nothing of it."""

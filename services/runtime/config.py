@@ -333,6 +333,10 @@ def _distinct_ports(base: int, host: str, derived: list[tuple[str, int]]) -> Non
 both at port 7100 of 127.0.0.1 (it leaves room for 90 ps, 100 preprocess and 100 metrics ports of each role): \
 write the endpoints out, or lower the counts
     """
+    key, port = max(derived, key=lambda kp: kp[1], default=("", 0))
+    if port > 65535:  # each service exited at its start, blaming a key the user never set
+        raise ConfigError(f"cluster.base_port {base} derives {key} at port {port}, past 65535: at most "
+                          f"{65535 - (port - base)} for these counts")
     seen: dict[int, str] = {}
     for key, port in derived:
         if port in seen:

@@ -192,6 +192,9 @@ def test_cluster_and_job_configs_take_only_their_own_environment_sections():
     ("coordinator.token", "   ", "coordinator.token has white space around it"),
     ("coordinator.token", "s3\ncret", "coordinator.token holds a control character"),
     ("ps.count", 100_000, "ps.count must be in 1..4,096, got 100,000"),  # was "too many open files" from `up`
+    # each service exited at its start, blaming a key never set ("preprocess.metrics_ports must be in 0..65535")
+    ("cluster.base_port", 65400, "cluster.base_port 65400 derives worker.metrics_ports[1] at port 65801, past "
+                                 "65535: at most 65134 for these counts"),
 ])
 def test_cluster_times_ports_and_sizes_out_of_range_name_the_key(key, value, says):
     """A negative lease had every batch lapse at once and trained nothing; a port past 65535

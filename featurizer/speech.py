@@ -159,7 +159,7 @@ def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE, min_
     mariana.featurizer.speech.BadAudio: x.wav: sample rate 16000 Hz, expected 8000 Hz (mono, 16-bit PCM)
     """
     try:
-        with wave.open(io.BytesIO(_plain_pcm(raw)), "rb") as w:
+        with wave.open(io.BytesIO(_plain_pcm(_file_sizes(raw))), "rb") as w:
             channels, width, rate, n = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
             frames = w.readframes(n)
     except (wave.Error, EOFError, RuntimeError, struct.error) as e:
@@ -181,6 +181,35 @@ def read_wav(raw: bytes, name: str = "wav", sample_rate: int = SAMPLE_RATE, min_
         raise BadAudio(f"{name}: {n} samples ({1000 * n / rate:.1f} ms), shorter than the front end's two "
                        f"analysis windows ({min_samples} samples, {1000 * min_samples / rate:.1f} ms)")
     return np.frombuffer(frames, dtype="<i2").astype(np.int16)
+
+
+UNSET_SIZES = (0, 0xFFFFFFFF)  # a data size an encoder writing to a pipe leaves (it cannot seek back)
+
+
+def _file_sizes(raw: bytes) -> bytes:
+    r"""A wav whose sizes are not its file's, as the file is: the RIFF size the file's length,
+    and an unset data size (0 or 0xFFFFFFFF, as `ffmpeg ... -f wav -` writes) the bytes after
+    it. Such wavs were "truncated (2292 of 2147483647 samples)", "not a WAVE file" or "ending
+    inside the wav header". A data size that is set stays: a cut file is still found.
+
+    >>> head = b"RIFF" + bytes(4) + b"WAVEfmt " + (16).to_bytes(4, "little") + bytes(16) + b"data"
+    >>> fixed = _file_sizes(head + b"\xff" * 4 + b"\x01\x00\x02\x00")
+    >>> int.from_bytes(fixed[4:8], "little"), int.from_bytes(fixed[40:44], "little")
+    (40, 4)
+    """
+    if raw[:4] != b"RIFF" or raw[8:12] != b"WAVE" or len(raw) - 8 > 0xFFFFFFFF:
+        return raw
+    out = bytearray(raw)
+    out[4:8] = (len(raw) - 8).to_bytes(4, "little")
+    at = 12
+    while at + 8 <= len(out):
+        size = int.from_bytes(out[at + 4:at + 8], "little")
+        if out[at:at + 4] == b"data":
+            if size in UNSET_SIZES:
+                out[at + 4:at + 8] = ((len(out) - at - 8) & ~1).to_bytes(4, "little")  # whole samples
+            break
+        at += 8 + size + (size & 1)
+    return bytes(out)
 
 
 PCM_GUID_TAIL = bytes.fromhex("000000001000800000aa00389b71")  # KSDATAFORMAT_SUBTYPE_PCM after its first 2 bytes
@@ -230,28 +259,38 @@ def check_audible(samples: np.ndarray, name: str = "wav") -> None:
 
 def read_archive(path: str | os.PathLike, sample_rate: int = SAMPLE_RATE, min_samples: int = 1) -> list[Utterance]:
     """Every `{digit}_{speaker}_{index}.wav` in a .tar.gz, read in place, sorted by name.
-    A damaged archive or a wav that is not mono 16-bit at `sample_rate` or has fewer than
-    `min_samples` samples is a DataFormatError naming the file; other members are ignored."""
+    A damaged archive, or a wav that is not mono 16-bit at `sample_rate`, has fewer than
+    `min_samples` samples or is silent (`check_audible`: `predict` refuses it, and `evaluate`
+    scored it), is a DataFormatError naming the file; other members are ignored. A hard or
+    symbolic link to a recording in the archive is read as it (they were left out without a
+    word), and a name the archive holds twice is its last copy, as tar extracts it (it was
+    scored twice)."""
     path = Path(path)
-    out = []
+    found: dict[str, Utterance] = {}
     try:
         with tarfile.open(path, "r:*") as tar:
             for member in tar:
                 m = NAME_RE.search(member.name)
-                if not member.isfile() or not m:
+                if not m or not (member.isfile() or member.islnk() or member.issym()):
                     continue
-                f = tar.extractfile(member)
-                samples = read_wav(f.read(), f"{path.name}:{member.name}", sample_rate, min_samples)
-                out.append(Utterance(member.name, int(m.group(1)), m.group(2), int(m.group(3)), samples))
+                where = f"{path.name}:{member.name}"
+                try:
+                    f = tar.extractfile(member)
+                except KeyError:
+                    f = None
+                if f is None:
+                    raise DataFormatError(f"{where}: a link to {member.linkname}, which the archive does not hold")
+                samples = read_wav(f.read(), where, sample_rate, min_samples)
+                check_audible(samples, where)
+                found[member.name] = Utterance(member.name, int(m.group(1)), m.group(2), int(m.group(3)), samples)
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         if isinstance(e, FileNotFoundError):
             raise DataFormatError(f"{path}: no such file (the FSDD archive {ARCHIVE})") from None
         why = " ".join(str(e).split())  # tarfile's message may span lines: one line here
         raise DataFormatError(f"{path}: not a readable .tar.gz of wav files ({why})") from None
-    if not out:
+    if not found:
         raise DataFormatError(f"{path}: no recordings named {{digit}}_{{speaker}}_{{index}}.wav in the archive")
-    out.sort(key=lambda u: u.name)
-    return out
+    return sorted(found.values(), key=lambda u: u.name)
 
 
 def split_utterances(utts: list[Utterance], split: str = "official") -> tuple[list[Utterance], list[Utterance]]:

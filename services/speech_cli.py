@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import posixpath
 import sys
 
 from mariana.services.cli_parser import Parser
@@ -125,12 +126,13 @@ def _check_unseen(test: list, utterances: list, split: str, trained: dict, archi
     if not own or own == split:
         return
     if isinstance(trained.get("recordings"), list):
-        learned = set(trained["recordings"])
+        learned = {posixpath.basename(str(n)) for n in trained["recordings"]}
     elif trained.get("archive_sha256") == file_sha256(archive):
-        learned = {u.name for u in split_utterances(utterances, own)[0]}
+        learned = {posixpath.basename(u.name) for u in split_utterances(utterances, own)[0]}
     else:
         return
-    seen = sum(u.name in learned for u in test)
+    # by the file's own name: the archive's paths (./recordings/x.wav, or x.wav at its top) passed
+    seen = sum(posixpath.basename(u.name) in learned for u in test)
     if seen:
         raise MarianaError(f"--split {split}: {seen} of its {len(test)} held-out recordings are ones this model "
                            f"was trained on (it was trained with --split {own}): scored on them, the accuracy says "

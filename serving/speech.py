@@ -22,6 +22,9 @@ from mariana.featurizer.speech import MODEL_KIND, BadAudio, SpeechRecognizer
 from mariana.serving.errors import ServeError
 from mariana.trainer import checkpoint
 
+# A request's audio at most (a spoken digit is about a second): a recording's frames take ~100x
+# its bytes while scored, and 8 MiB bodies (8.7 minutes) at once took a server to 3 GB.
+MAX_AUDIO_SECONDS = 60
 AUDIO_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave",
                          "application/octet-stream"})  # aiohttp's name for a body without a Content-Type
 
@@ -60,6 +63,11 @@ class SpeechPredictor:
             raise ServeError(415, f"{self.version} is a speech model: POST a wav file (Content-Type: audio/wav; "
                                   f"mono 16-bit PCM at {self.recognizer.front_end.sample_rate} Hz), "
                                   f"not {content_type}")
+        rate = self.recognizer.front_end.sample_rate
+        if len(body) > 2 * rate * MAX_AUDIO_SECONDS + 4096:  # 16-bit mono samples, and room for any header
+            raise ServeError(413, f"the body holds {len(body):,} bytes, about {len(body) / (2 * rate):,.0f} s of "
+                                  f"{rate} Hz 16-bit audio; at most {MAX_AUDIO_SECONDS} s a request (a spoken digit is "
+                                  "about one): cut the recording")
         try:
             out = self.recognizer.predict_wav(body, "the body")
         except BadAudio as e:

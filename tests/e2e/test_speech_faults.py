@@ -234,3 +234,17 @@ def test_evaluate_refuses_a_split_that_holds_out_what_the_model_learned(model, f
     assert runs[1][0] == 0, runs[1]
     # the same recordings in another archive (a subset of it): they passed, the archives' sha256 differing
     assert_one_line(*runs[2], "--split speaker:theo: 20 of its 20 held-out recordings are ones this model was")
+    # and packed again with other paths (`tar czf x.tgz .` writes ./recordings/..., or the files at the top)
+    repacked = []
+    for prefix in ("./recordings/", ""):
+        out = tmp_path / f"theo-{len(repacked)}" / "fsdd_recordings.tar.gz"
+        out.parent.mkdir()
+        with tarfile.open(fsdd["theo"] / "fsdd_recordings.tar.gz") as src, tarfile.open(out, "w:gz") as dst:
+            for member in src.getmembers():
+                if member.isfile():
+                    raw = src.extractfile(member).read()
+                    member.name = prefix + member.name.rsplit("/", 1)[-1]
+                    dst.addfile(member, __import__("io").BytesIO(raw))
+        repacked.append(["evaluate", "--model", model, "--data", out.parent, "--split", "speaker:theo"])
+    for run in cases_in(tmp_path, repacked, env):
+        assert_one_line(*run, "--split speaker:theo: 20 of its 20 held-out recordings are ones this model was")

@@ -108,6 +108,14 @@ def test_what_is_not_a_mono_16_bit_wav_is_a_4xx_that_names_it(speech_model, tmp_
         assert post_wav(s, wav_bytes(tone(2, 1, 4)))[0] == 200  # still answering
         assert s.metric("mariana_serve_predictions_total") == 1
         assert "Traceback" not in s.logs()
+    # more than a minute of audio: scored, a recording's frames took ~100x its bytes, and 8 MiB
+    # bodies at once took a server to 3 GB
+    long = wav_bytes(np.tile(tone(2, 1, 4), 8000 * 61 // len(tone(2, 1, 4)) + 1))
+    with Server(tmp_path / "l", speech_model, workers=1, serve={"max_body_bytes": 2_000_000}) as s:
+        s.wait_for("/readyz")
+        got, _, raw = s.request("POST", "/v1/predict", long, WAV)
+        assert got == 413 and "s of 8000 Hz 16-bit audio; at most 60 s a request" in json.loads(raw)["error"], raw
+        assert post_wav(s, wav_bytes(tone(2, 1, 4)))[0] == 200
 
 
 def test_a_directory_moving_between_speech_and_click_versions_is_answered_by_the_kind_in_service(

@@ -3,6 +3,7 @@ answers to bad input: the archive read in place, log-mel frames, context windows
 splits, the feature cache, and one clear error line (exit 2) for what a user gets wrong."""
 from __future__ import annotations
 
+import io
 import json
 import re
 import struct
@@ -164,6 +165,55 @@ def test_a_bad_wav_names_the_file_and_what_is_wrong(tmp_path):
         read_archive(empty)
     with pytest.raises(MarianaError, match="no such speaker"):
         speech.split_utterances(read_archive(write_archive(tmp_path / "b.tar.gz")), "speaker:carol")
+
+
+def test_an_archive_reads_links_once_per_name_and_refuses_silence(tmp_path):
+    """A hard or symbolic link to a recording was left out without a word, a name the archive
+    held twice was scored twice, and a silent recording was scored by `evaluate` (and trained
+    on) where `predict` refuses it."""
+    def archive(path, links=(), extra=()):
+        with tarfile.open(path, "w:gz") as tar:
+            for name, raw in [(f"recordings/{d}_ann_{i}.wav", wav_bytes(tone(d, 0, i))) for d in range(3)
+                              for i in range(2)] + list(extra):
+                info = tarfile.TarInfo(name)
+                info.size = len(raw)
+                tar.addfile(info, io.BytesIO(raw))
+            for name, kind, target in links:
+                info = tarfile.TarInfo(name)
+                info.type, info.linkname = kind, target
+                tar.addfile(info)
+        return path
+
+    links = [("recordings/0_ann_7.wav", tarfile.LNKTYPE, "recordings/0_ann_0.wav"),
+             ("recordings/0_ann_8.wav", tarfile.SYMTYPE, "0_ann_1.wav")]
+    linked = read_archive(archive(tmp_path / "l.tar.gz", links))
+    by_name = {u.name: u for u in linked}
+    assert len(linked) == 8 and np.array_equal(by_name["recordings/0_ann_7.wav"].samples,
+                                               by_name["recordings/0_ann_0.wav"].samples)
+    assert np.array_equal(by_name["recordings/0_ann_8.wav"].samples, by_name["recordings/0_ann_1.wav"].samples)
+    with pytest.raises(DataFormatError, match="x.tar.gz:recordings/0_ann_9.wav: a link to gone.wav, which the "
+                                              "archive does not hold"):
+        read_archive(archive(tmp_path / "x.tar.gz", [("recordings/0_ann_9.wav", tarfile.SYMTYPE, "gone.wav")]))
+    twice = read_archive(archive(tmp_path / "t.tar.gz", extra=[("recordings/2_ann_1.wav", wav_bytes(tone(5, 0, 0)))]))
+    assert len(twice) == 6 and np.array_equal(twice[-1].samples, tone(5, 0, 0))  # the last copy, as tar extracts
+    with pytest.raises(BadAudio, match=r"s.tar.gz:recordings/7_ann_3.wav: silent \(its samples vary by at most 0"):
+        read_archive(archive(tmp_path / "s.tar.gz", extra=[("recordings/7_ann_3.wav",
+                                                             wav_bytes(np.zeros(8000, np.int16)))]))
+
+
+def test_a_wav_whose_sizes_are_unset_or_not_the_files_reads_as_the_file_is():
+    """An encoder writing to a pipe leaves the data size unset (0xFFFFFFFF, or 0): "truncated
+    (2292 of 2147483647 samples)", "not a WAVE file"; a RIFF size short of the file: "ending
+    inside the wav header". A data size past the file is still a cut file."""
+    samples = tone(4, 0, 1)
+    raw = wav_bytes(samples)
+    at = raw.index(b"data")
+    for riff, data in ((0xFFFFFFFF, 0xFFFFFFFF), (0, 0), (20, len(samples) * 2)):
+        odd = raw[:4] + struct.pack("<I", riff) + raw[8:at + 4] + struct.pack("<I", data) + raw[at + 8:]
+        assert np.array_equal(read_wav(odd, "x.wav"), samples), (riff, data)
+    past = raw[:at + 4] + struct.pack("<I", len(samples) * 2 + 1000) + raw[at + 8:]
+    with pytest.raises(BadAudio, match=rf"x.wav: truncated \({len(samples)} of {len(samples) + 500} samples\)"):
+        read_wav(past, "x.wav")
 
 
 def test_the_cli_names_the_default_approximate_exchange():

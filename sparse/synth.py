@@ -247,8 +247,17 @@ def check_room(out: str, rows: int, row_bytes: int) -> None:
     except OSError:
         return  # what cannot be asked is found by the write
     if least_bytes > free:
-        raise MarianaError(f"{out}: {rows:,} rows take at least {least_bytes / 1e9:,.1f} GB, and its file system "
-                           f"has {free / 1e9:,.1f} GB free: ask for fewer rows, or write elsewhere")
+        raise MarianaError(f"{out}: {rows:,} rows take at least {_size(least_bytes)}, and its file system has "
+                           f"{_size(free)} free: ask for fewer rows, or write elsewhere")
+
+
+def _size(n: int) -> str:
+    """Bytes as a person reads them.
+
+    >>> _size(70 * 10**15), _size(4_000_000), _size(61_440)
+    ('70,000,000.0 GB', '4.0 MB', '61 kB')
+    """
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 
 
 def check_rows(rows) -> None:

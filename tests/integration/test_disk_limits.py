@@ -95,13 +95,15 @@ def test_files_written_on_a_full_disk_are_named_and_leave_nothing_behind(tmp_pat
     full.mkdir()
     m = f"{sys.executable} -m mariana"
     proc = namespaced(f"set -u; {train(data, tmp_path / 'ctr', 12)} && mount -t tmpfs -o size=64k none {full} && "
-                      f"{m} gen criteo --rows 20000 --out {full}/g.tsv; echo rc=$?; "
+                      f"{m} gen criteo --rows 20000 --out {full}/g.tsv; echo rc=$?; "  # refused first: it cannot fit
+                      f"{m} gen criteo --rows 300 --out {full}/g.tsv; echo rc=$?; "  # may fit (~200 B a row): found full
                       f"head -c 60000 /dev/zero > {full}/filler; "
                       f"{m} evaluate --model {tmp_path / 'ctr'} --data {data} --plot {full}/big.png; echo rc=$?; "
                       f"ls -a {full}")
     out = proc.stdout + proc.stderr
+    assert f"mariana: error: {full}/g.tsv: 20,000 rows take at least 4.0 MB, and its file system has " in out, out
     assert f"mariana: error: {full}/g.tsv: cannot write it: no space left on its filesystem" in out, out
     assert f"mariana: error: {full}/big.png: cannot write it: no space left on its filesystem" in out, out
-    assert out.count("rc=2") == 2, out
+    assert out.count("rc=2") == 3, out
     listed = proc.stdout.split("rc=")[-1].split()[1:]
     assert [n for n in listed if n not in (".", "..")] == ["filler"], out  # no temp files, no partial file

@@ -249,8 +249,9 @@ def test_a_hangup_during_the_start_stops_what_was_started(tmp_path):
     """SIGHUP to `up` (its terminal or ssh session gone) left the half-started cluster running
     with no supervisor; SIGINT and SIGTERM stopped it. It is stopped as they stop it now."""
     d = tmp_path / "c"
-    up = subprocess.Popen([sys.executable, "-m", "mariana", "up", "--dir", str(d)], stderr=subprocess.PIPE,
-                          text=True)
+    up = subprocess.Popen([sys.executable, "-m", "mariana", "up", "--dir", str(d)], stderr=subprocess.PIPE, text=True,
+                          # as from a terminal: a suite run under nohup passes SIGHUP on ignored, which `up` leaves so
+                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not (d / "cluster.json").exists() or "coordinator-0" not in (d / "cluster.json").read_text():

@@ -94,8 +94,9 @@ OPENAPI = {
                                                                           "jobs_total": {"type": "integer"}}},
                                                           "Status."), **_errors(400)}}},
         "/v1/jobs": {
-            "get": {"summary": "Every job, newest first",
-                    "parameters": [_count("limit", f"At most N jobs (default {JOBS_PAGE}: a coordinator keeps every job it ran)."),
+            "get": {"summary": "Jobs, newest first (a page: see total)",
+                    "parameters": [_count("limit", f"At most N jobs (default {JOBS_PAGE}: a coordinator keeps "
+                                                   "every job it ran)."),
                                    _count("offset", "Skip the newest K (default 0).")],
                     "responses": {"200": _json({"type": "object", "required": ["jobs", "total"],
                                                 "properties": {"jobs": {"type": "array", "items": _SUMMARY},

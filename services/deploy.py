@@ -154,7 +154,8 @@ def _program(option: str, path: str) -> str:
     odd = sorted({c for c in path if c in UNIT_SPECIAL})
     if odd:  # %n became the unit's name, a quote unbalanced the line, a backslash was fatal
         raise MarianaError(f"{option} {path!r}: {' '.join(odd)} in a path means something else in ExecStart= "
-                           "(systemd's specifiers, quoting, escapes); install it under a plain path (e.g. /opt/mariana)")
+                           "(systemd's specifiers, quoting, escapes); install it under a plain path "
+                           "(e.g. /opt/mariana)")
     return path
 
 

@@ -123,8 +123,8 @@ def manifest_sha256(manifest: dict) -> str:
     >>> manifest_sha256({"b": 1, "a": [1.5]}) == manifest_sha256({"a": [1.5], "b": 1, DIGESTS: {}})
     True
     """
-    body = {k: v for k, v in manifest.items() if k != DIGESTS}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != DIGESTS}))  # as read back: int keys
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()  # are text
 
 
 def digests(manifest: dict, vdir: str | os.PathLike, files: tuple[str, ...]) -> dict:

@@ -96,7 +96,7 @@ def test_files_written_on_a_full_disk_are_named_and_leave_nothing_behind(tmp_pat
     m = f"{sys.executable} -m mariana"
     proc = namespaced(f"set -u; {train(data, tmp_path / 'ctr', 12)} && mount -t tmpfs -o size=64k none {full} && "
                       f"{m} gen criteo --rows 20000 --out {full}/g.tsv; echo rc=$?; "  # refused first: it cannot fit
-                      f"{m} gen criteo --rows 300 --out {full}/g.tsv; echo rc=$?; "  # may fit (~200 B a row): found full
+                      f"{m} gen criteo --rows 300 --out {full}/g.tsv; echo rc=$?; "  # may fit (~200 B a row): fills it
                       f"head -c 60000 /dev/zero > {full}/filler; "
                       f"{m} evaluate --model {tmp_path / 'ctr'} --data {data} --plot {full}/big.png; echo rc=$?; "
                       f"ls -a {full}")

@@ -480,8 +480,9 @@ def run_ranks(argv: list[str], nproc: int, workdir: str, env: dict | None = None
     torchrun does): RANK, WORLD_SIZE and LOCAL_RANK set, rendezvous through a file store in
     `workdir` (no port to clash). Returns when every rank exited 0. When one fails, the
     others get `grace_s` seconds to notice (their collectives fail or time out), then are
-    killed (at once when those left are all stopped: SIGSTOP, a debugger), and the first failure is raised as one error naming the rank. Each rank's stderr
-    comes through `RankStderr`: its log lines as they come, its own error line kept for that one."""
+    killed (at once when those left are all stopped: SIGSTOP, a debugger), and the first
+    failure is raised as one error naming the rank. Each rank's stderr comes through
+    `RankStderr`: its log lines as they come, its own error line kept for that one."""
     import signal
     import subprocess
     import sys

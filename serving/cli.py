@@ -70,6 +70,8 @@ def cmd_model(args: argparse.Namespace) -> int:
                            "(or promote)")
     cfg = _config(args)
     model_dir = cfg.serve.model_dir
+    if args.action in ("promote", "rollback"):  # a symlink followed once: its checks and the move in one dir
+        model_dir = str(checkpoint.resolved(model_dir))
     if args.action == "prune":
         return _prune(args, model_dir)
     if args.action == "config":
@@ -128,6 +130,7 @@ def _check_loads(model_dir: str, version: str, tables: str) -> None:
     try:
         load_version(model_dir, version, 1, tables)
     except MarianaError:
+        checkpoint.require_version(model_dir, version)  # a prune removed it meanwhile: said so, not "no manifest"
         raise
     except Exception as e:  # what a server's load would fail on, whatever it is
         raise ModelDirError(f"{model_dir}/{version}: a server could not load it ({type(e).__name__}: {e})") from None

@@ -145,6 +145,15 @@ def _is_featurizer(d: Path) -> bool:
     return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("mariana-featurizer")
 
 
+def resolved(model_dir: str | os.PathLike) -> Path:
+    """The directory a model dir names, a symlink followed once: a command that changes it
+    (save, promote, prune) works in one directory. Following a blue/green link anew at each
+    step, a prune switched mid-way removed the other directory's CURRENT version, and a
+    promote wrote its journal line into the other directory. (A server follows the link at
+    each poll: that is how it takes a switch.)"""
+    return Path(os.path.realpath(model_dir))
+
+
 class CurrentMoved(ModelDirError):
     """`set_current(..., expect=V)` found CURRENT naming another version than V (`found`)."""
 
@@ -158,13 +167,14 @@ _ANY = object()
 
 def set_current(model_dir: str | os.PathLike, version: str, reason: str | None = None,
                 expect: str | None | object = _ANY) -> str | None:
-    """Point CURRENT at `version`; returns the version it named before (None: none).
+    """Point CURRENT at `version`; returns the version it named before (None: none). A
+    `model_dir` that is a symlink is resolved once (`resolved`).
     With a `reason` ("trained", "promoted", "rollback", ...) the move is recorded in
     promotions.jsonl, which `rollback_target` reads. With `expect` (a version, or None for
     no CURRENT), CURRENT moves only if it still names that: otherwise CurrentMoved, and
     nothing changes. Moves of one model dir take turns (a lock on the directory itself, so
     no file is left behind): a check and its move are one step for every process."""
-    d = Path(model_dir)
+    d = resolved(model_dir)
     if not VERSION_RE.match(version):  # a path or "." would leave CURRENT naming no version of this dir
         raise ModelDirError(f"{model_dir}: {version!r} is not a version name (v000001, ...: see 'mariana model list')")
     require_version(d, version)
@@ -176,14 +186,14 @@ def _move_current(d: Path, version: str, reason: str | None, expect: str | None 
                   model_dir: str | os.PathLike | None = None) -> str | None:
     """set_current's move, the caller holding the dir's lock (`model_dir`: as the caller named it)."""
     model_dir = d if model_dir is None else model_dir
-    if not (d / version).is_dir():  # again, under the lock: a prune may have removed it since
-        raise ModelDirError(f"{model_dir}: no version {version!r} (removed meanwhile); CURRENT was left as it is")
     before = named_version(d)  # current_version's name, or a version deleted while it served
     if expect is not _ANY and before is None and not (d / "CURRENT").exists() and expect == last_moved_to(d):
         before = expect  # CURRENT deleted: the servers serve what it was last moved to, `expect` among them
-    if expect is not _ANY and before != expect:
+    if expect is not _ANY and before != expect:  # first: a prune after that move may have removed `version`
         raise CurrentMoved(f"{model_dir}: CURRENT names {before or 'no version'}, not {expect or 'no version'} "
                            "(another promotion moved it); it was left as it is", before)
+    if not (d / version).is_dir():  # again, under the lock: a prune may have removed it since
+        raise ModelDirError(f"{model_dir}: no version {version!r} (removed meanwhile); CURRENT was left as it is")
     tmp = d / f".CURRENT.{os.getpid()}"
     try:
         tmp.write_text(version + "\n")
@@ -453,7 +463,7 @@ def prune(model_dir: str | os.PathLike, keep: int, dry_run: bool = False) -> dic
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the newest versions kept besides CURRENT and the rollback target), "
                          f"got {keep}")
-    d = Path(model_dir)
+    d = resolved(model_dir)
     _current_to_prune(d)  # a missing dir, no CURRENT: said before the lock is taken (it needs the dir)
     with _locked(d):
         current = _current_to_prune(d)  # again under the lock: CURRENT cannot move until it is released
@@ -621,7 +631,7 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
                  reason: str | None = None) -> str:
     """Write a new version; returns its name, one never given in this dir before
     (`_new_name`). With `make_current`, CURRENT moves to it (recorded as `reason` when given)."""
-    d = Path(model_dir)
+    d = resolved(model_dir)
     bad = finite.nonfinite(weights)
     if bad:  # a version no server loads; CURRENT would have named it (a speech run diverged at --lr 1e8)
         raise ModelDirError(f"{model_dir}: nothing was published: the trained weights hold {finite.describe(bad)} "

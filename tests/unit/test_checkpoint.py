@@ -668,3 +668,41 @@ def test_journal_and_manifest_text_python_cannot_parse_is_a_damaged_line_or_an_e
         manifest.write_text(body)
         with pytest.raises(ModelDirError, match=f"v000002/manifest.json: not valid JSON: {says}"):
             checkpoint.read_manifest(d, "v000002")
+
+
+def test_a_model_dir_link_switched_mid_command_is_followed_once(tmp_path, monkeypatch):
+    """A blue/green symlink switched while a command ran: the command followed it anew at each
+    step, and a prune removed the other directory's CURRENT version, a promote moved the other
+    directory's CURRENT and wrote its journal line into the first."""
+    blue, green, live = tmp_path / "blue", tmp_path / "green", tmp_path / "live"
+    for d in (blue, green):
+        for _ in range(4):
+            checkpoint.save_version(d, {"model": {}}, WEIGHTS, reason="trained")
+    checkpoint.set_current(blue, "v000001", reason="promoted")
+    live.symlink_to(blue)
+    green_before = (checkpoint.list_versions(green), (green / "CURRENT").read_text(),
+                    (green / checkpoint.PROMOTIONS).read_text())
+
+    def switch_after(name):
+        real = getattr(checkpoint, name)
+
+        def switching(*args, **kw):
+            out = real(*args, **kw)
+            tmp = tmp_path / "next"
+            tmp.symlink_to(green if os.readlink(live) == str(blue) else blue)
+            os.replace(tmp, live)  # the switch, atomic, right after the command's first look
+            return out
+        monkeypatch.setattr(checkpoint, name, switching)
+
+    switch_after("_current_to_prune")
+    removed = [r["name"] for r in checkpoint.prune(live, keep=1)["removed"]]
+    monkeypatch.undo()
+    assert removed == ["v000002", "v000003"] and checkpoint.list_versions(blue) == ["v000001", "v000004"]
+    live.unlink()
+    live.symlink_to(blue)
+    switch_after("require_version")
+    checkpoint.set_current(live, "v000004", reason="promoted")
+    monkeypatch.undo()
+    assert checkpoint.current_version(blue) == "v000004" and checkpoint.promotions(blue)[-1]["to"] == "v000004"
+    assert (checkpoint.list_versions(green), (green / "CURRENT").read_text(),
+            (green / checkpoint.PROMOTIONS).read_text()) == green_before

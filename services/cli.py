@@ -379,8 +379,15 @@ def _warn_redis_down(http: str) -> None:
     except (OSError, ValueError, http_client.HTTPException):
         return
     if isinstance(redis, dict) and redis.get("up") is False:
-        log.warning("the cluster is up, but its Redis does not answer (%s): jobs wait for it (redis.url)",
-                    redis.get("error"))
+        log.warning("the cluster is up, but its Redis %s", _redis_trouble(redis))
+
+
+def _redis_trouble(redis: dict) -> str:
+    """What /v1/status's `redis` says is wrong: it refuses (a wrong db, credentials, an ACL: jobs
+    fail at once) or does not answer (jobs wait for it, up to redis.retry_seconds)."""
+    if redis.get("refused"):
+        return f"{redis.get('error')}: jobs fail until redis.url (or the Redis's ACL) is fixed"
+    return f"does not answer ({redis.get('error')}): jobs wait for it (redis.url)"
 
 
 def _check_url(url: str, flag: str) -> None:
@@ -531,7 +538,7 @@ def _print_status(st: dict) -> None:
         print(f"supervisor: pid {sup['pid']}" + ("" if sup["running"] else " (exited: nothing is restarted)"))
     redis = coord.get("redis")
     if isinstance(redis, dict) and redis.get("up") is False:  # an external one: not among the processes below
-        print(f"redis: not answering ({redis.get('error')}): jobs cannot cache their samples")
+        print(f"redis: {_redis_trouble(redis)}")
     report.print_table(("SERVICE", "ROLE", "INDEX", "ALIVE", "HOST", "PID", "RESTARTS", "LAST SEEN",
                         "THROUGHPUT"),
                        _service_rows(st, coord))

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 from aiohttp import web
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 
 from mariana.services import launcher, webui
 from mariana.services.coord_openapi import JOBS_PAGE, document
@@ -20,6 +20,7 @@ from mariana.services.jobstore import JobStoreError
 from mariana.services.runtime.auth import bearer_ok
 from mariana.services.runtime.exporter import CONTENT_TYPE, render_service
 from mariana.services.runtime.report import dumps
+from mariana.services.sample_cache import refusal
 from mariana.sparse.errors import ConfigError, MarianaError
 from mariana.trainer import checkpoint
 
@@ -118,6 +119,11 @@ class CoordinatorAPI:
         try:
             info = await asyncio.wait_for(self.coord.cache.redis.info(), 1.0)
         except (asyncio.TimeoutError, OSError, RedisError) as e:
+            if isinstance(e, NoPermissionError) and "'info'" in str(e):  # answering: jobs need no INFO
+                return {"up": True, "error": f"no figures: {e}"}
+            why = refusal(e, self.coord.cfg.redis.url)  # a wrong db, credentials, an ACL: jobs fail, not wait
+            if why is not None:
+                return {"up": False, "refused": True, "error": why}
             return {"up": False, "error": str(e) or type(e).__name__}
         hits, misses = info.get("keyspace_hits", 0), info.get("keyspace_misses", 0)
         return {"up": True, "hits": hits, "misses": misses,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.parse
 from collections import Counter
 from typing import Awaitable, Callable, TypeVar
 
@@ -56,10 +57,12 @@ OUTAGE = (RedisConnectionError, RedisTimeout, BusyLoadingError, TryAgainError, C
 AUTH = (AuthenticationError, AuthorizationError, AuthenticationWrongNumberOfArgsError)
 
 
-def refusal(e: BaseException) -> str | None:
+def refusal(e: BaseException, url: str = "redis://x:y@h") -> str | None:
     """What Redis refused and what to do, for an error that waiting does not cure; None for
     an outage (OUTAGE) or an error that is not Redis's answer. Credentials come first: redis-py
-    counts a refused password as a ConnectionError.
+    counts a refused password as a ConnectionError. `url`: redis.url, to say whether it gives a
+    password (a password set on the Redis later was "refused the credentials in redis.url",
+    whose url had none).
 
     >>> refusal(OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")).split(":")[0]
     'refused a write'
@@ -67,12 +70,15 @@ def refusal(e: BaseException) -> str | None:
     'refused the credentials in redis.url'
     >>> refusal(ResponseError("NOAUTH Authentication required.")).split(":")[0]
     'refused the credentials in redis.url'
+    >>> refusal(ResponseError("NOAUTH Authentication required."), "redis://h:6379/0").split(":")[0]
+    'requires a password, and redis.url gives none'
     >>> refusal(RedisConnectionError("Connection refused")) is None
     True
     """
     if isinstance(e, AUTH) or (isinstance(e, ResponseError) and str(e).startswith(("NOAUTH", "WRONGPASS"))):
-        return (f"refused the credentials in redis.url: {e} (give the user and password it expects: "
-                "redis://USER:PASSWORD@HOST:PORT/DB)")
+        said = ("refused the credentials in redis.url" if urllib.parse.urlsplit(url).password is not None
+                else "requires a password, and redis.url gives none")
+        return f"{said}: {e} (give the user and password it expects: redis://USER:PASSWORD@HOST:PORT/DB)"
     if isinstance(e, NoPermissionError):
         return f"does not let the user in redis.url run a command: {e} (grant it with ACL SETUSER)"
     if isinstance(e, OutOfMemoryError):
@@ -126,7 +132,7 @@ class SampleCache:
                     log.info("redis is back after %.1fs (%s)", time.monotonic() - t_down, what)
                 return result
             except (RedisError, OSError) as e:
-                if (why := refusal(e)) is not None:
+                if (why := refusal(e, self.cfg.redis.url)) is not None:
                     self.counters["redis_refused"] += 1
                     raise CacheRefused(f"{what}: the sample cache's Redis at {url} {why}") from None
                 if not isinstance(e, OUTAGE):
@@ -151,7 +157,7 @@ class SampleCache:
         except asyncio.TimeoutError:
             return f"no answer to PING in {timeout:g}s"
         except (RedisError, OSError) as e:
-            if (why := refusal(e)) is not None:
+            if (why := refusal(e, self.cfg.redis.url)) is not None:
                 raise CacheRefused(f"the sample cache's Redis at {redact(self.cfg.redis.url)} {why}") from None
             return str(e) or type(e).__name__
 

@@ -277,9 +277,29 @@ def test_a_cluster_whose_external_redis_does_not_answer_says_so_at_up_and_in_sta
         assert up.returncode == 0, up.stderr
         assert "the cluster is up, but its Redis does not answer (" in up.stderr, up.stderr
         shown = run_cli("status", "--dir", tmp_path / "c")
-        assert "redis: not answering (" in shown.stdout and "jobs cannot cache their samples" in shown.stdout
+        assert "redis: does not answer (" in shown.stdout and "jobs wait for it (redis.url)" in shown.stdout
     finally:
         run_cli("down", "--dir", tmp_path / "c")
+    # a Redis that answers, refusing (a db it does not have) or only INFO (an ACL): said as what it is. Both
+    # read "does not answer ... jobs wait for it", though jobs failed at once in the first, and ran in the second
+    with RedisServer("127.0.0.1", free_port(), str(tmp_path / "r")) as server:
+        server.wait_ready()
+        redis.Redis(port=server.port).execute_command("ACL", "SETUSER", "noinfo", "on", ">pw12345", "~*", "&*",
+                                                      "+@all", "-info")
+        for name, url, says in (("db", f"redis://127.0.0.1:{server.port}/99", "refused a command: DB index is out "
+                                 "of range: jobs fail until redis.url (or the Redis's ACL) is fixed"),
+                                ("acl", f"redis://noinfo:pw12345@127.0.0.1:{server.port}/0", None)):
+            config.write_text(f'[cluster]\ndir = "{tmp_path / name}"\n[redis]\nembedded = false\nurl = "{url}"\n')
+            try:
+                up = run_cli("up", "--config", config, "--ps", "1", "--workers", "1", "--preprocess", "1")
+                shown = run_cli("status", "--dir", tmp_path / name).stdout
+            finally:
+                run_cli("down", "--dir", tmp_path / name)
+            assert up.returncode == 0, up.stderr
+            if says:
+                assert f"the cluster is up, but its Redis {says}" in up.stderr and f"redis: {says}" in shown, shown
+            else:
+                assert "its Redis" not in up.stderr and "redis:" not in shown and "pw12345" not in shown, shown
     for bad, says in (("127.0.0.1:5701", "give the coordinator's address with its scheme, e.g. http://127.0.0.1:5701"),
                       ("http://127.0.0.1:99999", "the port is not in 0..65535")):  # was: "unreachable", exit 1
         assert error_line(run_cli("status", "--url", bad)) == f"mariana: error: --url {bad!r}: {says}"

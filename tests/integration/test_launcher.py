@@ -262,6 +262,8 @@ def test_a_hangup_during_the_start_stops_what_was_started(tmp_path):
     finally:
         if up.poll() is None:
             up.kill()
+        if (d / "cluster.json").exists():  # a failed test leaves no cluster running
+            run_cli("down", "--dir", d)
     assert up.returncode == 130 and "mariana: interrupted: stopped by SIGHUP" in err, (up.returncode, err[-2000:])
     assert not (d / "cluster.json").exists() and processes_naming(str(d)) == []
 

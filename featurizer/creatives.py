@@ -44,7 +44,7 @@ def load_creatives(path: str | os.PathLike) -> tuple[list[bytes], np.ndarray, di
         images = load_npy(d / IMAGES_FILE, IMAGES_FILE)  # its header checked first: a lying one was a MemoryError
     except FileNotFoundError as e:
         raise DataFormatError(f"{d}: missing {Path(e.filename).name}") from None
-    except (json.JSONDecodeError, ValueError, BadImage) as e:
+    except (ValueError, BadImage) as e:  # (JSONDecodeError is one)
         raise DataFormatError(f"{d}: unreadable creatives: {e}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("ids", []), list):
         raise DataFormatError(f"{d}: {META_FILE} must be a JSON object whose \"ids\" is a list of creative ids, "

@@ -26,7 +26,6 @@ import numpy as np
 from mariana.sparse.errors import DataFormatError
 from mariana.sparse.parse import open_binary
 
-
 # An MNIST-format set's two files in its directory (featurizer/image.py reads them,
 # featurizer/shapes.py writes them; here, so writing needs no torch).
 MNIST_IMAGES = "t10k-images-idx3-ubyte.gz"
@@ -47,7 +46,6 @@ def mnist_file(d: str | os.PathLike, name: str) -> Path | None:
         if p.is_file():
             return p
     return None
-
 
 
 UBYTE = 0x08

@@ -199,16 +199,17 @@ def _file_sizes(raw: bytes) -> bytes:
     """
     if raw[:4] != b"RIFF" or raw[8:12] != b"WAVE" or len(raw) - 8 > 0xFFFFFFFF:
         return raw
+    at = 12
+    while at + 8 <= len(raw) and raw[at:at + 4] != b"data":
+        size = int.from_bytes(raw[at + 4:at + 8], "little")
+        at += 8 + size + (size & 1)
+    unset = at + 8 <= len(raw) and int.from_bytes(raw[at + 4:at + 8], "little") in UNSET_SIZES
+    if not unset and int.from_bytes(raw[4:8], "little") == len(raw) - 8:
+        return raw  # (every request's wav, as a rule: no copy)
     out = bytearray(raw)
     out[4:8] = (len(raw) - 8).to_bytes(4, "little")
-    at = 12
-    while at + 8 <= len(out):
-        size = int.from_bytes(out[at + 4:at + 8], "little")
-        if out[at:at + 4] == b"data":
-            if size in UNSET_SIZES:
-                out[at + 4:at + 8] = ((len(out) - at - 8) & ~1).to_bytes(4, "little")  # whole samples
-            break
-        at += 8 + size + (size & 1)
+    if unset:
+        out[at + 4:at + 8] = ((len(raw) - at - 8) & ~1).to_bytes(4, "little")  # whole samples
     return bytes(out)
 
 

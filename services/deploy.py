@@ -350,7 +350,7 @@ def _commands(plan: Plan, cluster_toml: Path) -> list[str]:
     units = [f"{name}.service" for name in SINGLE if f"{name}.service" not in masked]
     for template, role in TEMPLATES:
         units += [f"{template}{i}.service" for i in range(cfg.count(role)) if f"{template}.service" not in masked]
-    units += [u for u in ("mariana-serve.service",) if u not in masked]
+    units += ["mariana-serve.service"] * ("mariana-serve.service" not in masked)
     etc = "/etc/mariana"
     return ["id -u mariana >/dev/null 2>&1 || useradd --system --home-dir /var/lib/mariana "
             "--shell /usr/sbin/nologin mariana",

@@ -57,12 +57,12 @@ OUTAGE = (RedisConnectionError, RedisTimeout, BusyLoadingError, TryAgainError, C
 AUTH = (AuthenticationError, AuthorizationError, AuthenticationWrongNumberOfArgsError)
 
 
-def refusal(e: BaseException, url: str = "redis://x:y@h") -> str | None:
+def refusal(e: BaseException, url: str | None = None) -> str | None:
     """What Redis refused and what to do, for an error that waiting does not cure; None for
     an outage (OUTAGE) or an error that is not Redis's answer. Credentials come first: redis-py
-    counts a refused password as a ConnectionError. `url`: redis.url, to say whether it gives a
-    password (a password set on the Redis later was "refused the credentials in redis.url",
-    whose url had none).
+    counts a refused password as a ConnectionError. `url`: redis.url, when known, to say whether
+    it gives a password (a password set on the Redis later was "refused the credentials in
+    redis.url", whose url had none).
 
     >>> refusal(OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")).split(":")[0]
     'refused a write'
@@ -76,8 +76,8 @@ def refusal(e: BaseException, url: str = "redis://x:y@h") -> str | None:
     True
     """
     if isinstance(e, AUTH) or (isinstance(e, ResponseError) and str(e).startswith(("NOAUTH", "WRONGPASS"))):
-        said = ("refused the credentials in redis.url" if urllib.parse.urlsplit(url).password is not None
-                else "requires a password, and redis.url gives none")
+        said = ("requires a password, and redis.url gives none" if url and urllib.parse.urlsplit(url).password is None
+                else "refused the credentials in redis.url")
         return f"{said}: {e} (give the user and password it expects: redis://USER:PASSWORD@HOST:PORT/DB)"
     if isinstance(e, NoPermissionError):
         return f"does not let the user in redis.url run a command: {e} (grant it with ACL SETUSER)"

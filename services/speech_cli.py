@@ -119,8 +119,8 @@ def _check_unseen(test: list, utterances: list, split: str, trained: dict, archi
     archive holds them (a subset of the archive, or the same one uncompressed, passed the
     check when it compared the archives' sha256); a version from before the list, only in
     the archive it was trained from."""
-    from mariana.sparse.files import file_sha256
     from mariana.featurizer.speech import split_utterances
+    from mariana.sparse.files import file_sha256
 
     own = trained.get("split")
     if not own or own == split:

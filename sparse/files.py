@@ -127,9 +127,10 @@ def manifest_sha256(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()  # are text
 
 
-def digests(manifest: dict, vdir: str | os.PathLike, files: tuple[str, ...]) -> dict:
-    """The DIGESTS a version records when it is written: its manifest's and each of `files`'."""
-    return {"manifest": manifest_sha256(manifest), **{f: file_sha256(os.path.join(vdir, f)) for f in files}}
+def file_digests(vdir: str | os.PathLike, files: tuple[str, ...]) -> dict:
+    """Each of `files`' sha256: with the manifest's (`manifest_sha256`), the DIGESTS a version
+    records when it is written."""
+    return {f: file_sha256(os.path.join(vdir, f)) for f in files}
 
 
 def check_digests(vdir: str | os.PathLike, manifest: dict, files: tuple[str, ...]) -> None:

@@ -77,13 +77,13 @@ def reseal(vdir: Path) -> None:
     """Record a version's manifest and files as they are now (`sparse.files.digests`): a test
     that damages a version on purpose to reach a check behind the digests (shapes, values)
     makes it look written so, as a writer with a bug would leave it."""
-    from mariana.sparse.files import DIGESTS, digests
+    from mariana.sparse.files import DIGESTS, file_digests, manifest_sha256
 
     path = Path(vdir) / "manifest.json"
     manifest = json.loads(path.read_text())
     if isinstance(manifest, dict):
         files = tuple(f for f in ("weights.safetensors", "optimizer.safetensors") if (Path(vdir) / f).is_file())
-        manifest[DIGESTS] = digests(manifest, vdir, files)
+        manifest[DIGESTS] = {**file_digests(vdir, files), "manifest": manifest_sha256(manifest)}
         path.write_text(json.dumps(manifest))
 
 

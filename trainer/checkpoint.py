@@ -42,7 +42,7 @@ from safetensors.numpy import load_file, save_file
 
 from mariana.sparse import finite
 from mariana.sparse.errors import ModelDirError
-from mariana.sparse.files import DIGESTS, DISK_FULL, check_digests, digests, loads_json, why
+from mariana.sparse.files import DIGESTS, DISK_FULL, check_digests, file_digests, loads_json, manifest_sha256, why
 
 log = logging.getLogger(__name__)
 
@@ -650,13 +650,13 @@ def save_version(model_dir: str | os.PathLike, manifest: dict, weights: dict[str
         save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(tmp / WEIGHTS))
         if optimizer:
             save_file({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, str(tmp / OPTIMIZER))
-        files = (WEIGHTS, OPTIMIZER) if optimizer else (WEIGHTS,)
+        written = file_digests(tmp, (WEIGHTS, OPTIMIZER) if optimizer else (WEIGHTS,))  # once, whatever the name
         lock.enter_context(_locked(d))
         version = ""
         while True:  # each turn a higher name: one taken meanwhile (a file, a writer elsewhere) is passed over
             version = _new_name(d, after=version)
             body = dict(manifest, format=FORMAT, version=version)
-            body[DIGESTS] = digests(body, tmp, files)
+            body[DIGESTS] = {**written, "manifest": manifest_sha256(body)}
             (tmp / MANIFEST).write_text(json.dumps(body, indent=2, sort_keys=True))
             if publish_dir(tmp, d / version):  # False: another writer took the name
                 break

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import save_file
 
 from mariana.featurizer.image import (FORMAT, MANIFEST, SPLIT_SEED, TEST_IMAGES, WEIGHTS, ImageFeaturizer, ImageSet,
-                              file_sha256, pixel_stats, split_indices, to_input)
+                              pixel_stats, split_indices, to_input)
 from mariana.sparse.errors import MarianaError
-from mariana.sparse.files import loads_json
+from mariana.sparse.files import file_sha256, loads_json
 from mariana.trainer.checkpoint import publish_dir
 from mariana.trainer.dense import DenseProgress, evaluate_dense, loss_fn, tensor_batches, train_dense
 from mariana.trainer.models.image_cnn import ImageCNN, ImageCNNConfig, frozen_ops

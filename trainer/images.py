@@ -18,7 +18,7 @@ the bytes it holds, a JPEG of more than MAX_JPEG_SCANS scans, a file of another
 kind, one over MAX_FILE_BYTES, which is not read; a directory, FIFO or dangling
 symlink) is corrupt: counted, named in the log and the record, and left out, so
 rows naming it get the unknown-creative fallback. An id is its file name's bytes,
-UTF-8 or not (shown escaped in messages: featurizer.image.printable).
+UTF-8 or not (shown escaped in messages: featurizer.idx.printable).
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def read_upload(p: Path):
     """One upload's image as stack_images takes it (784 raw bytes, an array, or decoded from an
     image file), or BadImage naming the file and why. What is not a regular file (a directory,
     a FIFO, a symlink to nothing) and a file over MAX_FILE_BYTES are refused unread; a .npy whose header
-    promises other than the bytes it holds is refused before its array is made (featurizer.image.load_npy)."""
+    promises other than the bytes it holds is refused before its array is made (featurizer.idx.load_npy)."""
     name = printable(p.name)  # a name that is not UTF-8 is shown escaped, never a UnicodeEncodeError
     if not p.is_file():
         raise BadImage(f"{name}: {_not_a_file(p)}; an upload is one image file")

@@ -5,6 +5,7 @@ Real processes and a real redis-server (tests/integration/cluster.py)."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -200,6 +201,8 @@ def test_a_client_whose_cluster_is_taken_down_says_so_at_once(data, tmp_path):
         while "submitted" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "submitted" in log.read_text(), log.read_text()[-3000:]
+        while not re.search(r"\([1-9]\d* batches ready", log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)  # preprocess's reports held (on a loaded host, a down before any chunk held none)
         launcher.down(str(c.root), timeout=30.0)
         t0 = time.monotonic()
         code = proc.wait(60)
